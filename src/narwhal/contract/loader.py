@@ -1,0 +1,320 @@
+"""Reading a fleet contract and explaining, in one line, why one is wrong.
+
+``load_fleet`` is the only function in ``narwhal.contract`` that touches a file; it reads the
+bytes and hands the parsed document to ``parse_fleet``, which is pure and which tests and
+other code call directly with a dict. Every failure is a ``ContractError`` whose ``str`` is a
+single line ``<source>: <path>: <reason>`` that a CLI prints before exiting with status 2:
+operators read these, so they name the document position and say what was expected instead
+of dumping a pydantic report or a traceback.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from narwhal.contract.hashing import sha256_hex
+from narwhal.contract.models import (
+    CONSISTENCY_ERROR,
+    CUSTOM_ERROR,
+    PAIRS_TYPE_ERROR,
+    PAIRS_UNION_TAGS,
+    ConsistencyIssue,
+    FleetContract,
+    Loc,
+    format_loc,
+)
+
+__all__ = ["ContractError", "LoadedFleet", "load_fleet", "parse_fleet"]
+
+_PAIRS_EXPECTED = "expected 'all' or a list of transfer pairs"
+_CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _one_line(text: str) -> str:
+    # Keys and values come from the file; a newline in one must not split the message.
+    return _CONTROL_CHARS.sub(lambda m: repr(m.group())[1:-1], text)
+
+
+class ContractError(Exception):
+    """A fleet document that cannot be used; ``str()`` is one line for a CLI to print.
+
+    ``path`` is the document position of the first problem (``""`` for the document as a
+    whole); ``reason`` says what is wrong with it and, when there are several problems, ends
+    with ``(and N more problems)``. ``problems`` holds every ``(path, reason)`` found.
+    """
+
+    def __init__(
+        self,
+        source: str,
+        path: str,
+        reason: str,
+        problems: Sequence[tuple[str, str]] = (),
+    ) -> None:
+        self.source = _one_line(source)
+        self.path = _one_line(path)
+        self.reason = _one_line(reason)
+        self.problems: tuple[tuple[str, str], ...] = tuple(
+            (_one_line(p), _one_line(r)) for p, r in problems
+        ) or ((self.path, self.reason),)
+        super().__init__(source, path, reason)
+
+    def __str__(self) -> str:
+        if self.path:
+            return f"{self.source}: {self.path}: {self.reason}"
+        return f"{self.source}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class LoadedFleet:
+    """A validated contract with its identity.
+
+    ``sha256`` is the hash of the canonical form of ``raw``, the document as written, so it
+    does not move when the code gains a defaulted field. ``raw`` is a private copy; do not
+    mutate it.
+    """
+
+    contract: FleetContract
+    sha256: str
+    path: Path
+    raw: dict[str, Any]
+
+
+def load_fleet(path: str | os.PathLike[str]) -> LoadedFleet:
+    """Read, parse and validate the fleet contract at ``path``; ContractError on any problem."""
+    source = os.fspath(path)
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ContractError(source, "", f"cannot read: {exc.strerror or exc}") from None
+    raw = _parse_json(data, source)
+    return parse_fleet(raw, source, path=Path(path))
+
+
+def parse_fleet(raw: Any, source: str = "<fleet>", *, path: Path | None = None) -> LoadedFleet:
+    """Validate an already-parsed fleet document. Pure.
+
+    ``source`` names the document in error messages; ``path`` (default ``Path(source)``) is
+    recorded in the result.
+    """
+    if not isinstance(raw, dict):
+        raise ContractError(source, "", f"top level must be a JSON object (got {_describe(raw)})")
+    # Our own copy: the hash must keep describing the document even if the caller's dict
+    # changes later.
+    raw = copy.deepcopy(raw)
+    try:
+        contract = FleetContract.model_validate(raw)
+    except ValidationError as exc:
+        problems = _problems(raw, exc.errors())
+        raise _error_from(source, problems) from None
+    try:
+        digest = sha256_hex(raw)
+    except (TypeError, ValueError) as exc:
+        # Only reachable from code handing us non-JSON values in places the models ignore.
+        raise ContractError(source, "", f"not a JSON document: {exc}") from None
+    return LoadedFleet(
+        contract=contract,
+        sha256=digest,
+        path=path if path is not None else Path(source),
+        raw=raw,
+    )
+
+
+class _DuplicateKeyError(Exception):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+class _NonFiniteError(Exception):
+    def __init__(self, token: str) -> None:
+        super().__init__(token)
+        self.token = token
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json.loads keeps the last of two equal keys without a word; in a contract the first
+    # would be silently ignored and the hash would not show it, so refuse.
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKeyError(key)
+        out[key] = value
+    return out
+
+
+def _reject_constant(token: str) -> Any:
+    raise _NonFiniteError(token)
+
+
+def _parse_json(data: bytes, source: str) -> Any:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ContractError(source, "", f"not UTF-8 (byte {exc.start}: {exc.reason})") from None
+    try:
+        return json.loads(
+            text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant
+        )
+    except json.JSONDecodeError as exc:
+        raise ContractError(
+            source, "", f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
+        ) from None
+    except _DuplicateKeyError as exc:
+        raise ContractError(source, "", f"invalid JSON: duplicate key {exc.key!r}") from None
+    except _NonFiniteError as exc:
+        raise ContractError(source, "", f"invalid JSON: {exc.token} is not a number") from None
+    except RecursionError:
+        raise ContractError(source, "", "invalid JSON: nested too deeply") from None
+
+
+def _error_from(source: str, problems: list[tuple[Loc, str]]) -> ContractError:
+    formatted = [(format_loc(loc), reason) for loc, reason in problems]
+    path, reason = formatted[0]
+    more = len(formatted) - 1
+    if more:
+        reason += f" (and {more} more problem{'s' if more > 1 else ''})"
+    return ContractError(source, path, reason, formatted)
+
+
+def _problems(raw: Mapping[str, Any], errors: Iterable[Mapping[str, Any]]) -> list[tuple[Loc, str]]:
+    """Pydantic errors as (document path, reason), in document order."""
+    found: list[tuple[Loc, str]] = []
+    for err in errors:
+        if err["type"] == CONSISTENCY_ERROR:
+            issues: Sequence[ConsistencyIssue] = err["ctx"]["issues"]
+            found.extend((issue.loc, issue.reason) for issue in issues)
+            continue
+        loc, tag = _strip_union_tag(tuple(err["loc"]))
+        if tag == "all" and err["type"] == "literal_error":
+            reason = f"{_PAIRS_EXPECTED} (got {_describe(err.get('input'))})"
+        else:
+            reason = _reason(err)
+        found.append((loc, reason))
+    # Python's sort is stable: equal positions keep pydantic's (field definition) order.
+    return sorted(found, key=lambda item: _document_position(raw, item[0]))
+
+
+def _strip_union_tag(loc: Loc) -> tuple[Loc, str | None]:
+    # kv_transfer_pairs is a tagged union; pydantic names the branch in the error path
+    # ("kv_transfer_pairs.pairs[0].decode"), which is not a place in the document.
+    if len(loc) >= 2 and loc[0] == "kv_transfer_pairs" and loc[1] in PAIRS_UNION_TAGS:
+        return (loc[0], *loc[2:]), str(loc[1])
+    return loc, None
+
+
+def _document_position(raw: Any, loc: Loc) -> tuple[int, ...]:
+    """Sort key placing ``loc`` where it appears in the document.
+
+    Keys absent from the document (missing fields) sort after the keys that are present in
+    the same object.
+    """
+    key: list[int] = []
+    node: Any = raw
+    for part in loc:
+        if isinstance(node, dict) and isinstance(part, str) and part in node:
+            key.append(list(node).index(part))
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            key.append(part)
+            node = node[part]
+        else:
+            key.append(len(node) if isinstance(node, dict | list) else 0)
+            node = None
+    return tuple(key)
+
+
+_TYPE_WORDS = {
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "string_type": "a string",
+    "bool_type": "a boolean",
+    "bool_parsing": "a boolean",
+    "list_type": "a list",
+    "tuple_type": "a list",
+    "dict_type": "an object",
+    "model_type": "an object",
+    "model_attributes_type": "an object",
+    "none_required": "null",
+}
+
+_BOUND_WORDS = {
+    "greater_than": ("gt", "greater than"),
+    "greater_than_equal": ("ge", "greater than or equal to"),
+    "less_than": ("lt", "less than"),
+    "less_than_equal": ("le", "less than or equal to"),
+}
+
+
+def _reason(err: Mapping[str, Any]) -> str:
+    kind: str = err["type"]
+    ctx: Mapping[str, Any] = err.get("ctx") or {}
+    got = _describe(err.get("input"))
+    if kind == CUSTOM_ERROR:
+        return str(ctx.get("message", err["msg"]))
+    if kind == "missing":
+        return "required field is missing"
+    if kind == "extra_forbidden":
+        return "unknown field"
+    if kind == PAIRS_TYPE_ERROR:
+        return f"{_PAIRS_EXPECTED} (got {got})"
+    if kind == "literal_error":
+        # ctx["expected"] is pydantic's rendering, e.g. "'prefill' or 'decode'".
+        values = re.findall(r"'([^']*)'", str(ctx.get("expected", ""))) or [
+            str(ctx.get("expected", "?"))
+        ]
+        if len(values) == 1:
+            return f"must be {values[0]} (got {got})"
+        return f"{got} is not one of {', '.join(values)}"
+    if kind in _TYPE_WORDS:
+        return f"expected {_TYPE_WORDS[kind]} (got {got})"
+    if kind in _BOUND_WORDS:
+        ctx_key, words = _BOUND_WORDS[kind]
+        return f"must be {words} {_bound(ctx.get(ctx_key))} (got {got})"
+    if kind == "finite_number":
+        return f"must be a finite number (got {got})"
+    if kind in ("string_too_short", "too_short"):
+        minimum = ctx.get("min_length", 1)
+        if minimum == 1:
+            return "must not be empty"
+        return f"must have at least {minimum} items (got {ctx.get('actual_length')})"
+    if kind in ("string_too_long", "too_long"):
+        return f"must have at most {ctx.get('max_length')} items (got {ctx.get('actual_length')})"
+    # Anything not anticipated above: pydantic's own words, minus its "Value error, " prefix.
+    msg = str(err.get("msg", kind)).removeprefix("Value error, ")
+    return msg[:1].lower() + msg[1:]
+
+
+def _bound(value: Any) -> str:
+    # Float fields hand pydantic a float limit; "greater than 0" reads better than "0.0".
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return repr(value)
+
+
+def _describe(value: Any) -> str:
+    """A short, one-line rendering of a document value for 'got ...'."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return repr(value if len(value) <= 60 else value[:57] + "...")
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list | tuple):
+        return "a list"
+    return type(value).__name__

@@ -1,0 +1,500 @@
+"""The simulated engine's core: continuous batching over a fixed KV block pool, the
+NixlConnector producer/consumer roles, and deterministic tokens, with no HTTP in sight.
+
+Each step advances every running sequence by one token and prefills up to
+``max_num_batched_tokens`` prompt tokens (chunked, first come first served), then sleeps for the
+step's modelled duration. A prefill leg (``do_remote_decode``) keeps its prompt's blocks after
+it finishes and hands out ``kv_transfer_params``; the blocks are freed when the reader's NIXL
+notification arrives or, if nobody pulls them, when the lease expires. A decode leg
+(``do_remote_prefill``) pulls those blocks over NIXL, verifies every byte against the prompt,
+and only then decodes: it never emits a token from KV it could not verify.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from narwhal.sim.faults import FaultSettings
+from narwhal.sim.generation import GenerationModel, KVLayout, prompt_digest
+from narwhal.sim.kv_blocks import BlockAllocator
+from narwhal.sim.kv_transfer import KVTransferAgent, KVTransferError
+from narwhal.sim.metrics import EngineMetrics
+from narwhal.sim.side_channel import PeerDirectory
+from narwhal.sim.timing import StepTiming
+
+__all__ = [
+    "EngineConfig",
+    "EngineCore",
+    "ErrorEvent",
+    "RemoteKV",
+    "RequestKind",
+    "SimRequest",
+    "TokenEvent",
+    "parse_kv_transfer_params",
+]
+
+log = logging.getLogger(__name__)
+
+CRASH_EXIT_CODE = 137
+
+
+class RequestKind(enum.Enum):
+    LOCAL = "local"
+    PRODUCER = "producer"  # prefill leg: do_remote_decode
+    CONSUMER = "consumer"  # decode leg: do_remote_prefill
+
+
+@dataclass(frozen=True)
+class RemoteKV:
+    engine_id: str
+    block_ids: tuple[int, ...]
+    request_id: str
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token; the last one also carries why the request finished."""
+
+    token: int
+    t: float
+    finish_reason: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    message: str
+    status: int = 500
+    type: str = "InternalServerError"
+
+
+Event = TokenEvent | ErrorEvent
+
+
+@dataclass(eq=False)
+class SimRequest:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    kind: RequestKind = RequestKind.LOCAL
+    remote: RemoteKV | None = None
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    digest: bytes = b""
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0
+    output: list[int] = field(default_factory=list)
+    arrival: float = 0.0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    aborted: bool = False
+    finished: bool = False
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    engine_id: str
+    served_model_name: str
+    max_model_len: int = 16384
+    block_size: int = 16
+    num_blocks: int = 4096
+    block_bytes: int = 16384
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    model_seed: int = 0
+    eos_prob: float = 0.0
+    kv_lease_s: float = 30.0
+    kv_read_timeout_s: float = 10.0
+    tp_size: int = 1
+    nixl_host: str = "127.0.0.1"
+    nixl_port: int = 5600
+    timing: StepTiming = field(default_factory=StepTiming)
+
+
+def parse_kv_transfer_params(params: Any) -> tuple[RemoteKV | None, str | None]:
+    """Read a decode leg's kv_transfer_params: (remote KV, None) or (None, why it is unusable)."""
+    if not isinstance(params, dict):
+        return None, "kv_transfer_params is not an object"
+    if params.get("do_remote_prefill") is not True:
+        return None, "do_remote_prefill is not true"
+    try:
+        engine_id = params["remote_engine_id"]
+        block_ids = params["remote_block_ids"]
+        request_id = params["remote_request_id"]
+        host = params["remote_host"]
+        port = params["remote_port"]
+    except KeyError as exc:
+        return None, f"missing {exc.args[0]}"
+    if (
+        not isinstance(engine_id, str)
+        or not isinstance(request_id, str)
+        or not isinstance(host, str)
+    ):
+        return None, "remote_engine_id, remote_request_id and remote_host must be strings"
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        return None, "remote_port must be a TCP port"
+    if not isinstance(block_ids, list) or not all(
+        isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in block_ids
+    ):
+        return None, "remote_block_ids must be a list of block ids"
+    return RemoteKV(engine_id, tuple(block_ids), request_id, host, port), None
+
+
+@dataclass
+class _Hold:
+    blocks: list[int]
+    expires_at: float
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        generation: GenerationModel,
+        metrics: EngineMetrics,
+        faults: FaultSettings,
+        kv_agent: KVTransferAgent,
+        peers: PeerDirectory,
+    ) -> None:
+        self.config = config
+        self.generation = generation
+        self.metrics = metrics
+        self.faults = faults
+        self.kv_agent = kv_agent
+        self.pool = kv_agent.pool
+        self.peers = peers
+        self.layout = KVLayout(generation.model_seed, config.block_size, config.block_bytes)
+        self.allocator = BlockAllocator(config.num_blocks)
+        self.waiting: deque[SimRequest] = deque()
+        self.loading: set[SimRequest] = set()
+        self.prefilling: list[SimRequest] = []
+        self.running: list[SimRequest] = []
+        self.holds: dict[str, _Hold] = {}
+        self._ids = itertools.count()
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    # --- public --------------------------------------------------------------------
+
+    def new_request_id(self, base: str) -> str:
+        # Unique per engine even when the router reuses one X-Request-Id for a retry.
+        return f"{base}-{next(self._ids)}"
+
+    def blocks_needed(self, request: SimRequest) -> int:
+        if request.kind is RequestKind.PRODUCER:
+            return self.layout.num_blocks(len(request.prompt))
+        return self.layout.num_blocks(len(request.prompt) + request.max_tokens)
+
+    def submit(self, request: SimRequest) -> None:
+        request.arrival = time.monotonic()
+        request.digest = prompt_digest(self.generation.model_seed, request.prompt)
+        self.waiting.append(request)
+        self._refresh_gauges()
+        self._wake.set()
+
+    def abort(self, request: SimRequest) -> None:
+        """The client went away: stop work and free blocks (a KV read in flight frees its own)."""
+        if request.finished or request.aborted:
+            return
+        request.aborted = True
+        if request in self.loading:
+            return  # the READ may still be writing into these blocks; _load_remote frees them
+        for queue in (self.prefilling, self.running):
+            if request in queue:
+                queue.remove(request)
+        self._free(request)
+        self.metrics.finished("abort").inc()
+        self._refresh_gauges()
+
+    def on_notification(self, message: bytes) -> None:
+        """A reader finished pulling a hold: free its blocks."""
+        request_id = message.decode("utf-8", errors="replace")
+        hold = self.holds.pop(request_id, None)
+        if hold is None:
+            log.debug("notification for unknown hold %s", request_id)
+            return
+        self.allocator.free(hold.blocks)
+        self._holds_changed()
+        self._wake.set()
+
+    def start(self) -> None:
+        self._spawn(self._step_loop())
+        self._spawn(self._lease_loop())
+
+    async def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + len(self.prefilling)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.loading)
+
+    # --- the step loop ---------------------------------------------------------------
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("engine task failed", exc_info=task.exception())
+
+    async def _step_loop(self) -> None:
+        timing = self.config.timing
+        while not self._closed:
+            self._admit()
+            decodes = list(self.running)
+            budget = self.config.max_num_batched_tokens - len(decodes)
+            chunks: list[tuple[SimRequest, int]] = []
+            for request in self.prefilling:
+                if budget <= 0:
+                    break
+                n = min(len(request.prompt) - request.computed, budget)
+                chunks.append((request, n))
+                budget -= n
+            if not decodes and not chunks:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if chunks and self.faults.crash_on_prefill:
+                log.warning("fault injection: crashing on prefill")
+                os._exit(CRASH_EXIT_CODE)
+            model_s = 0.0
+            if decodes:
+                context = sum(len(r.prompt) + len(r.output) for r in decodes) / len(decodes)
+                model_s += timing.decode_step_s(len(decodes), context)
+            if chunks:
+                model_s += timing.prefill_a + sum(
+                    timing.prefill_chunk_s(r.computed, n) - timing.prefill_a for r, n in chunks
+                )
+            await asyncio.sleep(timing.wall(model_s) * self.faults.slowdown)
+            now = time.monotonic()
+            for request in decodes:
+                if not request.aborted and not request.finished:
+                    self._emit_token(request, now)
+            for request, n in chunks:
+                if request.aborted:
+                    continue
+                request.computed += n
+                self.metrics.get(self.metrics.prompt_tokens).inc(n)
+                if request.computed >= len(request.prompt):
+                    self.prefilling.remove(request)
+                    self._prefill_done(request, now)
+            self._refresh_gauges()
+
+    def _admit(self) -> None:
+        while self.waiting:
+            request = self.waiting[0]
+            if request.aborted:
+                self.waiting.popleft()
+                continue
+            active = len(self.running) + len(self.prefilling) + len(self.loading)
+            if active >= self.config.max_num_seqs:
+                break
+            blocks = self.allocator.allocate(self.blocks_needed(request))
+            if blocks is None:
+                break
+            self.waiting.popleft()
+            request.blocks = blocks
+            if request.kind is RequestKind.CONSUMER:
+                self.loading.add(request)
+                self._spawn(self._load_remote(request))
+            else:
+                self.prefilling.append(request)
+        self._refresh_gauges()
+
+    def _prefill_done(self, request: SimRequest, now: float) -> None:
+        if request.kind is RequestKind.PRODUCER:
+            n = self.layout.num_blocks(len(request.prompt))
+            self.pool[request.blocks[:n]] = self.layout.block_contents(request.prompt)
+        self.running.append(request)
+        self._emit_token(request, now)
+
+    def _emit_token(self, request: SimRequest, now: float) -> None:
+        position = len(request.output)
+        token = self.generation.token_at(request.digest, position)
+        eos = token == self.generation.vocab.eos_id
+        if eos and (request.ignore_eos or position < request.min_tokens):
+            # As vLLM masks EOS below min_tokens (and ignore_eos never stops), pick a word.
+            token = (
+                self.generation.vocab.first_word_id
+                + (int.from_bytes(request.digest[:8], "little") + position)
+                % self.generation.vocab.num_words
+            )
+            eos = False
+        request.output.append(token)
+        metrics = self.metrics
+        metrics.get(metrics.generation_tokens).inc()
+        if request.first_token_at is None:
+            request.first_token_at = now
+            metrics.get(metrics.ttft).observe(now - request.arrival)
+        elif request.last_token_at is not None:
+            metrics.get(metrics.itl).observe(now - request.last_token_at)
+        request.last_token_at = now
+        reason = "stop" if eos else "length" if len(request.output) >= request.max_tokens else None
+        params = self._finish(request, reason) if reason is not None else None
+        request.events.put_nowait(TokenEvent(token, now, reason, params))
+
+    def _finish(self, request: SimRequest, reason: str) -> dict[str, Any] | None:
+        request.finished = True
+        if request in self.running:
+            self.running.remove(request)
+        params = None
+        if request.kind is RequestKind.PRODUCER and reason == "length" and request.blocks:
+            n = self.layout.num_blocks(len(request.prompt))
+            held, rest = request.blocks[:n], request.blocks[n:]
+            self.allocator.free(rest)
+            request.blocks = []
+            self.holds[request.request_id] = _Hold(held, time.monotonic() + self.config.kv_lease_s)
+            self._holds_changed()
+            params = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_block_ids": held,
+                "remote_engine_id": self.config.engine_id,
+                "remote_request_id": request.request_id,
+                "remote_host": self.config.nixl_host,
+                "remote_port": self.config.nixl_port,
+                "tp_size": self.config.tp_size,
+                "remote_num_tokens": len(request.prompt),
+            }
+        else:
+            self._free(request)
+        self.metrics.finished(reason).inc()
+        self.metrics.get(self.metrics.e2e).observe(time.monotonic() - request.arrival)
+        self._wake.set()
+        return params
+
+    def _free(self, request: SimRequest) -> None:
+        if request.blocks:
+            self.allocator.free(request.blocks)
+            request.blocks = []
+            self._wake.set()
+
+    # --- the decode leg's KV pull -------------------------------------------------------
+
+    async def _load_remote(self, request: SimRequest) -> None:
+        remote = request.remote
+        assert remote is not None
+        metrics = self.metrics
+        try:
+            result_bytes, seconds = await self._pull(request, remote)
+        except KVTransferError as exc:
+            metrics.get(metrics.nixl_failed_transfers).inc()
+            self.peers.invalidate(remote.host, remote.port)
+            log.warning("request %s: %s", request.request_id, exc)
+            self.loading.discard(request)
+            self._free(request)
+            if not request.aborted:
+                request.finished = True
+                metrics.finished("error").inc()
+                request.events.put_nowait(ErrorEvent(f"KV transfer failed: {exc}"))
+            self._refresh_gauges()
+            return
+        metrics.get(metrics.nixl_xfer_time).observe(seconds)
+        metrics.get(metrics.nixl_bytes).observe(result_bytes)
+        metrics.get(metrics.nixl_descriptors).observe(len(remote.block_ids))
+        self.loading.discard(request)
+        if request.aborted:
+            self._free(request)
+            self._refresh_gauges()
+            return
+        request.computed = len(request.prompt)
+        self.running.append(request)
+        self._refresh_gauges()
+        self._wake.set()
+
+    async def _pull(self, request: SimRequest, remote: RemoteKV) -> tuple[int, float]:
+        timeout = self.config.kv_read_timeout_s
+        if self.faults.crash_on_kv_read:
+            log.warning("fault injection: crashing on KV read")
+            os._exit(CRASH_EXIT_CODE)
+        if self.faults.hang_kv_read_s > 0:
+            stall = self.faults.hang_kv_read_s
+            await asyncio.sleep(min(stall, timeout))
+            if stall >= timeout:
+                raise KVTransferError(f"READ from {remote.engine_id} stalled past {timeout} s")
+        n = self.layout.num_blocks(len(request.prompt))
+        if len(remote.block_ids) != n:
+            raise KVTransferError(
+                f"{len(remote.block_ids)} remote blocks for a {len(request.prompt)}-token prompt"
+                f" (expected {n})"
+            )
+        try:
+            peer = await asyncio.wait_for(self.peers.lookup(remote.host, remote.port), timeout)
+        except (OSError, TimeoutError, ValueError) as exc:
+            why = str(exc) or type(exc).__name__
+            raise KVTransferError(
+                f"NIXL side channel {remote.host}:{remote.port} unreachable: {why}"
+            ) from exc
+        if peer.engine_id != remote.engine_id:
+            raise KVTransferError(
+                f"side channel {remote.host}:{remote.port} is engine {peer.engine_id!r},"
+                f" not {remote.engine_id!r}"
+            )
+        local = request.blocks[:n]
+        result = await self.kv_agent.read(
+            peer, remote.block_ids, local, remote.request_id.encode(), timeout
+        )
+        expected = self.layout.block_contents(request.prompt)
+        if not np.array_equal(self.pool[local], expected):
+            self.metrics.get(self.metrics.kv_verify_failures).inc()
+            raise KVTransferError(
+                f"pulled KV from {remote.engine_id} does not match the prompt"
+                " (blocks freed or overwritten before the read)"
+            )
+        return result.num_bytes, result.seconds
+
+    # --- holds -------------------------------------------------------------------------
+
+    async def _lease_loop(self) -> None:
+        period = min(1.0, self.config.kv_lease_s / 4)
+        while not self._closed:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            expired = [rid for rid, hold in self.holds.items() if hold.expires_at <= now]
+            for rid in expired:
+                hold = self.holds.pop(rid)
+                # Zero them: a reader that comes late must fail verification, not decode garbage.
+                self.pool[hold.blocks] = 0
+                self.allocator.free(hold.blocks)
+                self.metrics.get(self.metrics.nixl_kv_expired).inc()
+                log.warning("KV hold %s expired after %.1f s unpulled", rid, self.config.kv_lease_s)
+            if expired:
+                self._holds_changed()
+                self._refresh_gauges()
+                self._wake.set()
+
+    def _holds_changed(self) -> None:
+        self.kv_agent.set_outstanding_holds(len(self.holds))
+        self.metrics.get(self.metrics.kv_holds).set(len(self.holds))
+
+    def _refresh_gauges(self) -> None:
+        m = self.metrics
+        m.get(m.num_requests_running).set(self.num_running)
+        m.get(m.num_requests_waiting).set(self.num_waiting)
+        m.get(m.kv_cache_usage_perc).set(self.allocator.usage)

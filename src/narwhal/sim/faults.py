@@ -1,0 +1,56 @@
+"""Fault injection for the simulated engine: set from CLI flags at start and changed at run time
+through the guarded admin endpoint. Each field says what it breaks."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["FaultSettings", "FaultUpdate"]
+
+MetricsFault = Literal["ok", "lie", "stop", "hang"]
+
+
+class FaultSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # Answer the next N generation requests with `fail_status` before doing any work.
+    fail_next: int = Field(0, ge=0)
+    fail_status: int = Field(503, ge=500, le=599)
+    # Exit the process (as a crash: no cleanup, exit code 137) at the named moment.
+    crash_on_prefill: bool = False  # when the next prompt starts computing
+    crash_on_kv_read: bool = False  # when a decode leg is about to pull remote KV
+    crash_after_tokens: int | None = Field(None, ge=1)  # once a stream has sent this many
+    # A decode leg's KV READ stalls this long before it is posted (bounded by the read timeout).
+    hang_kv_read_s: float = Field(0.0, ge=0)
+    # The first token of each request is held back this long (wall seconds).
+    stall_first_token_s: float = Field(0.0, ge=0)
+    # Multiplies every step time: 10 makes the engine ten times slower.
+    slowdown: float = Field(1.0, gt=0)
+    # Streams drop their connection (no terminating chunk) after this many tokens.
+    drop_stream_after_tokens: int | None = Field(None, ge=0)
+    # /metrics: "lie" reports an idle engine, "stop" answers 503, "hang" never answers.
+    metrics: MetricsFault = "ok"
+
+
+class FaultUpdate(BaseModel):
+    """A partial update; fields left out keep their value."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fail_next: int | None = Field(None, ge=0)
+    fail_status: int | None = Field(None, ge=500, le=599)
+    crash_now: bool = False
+    crash_on_prefill: bool | None = None
+    crash_on_kv_read: bool | None = None
+    crash_after_tokens: int | None = Field(None, ge=1)
+    hang_kv_read_s: float | None = Field(None, ge=0)
+    stall_first_token_s: float | None = Field(None, ge=0)
+    slowdown: float | None = Field(None, gt=0)
+    drop_stream_after_tokens: int | None = Field(None, ge=0)
+    metrics: MetricsFault | None = None
+
+    def apply(self, settings: FaultSettings) -> None:
+        for name, value in self.model_dump(exclude_unset=True, exclude={"crash_now"}).items():
+            setattr(settings, name, value)

@@ -1,0 +1,285 @@
+"""vLLM's OpenAI-compatible request fields and response shapes, as the simulator speaks them.
+
+Parsing is strict about what the simulator cannot do (``n > 1``, batched prompts, ``echo``) and
+lenient about sampling knobs that do not change a deterministic simulation (temperature, top_p,
+seed, ...), as an engine serving greedy requests would be.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from narwhal.sim.vocab import ChatTemplateError, Vocabulary, render_chat
+
+__all__ = ["GenerationParams", "ProtocolError", "ResponseBuilder", "error_body", "parse_generation"]
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+class ProtocolError(Exception):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        type_: str = "BadRequestError",
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.type = type_
+
+
+def error_body(message: str, type_: str, status: int, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": status}}
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    chat: bool
+    prompt: list[int]
+    max_tokens: int
+    min_tokens: int
+    ignore_eos: bool
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    return_token_ids: bool
+    kv_transfer_params: Any
+
+
+def _int_field(body: dict[str, Any], name: str, minimum: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ProtocolError(f"{name} must be an integer", param=name)
+    if value < minimum:
+        raise ProtocolError(f"{name} must be at least {minimum}, got {value}", param=name)
+    return value
+
+
+def _bool_field(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ProtocolError(f"{name} must be a boolean", param=name)
+    return value
+
+
+def _prompt_tokens(body: dict[str, Any], vocab: Vocabulary, chat: bool) -> list[int]:
+    if chat:
+        try:
+            return vocab.encode(render_chat(body.get("messages")))
+        except ChatTemplateError as exc:
+            raise ProtocolError(str(exc), param="messages") from exc
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return vocab.encode(prompt)
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        bad = vocab.check_ids(prompt)
+        if bad is not None:
+            raise ProtocolError(f"Token id {bad} is out of vocabulary", param="prompt")
+        return list(prompt)
+    if (
+        isinstance(prompt, list)
+        and len(prompt) > 1
+        and all(isinstance(p, str | list) for p in prompt)
+    ):
+        raise ProtocolError("batched prompts are not supported by the simulator", param="prompt")
+    raise ProtocolError("prompt must be a string or a non-empty list of token ids", param="prompt")
+
+
+def parse_generation(
+    body: Any, vocab: Vocabulary, chat: bool, max_model_len: int
+) -> GenerationParams:
+    if not isinstance(body, dict):
+        raise ProtocolError("request body must be a JSON object")
+    n = body.get("n", 1)
+    if n not in (None, 1):
+        raise ProtocolError("n > 1 is not supported", param="n")
+    if body.get("best_of") not in (None, 1):
+        raise ProtocolError("best_of is not supported", param="best_of")
+    if body.get("echo"):
+        raise ProtocolError("echo is not supported by the simulator", param="echo")
+    prompt = _prompt_tokens(body, vocab, chat)
+    max_tokens = _int_field(body, "max_tokens", 1)
+    if chat:
+        completion_cap = _int_field(body, "max_completion_tokens", 1)
+        if completion_cap is not None:
+            max_tokens = completion_cap
+    if max_tokens is None:
+        max_tokens = max_model_len - len(prompt) if chat else DEFAULT_COMPLETION_MAX_TOKENS
+    if len(prompt) + max_tokens > max_model_len:
+        raise ProtocolError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested"
+            f" {len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, {max_tokens} in"
+            " the completion). Please reduce the length of the messages or completion.",
+            param="max_tokens" if len(prompt) < max_model_len else "prompt",
+        )
+    min_tokens = _int_field(body, "min_tokens", 0) or 0
+    if chat:
+        min_tokens = _int_field(body, "min_completion_tokens", 0) or min_tokens
+    if min_tokens > max_tokens:
+        raise ProtocolError(
+            "min_tokens must be less than or equal to max_tokens", param="min_tokens"
+        )
+    stream = _bool_field(body, "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ProtocolError("stream_options must be an object", param="stream_options")
+    if options and not stream:
+        raise ProtocolError(
+            "Stream options can only be defined when `stream=True`.", param="stream_options"
+        )
+    return GenerationParams(
+        chat=chat,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        ignore_eos=_bool_field(body, "ignore_eos"),
+        stream=stream,
+        include_usage=bool(options.get("include_usage")),
+        continuous_usage=bool(options.get("continuous_usage_stats")),
+        return_token_ids=_bool_field(body, "return_token_ids"),
+        kv_transfer_params=body.get("kv_transfer_params"),
+    )
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": None,
+    }
+
+
+@dataclass
+class ResponseBuilder:
+    """Builds one request's OpenAI response or stream chunks, vLLM style."""
+
+    params: GenerationParams
+    request_id: str
+    model: str
+    created: int = 0
+
+    def __post_init__(self) -> None:
+        self.created = int(time.time())
+        prefix = "chatcmpl-" if self.params.chat else "cmpl-"
+        self.response_id = prefix + self.request_id
+
+    def full(
+        self,
+        text: str,
+        tokens: list[int],
+        finish_reason: str,
+        kv_transfer_params: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        p = self.params
+        ids = tokens if p.return_token_ids else None
+        if p.chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": text,
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                    "tool_calls": [],
+                    "reasoning_content": None,
+                },
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": None,
+                "token_ids": ids,
+            }
+            body: dict[str, Any] = {"id": self.response_id, "object": "chat.completion"}
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": None,
+                "token_ids": ids,
+                "prompt_logprobs": None,
+                "prompt_token_ids": p.prompt if p.return_token_ids else None,
+            }
+            body = {"id": self.response_id, "object": "text_completion"}
+        body.update(
+            created=self.created,
+            model=self.model,
+            choices=[choice],
+            service_tier=None,
+            system_fingerprint=None,
+            usage=_usage(len(p.prompt), len(tokens)),
+            prompt_logprobs=None,
+            prompt_token_ids=p.prompt if (p.chat and p.return_token_ids) else None,
+            kv_transfer_params=kv_transfer_params,
+        )
+        return body
+
+    def _chunk(
+        self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self.response_id,
+            "object": "chat.completion.chunk" if self.params.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage is not None:
+            chunk["usage"] = usage
+        return chunk
+
+    def role_chunk(self) -> dict[str, Any]:
+        return self._chunk(
+            [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ]
+        )
+
+    def token_chunk(
+        self, text: str, tokens: list[int], finish_reason: str | None, completion_tokens: int
+    ) -> dict[str, Any]:
+        p = self.params
+        if p.chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": {"content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice["stop_reason"] = None
+        if p.return_token_ids:
+            choice["token_ids"] = tokens
+        usage = (
+            _usage(len(p.prompt), completion_tokens)
+            if (p.include_usage and p.continuous_usage)
+            else None
+        )
+        return self._chunk([choice], usage)
+
+    def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
+        return self._chunk([], _usage(len(self.params.prompt), completion_tokens))

@@ -1,0 +1,514 @@
+"""The simulated engine's HTTP surface: vLLM's OpenAI server endpoints, /tokenize, /metrics,
+/version, an attestation endpoint, and a guarded fault-injection endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import os
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from narwhal.asgi import DisconnectAwareStreamingResponse
+from narwhal.sim.engine import (
+    CRASH_EXIT_CODE,
+    EngineConfig,
+    EngineCore,
+    ErrorEvent,
+    RequestKind,
+    SimRequest,
+    TokenEvent,
+    parse_kv_transfer_params,
+)
+from narwhal.sim.faults import FaultSettings, FaultUpdate
+from narwhal.sim.generation import GenerationModel
+from narwhal.sim.kv_transfer import KVTransferAgent
+from narwhal.sim.metrics import EngineMetrics
+from narwhal.sim.protocol import (
+    GenerationParams,
+    ProtocolError,
+    ResponseBuilder,
+    error_body,
+    parse_generation,
+)
+from narwhal.sim.side_channel import PeerDirectory, serve_side_channel
+from narwhal.sim.vocab import Vocabulary
+
+__all__ = ["SimEngineSettings", "build_app"]
+
+log = logging.getLogger(__name__)
+
+_REQUEST_ID_RE = re.compile(r"[^A-Za-z0-9_.:-]")
+# The load gauges a lying engine reports as idle.
+_LOAD_LINE_RE = re.compile(
+    rb"^(vllm:(?:num_requests_running|num_requests_waiting|kv_cache_usage_perc)\{[^}]*\}) \S+$",
+    re.M,
+)
+VLLM_PROTOCOL_VERSION = "0.32.0"
+
+
+@dataclass(frozen=True)
+class SimEngineSettings:
+    engine: EngineConfig
+    model_revision: str = "sim"
+    vocab_seed: int = 0
+    config_sha256: str | None = None
+    shard_manifest_sha256: str | None = None
+    gpu_arch: str = "sim"
+    accelerator: str = "simulated"
+    admin_token: str | None = None
+    faults: FaultSettings = field(default_factory=FaultSettings)
+
+    def declared_config_sha256(self) -> str:
+        if self.config_sha256:
+            return self.config_sha256
+        text = f"narwhal-sim-config:{self.engine.served_model_name}:{self.engine.max_model_len}"
+        return hashlib.sha256(f"{text}:vocab={self.vocab_seed}".encode()).hexdigest()
+
+    def declared_shard_manifest_sha256(self) -> str:
+        # The simulator's "weights" are its model seed: another seed is another checkpoint.
+        if self.shard_manifest_sha256:
+            return self.shard_manifest_sha256
+        return hashlib.sha256(f"narwhal-sim-weights:{self.engine.model_seed}".encode()).hexdigest()
+
+
+class _DroppedStream(Exception):
+    """Raised inside a stream to make the server cut the connection (fault injection)."""
+
+
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        orjson.dumps(body), status_code=status, media_type="application/json", headers=headers
+    )
+
+
+def _error(message: str, type_: str, status: int, param: str | None = None) -> Response:
+    return _json(error_body(message, type_, status, param), status)
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+@dataclass
+class _State:
+    settings: SimEngineSettings
+    vocab: Vocabulary
+    metrics: EngineMetrics
+    generation_id: str
+    started_at: float
+    core: EngineCore | None = None
+    kv_agent: KVTransferAgent | None = None
+    side_channel: asyncio.Server | None = None
+
+
+def build_app(settings: SimEngineSettings) -> Starlette:
+    cfg = settings.engine
+    faults = settings.faults
+    vocab = Vocabulary(settings.vocab_seed)
+    state = _State(
+        settings=settings,
+        vocab=vocab,
+        metrics=EngineMetrics(cfg.served_model_name, cfg.engine_id),
+        generation_id=uuid.uuid4().hex,
+        started_at=time.time(),
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+        pool = np.zeros((cfg.num_blocks, cfg.block_bytes), dtype=np.uint8)
+        agent = KVTransferAgent(
+            agent_name=f"{cfg.engine_id}-{state.generation_id[:12]}",
+            pool=pool,
+            on_notification=lambda message: (
+                state.core.on_notification(message)  # type: ignore[union-attr]
+                if state.core is not None
+                else None
+            ),
+        )
+        await loop.run_in_executor(None, agent.start, loop)
+        state.kv_agent = agent
+        state.core = EngineCore(
+            cfg,
+            GenerationModel(vocab, cfg.model_seed, cfg.eos_prob),
+            state.metrics,
+            faults,
+            agent,
+            PeerDirectory(timeout=min(5.0, cfg.kv_read_timeout_s)),
+        )
+        state.side_channel = await serve_side_channel(
+            cfg.nixl_host,
+            cfg.nixl_port,
+            lambda: agent.peer_info(cfg.engine_id, state.generation_id),
+        )
+        state.core.start()
+        log.info("engine %s ready (generation %s)", cfg.engine_id, state.generation_id)
+        try:
+            yield
+        finally:
+            state.side_channel.close()
+            await state.core.close()
+            agent.close()
+
+    def core() -> EngineCore:
+        assert state.core is not None
+        return state.core
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def models(request: Request) -> Response:
+        return _json(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": cfg.served_model_name,
+                        "object": "model",
+                        "created": int(state.started_at),
+                        "owned_by": "vllm",
+                        "root": cfg.served_model_name,
+                        "parent": None,
+                        "max_model_len": cfg.max_model_len,
+                        "permission": [],
+                    }
+                ],
+            }
+        )
+
+    async def version(request: Request) -> Response:
+        return _json({"version": VLLM_PROTOCOL_VERSION, "simulator": "narwhal-sim"})
+
+    async def attestation(request: Request) -> Response:
+        return _json(
+            {
+                "schema": "narwhal.attestation/v1",
+                "engine_id": cfg.engine_id,
+                "model_id": cfg.served_model_name,
+                "model_revision": settings.model_revision,
+                "config_sha256": settings.declared_config_sha256(),
+                "shard_manifest_sha256": settings.declared_shard_manifest_sha256(),
+                "tp": cfg.tp_size,
+                "gpu_arch": settings.gpu_arch,
+                "accelerator": settings.accelerator,
+                "kv_connector": "NixlConnector",
+                "kv_role": "kv_both",
+                "kv_buffer_device": "cpu",
+                "nixl": {"host": cfg.nixl_host, "port": cfg.nixl_port},
+                "kv_cache": {
+                    "block_size": cfg.block_size,
+                    "num_blocks": cfg.num_blocks,
+                    "block_bytes": cfg.block_bytes,
+                },
+                "max_model_len": cfg.max_model_len,
+                "vocab": {"seed": settings.vocab_seed, "size": vocab.size},
+                "generation": state.generation_id,
+                "pid": os.getpid(),
+                "started_at": state.started_at,
+                "simulated": True,
+            }
+        )
+
+    async def metrics(request: Request) -> Response:
+        mode = faults.metrics
+        if mode == "stop":
+            return _error("metrics unavailable (fault injection)", "ServiceUnavailable", 503)
+        if mode == "hang":
+            await asyncio.sleep(3600)
+        text = generate_latest(state.metrics.registry)
+        if mode == "lie":
+            text = _LOAD_LINE_RE.sub(rb"\1 0.0", text)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    async def read_json(request: Request) -> Any:
+        raw = await request.body()
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise ProtocolError(f"invalid JSON body: {exc}") from exc
+
+    def check_model(body: Any) -> None:
+        model = body.get("model") if isinstance(body, dict) else None
+        if model is not None and model != cfg.served_model_name:
+            raise ProtocolError(
+                f"The model `{model}` does not exist.",
+                status=404,
+                param="model",
+                type_="NotFoundError",
+            )
+
+    async def tokenize(request: Request) -> Response:
+        try:
+            body = await read_json(request)
+            check_model(body)
+            if not isinstance(body, dict):
+                raise ProtocolError("request body must be a JSON object")
+            if "messages" in body:
+                params = parse_generation({**body, "max_tokens": 1}, vocab, True, 1 << 62)
+                tokens = params.prompt
+            elif isinstance(body.get("prompt"), str):
+                tokens = vocab.encode(body["prompt"])
+            else:
+                raise ProtocolError("prompt must be a string", param="prompt")
+        except ProtocolError as exc:
+            return _error(exc.message, exc.type, exc.status, exc.param)
+        return _json(
+            {
+                "count": len(tokens),
+                "max_model_len": cfg.max_model_len,
+                "tokens": tokens,
+                "token_strs": None,
+            }
+        )
+
+    async def detokenize(request: Request) -> Response:
+        try:
+            body = await read_json(request)
+            check_model(body)
+            tokens = body.get("tokens") if isinstance(body, dict) else None
+            if not isinstance(tokens, list) or vocab.check_ids(tokens) is not None:
+                raise ProtocolError(
+                    "tokens must be a list of token ids in the vocabulary", param="tokens"
+                )
+        except ProtocolError as exc:
+            return _error(exc.message, exc.type, exc.status, exc.param)
+        return _json({"prompt": vocab.decode(tokens)})
+
+    async def get_faults(request: Request) -> Response:
+        if (denied := _check_admin(request, settings.admin_token)) is not None:
+            return denied
+        return _json(faults.model_dump())
+
+    async def set_faults(request: Request) -> Response:
+        if (denied := _check_admin(request, settings.admin_token)) is not None:
+            return denied
+        try:
+            update = FaultUpdate.model_validate_json(await request.body() or b"{}")
+        except ValidationError as exc:
+            return _error(str(exc.errors()[0]["msg"]), "BadRequestError", 400)
+        if update.crash_now:
+            log.warning("fault injection: crashing now")
+            os._exit(CRASH_EXIT_CODE)
+        update.apply(faults)
+        log.warning("fault injection: %s", faults.model_dump(exclude_defaults=True))
+        return _json(faults.model_dump())
+
+    async def clear_faults(request: Request) -> Response:
+        if (denied := _check_admin(request, settings.admin_token)) is not None:
+            return denied
+        for name, value in FaultSettings().model_dump().items():
+            setattr(faults, name, value)
+        return _json(faults.model_dump())
+
+    async def sim_state(request: Request) -> Response:
+        if (denied := _check_admin(request, settings.admin_token)) is not None:
+            return denied
+        c = core()
+        return _json(
+            {
+                "running": c.num_running,
+                "waiting": c.num_waiting,
+                "holds": sorted(c.holds),
+                "free_blocks": c.allocator.num_free,
+                "num_blocks": c.allocator.num_blocks,
+                "generation": state.generation_id,
+            }
+        )
+
+    async def completions(request: Request) -> Response:
+        return await generate(request, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, chat=True)
+
+    async def generate(request: Request, chat: bool) -> Response:
+        try:
+            body = await read_json(request)
+            check_model(body)
+            if faults.fail_next > 0:
+                faults.fail_next -= 1
+                return _error("injected failure", "InternalServerError", faults.fail_status)
+            params = parse_generation(body, vocab, chat, cfg.max_model_len)
+        except ProtocolError as exc:
+            return _error(exc.message, exc.type, exc.status, exc.param)
+        base_id = (
+            _REQUEST_ID_RE.sub("", request.headers.get("x-request-id", ""))[:128]
+            or uuid.uuid4().hex
+        )
+        sim_request = _new_request(core(), params, base_id, state.metrics)
+        if core().blocks_needed(sim_request) > cfg.num_blocks:
+            return _error(
+                "request needs more KV blocks than the engine has", "BadRequestError", 400
+            )
+        builder = ResponseBuilder(params, base_id, cfg.served_model_name)
+        core().submit(sim_request)
+        if params.stream:
+            return DisconnectAwareStreamingResponse(
+                _stream(core(), sim_request, builder, vocab, faults),
+                media_type="text/event-stream",
+            )
+        collect = asyncio.ensure_future(_collect(sim_request, builder, vocab, faults))
+        disconnect = asyncio.ensure_future(_wait_disconnect(request))
+        await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        if not collect.done():
+            collect.cancel()
+            core().abort(sim_request)
+            with contextlib.suppress(asyncio.CancelledError):
+                await collect
+            return Response(status_code=499)
+        disconnect.cancel()
+        return collect.result()
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/ping", health, methods=["GET", "POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/attestation", attestation, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/sim/faults", get_faults, methods=["GET"]),
+        Route("/sim/faults", set_faults, methods=["POST"]),
+        Route("/sim/faults", clear_faults, methods=["DELETE"]),
+        Route("/sim/state", sim_state, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.sim = state
+    return app
+
+
+def _check_admin(request: Request, token: str | None) -> Response | None:
+    if not token:
+        return _error(
+            "admin endpoints are disabled (start the engine with --admin-token)",
+            "PermissionDenied",
+            403,
+        )
+    given = request.headers.get("authorization", "")
+    if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        return _error("admin token required", "AuthenticationError", 401)
+    return None
+
+
+def _new_request(
+    core: EngineCore, params: GenerationParams, base_id: str, metrics: EngineMetrics
+) -> SimRequest:
+    kind = RequestKind.LOCAL
+    remote = None
+    kv = params.kv_transfer_params
+    if isinstance(kv, dict) and kv.get("do_remote_decode") is True:
+        kind = RequestKind.PRODUCER
+    elif isinstance(kv, dict) and kv.get("do_remote_prefill"):
+        remote, why = parse_kv_transfer_params(kv)
+        if remote is None:
+            # vLLM does not fail such a request: it prefills the prompt itself.
+            log.warning(
+                "request %s: unusable kv_transfer_params (%s); prefilling locally", base_id, why
+            )
+            metrics.get(metrics.local_prefill_fallbacks).inc()
+        else:
+            kind = RequestKind.CONSUMER
+    elif kv is not None and not isinstance(kv, dict):
+        log.warning("request %s: kv_transfer_params is not an object; ignored", base_id)
+    return SimRequest(
+        request_id=core.new_request_id(base_id),
+        prompt=params.prompt,
+        max_tokens=params.max_tokens,
+        min_tokens=params.min_tokens,
+        ignore_eos=params.ignore_eos,
+        kind=kind,
+        remote=remote,
+    )
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _events(
+    request: SimRequest, faults: FaultSettings
+) -> AsyncIterator[TokenEvent | ErrorEvent]:
+    first = True
+    while True:
+        event = await request.events.get()
+        if first and isinstance(event, TokenEvent) and faults.stall_first_token_s > 0:
+            await asyncio.sleep(faults.stall_first_token_s)
+        first = False
+        yield event
+        if isinstance(event, ErrorEvent) or event.finish_reason is not None:
+            return
+
+
+async def _collect(
+    request: SimRequest, builder: ResponseBuilder, vocab: Vocabulary, faults: FaultSettings
+) -> Response:
+    tokens: list[int] = []
+    async for event in _events(request, faults):
+        if isinstance(event, ErrorEvent):
+            return _error(event.message, event.type, event.status)
+        tokens.append(event.token)
+        if faults.crash_after_tokens is not None and len(tokens) >= faults.crash_after_tokens:
+            os._exit(CRASH_EXIT_CODE)
+        if event.finish_reason is not None:
+            text = vocab.decode(tokens)
+            return _json(builder.full(text, tokens, event.finish_reason, event.kv_transfer_params))
+    raise AssertionError("event stream ended without a finish")
+
+
+async def _stream(
+    core: EngineCore,
+    request: SimRequest,
+    builder: ResponseBuilder,
+    vocab: Vocabulary,
+    faults: FaultSettings,
+) -> AsyncIterator[bytes]:
+    sent = 0
+    try:
+        if builder.params.chat:
+            yield _sse(builder.role_chunk())
+        async for event in _events(request, faults):
+            if isinstance(event, ErrorEvent):
+                yield _sse(error_body(event.message, event.type, event.status))
+                break
+            sent += 1
+            yield _sse(
+                builder.token_chunk(
+                    vocab.token_text(event.token), [event.token], event.finish_reason, sent
+                )
+            )
+            if faults.crash_after_tokens is not None and sent >= faults.crash_after_tokens:
+                await asyncio.sleep(0.05)  # let the chunk reach the client first
+                os._exit(CRASH_EXIT_CODE)
+            if (
+                faults.drop_stream_after_tokens is not None
+                and sent >= faults.drop_stream_after_tokens
+            ):
+                raise _DroppedStream("fault injection: dropping the connection mid-stream")
+            if event.finish_reason is not None and builder.params.include_usage:
+                yield _sse(builder.usage_chunk(sent))
+        yield b"data: [DONE]\n\n"
+    finally:
+        core.abort(request)
