@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import contextlib
 import logging
 import os
 import queue
@@ -390,10 +389,8 @@ class KVTransferAgent:
                 future.set_result(result)  # type: ignore[arg-type]
 
         assert self._loop is not None
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
             self._loop.call_soon_threadsafe(settle)
-        except RuntimeError:
-            pass  # the loop is closed: nobody is waiting any more
 
     def _deliver(self, callback: Callable[[bytes], None], message: bytes) -> None:
         assert self._loop is not None

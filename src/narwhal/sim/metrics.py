@@ -130,7 +130,7 @@ class EngineMetrics:
         )
         self.local_prefill_fallbacks = counter(
             "narwhal_sim:local_prefill_fallbacks",
-            "Decode legs whose kv_transfer_params were unusable, so the prompt was prefilled locally.",
+            "Decode legs with unusable kv_transfer_params, so the prompt was prefilled locally.",
         )
         # Create every labelled child now: a series must exist before its first event.
         for metric in (
