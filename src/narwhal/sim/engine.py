@@ -147,6 +147,8 @@ def parse_kv_transfer_params(params: Any) -> tuple[RemoteKV | None, str | None]:
         return None, "remote_engine_id, remote_request_id and remote_host must be strings"
     if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
         return None, "remote_port must be a TCP port"
+    if isinstance(block_ids, list) and len(block_ids) == 1 and isinstance(block_ids[0], list):
+        block_ids = block_ids[0]  # newer vLLM: one list per KV cache group; we have one group
     if not isinstance(block_ids, list) or not all(
         isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in block_ids
     ):
@@ -381,6 +383,7 @@ class EngineCore:
                 "remote_port": self.config.nixl_port,
                 "tp_size": self.config.tp_size,
                 "remote_num_tokens": len(request.prompt),
+                "transfer_mode": "pull",
             }
         else:
             self._free(request)

@@ -199,7 +199,7 @@ class ResponseBuilder:
                     "audio": None,
                     "function_call": None,
                     "tool_calls": [],
-                    "reasoning_content": None,
+                    "reasoning": None,
                 },
                 "logprobs": None,
                 "finish_reason": finish_reason,
@@ -242,7 +242,8 @@ class ResponseBuilder:
             "model": self.model,
             "choices": choices,
         }
-        if usage is not None:
+        # vLLM dumps completion chunks whole (usage: null) but chat chunks without unset fields.
+        if usage is not None or not self.params.chat:
             chunk["usage"] = usage
         return chunk
 
@@ -282,4 +283,6 @@ class ResponseBuilder:
         return self._chunk([choice], usage)
 
     def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
-        return self._chunk([], _usage(len(self.params.prompt), completion_tokens))
+        usage = _usage(len(self.params.prompt), completion_tokens)
+        del usage["prompt_tokens_details"]  # vLLM drops None fields from the usage chunk
+        return self._chunk([], usage)

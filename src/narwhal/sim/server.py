@@ -125,7 +125,9 @@ def build_app(settings: SimEngineSettings) -> Starlette:
     state = _State(
         settings=settings,
         vocab=vocab,
-        metrics=EngineMetrics(cfg.served_model_name, cfg.engine_id),
+        # engine="0" as vLLM labels its (only) data-parallel rank: routers count distinct
+        # engine label values to discover data parallelism.
+        metrics=EngineMetrics(cfg.served_model_name, "0"),
         generation_id=uuid.uuid4().hex,
         started_at=time.time(),
     )

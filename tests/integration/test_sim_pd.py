@@ -1,0 +1,251 @@
+"""The simulated engine's P/D contract, against two real engine processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from narwhal.sim.fleet import SimFleet
+from tests.helpers import MODEL, admin, metric, prefill_body, running_fleet, sse_events
+
+LONG_TEXT = " ".join(f"word{i} about disaggregated serving" for i in range(60))
+TOKEN_PROMPT = [300 + (i * 37) % 9000 for i in range(333)]  # 333 ids: 21 blocks of 16
+
+
+@pytest.fixture(scope="module")
+def pd_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimFleet]:
+    with running_fleet(tmp_path_factory.mktemp("pd"), 2) as fleet:
+        yield fleet
+
+
+def urls(fleet: SimFleet) -> tuple[str, str]:
+    return fleet.engines["e0"].url, fleet.engines["e1"].url
+
+
+def run_request(
+    client: httpx.Client,
+    url: str,
+    body: dict[str, Any],
+    chat: bool,
+    headers: dict[str, str] | None = None,
+) -> tuple[list[str], dict[str, Any], str]:
+    """Send one request; return (text pieces, usage, finish reason)."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    if not body.get("stream"):
+        r = client.post(url + path, json=body, headers=headers)
+        assert r.status_code == 200, r.text
+        data = r.json()
+        choice = data["choices"][0]
+        text = choice["message"]["content"] if chat else choice["text"]
+        return [text], data["usage"], choice["finish_reason"]
+    with client.stream("POST", url + path, json=body, headers=headers) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    pieces, usage, finish = [], None, None
+    for event in events[:-1]:
+        assert "error" not in event, event
+        if event.get("usage") and not event["choices"]:
+            usage = event["usage"]
+            continue
+        for choice in event["choices"]:
+            piece = choice["delta"].get("content") if chat else choice["text"]
+            if piece:
+                pieces.append(piece)
+            finish = choice.get("finish_reason") or finish
+    assert usage is not None
+    return pieces, usage, finish
+
+
+CASES = [
+    pytest.param(False, False, "text", id="completion-text"),
+    pytest.param(False, True, "text", id="completion-text-stream"),
+    pytest.param(False, False, "ids", id="completion-ids"),
+    pytest.param(False, True, "ids", id="completion-ids-stream"),
+    pytest.param(True, False, "text", id="chat"),
+    pytest.param(True, True, "text", id="chat-stream"),
+]
+
+
+@pytest.mark.parametrize(("chat", "stream", "prompt_kind"), CASES)
+def test_split_equals_whole(pd_fleet: SimFleet, chat: bool, stream: bool, prompt_kind: str) -> None:
+    prefill_url, decode_url = urls(pd_fleet)
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 20, "ignore_eos": True}
+    if chat:
+        body["messages"] = [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": LONG_TEXT},
+        ]
+    else:
+        body["prompt"] = LONG_TEXT if prompt_kind == "text" else TOKEN_PROMPT
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    with httpx.Client(timeout=30) as client:
+        whole = run_request(client, decode_url, body, chat)
+        rid = f"split-{chat}-{stream}-{prompt_kind}"
+        first = client.post(
+            prefill_url + ("/v1/chat/completions" if chat else "/v1/completions"),
+            json=prefill_body(body, chat),
+            headers={"X-Request-Id": rid},
+        )
+        assert first.status_code == 200, first.text
+        params = first.json()["kv_transfer_params"]
+        assert params["do_remote_prefill"] is True and params["remote_engine_id"] == "e0"
+        split = run_request(
+            client,
+            decode_url,
+            {**body, "kv_transfer_params": params},
+            chat,
+            headers={"X-Request-Id": rid},
+        )
+    assert split[0] == whole[0]
+    assert split[1] == whole[1]
+    assert split[2] == whole[2] == "length"
+    assert split[1]["completion_tokens"] == 20
+    prompt_len = len(TOKEN_PROMPT) if prompt_kind == "ids" else None
+    if prompt_len:
+        assert split[1]["prompt_tokens"] == prompt_len
+    assert split[1]["total_tokens"] == split[1]["prompt_tokens"] + 20
+
+
+def test_nixl_read_moves_exactly_the_prompt_blocks(pd_fleet: SimFleet) -> None:
+    prefill_url, decode_url = urls(pd_fleet)
+    body = {"model": MODEL, "prompt": TOKEN_PROMPT, "max_tokens": 4}
+    with httpx.Client(timeout=30) as client:
+        before = client.get(decode_url + "/metrics").text
+        params = client.post(
+            prefill_url + "/v1/completions", json=prefill_body(body, False)
+        ).json()["kv_transfer_params"]
+        blocks = len(params["remote_block_ids"])
+        assert blocks == -(-len(TOKEN_PROMPT) // 16) == 21
+        assert params["remote_num_tokens"] == len(TOKEN_PROMPT)
+        r = client.post(decode_url + "/v1/completions", json={**body, "kv_transfer_params": params})
+        assert r.status_code == 200
+        after = client.get(decode_url + "/metrics").text
+        holds = admin(prefill_url, "GET", path="/sim/state").json()["holds"]
+    moved = metric(after, "vllm:nixl_bytes_transferred_sum") - metric(
+        before, "vllm:nixl_bytes_transferred_sum"
+    )
+    assert moved == blocks * 16384
+    assert (
+        metric(after, "vllm:nixl_bytes_transferred_count")
+        - metric(before, "vllm:nixl_bytes_transferred_count")
+        == 1
+    )
+    assert metric(after, "narwhal_sim:kv_verify_failures_total") == 0
+    assert metric(after, "vllm:nixl_num_failed_transfers_total") == metric(
+        before, "vllm:nixl_num_failed_transfers_total"
+    )
+    # The reader's notification freed the hold on the prefill engine.
+    assert params["remote_request_id"] not in holds
+
+
+def test_missing_or_invalid_params_prefill_locally(pd_fleet: SimFleet) -> None:
+    _, decode_url = urls(pd_fleet)
+    body = {"model": MODEL, "prompt": TOKEN_PROMPT, "max_tokens": 6}
+    with httpx.Client(timeout=30) as client:
+        whole = client.post(decode_url + "/v1/completions", json=body).json()
+        before = client.get(decode_url + "/metrics").text
+        bad = {"do_remote_prefill": True, "remote_engine_id": "e0"}  # no blocks, host or port
+        r = client.post(decode_url + "/v1/completions", json={**body, "kv_transfer_params": bad})
+        none = client.post(
+            decode_url + "/v1/completions", json={**body, "kv_transfer_params": None}
+        )
+        after = client.get(decode_url + "/metrics").text
+    assert r.status_code == 200 and none.status_code == 200
+    assert r.json()["choices"][0]["text"] == whole["choices"][0]["text"]
+    assert none.json()["choices"][0]["text"] == whole["choices"][0]["text"]
+    assert (
+        metric(after, "narwhal_sim:local_prefill_fallbacks_total")
+        - metric(before, "narwhal_sim:local_prefill_fallbacks_total")
+        == 1
+    )
+
+
+def test_eos_and_min_tokens(tmp_path) -> None:
+    with running_fleet(tmp_path, 2, sim={"time_scale": 50.0, "eos_prob": 0.2}) as fleet:
+        url = fleet.engines["e0"].url
+        with httpx.Client(timeout=30) as client:
+            stopped = free = None
+            for i in range(20):
+                body = {"model": MODEL, "prompt": f"prompt number {i}", "max_tokens": 30}
+                r = client.post(url + "/v1/completions", json=body).json()
+                if r["choices"][0]["finish_reason"] == "stop":
+                    stopped, free = body, r
+                    break
+            assert stopped is not None, "no request hit EOS at eos_prob 0.2"
+            n = free["usage"]["completion_tokens"]
+            assert n < 30
+            forced = client.post(
+                url + "/v1/completions", json={**stopped, "min_tokens": n + 1}
+            ).json()
+            assert forced["usage"]["completion_tokens"] >= n + 1
+            ignored = client.post(
+                url + "/v1/completions", json={**stopped, "ignore_eos": True}
+            ).json()
+            assert ignored["usage"]["completion_tokens"] == 30
+            assert ignored["choices"][0]["finish_reason"] == "length"
+
+
+def test_kill_prefill_before_pull_fails_decode_fast(tmp_path) -> None:
+    with running_fleet(tmp_path, 2, sim={"time_scale": 50.0, "kv_read_timeout_s": 5.0}) as fleet:
+        prefill_url, decode_url = urls(fleet)
+        body = {"model": MODEL, "prompt": TOKEN_PROMPT, "max_tokens": 8}
+        with httpx.Client(timeout=30) as client:
+            params = client.post(
+                prefill_url + "/v1/completions", json=prefill_body(body, False)
+            ).json()["kv_transfer_params"]
+            fleet.kill("e0")
+            t0 = time.monotonic()
+            r = client.post(
+                decode_url + "/v1/completions", json={**body, "kv_transfer_params": params}
+            )
+            elapsed = time.monotonic() - t0
+            metrics = client.get(decode_url + "/metrics").text
+            state = admin(decode_url, "GET", path="/sim/state").json()
+    assert r.status_code == 500
+    assert "KV transfer failed" in r.json()["error"]["message"]
+    assert elapsed < 5.0 + 2.0  # bounded by the KV read timeout, never a hang
+    assert metric(metrics, "vllm:nixl_num_failed_transfers_total") == 1
+    assert state["free_blocks"] == state["num_blocks"]  # nothing leaked on the decode side
+
+
+def test_unpulled_hold_expires_at_its_lease(tmp_path) -> None:
+    lease = 1.5
+    with running_fleet(tmp_path, 2, sim={"time_scale": 50.0, "kv_lease_s": lease}) as fleet:
+        prefill_url, decode_url = urls(fleet)
+        body = {"model": MODEL, "prompt": TOKEN_PROMPT, "max_tokens": 8}
+        with httpx.Client(timeout=30) as client:
+            t0 = time.monotonic()
+            params = client.post(
+                prefill_url + "/v1/completions", json=prefill_body(body, False)
+            ).json()["kv_transfer_params"]
+            state = admin(prefill_url, "GET", path="/sim/state").json()
+            if time.monotonic() - t0 < lease * 0.8:
+                assert params["remote_request_id"] in state["holds"]
+                assert state["free_blocks"] == state["num_blocks"] - len(params["remote_block_ids"])
+            deadline = time.monotonic() + lease + 5
+            expired = 0.0
+            while time.monotonic() < deadline:
+                expired = metric(
+                    client.get(prefill_url + "/metrics").text, "vllm:nixl_num_kv_expired_reqs_total"
+                )
+                if expired:
+                    break
+                time.sleep(0.1)
+            assert expired == 1
+            assert time.monotonic() - t0 >= lease * 0.9
+            state = admin(prefill_url, "GET", path="/sim/state").json()
+            assert state["holds"] == [] and state["free_blocks"] == state["num_blocks"]
+            # A decode that comes after the lease must fail, never decode from freed blocks.
+            late = client.post(
+                decode_url + "/v1/completions", json={**body, "kv_transfer_params": params}
+            )
+            metrics = client.get(decode_url + "/metrics").text
+    assert late.status_code == 500
+    assert "does not match the prompt" in late.json()["error"]["message"]
+    assert metric(metrics, "narwhal_sim:kv_verify_failures_total") == 1
