@@ -120,3 +120,121 @@ def sse_events(response: httpx.Response) -> list[Any]:
         data = line[len("data: ") :]
         events.append("[DONE]" if data == "[DONE]" else json.loads(data))
     return events
+
+
+class RouterProcess:
+    def __init__(self, url: str, process: Any, journal: Path, log_path: Path, admin_token: str):
+        self.url = url
+        self.process = process
+        self.journal = journal
+        self.log_path = log_path
+        self.admin_token = admin_token
+
+    def records(self) -> list[dict[str, Any]]:
+        if not self.journal.exists():
+            return []
+        out = []
+        for line in self.journal.read_text().splitlines():
+            if line.strip():
+                out.append(json.loads(line))
+        return out
+
+    def ends(self) -> dict[str, dict[str, Any]]:
+        ends: dict[str, dict[str, Any]] = {}
+        for rec in self.records():
+            if rec["type"] == "request.end":
+                assert rec["id"] not in ends, f"two request.end records for {rec['id']}"
+                ends[rec["id"]] = rec
+        return ends
+
+    def metrics(self) -> str:
+        return httpx.get(self.url + "/metrics", timeout=10).text
+
+    def admin_state(self) -> dict[str, Any]:
+        return httpx.get(
+            self.url + "/admin/state",
+            timeout=10,
+            headers={"Authorization": f"Bearer {self.admin_token}"},
+        ).json()
+
+
+def start_router(
+    directory: Path,
+    fleet_path: Path,
+    *extra: str,
+    journal: Path | None = None,
+    port: int | None = None,
+    wait_ready: bool = True,
+) -> RouterProcess:
+    import subprocess
+    import sys
+
+    port = port or free_ports(1)[0]
+    journal = journal or directory / "journal.jsonl"
+    token_file = directory / "admin-token"
+    token_file.write_text(ADMIN_TOKEN + "\n")
+    log_path = directory / f"router-{port}.log"
+    log = open(log_path, "ab")  # noqa: SIM115 - owned by the process
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "narwhal.serve.cli",
+            "--fleet",
+            str(fleet_path),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--journal",
+            str(journal),
+            "--skip-qualification",
+            "--admin-token-file",
+            str(token_file),
+            "--log-level",
+            "info",
+            *extra,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    log.close()
+    router = RouterProcess(f"http://127.0.0.1:{port}", process, journal, log_path, ADMIN_TOKEN)
+    if wait_ready:
+
+        def ready() -> bool:
+            if process.poll() is not None:
+                raise AssertionError(f"router exited: {log_path.read_text()[-3000:]}")
+            try:
+                return httpx.get(router.url + "/ready", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_until(ready, 30), f"router not ready: {log_path.read_text()[-3000:]}"
+    return router
+
+
+def stop_router(router: RouterProcess, timeout: float = 30) -> int:
+    import signal
+    import subprocess
+
+    if router.process.poll() is None:
+        router.process.send_signal(signal.SIGTERM)
+        try:
+            router.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            router.process.kill()
+            router.process.wait(10)
+    return router.process.returncode
+
+
+@contextlib.contextmanager
+def running_router(
+    directory: Path, fleet_path: Path, *extra: str, **kwargs: Any
+) -> Iterator[RouterProcess]:
+    router = start_router(directory, fleet_path, *extra, **kwargs)
+    try:
+        yield router
+    finally:
+        stop_router(router)

@@ -216,6 +216,9 @@ class EngineCore:
         request.aborted = True
         if request in self.loading:
             return  # the READ may still be writing into these blocks; _load_remote frees them
+        if request in self.waiting:
+            # Off the queue now: an idle step loop (KV full of holds) may not run _admit for long.
+            self.waiting.remove(request)
         for queue in (self.prefilling, self.running):
             if request in queue:
                 queue.remove(request)

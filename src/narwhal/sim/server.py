@@ -489,12 +489,15 @@ async def _stream(
 ) -> AsyncIterator[bytes]:
     sent = 0
     try:
-        if builder.params.chat:
-            yield _sse(builder.role_chunk())
+        role_sent = not builder.params.chat
         async for event in _events(request, faults):
             if isinstance(event, ErrorEvent):
                 yield _sse(error_body(event.message, event.type, event.status))
                 break
+            if not role_sent:
+                # vLLM sends the assistant role with its first output, not before it.
+                role_sent = True
+                yield _sse(builder.role_chunk())
             sent += 1
             yield _sse(
                 builder.token_chunk(

@@ -1,0 +1,59 @@
+"""Per-engine circuit breaker: closed -> open after consecutive failures, half-open after a
+cool-off (one probe at a time), closed again on a success. Pure; the clock is injected."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from narwhal.clock import Clock
+
+__all__ = ["BreakerState", "CircuitBreaker"]
+
+
+class BreakerState(enum.IntEnum):
+    CLOSED = 0
+    HALF_OPEN = 1
+    OPEN = 2
+
+
+@dataclass
+class CircuitBreaker:
+    clock: Clock
+    failure_threshold: int = 3
+    open_seconds: float = 5.0
+    state: BreakerState = BreakerState.CLOSED
+    consecutive_failures: int = 0
+    opened_at: float = field(default=0.0)
+    probe_in_flight: bool = False
+
+    def allows_request(self) -> bool:
+        """May a request go to this engine now? (Moves open -> half-open when the time comes.)"""
+        if (
+            self.state is BreakerState.OPEN
+            and self.clock.now() - self.opened_at >= self.open_seconds
+        ):
+            self.state = BreakerState.HALF_OPEN
+            self.probe_in_flight = False
+        if self.state is BreakerState.CLOSED:
+            return True
+        return self.state is BreakerState.HALF_OPEN and not self.probe_in_flight
+
+    def on_dispatch(self) -> None:
+        if self.state is BreakerState.HALF_OPEN:
+            self.probe_in_flight = True
+
+    def record_success(self) -> None:
+        self.state = BreakerState.CLOSED
+        self.consecutive_failures = 0
+        self.probe_in_flight = False
+
+    def record_failure(self) -> None:
+        self.consecutive_failures += 1
+        if (
+            self.state is BreakerState.HALF_OPEN
+            or self.consecutive_failures >= self.failure_threshold
+        ):
+            self.state = BreakerState.OPEN
+            self.opened_at = self.clock.now()
+            self.probe_in_flight = False

@@ -1,0 +1,49 @@
+"""The one place that builds the bodies of the two legs of a P/D request (vLLM's protocol).
+
+Prefill leg: the client's body with ``max_tokens: 1`` (chat: also ``max_completion_tokens: 1``),
+``stream: false``, no ``stream_options``, no ``min_tokens``/``min_completion_tokens`` (a
+one-token prefill cannot honour them), and ``kv_transfer_params`` asking the engine to keep the
+prompt's KV for a remote decode. Decode leg: the client's body plus the ``kv_transfer_params`` the
+prefill engine returned, unchanged, streamed with usage so the router sees every token, the
+first-token deadline and the completion token count whatever the client asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["PREFILL_KV_REQUEST", "decode_leg_body", "prefill_leg_body"]
+
+PREFILL_KV_REQUEST: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+_NOT_ON_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
+
+
+def prefill_leg_body(client_body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    body = {k: v for k, v in client_body.items() if k not in _NOT_ON_PREFILL}
+    body["max_tokens"] = 1
+    if chat:
+        body["max_completion_tokens"] = 1
+    body["stream"] = False
+    body["kv_transfer_params"] = dict(PREFILL_KV_REQUEST)
+    return body
+
+
+def decode_leg_body(client_body: dict[str, Any], kv_transfer_params: Any) -> dict[str, Any]:
+    body = dict(client_body)
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    else:
+        body.pop("kv_transfer_params", None)
+    body["stream"] = True
+    options = dict(client_body.get("stream_options") or {})
+    options["include_usage"] = True
+    body["stream_options"] = options
+    return body

@@ -1,0 +1,38 @@
+"""Reading the load an engine reports on /metrics (vLLM's metric names)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+__all__ = ["parse_engine_load"]
+
+_LINE = re.compile(
+    rb"^vllm:(num_requests_running|num_requests_waiting|kv_cache_usage_perc)(?:\{[^}]*\})?"
+    rb" ([^ \n]+)",
+    re.M,
+)
+
+
+def parse_engine_load(text: bytes) -> dict[str, float] | None:
+    """Sum each load gauge over the engine's label sets (data-parallel ranks add up).
+
+    Returns None if the page carries none of the three gauges (not a vLLM engine's page).
+    """
+    found: dict[str, float] = {}
+    for match in _LINE.finditer(text):
+        try:
+            value = float(match.group(2))
+        except ValueError:
+            continue
+        if math.isnan(value) or value < 0:
+            continue
+        key = match.group(1).decode()
+        found[key] = found.get(key, 0.0) + value
+    if not found:
+        return None
+    return {
+        "running": found.get("num_requests_running", 0.0),
+        "waiting": found.get("num_requests_waiting", 0.0),
+        "kv_cache_usage": found.get("kv_cache_usage_perc", 0.0),
+    }

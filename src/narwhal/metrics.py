@@ -1,0 +1,236 @@
+"""Every Prometheus metric the router exports, defined once.
+
+Metrics live on a registry owned by the router instance (never the process-global one), and
+every labelled series the router knows in advance (each outcome, each engine, each role, each
+flip direction) is created at start-up with value 0: a series that first appears after its
+first event breaks dashboards, alert rules and scrape-coverage checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["OUTCOMES", "RouterMetrics"]
+
+# Every terminal outcome a request can have; journal and metrics use the same words.
+OUTCOMES = (
+    "ok",
+    "client_error",
+    "rejected",
+    "unavailable",
+    "prefill_failed",
+    "decode_failed",
+    "deadline_exceeded",
+    "client_abort",
+    "stream_error",
+    "router_shutdown",
+    "router_restart",
+    "internal_error",
+)
+ROLES = ("prefill", "decode")
+LEGS = ("prefill", "decode")
+STRANDED_REASONS = ("decode_failed", "deadline_exceeded", "client_abort", "no_decode")
+REJECT_REASONS = ("no_capacity", "journal_unavailable", "draining")
+
+_LATENCY = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    3.0,
+    4.0,
+    5.0,
+    6.0,
+    7.5,
+    8.5,
+    10.0,
+    12.5,
+    15.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+)
+_TPOT = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.15,
+    0.2,
+    0.225,
+    0.25,
+    0.275,
+    0.3,
+    0.35,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.0,
+)
+_JOURNAL = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+
+
+class RouterMetrics:
+    def __init__(
+        self, engines: Iterable[str], fleet_name: str, fleet_sha256: str, profile_sha256: str | None
+    ) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        engines = list(engines)
+        self.requests = Counter(
+            "narwhal_requests", "Requests by terminal outcome.", ["outcome"], registry=r
+        )
+        self.ttft = Histogram(
+            "narwhal_ttft_seconds",
+            "Time to first token seen by the client.",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "narwhal_tpot_seconds",
+            "Time per output token after the first (per request mean).",
+            buckets=_TPOT,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "narwhal_e2e_seconds",
+            "Arrival to last byte, completed requests.",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.prefill = Histogram(
+            "narwhal_prefill_seconds",
+            "Prefill leg duration.",
+            ["engine"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.handoff = Histogram(
+            "narwhal_kv_handoff_seconds",
+            "Decode leg start to its first token: KV pull plus first step (the deadline's span).",
+            ["engine"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "narwhal_in_flight",
+            "Legs in flight by engine and role.",
+            ["engine", "role"],
+            registry=r,
+        )
+        self.engine_role = Gauge(
+            "narwhal_engine_role",
+            "1 for the role each engine serves now.",
+            ["engine", "role"],
+            registry=r,
+        )
+        self.flips = Counter(
+            "narwhal_flips", "Role flips by direction.", ["from_role", "to_role"], registry=r
+        )
+        self.deadline_exceeded = Counter(
+            "narwhal_first_token_deadline_exceeded",
+            "Decode legs aborted because their first token missed first_token_timeout_s.",
+            ["engine"],
+            registry=r,
+        )
+        self.stranded = Counter(
+            "narwhal_stranded_handoffs",
+            "Prefills whose KV was handed out but whose decode leg produced no token.",
+            ["engine", "reason"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "narwhal_retries", "Legs retried on another engine.", ["leg"], registry=r
+        )
+        self.leg_failures = Counter(
+            "narwhal_leg_failures", "Failed engine legs.", ["engine", "leg"], registry=r
+        )
+        self.engine_healthy = Gauge(
+            "narwhal_engine_healthy", "1 if the last health probe passed.", ["engine"], registry=r
+        )
+        self.breaker_state = Gauge(
+            "narwhal_engine_breaker_state",
+            "Circuit breaker: 0 closed, 1 half-open, 2 open.",
+            ["engine"],
+            registry=r,
+        )
+        self.engine_load = Gauge(
+            "narwhal_engine_scraped",
+            "Load scraped from engine /metrics.",
+            ["engine", "signal"],
+            registry=r,
+        )
+        self.scrape_errors = Counter(
+            "narwhal_engine_scrape_errors", "Failed /metrics scrapes.", ["engine"], registry=r
+        )
+        self.admission_rejections = Counter(
+            "narwhal_admission_rejections", "Requests refused at admission.", ["reason"], registry=r
+        )
+        self.journal_write = Histogram(
+            "narwhal_journal_write_seconds",
+            "Time to write and flush one journal record.",
+            buckets=_JOURNAL,
+            registry=r,
+        )
+        self.journal_backlog = Gauge(
+            "narwhal_journal_backlog", "Journal records queued.", registry=r
+        )
+        self.journal_errors = Counter(
+            "narwhal_journal_write_errors", "Failed journal writes.", registry=r
+        )
+        self.journal_dropped = Counter(
+            "narwhal_journal_dropped",
+            "Journal records dropped (best_effort policy only).",
+            registry=r,
+        )
+        self.role_generation = Gauge(
+            "narwhal_role_generation",
+            "Generation of the role map (increments on every flip).",
+            registry=r,
+        )
+        self.fleet_info = Gauge(
+            "narwhal_fleet_info",
+            "The fleet and profile store being served.",
+            ["fleet", "fleet_sha256", "profile_sha256"],
+            registry=r,
+        )
+        self.fleet_info.labels(fleet_name, fleet_sha256, profile_sha256 or "none").set(1)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)
+        for reason in REJECT_REASONS:
+            self.admission_rejections.labels(reason)
+        for a in ROLES:
+            for b in ROLES:
+                if a != b:
+                    self.flips.labels(a, b)
+        for leg in LEGS:
+            self.retries.labels(leg)
+        for engine in engines:
+            self.prefill.labels(engine)
+            self.handoff.labels(engine)
+            self.deadline_exceeded.labels(engine)
+            self.engine_healthy.labels(engine)
+            self.breaker_state.labels(engine)
+            self.scrape_errors.labels(engine)
+            for role in ROLES:
+                self.in_flight.labels(engine, role)
+                self.engine_role.labels(engine, role)
+            for leg in LEGS:
+                self.leg_failures.labels(engine, leg)
+            for reason in STRANDED_REASONS:
+                self.stranded.labels(engine, reason)
+            for signal in ("running", "waiting", "kv_cache_usage"):
+                self.engine_load.labels(engine, signal)

@@ -1,0 +1,113 @@
+"""The router's live picture of its fleet: roles, health, in-flight legs and scraped load.
+
+Pure data with small methods; the I/O edges (health prober, scraper, request handlers) write
+into it and the scheduler reads it. Two load signals are kept apart on purpose: what the router
+itself has in flight, and what the engine reports. A router that lets its own count overwrite
+the engine's (or the reverse) routes on a number that lies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from narwhal.clock import Clock
+from narwhal.contract import FleetContract
+from narwhal.engines.breaker import CircuitBreaker
+
+__all__ = ["EngineState", "FleetState", "Role", "ScrapedLoad"]
+
+Role = Literal["prefill", "decode"]
+
+
+@dataclass
+class ScrapedLoad:
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_cache_usage: float = 0.0
+    at: float | None = None  # clock time of the last successful scrape
+
+
+@dataclass
+class EngineState:
+    id: str
+    url: str
+    roles: tuple[Role, ...]
+    role: Role
+    breaker: CircuitBreaker
+    healthy: bool | None = None  # None until the first probe
+    in_flight_prefill: int = 0
+    in_flight_decode: int = 0
+    scraped: ScrapedLoad = field(default_factory=ScrapedLoad)
+    draining_from: Role | None = None
+    role_since: float = 0.0
+
+    def can(self, role: Role) -> bool:
+        return role in self.roles
+
+    def available(self) -> bool:
+        """Healthy (or not yet probed) and its breaker lets a request through."""
+        return self.healthy is not False and self.breaker.allows_request()
+
+
+class FleetState:
+    def __init__(
+        self,
+        fleet: FleetContract,
+        clock: Clock,
+        *,
+        breaker_failures: int = 3,
+        breaker_open_s: float = 5.0,
+        scrape_stale_s: float = 5.0,
+    ) -> None:
+        self.fleet = fleet
+        self.clock = clock
+        self.scrape_stale_s = scrape_stale_s
+        self.role_generation = 0
+        now = clock.now()
+        self.engines: dict[str, EngineState] = {
+            spec.id: EngineState(
+                id=spec.id,
+                url=spec.url,
+                roles=tuple(spec.roles),
+                role=spec.initial_role,
+                breaker=CircuitBreaker(clock, breaker_failures, breaker_open_s),
+                role_since=now,
+            )
+            for spec in fleet.engines
+        }
+
+    def in_role(self, role: Role) -> list[EngineState]:
+        return [e for e in self.engines.values() if e.role == role]
+
+    def is_permitted(self, prefill_id: str, decode_id: str) -> bool:
+        return self.fleet.is_permitted(prefill_id, decode_id)
+
+    def scraped_fresh(self, engine: EngineState) -> bool:
+        at = engine.scraped.at
+        return at is not None and self.clock.now() - at <= self.scrape_stale_s
+
+    def ready(self) -> tuple[bool, str]:
+        """P/D-aware readiness: a healthy prefill engine, a healthy decode engine, a pair."""
+        prefill = [e for e in self.in_role("prefill") if e.healthy and e.breaker.allows_request()]
+        decode = [e for e in self.in_role("decode") if e.healthy and e.breaker.allows_request()]
+        if not prefill:
+            return False, "no healthy engine in the prefill role"
+        if not decode:
+            return False, "no healthy engine in the decode role"
+        for p in prefill:
+            for d in decode:
+                if self.is_permitted(p.id, d.id):
+                    return True, f"{len(prefill)} prefill, {len(decode)} decode engines healthy"
+        return False, "no permitted KV transfer pair between healthy prefill and decode engines"
+
+    def set_role(self, engine_id: str, role: Role) -> None:
+        engine = self.engines[engine_id]
+        if role == engine.role:
+            return
+        if not engine.can(role):
+            raise ValueError(f"engine {engine_id} is not permitted the {role} role")
+        engine.draining_from = engine.role
+        engine.role = role
+        engine.role_since = self.clock.now()
+        self.role_generation += 1

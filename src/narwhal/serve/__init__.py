@@ -1,0 +1,1 @@
+"""narwhal-serve: the OpenAI-compatible P/D router."""

@@ -1,0 +1,519 @@
+"""The narwhal-serve ASGI application: OpenAI endpoints, readiness, metrics and admin state."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import orjson
+from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+
+from narwhal import __version__
+from narwhal.asgi import DisconnectAwareStreamingResponse
+from narwhal.clock import MonotonicClock
+from narwhal.contract import LoadedFleet
+from narwhal.engines.client import EnginePool
+from narwhal.journal import Journal
+from narwhal.metrics import RouterMetrics
+from narwhal.routing.fleet_state import FleetState
+from narwhal.routing.scheduler import SchedulerV0
+from narwhal.serve.background import probe_all, run_health_loop, run_scrape_loop
+from narwhal.serve.errors import RouterError
+from narwhal.serve.pd import DecodeStream, PDRouter
+from narwhal.serve.record import RequestRecord
+from narwhal.serve.relay import StreamFailed, StreamTally, aggregate, relay_events
+from narwhal.serve.validation import parse_client_request
+
+__all__ = ["ServeSettings", "build_app", "hash_secret"]
+
+log = logging.getLogger("narwhal.serve")
+
+_CLIENT_ID_RE = re.compile(r"[^A-Za-z0-9._:-]")
+T = TypeVar("T")
+
+
+def hash_secret(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode("utf-8")).digest()
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    fleet: LoadedFleet
+    journal_path: Path
+    api_key_hashes: tuple[bytes, ...] = ()
+    admin_token_hash: bytes | None = None
+    max_body_bytes: int = 16 * 1024 * 1024
+    health_interval_s: float = 1.0
+    scrape_interval_s: float = 1.0
+    prefill_timeout_s: float | None = None
+    drain_timeout_s: float = 30.0
+    protect_metrics: bool = False
+    protect_health: bool = False
+    journal_fsync_interval_s: float = 1.0
+    journal_max_bytes: int = 256 * 1024 * 1024
+    journal_on_error: Literal["fail_closed", "best_effort"] = "fail_closed"
+    profile_sha256: str | None = None
+    qualification: dict[str, Any] = field(default_factory=dict)
+
+
+class _ClientGone(Exception):
+    pass
+
+
+@dataclass
+class Runtime:
+    settings: ServeSettings
+    metrics: RouterMetrics
+    state: FleetState
+    journal: Journal | None = None
+    engines: EnginePool | None = None
+    router: PDRouter | None = None
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    active: set[str] = field(default_factory=set)
+    draining: bool = False
+    started_at: float = field(default_factory=time.time)
+
+    # --- request bookkeeping -----------------------------------------------------------
+
+    def finish(
+        self,
+        record: RequestRecord,
+        outcome: str,
+        status: int | None,
+        error: str | None = None,
+        tally: StreamTally | None = None,
+    ) -> None:
+        """Close a request: its one request.end record, its metrics. Idempotent."""
+        if record.ended:
+            return
+        record.ended = True
+        if outcome == "client_abort" and self.draining:
+            outcome = "router_shutdown"
+        record.outcome, record.status, record.error = outcome, status, error
+        if tally is not None:
+            if tally.completion_tokens is not None:
+                record.completion_tokens = tally.completion_tokens
+            if tally.first_token_at is not None:
+                record.t_first_token = tally.first_token_at - record.arrival_mono
+            if tally.last_token_at is not None:
+                record.t_last_token = tally.last_token_at - record.arrival_mono
+        m = self.metrics
+        m.requests.labels(outcome).inc()
+        if outcome == "ok":
+            if record.t_first_token is not None:
+                m.ttft.observe(record.t_first_token)
+            if (
+                record.t_last_token is not None
+                and record.t_first_token is not None
+                and record.completion_tokens
+                and record.completion_tokens > 1
+            ):
+                m.tpot.observe(
+                    (record.t_last_token - record.t_first_token) / (record.completion_tokens - 1)
+                )
+            m.e2e.observe(record.since_arrival())
+        assert self.journal is not None
+        self.journal.request_end(record.id, outcome, **record.end_fields())
+        self.active.discard(record.id)
+
+    def authorized(self, request: Request) -> bool:
+        hashes = self.settings.api_key_hashes
+        if not hashes:
+            return True
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            return False
+        digest = hash_secret(key.strip())
+        # Compare against every key without stopping early: timing says nothing about which.
+        matched = False
+        for known in hashes:
+            matched |= hmac.compare_digest(digest, known)
+        return matched
+
+    def admin_authorized(self, request: Request) -> bool:
+        token = self.settings.admin_token_hash
+        if token is None:
+            return False
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(hash_secret(given.strip()), token)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RouterError(
+            413, f"request body exceeds {limit} bytes", "invalid_request_error", "client_error"
+        )
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RouterError(
+                413, f"request body exceeds {limit} bytes", "invalid_request_error", "client_error"
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work``; if the client disconnects first, cancel it and raise _ClientGone."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            raise _ClientGone()
+    return task.result()
+
+
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+
+def build_app(settings: ServeSettings) -> FastAPI:
+    fleet = settings.fleet.contract
+    clock = MonotonicClock()
+    metrics = RouterMetrics(
+        [e.id for e in fleet.engines], fleet.name, settings.fleet.sha256, settings.profile_sha256
+    )
+    state = FleetState(fleet, clock)
+    rt = Runtime(settings=settings, metrics=metrics, state=state)
+    for engine in state.engines.values():
+        for role in ("prefill", "decode"):
+            metrics.engine_role.labels(engine.id, role).set(1 if engine.role == role else 0)
+    metrics.role_generation.set(state.role_generation)
+
+    def on_journal_write(latency_s: float, backlog: int) -> None:
+        metrics.journal_write.observe(latency_s)
+        metrics.journal_backlog.set(backlog)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        journal = Journal.open(
+            settings.journal_path,
+            recover=True,
+            fsync_interval_s=settings.journal_fsync_interval_s,
+            max_bytes=settings.journal_max_bytes,
+            on_error=settings.journal_on_error,
+            on_write=on_journal_write,
+        )
+        rt.journal = journal
+        journal.router_start(
+            fleet=fleet.name,
+            fleet_sha256=settings.fleet.sha256,
+            profile_sha256=settings.profile_sha256,
+            qualification=settings.qualification,
+            engines={e.id: e.role for e in state.engines.values()},
+        )
+        rt.engines = EnginePool(fleet)
+        prefill_timeout = settings.prefill_timeout_s or max(30.0, 3 * fleet.budgets.ttft_s)
+        rt.router = PDRouter(fleet, state, SchedulerV0(), rt.engines, metrics, prefill_timeout)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(probe_all(state, rt.engines, metrics), 3.0)
+        rt.tasks = [
+            asyncio.create_task(
+                run_health_loop(state, rt.engines, metrics, settings.health_interval_s)
+            ),
+            asyncio.create_task(
+                run_scrape_loop(state, rt.engines, metrics, settings.scrape_interval_s)
+            ),
+        ]
+        try:
+            yield
+        finally:
+            rt.draining = True
+            deadline = time.monotonic() + settings.drain_timeout_s
+            while rt.active and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            for task in rt.tasks:
+                task.cancel()
+            await asyncio.gather(*rt.tasks, return_exceptions=True)
+            await rt.engines.aclose()
+            journal.router_stop(clean=not rt.active)
+            await asyncio.to_thread(journal.close, 10.0)
+
+    app = FastAPI(
+        title="narwhal-serve",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
+    )
+    app.state.runtime = rt
+
+    async def generation(request: Request, chat: bool) -> Response:
+        journal = rt.journal
+        assert journal is not None and rt.router is not None
+        if rt.draining:
+            metrics.admission_rejections.labels("draining").inc()
+            return RouterError(
+                503,
+                "the router is shutting down",
+                "service_unavailable",
+                "rejected",
+                headers={"Retry-After": "1"},
+            ).response()
+        if not journal.accepting:
+            metrics.admission_rejections.labels("journal_unavailable").inc()
+            return RouterError(
+                503,
+                "the request journal cannot record requests; refusing them "
+                "rather than serve unrecorded",
+                "service_unavailable",
+                "rejected",
+                headers={"Retry-After": "5"},
+            ).response()
+        record = RequestRecord(
+            id=uuid.uuid4().hex,
+            arrival=time.time(),
+            arrival_mono=time.monotonic(),
+            endpoint=request.url.path,
+        )
+        client_id = request.headers.get("x-request-id")
+        if client_id:
+            record.client_request_id = _CLIENT_ID_RE.sub("", client_id)[:128] or None
+        if not journal.request_start(
+            record.id,
+            record.arrival,
+            endpoint=record.endpoint,
+            client_request_id=record.client_request_id,
+        ):
+            metrics.admission_rejections.labels("journal_unavailable").inc()
+            return RouterError(
+                503,
+                "the request journal cannot record requests; refusing them "
+                "rather than serve unrecorded",
+                "service_unavailable",
+                "rejected",
+                headers={"Retry-After": "5"},
+            ).response()
+        rt.active.add(record.id)
+        headers = {"X-Request-Id": record.id}
+        try:
+            if not rt.authorized(request):
+                raise RouterError(
+                    401,
+                    "invalid or missing API key",
+                    "authentication_error",
+                    "client_error",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+            raw = await _read_body(request, settings.max_body_bytes)
+            creq = parse_client_request(raw, chat, fleet.model.id, fleet.model.max_model_len)
+            record.stream = creq.stream
+            if creq.prompt_tokens_exact is not None:
+                record.prompt_tokens = creq.prompt_tokens_exact
+            stream = await _until_disconnect(request, rt.router.open(creq, record))
+        except RouterError as exc:
+            rt.finish(record, exc.outcome, exc.status, exc.message)
+            response = exc.response()
+            response.headers.update(headers)
+            return response
+        except (_ClientGone, ClientDisconnect):
+            rt.finish(record, "client_abort", None, "client disconnected before the first token")
+            return Response(status_code=499)
+        except asyncio.CancelledError:
+            rt.finish(record, "client_abort", None, "cancelled before the first token")
+            raise
+        except Exception as exc:  # never a traceback to the client, always a record
+            log.exception("request %s failed", record.id)
+            rt.finish(record, "internal_error", 500, f"{type(exc).__name__}: {exc}")
+            return RouterError(
+                500, "internal router error", "internal_error", "internal_error"
+            ).response()
+        tally = StreamTally()
+        if creq.stream:
+            return DisconnectAwareStreamingResponse(
+                _relay(rt, stream, creq.include_usage, tally, record),
+                media_type="text/event-stream",
+                headers=headers,
+            )
+        try:
+            body = await _until_disconnect(request, aggregate(stream, chat, tally, record))
+        except RouterError as exc:
+            rt.finish(record, exc.outcome, exc.status, exc.message, tally)
+            response = exc.response()
+            response.headers.update(headers)
+            return response
+        except (_ClientGone, ClientDisconnect):
+            rt.finish(record, "client_abort", None, "client disconnected mid-generation", tally)
+            return Response(status_code=499)
+        except asyncio.CancelledError:
+            rt.finish(record, "client_abort", None, "cancelled mid-generation", tally)
+            raise
+        finally:
+            await stream.aclose()
+            rt.router.decode_done(stream.engine)
+        rt.finish(record, "ok", 200, None, tally)
+        return Response(orjson.dumps(body), media_type="application/json", headers=headers)
+
+    @app.post("/v1/completions", include_in_schema=True)
+    async def completions(request: Request) -> Response:
+        return await generation(request, chat=False)
+
+    @app.post("/v1/chat/completions", include_in_schema=True)
+    async def chat_completions(request: Request) -> Response:
+        return await generation(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        if not rt.authorized(request):
+            return RouterError(
+                401, "invalid or missing API key", "authentication_error", "client_error"
+            ).response()
+        return _json(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": fleet.model.id,
+                        "object": "model",
+                        "created": int(rt.started_at),
+                        "owned_by": "narwhal",
+                        "root": fleet.model.id,
+                        "parent": None,
+                        "max_model_len": fleet.model.max_model_len,
+                        "permission": [],
+                    }
+                ],
+            }
+        )
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        if settings.protect_health and not rt.authorized(request):
+            return RouterError(
+                401, "invalid or missing API key", "authentication_error", "client_error"
+            ).response()
+        return _json({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready(request: Request) -> Response:
+        if settings.protect_health and not rt.authorized(request):
+            return RouterError(
+                401, "invalid or missing API key", "authentication_error", "client_error"
+            ).response()
+        ok, reason = state.ready()
+        journal_ok = rt.journal is not None and rt.journal.accepting
+        if not journal_ok:
+            ok, reason = False, "the journal is not accepting records"
+        if rt.draining:
+            ok, reason = False, "draining"
+        return _json({"ready": ok, "reason": reason}, 200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics_endpoint(request: Request) -> Response:
+        if settings.protect_metrics and not rt.authorized(request):
+            return RouterError(
+                401, "invalid or missing API key", "authentication_error", "client_error"
+            ).response()
+        if rt.journal is not None:
+            metrics.journal_backlog.set(rt.journal.backlog)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/admin/state")
+    async def admin_state(request: Request) -> Response:
+        if settings.admin_token_hash is None:
+            return RouterError(
+                403,
+                "admin endpoints are disabled (no admin token configured)",
+                "permission_error",
+                "client_error",
+            ).response()
+        if not rt.admin_authorized(request):
+            return RouterError(
+                401, "admin token required", "authentication_error", "client_error"
+            ).response()
+        now = clock.now()
+        journal = rt.journal
+        return _json(
+            {
+                "fleet": {
+                    "name": fleet.name,
+                    "sha256": settings.fleet.sha256,
+                    "profile_sha256": settings.profile_sha256,
+                },
+                "role_generation": state.role_generation,
+                "draining": rt.draining,
+                "in_flight_requests": len(rt.active),
+                "journal": None
+                if journal is None
+                else {
+                    "path": str(settings.journal_path),
+                    "accepting": journal.accepting,
+                    "healthy": journal.healthy,
+                    "backlog": journal.backlog,
+                    "last_error": journal.last_error,
+                },
+                "engines": [
+                    {
+                        "id": e.id,
+                        "url": e.url,
+                        "roles": list(e.roles),
+                        "role": e.role,
+                        "role_since_s": round(now - e.role_since, 3),
+                        "healthy": e.healthy,
+                        "breaker": e.breaker.state.name.lower(),
+                        "in_flight": {"prefill": e.in_flight_prefill, "decode": e.in_flight_decode},
+                        "scraped": {
+                            "running": e.scraped.running,
+                            "waiting": e.scraped.waiting,
+                            "kv_cache_usage": e.scraped.kv_cache_usage,
+                            "age_s": None if e.scraped.at is None else round(now - e.scraped.at, 3),
+                        },
+                    }
+                    for e in state.engines.values()
+                ],
+            }
+        )
+
+    return app
+
+
+async def _relay(
+    rt: Runtime,
+    stream: DecodeStream,
+    include_usage: bool,
+    tally: StreamTally,
+    record: RequestRecord,
+) -> AsyncIterator[bytes]:
+    outcome, status, error = "client_abort", None, "client disconnected mid-stream"
+    try:
+        async for chunk in relay_events(stream, include_usage, tally, lambda: None):
+            yield chunk
+        outcome, status, error = "ok", 200, None
+    except StreamFailed as exc:
+        outcome, status, error = "stream_error", 200, str(exc)
+    finally:
+        await stream.aclose()
+        assert rt.router is not None
+        rt.router.decode_done(stream.engine)
+        rt.finish(record, outcome, status, error, tally)

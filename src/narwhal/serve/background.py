@@ -1,0 +1,83 @@
+"""The router's background loops: active health probes and engine /metrics scrapes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+
+from narwhal.engines.breaker import BreakerState
+from narwhal.engines.client import EnginePool
+from narwhal.engines.scrape import parse_engine_load
+from narwhal.metrics import RouterMetrics
+from narwhal.routing.fleet_state import EngineState, FleetState
+
+__all__ = ["probe_all", "run_health_loop", "run_scrape_loop"]
+
+log = logging.getLogger(__name__)
+
+
+async def _probe(engine: EngineState, pool: EnginePool, metrics: RouterMetrics) -> None:
+    try:
+        ok = (await pool.probe(engine.id).get("/health")).status_code == 200
+    except httpx.HTTPError:
+        ok = False
+    was = engine.healthy
+    engine.healthy = ok
+    if ok:
+        # A passing probe only closes a breaker whose cool-off has elapsed (half-open):
+        # an engine that answers /health but fails requests stays open.
+        if engine.breaker.allows_request() and engine.breaker.state is BreakerState.HALF_OPEN:
+            engine.breaker.record_success()
+    else:
+        engine.breaker.record_failure()
+    if was is not ok:
+        log.log(
+            logging.INFO if ok else logging.WARNING,
+            "engine %s is %s",
+            engine.id,
+            "healthy" if ok else "unhealthy",
+        )
+    metrics.engine_healthy.labels(engine.id).set(1 if ok else 0)
+    metrics.breaker_state.labels(engine.id).set(int(engine.breaker.state))
+
+
+async def probe_all(state: FleetState, pool: EnginePool, metrics: RouterMetrics) -> None:
+    await asyncio.gather(*(_probe(e, pool, metrics) for e in state.engines.values()))
+
+
+async def run_health_loop(
+    state: FleetState, pool: EnginePool, metrics: RouterMetrics, interval_s: float
+) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        await probe_all(state, pool, metrics)
+
+
+async def _scrape(
+    engine: EngineState, state: FleetState, pool: EnginePool, metrics: RouterMetrics
+) -> None:
+    try:
+        response = await pool.probe(engine.id).get("/metrics")
+        load = parse_engine_load(response.content) if response.status_code == 200 else None
+    except httpx.HTTPError:
+        load = None
+    if load is None:
+        metrics.scrape_errors.labels(engine.id).inc()
+        return
+    scraped = engine.scraped
+    scraped.running = load["running"]
+    scraped.waiting = load["waiting"]
+    scraped.kv_cache_usage = load["kv_cache_usage"]
+    scraped.at = state.clock.now()
+    for signal, value in load.items():
+        metrics.engine_load.labels(engine.id, signal).set(value)
+
+
+async def run_scrape_loop(
+    state: FleetState, pool: EnginePool, metrics: RouterMetrics, interval_s: float
+) -> None:
+    while True:
+        await asyncio.gather(*(_scrape(e, state, pool, metrics) for e in state.engines.values()))
+        await asyncio.sleep(interval_s)

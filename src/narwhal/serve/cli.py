@@ -1,0 +1,222 @@
+"""``narwhal-serve``: the P/D router.
+
+    narwhal-serve --fleet FLEET.json --host 127.0.0.1 --port 8000 --journal JOURNAL.jsonl \\
+        [--skip-qualification | --check-report REPORT.json] [--profiles STORE.json] \\
+        [--api-keys-file FILE] [--admin-token-file FILE]
+
+Bad arguments or a bad fleet file: one line naming the problem, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from narwhal.contract import ContractError, load_fleet
+
+__all__ = ["main"]
+
+log = logging.getLogger("narwhal.serve")
+
+
+class UsageError(Exception):
+    pass
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="narwhal-serve", description="Narwhal P/D router.")
+    p.add_argument("--fleet", required=True, help="fleet contract JSON")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--journal", required=True, help="JSONL request journal path")
+    p.add_argument("--profiles", help="profile store (recorded; used by the profile scheduler)")
+    q = p.add_mutually_exclusive_group()
+    q.add_argument("--check-report", help="narwhal-check report that qualifies this fleet")
+    q.add_argument(
+        "--skip-qualification",
+        action="store_true",
+        help="serve an unqualified fleet (development only; logged loudly)",
+    )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="accepted API key (repeatable; prefer --api-keys-file or NARWHAL_API_KEYS)",
+    )
+    p.add_argument("--api-keys-file", help="file with one API key per line")
+    p.add_argument("--admin-token-file", help="file holding the admin token for /admin/*")
+    p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
+    p.add_argument(
+        "--prefill-timeout",
+        type=float,
+        help="bound on one prefill leg (default: 3 x the TTFT budget, at least 30 s)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds SIGTERM waits for in-flight requests",
+    )
+    p.add_argument("--health-interval", type=float, default=1.0)
+    p.add_argument("--scrape-interval", type=float, default=1.0)
+    p.add_argument("--protect-metrics", action="store_true", help="require an API key on /metrics")
+    p.add_argument(
+        "--protect-health", action="store_true", help="require an API key on /health and /ready"
+    )
+    p.add_argument("--journal-fsync-interval", type=float, default=1.0)
+    p.add_argument("--journal-max-bytes", type=int, default=256 * 1024 * 1024)
+    p.add_argument(
+        "--journal-on-error",
+        choices=["fail_closed", "best_effort"],
+        default="fail_closed",
+        help="when the journal cannot write: refuse requests, or serve unrecorded",
+    )
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def _read_secrets(path: str, what: str) -> list[str]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
+    values = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+    if not values:
+        raise UsageError(f"{path}: no {what} in the file")
+    return values
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
+    from narwhal.serve.app import ServeSettings, hash_secret
+
+    fleet = load_fleet(args.fleet)
+    if not (0 < args.port < 65536):
+        raise UsageError(f"--port: {args.port} is not a TCP port")
+    for name in (
+        "max_body_bytes",
+        "drain_timeout",
+        "health_interval",
+        "scrape_interval",
+        "journal_fsync_interval",
+        "journal_max_bytes",
+    ):
+        if getattr(args, name) <= 0:
+            raise UsageError(f"--{name.replace('_', '-')}: must be positive")
+    if args.prefill_timeout is not None and args.prefill_timeout <= 0:
+        raise UsageError("--prefill-timeout: must be positive")
+    journal = Path(args.journal)
+    if journal.exists() and journal.is_dir():
+        raise UsageError(f"--journal: {journal} is a directory")
+    keys = list(args.api_key)
+    if args.api_keys_file:
+        keys += _read_secrets(args.api_keys_file, "API keys")
+    keys += [k for k in os.environ.get("NARWHAL_API_KEYS", "").split(",") if k.strip()]
+    admin_hash = None
+    if args.admin_token_file:
+        admin_hash = hash_secret(_read_secrets(args.admin_token_file, "admin token")[0])
+    host = args.host
+    if not keys and not _is_loopback(host):
+        log.warning("no API keys configured: binding to 127.0.0.1 instead of %s", host)
+        host = "127.0.0.1"
+    if not keys:
+        log.warning("no API keys configured: any local client can use this router")
+    profile_sha = None
+    if args.profiles:
+        import hashlib
+
+        try:
+            profile_sha = hashlib.sha256(Path(args.profiles).read_bytes()).hexdigest()
+        except OSError as exc:
+            raise UsageError(f"--profiles: cannot read {args.profiles}: {exc.strerror}") from None
+    if args.check_report:
+        raise UsageError(
+            "--check-report: fleet qualification reports are not supported until "
+            "narwhal-check exists; use --skip-qualification for development"
+        )
+    if not args.skip_qualification:
+        raise UsageError(
+            "this fleet is not qualified: pass --check-report REPORT (from "
+            "narwhal-check) or --skip-qualification for development"
+        )
+    log.warning(
+        "SERVING AN UNQUALIFIED FLEET (--skip-qualification): %s sha256 %s",
+        fleet.path,
+        fleet.sha256,
+    )
+    settings = ServeSettings(
+        fleet=fleet,
+        journal_path=journal,
+        api_key_hashes=tuple(hash_secret(k.strip()) for k in keys),
+        admin_token_hash=admin_hash,
+        max_body_bytes=args.max_body_bytes,
+        health_interval_s=args.health_interval,
+        scrape_interval_s=args.scrape_interval,
+        prefill_timeout_s=args.prefill_timeout,
+        drain_timeout_s=args.drain_timeout,
+        protect_metrics=args.protect_metrics,
+        protect_health=args.protect_health,
+        journal_fsync_interval_s=args.journal_fsync_interval,
+        journal_max_bytes=args.journal_max_bytes,
+        journal_on_error=args.journal_on_error,
+        profile_sha256=profile_sha,
+        qualification={"status": "skipped"},
+    )
+    return settings, host
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    # One line per engine call would drown the router's own log.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        settings, host = build_settings(args)
+    except (ContractError, UsageError) as exc:
+        print(f"narwhal-serve: {exc}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from narwhal.serve.app import build_app
+
+    app = build_app(settings)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # Stop admitting at once; uvicorn then drains connections up to the timeout.
+            app.state.runtime.draining = True
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        access_log=False,
+        timeout_graceful_shutdown=int(args.drain_timeout),
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+    )
+    server = Server(config)
+    server.run()
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

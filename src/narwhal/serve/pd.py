@@ -1,0 +1,344 @@
+"""The P/D request path: pick a pair, run the prefill leg, open the decode leg under the
+first-token deadline, retry what can be retried, and hand back a decode stream positioned after
+its first event. Relaying that stream to the client lives in ``relay.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+
+from narwhal.contract import FleetContract
+from narwhal.engines.client import EnginePool
+from narwhal.engines.legs import decode_leg_body, prefill_leg_body
+from narwhal.engines.sse import iter_sse_events
+from narwhal.metrics import RouterMetrics
+from narwhal.routing.fleet_state import EngineState, FleetState
+from narwhal.routing.scheduler import NoPair, SchedulerV0
+from narwhal.serve.errors import RouterError
+from narwhal.serve.record import RequestRecord
+from narwhal.serve.validation import ClientRequest
+
+__all__ = ["DecodeStream", "PDRouter"]
+
+log = logging.getLogger(__name__)
+
+_MAX_ERROR_BODY = 64 * 1024
+
+
+class _LegFailure(Exception):
+    """A leg failed in a way another engine may not: connection, 5xx, timeout, bad answer."""
+
+    def __init__(self, message: str, *, deadline: bool = False) -> None:
+        super().__init__(message)
+        self.deadline = deadline
+
+
+class _EngineClientError(Exception):
+    """The engine refused the request itself (4xx): the client's error, not the engine's."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(f"engine answered {status}")
+        self.status = status
+        self.body = body
+
+
+@dataclass
+class DecodeStream:
+    engine: str
+    response: httpx.Response
+    events: AsyncIterator[bytes]
+    first_event: bytes
+    prefill_prompt_tokens: int | None
+
+    async def aclose(self) -> None:
+        await self.response.aclose()
+
+
+class PDRouter:
+    def __init__(
+        self,
+        fleet: FleetContract,
+        state: FleetState,
+        scheduler: SchedulerV0,
+        engines: EnginePool,
+        metrics: RouterMetrics,
+        prefill_timeout_s: float,
+    ) -> None:
+        self.fleet = fleet
+        self.state = state
+        self.scheduler = scheduler
+        self.engines = engines
+        self.metrics = metrics
+        self.prefill_timeout_s = prefill_timeout_s
+
+    async def open(self, request: ClientRequest, record: RequestRecord) -> DecodeStream:
+        """Run legs until a decode stream has produced its first event, or raise RouterError."""
+        routing = self.fleet.routing
+        deadline_s = self.fleet.engine.first_token_timeout_s
+        failed_prefill: set[str] = set()
+        failed_decode: set[str] = set()
+        prefill_failures = decode_failures = 0
+        last_error = "no attempt"
+        deadline_hit = False
+        while True:
+            pick = self.scheduler.pick(self.state, failed_prefill, failed_decode)
+            if isinstance(pick, NoPair):
+                if prefill_failures or decode_failures:
+                    raise self._exhausted(
+                        prefill_failures, decode_failures, deadline_hit, last_error
+                    )
+                raise RouterError(
+                    503,
+                    f"no engine pair can serve: {pick.reason}",
+                    "service_unavailable",
+                    "unavailable",
+                    headers={"Retry-After": "1"},
+                )
+            prefill = self.state.engines[pick.prefill]
+            decode = self.state.engines[pick.decode]
+            record.role_generation = self.state.role_generation
+            # Prefill leg.
+            try:
+                params, prompt_tokens = await self._prefill(prefill, request, record)
+            except _EngineClientError as exc:
+                raise RouterError.passthrough(exc.status, exc.body) from None
+            except _LegFailure as exc:
+                prefill_failures += 1
+                last_error = f"prefill on {prefill.id}: {exc}"
+                failed_prefill.add(prefill.id)
+                if prefill_failures >= routing.max_prefill_attempts:
+                    raise self._exhausted(
+                        prefill_failures, decode_failures, False, last_error
+                    ) from None
+                self.metrics.retries.labels("prefill").inc()
+                continue
+            # Decode leg, under the first-token deadline.
+            try:
+                return await self._decode(
+                    decode, request, record, params, prompt_tokens, deadline_s
+                )
+            except _EngineClientError as exc:
+                if params is not None:
+                    self._stranded(prefill.id, "decode_failed", record)
+                raise RouterError.passthrough(exc.status, exc.body) from None
+            except _LegFailure as exc:
+                decode_failures += 1
+                last_error = f"decode on {decode.id}: {exc}"
+                failed_decode.add(decode.id)
+                if params is not None:
+                    reason = "deadline_exceeded" if exc.deadline else "decode_failed"
+                    self._stranded(prefill.id, reason, record)
+                if exc.deadline:
+                    deadline_hit = True
+                    if routing.fallback == "fail":
+                        raise self._exhausted(
+                            prefill_failures, decode_failures, True, last_error
+                        ) from None
+                budget_left = self.fleet.budgets.ttft_s - record.since_arrival()
+                if decode_failures >= routing.max_decode_attempts or budget_left <= 0:
+                    raise self._exhausted(
+                        prefill_failures, decode_failures, deadline_hit, last_error
+                    ) from None
+                self.metrics.retries.labels("decode").inc()
+                continue
+
+    def _exhausted(
+        self, prefill_failures: int, decode_failures: int, deadline: bool, last_error: str
+    ) -> RouterError:
+        if deadline:
+            return RouterError(
+                504,
+                f"no first token within the fleet's first-token deadline "
+                f"({self.fleet.engine.first_token_timeout_s} s) on any pair tried: {last_error}",
+                "timeout",
+                "deadline_exceeded",
+                code="first_token_deadline_exceeded",
+            )
+        if decode_failures:
+            return RouterError(
+                502,
+                f"decode failed on every engine tried: {last_error}",
+                "upstream_error",
+                "decode_failed",
+            )
+        return RouterError(
+            502,
+            f"prefill failed on every engine tried: {last_error}",
+            "upstream_error",
+            "prefill_failed",
+        )
+
+    def _stranded(self, prefill_id: str, reason: str, record: RequestRecord) -> None:
+        # The prefill engine holds this KV until its lease expires: nobody will pull it.
+        self.metrics.stranded.labels(prefill_id, reason).inc()
+        record.attempt("handoff", prefill_id, "stranded", reason=reason)
+        log.warning("request %s: KV prefilled on %s stranded (%s)", record.id, prefill_id, reason)
+
+    def _leg_failed(self, engine: EngineState, leg: str) -> None:
+        engine.breaker.record_failure()
+        self.metrics.leg_failures.labels(engine.id, leg).inc()
+        self.metrics.breaker_state.labels(engine.id).set(int(engine.breaker.state))
+
+    def _leg_ok(self, engine: EngineState) -> None:
+        engine.breaker.record_success()
+        self.metrics.breaker_state.labels(engine.id).set(int(engine.breaker.state))
+
+    async def _prefill(
+        self, engine: EngineState, request: ClientRequest, record: RequestRecord
+    ) -> tuple[Any, int | None]:
+        path = "/v1/chat/completions" if request.chat else "/v1/completions"
+        body = orjson.dumps(prefill_leg_body(request.body, request.chat))
+        record.prefill_engine = engine.id
+        record.t_prefill_start = record.since_arrival()
+        engine.breaker.on_dispatch()
+        engine.in_flight_prefill += 1
+        gauge = self.metrics.in_flight.labels(engine.id, "prefill")
+        gauge.inc()
+        try:
+            response = await asyncio.wait_for(
+                self.engines.client(engine.id).post(
+                    path,
+                    content=body,
+                    headers={"X-Request-Id": record.id, "Content-Type": "application/json"},
+                ),
+                self.prefill_timeout_s,
+            )
+        except (httpx.HTTPError, TimeoutError) as exc:
+            self._leg_failed(engine, "prefill")
+            why = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+            record.attempt("prefill", engine.id, "failed", error=why)
+            raise _LegFailure(why) from None
+        finally:
+            engine.in_flight_prefill -= 1
+            gauge.dec()
+        record.t_prefill_end = record.since_arrival()
+        if response.status_code >= 500:
+            self._leg_failed(engine, "prefill")
+            record.attempt("prefill", engine.id, "failed", status=response.status_code)
+            raise _LegFailure(f"HTTP {response.status_code}")
+        if response.status_code >= 400:
+            self._leg_ok(engine)  # the engine is fine; the request is not
+            raise _EngineClientError(response.status_code, response.content[:_MAX_ERROR_BODY])
+        try:
+            data = orjson.loads(response.content)
+            usage = data.get("usage") or {}
+            prompt_tokens = usage.get("prompt_tokens")
+            params = data.get("kv_transfer_params")
+        except (orjson.JSONDecodeError, AttributeError):
+            self._leg_failed(engine, "prefill")
+            record.attempt("prefill", engine.id, "failed", error="malformed response")
+            raise _LegFailure("malformed prefill response") from None
+        self._leg_ok(engine)
+        self.metrics.prefill.labels(engine.id).observe(
+            record.t_prefill_end - record.t_prefill_start
+        )
+        record.attempt("prefill", engine.id, "ok")
+        if isinstance(prompt_tokens, int):
+            record.prompt_tokens = prompt_tokens
+        # vLLM returns kv_transfer_params only when the prefill stopped on its length cap with
+        # blocks to hand over; without them the decode engine prefills the prompt itself.
+        record.handoff = "nixl" if params is not None else "local"
+        return params, prompt_tokens if isinstance(prompt_tokens, int) else None
+
+    async def _decode(
+        self,
+        engine: EngineState,
+        request: ClientRequest,
+        record: RequestRecord,
+        params: Any,
+        prompt_tokens: int | None,
+        deadline_s: float,
+    ) -> DecodeStream:
+        path = "/v1/chat/completions" if request.chat else "/v1/completions"
+        body = orjson.dumps(decode_leg_body(request.body, params))
+        client = self.engines.client(engine.id)
+        record.decode_engine = engine.id
+        record.t_decode_start = record.since_arrival()
+        engine.breaker.on_dispatch()
+        engine.in_flight_decode += 1
+        self.metrics.in_flight.labels(engine.id, "decode").inc()
+        handed_over = False
+        response: httpx.Response | None = None
+
+        async def first_event() -> tuple[httpx.Response, AsyncIterator[bytes], bytes]:
+            nonlocal response
+            req = client.build_request(
+                "POST",
+                path,
+                content=body,
+                headers={
+                    "X-Request-Id": record.id,
+                    "Content-Type": "application/json",
+                    "Accept": "text/event-stream",
+                },
+            )
+            response = await client.send(req, stream=True)
+            if response.status_code >= 400:
+                content = b""
+                async for chunk in response.aiter_bytes():
+                    content += chunk
+                    if len(content) > _MAX_ERROR_BODY:
+                        break
+                if response.status_code >= 500:
+                    raise _LegFailure(f"HTTP {response.status_code}")
+                raise _EngineClientError(response.status_code, content[:_MAX_ERROR_BODY])
+            events = iter_sse_events(response.aiter_bytes())
+            async for data in events:
+                if data == b"[DONE]":
+                    break
+                obj = orjson.loads(data)
+                if isinstance(obj, dict) and "error" in obj:
+                    message = str((obj.get("error") or {}).get("message", obj["error"]))
+                    raise _LegFailure(f"engine error before the first token: {message}")
+                if isinstance(obj, dict) and obj.get("choices"):
+                    return response, events, data
+            raise _LegFailure("stream ended before the first token")
+
+        try:
+            try:
+                resp, events, first = await asyncio.wait_for(first_event(), deadline_s)
+            except TimeoutError:
+                self.metrics.deadline_exceeded.labels(engine.id).inc()
+                record.attempt(
+                    "decode",
+                    engine.id,
+                    "deadline_exceeded",
+                    after_s=round(record.since_arrival() - record.t_decode_start, 6),
+                )
+                raise _LegFailure(f"no first token within {deadline_s} s", deadline=True) from None
+            except (httpx.HTTPError, ValueError, orjson.JSONDecodeError) as exc:
+                self._leg_failed(engine, "decode")
+                record.attempt("decode", engine.id, "failed", error=f"{type(exc).__name__}: {exc}")
+                raise _LegFailure(f"{type(exc).__name__}: {exc}") from None
+            except _LegFailure as exc:
+                self._leg_failed(engine, "decode")
+                record.attempt("decode", engine.id, "failed", error=str(exc))
+                raise
+            except _EngineClientError:
+                self._leg_ok(engine)
+                raise
+            handed_over = True
+        finally:
+            if not handed_over:
+                engine.in_flight_decode -= 1
+                self.metrics.in_flight.labels(engine.id, "decode").dec()
+                if response is not None:
+                    with contextlib.suppress(Exception):
+                        await response.aclose()
+        self._leg_ok(engine)
+        first_token_s = record.since_arrival() - record.t_decode_start
+        record.handoff_first_token_s = first_token_s
+        self.metrics.handoff.labels(engine.id).observe(first_token_s)
+        record.attempt("decode", engine.id, "first_token", after_s=round(first_token_s, 6))
+        return DecodeStream(engine.id, resp, events, first, prompt_tokens)
+
+    def decode_done(self, engine_id: str) -> None:
+        self.state.engines[engine_id].in_flight_decode -= 1
+        self.metrics.in_flight.labels(engine_id, "decode").dec()

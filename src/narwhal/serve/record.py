@@ -1,0 +1,81 @@
+"""What the router learns about one request, and its single terminal journal record."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["RequestRecord"]
+
+
+@dataclass
+class RequestRecord:
+    """Mutable while the request runs; ``end_fields`` becomes its ``request.end`` record.
+
+    Times are seconds after arrival on the monotonic clock (``t_*``), so they are exact
+    durations; ``arrival`` alone is wall-clock, for people.
+    """
+
+    id: str
+    arrival: float  # wall clock
+    arrival_mono: float
+    endpoint: str
+    client_request_id: str | None = None
+    stream: bool | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    prefill_engine: str | None = None
+    decode_engine: str | None = None
+    role_generation: int | None = None
+    handoff: str | None = None  # "nixl" when KV moved, "local" when decode prefilled itself
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+    t_prefill_start: float | None = None
+    t_prefill_end: float | None = None
+    t_decode_start: float | None = None
+    t_first_token: float | None = None
+    t_last_token: float | None = None
+    handoff_first_token_s: float | None = None
+    outcome: str | None = None
+    status: int | None = None
+    error: str | None = None
+    ended: bool = False
+
+    def since_arrival(self) -> float:
+        return time.monotonic() - self.arrival_mono
+
+    def attempt(self, leg: str, engine: str, outcome: str, **extra: Any) -> None:
+        self.attempts.append(
+            {
+                "leg": leg,
+                "engine": engine,
+                "outcome": outcome,
+                "t": round(self.since_arrival(), 6),
+                **extra,
+            }
+        )
+
+    def end_fields(self) -> dict[str, Any]:
+        fields = {
+            "arrival": self.arrival,
+            "endpoint": self.endpoint,
+            "client_request_id": self.client_request_id,
+            "stream": self.stream,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "prefill_engine": self.prefill_engine,
+            "decode_engine": self.decode_engine,
+            "role_generation": self.role_generation,
+            "handoff": self.handoff,
+            "t_prefill_start": self.t_prefill_start,
+            "t_prefill_end": self.t_prefill_end,
+            "t_decode_start": self.t_decode_start,
+            "t_first_token": self.t_first_token,
+            "t_last_token": self.t_last_token,
+            "handoff_first_token_s": self.handoff_first_token_s,
+            "status": self.status,
+            "error": self.error,
+        }
+        if self.attempts:
+            fields["attempts"] = self.attempts
+        return fields

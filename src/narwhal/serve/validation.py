@@ -1,0 +1,203 @@
+"""Client request checks: parse the body once, validate the fields the router uses, refuse what
+it cannot do faithfully, and estimate the prompt length. Everything else passes through to the
+engines, which validate their own fields (their 4xx answers reach the client unchanged)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from narwhal.serve.errors import RouterError, bad_request
+
+__all__ = ["ClientRequest", "parse_client_request"]
+
+# A lower bound on bytes per token used to refuse text prompts that cannot fit before any engine
+# is asked: no tokenizer we serve has tokens longer than this many bytes on average.
+MAX_BYTES_PER_TOKEN = 16
+# The scheduling estimate for text prompts until an engine reports the real count.
+EST_BYTES_PER_TOKEN = 4.0
+
+# Fields the router refuses, with why: each would need the router to merge or fan out
+# per-choice or per-position data from two engines, which P/D serving cannot do faithfully.
+_UNSUPPORTED: dict[str, str] = {
+    "best_of": "best_of is not supported by the P/D router",
+    "echo": "echo is not supported by the P/D router",
+    "logprobs": "logprobs are not supported by the P/D router",
+    "top_logprobs": "top_logprobs are not supported by the P/D router",
+    "prompt_logprobs": "prompt_logprobs are not supported by the P/D router",
+    "use_beam_search": "beam search is not supported by the P/D router",
+    "suffix": "suffix is not supported by the P/D router",
+    "tools": "tool calling is not supported by the P/D router yet",
+    "tool_choice": "tool calling is not supported by the P/D router yet",
+    "functions": "function calling is not supported by the P/D router",
+    "function_call": "function calling is not supported by the P/D router",
+    "kv_transfer_params": "kv_transfer_params is set by the router, not by clients",
+}
+
+
+def _is_off(name: str, value: Any) -> bool:
+    """Values of unsupported fields that mean "off" and are harmless to accept."""
+    if value is None or value is False:
+        return True
+    if name == "best_of":
+        return type(value) is int and value == 1
+    if name == "tool_choice":
+        return value == "none"
+    return isinstance(value, list) and not value
+
+
+@dataclass(frozen=True)
+class ClientRequest:
+    chat: bool
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    prompt_tokens_exact: int | None
+    prompt_tokens_estimate: int
+
+
+def _check_int(body: dict[str, Any], name: str, minimum: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise bad_request(f"'{name}' must be an integer", name)
+    if value < minimum:
+        raise bad_request(f"'{name}' must be at least {minimum} (got {value})", name)
+    return value
+
+
+def _prompt_length(body: dict[str, Any], chat: bool) -> tuple[int | None, int]:
+    """(exact token count if known, estimate)."""
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("'messages' must be a non-empty list", "messages")
+        size = 0
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise bad_request(
+                    f"'messages[{i}]' must be an object with a string 'role'", f"messages[{i}]"
+                )
+            content = message.get("content")
+            if isinstance(content, str):
+                size += len(content.encode("utf-8", "surrogatepass"))
+            elif isinstance(content, list):
+                for part in content:
+                    if isinstance(part, dict) and isinstance(part.get("text"), str):
+                        size += len(part["text"].encode("utf-8", "surrogatepass"))
+            elif content is not None:
+                raise bad_request(
+                    f"'messages[{i}].content' must be a string or a list of parts",
+                    f"messages[{i}].content",
+                )
+            size += 8  # role markers of a chat template
+        return None, max(1, int(size / EST_BYTES_PER_TOKEN))
+    if "prompt" not in body:
+        raise bad_request("'prompt' is required", "prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("'prompt' must not be empty", "prompt")
+        size = len(prompt.encode("utf-8", "surrogatepass"))
+        return None, max(1, int(size / EST_BYTES_PER_TOKEN))
+    if isinstance(prompt, list) and prompt:
+        for token in prompt:
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise bad_request("'prompt' token ids must be non-negative integers", "prompt")
+        return len(prompt), len(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise bad_request(
+            "batched prompts are not supported: send one prompt per request", "prompt"
+        )
+    raise bad_request("'prompt' must be a string or a non-empty list of token ids", "prompt")
+
+
+def parse_client_request(
+    raw: bytes, chat: bool, served_model: str, max_model_len: int
+) -> ClientRequest:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    model = body.get("model")
+    if model is None:
+        raise RouterError(
+            404,
+            f"'model' is required; this router serves '{served_model}'",
+            "not_found_error",
+            "client_error",
+            "model",
+            code="model_not_found",
+        )
+    if not isinstance(model, str):
+        raise bad_request("'model' must be a string", "model")
+    if model != served_model:
+        raise RouterError(
+            404,
+            f"The model '{model}' does not exist; this router serves '{served_model}'",
+            "not_found_error",
+            "client_error",
+            "model",
+            code="model_not_found",
+        )
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise bad_request("'n' must be 1: the P/D router returns one choice per request", "n")
+    for name, why in _UNSUPPORTED.items():
+        if name in body and (name == "kv_transfer_params" or not _is_off(name, body[name])):
+            raise bad_request(why, name)
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad_request("'stream' must be a boolean", "stream")
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise bad_request("'stream_options' must be an object", "stream_options")
+        if not stream:
+            raise bad_request(
+                "'stream_options' is only allowed when 'stream' is true", "stream_options"
+            )
+    include_usage = bool(options and options.get("include_usage"))
+    max_tokens = _check_int(body, "max_tokens", 1)
+    if chat:
+        cap = _check_int(body, "max_completion_tokens", 1)
+        max_tokens = cap if cap is not None else max_tokens
+    _check_int(body, "min_tokens", 0)
+    exact, estimate = _prompt_length(body, chat)
+    if exact is not None:
+        total = exact + (max_tokens or 0)
+        if exact >= max_model_len or total > max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {max_model_len} tokens; the request has"
+                f" {exact} prompt tokens and asks for {max_tokens or 0} more",
+                "prompt" if exact >= max_model_len else "max_tokens",
+            )
+    else:
+        floor = estimate * EST_BYTES_PER_TOKEN / MAX_BYTES_PER_TOKEN
+        if floor > max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {max_model_len} tokens; the prompt is"
+                f" at least {int(floor)} tokens long",
+                "messages" if chat else "prompt",
+            )
+    return ClientRequest(
+        chat=chat,
+        body=body,
+        model=model,
+        stream=stream,
+        include_usage=include_usage,
+        max_tokens=max_tokens,
+        prompt_tokens_exact=exact,
+        prompt_tokens_estimate=estimate,
+    )
