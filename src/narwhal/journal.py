@@ -49,7 +49,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -87,7 +87,8 @@ RECORD_TYPES: Final = frozenset({ROUTER_START, REQUEST_START, REQUEST_END, ROLE_
 
 OUTCOME_ROUTER_RESTART: Final = "router_restart"
 
-#: Keys never written, at any depth (matched case-insensitively, ``-`` read as ``_``).
+#: Keys never written, at any depth (matched case-insensitively, ``-`` read as ``_``; any key
+#: ending in ``_api_key``, such as an ``X-Api-Key`` header, counts as ``api_key``).
 SECRET_KEYS: Final = frozenset(
     {"prompt", "messages", "text", "content", "authorization", "api_key"}
 )
@@ -121,7 +122,8 @@ _ERROR_LOG_INTERVAL_S: Final = 60.0
 
 @functools.lru_cache(maxsize=4096)
 def _is_secret(key: str) -> bool:
-    return key.lower().replace("-", "_") in SECRET_KEYS
+    normal = key.lower().replace("-", "_")
+    return normal in SECRET_KEYS or normal.endswith("_api_key")
 
 
 def _scrub(value: Any, dropped: set[str]) -> Any:
@@ -131,6 +133,8 @@ def _scrub(value: Any, dropped: set[str]) -> Any:
     the call cannot change what is written. Dataclasses and pydantic models are opened up
     here (orjson would otherwise serialise them whole, past the filter).
     """
+    if value is None or isinstance(value, str | int | float):
+        return value
     if isinstance(value, Mapping):
         out: dict[Any, Any] = {}
         for key, item in value.items():
@@ -338,13 +342,9 @@ class RecoveryResult:
     #: True if the previous process wrote ``router.stop``, False if it did not (a crash),
     #: None if the journal holds no ``router.start`` at all.
     clean_shutdown: bool | None = None
-
-    @property
-    def torn_tail(self) -> bool:
-        """Whether the newest file ends in a torn (unterminated, unparseable) line."""
-        return any(
-            line.torn and self.files and line.path == self.files[-1] for line in self.invalid_lines
-        )
+    #: Whether the newest file ends in a torn (unterminated, unparseable) line: the previous
+    #: process was killed mid-write.
+    torn_tail: bool = False
 
     @property
     def open_ids(self) -> list[str]:
@@ -376,14 +376,17 @@ def recover(path: str | os.PathLike[str]) -> RecoveryResult:
     result = RecoveryResult(path=Path(path))
     result.files = journal_files(path)
     for file_path in result.files:
-        _scan_file(file_path, result)
+        result.torn_tail = _scan_file(file_path, result)
     return result
 
 
-def _scan_file(file_path: Path, result: RecoveryResult) -> None:
+def _scan_file(file_path: Path, result: RecoveryResult) -> bool:
+    """Apply one file's records to ``result``; returns whether its last line is torn."""
+    torn = False
     with open(file_path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             terminated = raw.endswith(b"\n")
+            torn = False
             if not raw.strip():
                 continue
             reason = None
@@ -400,9 +403,11 @@ def _scan_file(file_path: Path, result: RecoveryResult) -> None:
                     result.invalid_lines.append(
                         InvalidLine(file_path, lineno, reason, torn=not terminated)
                     )
+                torn = not terminated
                 continue
             result.records_read += 1
             _apply(obj, result)
+    return torn
 
 
 def _apply(record: dict[str, Any], result: RecoveryResult) -> None:
@@ -412,7 +417,8 @@ def _apply(record: dict[str, Any], result: RecoveryResult) -> None:
         if isinstance(request_id, str):
             result.open_requests[request_id] = record
     elif kind == REQUEST_END:
-        if result.open_requests.pop(record.get("id"), None) is None:  # type: ignore[arg-type]
+        request_id = record.get("id")
+        if not isinstance(request_id, str) or result.open_requests.pop(request_id, None) is None:
             result.unmatched_ends += 1
     elif kind == ROUTER_START:
         result.previous_start = record
@@ -614,7 +620,7 @@ class Journal:
         every open request. ``best_effort``: open.
         """
         with self._lock:
-            return self._accepting_locked(extra=1)
+            return self._accepting_locked()
 
     @property
     def last_error(self) -> str | None:
@@ -661,7 +667,7 @@ class Journal:
                 backlog=len(self._pending) + self._inflight,
                 open_requests=len(self._open),
                 healthy=self._healthy_locked(),
-                accepting=self._accepting_locked(extra=1),
+                accepting=self._accepting_locked(),
                 last_error=self._error,
                 rotations=self._rotations,
                 fsyncs=self._fsyncs,
@@ -747,7 +753,7 @@ class Journal:
                 return False
             if self.on_error == "fail_closed":
                 # Room for this start, and for the end of every open request plus this one.
-                if not self._accepting_locked(extra=1):
+                if not self._accepting_locked():
                     self._dropped += 1
                     return False
                 self._open[request_id] = arrival
@@ -876,14 +882,14 @@ class Journal:
     def _healthy_locked(self) -> bool:
         return self._error is None and (self._thread.is_alive() or self._closing)
 
-    def _accepting_locked(self, extra: int) -> bool:
+    def _accepting_locked(self) -> bool:
         if self._closing:
             return False
         if self.on_error == "best_effort":
             return True
         backlog = len(self._pending) + self._inflight
-        # ``extra`` records now, plus one slot for each open request's end and the new one's.
-        return self._healthy_locked() and backlog + extra + len(self._open) + 1 <= self.max_queue
+        # One slot for the start, one for each open request's end, one for the new one's.
+        return self._healthy_locked() and backlog + 1 + len(self._open) + 1 <= self.max_queue
 
     def _encode(
         self,
@@ -948,9 +954,8 @@ class Journal:
                         or self._sync_due()
                     ):
                         self._wake_writer.wait(self._sync_wait())
-                    batch = [
-                        self._pending.popleft() for _ in range(min(_BATCH_MAX, len(self._pending)))
-                    ]
+                    take = min(_BATCH_MAX, len(self._pending))
+                    batch = [self._pending.popleft() for _ in range(take)]
                     self._inflight = len(batch)
                     sync_wanted = self._sync_wanted > self._synced
                     finishing = self._closing and not self._pending
@@ -964,7 +969,10 @@ class Journal:
                             self._synced = self._done
                         self._progress.notify_all()
                 except Exception as exc:  # never let the writer die: that would hang the queue
-                    self._fail("writer", exc, lost=0)
+                    log.exception("journal %s: unexpected writer error", self.path)
+                    with self._lock:
+                        unprocessed = self._inflight
+                    self._fail("writer", exc, lost=unprocessed)
                 if finishing:
                     break
         except BaseException as exc:
@@ -997,7 +1005,7 @@ class Journal:
         group: list[tuple[bytes, float]] = []
         group_bytes = 0
         for item in batch:
-            if self._should_rotate(group_bytes + len(item[0])):
+            if self._should_rotate(group_bytes, len(item[0])):
                 self._write_group(group)
                 group, group_bytes = [], 0
                 self._rotate()
@@ -1005,11 +1013,13 @@ class Journal:
             group_bytes += len(item[0])
         self._write_group(group)
 
-    def _should_rotate(self, incoming: int) -> bool:
+    def _should_rotate(self, unwritten: int, incoming: int) -> bool:
+        """Whether ``incoming`` bytes, after ``unwritten`` bytes not yet written, would take a
+        non-empty file past ``max_bytes`` (a record larger than that gets a file of its own)."""
         if not self.max_bytes or self._file is None:
             return False
-        committed = self._file.size
-        return committed > 0 and committed + incoming > self.max_bytes
+        size = self._file.size + unwritten
+        return size > 0 and size + incoming > self.max_bytes
 
     def _write_group(self, group: list[tuple[bytes, float]]) -> None:
         if not group:
@@ -1065,8 +1075,6 @@ class Journal:
         """``<path>`` -> ``<path>.1`` -> ... -> ``<path>.<backups>`` (the oldest dropped), like
         logging's RotatingFileHandler. The old file is fsynced first: after rotation it is
         never written again."""
-        if self._dirty:
-            self._fsync()
         self._close_file()
         try:
             for index in range(self.backups - 1, 0, -1):
@@ -1076,19 +1084,22 @@ class Journal:
             if self.path.exists():
                 os.replace(self.path, _backup_path(self.path, 1))
             _fsync_dir(self.path.parent)
+            rotated = True
         except OSError as exc:
             # Keep appending to whatever file is there; the next record retries the rotation.
             self._fail("rotate", exc, lost=0)
+            rotated = False
         try:
             self._file = _JournalFile.open(self.path)
         except OSError as exc:
             self._fail("open", exc, lost=0)  # the next write retries the open
-            return
-        with self._lock:
-            self._rotations += 1
+        if rotated:
+            with self._lock:
+                self._rotations += 1
 
     def _fsync(self) -> None:
         if self._file is None:
+            self._dirty = False  # nothing open to sync (_close_file syncs before detaching)
             return
         try:
             self._file.fsync()
@@ -1106,13 +1117,11 @@ class Journal:
                 self._synced = self._done
 
     def _close_file(self) -> None:
-        file, self._file = self._file, None
-        if file is None:
+        if self._file is None:
             return
         if self._dirty:
-            self._file = file
             self._fsync()
-            self._file = None
+        file, self._file = self._file, None
         try:
             file.close()
         except OSError as exc:
@@ -1151,8 +1160,3 @@ def _close_live_journals() -> None:
     for journal in list(_LIVE):
         with contextlib.suppress(Exception):
             journal.close(timeout=2.0)
-
-
-def _iter_lines(path: Path) -> Iterator[bytes]:  # pragma: no cover - kept for tooling
-    with open(path, "rb") as f:
-        yield from f

@@ -60,6 +60,8 @@ class ServeSettings:
     scrape_interval_s: float = 1.0
     prefill_timeout_s: float | None = None
     drain_timeout_s: float = 30.0
+    breaker_failures: int = 3
+    breaker_open_s: float = 5.0
     protect_metrics: bool = False
     protect_health: bool = False
     journal_fsync_interval_s: float = 1.0
@@ -203,7 +205,12 @@ def build_app(settings: ServeSettings) -> FastAPI:
     metrics = RouterMetrics(
         [e.id for e in fleet.engines], fleet.name, settings.fleet.sha256, settings.profile_sha256
     )
-    state = FleetState(fleet, clock)
+    state = FleetState(
+        fleet,
+        clock,
+        breaker_failures=settings.breaker_failures,
+        breaker_open_s=settings.breaker_open_s,
+    )
     rt = Runtime(settings=settings, metrics=metrics, state=state)
     for engine in state.engines.values():
         for role in ("prefill", "decode"):

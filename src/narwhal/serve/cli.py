@@ -64,6 +64,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--health-interval", type=float, default=1.0)
     p.add_argument("--scrape-interval", type=float, default=1.0)
+    p.add_argument(
+        "--breaker-failures",
+        type=int,
+        default=3,
+        help="consecutive failures that open an engine's circuit breaker",
+    )
+    p.add_argument(
+        "--breaker-open-seconds",
+        type=float,
+        default=5.0,
+        help="how long an open breaker waits before a half-open probe",
+    )
     p.add_argument("--protect-metrics", action="store_true", help="require an API key on /metrics")
     p.add_argument(
         "--protect-health", action="store_true", help="require an API key on /health and /ready"
@@ -167,6 +179,8 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
         scrape_interval_s=args.scrape_interval,
         prefill_timeout_s=args.prefill_timeout,
         drain_timeout_s=args.drain_timeout,
+        breaker_failures=args.breaker_failures,
+        breaker_open_s=args.breaker_open_seconds,
         protect_metrics=args.protect_metrics,
         protect_health=args.protect_health,
         journal_fsync_interval_s=args.journal_fsync_interval,
@@ -201,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             # Stop admitting at once; uvicorn then drains connections up to the timeout.
             app.state.runtime.draining = True
             super().handle_exit(sig, frame)
+            # A drained shutdown is a success: exit 0 rather than re-raise the signal.
+            self._captured_signals.clear()
 
     config = uvicorn.Config(
         app,

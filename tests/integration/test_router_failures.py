@@ -1,0 +1,398 @@
+"""narwhal-serve's failure paths, each on a live simulated fleet with fault injection: the
+client-visible result, the journal record and the metrics."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from narwhal.sim.fleet import SimFleet
+from tests.helpers import (
+    MODEL,
+    RouterProcess,
+    admin,
+    metric,
+    running_fleet,
+    running_router,
+    start_router,
+    stop_router,
+    wait_until,
+)
+
+PROMPT = [300 + (i * 7) % 9000 for i in range(120)]
+ROUTER_ARGS = ("--breaker-open-seconds", "0.3", "--health-interval", "0.2")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SimFleet, RouterProcess]]:
+    directory = tmp_path_factory.mktemp("router-failures")
+    with (
+        running_fleet(directory, 4, first_token_timeout_s=1.0) as fleet,
+        running_router(directory, fleet.fleet_path, *ROUTER_ARGS) as router,
+    ):
+        yield fleet, router
+
+
+@pytest.fixture(autouse=True)
+def clear_faults(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "stack" in request.fixturenames:
+        fleet, router = request.getfixturevalue("stack")
+        for engine in fleet.engines.values():
+            if engine.alive:
+                admin(engine.url, "DELETE")
+
+        def breakers_closed() -> bool:
+            return all(e["breaker"] == "closed" for e in router.admin_state()["engines"])
+
+        # Closed breakers for the next test: a probe or a success closes a half-open one.
+        if not wait_until(breakers_closed, 5):
+            for _ in range(4):
+                post(router, max_tokens=1)
+            assert wait_until(breakers_closed, 5)
+
+
+def post(
+    router: RouterProcess, stream: bool = False, timeout: float = 30, **body: Any
+) -> httpx.Response:
+    payload = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **body}
+    if stream:
+        payload["stream"] = True
+    return httpx.post(router.url + "/v1/completions", json=payload, timeout=timeout)
+
+
+def end_of(router: RouterProcess, response: httpx.Response) -> dict[str, Any]:
+    rid = response.headers["x-request-id"]
+    assert wait_until(lambda: rid in router.ends(), 5)
+    return router.ends()[rid]
+
+
+def sse(response: httpx.Response) -> list[Any]:
+    out = []
+    for line in response.text.splitlines():
+        if line.startswith("data: "):
+            data = line[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_prefill_5xx_retries_on_another_prefill_engine(stack) -> None:  # noqa: ANN001
+    fleet, router = stack
+    admin(fleet.engines["e0"].url, "POST", {"fail_next": 10})
+    before = router.metrics()
+    retried = None
+    for _ in range(6):
+        r = post(router)
+        assert r.status_code == 200, r.text
+        end = end_of(router, r)
+        assert end["outcome"] == "ok"
+        if any(a["leg"] == "prefill" and a["outcome"] == "failed" for a in end["attempts"]):
+            retried = end
+            break
+    assert retried is not None, "no request was sent to the failing prefill engine"
+    assert [a["engine"] for a in retried["attempts"] if a["leg"] == "prefill"] == ["e0", "e1"]
+    assert retried["prefill_engine"] == "e1"
+    after = router.metrics()
+    assert (
+        metric(after, "narwhal_retries_total", leg="prefill")
+        - metric(before, "narwhal_retries_total", leg="prefill")
+        >= 1
+    )
+    assert metric(after, "narwhal_leg_failures_total", engine="e0", leg="prefill") > metric(
+        before, "narwhal_leg_failures_total", engine="e0", leg="prefill"
+    )
+
+
+def test_prefill_failing_everywhere_is_a_clear_502(stack) -> None:  # noqa: ANN001
+    fleet, router = stack
+    for engine in ("e0", "e1"):
+        admin(fleet.engines[engine].url, "POST", {"fail_next": 2})
+    before = router.metrics()
+    r = post(router)
+    assert r.status_code == 502
+    assert r.json()["error"]["type"] == "upstream_error"
+    assert "prefill failed" in r.json()["error"]["message"]
+    end = end_of(router, r)
+    assert end["outcome"] == "prefill_failed" and end["status"] == 502
+    assert (
+        metric(router.metrics(), "narwhal_requests_total", outcome="prefill_failed")
+        == metric(before, "narwhal_requests_total", outcome="prefill_failed") + 1
+    )
+
+
+def test_decode_failure_before_first_token_retries_with_a_fresh_prefill(stack) -> None:  # noqa: ANN001
+    fleet, router = stack
+    admin(fleet.engines["e2"].url, "POST", {"fail_next": 10})
+    before = router.metrics()
+    retried = None
+    for _ in range(6):
+        r = post(router, max_tokens=5)
+        assert r.status_code == 200, r.text
+        end = end_of(router, r)
+        if any(a["leg"] == "decode" and a["outcome"] == "failed" for a in end["attempts"]):
+            retried = end
+            break
+    assert retried is not None
+    legs = [(a["leg"], a["engine"], a["outcome"]) for a in retried["attempts"]]
+    assert ("decode", "e2", "failed") in legs and ("decode", "e3", "first_token") in legs
+    assert sum(1 for leg in legs if leg[0] == "prefill" and leg[2] == "ok") == 2  # fresh prefill
+    assert any(a["outcome"] == "stranded" for a in retried["attempts"])
+    assert retried["decode_engine"] == "e3" and retried["completion_tokens"] == 5
+    after = router.metrics()
+    assert metric(after, "narwhal_stranded_handoffs_total", reason="decode_failed") > metric(
+        before, "narwhal_stranded_handoffs_total", reason="decode_failed"
+    )
+    assert metric(after, "narwhal_retries_total", leg="decode") > metric(
+        before, "narwhal_retries_total", leg="decode"
+    )
+
+
+def test_first_token_deadline_aborts_and_retries_elsewhere(stack) -> None:  # noqa: ANN001
+    fleet, router = stack
+    admin(fleet.engines["e2"].url, "POST", {"stall_first_token_s": 3.0})
+    before = router.metrics()
+    retried = None
+    for _ in range(6):
+        t0 = time.monotonic()
+        r = post(router, stream=True)
+        elapsed = time.monotonic() - t0
+        assert r.status_code == 200, r.text
+        end = end_of(router, r)
+        if any(a["outcome"] == "deadline_exceeded" for a in end["attempts"]):
+            retried = end
+            assert elapsed < 3.0  # the stalled leg was abandoned, not waited out
+            break
+    assert retried is not None
+    assert retried["outcome"] == "ok" and retried["decode_engine"] == "e3"
+    deadline = next(a for a in retried["attempts"] if a["outcome"] == "deadline_exceeded")
+    assert deadline["engine"] == "e2" and deadline["after_s"] >= 1.0
+    after = router.metrics()
+    assert metric(after, "narwhal_first_token_deadline_exceeded_total", engine="e2") > metric(
+        before, "narwhal_first_token_deadline_exceeded_total", engine="e2"
+    )
+    # The aborted decode leg was closed: the stalled engine is not left streaming.
+    assert wait_until(
+        lambda: admin(fleet.engines["e2"].url, "GET", path="/sim/state").json()["running"] == 0, 5
+    )
+
+
+def test_deadline_everywhere_is_a_504(stack) -> None:  # noqa: ANN001
+    fleet, router = stack
+    for engine in ("e2", "e3"):
+        admin(fleet.engines[engine].url, "POST", {"stall_first_token_s": 3.0})
+    r = post(router, stream=True)
+    assert r.status_code == 504
+    body = r.json()
+    assert body["error"]["code"] == "first_token_deadline_exceeded"
+    end = end_of(router, r)
+    assert end["outcome"] == "deadline_exceeded" and end["status"] == 504
+    assert sum(1 for a in end["attempts"] if a["outcome"] == "deadline_exceeded") == 2
+
+
+def test_failure_after_first_token_ends_stream_with_error_event(stack) -> None:  # noqa: ANN001
+    fleet, router = stack
+    for engine in ("e2", "e3"):
+        admin(fleet.engines[engine].url, "POST", {"drop_stream_after_tokens": 2})
+    r = post(router, stream=True, max_tokens=10)
+    assert r.status_code == 200
+    events = sse(r)
+    assert events[-1] == "[DONE]"
+    assert "error" in events[-2]
+    tokens = [e for e in events[:-2] if isinstance(e, dict) and e.get("choices")]
+    assert len(tokens) == 2
+    end = end_of(router, r)
+    assert end["outcome"] == "stream_error"
+    # Non-streamed: the client never sees a truncated completion as if it were whole.
+    r = post(router, max_tokens=10)
+    assert r.status_code == 502
+    assert end_of(router, r)["outcome"] == "stream_error"
+
+
+def test_client_disconnect_mid_stream_closes_the_decode_leg(stack) -> None:  # noqa: ANN001
+    fleet, router = stack
+    with httpx.stream(
+        "POST",
+        router.url + "/v1/completions",
+        timeout=30,
+        json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "stream": True},
+    ) as r:
+        rid = r.headers["x-request-id"]
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break
+    assert wait_until(lambda: rid in router.ends(), 5)
+    assert router.ends()[rid]["outcome"] == "client_abort"
+    for engine in ("e2", "e3"):
+        url = fleet.engines[engine].url
+        assert wait_until(
+            lambda u=url: admin(u, "GET", path="/sim/state").json()["running"] == 0, 5
+        )
+
+
+def test_client_disconnect_during_prefill_closes_the_prefill_leg(stack) -> None:  # noqa: ANN001
+    fleet, router = stack
+    for engine in ("e0", "e1"):
+        admin(fleet.engines[engine].url, "POST", {"slowdown": 5000.0})
+    ids_before = set(router.ends())
+    with pytest.raises(httpx.ReadTimeout):
+        post(router, timeout=0.5)
+
+    def aborted() -> bool:
+        new = [e for rid, e in router.ends().items() if rid not in ids_before]
+        return bool(new) and new[0]["outcome"] == "client_abort"
+
+    assert wait_until(aborted, 5)
+    for engine in ("e0", "e1"):
+        url = fleet.engines[engine].url
+        assert wait_until(
+            lambda u=url: admin(u, "GET", path="/sim/state").json()["running"] == 0, 5
+        )
+
+
+def test_unknown_and_bad_requests_are_client_errors_without_5xx(stack) -> None:  # noqa: ANN001
+    _, router = stack
+    cases = [
+        (b"{not json", 400, None),
+        (json.dumps({"prompt": "x"}).encode(), 404, "model"),
+        (json.dumps({"model": "other", "prompt": "x"}).encode(), 404, "model"),
+        (json.dumps({"model": MODEL, "prompt": "x", "n": 2}).encode(), 400, "n"),
+        (json.dumps({"model": MODEL, "prompt": "x", "best_of": 3}).encode(), 400, "best_of"),
+        (json.dumps({"model": MODEL, "prompt": "x", "logprobs": 2}).encode(), 400, "logprobs"),
+        (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": -1}).encode(), 400, "max_tokens"),
+        (
+            json.dumps(
+                {"model": MODEL, "prompt": "x", "kv_transfer_params": {"remote_host": "10.0.0.1"}}
+            ).encode(),
+            400,
+            "kv_transfer_params",
+        ),
+        (json.dumps({"model": MODEL, "prompt": "a" * (16384 * 17)}).encode(), 400, "prompt"),
+        (json.dumps({"model": MODEL, "prompt": [1] * 20000}).encode(), 400, "prompt"),
+        (
+            json.dumps({"model": MODEL, "prompt": "x", "stream_options": {}}).encode(),
+            400,
+            "stream_options",
+        ),
+        (json.dumps([1, 2]).encode(), 400, None),
+    ]
+    before = router.metrics()
+    for raw, status, param in cases:
+        r = httpx.post(
+            router.url + "/v1/completions",
+            content=raw,
+            timeout=10,
+            headers={"Content-Type": "application/json"},
+        )
+        assert r.status_code == status, (raw[:80], r.text)
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["param"] == param, (raw[:80], error)
+        assert end_of(router, r)["outcome"] == "client_error"
+    too_big = httpx.post(
+        router.url + "/v1/completions", content=b"x" * (17 * 1024 * 1024), timeout=30
+    )
+    assert too_big.status_code == 413 and "error" in too_big.json()
+    after = router.metrics()
+    assert (
+        metric(after, "narwhal_requests_total", outcome="client_error")
+        - metric(before, "narwhal_requests_total", outcome="client_error")
+        == len(cases) + 1
+    )
+    for outcome in ("internal_error",):
+        assert metric(after, "narwhal_requests_total", outcome=outcome) == 0
+
+
+def test_dead_prefill_engine_fails_over_and_ready_tracks_pairs(tmp_path: Path) -> None:
+    with (
+        running_fleet(
+            tmp_path, 3, initial_roles=["prefill", "prefill", "decode"], first_token_timeout_s=1.0
+        ) as fleet,
+        running_router(tmp_path, fleet.fleet_path, *ROUTER_ARGS) as router,
+    ):
+        fleet.kill("e0")
+        for _ in range(4):
+            r = post(router)
+            assert r.status_code == 200, r.text
+        state = router.admin_state()
+        e0 = next(e for e in state["engines"] if e["id"] == "e0")
+        assert e0["healthy"] is False
+        assert metric(router.metrics(), "narwhal_engine_healthy", engine="e0") == 0
+        fleet.kill("e2")
+        assert wait_until(lambda: httpx.get(router.url + "/ready").status_code == 503, 5)
+        assert "decode" in httpx.get(router.url + "/ready").json()["reason"]
+        r = post(router)
+        assert r.status_code in (502, 503)
+        assert "error" in r.json()
+        assert end_of(router, r)["outcome"] in ("unavailable", "decode_failed")
+
+
+def test_fallback_fail_gives_504_without_retry(tmp_path: Path) -> None:
+    with running_fleet(
+        tmp_path,
+        3,
+        initial_roles=["prefill", "decode", "decode"],
+        first_token_timeout_s=1.0,
+        routing={"fallback": "fail"},
+    ) as fleet:
+        router = start_router(tmp_path, fleet.fleet_path, *ROUTER_ARGS)
+        try:
+            for engine in ("e1", "e2"):
+                admin(fleet.engines[engine].url, "POST", {"stall_first_token_s": 3.0})
+            r = post(router, stream=True)
+            assert r.status_code == 504
+            end = end_of(router, r)
+            assert end["outcome"] == "deadline_exceeded"
+            assert sum(1 for a in end["attempts"] if a["leg"] == "decode") == 1
+        finally:
+            stop_router(router)
+
+
+def test_api_keys_and_sigterm_drain(tmp_path: Path) -> None:
+    with running_fleet(tmp_path, 2) as fleet:
+        keys = tmp_path / "keys"
+        keys.write_text("sk-test-1\nsk-test-2\n")
+        router = start_router(tmp_path, fleet.fleet_path, "--api-keys-file", str(keys))
+        try:
+            ok = httpx.post(
+                router.url + "/v1/completions",
+                timeout=30,
+                headers={"Authorization": "Bearer sk-test-2"},
+                json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2},
+            )
+            assert ok.status_code == 200
+            bad = httpx.post(
+                router.url + "/v1/completions",
+                timeout=30,
+                headers={"Authorization": "Bearer sk-wrong"},
+                json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2},
+            )
+            assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
+            assert end_of(router, bad)["outcome"] == "client_error"
+            # A long stream in flight when SIGTERM arrives still completes.
+            with httpx.stream(
+                "POST",
+                router.url + "/v1/completions",
+                timeout=30,
+                headers={"Authorization": "Bearer sk-test-1"},
+                json={"model": MODEL, "prompt": PROMPT, "max_tokens": 150, "stream": True},
+            ) as r:
+                lines = iter(r.iter_lines())
+                first = next(ln for ln in lines if ln.startswith("data: "))
+                assert first
+                router.process.send_signal(15)
+                rest = [ln for ln in lines if ln.startswith("data: ")]
+            assert rest[-1] == "data: [DONE]"
+            assert router.process.wait(30) == 0
+        finally:
+            stop_router(router)
+        records = router.records()
+        assert records[-1]["type"] == "router.stop"
+        ends = [r for r in records if r["type"] == "request.end"]
+        assert [e["outcome"] for e in ends] == ["ok", "client_error", "ok"]
+        assert "sk-test" not in router.journal.read_text()

@@ -1,0 +1,226 @@
+"""narwhal-serve in front of a live simulated fleet: the happy path, exactly as one engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from narwhal.sim.fleet import SimFleet
+from tests.helpers import (
+    MODEL,
+    RouterProcess,
+    metric,
+    running_fleet,
+    running_router,
+)
+
+PROMPT = " ".join(f"token{i} of a long prompt" for i in range(50))
+IDS = [300 + (i * 53) % 9000 for i in range(200)]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SimFleet, RouterProcess]]:
+    directory = tmp_path_factory.mktemp("router-pd")
+    with (
+        running_fleet(directory, 4) as fleet,
+        running_router(directory, fleet.fleet_path) as router,
+    ):
+        yield fleet, router
+
+
+def whole(fleet: SimFleet, chat: bool, **body: object) -> openai.types.Completion:
+    client = openai.OpenAI(base_url=fleet.engines["e2"].url + "/v1", api_key="x", max_retries=0)
+    if chat:
+        return client.chat.completions.create(model=MODEL, **body)  # type: ignore[arg-type]
+    return client.completions.create(model=MODEL, **body)  # type: ignore[arg-type]
+
+
+def through(router: RouterProcess, chat: bool, **body: object):  # noqa: ANN201
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+    if chat:
+        return client.chat.completions.create(model=MODEL, **body)  # type: ignore[arg-type]
+    return client.completions.create(model=MODEL, **body)  # type: ignore[arg-type]
+
+
+def collect_stream(stream, chat: bool) -> tuple[str, object]:  # noqa: ANN001
+    text, usage = [], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            piece = choice.delta.content if chat else choice.text
+            if piece:
+                text.append(piece)
+    return "".join(text), usage
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, IDS], ids=["text", "token-ids"])
+def test_completion_equals_one_engine(stack, prompt) -> None:  # noqa: ANN001
+    fleet, router = stack
+    expected = whole(fleet, False, prompt=prompt, max_tokens=12)
+    got = through(router, False, prompt=prompt, max_tokens=12)
+    assert got.choices[0].text == expected.choices[0].text
+    assert got.choices[0].finish_reason == expected.choices[0].finish_reason == "length"
+    assert got.usage.prompt_tokens == expected.usage.prompt_tokens
+    assert got.usage.completion_tokens == expected.usage.completion_tokens == 12
+    assert got.usage.total_tokens == expected.usage.total_tokens
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, IDS], ids=["text", "token-ids"])
+def test_streamed_completion_equals_one_engine(stack, prompt) -> None:  # noqa: ANN001
+    fleet, router = stack
+    body = dict(prompt=prompt, max_tokens=9, stream=True, stream_options={"include_usage": True})
+    exp_text, exp_usage = collect_stream(whole(fleet, False, **body), False)
+    got_text, got_usage = collect_stream(through(router, False, **body), False)
+    assert got_text == exp_text
+    assert got_usage is not None and exp_usage is not None
+    assert got_usage.prompt_tokens == exp_usage.prompt_tokens
+    assert got_usage.completion_tokens == exp_usage.completion_tokens == 9
+    assert got_usage.total_tokens == exp_usage.total_tokens
+
+
+def test_chat_equals_one_engine(stack) -> None:  # noqa: ANN001
+    fleet, router = stack
+    messages = [{"role": "user", "content": PROMPT}]
+    expected = whole(fleet, True, messages=messages, max_tokens=7)
+    got = through(router, True, messages=messages, max_tokens=7)
+    assert got.choices[0].message.content == expected.choices[0].message.content
+    assert got.choices[0].message.role == "assistant"
+    assert got.usage.prompt_tokens == expected.usage.prompt_tokens
+    assert got.usage.completion_tokens == expected.usage.completion_tokens == 7
+
+
+def test_streamed_chat_equals_one_engine(stack) -> None:  # noqa: ANN001
+    fleet, router = stack
+    body = dict(
+        messages=[{"role": "user", "content": PROMPT}],
+        max_completion_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    exp_text, exp_usage = collect_stream(whole(fleet, True, **body), True)
+    got_text, got_usage = collect_stream(through(router, True, **body), True)
+    assert got_text == exp_text
+    assert got_usage.prompt_tokens == exp_usage.prompt_tokens
+    assert got_usage.completion_tokens == exp_usage.completion_tokens == 6
+
+
+def test_stream_without_usage_gets_no_usage_chunk(stack) -> None:  # noqa: ANN001
+    _, router = stack
+    with httpx.stream(
+        "POST",
+        router.url + "/v1/completions",
+        timeout=30,
+        json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "stream": True},
+    ) as r:
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert not any('"choices":[]' in ln for ln in lines)
+
+
+def test_journal_and_metrics_record_the_handoff(stack) -> None:  # noqa: ANN001
+    fleet, router = stack
+    r = httpx.post(
+        router.url + "/v1/completions",
+        timeout=30,
+        json={"model": MODEL, "prompt": IDS, "max_tokens": 5},
+        headers={"X-Request-Id": "client-id-1"},
+    )
+    assert r.status_code == 200
+    rid = r.headers["x-request-id"]
+    ends = router.ends()
+    starts = [
+        rec for rec in router.records() if rec["type"] == "request.start" and rec["id"] == rid
+    ]
+    assert len(starts) == 1
+    end = ends[rid]
+    assert end["outcome"] == "ok" and end["status"] == 200
+    assert end["client_request_id"] == "client-id-1"
+    assert end["prompt_tokens"] == len(IDS) and end["completion_tokens"] == 5
+    assert end["prefill_engine"] in ("e0", "e1") and end["decode_engine"] in ("e2", "e3")
+    assert end["handoff"] == "nixl"
+    for key in (
+        "t_prefill_start",
+        "t_prefill_end",
+        "t_decode_start",
+        "t_first_token",
+        "t_last_token",
+    ):
+        assert end[key] is not None, key
+    assert (
+        end["t_prefill_start"]
+        <= end["t_prefill_end"]
+        <= end["t_decode_start"]
+        <= end["t_first_token"]
+        <= end["t_last_token"]
+    )
+    assert end["handoff_first_token_s"] > 0
+    text = router.metrics()
+    assert metric(text, "narwhal_requests_total", outcome="ok") >= 1
+    assert metric(text, "narwhal_kv_handoff_seconds_count") >= 1
+    # No prompt and no completion text in the journal.
+    raw = router.journal.read_text()
+    assert "token1 of a long prompt" not in raw
+    decode_metrics = httpx.get(fleet.engines[end["decode_engine"]].url + "/metrics").text
+    assert metric(decode_metrics, "vllm:nixl_bytes_transferred_count") >= 1
+
+
+def test_every_counter_exists_at_zero_from_start(stack) -> None:  # noqa: ANN001
+    _, router = stack
+    text = router.metrics()
+    for outcome in (
+        "ok",
+        "client_error",
+        "deadline_exceeded",
+        "decode_failed",
+        "prefill_failed",
+        "client_abort",
+        "router_restart",
+    ):
+        assert f'narwhal_requests_total{{outcome="{outcome}"}}' in text
+    for engine in ("e0", "e1", "e2", "e3"):
+        assert f'narwhal_first_token_deadline_exceeded_total{{engine="{engine}"}}' in text
+        assert (
+            f'narwhal_stranded_handoffs_total{{engine="{engine}",reason="decode_failed"}}' in text
+        )
+    assert 'narwhal_flips_total{from_role="prefill",to_role="decode"}' in text
+    assert "narwhal_fleet_info{" in text
+    assert "narwhal_journal_backlog" in text
+
+
+def test_models_ready_health_admin(stack) -> None:  # noqa: ANN001
+    _, router = stack
+    models = httpx.get(router.url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert httpx.get(router.url + "/health").status_code == 200
+    ready = httpx.get(router.url + "/ready")
+    assert ready.status_code == 200 and ready.json()["ready"] is True
+    assert httpx.get(router.url + "/admin/state").status_code == 401
+    state = router.admin_state()
+    assert {e["id"]: e["role"] for e in state["engines"]} == {
+        "e0": "prefill",
+        "e1": "prefill",
+        "e2": "decode",
+        "e3": "decode",
+    }
+    assert all(e["healthy"] for e in state["engines"])
+
+
+def test_token_id_prompt_length_checked_before_any_engine(stack, tmp_path: Path) -> None:  # noqa: ANN001
+    _, router = stack
+    before = router.metrics()
+    r = httpx.post(
+        router.url + "/v1/completions",
+        json={"model": MODEL, "prompt": [400] * 16384, "max_tokens": 1},
+    )
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "prompt"
+    after = router.metrics()
+    # No engine leg was attempted for it.
+    assert metric(after, "narwhal_prefill_seconds_count") == metric(
+        before, "narwhal_prefill_seconds_count"
+    )
