@@ -82,7 +82,7 @@ def sse(response: httpx.Response) -> list[Any]:
     return out
 
 
-def test_prefill_5xx_retries_on_another_prefill_engine(stack) -> None:  # noqa: ANN001
+def test_prefill_5xx_retries_on_another_prefill_engine(stack) -> None:
     fleet, router = stack
     admin(fleet.engines["e0"].url, "POST", {"fail_next": 10})
     before = router.metrics()
@@ -109,7 +109,7 @@ def test_prefill_5xx_retries_on_another_prefill_engine(stack) -> None:  # noqa: 
     )
 
 
-def test_prefill_failing_everywhere_is_a_clear_502(stack) -> None:  # noqa: ANN001
+def test_prefill_failing_everywhere_is_a_clear_502(stack) -> None:
     fleet, router = stack
     for engine in ("e0", "e1"):
         admin(fleet.engines[engine].url, "POST", {"fail_next": 2})
@@ -126,7 +126,7 @@ def test_prefill_failing_everywhere_is_a_clear_502(stack) -> None:  # noqa: ANN0
     )
 
 
-def test_decode_failure_before_first_token_retries_with_a_fresh_prefill(stack) -> None:  # noqa: ANN001
+def test_decode_failure_before_first_token_retries_with_a_fresh_prefill(stack) -> None:
     fleet, router = stack
     admin(fleet.engines["e2"].url, "POST", {"fail_next": 10})
     before = router.metrics()
@@ -153,7 +153,7 @@ def test_decode_failure_before_first_token_retries_with_a_fresh_prefill(stack) -
     )
 
 
-def test_first_token_deadline_aborts_and_retries_elsewhere(stack) -> None:  # noqa: ANN001
+def test_first_token_deadline_aborts_and_retries_elsewhere(stack) -> None:
     fleet, router = stack
     admin(fleet.engines["e2"].url, "POST", {"stall_first_token_s": 3.0})
     before = router.metrics()
@@ -182,7 +182,7 @@ def test_first_token_deadline_aborts_and_retries_elsewhere(stack) -> None:  # no
     )
 
 
-def test_deadline_everywhere_is_a_504(stack) -> None:  # noqa: ANN001
+def test_deadline_everywhere_is_a_504(stack) -> None:
     fleet, router = stack
     for engine in ("e2", "e3"):
         admin(fleet.engines[engine].url, "POST", {"stall_first_token_s": 3.0})
@@ -195,7 +195,7 @@ def test_deadline_everywhere_is_a_504(stack) -> None:  # noqa: ANN001
     assert sum(1 for a in end["attempts"] if a["outcome"] == "deadline_exceeded") == 2
 
 
-def test_failure_after_first_token_ends_stream_with_error_event(stack) -> None:  # noqa: ANN001
+def test_failure_after_first_token_ends_stream_with_error_event(stack) -> None:
     fleet, router = stack
     for engine in ("e2", "e3"):
         admin(fleet.engines[engine].url, "POST", {"drop_stream_after_tokens": 2})
@@ -214,7 +214,7 @@ def test_failure_after_first_token_ends_stream_with_error_event(stack) -> None: 
     assert end_of(router, r)["outcome"] == "stream_error"
 
 
-def test_client_disconnect_mid_stream_closes_the_decode_leg(stack) -> None:  # noqa: ANN001
+def test_client_disconnect_mid_stream_closes_the_decode_leg(stack) -> None:
     fleet, router = stack
     with httpx.stream(
         "POST",
@@ -235,7 +235,7 @@ def test_client_disconnect_mid_stream_closes_the_decode_leg(stack) -> None:  # n
         )
 
 
-def test_client_disconnect_during_prefill_closes_the_prefill_leg(stack) -> None:  # noqa: ANN001
+def test_client_disconnect_during_prefill_closes_the_prefill_leg(stack) -> None:
     fleet, router = stack
     for engine in ("e0", "e1"):
         admin(fleet.engines[engine].url, "POST", {"slowdown": 5000.0})
@@ -255,7 +255,7 @@ def test_client_disconnect_during_prefill_closes_the_prefill_leg(stack) -> None:
         )
 
 
-def test_unknown_and_bad_requests_are_client_errors_without_5xx(stack) -> None:  # noqa: ANN001
+def test_unknown_and_bad_requests_are_client_errors_without_5xx(stack) -> None:
     _, router = stack
     cases = [
         (b"{not json", 400, None),

@@ -39,14 +39,14 @@ def whole(fleet: SimFleet, chat: bool, **body: object) -> openai.types.Completio
     return client.completions.create(model=MODEL, **body)  # type: ignore[arg-type]
 
 
-def through(router: RouterProcess, chat: bool, **body: object):  # noqa: ANN201
+def through(router: RouterProcess, chat: bool, **body: object):
     client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
     if chat:
         return client.chat.completions.create(model=MODEL, **body)  # type: ignore[arg-type]
     return client.completions.create(model=MODEL, **body)  # type: ignore[arg-type]
 
 
-def collect_stream(stream, chat: bool) -> tuple[str, object]:  # noqa: ANN001
+def collect_stream(stream, chat: bool) -> tuple[str, object]:
     text, usage = [], None
     for chunk in stream:
         if chunk.usage is not None:
@@ -59,7 +59,7 @@ def collect_stream(stream, chat: bool) -> tuple[str, object]:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("prompt", [PROMPT, IDS], ids=["text", "token-ids"])
-def test_completion_equals_one_engine(stack, prompt) -> None:  # noqa: ANN001
+def test_completion_equals_one_engine(stack, prompt) -> None:
     fleet, router = stack
     expected = whole(fleet, False, prompt=prompt, max_tokens=12)
     got = through(router, False, prompt=prompt, max_tokens=12)
@@ -71,7 +71,7 @@ def test_completion_equals_one_engine(stack, prompt) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("prompt", [PROMPT, IDS], ids=["text", "token-ids"])
-def test_streamed_completion_equals_one_engine(stack, prompt) -> None:  # noqa: ANN001
+def test_streamed_completion_equals_one_engine(stack, prompt) -> None:
     fleet, router = stack
     body = dict(prompt=prompt, max_tokens=9, stream=True, stream_options={"include_usage": True})
     exp_text, exp_usage = collect_stream(whole(fleet, False, **body), False)
@@ -83,7 +83,7 @@ def test_streamed_completion_equals_one_engine(stack, prompt) -> None:  # noqa: 
     assert got_usage.total_tokens == exp_usage.total_tokens
 
 
-def test_chat_equals_one_engine(stack) -> None:  # noqa: ANN001
+def test_chat_equals_one_engine(stack) -> None:
     fleet, router = stack
     messages = [{"role": "user", "content": PROMPT}]
     expected = whole(fleet, True, messages=messages, max_tokens=7)
@@ -94,7 +94,7 @@ def test_chat_equals_one_engine(stack) -> None:  # noqa: ANN001
     assert got.usage.completion_tokens == expected.usage.completion_tokens == 7
 
 
-def test_streamed_chat_equals_one_engine(stack) -> None:  # noqa: ANN001
+def test_streamed_chat_equals_one_engine(stack) -> None:
     fleet, router = stack
     body = dict(
         messages=[{"role": "user", "content": PROMPT}],
@@ -109,7 +109,7 @@ def test_streamed_chat_equals_one_engine(stack) -> None:  # noqa: ANN001
     assert got_usage.completion_tokens == exp_usage.completion_tokens == 6
 
 
-def test_stream_without_usage_gets_no_usage_chunk(stack) -> None:  # noqa: ANN001
+def test_stream_without_usage_gets_no_usage_chunk(stack) -> None:
     _, router = stack
     with httpx.stream(
         "POST",
@@ -122,7 +122,7 @@ def test_stream_without_usage_gets_no_usage_chunk(stack) -> None:  # noqa: ANN00
     assert not any('"choices":[]' in ln for ln in lines)
 
 
-def test_journal_and_metrics_record_the_handoff(stack) -> None:  # noqa: ANN001
+def test_journal_and_metrics_record_the_handoff(stack) -> None:
     fleet, router = stack
     r = httpx.post(
         router.url + "/v1/completions",
@@ -169,7 +169,7 @@ def test_journal_and_metrics_record_the_handoff(stack) -> None:  # noqa: ANN001
     assert metric(decode_metrics, "vllm:nixl_bytes_transferred_count") >= 1
 
 
-def test_every_counter_exists_at_zero_from_start(stack) -> None:  # noqa: ANN001
+def test_every_counter_exists_at_zero_from_start(stack) -> None:
     _, router = stack
     text = router.metrics()
     for outcome in (
@@ -192,7 +192,7 @@ def test_every_counter_exists_at_zero_from_start(stack) -> None:  # noqa: ANN001
     assert "narwhal_journal_backlog" in text
 
 
-def test_models_ready_health_admin(stack) -> None:  # noqa: ANN001
+def test_models_ready_health_admin(stack) -> None:
     _, router = stack
     models = httpx.get(router.url + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
@@ -210,7 +210,7 @@ def test_models_ready_health_admin(stack) -> None:  # noqa: ANN001
     assert all(e["healthy"] for e in state["engines"])
 
 
-def test_token_id_prompt_length_checked_before_any_engine(stack, tmp_path: Path) -> None:  # noqa: ANN001
+def test_token_id_prompt_length_checked_before_any_engine(stack, tmp_path: Path) -> None:
     _, router = stack
     before = router.metrics()
     r = httpx.post(
