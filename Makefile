@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml | $(PY)
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m narwhal.sim.demo --fleet configs/fleet/local-sim.json
+	$(PY) -m narwhal.demo --fleet configs/fleet/local-sim.json
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -1,0 +1,193 @@
+"""``make demo``: a simulated fleet, narwhal-serve in front of it, and requests through it.
+
+Starts every engine of the fleet file, starts the router, sends a streamed chat request and a
+completion through it, prints them, a one-line summary of each from the router's journal, and
+the KV bytes NIXL moved with the decode engines' verdict on them. Then it keeps serving until
+Ctrl-C, or exits at once with ``DEMO_ONCE=1`` (CI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from narwhal.sim.fleet import SimFleet, SimFleetError
+
+
+def _metric_sum(text: str, name: str) -> float:
+    pattern = rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$"
+    return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
+
+
+def _summary(record: dict[str, Any]) -> str:
+    t = record.get("t_first_token")
+    ttft = f"{t:.3f}s" if isinstance(t, float) else "-"
+    return (
+        f"  {record['id'][:12]}  {record['outcome']:<6} {record['endpoint']:<21} "
+        f"prefill={record.get('prefill_engine')} decode={record.get('decode_engine')} "
+        f"handoff={record.get('handoff')} prompt={record.get('prompt_tokens')} "
+        f"completion={record.get('completion_tokens')} ttft={ttft}"
+    )
+
+
+def _wait_ready(url: str, process: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SimFleetError(
+                f"narwhal-serve exited with {process.returncode}:\n" + log.read_text()[-2000:]
+            )
+        try:
+            if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise SimFleetError(f"narwhal-serve not ready within {timeout} s (log: {log})")
+
+
+def run(fleet_path: str, port: int, once: bool) -> int:
+    work = Path(tempfile.mkdtemp(prefix="narwhal-demo-"))
+    journal = work / "journal.jsonl"
+    print(f"fleet {fleet_path}; logs and journal in {work}", flush=True)
+    with SimFleet(fleet_path, log_dir=work) as fleet:
+        print(
+            "engines: "
+            + ", ".join(
+                f"{e.engine_id} {fleet.fleet.engine_by_id(e.engine_id).initial_role} at {e.url}"
+                for e in fleet.engines.values()
+            ),
+            flush=True,
+        )
+        router_log = work / "router.log"
+        with open(router_log, "ab") as log:
+            router = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "narwhal.serve.cli",
+                    "--fleet",
+                    fleet_path,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--journal",
+                    str(journal),
+                    "--skip-qualification",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_ready(url, router, router_log, 30)
+            print(f"narwhal-serve ready at {url}\n", flush=True)
+            model = fleet.fleet.model.id
+            decode_urls = [e.url for e in fleet.fleet.engines if e.initial_role == "decode"]
+            before = sum(
+                _metric_sum(httpx.get(u + "/metrics").text, "vllm:nixl_bytes_transferred_sum")
+                for u in decode_urls
+            )
+            with httpx.Client(timeout=60) as client:
+                print("streamed chat through the router:", flush=True)
+                body = {
+                    "model": model,
+                    "stream": True,
+                    "max_tokens": 24,
+                    "stream_options": {"include_usage": True},
+                    "messages": [{"role": "user", "content": "Why split prefill from decode?"}],
+                }
+                with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                    r.raise_for_status()
+                    for line in r.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        for choice in chunk["choices"]:
+                            print(choice["delta"].get("content", ""), end="", flush=True)
+                        if chunk.get("usage"):
+                            print(f"\n  usage: {chunk['usage']}", flush=True)
+                completion = client.post(
+                    url + "/v1/completions",
+                    json={
+                        "model": model,
+                        "prompt": "The KV cache moves over NIXL because",
+                        "max_tokens": 16,
+                    },
+                ).json()
+                print(f"completion: {completion['choices'][0]['text']!r}")
+                print(f"  usage: {completion['usage']}\n")
+            moved = sum(
+                _metric_sum(httpx.get(u + "/metrics").text, "vllm:nixl_bytes_transferred_sum")
+                for u in decode_urls
+            )
+            failures = sum(
+                _metric_sum(httpx.get(u + "/metrics").text, "narwhal_sim:kv_verify_failures_total")
+                for u in decode_urls
+            )
+            print(
+                f"NIXL moved {int(moved - before):,} bytes of KV between engines; checksum: "
+                f"{'every pulled block verified' if failures == 0 else 'FAILED'}"
+            )
+            deadline = time.monotonic() + 5
+            ends: list[dict[str, Any]] = []
+            while time.monotonic() < deadline and len(ends) < 2:
+                ends = [
+                    json.loads(x) for x in journal.read_text().splitlines() if '"request.end"' in x
+                ]
+                time.sleep(0.05)
+            print("journal (one line per request):")
+            for record in ends:
+                print(_summary(record))
+            ok = failures == 0 and moved > before and all(e["outcome"] == "ok" for e in ends)
+            if once:
+                return 0 if ok else 1
+            print(
+                f"\nserving at {url} until Ctrl-C; try:\n  curl -s {url}/v1/completions "
+                f'-H \'Content-Type: application/json\' -d \'{{"model": "{model}", '
+                '"prompt": "hello", "max_tokens": 8}\'',
+                flush=True,
+            )
+            stop = {"now": False}
+            signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
+            signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+            while not stop["now"] and router.poll() is None:
+                time.sleep(0.2)
+            return 0
+        finally:
+            if router.poll() is None:
+                router.send_signal(signal.SIGTERM)
+                try:
+                    router.wait(30)
+                except subprocess.TimeoutExpired:
+                    router.kill()
+            print("stopped the router and the fleet")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fleet", default="configs/fleet/local-sim.json")
+    parser.add_argument("--port", type=int, default=int(os.environ.get("DEMO_PORT", "8000")))
+    args = parser.parse_args()
+    once = os.environ.get("DEMO_ONCE", "") not in ("", "0")
+    try:
+        sys.exit(run(args.fleet, args.port, once))
+    except (SimFleetError, httpx.HTTPError) as exc:
+        print(f"demo failed: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
