@@ -87,6 +87,7 @@ class Runtime:
     active: set[str] = field(default_factory=set)
     draining: bool = False
     started_at: float = field(default_factory=time.time)
+    _journal_seen: dict[str, int] = field(default_factory=dict)
 
     # --- request bookkeeping -----------------------------------------------------------
 
@@ -130,6 +131,19 @@ class Runtime:
         assert self.journal is not None
         self.journal.request_end(record.id, outcome, **record.end_fields())
         self.active.discard(record.id)
+
+    def sync_journal_metrics(self) -> None:
+        """Carry the journal's own counters into Prometheus (they only ever grow)."""
+        if self.journal is None:
+            return
+        stats = self.journal.stats()
+        self.metrics.journal_backlog.set(stats.backlog)
+        for counter, value, key in ((self.metrics.journal_errors, stats.write_errors, "errors"),
+                                    (self.metrics.journal_dropped, stats.dropped, "dropped")):
+            delta = value - self._journal_seen.get(key, 0)
+            if delta > 0:
+                counter.inc(delta)
+                self._journal_seen[key] = value
 
     def authorized(self, request: Request) -> bool:
         hashes = self.settings.api_key_hashes
@@ -442,8 +456,7 @@ def build_app(settings: ServeSettings) -> FastAPI:
             return RouterError(
                 401, "invalid or missing API key", "authentication_error", "client_error"
             ).response()
-        if rt.journal is not None:
-            metrics.journal_backlog.set(rt.journal.backlog)
+        rt.sync_journal_metrics()
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/admin/state")
