@@ -1,0 +1,114 @@
+"""Client request validation: what is refused, with which status and param."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from narwhal.serve.errors import RouterError
+from narwhal.serve.validation import parse_client_request
+
+MODEL = "m"
+
+
+def parse(body: object, chat: bool = False, max_len: int = 100):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return parse_client_request(raw, chat, MODEL, max_len)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        (b"{", 400, None),
+        ([], 400, None),
+        ({"prompt": "x"}, 404, "model"),
+        ({"model": "other", "prompt": "x"}, 404, "model"),
+        ({"model": 3, "prompt": "x"}, 400, "model"),
+        ({"model": MODEL}, 400, "prompt"),
+        ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+        ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [1, -2]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [1, True]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+        ({"model": MODEL, "prompt": "x", "best_of": 2}, 400, "best_of"),
+        ({"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
+        ({"model": MODEL, "prompt": "x", "logprobs": True}, 400, "logprobs"),
+        ({"model": MODEL, "prompt": "x", "logprobs": 0}, 400, "logprobs"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
+        (
+            {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}},
+            400,
+            "stream_options",
+        ),
+        ({"model": MODEL, "prompt": "x", "kv_transfer_params": None}, 400, "kv_transfer_params"),
+        ({"model": MODEL, "prompt": [5] * 100}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [5] * 90, "max_tokens": 20}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "y" * 1700}, 400, "prompt"),
+    ],
+)
+def test_refused(body: object, status: int, param: str | None) -> None:
+    with pytest.raises(RouterError) as info:
+        parse(body)
+    assert info.value.status == status
+    assert info.value.param == param
+    assert info.value.outcome == "client_error"
+    error = info.value.body()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": MODEL, "messages": []}, "messages"),
+        ({"model": MODEL, "messages": [{"content": "x"}]}, "messages[0]"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"x": 1}]},
+            "tools",
+        ),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "max_completion_tokens": 0,
+            },
+            "max_completion_tokens",
+        ),
+    ],
+)
+def test_chat_refused(body: dict, param: str) -> None:
+    with pytest.raises(RouterError) as info:
+        parse(body, chat=True)
+    assert info.value.status == 400 and info.value.param == param
+
+
+def test_accepted_requests() -> None:
+    r = parse(
+        {
+            "model": MODEL,
+            "prompt": [1, 2, 3],
+            "max_tokens": 5,
+            "best_of": 1,
+            "logprobs": None,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
+    assert r.prompt_tokens_exact == 3 and r.max_tokens == 5 and r.stream and r.include_usage
+    r = parse({"model": MODEL, "prompt": "hello world", "temperature": 0.2, "seed": 7})
+    assert r.prompt_tokens_exact is None and r.prompt_tokens_estimate >= 1
+    assert r.body["temperature"] == 0.2  # passed through
+    r = parse(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 9,
+            "max_completion_tokens": 4,
+            "tool_choice": "none",
+        },
+        chat=True,
+    )
+    assert r.max_tokens == 4 and r.chat
