@@ -42,7 +42,6 @@ import atexit
 import contextlib
 import dataclasses
 import errno
-import functools
 import logging
 import os
 import threading
@@ -72,6 +71,7 @@ __all__ = [
     "JournalStats",
     "OnError",
     "RecoveryResult",
+    "WriteHook",
     "journal_files",
     "recover",
 ]
@@ -120,10 +120,22 @@ _ERROR_LOG_INTERVAL_S: Final = 60.0
 # Records: validation, scrubbing, serialisation (run in the caller's thread)
 
 
-@functools.lru_cache(maxsize=4096)
+# Types written as they are, with nothing inside to scrub (checked by exact type: fast).
+_SCALARS: Final = frozenset({str, int, float, bool, type(None)})
+# Key -> whether it is secret. Keys repeat (the router sends the same few dozen), so this stays
+# small; it is capped in case a caller uses data as keys.
+_SECRET_CACHE: dict[str, bool] = {}
+_SECRET_CACHE_MAX: Final = 4096
+
+
 def _is_secret(key: str) -> bool:
-    normal = key.lower().replace("-", "_")
-    return normal in SECRET_KEYS or normal.endswith("_api_key")
+    hit = _SECRET_CACHE.get(key)
+    if hit is None:
+        normal = key.lower().replace("-", "_")
+        hit = normal in SECRET_KEYS or normal.endswith("_api_key")
+        if len(_SECRET_CACHE) < _SECRET_CACHE_MAX:
+            _SECRET_CACHE[key] = hit
+    return hit
 
 
 def _scrub(value: Any, dropped: set[str]) -> Any:
@@ -131,20 +143,21 @@ def _scrub(value: Any, dropped: set[str]) -> Any:
 
     Copying also snapshots the caller's dicts and lists, so a caller that mutates them after
     the call cannot change what is written. Dataclasses and pydantic models are opened up
-    here (orjson would otherwise serialise them whole, past the filter).
+    here (orjson would otherwise serialise them whole, past the filter). This runs on the
+    event loop for every record, hence the exact-type fast paths.
     """
-    if value is None or isinstance(value, str | int | float):
+    if type(value) in _SCALARS:
         return value
     if isinstance(value, Mapping):
         out: dict[Any, Any] = {}
         for key, item in value.items():
-            if isinstance(key, str) and _is_secret(key):
+            if type(key) is str and _is_secret(key):
                 dropped.add(key)
                 continue
-            out[key] = _scrub(item, dropped)
+            out[key] = item if type(item) in _SCALARS else _scrub(item, dropped)
         return out
     if isinstance(value, list | tuple | set | frozenset):
-        return [_scrub(item, dropped) for item in value]
+        return [item if type(item) in _SCALARS else _scrub(item, dropped) for item in value]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return _scrub(dataclasses.asdict(value), dropped)
     model_dump = getattr(value, "model_dump", None)

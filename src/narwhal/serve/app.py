@@ -237,7 +237,9 @@ def build_app(settings: ServeSettings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        journal = Journal.open(
+        # Recovery reads the whole journal: off the event loop.
+        journal = await asyncio.to_thread(
+            Journal.open,
             settings.journal_path,
             recover=True,
             fsync_interval_s=settings.journal_fsync_interval_s,
