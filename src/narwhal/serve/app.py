@@ -10,7 +10,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -132,6 +132,11 @@ class Runtime:
         self.journal.request_end(record.id, outcome, **record.end_fields())
         self.active.discard(record.id)
 
+    async def release_stream(self, stream: DecodeStream) -> None:
+        await stream.aclose()
+        assert self.router is not None
+        self.router.decode_done(stream.engine)
+
     def sync_journal_metrics(self) -> None:
         """Carry the journal's own counters into Prometheus (they only ever grow)."""
         if self.journal is None:
@@ -186,8 +191,13 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Run ``work``; if the client disconnects first, cancel it and raise _ClientGone."""
+async def _until_disconnect(request: Request, work: Awaitable[T],
+                            orphan: Callable[[T], Awaitable[None]] | None = None) -> T:
+    """Run ``work``; if the client disconnects first, cancel it and raise _ClientGone.
+
+    ``orphan`` releases a result that ``work`` produced anyway in the same loop step as the
+    cancellation (an open decode stream must not leak its connection and in-flight count).
+    """
     task = asyncio.ensure_future(work)
 
     async def watch() -> None:
@@ -205,6 +215,8 @@ async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
+            if orphan is not None and not task.cancelled() and task.exception() is None:
+                await orphan(task.result())
             raise _ClientGone()
     return task.result()
 
@@ -354,7 +366,8 @@ def build_app(settings: ServeSettings) -> FastAPI:
             record.stream = creq.stream
             if creq.prompt_tokens_exact is not None:
                 record.prompt_tokens = creq.prompt_tokens_exact
-            stream = await _until_disconnect(request, rt.router.open(creq, record))
+            stream = await _until_disconnect(request, rt.router.open(creq, record),
+                                             rt.release_stream)
         except RouterError as exc:
             rt.finish(record, exc.outcome, exc.status, exc.message)
             response = exc.response()
@@ -393,8 +406,7 @@ def build_app(settings: ServeSettings) -> FastAPI:
             rt.finish(record, "client_abort", None, "cancelled mid-generation", tally)
             raise
         finally:
-            await stream.aclose()
-            rt.router.decode_done(stream.engine)
+            await rt.release_stream(stream)
         rt.finish(record, "ok", 200, None, tally)
         return Response(orjson.dumps(body), media_type="application/json", headers=headers)
 
@@ -535,7 +547,5 @@ async def _relay(
     except StreamFailed as exc:
         outcome, status, error = "stream_error", 200, str(exc)
     finally:
-        await stream.aclose()
-        assert rt.router is not None
-        rt.router.decode_done(stream.engine)
+        await rt.release_stream(stream)
         rt.finish(record, outcome, status, error, tally)
