@@ -16,6 +16,7 @@ from tests.helpers import (
     metric,
     running_fleet,
     running_router,
+    wait_until,
 )
 
 PROMPT = " ".join(f"token{i} of a long prompt" for i in range(50))
@@ -132,6 +133,8 @@ def test_journal_and_metrics_record_the_handoff(stack) -> None:
     )
     assert r.status_code == 200
     rid = r.headers["x-request-id"]
+    # The journal is written by its own thread: the record lands just after the response.
+    assert wait_until(lambda: rid in router.ends(), 5)
     ends = router.ends()
     starts = [
         rec for rec in router.records() if rec["type"] == "request.start" and rec["id"] == rid

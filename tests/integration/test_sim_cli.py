@@ -1,0 +1,174 @@
+"""``narwhal-sim`` as a user runs it: one-line usage errors, and ``fleet`` starting, serving and
+stopping every engine of a fleet file."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from narwhal.sim.fleet import sim_env
+from tests.helpers import write_fleet
+
+SCRIPT = Path(sys.executable).parent / "narwhal-sim"
+COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "narwhal.sim.cli"]
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*COMMAND, *args], capture_output=True, text=True, timeout=timeout, env=sim_env()
+    )
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (lambda d: d["model"].update(max_model_len=-3), "model.max_model_len"),
+        (lambda d: d["engines"][1]["nixl"].update(port="x"), "engines[1].nixl.port"),
+        (lambda d: d.pop("budgets"), "budgets"),
+    ],
+    ids=["negative-max-model-len", "bad-nixl-port", "missing-budgets"],
+)
+def test_bad_fleet_file_is_one_line(
+    tmp_path: Path, edit: Callable[[dict[str, Any]], object], field: str
+) -> None:
+    path = write_fleet(tmp_path, 2)
+    doc = json.loads(path.read_text())
+    edit(doc)
+    bad = tmp_path / "bad-fleet.json"
+    bad.write_text(json.dumps(doc))
+    result = run_cli("engine", "--fleet", str(bad), "--engine-id", "e0")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"narwhal-sim: {bad}: {field}: ")
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "content", ["{", "[]", ""], ids=["truncated-json", "not-an-object", "empty"]
+)
+def test_unparsable_fleet_file_is_one_line(tmp_path: Path, content: str) -> None:
+    bad = tmp_path / "broken.json"
+    bad.write_text(content)
+    result = run_cli("engine", "--fleet", str(bad), "--engine-id", "e0")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and str(bad) in result.stderr
+
+
+def test_missing_fleet_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.json"
+    result = run_cli("engine", "--fleet", str(missing), "--engine-id", "e0")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and str(missing) in result.stderr
+
+
+def test_fleet_without_engine_id(tmp_path: Path) -> None:
+    path = write_fleet(tmp_path, 2)
+    result = run_cli("engine", "--fleet", str(path))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "--engine-id" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_unknown_engine_id(tmp_path: Path) -> None:
+    path = write_fleet(tmp_path, 2)
+    result = run_cli("engine", "--fleet", str(path), "--engine-id", "e9")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and "e9" in result.stderr
+
+
+def test_fleet_command_runs_and_stops_on_sigterm(tmp_path: Path) -> None:
+    path = write_fleet(tmp_path, 2)
+    doc = json.loads(path.read_text())
+    engines = {e["id"]: e for e in doc["engines"]}
+    http_ports = {eid: int(e["url"].rsplit(":", 1)[1]) for eid, e in engines.items()}
+    nixl_ports = {eid: e["nixl"]["port"] for eid, e in engines.items()}
+    proc = subprocess.Popen(
+        [*COMMAND, "fleet", "--fleet", str(path), "--log-dir", str(tmp_path / "logs")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=sim_env(),
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    pids: dict[str, int] = {}
+    output: list[str] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids) < len(engines) and time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            output.append(line)
+            match = re.fullmatch(r"(\S+) ready at (\S+) \(pid (\d+)\)", line)
+            if match:
+                eid, url, pid = match.groups()
+                assert url == engines[eid]["url"]
+                pids[eid] = int(pid)
+        assert set(pids) == set(engines), (output, proc.poll())
+        for eid in engines:
+            r = httpx.get(engines[eid]["url"] + "/health", timeout=5)
+            assert r.status_code == 200
+            assert port_open(nixl_ports[eid])
+        # The fleet runs without an admin token: the fault endpoint is off.
+        assert httpx.get(engines["e0"]["url"] + "/sim/faults", timeout=5).status_code == 403
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        _, stderr = proc.communicate(timeout=10)
+        while (line := lines.get(timeout=10)) is not None:
+            output.append(line)
+        assert output[-1] == "fleet stopped", output
+        assert "Traceback" not in stderr
+        for eid in engines:
+            assert not port_open(http_ports[eid]), f"{eid} still listens on HTTP"
+            assert not port_open(nixl_ports[eid]), f"{eid} still listens on NIXL"
+            with pytest.raises(ProcessLookupError):
+                os.kill(pids[eid], 0)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        # Engines run in sessions of their own: never leave one behind.
+        for pid in pids.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,366 @@
+"""Pure unit tests of the simulated engine's building blocks: vocabulary, generation, KV layout,
+step timing, block accounting, request parsing and kv_transfer_params parsing."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from narwhal.sim.engine import RemoteKV, parse_kv_transfer_params
+from narwhal.sim.generation import GenerationModel, KVLayout, prompt_digest
+from narwhal.sim.kv_blocks import BlockAllocator
+from narwhal.sim.protocol import ProtocolError, parse_generation
+from narwhal.sim.timing import StepTiming
+from narwhal.sim.vocab import EOS, IM_END, IM_START, NUM_BYTE_TOKENS, Vocabulary
+
+VOCAB = Vocabulary()
+
+# --- Vocabulary ----------------------------------------------------------------------------
+
+
+def test_generated_words_round_trip() -> None:
+    model = GenerationModel(VOCAB)
+    digest = prompt_digest(0, [1, 2, 3])
+    ids = [model.token_at(digest, k) for k in range(200)]
+    text = VOCAB.decode(ids)
+    assert VOCAB.encode(text) == ids
+    assert all(VOCAB.first_word_id <= t < VOCAB.im_start_id for t in ids)
+    # Every generated piece is " " plus four letters: text reads as words.
+    assert text == "".join(VOCAB.token_text(t) for t in ids)
+    assert all(len(VOCAB.token_text(t)) == 5 and VOCAB.token_text(t)[0] == " " for t in ids)
+
+
+def test_every_word_round_trips() -> None:
+    ids = list(range(VOCAB.first_word_id, VOCAB.im_start_id))
+    assert len(ids) == VOCAB.num_words
+    assert VOCAB.encode(VOCAB.decode(ids)) == ids
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "héllo wörld",
+        "日本語のテキスト",
+        "emoji 🐋🐳 and ZWJ 👩‍💻",
+        "tabs\tand\nnewlines\r\n",
+        " aaaa",
+    ],
+)
+def test_arbitrary_utf8_falls_back_to_bytes(text: str) -> None:
+    ids = VOCAB.encode(text)
+    assert VOCAB.decode(ids) == text
+    # Non-ASCII characters can only be byte tokens.
+    assert set(text.encode("utf-8")) - set(range(128)) <= set(ids)
+    # " aaaa" is not a word (words alternate consonant and vowel): plain bytes.
+    if text == " aaaa":
+        assert ids == list(b" aaaa")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=st.characters(blacklist_categories=("Cs",))))
+def test_any_text_round_trips(text: str) -> None:
+    for special in (IM_START, IM_END, EOS):
+        text = text.replace(special, "")
+    ids = VOCAB.encode(text)
+    assert VOCAB.check_ids(ids) is None
+    assert VOCAB.decode(ids) == text
+
+
+def test_special_tokens() -> None:
+    v = VOCAB
+    assert v.im_start_id == NUM_BYTE_TOKENS + v.num_words
+    assert (v.im_end_id, v.eos_id, v.size) == (v.im_start_id + 1, v.im_start_id + 2, v.eos_id + 1)
+    ids = v.encode(f"{IM_START}user\nhi{IM_END}\n{EOS}")
+    assert ids == [v.im_start_id, *b"user\nhi", v.im_end_id, *b"\n", v.eos_id]
+    # EOS has no text; the chat markers decode to themselves.
+    assert v.decode(ids) == f"{IM_START}user\nhi{IM_END}\n"
+    assert v.token_text(v.eos_id) == ""
+    assert v.check_ids([0, v.eos_id]) is None
+    assert v.check_ids([0, v.size]) == v.size
+    assert v.check_ids([-1]) == -1
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        v.token_text(v.size)
+
+
+def test_vocab_seed_permutes_word_ids() -> None:
+    other = Vocabulary(seed=7)
+    text = " kalo mira tuse"
+    assert VOCAB.encode(text) != other.encode(text)
+    assert VOCAB.decode(VOCAB.encode(text)) == other.decode(other.encode(text)) == text
+    assert Vocabulary(seed=7).encode(text) == other.encode(text)
+    assert other.size == VOCAB.size and set(other.words) == set(VOCAB.words)
+    # Bytes and special tokens keep their ids.
+    assert other.encode("é<|eos|>") == VOCAB.encode("é<|eos|>")
+
+
+# --- GenerationModel ------------------------------------------------------------------------
+
+
+def test_generation_is_deterministic() -> None:
+    prompt = [5, 300, 301, 302]
+    a, b = GenerationModel(VOCAB), GenerationModel(Vocabulary())
+    d1, d2 = prompt_digest(0, prompt), prompt_digest(0, list(prompt))
+    assert d1 == d2
+    assert [a.token_at(d1, k) for k in range(50)] == [b.token_at(d2, k) for k in range(50)]
+    # Position matters.
+    assert len({a.token_at(d1, k) for k in range(50)}) > 40
+
+
+def test_model_seed_and_prompt_change_tokens() -> None:
+    model = GenerationModel(VOCAB)
+    prompt = [5, 300, 301, 302]
+    base = [model.token_at(prompt_digest(0, prompt), k) for k in range(20)]
+    other_seed = [model.token_at(prompt_digest(1, prompt), k) for k in range(20)]
+    other_prompt = [model.token_at(prompt_digest(0, [*prompt[:-1], 303]), k) for k in range(20)]
+    assert base != other_seed
+    assert base != other_prompt
+
+
+def test_eos_probability() -> None:
+    digest = prompt_digest(0, [1, 2])
+    never = GenerationModel(VOCAB, eos_prob=0.0)
+    always = GenerationModel(VOCAB, eos_prob=1.0)
+    assert all(never.token_at(digest, k) != VOCAB.eos_id for k in range(500))
+    assert all(always.token_at(digest, k) == VOCAB.eos_id for k in range(50))
+    some = GenerationModel(VOCAB, eos_prob=0.2)
+    hits = sum(some.token_at(digest, k) == VOCAB.eos_id for k in range(2000))
+    assert 250 < hits < 550
+
+
+# --- KVLayout ------------------------------------------------------------------------------
+
+
+LAYOUT = KVLayout(model_seed=0, block_size=16, block_bytes=1024)
+
+
+def test_block_contents_shape() -> None:
+    tokens = list(range(300, 383))  # 83 tokens: 6 blocks, the last one partial
+    blocks = LAYOUT.block_contents(tokens)
+    assert blocks.shape == (6, 1024) and blocks.dtype == np.uint8
+    assert LAYOUT.num_blocks(83) == 6 and LAYOUT.num_blocks(96) == 6 and LAYOUT.num_blocks(97) == 7
+    assert LAYOUT.block_contents([]).shape == (0, 1024)
+    # Distinct blocks are distinct bytes.
+    assert len({bytes(row) for row in blocks}) == 6
+    with pytest.raises(ValueError, match="multiple of 64"):
+        KVLayout(0, 16, 1000)
+
+
+def test_block_i_depends_only_on_its_prefix() -> None:
+    rng = random.Random(1)
+    tokens = [rng.randrange(VOCAB.size) for _ in range(5 * 16 + 3)]
+    full = LAYOUT.block_contents(tokens)
+    for i in range(len(full)):
+        prefix = LAYOUT.block_contents(tokens[: (i + 1) * 16])
+        assert np.array_equal(prefix, full[: i + 1])
+        if (i + 1) * 16 <= len(tokens):
+            # Whatever follows a full block does not change it.
+            tail = [rng.randrange(VOCAB.size) for _ in range(40)]
+            extended = LAYOUT.block_contents(tokens[: (i + 1) * 16] + tail)
+            assert np.array_equal(extended[: i + 1], full[: i + 1])
+
+
+@pytest.mark.parametrize("j", [0, 2, 5])
+def test_changing_a_token_changes_its_block_and_later_ones(j: int) -> None:
+    tokens = list(range(300, 383))
+    full = LAYOUT.block_contents(tokens)
+    changed = list(tokens)
+    changed[j * 16 + 1] += 1
+    after = LAYOUT.block_contents(changed)
+    for i in range(len(full)):
+        assert np.array_equal(after[i], full[i]) == (i < j), i
+
+
+def test_model_seed_changes_kv() -> None:
+    tokens = list(range(300, 340))
+    other = KVLayout(model_seed=1, block_size=16, block_bytes=1024)
+    a, b = LAYOUT.block_contents(tokens), other.block_contents(tokens)
+    assert all(not np.array_equal(a[i], b[i]) for i in range(len(a)))
+
+
+# --- StepTiming ----------------------------------------------------------------------------
+
+
+def test_timing_calibration() -> None:
+    t = StepTiming()
+    assert t.prefill_s(8192) == pytest.approx(0.92, rel=0.01)
+    assert t.decode_step_s(1, 512) == pytest.approx(0.2416, abs=0.0005)
+    assert t.decode_step_s(1, 8192) == pytest.approx(0.2426, abs=0.0005)
+    assert t.prefill_s(0) == 0.0 and t.decode_step_s(0, 100) == 0.0
+    assert t.decode_step_s(8, 512) > t.decode_step_s(1, 512)
+
+
+@pytest.mark.parametrize("chunks", [[8192], [4096, 4096], [1000, 3000, 4192], [1] * 7 + [8185]])
+def test_prefill_chunks_add_up_to_the_whole(chunks: list[int]) -> None:
+    # The engine charges prefill_a once per step and the rest per chunk.
+    t = StepTiming()
+    offset, total = 0, t.prefill_a
+    for n in chunks:
+        total += t.prefill_chunk_s(offset, n) - t.prefill_a
+        offset += n
+    assert total == pytest.approx(t.prefill_s(offset), rel=1e-12)
+
+
+def test_wall_time_scales() -> None:
+    assert StepTiming(time_scale=50).wall(1.0) == pytest.approx(0.02)
+    assert StepTiming(time_scale=50, slowdown=10).wall(1.0) == pytest.approx(0.2)
+
+
+# --- BlockAllocator ------------------------------------------------------------------------
+
+
+def test_block_allocator() -> None:
+    alloc = BlockAllocator(10)
+    assert (alloc.num_free, alloc.usage) == (10, 0.0)
+    a = alloc.allocate(4)
+    b = alloc.allocate(6)
+    assert a is not None and b is not None
+    assert sorted(a + b) == list(range(10))
+    assert (alloc.num_free, alloc.usage) == (0, 1.0)
+    assert alloc.allocate(1) is None
+    assert alloc.allocate(0) == []
+    alloc.free(a)
+    assert alloc.num_free == 4 and alloc.usage == pytest.approx(0.6)
+    # All or nothing: a request that does not fit takes no block.
+    assert alloc.allocate(5) is None
+    assert alloc.num_free == 4
+    c = alloc.allocate(4)
+    assert c is not None and sorted(c) == sorted(a)
+    with pytest.raises(ValueError):
+        BlockAllocator(0)
+
+
+# --- protocol.parse_generation -------------------------------------------------------------
+
+
+def parse(body: dict[str, Any], chat: bool = False, max_model_len: int = 1024) -> Any:
+    return parse_generation(body, VOCAB, chat, max_model_len)
+
+
+def parse_error(body: Any, chat: bool = False, max_model_len: int = 1024) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        parse_generation(body, VOCAB, chat, max_model_len)
+    assert info.value.status == 400
+    return info.value
+
+
+def test_parse_generation_valid() -> None:
+    p = parse({"prompt": "hello world", "max_tokens": 5, "temperature": 0.7, "seed": 3})
+    assert p.prompt == VOCAB.encode("hello world") and p.max_tokens == 5 and not p.stream
+    assert parse({"prompt": [300, 301]}).max_tokens == 16  # the completions default
+    chat = parse({"messages": [{"role": "user", "content": "hi"}]}, chat=True, max_model_len=100)
+    assert chat.max_tokens == 100 - len(chat.prompt)  # chat defaults to the rest of the context
+    s = parse({"prompt": "x", "stream": True, "stream_options": {"include_usage": True}})
+    assert s.stream and s.include_usage
+    assert parse({"prompt": ["batch of one"]}).prompt == VOCAB.encode("batch of one")
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"prompt": "x", "n": 2}, "n", "n > 1"),
+        ({"prompt": "x", "best_of": 2}, "best_of", "best_of"),
+        ({"prompt": "x", "echo": True}, "echo", "echo"),
+        ({"prompt": [300, VOCAB.size]}, "prompt", f"Token id {VOCAB.size} is out of vocabulary"),
+        ({"prompt": [300, -1]}, "prompt", "out of vocabulary"),
+        ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens", "min_tokens"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "at least 1"),
+        ({"prompt": "x", "max_tokens": "5"}, "max_tokens", "integer"),
+        ({"prompt": ["a", "b"]}, "prompt", "batched"),
+        ({"prompt": []}, "prompt", "prompt"),
+    ],
+)
+def test_parse_generation_errors(body: dict[str, Any], param: str, words: str) -> None:
+    err = parse_error(body)
+    assert err.param == param
+    assert words in err.message
+
+
+def test_too_long_prompt_names_the_context_length() -> None:
+    err = parse_error({"prompt": [300] * 100, "max_tokens": 1}, max_model_len=64)
+    assert "maximum context length is 64 tokens" in err.message
+    assert err.param == "prompt"
+    # A prompt that fits but leaves no room for the completion blames max_tokens.
+    err = parse_error({"prompt": [300] * 60, "max_tokens": 10}, max_model_len=64)
+    assert "maximum context length" in err.message and "70 tokens" in err.message
+    assert err.param == "max_tokens"
+
+
+def test_chat_errors() -> None:
+    assert parse_error({"messages": []}, chat=True).param == "messages"
+    bad_part = {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
+    assert parse_error(bad_part, chat=True).param == "messages"
+    too_few = {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2}
+    assert parse_error({**too_few, "min_completion_tokens": 3}, chat=True).param == "min_tokens"
+    assert parse_error("not an object").param is None
+
+
+# --- engine.parse_kv_transfer_params -------------------------------------------------------
+
+
+VALID_PARAMS: dict[str, Any] = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_block_ids": [4, 5, 6],
+    "remote_engine_id": "e0",
+    "remote_request_id": "req-1-0",
+    "remote_host": "127.0.0.1",
+    "remote_port": 5600,
+    "tp_size": 8,
+}
+
+
+def test_kv_params_valid() -> None:
+    remote, why = parse_kv_transfer_params(VALID_PARAMS)
+    assert why is None
+    assert remote == RemoteKV("e0", (4, 5, 6), "req-1-0", "127.0.0.1", 5600)
+
+
+def test_kv_params_nested_block_list() -> None:
+    remote, why = parse_kv_transfer_params({**VALID_PARAMS, "remote_block_ids": [[7, 8]]})
+    assert why is None and remote is not None and remote.block_ids == (7, 8)
+    # Two KV cache groups: the simulator has one, so this is unusable.
+    remote, why = parse_kv_transfer_params({**VALID_PARAMS, "remote_block_ids": [[7], [8]]})
+    assert remote is None and "remote_block_ids" in (why or "")
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["remote_engine_id", "remote_block_ids", "remote_request_id", "remote_host", "remote_port"],
+)
+def test_kv_params_missing_key(key: str) -> None:
+    params = {k: v for k, v in VALID_PARAMS.items() if k != key}
+    remote, why = parse_kv_transfer_params(params)
+    assert remote is None and why == f"missing {key}"
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"do_remote_prefill": False}, "do_remote_prefill"),
+        ({"do_remote_prefill": "yes"}, "do_remote_prefill"),
+        ({"remote_engine_id": None}, "strings"),
+        ({"remote_host": 1}, "strings"),
+        ({"remote_port": 0}, "TCP port"),
+        ({"remote_port": 70000}, "TCP port"),
+        ({"remote_port": True}, "TCP port"),
+        ({"remote_port": "5600"}, "TCP port"),
+        ({"remote_block_ids": [1, -2]}, "remote_block_ids"),
+        ({"remote_block_ids": [1, True]}, "remote_block_ids"),
+        ({"remote_block_ids": "1,2"}, "remote_block_ids"),
+        ({"remote_block_ids": None}, "remote_block_ids"),
+    ],
+)
+def test_kv_params_invalid(change: dict[str, Any], words: str) -> None:
+    remote, why = parse_kv_transfer_params({**VALID_PARAMS, **change})
+    assert remote is None and why is not None and words in why
+
+
+def test_kv_params_not_an_object() -> None:
+    assert parse_kv_transfer_params(None) == (None, "kv_transfer_params is not an object")
+    assert parse_kv_transfer_params([VALID_PARAMS])[0] is None
