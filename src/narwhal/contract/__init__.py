@@ -7,7 +7,14 @@ Pure apart from ``load_fleet``, which reads the file. See ``models`` for the sch
 from __future__ import annotations
 
 from narwhal.contract.hashing import canonical_json, sha256_hex
-from narwhal.contract.loader import ContractError, LoadedFleet, load_fleet, parse_fleet
+from narwhal.contract.loader import (
+    ContractError,
+    LoadedFleet,
+    load_fleet,
+    parse_fleet,
+    read_json_document,
+    validate_document,
+)
 from narwhal.contract.models import (
     FLEET_SCHEMA,
     Budgets,
@@ -47,5 +54,7 @@ __all__ = [
     "consistency_issues",
     "load_fleet",
     "parse_fleet",
+    "read_json_document",
     "sha256_hex",
+    "validate_document",
 ]

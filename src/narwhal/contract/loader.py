@@ -17,9 +17,9 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from narwhal.contract.hashing import sha256_hex
 from narwhal.contract.models import (
@@ -33,7 +33,16 @@ from narwhal.contract.models import (
     format_loc,
 )
 
-__all__ = ["ContractError", "LoadedFleet", "load_fleet", "parse_fleet"]
+__all__ = [
+    "ContractError",
+    "LoadedFleet",
+    "load_fleet",
+    "parse_fleet",
+    "read_json_document",
+    "validate_document",
+]
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 _PAIRS_EXPECTED = "expected 'all' or a list of transfer pairs"
 _CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
@@ -126,6 +135,27 @@ def parse_fleet(raw: Any, source: str = "<fleet>", *, path: Path | None = None) 
         path=path if path is not None else Path(source),
         raw=raw,
     )
+
+
+def read_json_document(path: str | os.PathLike[str]) -> Any:
+    """Read a JSON file with the fleet loader's strictness (UTF-8, no duplicate keys, no NaN);
+    every problem is a one-line ContractError naming the file."""
+    source = os.fspath(path)
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ContractError(source, "", f"cannot read: {exc.strerror or exc}") from None
+    return _parse_json(data, source)
+
+
+def validate_document(raw: Any, model: type[ModelT], source: str) -> ModelT:
+    """Validate any Narwhal file format against its pydantic model, with one-line errors."""
+    if not isinstance(raw, dict):
+        raise ContractError(source, "", f"top level must be a JSON object (got {_describe(raw)})")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise _error_from(source, _problems(raw, exc.errors())) from None
 
 
 class _DuplicateKeyError(Exception):

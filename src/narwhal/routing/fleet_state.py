@@ -41,6 +41,16 @@ class EngineState:
     scraped: ScrapedLoad = field(default_factory=ScrapedLoad)
     draining_from: Role | None = None
     role_since: float = 0.0
+    # Prefill legs in flight here: request id -> (predicted seconds, dispatched at).
+    prefill_work: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def queued_prefill_s(self, now: float) -> float:
+        """Predicted prefill work still ahead of a new prompt on this engine."""
+        if not self.prefill_work:
+            return 0.0
+        total = sum(predicted for predicted, _ in self.prefill_work.values())
+        earliest = min(at for _, at in self.prefill_work.values())
+        return max(0.0, total - (now - earliest))
 
     def can(self, role: Role) -> bool:
         return role in self.roles
@@ -82,6 +92,13 @@ class FleetState:
 
     def is_permitted(self, prefill_id: str, decode_id: str) -> bool:
         return self.fleet.is_permitted(prefill_id, decode_id)
+
+    def decode_batch(self, engine: EngineState) -> int:
+        """Sequences decoding on ``engine``: the larger of our count and the engine's report."""
+        own = engine.in_flight_decode
+        if self.scraped_fresh(engine):
+            return max(own, int(engine.scraped.running))
+        return own
 
     def scraped_fresh(self, engine: EngineState) -> bool:
         at = engine.scraped.at

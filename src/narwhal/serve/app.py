@@ -132,8 +132,8 @@ class Runtime:
         self.journal.request_end(record.id, outcome, **record.end_fields())
         self.active.discard(record.id)
 
-    async def release_stream(self, stream: DecodeStream) -> None:
-        await stream.aclose()
+    async def release_stream(self, stream: DecodeStream, complete: bool = False) -> None:
+        await stream.aclose(drain=complete)
         assert self.router is not None
         self.router.decode_done(stream.engine)
 
@@ -406,7 +406,7 @@ def build_app(settings: ServeSettings) -> FastAPI:
             rt.finish(record, "client_abort", None, "cancelled mid-generation", tally)
             raise
         finally:
-            await rt.release_stream(stream)
+            await rt.release_stream(stream, complete=tally.done)
         rt.finish(record, "ok", 200, None, tally)
         return Response(orjson.dumps(body), media_type="application/json", headers=headers)
 
@@ -547,5 +547,5 @@ async def _relay(
     except StreamFailed as exc:
         outcome, status, error = "stream_error", 200, str(exc)
     finally:
-        await rt.release_stream(stream)
+        await rt.release_stream(stream, complete=tally.done)
         rt.finish(record, outcome, status, error, tally)

@@ -57,7 +57,14 @@ class DecodeStream:
     first_event: bytes
     prefill_prompt_tokens: int | None
 
-    async def aclose(self) -> None:
+    async def aclose(self, drain: bool = False) -> None:
+        """Close the upstream response. After a complete stream, ``drain`` reads the closing
+        chunk first so the connection goes back to the pool instead of being dropped."""
+        if drain:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(1.0):
+                    async for _ in self.events:
+                        pass
         await self.response.aclose()
 
 

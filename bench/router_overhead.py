@@ -1,0 +1,715 @@
+"""Router overhead: narwhal-serve and vllm-router against the client doing P/D itself.
+
+Two simulated engines with zero step latency (every step sleeps 0 s): e0 prefills, e1 decodes.
+In one run this measures, for streamed (16 tokens, ``ignore_eos``, ``stream_options.include_usage``)
+and non-streamed (16 tokens) completions, three targets:
+
+- ``direct``: the client runs the P/D protocol itself (prefill leg on e0 with ``max_tokens: 1``
+  and ``kv_transfer_params.do_remote_decode``, then the decode leg on e1 with the
+  ``kv_transfer_params`` e0 returned, streamed or not as the client asked). This is the latency
+  of the two legs without a router;
+- ``narwhal``: ``narwhal-serve`` as a subprocess;
+- ``vllm_router``: ``vllm-router --vllm-pd-disaggregation`` as a subprocess (the Rust router
+  runs inside the Python launcher's process; the process tree is measured and the process that
+  listens on the port is named in the output).
+
+Router CPU is read from ``/proc/<pid>/stat`` (utime + stime, which covers every thread of the
+process) summed over the router's whole process tree, before and after the measured requests.
+Latency is measured end to end by the client at concurrency 1 (after a warmup), in blocks that
+rotate over the three targets so drift hits all of them alike; "added" latency is the router's
+percentile minus direct's percentile. Requests/s is measured at concurrency 1 and at
+``--concurrency``. The client is raw asyncio streams (uvloop when available) over pooled
+keep-alive HTTP/1.1 connections; its own CPU per request is printed (against direct it pays for
+both legs). Only 127.0.0.1 is contacted.
+
+    .venv/bin/python bench/router_overhead.py [--requests N] [--concurrency C]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+
+from narwhal.sim.fleet import SimFleet, local_fleet_document
+
+MODEL = "moonshotai/Kimi-K3"
+TOKENS = 16
+ZERO_LATENCY = {
+    "time_scale": 1,
+    "prefill_a": 0,
+    "prefill_b": 0,
+    "prefill_c": 0,
+    "decode_intercept": 0,
+    "decode_slope": 0,
+    "decode_ctx_coef": 0,
+}
+PROMPT = (
+    "Summarise the following notes about narwhals in one paragraph: they live in Arctic waters, "
+    "the males grow a long spiral tusk, they dive deep for halibut and squid, and they travel in "
+    "pods that may number in the hundreds during the summer migration."
+)
+TARGETS = ("direct", "narwhal", "vllm_router")
+MODES = ("streamed", "nonstreamed")
+REQUEST_TIMEOUT_S = 30.0
+LATENCY_BLOCK = 25
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# --------------------------------------------------------------------------------------------
+# /proc helpers
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode()
+    except OSError:
+        return None
+    # comm may contain spaces and parentheses: the fields start after the last ')'.
+    return raw[raw.rindex(")") + 2 :].split()
+
+
+def descendants(root: int) -> list[int]:
+    """``root`` and every process below it."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        fields = _stat_fields(int(name))
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append(int(name))
+    out, todo = [], [root]
+    while todo and len(out) < 10_000:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def cpu_seconds(pids: Iterable[int]) -> float:
+    """utime + stime (every thread) + cutime + cstime (reaped children) of these processes."""
+    ticks = 0
+    for pid in pids:
+        fields = _stat_fields(pid)
+        if fields is not None:
+            # After the comm: state ppid pgrp session tty tpgid flags minflt cminflt majflt
+            # cmajflt utime(11) stime(12) cutime(13) cstime(14).
+            ticks += sum(int(x) for x in fields[11:15])
+    return ticks / CLK_TCK
+
+
+def process_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
+def thread_count(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return 0
+
+
+def listening_pid(port: int, candidates: Iterable[int]) -> int | None:
+    """The process among ``candidates`` holding the socket listening on 127.0.0.1:port."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            next(f, None)
+            for line in f:
+                parts = line.split()
+                if len(parts) > 9 and parts[3] == "0A" and int(parts[1].split(":")[1], 16) == port:
+                    inodes.add(f"socket:[{parts[9]}]")
+    for pid in candidates:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                        return pid
+    return None
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+# --------------------------------------------------------------------------------------------
+# A small HTTP/1.1 client on asyncio streams: keep-alive pool, Content-Length and chunked bodies.
+
+
+class HTTPError(Exception):
+    pass
+
+
+class Pool:
+    def __init__(self) -> None:
+        self._idle: dict[int, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = {}
+        self._all: list[asyncio.StreamWriter] = []
+
+    async def _get(self, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        idle = self._idle.setdefault(port, [])
+        while idle:
+            reader, writer = idle.pop()
+            if not writer.is_closing() and not reader.at_eof():
+                return reader, writer
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._all.append(writer)
+        return reader, writer
+
+    async def post(
+        self, port: int, path: str, body: bytes, request_id: str, stream: bool
+    ) -> tuple[int, bytes]:
+        reader, writer = await self._get(port)
+        reusable = False
+        try:
+            writer.write(
+                (
+                    f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                    "Content-Type: application/json\r\n"
+                    f"Accept: {'text/event-stream' if stream else 'application/json'}\r\n"
+                    f"X-Request-Id: {request_id}\r\nContent-Length: {len(body)}\r\n\r\n"
+                ).encode()
+                + body
+            )
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head.split(b"\r\n")
+            status = int(lines[0].split(b" ", 2)[1])
+            headers = {}
+            for line in lines[1:]:
+                if line:
+                    k, _, v = line.partition(b":")
+                    headers[k.strip().lower()] = v.strip().lower()
+            if headers.get(b"transfer-encoding") == b"chunked":
+                parts = []
+                for _ in range(1_000_000):
+                    size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                    if size == 0:
+                        for _ in range(100):  # trailers, then the empty line
+                            if await reader.readuntil(b"\r\n") == b"\r\n":
+                                break
+                        break
+                    parts.append((await reader.readexactly(size + 2))[:-2])
+                else:
+                    raise HTTPError("too many chunks")
+                content = b"".join(parts)
+            elif b"content-length" in headers:
+                content = await reader.readexactly(int(headers[b"content-length"]))
+            else:
+                raise HTTPError(f"unframed response from :{port} ({status})")
+            reusable = headers.get(b"connection") != b"close"
+            return status, content
+        finally:
+            if reusable:
+                self._idle.setdefault(port, []).append((reader, writer))
+            else:
+                writer.close()
+
+    async def aclose(self) -> None:
+        for writer in self._all:
+            writer.close()
+        for writer in self._all:
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+
+def client_body(index: int, stream: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "prompt": f"[{index}] {PROMPT}",
+        "max_tokens": TOKENS,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def check_completion(content: bytes, stream: bool, where: str) -> None:
+    if stream:
+        events = [ln[6:] for ln in content.split(b"\n") if ln.startswith(b"data: ")]
+        if not events or events[-1] != b"[DONE]":
+            raise HTTPError(f"{where}: stream did not end with [DONE]: {content[-300:]!r}")
+        usage = None
+        for data in events[:-1]:
+            obj = orjson.loads(data)
+            if "error" in obj:
+                raise HTTPError(f"{where}: error event {obj}")
+            if obj.get("usage"):
+                usage = obj["usage"]
+        if not usage or usage.get("completion_tokens") != TOKENS:
+            raise HTTPError(f"{where}: usage {usage}")
+    else:
+        obj = orjson.loads(content)
+        usage = obj.get("usage") or {}
+        if usage.get("completion_tokens") != TOKENS or not obj.get("choices"):
+            raise HTTPError(f"{where}: bad completion {content[:300]!r}")
+
+
+@dataclass
+class Endpoints:
+    prefill_port: int
+    decode_port: int
+    narwhal_port: int
+    vllm_router_port: int
+
+
+async def one_request(pool: Pool, ep: Endpoints, target: str, stream: bool, index: int) -> float:
+    """One client request end to end; returns its latency in seconds."""
+    body = client_body(index, stream)
+    rid = f"bench-{target}-{index}"
+    t0 = time.perf_counter()
+    if target == "direct":
+        prefill = {k: v for k, v in body.items() if k != "stream_options"}
+        prefill.update(
+            max_tokens=1,
+            stream=False,
+            kv_transfer_params={
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "remote_engine_id": None,
+                "remote_block_ids": None,
+                "remote_host": None,
+                "remote_port": None,
+            },
+        )
+        status, content = await pool.post(
+            ep.prefill_port, "/v1/completions", orjson.dumps(prefill), rid, False
+        )
+        if status != 200:
+            raise HTTPError(f"direct prefill: HTTP {status}: {content[:300]!r}")
+        params = orjson.loads(content).get("kv_transfer_params")
+        if not params:
+            raise HTTPError("direct prefill: no kv_transfer_params")
+        decode = dict(body)
+        decode["kv_transfer_params"] = params
+        status, content = await pool.post(
+            ep.decode_port, "/v1/completions", orjson.dumps(decode), rid, stream
+        )
+    else:
+        port = ep.narwhal_port if target == "narwhal" else ep.vllm_router_port
+        status, content = await pool.post(port, "/v1/completions", orjson.dumps(body), rid, stream)
+    latency = time.perf_counter() - t0
+    if status != 200:
+        raise HTTPError(f"{target}: HTTP {status}: {content[:300]!r}")
+    check_completion(content, stream, target)
+    return latency
+
+
+_counter = itertools.count()
+
+
+async def run_load(
+    pool: Pool, ep: Endpoints, target: str, stream: bool, n: int, concurrency: int
+) -> list[float]:
+    latencies: list[float] = []
+    remaining = [n]
+
+    async def worker() -> None:
+        while remaining[0] > 0:
+            remaining[0] -= 1
+            latencies.append(
+                await asyncio.wait_for(
+                    one_request(pool, ep, target, stream, next(_counter)), REQUEST_TIMEOUT_S
+                )
+            )
+
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, n))))
+    return latencies
+
+
+# --------------------------------------------------------------------------------------------
+# Measurement
+
+
+@dataclass
+class Tally:
+    latencies: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+    requests: int = 0
+    router_cpu_s: float = 0.0
+    engine_cpu_s: float = 0.0
+    client_cpu_s: float = 0.0
+
+
+class Meter:
+    def __init__(self, router_pids: dict[str, list[int]], engine_pids: list[int]) -> None:
+        self.router_pids = router_pids
+        self.engine_pids = engine_pids
+
+    def snapshot(self, target: str) -> tuple[float, float, float, float]:
+        router = cpu_seconds(self.router_pids[target]) if target in self.router_pids else 0.0
+        return (time.perf_counter(), router, cpu_seconds(self.engine_pids), time.process_time())
+
+    @staticmethod
+    def add(tally: Tally, before: tuple[float, ...], after: tuple[float, ...], n: int) -> None:
+        tally.wall_s += after[0] - before[0]
+        tally.router_cpu_s += after[1] - before[1]
+        tally.engine_cpu_s += after[2] - before[2]
+        tally.client_cpu_s += after[3] - before[3]
+        tally.requests += n
+
+
+async def measure(
+    ep: Endpoints, meter: Meter, requests: int, concurrency: int, warmup: int
+) -> dict[tuple[str, str, str], Tally]:
+    """(mode, target, phase) -> Tally, phase "c1" (latency) or "cN" (throughput)."""
+    out: dict[tuple[str, str, str], Tally] = {}
+    pool = Pool()
+    try:
+        for mode in MODES:
+            stream = mode == "streamed"
+            for target in TARGETS:
+                await run_load(pool, ep, target, stream, warmup, 1)
+                await run_load(pool, ep, target, stream, 2 * concurrency, concurrency)
+            # Concurrency 1, in blocks rotating over the targets.
+            blocks = math.ceil(requests / LATENCY_BLOCK)
+            for b in range(blocks):
+                n = min(LATENCY_BLOCK, requests - b * LATENCY_BLOCK)
+                for k in range(len(TARGETS)):
+                    target = TARGETS[(b + k) % len(TARGETS)]
+                    tally = out.setdefault((mode, target, "c1"), Tally())
+                    before = meter.snapshot(target)
+                    tally.latencies += await run_load(pool, ep, target, stream, n, 1)
+                    Meter.add(tally, before, meter.snapshot(target), n)
+            # Throughput at --concurrency.
+            for target in TARGETS:
+                tally = out.setdefault((mode, target, "cN"), Tally())
+                before = meter.snapshot(target)
+                tally.latencies += await run_load(pool, ep, target, stream, requests, concurrency)
+                Meter.add(tally, before, meter.snapshot(target), requests)
+    finally:
+        await pool.aclose()
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    rank = q / 100 * (len(ordered) - 1)
+    lo, hi = math.floor(rank), math.ceil(rank)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+
+
+# --------------------------------------------------------------------------------------------
+# Processes
+
+
+def wait_ready(
+    proc: subprocess.Popen[bytes], url: str, log: Path, timeout: float, vllm: bool
+) -> None:
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=2, trust_env=False) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"{url} exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+                )
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                if vllm:
+                    r = client.get(url + "/readiness")
+                    if r.status_code == 200 and r.json().get("status") == "ready":
+                        return
+                elif client.get(url + "/ready").status_code == 200:
+                    return
+            time.sleep(0.1)
+    raise RuntimeError(f"{url} not ready within {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def stop_process(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait(5)
+
+
+def spawn(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+
+def describe(pid: int) -> str:
+    return f"{pid} ({process_name(pid)}, {thread_count(pid)} threads)"
+
+
+def per_req_ms(seconds: float, tally: Tally) -> float:
+    return seconds / tally.requests * 1000
+
+
+def report(
+    results: dict[tuple[str, str, str], Tally], args: argparse.Namespace, info: dict[str, Any]
+) -> list[tuple[str, str]]:
+    c = args.concurrency
+    rows: list[tuple[str, str]] = []
+
+    def add(name: str, value: str | float) -> None:
+        rows.append((name, value if isinstance(value, str) else fmt(value)))
+
+    def pct(mode: str, target: str, q: float, phase: str = "c1") -> float:
+        return percentile(results[(mode, target, phase)].latencies, q) * 1000
+
+    argv = " ".join(sys.argv[1:])
+    add("command", f".venv/bin/python bench/router_overhead.py {argv}".rstrip())
+    add("cpus", str(os.cpu_count()))
+    add("requests_per_target_mode_phase", str(args.requests))
+    add("warmup_per_target_mode", f"{args.warmup} at c1 + {2 * c} at c{c}")
+    add("throughput_concurrency", str(c))
+    add("engines", f"e0 prefill {info['prefill_url']}, e1 decode {info['decode_url']}, steps 0 s")
+    client = "raw asyncio streams" + (" + uvloop" if _UVLOOP else "")
+    add("client", f"{client}, keep-alive HTTP/1.1, orjson")
+    add("cpu_source", f"/proc/<pid>/stat utime+stime+cutime+cstime, {CLK_TCK} ticks/s")
+    add("narwhal_pids", info["narwhal"])
+    add("vllm_router_pids", info["vllm_router"])
+    if any(info["late"].values()):
+        add("processes_started_during_run_not_measured", str(info["late"]))
+    add("narwhal_idle_cpu_ms_per_s", info["idle"]["narwhal"])
+    add("vllm_router_idle_cpu_ms_per_s", info["idle"]["vllm_router"])
+    add("bench_wall_s", info["elapsed"])
+    for mode in MODES:
+        for target in TARGETS:
+            t1, tn = results[(mode, target, "c1")], results[(mode, target, "cN")]
+            p = f"{mode}_{target}"
+            add(f"{p}_p50_ms", pct(mode, target, 50))
+            add(f"{p}_p99_ms", pct(mode, target, 99))
+            if target != "direct":
+                add(f"{p}_added_p50_ms", pct(mode, target, 50) - pct(mode, "direct", 50))
+                add(f"{p}_added_p99_ms", pct(mode, target, 99) - pct(mode, "direct", 99))
+                add(f"{p}_router_cpu_ms_per_req_c1", per_req_ms(t1.router_cpu_s, t1))
+                add(f"{p}_router_cpu_ms_per_req_c{c}", per_req_ms(tn.router_cpu_s, tn))
+            add(f"{p}_rps_c1", t1.requests / t1.wall_s)
+            add(f"{p}_rps_c{c}", tn.requests / tn.wall_s)
+            add(f"{p}_p50_ms_c{c}", pct(mode, target, 50, "cN"))
+            add(f"{p}_engines_cpu_ms_per_req_c1", per_req_ms(t1.engine_cpu_s, t1))
+            add(f"{p}_client_cpu_ms_per_req_c1", per_req_ms(t1.client_cpu_s, t1))
+            add(f"{p}_client_cpu_ms_per_req_c{c}", per_req_ms(tn.client_cpu_s, tn))
+    for mode in MODES:
+        direct = results[(mode, "direct", "c1")]
+        add(
+            f"client_alone_cpu_ms_per_req_{mode}",
+            f"{fmt(per_req_ms(direct.client_cpu_s, direct))} (c1 against direct, both legs)",
+        )
+    for mode in MODES:
+        for target in ("narwhal", "vllm_router"):
+            for q in (50, 99):
+                add(
+                    f"added_latency_p{q}_ms_{target}_{mode}",
+                    pct(mode, target, q) - pct(mode, "direct", q),
+                )
+    # The c1 ratio (each request alone on the machine) is the headline; it comes last.
+    for phase, label in (("cN", f"_c{c}"), ("c1", "")):
+        for mode in MODES:
+            n = results[(mode, "narwhal", phase)]
+            v = results[(mode, "vllm_router", phase)]
+            ncpu, vcpu = per_req_ms(n.router_cpu_s, n), per_req_ms(v.router_cpu_s, v)
+            ratio = ncpu / vcpu if vcpu > 0 else float("inf")
+            add(f"ratio_cpu_narwhal_over_vllm_router_{mode}{label}", f"{ratio:.2f}")
+    return rows
+
+
+def fmt(x: float) -> str:
+    return f"{x:.3f}" if abs(x) < 1000 else f"{x:.1f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--requests", type=int, default=1000, help="measured requests per target, mode and phase"
+    )
+    parser.add_argument(
+        "--concurrency", type=int, default=8, help="concurrency of the throughput phase"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=30, help="warmup requests per target and mode"
+    )
+    parser.add_argument("--keep-dir", action="store_true", help="keep the logs and journal")
+    args = parser.parse_args()
+    if args.requests < 1 or args.concurrency < 1 or args.warmup < 0:
+        parser.error("--requests and --concurrency must be positive")
+    router_bin = Path(sys.executable).parent / "vllm-router"
+    if not router_bin.exists():
+        found = shutil.which("vllm-router")
+        if not found:
+            print("vllm-router is not installed", file=sys.stderr)
+            return 2
+        router_bin = Path(found)
+
+    def on_term(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+
+    directory = Path(tempfile.mkdtemp(prefix="router-overhead-"))
+    fleet: SimFleet | None = None
+    narwhal: subprocess.Popen[bytes] | None = None
+    vllm: subprocess.Popen[bytes] | None = None
+    try:
+        ports = free_ports(8)
+        doc = local_fleet_document(ports[0:2], ports[2:4], sim=dict(ZERO_LATENCY))
+        fleet_path = directory / "fleet.json"
+        fleet_path.write_text(json.dumps(doc, indent=2))
+        fleet = SimFleet(fleet_path, log_dir=directory / "logs")
+        fleet.start(timeout=90)
+        prefill_url, decode_url = fleet.engines["e0"].url, fleet.engines["e1"].url
+        engine_pids = [e.process.pid for e in fleet.engines.values() if e.process]
+
+        narwhal_port, vllm_port, prom_port = ports[4], ports[5], ports[6]
+        narwhal = spawn(
+            [
+                sys.executable,
+                "-m",
+                "narwhal.serve.cli",
+                "--fleet",
+                str(fleet_path),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(narwhal_port),
+                "--journal",
+                str(directory / "journal.jsonl"),
+                "--skip-qualification",
+                "--log-level",
+                "info",
+            ],
+            directory / "narwhal.log",
+        )
+        vllm = spawn(
+            [
+                str(router_bin),
+                "--vllm-pd-disaggregation",
+                "--prefill",
+                prefill_url,
+                "--decode",
+                decode_url,
+                "--policy",
+                "round_robin",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(vllm_port),
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(prom_port),
+                "--worker-startup-check-interval",
+                "1",
+                "--log-level",
+                "info",
+            ],
+            directory / "vllm-router.log",
+        )
+        wait_ready(
+            narwhal, f"http://127.0.0.1:{narwhal_port}", directory / "narwhal.log", 60, False
+        )
+        wait_ready(vllm, f"http://127.0.0.1:{vllm_port}", directory / "vllm-router.log", 60, True)
+        router_pids = {"narwhal": descendants(narwhal.pid), "vllm_router": descendants(vllm.pid)}
+        vllm_listener = listening_pid(vllm_port, router_pids["vllm_router"])
+        narwhal_listener = listening_pid(narwhal_port, router_pids["narwhal"])
+        if vllm_listener is None or narwhal_listener is None:
+            raise RuntimeError("could not find the process listening on a router port")
+
+        ep = Endpoints(
+            int(prefill_url.rsplit(":", 1)[1]),
+            int(decode_url.rsplit(":", 1)[1]),
+            narwhal_port,
+            vllm_port,
+        )
+        meter = Meter(router_pids, engine_pids)
+
+        # Idle cost of each router (health probes, scrapes, timers) with no requests.
+        idle_s = 3.0
+        idle_before = {t: cpu_seconds(p) for t, p in router_pids.items()}
+        time.sleep(idle_s)
+        idle = {
+            t: (cpu_seconds(p) - idle_before[t]) / idle_s * 1000 for t, p in router_pids.items()
+        }
+
+        t_start = time.perf_counter()
+        coro = measure(ep, meter, args.requests, args.concurrency, args.warmup)
+        results = uvloop.run(coro) if _UVLOOP else asyncio.run(coro)
+        elapsed = time.perf_counter() - t_start
+        # Processes started during the run (none expected) are reported, not silently missed.
+        late = {
+            t: sorted(set(descendants(p.pid)) - set(router_pids[t]))
+            for t, p in (("narwhal", narwhal), ("vllm_router", vllm))
+        }
+
+        info = {
+            "prefill_url": prefill_url,
+            "decode_url": decode_url,
+            "narwhal": f"{router_pids['narwhal']} listener {describe(narwhal_listener)}",
+            "vllm_router": f"{router_pids['vllm_router']} listener {describe(vllm_listener)}",
+            "late": late,
+            "idle": idle,
+            "elapsed": elapsed,
+        }
+        rows = report(results, args, info)
+        for name, value in rows:
+            print(f"{name}: {value}")
+        if args.keep_dir:
+            print(f"kept: {directory}")
+        return 0
+    finally:
+        stop_process(narwhal)
+        stop_process(vllm)
+        if fleet is not None:
+            fleet.stop()
+        if not args.keep_dir:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+try:
+    import uvloop
+
+    _UVLOOP = True
+except ImportError:  # pragma: no cover
+    _UVLOOP = False
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""narwhal-profile: measure live engines and write a profile store."""

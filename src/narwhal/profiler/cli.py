@@ -1,0 +1,183 @@
+"""``narwhal-profile``: profile live engines and write a profile store.
+
+    narwhal-profile --fleet FLEET --limits LIMITS --prefill-lens 256,1024,4096,8192 \\
+        --decode-input-lens 512,4096,8192 --decode-concurrency 1,2,4 --decode-tokens 64 \\
+        --prefill-repeats 3 [--engines e0,e1] [--out STORE] [--force]
+
+Exit 0 with a complete store; 1 when any engine could not be profiled (nothing is written as
+the store; the partial results go to STORE.partial.json, marked incomplete); 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import statistics
+import sys
+from pathlib import Path
+
+from narwhal.contract import (
+    ContractError,
+    load_fleet,
+    read_json_document,
+    sha256_hex,
+    validate_document,
+)
+from narwhal.profiler.runner import profile_fleet
+from narwhal.profiles.store import ProfileStore, ProfilingLimits, ProfilingPlan, store_bytes
+
+__all__ = ["main"]
+
+
+class UsageError(Exception):
+    pass
+
+
+def _int_list(text: str, name: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"--{name}: expected comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise UsageError(f"--{name}: values must be positive integers, got {text!r}")
+    if len(set(values)) != len(values):
+        raise UsageError(f"--{name}: duplicate values in {text!r}")
+    return values
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="narwhal-profile", description=__doc__.splitlines()[0])
+    p.add_argument("--fleet", required=True)
+    p.add_argument("--limits", required=True, help="profiling limits JSON")
+    p.add_argument("--prefill-lens", default="256,1024,4096,8192")
+    p.add_argument("--decode-input-lens", default="512,4096,8192")
+    p.add_argument("--decode-concurrency", default="1,2,4")
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--prefill-repeats", type=int, default=3)
+    p.add_argument("--engines", help="comma-separated engine ids (default: all)")
+    p.add_argument("--out", default="profile-store.json")
+    p.add_argument("--force", action="store_true", help="profile engines that are not idle")
+    p.add_argument("--quiet", action="store_true", help="no per-probe progress")
+    return p
+
+
+def _table(store: ProfileStore) -> str:
+    lens = store.plan.prefill_lens
+    head = (
+        ["engine", "generation"]
+        + [f"prefill@{n}" for n in lens]
+        + ["decode_intercept", "decode_slope", "ctx_coef", "prefill_r2", "decode_r2"]
+    )
+    rows = [head]
+    for engine_id, p in sorted(store.engines.items()):
+        medians = [
+            statistics.median(s.seconds for s in p.prefill_samples if s.input_tokens == n)
+            for n in lens
+        ]
+        rows.append(
+            [engine_id, (p.generation or "-")[:12]]
+            + [f"{m:.4f}" for m in medians]
+            + [
+                f"{p.decode_fit.intercept:.5f}",
+                f"{p.decode_fit.slope:.6f}",
+                f"{p.decode_fit.ctx_coef:.3e}",
+                f"{p.prefill_fit.r2:.4f}",
+                f"{p.decode_fit.r2:.4f}",
+            ]
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    loaded = load_fleet(args.fleet)
+    fleet = loaded.contract
+    limits = validate_document(read_json_document(args.limits), ProfilingLimits, args.limits)
+    try:
+        plan = ProfilingPlan(
+            prefill_lens=_int_list(args.prefill_lens, "prefill-lens"),
+            prefill_repeats=args.prefill_repeats,
+            decode_input_lens=_int_list(args.decode_input_lens, "decode-input-lens"),
+            decode_concurrency=_int_list(args.decode_concurrency, "decode-concurrency"),
+            decode_tokens=args.decode_tokens,
+        )
+    except ValueError as exc:
+        first = str(exc).splitlines()
+        raise UsageError(
+            f"profiling plan: {first[1] if len(first) > 1 else exc}: "
+            f"{first[2].strip() if len(first) > 2 else ''}"
+        ) from None
+    longest = max(max(plan.prefill_lens), max(plan.decode_input_lens) + plan.decode_tokens)
+    if longest > fleet.model.max_model_len:
+        raise UsageError(
+            f"a probe of {longest} tokens exceeds the fleet's max_model_len "
+            f"{fleet.model.max_model_len}"
+        )
+    if plan.tokens_needed() > limits.max_tokens_per_engine:
+        raise UsageError(
+            f"{args.limits}: max_tokens_per_engine {limits.max_tokens_per_engine} "
+            f"is below the {plan.tokens_needed()} tokens this plan needs per engine"
+        )
+    ids = [e.id for e in fleet.engines]
+    if args.engines:
+        ids = [e.strip() for e in args.engines.split(",") if e.strip()]
+        unknown = [e for e in ids if e not in {s.id for s in fleet.engines}]
+        if unknown:
+            raise UsageError(f"--engines: {', '.join(unknown)} not in the fleet")
+
+    def progress(line: str) -> None:
+        if not args.quiet:
+            print(line, file=sys.stderr, flush=True)
+
+    print(
+        f"profiling {len(ids)} engine(s) of {fleet.name} ({plan.tokens_needed()} tokens each)",
+        file=sys.stderr,
+    )
+    profiles, failures = asyncio.run(profile_fleet(fleet, ids, plan, limits, args.force, progress))
+    store = ProfileStore.model_validate(
+        {
+            "schema": "narwhal.profiles/v1",
+            "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "complete": not failures,
+            "fleet_name": fleet.name,
+            "fleet_sha256": loaded.sha256,
+            "plan": plan.model_dump(),
+            "limits": limits.model_dump(by_alias=True),
+            "engines": {k: v.model_dump() for k, v in profiles.items()},
+            "failures": failures,
+        }
+    )
+    out = Path(args.out)
+    data = store_bytes(store)
+    if failures:
+        partial = out.with_name(out.stem + ".partial.json")
+        partial.write_bytes(data)
+        for engine_id, why in sorted(failures.items()):
+            print(f"narwhal-profile: {engine_id}: {why}", file=sys.stderr)
+        print(
+            f"narwhal-profile: incomplete: {len(failures)} engine(s) failed; partial results "
+            f"in {partial}; no store written",
+            file=sys.stderr,
+        )
+        return 1
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(data)
+    digest = sha256_hex(store.model_dump(mode="json", by_alias=True))
+    Path(str(out) + ".sha256").write_text(f"{digest}  {out.name}\n")
+    print(_table(store))
+    print(f"profile store: {out}  sha256 {digest}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return run(args)
+    except (ContractError, UsageError) as exc:
+        print(f"narwhal-profile: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

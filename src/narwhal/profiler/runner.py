@@ -1,0 +1,290 @@
+"""Profiling live engines: prefill latency by prompt length, decode seconds per token by
+concurrency and context, each engine in isolation (its probes never overlap each other) and
+all engines in parallel, within the limits file's wall-time, token and per-probe bounds.
+
+Prompts are token ids drawn from the engine's own tokenization of a seed text, with a fresh
+random order and a ``cache_salt`` per probe, so no probe is served from the prefix cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import statistics
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+import orjson
+
+from narwhal.contract import EngineSpec, FleetContract
+from narwhal.engines.scrape import parse_engine_load
+from narwhal.engines.sse import iter_sse_events
+from narwhal.profiles.store import (
+    DecodeSample,
+    EngineProfile,
+    PrefillSample,
+    ProfilingLimits,
+    ProfilingPlan,
+    fit_engine,
+)
+
+__all__ = ["EngineProfilingError", "profile_engine", "profile_fleet"]
+
+SEED_TEXT = (
+    "Disaggregated serving splits the compute bound prefill of a prompt from the memory bound "
+    "decode of its answer, so that each runs on hardware sized for it, and moves the key value "
+    "cache between them over a fast fabric. Routers pick engines by predicted latency. "
+)
+
+Progress = Callable[[str], None]
+
+
+class EngineProfilingError(Exception):
+    """An engine could not be profiled completely (the store would be partial)."""
+
+
+@dataclass
+class _Budget:
+    limits: ProfilingLimits
+    started: float = field(default_factory=time.monotonic)
+    tokens: int = 0
+
+    def spend(self, tokens: int) -> None:
+        if self.tokens + tokens > self.limits.max_tokens_per_engine:
+            raise EngineProfilingError(
+                f"token limit: {self.tokens + tokens} tokens would exceed "
+                f"max_tokens_per_engine {self.limits.max_tokens_per_engine}"
+            )
+        if time.monotonic() - self.started > self.limits.max_wall_s_per_engine:
+            raise EngineProfilingError(
+                f"wall-time limit: exceeded max_wall_s_per_engine "
+                f"{self.limits.max_wall_s_per_engine} s"
+            )
+        self.tokens += tokens
+
+
+class _Prompts:
+    def __init__(self, pool: list[int], seed: int) -> None:
+        self.pool = pool
+        self.rng = random.Random(seed)
+
+    def make(self, n: int) -> list[int]:
+        return [self.rng.choice(self.pool) for _ in range(n)]
+
+
+async def _token_pool(client: httpx.AsyncClient, model: str) -> list[int]:
+    r = await client.post("/tokenize", json={"model": model, "prompt": SEED_TEXT * 4})
+    if r.status_code != 200:
+        raise EngineProfilingError(f"/tokenize answered {r.status_code}")
+    tokens = r.json().get("tokens")
+    pool = sorted({t for t in tokens if isinstance(t, int)}) if isinstance(tokens, list) else []
+    if len(pool) < 8:
+        raise EngineProfilingError("/tokenize returned too few distinct token ids for prompts")
+    return pool
+
+
+async def _stream_times(
+    client: httpx.AsyncClient, body: dict, timeout: float
+) -> tuple[float, list[float]]:
+    """Send a streamed completion; return (send time, arrival time of each token chunk)."""
+    sent = time.monotonic()
+    times: list[float] = []
+
+    async def run() -> None:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                raise EngineProfilingError(f"probe answered HTTP {r.status_code}")
+            async for data in iter_sse_events(r.aiter_bytes()):
+                if data == b"[DONE]":
+                    return
+                obj = orjson.loads(data)
+                if "error" in obj:
+                    raise EngineProfilingError(f"probe failed: {obj['error']}")
+                if any(c.get("text") for c in obj.get("choices") or ()):
+                    times.append(time.monotonic())
+
+    try:
+        await asyncio.wait_for(run(), timeout)
+    except TimeoutError:
+        raise EngineProfilingError(f"probe exceeded probe_timeout_s {timeout}") from None
+    except httpx.HTTPError as exc:
+        raise EngineProfilingError(f"probe failed: {type(exc).__name__}: {exc}") from None
+    return sent, times
+
+
+async def check_idle(client: httpx.AsyncClient) -> str | None:
+    """None if the engine is idle; otherwise why not."""
+    try:
+        r = await client.get("/metrics")
+    except httpx.HTTPError as exc:
+        return f"/metrics unreachable: {type(exc).__name__}"
+    load = parse_engine_load(r.content) if r.status_code == 200 else None
+    if load is None:
+        return "its /metrics carries no vLLM load gauges"
+    if load["running"] or load["waiting"]:
+        return f"not idle ({load['running']:g} running, {load['waiting']:g} waiting)"
+    return None
+
+
+async def _generation(spec: EngineSpec) -> str | None:
+    if not spec.attestation_url:
+        return spec.generation
+    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+        try:
+            r = await client.get(spec.attestation_url)
+            r.raise_for_status()
+            return str(r.json()["generation"])
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            raise EngineProfilingError(f"attestation unreachable: {exc}") from None
+
+
+async def profile_engine(
+    spec: EngineSpec,
+    model: str,
+    plan: ProfilingPlan,
+    limits: ProfilingLimits,
+    force: bool,
+    progress: Progress,
+    seed: int = 0,
+) -> EngineProfile:
+    started = time.monotonic()
+    budget = _Budget(limits)
+    if plan.tokens_needed() > limits.max_tokens_per_engine:
+        raise EngineProfilingError(
+            f"the plan needs {plan.tokens_needed()} tokens, over max_tokens_per_engine "
+            f"{limits.max_tokens_per_engine}"
+        )
+    timeout = httpx.Timeout(limits.probe_timeout_s, connect=5.0)
+    async with httpx.AsyncClient(base_url=spec.url, timeout=timeout, trust_env=False) as client:
+        if not force and (why := await check_idle(client)) is not None:
+            raise EngineProfilingError(f"refusing to profile: {why} (use --force)")
+        generation = await _generation(spec)
+        prompts = _Prompts(await _token_pool(client, model), seed)
+        salt = f"narwhal-profile-{spec.id}-{random.Random(seed).getrandbits(64):x}"
+        probe = 0
+
+        def body(n: int, max_tokens: int) -> dict:
+            nonlocal probe
+            probe += 1
+            return {
+                "model": model,
+                "prompt": prompts.make(n),
+                "max_tokens": max_tokens,
+                "stream": True,
+                "ignore_eos": True,
+                "temperature": 0,
+                "cache_salt": f"{salt}-{probe}",
+            }
+
+        prefill: list[PrefillSample] = []
+        for repeat in range(plan.prefill_repeats):
+            for n in plan.prefill_lens:
+                budget.spend(n + 1)
+                sent, times = await _stream_times(client, body(n, 1), limits.probe_timeout_s)
+                if not times:
+                    raise EngineProfilingError(f"prefill probe of {n} tokens produced no token")
+                prefill.append(
+                    PrefillSample(input_tokens=n, repeat=repeat, seconds=times[0] - sent)
+                )
+                progress(
+                    f"{spec.id}: prefill {n} tokens (repeat {repeat + 1}/"
+                    f"{plan.prefill_repeats}): {times[0] - sent:.4f} s"
+                )
+        decode: list[DecodeSample] = []
+        for n in plan.decode_input_lens:
+            for c in plan.decode_concurrency:
+                budget.spend((n + plan.decode_tokens) * c)
+                runs = await asyncio.gather(
+                    *(
+                        _stream_times(client, body(n, plan.decode_tokens), limits.probe_timeout_s)
+                        for _ in range(c)
+                    )
+                )
+                decode.append(_decode_sample(n, c, plan.decode_tokens, [t for _, t in runs]))
+                progress(
+                    f"{spec.id}: decode {n} tokens x {c} concurrent: "
+                    f"{decode[-1].seconds_per_token:.5f} s/token"
+                )
+    prefill_fit, decode_fit = fit_engine(prefill, decode)
+    return EngineProfile(
+        engine_id=spec.id,
+        url=spec.url,
+        generation=generation,
+        wall_s=round(time.monotonic() - started, 3),
+        tokens_used=budget.tokens,
+        prefill_samples=prefill,
+        decode_samples=decode,
+        prefill_fit=prefill_fit,
+        decode_fit=decode_fit,
+    )
+
+
+def _decode_sample(n: int, concurrency: int, tokens: int, runs: list[list[float]]) -> DecodeSample:
+    """Seconds per token while all ``concurrency`` sequences decode together.
+
+    The window opens when the last sequence has its first token (before that, prefills share
+    the steps) and closes when the first sequence finishes (after that, the batch shrinks).
+    """
+    if any(len(times) < 3 for times in runs):
+        raise EngineProfilingError(
+            f"decode probe ({n} tokens x {concurrency}) returned too few tokens"
+        )
+    start = max(times[0] for times in runs)
+    end = min(times[-1] for times in runs)
+    gaps: list[float] = []
+    positions: list[int] = []
+    for times in runs:
+        for i in range(1, len(times)):
+            if times[i - 1] >= start and times[i] <= end:
+                gaps.append(times[i] - times[i - 1])
+                positions.append(i)
+    if len(gaps) < 2:
+        # Too short a window (one sequence finished as the last started): use whole streams.
+        gaps = [b - a for times in runs for a, b in itertools.pairwise(times)]
+        positions = [i for times in runs for i in range(1, len(times))]
+    spt = statistics.median(gaps)
+    return DecodeSample(
+        input_tokens=n,
+        concurrency=concurrency,
+        tokens=tokens,
+        mean_context=n + statistics.fmean(positions),
+        seconds_per_token=spt,
+        itl_samples=len(gaps),
+    )
+
+
+async def profile_fleet(
+    fleet: FleetContract,
+    engine_ids: list[str],
+    plan: ProfilingPlan,
+    limits: ProfilingLimits,
+    force: bool,
+    progress: Progress,
+) -> tuple[dict[str, EngineProfile], dict[str, str]]:
+    """Profile engines in parallel; returns (profiles, failures by engine)."""
+
+    async def one(engine_id: str) -> tuple[str, EngineProfile | str]:
+        spec = fleet.engine_by_id(engine_id)
+        try:
+            return engine_id, await profile_engine(
+                spec,
+                fleet.model.id,
+                plan,
+                limits,
+                force,
+                progress,
+                seed=zlib.crc32(engine_id.encode()),
+            )
+        except EngineProfilingError as exc:
+            return engine_id, str(exc)
+        except httpx.HTTPError as exc:
+            return engine_id, f"unreachable: {type(exc).__name__}: {exc}"
+
+    results = await asyncio.gather(*(one(e) for e in engine_ids))
+    profiles = {e: r for e, r in results if isinstance(r, EngineProfile)}
+    failures = {e: r for e, r in results if isinstance(r, str)}
+    return profiles, failures

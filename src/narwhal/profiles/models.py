@@ -1,0 +1,188 @@
+"""Latency models fitted from profiles.
+
+``PrefillLatencyModel``: seconds to prefill ``n`` prompt tokens, ``a + b*n + c*n^2``.
+``DecodeLatencyModel``: seconds per output token for a batch of ``batch`` sequences whose mean
+context is ``context`` tokens, ``intercept + slope*batch + ctx_coef*context``.
+
+Both are fitted by least squares with every coefficient constrained non-negative, which keeps
+prefill time non-decreasing in ``n`` and decode time non-decreasing in batch and context, as
+the physics says. Predictions inside the profiled range are plain; outside it they are flagged,
+and far outside it (beyond ``max_extrapolation`` times the profiled maximum) the input is
+clamped: a model never extrapolates silently.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "DecodeLatencyModel",
+    "FitQuality",
+    "Prediction",
+    "PrefillLatencyModel",
+    "fit_decode",
+    "fit_prefill",
+    "nonnegative_least_squares",
+]
+
+DEFAULT_MAX_EXTRAPOLATION = 2.0
+
+
+@dataclass(frozen=True)
+class Prediction:
+    seconds: float
+    extrapolated: bool = False  # outside the profiled range
+    clamped: bool = False  # so far outside that the input was clamped
+
+
+@dataclass(frozen=True)
+class FitQuality:
+    r2: float
+    max_rel_residual: float
+    samples: int
+
+
+def nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0, by trying each active set (few columns).
+
+    Exact for the small problems here (three columns, eight subsets), with no solver to
+    depend on.
+    """
+    n_cols = x.shape[1]
+    best: tuple[float, np.ndarray] | None = None
+    for k in range(n_cols, 0, -1):
+        for cols in itertools.combinations(range(n_cols), k):
+            sub = x[:, cols]
+            coef, *_ = np.linalg.lstsq(sub, y, rcond=None)
+            if np.any(coef < 0):
+                continue
+            full = np.zeros(n_cols)
+            full[list(cols)] = coef
+            err = float(np.sum((x @ full - y) ** 2))
+            if best is None or err < best[0] - 1e-18:
+                best = (err, full)
+    if best is None:
+        return np.zeros(n_cols)
+    return best[1]
+
+
+def _quality(predicted: np.ndarray, observed: np.ndarray) -> FitQuality:
+    residual = observed - predicted
+    total = float(np.sum((observed - observed.mean()) ** 2))
+    r2 = 1.0 - float(np.sum(residual**2)) / total if total > 0 else 1.0
+    rel = np.abs(residual) / np.maximum(np.abs(observed), 1e-12)
+    return FitQuality(
+        r2=r2, max_rel_residual=float(rel.max()) if len(rel) else 0.0, samples=len(observed)
+    )
+
+
+@dataclass(frozen=True)
+class PrefillLatencyModel:
+    a: float
+    b: float
+    c: float
+    min_tokens: int
+    max_tokens: int
+    quality: FitQuality | None = None
+    max_extrapolation: float = DEFAULT_MAX_EXTRAPOLATION
+
+    def seconds(self, n: float) -> float:
+        return self.a + self.b * n + self.c * n * n
+
+    def predict(self, n: int) -> Prediction:
+        limit = self.max_tokens * self.max_extrapolation
+        if n > limit:
+            return Prediction(self.seconds(limit), extrapolated=True, clamped=True)
+        outside = n > self.max_tokens or n < self.min_tokens
+        return Prediction(self.seconds(max(n, 0)), extrapolated=outside)
+
+
+@dataclass(frozen=True)
+class DecodeLatencyModel:
+    intercept: float
+    slope: float
+    ctx_coef: float
+    max_batch: int
+    max_context: int
+    quality: FitQuality | None = None
+    max_extrapolation: float = DEFAULT_MAX_EXTRAPOLATION
+
+    def seconds_per_token(self, batch: float, context: float) -> float:
+        return self.intercept + self.slope * batch + self.ctx_coef * context
+
+    def predict(self, batch: int, context: float) -> Prediction:
+        b_limit = self.max_batch * self.max_extrapolation
+        c_limit = self.max_context * self.max_extrapolation
+        clamped = batch > b_limit or context > c_limit
+        b = min(batch, b_limit)
+        c = min(context, c_limit)
+        outside = batch > self.max_batch or context > self.max_context
+        return Prediction(self.seconds_per_token(b, c), extrapolated=outside, clamped=clamped)
+
+
+def fit_prefill(
+    lengths: Sequence[int],
+    seconds: Sequence[float],
+    max_extrapolation: float = DEFAULT_MAX_EXTRAPOLATION,
+) -> PrefillLatencyModel:
+    if len(lengths) != len(seconds) or not lengths:
+        raise ValueError("prefill fit needs matching, non-empty samples")
+    n = np.asarray(lengths, dtype=float)
+    y = np.asarray(seconds, dtype=float)
+    if len(set(lengths)) < 2:
+        raise ValueError("prefill fit needs at least two distinct prompt lengths")
+    # Scale columns so the n^2 term does not drown the others numerically.
+    scale = float(n.max())
+    x = np.stack([np.ones_like(n), n / scale, (n / scale) ** 2], axis=1)
+    coef = nonnegative_least_squares(x, y)
+    a, b, c = coef[0], coef[1] / scale, coef[2] / scale**2
+    model = PrefillLatencyModel(
+        float(a),
+        float(b),
+        float(c),
+        int(n.min()),
+        int(n.max()),
+        max_extrapolation=max_extrapolation,
+    )
+    quality = _quality(np.array([model.seconds(v) for v in n]), y)
+    return PrefillLatencyModel(
+        model.a, model.b, model.c, model.min_tokens, model.max_tokens, quality, max_extrapolation
+    )
+
+
+def fit_decode(
+    batches: Sequence[int],
+    contexts: Sequence[float],
+    seconds: Sequence[float],
+    max_extrapolation: float = DEFAULT_MAX_EXTRAPOLATION,
+) -> DecodeLatencyModel:
+    if not (len(batches) == len(contexts) == len(seconds)) or not batches:
+        raise ValueError("decode fit needs matching, non-empty samples")
+    b = np.asarray(batches, dtype=float)
+    c = np.asarray(contexts, dtype=float)
+    y = np.asarray(seconds, dtype=float)
+    b_scale, c_scale = max(float(b.max()), 1.0), max(float(c.max()), 1.0)
+    x = np.stack([np.ones_like(b), b / b_scale, c / c_scale], axis=1)
+    coef = nonnegative_least_squares(x, y)
+    model = DecodeLatencyModel(
+        float(coef[0]),
+        float(coef[1] / b_scale),
+        float(coef[2] / c_scale),
+        int(b.max()),
+        int(c.max()),
+        max_extrapolation=max_extrapolation,
+    )
+    predicted = np.array([model.seconds_per_token(bi, ci) for bi, ci in zip(b, c, strict=True)])
+    return DecodeLatencyModel(
+        model.intercept,
+        model.slope,
+        model.ctx_coef,
+        model.max_batch,
+        model.max_context,
+        _quality(predicted, y),
+        max_extrapolation,
+    )
