@@ -32,7 +32,7 @@ OUTCOMES = (
 ROLES = ("prefill", "decode")
 LEGS = ("prefill", "decode")
 STRANDED_REASONS = ("decode_failed", "deadline_exceeded", "client_abort", "no_decode")
-REJECT_REASONS = ("no_capacity", "journal_unavailable", "draining")
+REJECT_REASONS = ("over_budget", "queue_full", "queue_timeout", "journal_unavailable", "draining")
 
 _LATENCY = (
     0.005,
@@ -196,6 +196,21 @@ class RouterMetrics:
             "Journal records dropped (best_effort policy only).",
             registry=r,
         )
+        self.admission_queue = Gauge(
+            "narwhal_admission_queue", "Requests waiting in the admission queue.", registry=r
+        )
+        self.latency_ratio = Gauge(
+            "narwhal_latency_ratio",
+            "Observed / predicted latency per engine and phase (EWMA; 1 = the profile holds).",
+            ["engine", "phase"],
+            registry=r,
+        )
+        self.profile_drift = Gauge(
+            "narwhal_profile_drift",
+            "1 when an engine's observed/predicted ratio left the drift band.",
+            ["engine", "phase"],
+            registry=r,
+        )
         self.role_generation = Gauge(
             "narwhal_role_generation",
             "Generation of the role map (increments on every flip).",
@@ -232,5 +247,8 @@ class RouterMetrics:
                 self.leg_failures.labels(engine, leg)
             for reason in STRANDED_REASONS:
                 self.stranded.labels(engine, reason)
+            for phase in ("prefill", "decode"):
+                self.latency_ratio.labels(engine, phase).set(1)
+                self.profile_drift.labels(engine, phase)
             for signal in ("running", "waiting", "kv_cache_usage"):
                 self.engine_load.labels(engine, signal)

@@ -6,9 +6,13 @@ context is ``context`` tokens, ``intercept + slope*batch + ctx_coef*context``.
 
 Both are fitted by least squares with every coefficient constrained non-negative, which keeps
 prefill time non-decreasing in ``n`` and decode time non-decreasing in batch and context, as
-the physics says. Predictions inside the profiled range are plain; outside it they are flagged,
-and far outside it (beyond ``max_extrapolation`` times the profiled maximum) the input is
-clamped: a model never extrapolates silently.
+the physics says. Predictions inside the profiled range are plain; outside it they are flagged
+``extrapolated``; far outside it (beyond ``max_extrapolation`` times the profiled maximum) the
+curve is clamped to its tangent at that limit, so no higher-order term fitted on the profiled
+range is trusted there, and the prediction is flagged ``clamped``. A model never extrapolates
+silently, and clamping never hides growth: the tangent keeps rising as the load does (clamping
+the input instead would tell admission control that a batch of 100 costs what a batch of 8
+does).
 """
 
 from __future__ import annotations
@@ -96,7 +100,10 @@ class PrefillLatencyModel:
     def predict(self, n: int) -> Prediction:
         limit = self.max_tokens * self.max_extrapolation
         if n > limit:
-            return Prediction(self.seconds(limit), extrapolated=True, clamped=True)
+            tangent = self.b + 2 * self.c * limit
+            return Prediction(
+                self.seconds(limit) + tangent * (n - limit), extrapolated=True, clamped=True
+            )
         outside = n > self.max_tokens or n < self.min_tokens
         return Prediction(self.seconds(max(n, 0)), extrapolated=outside)
 
@@ -115,13 +122,16 @@ class DecodeLatencyModel:
         return self.intercept + self.slope * batch + self.ctx_coef * context
 
     def predict(self, batch: int, context: float) -> Prediction:
-        b_limit = self.max_batch * self.max_extrapolation
-        c_limit = self.max_context * self.max_extrapolation
-        clamped = batch > b_limit or context > c_limit
-        b = min(batch, b_limit)
-        c = min(context, c_limit)
+        # Linear in both inputs, so its tangent is itself: far outside the range the value is
+        # the same, only the flags say how little the profile covers it.
+        clamped = (
+            batch > self.max_batch * self.max_extrapolation
+            or context > self.max_context * self.max_extrapolation
+        )
         outside = batch > self.max_batch or context > self.max_context
-        return Prediction(self.seconds_per_token(b, c), extrapolated=outside, clamped=clamped)
+        return Prediction(
+            self.seconds_per_token(batch, context), extrapolated=outside, clamped=clamped
+        )
 
 
 def fit_prefill(

@@ -28,8 +28,10 @@ from narwhal.contract import LoadedFleet
 from narwhal.engines.client import EnginePool
 from narwhal.journal import Journal
 from narwhal.metrics import RouterMetrics
+from narwhal.profiles.store import ProfileStore, engine_models
 from narwhal.routing.fleet_state import FleetState
-from narwhal.routing.scheduler import SchedulerV0
+from narwhal.routing.predictor import LatencyPredictor
+from narwhal.routing.scheduler import SchedulerV0, SchedulerV1
 from narwhal.serve.background import probe_all, run_health_loop, run_scrape_loop
 from narwhal.serve.errors import RouterError
 from narwhal.serve.pd import DecodeStream, PDRouter
@@ -68,6 +70,8 @@ class ServeSettings:
     journal_max_bytes: int = 256 * 1024 * 1024
     journal_on_error: Literal["fail_closed", "best_effort"] = "fail_closed"
     profile_sha256: str | None = None
+    profiles: ProfileStore | None = None
+    scheduler: Literal["v0", "v1"] = "v0"
     qualification: dict[str, Any] = field(default_factory=dict)
 
 
@@ -98,6 +102,7 @@ class Runtime:
         status: int | None,
         error: str | None = None,
         tally: StreamTally | None = None,
+        stream: DecodeStream | None = None,
     ) -> None:
         """Close a request: its one request.end record, its metrics. Idempotent."""
         if record.ended:
@@ -118,16 +123,12 @@ class Runtime:
         if outcome == "ok":
             if record.t_first_token is not None:
                 m.ttft.observe(record.t_first_token)
-            if (
-                record.t_last_token is not None
-                and record.t_first_token is not None
-                and record.completion_tokens
-                and record.completion_tokens > 1
-            ):
-                m.tpot.observe(
-                    (record.t_last_token - record.t_first_token) / (record.completion_tokens - 1)
-                )
             m.e2e.observe(record.since_arrival())
+            tpot = record.tpot_s()
+            if tpot is not None:
+                m.tpot.observe(tpot)
+                if stream is not None and self.router is not None:
+                    self.router.observe_tpot(stream, tpot)
         assert self.journal is not None
         self.journal.request_end(record.id, outcome, **record.end_fields())
         self.active.discard(record.id)
@@ -143,8 +144,10 @@ class Runtime:
             return
         stats = self.journal.stats()
         self.metrics.journal_backlog.set(stats.backlog)
-        for counter, value, key in ((self.metrics.journal_errors, stats.write_errors, "errors"),
-                                    (self.metrics.journal_dropped, stats.dropped, "dropped")):
+        for counter, value, key in (
+            (self.metrics.journal_errors, stats.write_errors, "errors"),
+            (self.metrics.journal_dropped, stats.dropped, "dropped"),
+        ):
             delta = value - self._journal_seen.get(key, 0)
             if delta > 0:
                 counter.inc(delta)
@@ -191,8 +194,9 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _until_disconnect(request: Request, work: Awaitable[T],
-                            orphan: Callable[[T], Awaitable[None]] | None = None) -> T:
+async def _until_disconnect(
+    request: Request, work: Awaitable[T], orphan: Callable[[T], Awaitable[None]] | None = None
+) -> T:
     """Run ``work``; if the client disconnects first, cancel it and raise _ClientGone.
 
     ``orphan`` releases a result that ``work`` produced anyway in the same loop step as the
@@ -269,7 +273,15 @@ def build_app(settings: ServeSettings) -> FastAPI:
         )
         rt.engines = EnginePool(fleet)
         prefill_timeout = settings.prefill_timeout_s or max(30.0, 3 * fleet.budgets.ttft_s)
-        rt.router = PDRouter(fleet, state, SchedulerV0(), rt.engines, metrics, prefill_timeout)
+        predictor = None
+        scheduler: SchedulerV0 | SchedulerV1 = SchedulerV0()
+        if settings.scheduler == "v1":
+            assert settings.profiles is not None, "scheduler v1 needs a profile store"
+            predictor = LatencyPredictor(engine_models(settings.profiles))
+            scheduler = SchedulerV1(predictor, fleet.budgets)
+        rt.router = PDRouter(
+            fleet, state, scheduler, rt.engines, metrics, prefill_timeout, predictor
+        )
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(probe_all(state, rt.engines, metrics), 3.0)
         rt.tasks = [
@@ -366,8 +378,9 @@ def build_app(settings: ServeSettings) -> FastAPI:
             record.stream = creq.stream
             if creq.prompt_tokens_exact is not None:
                 record.prompt_tokens = creq.prompt_tokens_exact
-            stream = await _until_disconnect(request, rt.router.open(creq, record),
-                                             rt.release_stream)
+            stream = await _until_disconnect(
+                request, rt.router.open(creq, record), rt.release_stream
+            )
         except RouterError as exc:
             rt.finish(record, exc.outcome, exc.status, exc.message)
             response = exc.response()
@@ -407,7 +420,7 @@ def build_app(settings: ServeSettings) -> FastAPI:
             raise
         finally:
             await rt.release_stream(stream, complete=tally.done)
-        rt.finish(record, "ok", 200, None, tally)
+        rt.finish(record, "ok", 200, None, tally, stream)
         return Response(orjson.dumps(body), media_type="application/json", headers=headers)
 
     @app.post("/v1/completions", include_in_schema=True)
@@ -548,4 +561,4 @@ async def _relay(
         outcome, status, error = "stream_error", 200, str(exc)
     finally:
         await rt.release_stream(stream, complete=tally.done)
-        rt.finish(record, outcome, status, error, tally)
+        rt.finish(record, outcome, status, error, tally, stream)

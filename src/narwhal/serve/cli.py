@@ -34,7 +34,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--journal", required=True, help="JSONL request journal path")
-    p.add_argument("--profiles", help="profile store (recorded; used by the profile scheduler)")
+    p.add_argument("--profiles", help="profile store from narwhal-profile (enables scheduler v1)")
+    p.add_argument(
+        "--scheduler",
+        choices=["auto", "v0", "v1"],
+        default="auto",
+        help="v1 routes and admits by the profiled latency models; v0 by least "
+        "outstanding work; auto: v1 when a profile store is given",
+    )
     q = p.add_mutually_exclusive_group()
     q.add_argument("--check-report", help="narwhal-check report that qualifies this fleet")
     q.add_argument(
@@ -103,6 +110,47 @@ def _read_secrets(path: str, what: str) -> list[str]:
     return values
 
 
+def live_generations(fleet: Any, timeout: float = 3.0) -> dict[str, str | None]:
+    """Each engine's generation as its attestation endpoint reports it now (None: unknown)."""
+    import httpx
+
+    out: dict[str, str | None] = {}
+    with httpx.Client(timeout=timeout, trust_env=False) as client:
+        for engine in fleet.engines:
+            if not engine.attestation_url:
+                out[engine.id] = engine.generation
+                continue
+            try:
+                out[engine.id] = str(client.get(engine.attestation_url).json()["generation"])
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                log.warning("engine %s: attestation unreachable; generation not checked", engine.id)
+                out[engine.id] = engine.generation
+    return out
+
+
+def _load_profiles(fleet: Any, path: str) -> tuple[Any, str]:
+    from narwhal.contract import read_json_document
+    from narwhal.profiles.store import generation_problems, parse_profile_store
+
+    store, digest = parse_profile_store(read_json_document(path), path)
+    contract = fleet.contract
+    if not store.complete:
+        raise UsageError(
+            f"{path}: the profile store is incomplete (failed engines: "
+            f"{', '.join(sorted(store.failures)) or 'unknown'}); re-profile"
+        )
+    ref = contract.profile_store
+    if ref is not None and ref.sha256 != digest:
+        raise UsageError(
+            f"{path}: sha256 {digest} differs from the fleet's profile_store.sha256 {ref.sha256}"
+        )
+    problems = generation_problems(store, live_generations(contract))
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise UsageError(f"{path}: {problems[0]}{more}")
+    return store, digest
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -146,14 +194,17 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
         host = "127.0.0.1"
     if not keys:
         log.warning("no API keys configured: any local client can use this router")
-    profile_sha = None
-    if args.profiles:
-        import hashlib
-
-        try:
-            profile_sha = hashlib.sha256(Path(args.profiles).read_bytes()).hexdigest()
-        except OSError as exc:
-            raise UsageError(f"--profiles: cannot read {args.profiles}: {exc.strerror}") from None
+    profiles, profile_sha = None, None
+    store_path = args.profiles or (
+        fleet.contract.profile_store.path if fleet.contract.profile_store else None
+    )
+    if store_path:
+        profiles, profile_sha = _load_profiles(fleet, store_path)
+    scheduler = args.scheduler
+    if scheduler == "auto":
+        scheduler = "v1" if profiles is not None else "v0"
+    if scheduler == "v1" and profiles is None:
+        raise UsageError("--scheduler v1 needs a profile store (--profiles STORE)")
     if args.check_report:
         raise UsageError(
             "--check-report: fleet qualification reports are not supported until "
@@ -187,6 +238,8 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
         journal_max_bytes=args.journal_max_bytes,
         journal_on_error=args.journal_on_error,
         profile_sha256=profile_sha,
+        profiles=profiles,
+        scheduler=scheduler,
         qualification={"status": "skipped"},
     )
     return settings, host

@@ -20,7 +20,8 @@ from narwhal.engines.legs import decode_leg_body, prefill_leg_body
 from narwhal.engines.sse import iter_sse_events
 from narwhal.metrics import RouterMetrics
 from narwhal.routing.fleet_state import EngineState, FleetState
-from narwhal.routing.scheduler import NoPair, SchedulerV0
+from narwhal.routing.predictor import LatencyPredictor, PromptLengthEstimator
+from narwhal.routing.scheduler import NoPair, Pair, RequestShape, SchedulerV0, SchedulerV1
 from narwhal.serve.errors import RouterError
 from narwhal.serve.record import RequestRecord
 from narwhal.serve.validation import ClientRequest
@@ -30,6 +31,8 @@ __all__ = ["DecodeStream", "PDRouter"]
 log = logging.getLogger(__name__)
 
 _MAX_ERROR_BODY = 64 * 1024
+# What a chat request without a max_tokens is assumed to generate, for scheduling only.
+DEFAULT_CHAT_MAX_TOKENS = 256
 
 
 class _LegFailure(Exception):
@@ -56,6 +59,7 @@ class DecodeStream:
     events: AsyncIterator[bytes]
     first_event: bytes
     prefill_prompt_tokens: int | None
+    predicted_tpot_s: float | None = None
 
     async def aclose(self, drain: bool = False) -> None:
         """Close the upstream response. After a complete stream, ``drain`` reads the closing
@@ -73,10 +77,11 @@ class PDRouter:
         self,
         fleet: FleetContract,
         state: FleetState,
-        scheduler: SchedulerV0,
+        scheduler: SchedulerV0 | SchedulerV1,
         engines: EnginePool,
         metrics: RouterMetrics,
         prefill_timeout_s: float,
+        predictor: LatencyPredictor | None = None,
     ) -> None:
         self.fleet = fleet
         self.state = state
@@ -84,6 +89,79 @@ class PDRouter:
         self.engines = engines
         self.metrics = metrics
         self.prefill_timeout_s = prefill_timeout_s
+        self.predictor = predictor
+        self.lengths = PromptLengthEstimator()
+        self.queued = 0
+        self._capacity = asyncio.Event()
+
+    def shape(self, request: ClientRequest, record: RequestRecord) -> RequestShape:
+        if request.prompt_tokens_exact is not None:
+            tokens = request.prompt_tokens_exact
+        else:
+            tokens = self.lengths.estimate(request.prompt_bytes)
+        default_max = 16 if not request.chat else DEFAULT_CHAT_MAX_TOKENS
+        return RequestShape(tokens, request.max_tokens or default_max, record.since_arrival())
+
+    async def _admit(self, request: ClientRequest, record: RequestRecord) -> Pair:
+        """The first pick, under admission control: reject or queue when nothing fits."""
+        routing = self.fleet.routing
+        pick = self.scheduler.pick(self.state, self.shape(request, record))
+        if isinstance(pick, Pair):
+            return pick
+        if pick.over_budget is None:
+            raise RouterError(
+                503,
+                f"no engine pair can serve: {pick.reason}",
+                "service_unavailable",
+                "unavailable",
+                headers={"Retry-After": "1"},
+            )
+        if routing.admission == "reject" or routing.queue_max == 0:
+            raise self._reject("over_budget", pick.reason)
+        if self.queued >= routing.queue_max:
+            raise self._reject("queue_full", f"admission queue full ({routing.queue_max})")
+        self.queued += 1
+        self.metrics.admission_queue.set(self.queued)
+        deadline = record.since_arrival() + routing.queue_timeout_s
+        try:
+            while True:
+                self._capacity.clear()
+                left = deadline - record.since_arrival()
+                if left <= 0:
+                    raise self._reject(
+                        "queue_timeout",
+                        f"no capacity within the admission "
+                        f"queue's {routing.queue_timeout_s} s: {pick.reason}",
+                    )
+                # Re-evaluate when capacity frees up, and at least every 50 ms (time passes).
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._capacity.wait(), min(left, 0.05))
+                pick = self.scheduler.pick(self.state, self.shape(request, record))
+                if isinstance(pick, Pair):
+                    record.attempt(
+                        "admission",
+                        pick.prefill,
+                        "queued",
+                        waited_s=round(record.since_arrival(), 6),
+                    )
+                    return pick
+        finally:
+            self.queued -= 1
+            self.metrics.admission_queue.set(self.queued)
+
+    def _reject(self, reason: str, message: str) -> RouterError:
+        self.metrics.admission_rejections.labels(reason).inc()
+        return RouterError(
+            429,
+            f"request rejected by admission control: {message}",
+            "rate_limit_exceeded",
+            "rejected",
+            headers={"Retry-After": "1"},
+            code=reason,
+        )
+
+    def capacity_freed(self) -> None:
+        self._capacity.set()
 
     async def open(self, request: ClientRequest, record: RequestRecord) -> DecodeStream:
         """Run legs until a decode stream has produced its first event, or raise RouterError."""
@@ -94,8 +172,17 @@ class PDRouter:
         prefill_failures = decode_failures = 0
         last_error = "no attempt"
         deadline_hit = False
+        first = True
         while True:
-            pick = self.scheduler.pick(self.state, failed_prefill, failed_decode)
+            if first:
+                first = False
+                pick: Pair | NoPair = await self._admit(request, record)
+            else:
+                pick = self.scheduler.pick(
+                    self.state, self.shape(request, record), failed_prefill, failed_decode
+                )
+                if isinstance(pick, NoPair) and pick.over_budget is not None:
+                    pick = pick.over_budget  # already admitted: retry on the best pair there is
             if isinstance(pick, NoPair):
                 if prefill_failures or decode_failures:
                     raise self._exhausted(
@@ -113,7 +200,7 @@ class PDRouter:
             record.role_generation = self.state.role_generation
             # Prefill leg.
             try:
-                params, prompt_tokens = await self._prefill(prefill, request, record)
+                params, prompt_tokens = await self._prefill(prefill, request, record, pick)
             except _EngineClientError as exc:
                 raise RouterError.passthrough(exc.status, exc.body) from None
             except _LegFailure as exc:
@@ -129,7 +216,7 @@ class PDRouter:
             # Decode leg, under the first-token deadline.
             try:
                 return await self._decode(
-                    decode, request, record, params, prompt_tokens, deadline_s
+                    pick, decode, request, record, params, prompt_tokens, deadline_s
                 )
             except _EngineClientError as exc:
                 if params is not None:
@@ -198,7 +285,7 @@ class PDRouter:
         self.metrics.breaker_state.labels(engine.id).set(int(engine.breaker.state))
 
     async def _prefill(
-        self, engine: EngineState, request: ClientRequest, record: RequestRecord
+        self, engine: EngineState, request: ClientRequest, record: RequestRecord, pick: Pair
     ) -> tuple[Any, int | None]:
         path = "/v1/chat/completions" if request.chat else "/v1/completions"
         body = orjson.dumps(prefill_leg_body(request.body, request.chat))
@@ -206,6 +293,11 @@ class PDRouter:
         record.t_prefill_start = record.since_arrival()
         engine.breaker.on_dispatch()
         engine.in_flight_prefill += 1
+        predicted_total = None
+        if pick.predicted_prefill_s is not None:
+            now = self.state.clock.now()
+            predicted_total = engine.queued_prefill_s(now) + pick.predicted_prefill_s
+            engine.prefill_work[record.id] = (pick.predicted_prefill_s, now)
         gauge = self.metrics.in_flight.labels(engine.id, "prefill")
         gauge.inc()
         try:
@@ -224,7 +316,9 @@ class PDRouter:
             raise _LegFailure(why) from None
         finally:
             engine.in_flight_prefill -= 1
+            engine.prefill_work.pop(record.id, None)
             gauge.dec()
+            self._capacity.set()
         record.t_prefill_end = record.since_arrival()
         if response.status_code >= 500:
             self._leg_failed(engine, "prefill")
@@ -243,19 +337,39 @@ class PDRouter:
             record.attempt("prefill", engine.id, "failed", error="malformed response")
             raise _LegFailure("malformed prefill response") from None
         self._leg_ok(engine)
-        self.metrics.prefill.labels(engine.id).observe(
-            record.t_prefill_end - record.t_prefill_start
-        )
+        leg_s = record.t_prefill_end - record.t_prefill_start
+        self.metrics.prefill.labels(engine.id).observe(leg_s)
         record.attempt("prefill", engine.id, "ok")
         if isinstance(prompt_tokens, int):
             record.prompt_tokens = prompt_tokens
+            if request.prompt_tokens_exact is None:
+                self.lengths.observe(request.prompt_bytes, prompt_tokens)
+        if self.predictor is not None and predicted_total is not None:
+            ratio = self.predictor.observe(engine.id, "prefill", predicted_total, leg_s)
+            self._export_ratio(engine.id, "prefill", ratio)
         # vLLM returns kv_transfer_params only when the prefill stopped on its length cap with
         # blocks to hand over; without them the decode engine prefills the prompt itself.
         record.handoff = "nixl" if params is not None else "local"
         return params, prompt_tokens if isinstance(prompt_tokens, int) else None
 
+    def _export_ratio(self, engine_id: str, phase: str, ratio: float) -> None:
+        assert self.predictor is not None
+        self.metrics.latency_ratio.labels(engine_id, phase).set(ratio)
+        self.metrics.profile_drift.labels(engine_id, phase).set(
+            1 if self.predictor.drifted(engine_id, phase) else 0
+        )
+
+    def observe_tpot(self, stream: DecodeStream, tpot_s: float) -> None:
+        """A finished request's TPOT against what was predicted when its decode engine was
+        picked: the decode model's online correction."""
+        if self.predictor is None or stream.predicted_tpot_s is None or tpot_s <= 0:
+            return
+        ratio = self.predictor.observe(stream.engine, "decode", stream.predicted_tpot_s, tpot_s)
+        self._export_ratio(stream.engine, "decode", ratio)
+
     async def _decode(
         self,
+        pick: Pair,
         engine: EngineState,
         request: ClientRequest,
         record: RequestRecord,
@@ -344,8 +458,11 @@ class PDRouter:
         record.handoff_first_token_s = first_token_s
         self.metrics.handoff.labels(engine.id).observe(first_token_s)
         record.attempt("decode", engine.id, "first_token", after_s=round(first_token_s, 6))
-        return DecodeStream(engine.id, resp, events, first, prompt_tokens)
+        if self.predictor is not None and pick.predicted_tpot_s is not None:
+            self.predictor.observe_handoff(engine.id, first_token_s, pick.predicted_tpot_s)
+        return DecodeStream(engine.id, resp, events, first, prompt_tokens, pick.predicted_tpot_s)
 
     def decode_done(self, engine_id: str) -> None:
         self.state.engines[engine_id].in_flight_decode -= 1
         self.metrics.in_flight.labels(engine_id, "decode").dec()
+        self._capacity.set()

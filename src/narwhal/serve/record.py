@@ -55,6 +55,17 @@ class RequestRecord:
             }
         )
 
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first (vLLM's definition), if measurable."""
+        if (
+            self.t_first_token is None
+            or self.t_last_token is None
+            or not self.completion_tokens
+            or self.completion_tokens < 2
+        ):
+            return None
+        return (self.t_last_token - self.t_first_token) / (self.completion_tokens - 1)
+
     def end_fields(self) -> dict[str, Any]:
         fields = {
             "arrival": self.arrival,

@@ -58,6 +58,7 @@ class ClientRequest:
     max_tokens: int | None
     prompt_tokens_exact: int | None
     prompt_tokens_estimate: int
+    prompt_bytes: int = 0
 
 
 def _check_int(body: dict[str, Any], name: str, minimum: int) -> int | None:
@@ -72,7 +73,7 @@ def _check_int(body: dict[str, Any], name: str, minimum: int) -> int | None:
 
 
 def _prompt_length(body: dict[str, Any], chat: bool) -> tuple[int | None, int]:
-    """(exact token count if known, estimate)."""
+    """(exact token count if known, size of a text prompt in UTF-8 bytes)."""
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -96,7 +97,7 @@ def _prompt_length(body: dict[str, Any], chat: bool) -> tuple[int | None, int]:
                     f"messages[{i}].content",
                 )
             size += 8  # role markers of a chat template
-        return None, max(1, int(size / EST_BYTES_PER_TOKEN))
+        return None, max(1, size)
     if "prompt" not in body:
         raise bad_request("'prompt' is required", "prompt")
     prompt = body["prompt"]
@@ -105,13 +106,12 @@ def _prompt_length(body: dict[str, Any], chat: bool) -> tuple[int | None, int]:
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("'prompt' must not be empty", "prompt")
-        size = len(prompt.encode("utf-8", "surrogatepass"))
-        return None, max(1, int(size / EST_BYTES_PER_TOKEN))
+        return None, len(prompt.encode("utf-8", "surrogatepass"))
     if isinstance(prompt, list) and prompt:
         for token in prompt:
             if not isinstance(token, int) or isinstance(token, bool) or token < 0:
                 raise bad_request("'prompt' token ids must be non-negative integers", "prompt")
-        return len(prompt), len(prompt)
+        return len(prompt), 0
     if isinstance(prompt, list) and len(prompt) > 1:
         raise bad_request(
             "batched prompts are not supported: send one prompt per request", "prompt"
@@ -174,7 +174,8 @@ def parse_client_request(
         cap = _check_int(body, "max_completion_tokens", 1)
         max_tokens = cap if cap is not None else max_tokens
     _check_int(body, "min_tokens", 0)
-    exact, estimate = _prompt_length(body, chat)
+    exact, size = _prompt_length(body, chat)
+    estimate = exact if exact is not None else max(1, round(size / EST_BYTES_PER_TOKEN))
     if exact is not None:
         total = exact + (max_tokens or 0)
         if exact >= max_model_len or total > max_model_len:
@@ -184,7 +185,7 @@ def parse_client_request(
                 "prompt" if exact >= max_model_len else "max_tokens",
             )
     else:
-        floor = estimate * EST_BYTES_PER_TOKEN / MAX_BYTES_PER_TOKEN
+        floor = size / MAX_BYTES_PER_TOKEN
         if floor > max_model_len:
             raise bad_request(
                 f"This model's maximum context length is {max_model_len} tokens; the prompt is"
@@ -200,4 +201,5 @@ def parse_client_request(
         max_tokens=max_tokens,
         prompt_tokens_exact=exact,
         prompt_tokens_estimate=estimate,
+        prompt_bytes=size,
     )

@@ -1,0 +1,222 @@
+"""Latency models, the predictor's online correction, and scheduler v1, on a virtual clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from narwhal.clock import VirtualClock
+from narwhal.contract import Budgets, parse_fleet
+from narwhal.profiles.models import (
+    DecodeLatencyModel,
+    PrefillLatencyModel,
+    fit_decode,
+    fit_prefill,
+    nonnegative_least_squares,
+)
+from narwhal.profiles.store import EngineModels
+from narwhal.routing.fleet_state import FleetState
+from narwhal.routing.predictor import LatencyPredictor, PromptLengthEstimator
+from narwhal.routing.scheduler import NoPair, Pair, RequestShape, SchedulerV1
+from narwhal.sim.fleet import local_fleet_document
+
+# --- models -------------------------------------------------------------------------------
+
+
+def test_prefill_fit_recovers_parameters_and_quality() -> None:
+    lens = [256, 1024, 4096, 8192] * 3
+    secs = [0.02 + 1e-4 * n + 1.2e-9 * n * n for n in lens]
+    m = fit_prefill(lens, secs)
+    assert m.a == pytest.approx(0.02, rel=1e-6)
+    assert m.b == pytest.approx(1e-4, rel=1e-6)
+    assert m.c == pytest.approx(1.2e-9, rel=1e-6)
+    assert m.quality is not None and m.quality.r2 > 0.999999 and m.quality.samples == 12
+
+
+def test_prefill_fit_is_non_decreasing_even_on_noisy_data() -> None:
+    # A fit without constraints would bend down here (negative quadratic term).
+    lens = [100, 2000, 4000, 8000]
+    secs = [0.05, 0.40, 0.60, 0.61]
+    m = fit_prefill(lens, secs)
+    assert min(m.a, m.b, m.c) >= 0
+    values = [m.seconds(n) for n in range(0, 16000, 500)]
+    assert values == sorted(values)
+
+
+def test_nnls_matches_unconstrained_when_feasible() -> None:
+    import numpy as np
+
+    x = np.array([[1, 0], [1, 1], [1, 2]], dtype=float)
+    assert nonnegative_least_squares(x, np.array([1.0, 2.0, 3.0])) == pytest.approx([1, 1])
+    # The best unconstrained slope is negative: clamp it to 0 and refit the intercept.
+    assert nonnegative_least_squares(x, np.array([3.0, 2.0, 1.0])) == pytest.approx([2, 0])
+
+
+def test_decode_fit_recovers_parameters() -> None:
+    batches = [1, 2, 4] * 3
+    contexts = [512] * 3 + [4096] * 3 + [8192] * 3
+    secs = [0.24 + 0.0015 * b + 1.3e-7 * c for b, c in zip(batches, contexts, strict=True)]
+    m = fit_decode(batches, contexts, secs)
+    assert (m.intercept, m.slope, m.ctx_coef) == pytest.approx((0.24, 0.0015, 1.3e-7), rel=1e-6)
+
+
+def test_predictions_flag_and_clamp_far_extrapolation() -> None:
+    m = PrefillLatencyModel(0.0, 1e-4, 0.0, 256, 8192, max_extrapolation=2.0)
+    inside = m.predict(4096)
+    assert not inside.extrapolated and inside.seconds == pytest.approx(0.4096)
+    near = m.predict(12000)
+    assert near.extrapolated and not near.clamped and near.seconds == pytest.approx(1.2)
+    far = m.predict(100000)
+    assert far.extrapolated and far.clamped and far.seconds == pytest.approx(100000 * 1e-4)
+    curved = PrefillLatencyModel(0.0, 0.0, 1e-8, 256, 1000, max_extrapolation=2.0)
+    # Beyond 2000 tokens the quadratic is replaced by its tangent at 2000: 0.04 + 4e-5 * 1000.
+    assert curved.predict(3000).seconds == pytest.approx(0.04 + 4e-5 * 1000)
+    assert curved.predict(3000).seconds < curved.seconds(3000)
+    d = DecodeLatencyModel(0.1, 0.01, 0.0, 4, 8192)
+    assert d.predict(2, 1000).extrapolated is False
+    assert d.predict(6, 1000).extrapolated is True
+    assert d.predict(100, 1000).clamped is True
+    assert d.predict(100, 1000).seconds == pytest.approx(0.1 + 0.01 * 100)
+
+
+def test_fit_needs_enough_samples() -> None:
+    with pytest.raises(ValueError):
+        fit_prefill([256, 256], [0.1, 0.1])
+    with pytest.raises(ValueError):
+        fit_decode([], [], [])
+
+
+# --- predictor ----------------------------------------------------------------------------
+
+
+def models(intercept: float = 0.04, slope: float = 0.002) -> EngineModels:
+    return EngineModels(
+        prefill=PrefillLatencyModel(0.01, 1e-4, 0.0, 128, 8192),
+        decode=DecodeLatencyModel(intercept, slope, 0.0, 8, 8192),
+        generation="g",
+    )
+
+
+def test_online_correction_converges_and_flags_drift() -> None:
+    p = LatencyPredictor({"e0": models()}, alpha=0.5, drift_band=(0.67, 1.5))
+    base = p.prefill("e0", 1000).seconds
+    assert base == pytest.approx(0.11)
+    for _ in range(8):
+        predicted = p.prefill("e0", 1000).seconds
+        p.observe("e0", "prefill", predicted, 2 * base)  # the engine runs twice as slow
+    assert p.ratio("e0", "prefill") == pytest.approx(2.0, rel=0.01)
+    assert p.prefill("e0", 1000).seconds == pytest.approx(2 * base, rel=0.01)
+    assert p.drifted("e0", "prefill") and not p.drifted("e0", "decode")
+
+
+def test_correction_ignores_absurd_samples() -> None:
+    p = LatencyPredictor({"e0": models()}, alpha=1.0, ratio_bounds=(0.25, 8.0))
+    p.observe("e0", "decode", 0.05, 500.0)
+    assert p.ratio("e0", "decode") == 8.0
+
+
+def test_handoff_is_learnt_per_decode_engine() -> None:
+    p = LatencyPredictor({"e0": models()}, alpha=1.0, default_transfer_s=0.02)
+    assert p.transfer_s("e1") == 0.02
+    p.observe_handoff("e1", first_token_s=0.30, first_step_s=0.05)
+    assert p.transfer_s("e1") == pytest.approx(0.25)
+
+
+def test_prompt_length_estimate_learns_bytes_per_token() -> None:
+    est = PromptLengthEstimator(bytes_per_token=4.0, alpha=0.5)
+    assert est.estimate(400) == 100
+    for _ in range(10):
+        est.observe(600, 100)  # this model's tokenizer: 6 bytes per token
+    assert est.estimate(600) == pytest.approx(100, abs=2)
+
+
+# --- scheduler v1 -------------------------------------------------------------------------
+
+
+def fleet_state(clock: VirtualClock, n: int = 4) -> FleetState:
+    doc = local_fleet_document(
+        list(range(9000, 9000 + n)),
+        list(range(9100, 9100 + n)),
+        ttft_s=2.0,
+        tpot_s=0.1,
+        first_token_timeout_s=1.0,
+    )
+    state = FleetState(parse_fleet(doc, "t").contract, clock)
+    for e in state.engines.values():
+        e.healthy = True
+    return state
+
+
+def scheduler(**per_engine: EngineModels) -> SchedulerV1:
+    engines = {f"e{i}": models() for i in range(4)}
+    engines.update(per_engine)
+    return SchedulerV1(
+        LatencyPredictor(engines, default_transfer_s=0.02),
+        Budgets(ttft_s=2.0, tpot_s=0.1, attainment=0.95),
+    )
+
+
+def test_hand_computed_pair_choice() -> None:
+    clock = VirtualClock(50.0)
+    state = fleet_state(clock)
+    sched = scheduler(e3=models(intercept=0.08))  # e3 decodes slower
+    # e0 has 0.5 s of prefill queued since t=50; e1 has nothing.
+    state.engines["e0"].prefill_work["r1"] = (0.5, 50.0)
+    shape = RequestShape(prompt_tokens=1000, max_tokens=100)
+    pick = sched.pick(state, shape)
+    assert isinstance(pick, Pair)
+    assert (pick.prefill, pick.decode) == ("e1", "e2")
+    # prefill 0.01 + 0.1 = 0.11; TPOT at batch 1 = 0.042; TTFT = 0.11 + 0.02 + 0.042.
+    assert pick.predicted_prefill_s == pytest.approx(0.11)
+    assert pick.predicted_tpot_s == pytest.approx(0.042)
+    assert pick.predicted_ttft_s == pytest.approx(0.172)
+    # slack = min((2 - 0.172)/2, (0.1 - 0.042)/0.1) = min(0.914, 0.58)
+    assert pick.score == pytest.approx(0.58)
+    clock.advance(0.4)  # e0's queue drains with time
+    assert state.engines["e0"].queued_prefill_s(clock.now()) == pytest.approx(0.1)
+
+
+def test_batch_growth_moves_work_to_the_slower_engine_only_when_it_pays() -> None:
+    clock = VirtualClock(0.0)
+    state = fleet_state(clock)
+    sched = scheduler(e3=models(intercept=0.06))
+    shape = RequestShape(prompt_tokens=500, max_tokens=50)
+    assert sched.pick(state, shape).decode == "e2"  # type: ignore[union-attr]
+    # e2 at batch 11 predicts 0.04 + 0.002*12 = 0.064 > e3's 0.062 at batch 1.
+    state.engines["e2"].in_flight_decode = 11
+    assert sched.pick(state, shape).decode == "e3"  # type: ignore[union-attr]
+
+
+def test_over_budget_is_reported_for_admission() -> None:
+    clock = VirtualClock(0.0)
+    state = fleet_state(clock)
+    sched = scheduler()
+    state.engines["e2"].in_flight_decode = 40  # TPOT 0.04 + 0.002*41 = 0.122 > 0.1
+    state.engines["e3"].in_flight_decode = 40
+    pick = sched.pick(state, RequestShape(prompt_tokens=100, max_tokens=10))
+    assert isinstance(pick, NoPair) and pick.over_budget is not None
+    assert "predicted to meet the budgets" in pick.reason
+    assert pick.over_budget.predicted_tpot_s == pytest.approx(0.122)
+
+
+def test_elapsed_time_counts_against_ttft() -> None:
+    clock = VirtualClock(0.0)
+    state = fleet_state(clock)
+    sched = scheduler()
+    fresh = sched.pick(state, RequestShape(prompt_tokens=8000, max_tokens=10))
+    assert isinstance(fresh, Pair)
+    late = sched.pick(state, RequestShape(prompt_tokens=8000, max_tokens=10, elapsed_s=1.9))
+    assert isinstance(late, NoPair) and late.over_budget is not None
+
+
+def test_v1_respects_roles_health_exclusions_and_permissions() -> None:
+    clock = VirtualClock(0.0)
+    state = fleet_state(clock)
+    sched = scheduler()
+    state.engines["e2"].healthy = False
+    assert sched.pick(state).decode == "e3"  # type: ignore[union-attr]
+    assert sched.pick(state, exclude_decode={"e3"}) == NoPair(
+        "no available engine in the decode role"
+    )
+    state.engines["e2"].healthy = True
+    pick = sched.pick(state, exclude_prefill={"e0"})
+    assert isinstance(pick, Pair) and pick.prefill == "e1"
