@@ -189,11 +189,13 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
     if args.admin_token_file:
         admin_hash = hash_secret(_read_secrets(args.admin_token_file, "admin token")[0])
     host = args.host
+    # Warnings wait until every check passed: a refused start prints only its one line.
+    warnings: list[str] = []
     if not keys and not _is_loopback(host):
-        log.warning("no API keys configured: binding to 127.0.0.1 instead of %s", host)
+        warnings.append(f"no API keys configured: binding to 127.0.0.1 instead of {host}")
         host = "127.0.0.1"
     if not keys:
-        log.warning("no API keys configured: any local client can use this router")
+        warnings.append("no API keys configured: any local client can use this router")
     profiles, profile_sha = None, None
     store_path = args.profiles or (
         fleet.contract.profile_store.path if fleet.contract.profile_store else None
@@ -215,11 +217,11 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
             "this fleet is not qualified: pass --check-report REPORT (from "
             "narwhal-check) or --skip-qualification for development"
         )
-    log.warning(
-        "SERVING AN UNQUALIFIED FLEET (--skip-qualification): %s sha256 %s",
-        fleet.path,
-        fleet.sha256,
+    warnings.append(
+        f"SERVING AN UNQUALIFIED FLEET (--skip-qualification): {fleet.path} sha256 {fleet.sha256}"
     )
+    for warning in warnings:
+        log.warning("%s", warning)
     settings = ServeSettings(
         fleet=fleet,
         journal_path=journal,
