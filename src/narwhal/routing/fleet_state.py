@@ -55,6 +55,23 @@ class EngineState:
     def can(self, role: Role) -> bool:
         return role in self.roles
 
+    def accepts(self, role: Role) -> bool:
+        """May new legs of ``role`` go here? Its role, and, for an engine that just left the
+        prefill role, only once its queued prefills have finished (drain)."""
+        if role != self.role:
+            return False
+        return not (self.draining_from == "prefill" and self.in_flight_prefill > 0)
+
+    def settle_drain(self) -> bool:
+        """Clear the drain mark once the old role's legs are done; True if it was cleared."""
+        if self.draining_from is None:
+            return False
+        left = self.in_flight_prefill if self.draining_from == "prefill" else self.in_flight_decode
+        if left == 0:
+            self.draining_from = None
+            return True
+        return False
+
     def available(self) -> bool:
         """Healthy (or not yet probed) and its breaker lets a request through."""
         return self.healthy is not False and self.breaker.allows_request()

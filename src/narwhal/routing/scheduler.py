@@ -57,7 +57,7 @@ def _available(state: FleetState, p: EngineState, d: EngineState) -> bool:
 
 
 def _roles(state: FleetState, p: EngineState, d: EngineState) -> bool:
-    return p.role == "prefill" and d.role == "decode" and p.id != d.id
+    return p.accepts("prefill") and d.accepts("decode") and p.id != d.id
 
 
 def _permitted(state: FleetState, p: EngineState, d: EngineState) -> bool:
@@ -152,12 +152,18 @@ class SchedulerV1:
         prefills = [
             e
             for e in state.in_role("prefill")
-            if e.id not in exclude_prefill and e.available() and _has_room(state, e)
+            if e.id not in exclude_prefill
+            and e.accepts("prefill")
+            and e.available()
+            and _has_room(state, e)
         ]
         decodes = [
             e
             for e in state.in_role("decode")
-            if e.id not in exclude_decode and e.available() and _has_room(state, e)
+            if e.id not in exclude_decode
+            and e.accepts("decode")
+            and e.available()
+            and _has_room(state, e)
         ]
         if not prefills:
             return NoPair("no available engine in the prefill role")

@@ -10,6 +10,7 @@ import logging
 import re
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,8 +30,9 @@ from narwhal.engines.client import EnginePool
 from narwhal.journal import Journal
 from narwhal.metrics import RouterMetrics
 from narwhal.profiles.store import ProfileStore, engine_models
-from narwhal.routing.fleet_state import FleetState
+from narwhal.routing.fleet_state import FleetState, Role
 from narwhal.routing.predictor import LatencyPredictor
+from narwhal.routing.roles import DemandTracker, RoleController
 from narwhal.routing.scheduler import SchedulerV0, SchedulerV1
 from narwhal.serve.background import probe_all, run_health_loop, run_scrape_loop
 from narwhal.serve.errors import RouterError
@@ -91,7 +93,55 @@ class Runtime:
     active: set[str] = field(default_factory=set)
     draining: bool = False
     started_at: float = field(default_factory=time.time)
+    roles: RoleController | None = None
+    demand: DemandTracker | None = None
+    pinned: bool = False
+    role_history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=1000))
     _journal_seen: dict[str, int] = field(default_factory=dict)
+
+    # --- roles -------------------------------------------------------------------------
+
+    def apply_flip(
+        self,
+        engine_id: str,
+        to_role: Role,
+        reason: str,
+        pressures: dict[str, Any] | None,
+        forced: bool,
+    ) -> dict[str, Any]:
+        """Move an engine to another role: state, metrics, journal, timeline, in that order."""
+        engine = self.state.engines[engine_id]
+        from_role = engine.role
+        self.state.set_role(engine_id, to_role)
+        if self.roles is not None:
+            self.roles.applied()
+        m = self.metrics
+        m.flips.labels(from_role, to_role).inc()
+        m.engine_role.labels(engine_id, from_role).set(0)
+        m.engine_role.labels(engine_id, to_role).set(1)
+        m.role_generation.set(self.state.role_generation)
+        entry = {
+            "t": time.time(),
+            "engine": engine_id,
+            "from_role": from_role,
+            "to_role": to_role,
+            "reason": reason,
+            "pressures": pressures,
+            "role_generation": self.state.role_generation,
+            "forced": forced,
+        }
+        self.role_history.append(entry)
+        assert self.journal is not None
+        self.journal.role_flip(**entry)
+        log.info("role flip: %s %s -> %s (%s)", engine_id, from_role, to_role, reason)
+        return entry
+
+    def set_pinned(self, pinned: bool) -> None:
+        self.pinned = pinned
+        if self.roles is not None:
+            self.roles.pinned = pinned
+        assert self.journal is not None
+        self.journal.record("role.pin", pinned=pinned, role_generation=self.state.role_generation)
 
     # --- request bookkeeping -----------------------------------------------------------
 
@@ -279,9 +329,14 @@ def build_app(settings: ServeSettings) -> FastAPI:
             assert settings.profiles is not None, "scheduler v1 needs a profile store"
             predictor = LatencyPredictor(engine_models(settings.profiles))
             scheduler = SchedulerV1(predictor, fleet.budgets)
+        rt.demand = DemandTracker(clock, window_s=max(10.0, 6 * fleet.roles.tick_s))
         rt.router = PDRouter(
-            fleet, state, scheduler, rt.engines, metrics, prefill_timeout, predictor
+            fleet, state, scheduler, rt.engines, metrics, prefill_timeout, predictor, rt.demand
         )
+        if predictor is not None and fleet.roles.enabled:
+            rt.roles = RoleController(
+                predictor, fleet.budgets, fleet.roles, clock, pinned=rt.pinned
+            )
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(probe_all(state, rt.engines, metrics), 3.0)
         rt.tasks = [
@@ -291,6 +346,7 @@ def build_app(settings: ServeSettings) -> FastAPI:
             asyncio.create_task(
                 run_scrape_loop(state, rt.engines, metrics, settings.scrape_interval_s)
             ),
+            asyncio.create_task(_run_role_loop(rt, fleet.roles.tick_s)),
         ]
         try:
             yield
@@ -509,6 +565,14 @@ def build_app(settings: ServeSettings) -> FastAPI:
                     "profile_sha256": settings.profile_sha256,
                 },
                 "role_generation": state.role_generation,
+                "roles": {
+                    "controller": rt.roles is not None,
+                    "pinned": rt.pinned,
+                    "history": list(rt.role_history),
+                    "pressures": rt.roles.pressures(state, rt.demand).as_dict()
+                    if rt.roles is not None and rt.demand is not None
+                    else None,
+                },
                 "draining": rt.draining,
                 "in_flight_requests": len(rt.active),
                 "journal": None
@@ -542,7 +606,99 @@ def build_app(settings: ServeSettings) -> FastAPI:
             }
         )
 
+    def admin_denied(request: Request) -> Response | None:
+        if settings.admin_token_hash is None:
+            return RouterError(
+                403,
+                "admin endpoints are disabled (no admin token configured)",
+                "permission_error",
+                "client_error",
+            ).response()
+        if not rt.admin_authorized(request):
+            return RouterError(
+                401, "admin token required", "authentication_error", "client_error"
+            ).response()
+        return None
+
+    @app.post("/admin/roles/pin")
+    async def admin_pin(request: Request) -> Response:
+        if (denied := admin_denied(request)) is not None:
+            return denied
+        try:
+            body = orjson.loads(await request.body())
+            pinned = body["pinned"]
+            if not isinstance(pinned, bool):
+                raise TypeError
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return RouterError(
+                400,
+                'expected {"pinned": true|false}',
+                "invalid_request_error",
+                "client_error",
+                "pinned",
+            ).response()
+        rt.set_pinned(pinned)
+        return _json({"pinned": rt.pinned})
+
+    @app.post("/admin/roles/flip")
+    async def admin_flip(request: Request) -> Response:
+        if (denied := admin_denied(request)) is not None:
+            return denied
+        try:
+            body = orjson.loads(await request.body())
+            engine_id, to_role = body["engine"], body["to"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return RouterError(
+                400,
+                'expected {"engine": ID, "to": "prefill"|"decode"}',
+                "invalid_request_error",
+                "client_error",
+            ).response()
+        engine = state.engines.get(engine_id) if isinstance(engine_id, str) else None
+        if engine is None:
+            return RouterError(
+                404, f"no engine {engine_id!r}", "not_found_error", "client_error", "engine"
+            ).response()
+        if to_role not in ("prefill", "decode") or not engine.can(to_role):
+            return RouterError(
+                400,
+                f"engine {engine_id} is not permitted the role {to_role!r}",
+                "invalid_request_error",
+                "client_error",
+                "to",
+            ).response()
+        if engine.role == to_role:
+            return _json({"flipped": False, "engine": engine_id, "role": to_role})
+        minimum = fleet.roles.min_prefill if engine.role == "prefill" else fleet.roles.min_decode
+        if len(state.in_role(engine.role)) - 1 < minimum:
+            return RouterError(
+                409,
+                f"flipping {engine_id} would leave fewer than {minimum} {engine.role} engines",
+                "conflict",
+                "client_error",
+            ).response()
+        entry = rt.apply_flip(engine_id, to_role, "forced by operator", None, forced=True)
+        return _json({"flipped": True, **entry})
+
     return app
+
+
+async def _run_role_loop(rt: Runtime, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        for engine in rt.state.engines.values():
+            engine.settle_drain()
+        if rt.roles is None or rt.demand is None:
+            continue
+        decision = rt.roles.tick(rt.state, rt.demand)
+        if decision is not None:
+            rt.apply_flip(
+                decision.engine,
+                decision.to_role,
+                decision.reason,
+                decision.pressures.as_dict(),
+                forced=False,
+            )
 
 
 async def _relay(

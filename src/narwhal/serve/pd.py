@@ -19,8 +19,10 @@ from narwhal.engines.client import EnginePool
 from narwhal.engines.legs import decode_leg_body, prefill_leg_body
 from narwhal.engines.sse import iter_sse_events
 from narwhal.metrics import RouterMetrics
+from narwhal.routing.admission import Admit, Queue, Reject, admit
 from narwhal.routing.fleet_state import EngineState, FleetState
 from narwhal.routing.predictor import LatencyPredictor, PromptLengthEstimator
+from narwhal.routing.roles import DemandTracker
 from narwhal.routing.scheduler import NoPair, Pair, RequestShape, SchedulerV0, SchedulerV1
 from narwhal.serve.errors import RouterError
 from narwhal.serve.record import RequestRecord
@@ -82,6 +84,7 @@ class PDRouter:
         metrics: RouterMetrics,
         prefill_timeout_s: float,
         predictor: LatencyPredictor | None = None,
+        demand: DemandTracker | None = None,
     ) -> None:
         self.fleet = fleet
         self.state = state
@@ -90,6 +93,7 @@ class PDRouter:
         self.metrics = metrics
         self.prefill_timeout_s = prefill_timeout_s
         self.predictor = predictor
+        self.demand = demand
         self.lengths = PromptLengthEstimator()
         self.queued = 0
         self._capacity = asyncio.Event()
@@ -104,50 +108,49 @@ class PDRouter:
 
     async def _admit(self, request: ClientRequest, record: RequestRecord) -> Pair:
         """The first pick, under admission control: reject or queue when nothing fits."""
-        routing = self.fleet.routing
-        pick = self.scheduler.pick(self.state, self.shape(request, record))
-        if isinstance(pick, Pair):
-            return pick
-        if pick.over_budget is None:
-            raise RouterError(
-                503,
-                f"no engine pair can serve: {pick.reason}",
-                "service_unavailable",
-                "unavailable",
-                headers={"Retry-After": "1"},
-            )
-        if routing.admission == "reject" or routing.queue_max == 0:
-            raise self._reject("over_budget", pick.reason)
-        if self.queued >= routing.queue_max:
-            raise self._reject("queue_full", f"admission queue full ({routing.queue_max})")
-        self.queued += 1
-        self.metrics.admission_queue.set(self.queued)
-        deadline = record.since_arrival() + routing.queue_timeout_s
-        try:
-            while True:
-                self._capacity.clear()
-                left = deadline - record.since_arrival()
-                if left <= 0:
-                    raise self._reject(
-                        "queue_timeout",
-                        f"no capacity within the admission "
-                        f"queue's {routing.queue_timeout_s} s: {pick.reason}",
+        policy = self.fleet.routing
+        verdict = admit(
+            self.scheduler.pick(self.state, self.shape(request, record)), policy, self.queued
+        )
+        if isinstance(verdict, Queue):
+            self.queued += 1
+            self.metrics.admission_queue.set(self.queued)
+            start = record.since_arrival()
+            try:
+                while isinstance(verdict, Queue):
+                    self._capacity.clear()
+                    left = policy.queue_timeout_s - (record.since_arrival() - start)
+                    # Re-evaluate when capacity frees up, and at least every 50 ms.
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._capacity.wait(), max(0.0, min(left, 0.05)))
+                    verdict = admit(
+                        self.scheduler.pick(self.state, self.shape(request, record)),
+                        policy,
+                        self.queued,
+                        record.since_arrival() - start,
+                        in_queue=True,
                     )
-                # Re-evaluate when capacity frees up, and at least every 50 ms (time passes).
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._capacity.wait(), min(left, 0.05))
-                pick = self.scheduler.pick(self.state, self.shape(request, record))
-                if isinstance(pick, Pair):
+                if isinstance(verdict, Admit):
                     record.attempt(
                         "admission",
-                        pick.prefill,
+                        verdict.pair.prefill,
                         "queued",
-                        waited_s=round(record.since_arrival(), 6),
+                        waited_s=round(record.since_arrival() - start, 6),
                     )
-                    return pick
-        finally:
-            self.queued -= 1
-            self.metrics.admission_queue.set(self.queued)
+            finally:
+                self.queued -= 1
+                self.metrics.admission_queue.set(self.queued)
+        if isinstance(verdict, Admit):
+            return verdict.pair
+        if isinstance(verdict, Reject):
+            raise self._reject(verdict.reason, verdict.message)
+        raise RouterError(
+            503,
+            f"no engine pair can serve: {verdict.message}",
+            "service_unavailable",
+            "unavailable",
+            headers={"Retry-After": "1"},
+        )
 
     def _reject(self, reason: str, message: str) -> RouterError:
         self.metrics.admission_rejections.labels(reason).inc()
@@ -177,6 +180,11 @@ class PDRouter:
             if first:
                 first = False
                 pick: Pair | NoPair = await self._admit(request, record)
+                if self.demand is not None:
+                    shape = self.shape(request, record)
+                    self.demand.record_start(
+                        pick.predicted_prefill_s or 0.0, shape.prompt_tokens, shape.max_tokens
+                    )
             else:
                 pick = self.scheduler.pick(
                     self.state, self.shape(request, record), failed_prefill, failed_decode
