@@ -184,6 +184,7 @@ def local_fleet_document(
     max_model_len: int = 16384,
     name: str = "local-sim",
     model_id: str = "moonshotai/Kimi-K3",
+    role_control: dict[str, Any] | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """A fleet document for simulated engines on 127.0.0.1 (tests and benchmarks use free ports)."""
@@ -219,5 +220,8 @@ def local_fleet_document(
         },
         "engines": engines,
     }
+    if role_control is not None:
+        doc["roles"] = role_control  # the fleet's role controller limits (``roles`` above is
+        # each engine's permitted roles)
     doc.update(extra)
     return doc
