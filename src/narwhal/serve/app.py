@@ -178,7 +178,8 @@ class Runtime:
             if tpot is not None:
                 m.tpot.observe(tpot)
                 if stream is not None and self.router is not None:
-                    self.router.observe_tpot(stream, tpot)
+                    context = (record.prompt_tokens or 0) + (record.completion_tokens or 0) / 2
+                    self.router.observe_tpot(stream, tpot, context)
         assert self.journal is not None
         self.journal.request_end(record.id, outcome, **record.end_fields())
         self.active.discard(record.id)

@@ -62,6 +62,7 @@ class DecodeStream:
     first_event: bytes
     prefill_prompt_tokens: int | None
     predicted_tpot_s: float | None = None
+    batch_at_start: int = 1  # the decode engine's batch when this stream joined it
 
     async def aclose(self, drain: bool = False) -> None:
         """Close the upstream response. After a complete stream, ``drain`` reads the closing
@@ -367,12 +368,17 @@ class PDRouter:
             1 if self.predictor.drifted(engine_id, phase) else 0
         )
 
-    def observe_tpot(self, stream: DecodeStream, tpot_s: float) -> None:
-        """A finished request's TPOT against what was predicted when its decode engine was
-        picked: the decode model's online correction."""
-        if self.predictor is None or stream.predicted_tpot_s is None or tpot_s <= 0:
+    def observe_tpot(self, stream: DecodeStream, tpot_s: float, context: float) -> None:
+        """A finished request's TPOT against the model at the batch it actually shared (the
+        mean of the engine's batch when it joined and when it left): comparing with the batch
+        at pick time instead would read growing load as a slow engine."""
+        if self.predictor is None or not self.predictor.has(stream.engine) or tpot_s <= 0:
             return
-        ratio = self.predictor.observe(stream.engine, "decode", stream.predicted_tpot_s, tpot_s)
+        batch = (
+            stream.batch_at_start + self.state.decode_batch(self.state.engines[stream.engine]) + 1
+        ) / 2
+        expected = self.predictor.decode(stream.engine, max(1, round(batch)), context).seconds
+        ratio = self.predictor.observe(stream.engine, "decode", expected, tpot_s)
         self._export_ratio(stream.engine, "decode", ratio)
 
     async def _decode(
@@ -468,7 +474,15 @@ class PDRouter:
         record.attempt("decode", engine.id, "first_token", after_s=round(first_token_s, 6))
         if self.predictor is not None and pick.predicted_tpot_s is not None:
             self.predictor.observe_handoff(engine.id, first_token_s, pick.predicted_tpot_s)
-        return DecodeStream(engine.id, resp, events, first, prompt_tokens, pick.predicted_tpot_s)
+        return DecodeStream(
+            engine.id,
+            resp,
+            events,
+            first,
+            prompt_tokens,
+            pick.predicted_tpot_s,
+            self.state.decode_batch(engine),
+        )
 
     def decode_done(self, engine_id: str) -> None:
         self.state.engines[engine_id].in_flight_decode -= 1

@@ -1,0 +1,710 @@
+"""A virtual-time fleet simulator: the router's own scheduler, admission control and role
+controller, driven by a discrete-event simulation of engines, with no processes and no sleeping.
+
+Engines follow the live simulator's step model (``narwhal.sim.timing.StepTiming`` and the step
+loop of ``narwhal.sim.engine``): each step advances every decoding sequence by one token and
+prefills up to ``max_num_batched_tokens`` prompt tokens, first come first served; a prompt's
+first token comes at the end of the step that finishes its prefill; a decode leg joins its
+engine's batch after the KV transfer and emits its first token at the end of the next step.
+While an engine only decodes and nothing joins, its steps are uniform, so the simulator jumps
+from event to event (the next sequence to finish, the next join) instead of stepping: a fleet
+of a thousand engines replays a million requests in minutes.
+
+The routing side is the router's code, unchanged: ``FleetState``, ``SchedulerV0``/``V1``,
+``admit``, ``LatencyPredictor`` with its online correction, ``DemandTracker`` and
+``RoleController``, all on a ``VirtualClock``. What the live router does that this does not:
+HTTP, retries after failed legs (nothing fails here), the first-token deadline (a handoff that
+would have missed it is counted, not retried), and scrape lag (engines report at once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import heapq
+import itertools
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from narwhal.clock import VirtualClock
+from narwhal.contract import Budgets, ContractError, FleetContract, load_fleet, parse_fleet
+from narwhal.profiles.models import DecodeLatencyModel, PrefillLatencyModel
+from narwhal.profiles.store import EngineModels
+from narwhal.routing.admission import Admit, Queue, admit
+from narwhal.routing.fleet_state import FleetState
+from narwhal.routing.predictor import LatencyPredictor
+from narwhal.routing.roles import DemandTracker, RoleController
+from narwhal.routing.scheduler import Pair, RequestShape, SchedulerV0, SchedulerV1
+from narwhal.sim.timing import StepTiming
+
+__all__ = ["DesConfig", "DesResult", "RequestSpec", "models_from_timing", "run_des"]
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+
+
+@dataclass
+class _Request:
+    spec: RequestSpec
+    index: int
+    prefill: str = ""
+    decode: str = ""
+    predicted_tpot: float | None = None
+    batch_at_start: int = 0
+    predicted_total_prefill: float | None = None
+    prefill_start: float = 0.0
+    decode_start: float = 0.0
+    first_token: float | None = None
+    last_token: float | None = None
+    outcome: str = "pending"
+    deadline_missed: bool = False
+
+
+@dataclass
+class _Sequence:
+    request: _Request
+    end_step: int  # the engine step count at which its last token is emitted
+    joined_step: int
+
+
+@dataclass
+class _Engine:
+    id: str
+    timing: StepTiming
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    prefill_queue: deque[list[Any]] = field(default_factory=deque)  # [request, done tokens]
+    decoding: list[tuple[int, int, _Sequence]] = field(default_factory=list)  # heap by end_step
+    joining: list[_Sequence] = field(default_factory=list)
+    steps: int = 0  # decode steps completed
+    context_sum: float = 0.0  # sum over decoding sequences of prompt + generated tokens
+    busy_until: float | None = None  # end of the segment in flight
+    segment: tuple[float, int, float, list[tuple[_Request, int]]] | None = None
+    new_joins: list[_Sequence] = field(default_factory=list)  # joined at this segment's start
+    busy_time: float = 0.0
+    epoch: int = 0  # bumps when a scheduled segment end becomes stale
+
+    @property
+    def batch(self) -> int:
+        return len(self.decoding)
+
+
+@dataclass(frozen=True)
+class DesConfig:
+    fleet: FleetContract
+    timings: dict[str, StepTiming]
+    scheduler: str = "v1"  # "v0" or "v1"
+    flipping: bool = True
+    transfer_s: float = 0.002  # KV pull, wall seconds (measured on loopback: a few ms)
+    leg_overhead_s: float = 0.0  # router and HTTP time added to each leg
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    scrape_interval_s: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class DesResult:
+    offered: int
+    completed: int
+    rejected: int
+    met_slo: int
+    deadline_missed: int
+    duration_s: float
+    flips: list[dict[str, Any]]
+    ttft: list[float]
+    tpot: list[float]
+    utilisation: dict[str, float]
+    wall_s: float
+
+    @property
+    def attainment(self) -> float:
+        return self.met_slo / self.offered if self.offered else 0.0
+
+    @property
+    def goodput(self) -> float:
+        return self.met_slo / self.duration_s if self.duration_s > 0 else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        def pct(values: list[float], q: float) -> float | None:
+            if not values:
+                return None
+            ordered = sorted(values)
+            return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+        return {
+            "offered": self.offered,
+            "completed": self.completed,
+            "rejected": self.rejected,
+            "met_slo": self.met_slo,
+            "attainment": round(self.attainment, 4),
+            "goodput_rps": round(self.goodput, 4),
+            "deadline_missed": self.deadline_missed,
+            "duration_s": round(self.duration_s, 3),
+            "flips": len(self.flips),
+            "ttft_p50": pct(self.ttft, 0.5),
+            "ttft_p95": pct(self.ttft, 0.95),
+            "tpot_p50": pct(self.tpot, 0.5),
+            "tpot_p95": pct(self.tpot, 0.95),
+            "mean_utilisation": round(statistics.fmean(self.utilisation.values()), 4)
+            if self.utilisation
+            else None,
+            "wall_s": round(self.wall_s, 2),
+        }
+
+
+def models_from_timing(
+    timing: StepTiming,
+    max_tokens: int = 8192,
+    max_batch: int = 64,
+) -> EngineModels:
+    """The latency models a perfect profile of a simulated engine would produce (wall s)."""
+    s = timing.slowdown / timing.time_scale
+    return EngineModels(
+        prefill=PrefillLatencyModel(
+            timing.prefill_a * s, timing.prefill_b * s, timing.prefill_c * s, 1, max_tokens
+        ),
+        decode=DecodeLatencyModel(
+            timing.decode_intercept * s,
+            timing.decode_slope * s,
+            timing.decode_ctx_coef * s,
+            max_batch,
+            max_tokens * 2,
+        ),
+        generation=None,
+    )
+
+
+class _Simulation:
+    def __init__(self, config: DesConfig, models: dict[str, EngineModels]) -> None:
+        self.config = config
+        fleet = config.fleet
+        self.clock = VirtualClock(0.0)
+        self.state = FleetState(fleet, self.clock)
+        for engine in self.state.engines.values():
+            engine.healthy = True
+        self.predictor = LatencyPredictor(models)
+        self.scheduler: SchedulerV0 | SchedulerV1 = (
+            SchedulerV1(self.predictor, fleet.budgets)
+            if config.scheduler == "v1"
+            else SchedulerV0()
+        )
+        self.demand = DemandTracker(self.clock, window_s=max(10.0, 6 * fleet.roles.tick_s))
+        self.roles = (
+            RoleController(self.predictor, fleet.budgets, fleet.roles, self.clock)
+            if config.flipping and fleet.roles.enabled and config.scheduler == "v1"
+            else None
+        )
+        self.engines = {
+            e.id: _Engine(
+                e.id, config.timings[e.id], config.max_num_seqs, config.max_num_batched_tokens
+            )
+            for e in fleet.engines
+        }
+        self.events: list[tuple[float, int, str, Any]] = []
+        self.seq = itertools.count()
+        self.queue: deque[tuple[_Request, float]] = deque()
+        self.flips: list[dict[str, Any]] = []
+        self.requests: list[_Request] = []
+        self.deadline = fleet.engine.first_token_timeout_s
+
+    # --- events --------------------------------------------------------------------------
+
+    def at(self, t: float, kind: str, payload: Any) -> None:
+        heapq.heappush(self.events, (t, next(self.seq), kind, payload))
+
+    def run(self, specs: Iterable[RequestSpec]) -> None:
+        arrivals: Iterator[RequestSpec] = iter(specs)
+        index = itertools.count()
+        nxt = next(arrivals, None)
+        if nxt is not None:
+            self.at(nxt.arrival, "arrive", nxt)
+        tick = self.config.fleet.roles.tick_s
+        self.at(tick, "roles", None)
+        self.at(self.config.scrape_interval_s, "scrape", None)
+        pending = 1 if nxt is not None else 0
+        while self.events:
+            t, _, kind, payload = heapq.heappop(self.events)
+            self.clock.set(max(t, self.clock.now()))
+            if kind == "arrive":
+                request = _Request(payload, next(index))
+                self.requests.append(request)
+                self.route(request)
+                nxt = next(arrivals, None)
+                if nxt is not None:
+                    self.at(nxt.arrival, "arrive", nxt)
+                else:
+                    pending = 0
+            elif kind == "segment_end":
+                engine_id, epoch = payload
+                engine = self.engines[engine_id]
+                if epoch == engine.epoch:
+                    self.finish_segment(engine)
+            elif kind == "prefill_done":
+                self.prefill_done(payload)
+            elif kind == "join":
+                request = payload
+                engine = self.engines[request.decode]
+                engine.joining.append(_Sequence(request, 0, 0))
+                if engine.busy_until is not None:
+                    self.interrupt(engine)  # end a long jump at the next step boundary
+                else:
+                    self.kick(engine)
+            elif kind == "roles":
+                self.tick_roles()
+                if pending or self.busy():
+                    self.at(self.clock.now() + tick, "roles", None)
+            elif kind == "scrape":
+                self.scrape()
+                if pending or self.busy():
+                    self.at(self.clock.now() + self.config.scrape_interval_s, "scrape", None)
+            elif kind == "retry_queue":
+                self.drain_queue()
+
+    def busy(self) -> bool:
+        return any(
+            e.busy_until is not None or e.joining or e.prefill_queue for e in self.engines.values()
+        ) or bool(self.queue)
+
+    # --- routing (the router's code) ----------------------------------------------------
+
+    def shape(self, request: _Request) -> RequestShape:
+        return RequestShape(
+            request.spec.prompt_tokens,
+            request.spec.output_tokens,
+            self.clock.now() - request.spec.arrival,
+        )
+
+    def route(self, request: _Request, in_queue: bool = False) -> bool:
+        policy = self.config.fleet.routing
+        waited = self.clock.now() - request.spec.arrival
+        verdict = admit(
+            self.scheduler.pick(self.state, self.shape(request)),
+            policy,
+            len(self.queue),
+            waited,
+            in_queue=in_queue,
+        )
+        if isinstance(verdict, Queue):
+            if not in_queue:
+                self.queue.append((request, self.clock.now()))
+                self.at(self.clock.now() + 0.05, "retry_queue", None)
+            return False
+        if not isinstance(verdict, Admit):
+            request.outcome = "rejected"
+            return True
+        self.dispatch(request, verdict.pair)
+        return True
+
+    def drain_queue(self) -> None:
+        kept: deque[tuple[_Request, float]] = deque()
+        while self.queue:
+            request, since = self.queue.popleft()
+            if not self.route(request, in_queue=True):
+                kept.append((request, since))
+        self.queue = kept
+        if self.queue:
+            self.at(self.clock.now() + 0.05, "retry_queue", None)
+
+    def dispatch(self, request: _Request, pair: Pair) -> None:
+        now = self.clock.now()
+        request.prefill, request.decode = pair.prefill, pair.decode
+        request.predicted_tpot = pair.predicted_tpot_s
+        request.prefill_start = now
+        p = self.state.engines[pair.prefill]
+        if pair.predicted_prefill_s is not None:
+            request.predicted_total_prefill = p.queued_prefill_s(now) + pair.predicted_prefill_s
+            p.prefill_work[str(request.index)] = (pair.predicted_prefill_s, now)
+        p.in_flight_prefill += 1
+        self.demand.record_start(
+            pair.predicted_prefill_s or 0.0, request.spec.prompt_tokens, request.spec.output_tokens
+        )
+        engine = self.engines[pair.prefill]
+        engine.prefill_queue.append([request, 0])
+        self.kick(engine)
+
+    def prefill_done(self, request: _Request) -> None:
+        now = self.clock.now()
+        p = self.state.engines[request.prefill]
+        p.in_flight_prefill -= 1
+        p.prefill_work.pop(str(request.index), None)
+        if request.predicted_total_prefill is not None and self.config.scheduler == "v1":
+            self.predictor.observe(
+                p.id, "prefill", request.predicted_total_prefill, now - request.prefill_start
+            )
+        d = self.state.engines[request.decode]
+        d.in_flight_decode += 1
+        request.decode_start = now
+        self.at(now + self.config.transfer_s + self.config.leg_overhead_s, "join", request)
+        if self.queue:
+            self.drain_queue()
+
+    def decode_first_token(self, request: _Request, now: float) -> None:
+        request.first_token = now
+        request.batch_at_start = self.state.decode_batch(self.state.engines[request.decode])
+        handoff = now - request.decode_start
+        if handoff > self.deadline:
+            request.deadline_missed = True
+        if request.predicted_tpot is not None and self.config.scheduler == "v1":
+            self.predictor.observe_handoff(request.decode, handoff, request.predicted_tpot)
+
+    def decode_finished(self, request: _Request, now: float) -> None:
+        request.last_token = now
+        request.outcome = "ok"
+        d = self.state.engines[request.decode]
+        d.in_flight_decode -= 1
+        n = request.spec.output_tokens
+        if n > 1 and request.first_token is not None and self.config.scheduler == "v1":
+            # As the router does: against the model at the batch the request actually shared.
+            batch = (request.batch_at_start + self.state.decode_batch(d) + 1) / 2
+            context = request.spec.prompt_tokens + n / 2
+            expected = self.predictor.decode(d.id, max(1, round(batch)), context).seconds
+            observed = (now - request.first_token) / (n - 1)
+            self.predictor.observe(d.id, "decode", expected, observed)
+        if self.queue:
+            self.drain_queue()
+
+    def scrape(self) -> None:
+        now = self.clock.now()
+        for engine_id, engine in self.engines.items():
+            scraped = self.state.engines[engine_id].scraped
+            scraped.running = engine.batch + len(engine.prefill_queue)
+            scraped.waiting = len(engine.joining)
+            scraped.at = now
+
+    def tick_roles(self) -> None:
+        for engine in self.state.engines.values():
+            engine.settle_drain()
+        if self.roles is None:
+            return
+        decision = self.roles.tick(self.state, self.demand)
+        if decision is None:
+            return
+        self.state.set_role(decision.engine, decision.to_role)
+        self.roles.applied(decision)
+        self.flips.append(
+            {
+                "t": round(self.clock.now(), 4),
+                "engine": decision.engine,
+                "from_role": decision.from_role,
+                "to_role": decision.to_role,
+                "pressures": decision.pressures.as_dict(),
+            }
+        )
+
+    # --- engines ------------------------------------------------------------------------
+
+    def kick(self, engine: _Engine) -> None:
+        """Start a segment if the engine is idle and has work."""
+        if engine.busy_until is None and (
+            engine.prefill_queue or engine.joining or engine.decoding
+        ):
+            self.start_segment(engine)
+
+    def start_segment(self, engine: _Engine) -> None:
+        now = self.clock.now()
+        # Joins take effect at a step boundary, as in the live engine's step loop.
+        room = max(0, engine.max_num_seqs - engine.batch)
+        engine.new_joins, engine.joining = engine.joining[:room], engine.joining[room:]
+        for sequence in engine.new_joins:
+            sequence.joined_step = engine.steps
+            sequence.end_step = engine.steps + sequence.request.spec.output_tokens
+            heapq.heappush(engine.decoding, (sequence.end_step, sequence.request.index, sequence))
+            engine.context_sum += sequence.request.spec.prompt_tokens
+        timing = engine.timing
+        budget = engine.max_num_batched_tokens - engine.batch
+        chunks: list[tuple[_Request, int]] = []
+        model_s = 0.0
+        for job in engine.prefill_queue:
+            if budget <= 0:
+                break
+            request, done = job
+            n = min(request.spec.prompt_tokens - done, budget)
+            chunks.append((request, n))
+            model_s += timing.prefill_chunk_s(done, n) - timing.prefill_a
+            budget -= n
+        if chunks:
+            model_s += timing.prefill_a
+        steps = 1
+        if engine.decoding:
+            mean_ctx = engine.context_sum / engine.batch
+            step_s = timing.decode_step_s(engine.batch, mean_ctx)
+            if not chunks and not engine.joining:
+                # Only decoding, nothing waiting to join: jump to the next sequence to finish.
+                steps = max(1, engine.decoding[0][0] - engine.steps)
+            model_s += step_s
+        wall = timing.wall(model_s)
+        duration = wall * steps
+        engine.segment = (now, steps, wall, chunks)
+        engine.busy_until = now + duration
+        engine.epoch += 1
+        self.at(engine.busy_until, "segment_end", (engine.id, engine.epoch))
+
+    def interrupt(self, engine: _Engine) -> None:
+        """A join arrived mid-jump: end the jump at the next step boundary instead."""
+        if engine.segment is None or engine.busy_until is None:
+            return
+        start, steps, wall, chunks = engine.segment
+        if steps <= 1:
+            return
+        done = min(steps - 1, math.floor((self.clock.now() - start) / wall) + 1)
+        engine.segment = (start, done, wall, chunks)
+        engine.busy_until = start + done * wall
+        engine.epoch += 1
+        self.at(engine.busy_until, "segment_end", (engine.id, engine.epoch))
+
+    def finish_segment(self, engine: _Engine) -> None:
+        assert engine.segment is not None and engine.busy_until is not None
+        start, steps, wall, chunks = engine.segment
+        now = self.clock.now()
+        engine.busy_time += now - start
+        first_step_end = start + wall
+        # Decode: every sequence gained ``steps`` tokens.
+        if engine.decoding:
+            # Sequences join only at a segment's start, so first tokens come at its first step.
+            for seq in engine.new_joins:
+                self.decode_first_token(seq.request, first_step_end)
+            engine.new_joins = []
+            engine.steps += steps
+            engine.context_sum += engine.batch * steps
+            while engine.decoding and engine.decoding[0][0] <= engine.steps:
+                _, _, seq = heapq.heappop(engine.decoding)
+                engine.context_sum -= (
+                    seq.request.spec.prompt_tokens + seq.request.spec.output_tokens
+                )
+                self.decode_finished(seq.request, now)
+        # Prefill chunks (only ever in single-step segments).
+        for request, n in chunks:
+            job = engine.prefill_queue[0] if engine.prefill_queue else None
+            for item in engine.prefill_queue:
+                if item[0] is request:
+                    job = item
+                    break
+            assert job is not None
+            job[1] += n
+            if job[1] >= request.spec.prompt_tokens:
+                engine.prefill_queue.remove(job)
+                self.at(first_step_end + self.config.leg_overhead_s, "prefill_done", request)
+        engine.segment = None
+        engine.busy_until = None
+        self.kick(engine)
+
+
+def run_des(
+    config: DesConfig, specs: Iterable[RequestSpec], models: dict[str, EngineModels] | None = None
+) -> DesResult:
+    started = time.monotonic()
+    models = models or {e: models_from_timing(t) for e, t in config.timings.items()}
+    sim = _Simulation(config, models)
+    sim.run(specs)
+    budgets: Budgets = config.fleet.budgets
+    ttft, tpot, met = [], [], 0
+    for r in sim.requests:
+        if r.outcome != "ok" or r.first_token is None or r.last_token is None:
+            continue
+        t1 = r.first_token - r.spec.arrival
+        ttft.append(t1)
+        n = r.spec.output_tokens
+        t2 = (r.last_token - r.first_token) / (n - 1) if n > 1 else 0.0
+        if n > 1:
+            tpot.append(t2)
+        if t1 <= budgets.ttft_s and t2 <= budgets.tpot_s and not r.deadline_missed:
+            met += 1
+    arrivals = [r.spec.arrival for r in sim.requests]
+    ends = [r.last_token for r in sim.requests if r.last_token is not None]
+    duration = (max(ends + arrivals) - min(arrivals)) if arrivals else 0.0
+    return DesResult(
+        offered=len(sim.requests),
+        completed=sum(1 for r in sim.requests if r.outcome == "ok"),
+        rejected=sum(1 for r in sim.requests if r.outcome == "rejected"),
+        met_slo=met,
+        deadline_missed=sum(1 for r in sim.requests if r.deadline_missed),
+        duration_s=duration,
+        flips=sim.flips,
+        ttft=ttft,
+        tpot=tpot,
+        utilisation={
+            e.id: (e.busy_time / duration if duration else 0.0) for e in sim.engines.values()
+        },
+        wall_s=time.monotonic() - started,
+    )
+
+
+# --- workloads ------------------------------------------------------------------------------
+
+
+def read_azure_trace(
+    path: str | Path,
+    limit: int | None = None,
+    max_prompt: int | None = None,
+) -> list[tuple[float, int, int]]:
+    """(seconds since the first request, context tokens, generated tokens) from an Azure
+    LLM inference trace (TIMESTAMP, ContextTokens, GeneratedTokens)."""
+    from datetime import datetime
+
+    rows: list[tuple[float, int, int]] = []
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        t0 = None
+        for row in reader:
+            stamp = row["TIMESTAMP"].strip()
+            # Nanosecond fractions: keep microseconds for datetime.
+            head, _, frac = stamp.partition(".")
+            frac = (frac.split("+")[0] + "000000")[:6]
+            t = datetime.fromisoformat(f"{head}.{frac}").timestamp()
+            t0 = t if t0 is None else t0
+            prompt = max(1, int(row["ContextTokens"]))
+            if max_prompt is not None:
+                prompt = min(prompt, max_prompt)
+            rows.append((t - t0, prompt, max(1, int(row["GeneratedTokens"]))))
+            if limit is not None and len(rows) >= limit:
+                break
+    return rows
+
+
+def trace_requests(
+    rows: list[tuple[float, int, int]],
+    rate_scale: float = 1.0,
+) -> list[RequestSpec]:
+    """Replay a trace with its inter-arrival times divided by ``rate_scale``."""
+    return [RequestSpec(t / rate_scale, p, g) for t, p, g in rows]
+
+
+def poisson_requests(
+    rate: float,
+    count: int,
+    prompt_tokens: int,
+    output_tokens: int,
+    seed: int = 0,
+    start: float = 0.0,
+) -> list[RequestSpec]:
+    rng = random.Random(seed)
+    t, out = start, []
+    for _ in range(count):
+        t += rng.expovariate(rate)
+        out.append(RequestSpec(t, prompt_tokens, output_tokens))
+    return out
+
+
+def synthetic_fleet(
+    n_prefill: int,
+    n_decode: int,
+    budgets: dict[str, float],
+    time_scale: float = 1.0,
+    roles: dict[str, Any] | None = None,
+    first_token_timeout_s: float | None = None,
+) -> tuple[FleetContract, dict[str, StepTiming]]:
+    """A fleet of any size on the default calibration (no processes: ports are nominal)."""
+    from narwhal.sim.fleet import local_fleet_document
+
+    n = n_prefill + n_decode
+    doc = local_fleet_document(
+        [20000 + i for i in range(n)],
+        [40000 + i for i in range(n)],
+        initial_roles=["prefill"] * n_prefill + ["decode"] * n_decode,
+        sim={"time_scale": time_scale},
+        ttft_s=budgets["ttft_s"],
+        tpot_s=budgets["tpot_s"],
+        first_token_timeout_s=first_token_timeout_s or 0.85 * budgets["ttft_s"],
+        role_control=roles,
+        name=f"des-{n_prefill}p{n_decode}d",
+    )
+    fleet = parse_fleet(doc, "<synthetic>").contract
+    timing = StepTiming(time_scale=time_scale)
+    return fleet, {e.id: timing for e in fleet.engines}
+
+
+def timings_of(fleet: FleetContract) -> dict[str, StepTiming]:
+    out = {}
+    for e in fleet.engines:
+        s = e.sim
+        out[e.id] = (
+            StepTiming()
+            if s is None
+            else StepTiming(
+                prefill_a=s.prefill_a,
+                prefill_b=s.prefill_b,
+                prefill_c=s.prefill_c,
+                decode_intercept=s.decode_intercept,
+                decode_slope=s.decode_slope,
+                decode_ctx_coef=s.decode_ctx_coef,
+                time_scale=s.time_scale,
+                slowdown=s.slowdown,
+            )
+        )
+    return out
+
+
+# --- CLI ------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="narwhal-des", description="Virtual-time fleet simulation of Narwhal's routing."
+    )
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--fleet", help="a fleet file (engines' sim blocks give their timing)")
+    src.add_argument("--engines", help="a synthetic fleet: PREFILL:DECODE, e.g. 500:500")
+    parser.add_argument("--trace", help="Azure-format trace CSV (else Poisson, see --rate)")
+    parser.add_argument("--rate-scale", type=float, default=1.0)
+    parser.add_argument("--rate", type=float, default=1.0)
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--prompt-tokens", type=int, default=8192)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--scheduler", choices=["v0", "v1"], default="v1")
+    parser.add_argument("--no-flipping", action="store_true")
+    parser.add_argument("--ttft", type=float, default=10.0)
+    parser.add_argument("--tpot", type=float, default=0.3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        if args.fleet:
+            fleet = load_fleet(args.fleet).contract
+            timings = timings_of(fleet)
+        else:
+            try:
+                n_p, n_d = (int(x) for x in args.engines.split(":"))
+            except ValueError:
+                print("narwhal-des: --engines: expected PREFILL:DECODE", file=sys.stderr)
+                return 2
+            fleet, timings = synthetic_fleet(
+                n_p,
+                n_d,
+                {"ttft_s": args.ttft, "tpot_s": args.tpot},
+                roles={"cooldown_s": 60, "dwell_s": 120, "tick_s": 5},
+            )
+    except ContractError as exc:
+        print(f"narwhal-des: {exc}", file=sys.stderr)
+        return 2
+    if args.trace:
+        specs = trace_requests(
+            read_azure_trace(args.trace, args.requests, fleet.model.max_model_len // 2),
+            args.rate_scale,
+        )
+    else:
+        specs = poisson_requests(
+            args.rate, args.requests, args.prompt_tokens, args.output_tokens, args.seed
+        )
+    config = DesConfig(
+        fleet, timings, scheduler=args.scheduler, flipping=not args.no_flipping, seed=args.seed
+    )
+    result = run_des(config, specs)
+    print(json.dumps(result.summary(), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
