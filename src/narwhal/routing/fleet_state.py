@@ -103,9 +103,14 @@ class FleetState:
             )
             for spec in fleet.engines
         }
+        # Kept per role so that schedulers sampling large fleets never scan all of it.
+        self._by_role: dict[str, list[EngineState]] = {"prefill": [], "decode": []}
+        for engine in self.engines.values():
+            self._by_role[engine.role].append(engine)
 
     def in_role(self, role: Role) -> list[EngineState]:
-        return [e for e in self.engines.values() if e.role == role]
+        """Engines serving ``role`` now (a copy, in fleet order)."""
+        return list(self._by_role[role])
 
     def is_permitted(self, prefill_id: str, decode_id: str) -> bool:
         return self.fleet.is_permitted(prefill_id, decode_id)
@@ -142,6 +147,10 @@ class FleetState:
         if not engine.can(role):
             raise ValueError(f"engine {engine_id} is not permitted the {role} role")
         engine.draining_from = engine.role
+        self._by_role[engine.role].remove(engine)
+        order = list(self.engines)
+        self._by_role[role].append(engine)
+        self._by_role[role].sort(key=lambda e: order.index(e.id))
         engine.role = role
         engine.role_since = self.clock.now()
         self.role_generation += 1

@@ -11,11 +11,12 @@ leaves admission (what to do when no pair meets the budgets) to its caller.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from narwhal.contract import Budgets
-from narwhal.routing.fleet_state import EngineState, FleetState
+from narwhal.routing.fleet_state import EngineState, FleetState, Role
 from narwhal.routing.predictor import LatencyPredictor
 
 __all__ = ["NoPair", "Pair", "RequestShape", "SchedulerV0", "SchedulerV1"]
@@ -136,9 +137,26 @@ class SchedulerV1:
     the first one in order of predicted time: O(P log P + D), not O(P x D), for open fleets.
     """
 
-    def __init__(self, predictor: LatencyPredictor, budgets: Budgets) -> None:
+    def __init__(
+        self,
+        predictor: LatencyPredictor,
+        budgets: Budgets,
+        candidates: int | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        """``candidates``: in a pool larger than this, score a random sample of this many
+        engines per role instead of all of them (power of k choices: near-optimal balance at
+        O(k) per request, for fleets of hundreds or thousands of engines)."""
         self.predictor = predictor
         self.budgets = budgets
+        self.candidates = candidates
+        self.rng = rng or random.Random(0)
+
+    def _pool(self, state: FleetState, role: Role) -> list[EngineState]:
+        pool = state._by_role[role]
+        if self.candidates is not None and len(pool) > self.candidates:
+            return self.rng.sample(pool, self.candidates)
+        return pool
 
     def pick(
         self,
@@ -147,57 +165,94 @@ class SchedulerV1:
         exclude_prefill: Collection[str] = (),
         exclude_decode: Collection[str] = (),
     ) -> Pair | NoPair:
+        # One pass over the engines and no per-engine objects: this runs for every request,
+        # and in the virtual-time simulator for a million of them over a thousand engines.
         shape = shape or RequestShape()
         now = state.clock.now()
-        prefills = [
-            e
-            for e in state.in_role("prefill")
-            if e.id not in exclude_prefill
-            and e.accepts("prefill")
-            and e.available()
-            and _has_room(state, e)
-        ]
-        decodes = [
-            e
-            for e in state.in_role("decode")
-            if e.id not in exclude_decode
-            and e.accepts("decode")
-            and e.available()
-            and _has_room(state, e)
-        ]
+        stale = state.scrape_stale_s
+        prefills: list[EngineState] = []
+        decodes: list[EngineState] = []
+        for role, out, exclude in (
+            ("prefill", prefills, exclude_prefill),
+            ("decode", decodes, exclude_decode),
+        ):
+            for e in self._pool(state, role):  # type: ignore[arg-type]
+                at = e.scraped.at
+                if at is not None and now - at <= stale and e.scraped.kv_cache_usage >= KV_FULL:
+                    continue
+                if e.id not in exclude and e.accepts(role) and e.available():  # type: ignore[arg-type]
+                    out.append(e)
         if not prefills:
             return NoPair("no available engine in the prefill role")
         if not decodes:
             return NoPair("no available engine in the decode role")
         predictor = self.predictor
-        prefill_s = {p.id: predictor.prefill(p.id, shape.prompt_tokens).seconds for p in prefills}
-        ready_at = {p.id: p.queued_prefill_s(now) + prefill_s[p.id] for p in prefills}
-        ordered = sorted(prefills, key=lambda p: (ready_at[p.id], p.id))
-        context = shape.prompt_tokens + shape.max_tokens / 2
+        models = predictor.models
+        n = shape.prompt_tokens
+        raw_prefill: dict[int, float] = {}
+        ready: list[tuple[float, str, float]] = []
+        for p in prefills:
+            model = models[p.id].prefill
+            raw = raw_prefill.get(id(model))
+            if raw is None:
+                raw = raw_prefill[id(model)] = model.predict(n).seconds
+            predicted = raw * predictor.ratio(p.id, "prefill")
+            ready.append((p.queued_prefill_s(now) + predicted, p.id, predicted))
+        ready.sort()
+        open_pairs = state.fleet.kv_transfer_pairs == "all"
+        context = n + shape.max_tokens / 2
         ttft_budget = self.budgets.ttft_s - shape.elapsed_s
-        best_key: tuple[float, float] | None = None
-        best: Pair | None = None
+        tpot_budget = self.budgets.tpot_s
+        raw_decode: dict[tuple[int, int], float] = {}
+        best: tuple[float, EngineState, tuple[float, str, float], float, float] | None = None
         for d in decodes:
-            p = next((p for p in ordered if p.id != d.id and state.is_permitted(p.id, d.id)), None)
-            if p is None:
+            choice = None
+            for item in ready:
+                if item[1] != d.id and (open_pairs or state.is_permitted(item[1], d.id)):
+                    choice = item
+                    break
+            if choice is None:
                 continue
-            batch = state.decode_batch(d) + 1
-            tpot = predictor.decode(d.id, batch, context).seconds
-            ttft = ready_at[p.id] + predictor.transfer_s(d.id) + tpot
+            at = d.scraped.at
+            batch = d.in_flight_decode
+            if at is not None and now - at <= stale and d.scraped.running > batch:
+                batch = int(d.scraped.running)
+            model = models[d.id].decode
+            key = (id(model), batch + 1)
+            raw = raw_decode.get(key)
+            if raw is None:
+                raw = raw_decode[key] = model.predict(batch + 1, context).seconds
+            tpot = raw * predictor.ratio(d.id, "decode")
+            ttft = choice[0] + predictor.transfer_s(d.id) + tpot
             slack = min(
-                (ttft_budget - ttft) / self.budgets.ttft_s,
-                (self.budgets.tpot_s - tpot) / self.budgets.tpot_s,
+                (ttft_budget - ttft) / self.budgets.ttft_s, (tpot_budget - tpot) / tpot_budget
             )
-            key = (round(slack, 9), -(prefill_load(state, p) + decode_load(state, d)))
-            if best_key is None or key > best_key:
-                best_key = key
-                best = Pair(p.id, d.id, slack, ttft, tpot, prefill_s[p.id])
+            if (
+                best is None
+                or slack > best[0] + 1e-9
+                or (abs(slack - best[0]) <= 1e-9 and self._lighter(state, choice, d, best))
+            ):
+                best = (slack, d, choice, ttft, tpot)
         if best is None:
             return NoPair("no permitted KV transfer pair between available engines")
-        if best.score < 0:
+        slack, d, (_, p_id, prefill_s), ttft, tpot = best
+        pair = Pair(p_id, d.id, slack, ttft, tpot, prefill_s)
+        if slack < 0:
             return NoPair(
-                f"no pair is predicted to meet the budgets (best {best.prefill}->{best.decode}:"
-                f" TTFT {best.predicted_ttft_s:.3f} s, TPOT {best.predicted_tpot_s:.4f} s)",
-                over_budget=best,
+                f"no pair is predicted to meet the budgets (best {p_id}->{d.id}:"
+                f" TTFT {ttft:.3f} s, TPOT {tpot:.4f} s)",
+                over_budget=pair,
             )
-        return best
+        return pair
+
+    @staticmethod
+    def _lighter(
+        state: FleetState,
+        choice: tuple[float, str, float],
+        d: EngineState,
+        best: tuple[float, EngineState, tuple[float, str, float], float, float],
+    ) -> bool:
+        """Equal slack: prefer the pair with less outstanding work (computed only on ties)."""
+        mine = prefill_load(state, state.engines[choice[1]]) + decode_load(state, d)
+        theirs = prefill_load(state, state.engines[best[2][1]]) + decode_load(state, best[1])
+        return mine < theirs

@@ -114,6 +114,7 @@ class DesConfig:
     max_num_batched_tokens: int = 8192
     scrape_interval_s: float = 1.0
     seed: int = 0
+    candidates: int | None = 32  # scheduler v1 samples this many engines per role in big pools
 
 
 @dataclass
@@ -198,7 +199,9 @@ class _Simulation:
             engine.healthy = True
         self.predictor = LatencyPredictor(models)
         self.scheduler: SchedulerV0 | SchedulerV1 = (
-            SchedulerV1(self.predictor, fleet.budgets)
+            SchedulerV1(
+                self.predictor, fleet.budgets, config.candidates, random.Random(config.seed)
+            )
             if config.scheduler == "v1"
             else SchedulerV0()
         )
@@ -507,7 +510,9 @@ def run_des(
     config: DesConfig, specs: Iterable[RequestSpec], models: dict[str, EngineModels] | None = None
 ) -> DesResult:
     started = time.monotonic()
-    models = models or {e: models_from_timing(t) for e, t in config.timings.items()}
+    if models is None:
+        shared: dict[StepTiming, EngineModels] = {}  # equal timings share one model object
+        models = {e: shared.setdefault(t, models_from_timing(t)) for e, t in config.timings.items()}
     sim = _Simulation(config, models)
     sim.run(specs)
     budgets: Budgets = config.fleet.budgets
