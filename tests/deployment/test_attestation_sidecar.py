@@ -1,0 +1,216 @@
+"""The attestation sidecar: its manifest matches one computed here, drift is reported, the
+cache spares a re-read, and hashing streams."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import tracemalloc
+from pathlib import Path
+
+import attestation_sidecar as sidecar
+import httpx
+import pytest
+
+from tests.deployment.sidecars import (
+    independent_manifest,
+    make_checkpoint,
+    running_sidecar,
+    wait_for,
+)
+from tests.helpers import free_ports, wait_until
+
+SHARD1 = "model-00001-of-00003.safetensors"
+SHARD2 = "model-00002-of-00003.safetensors"
+
+
+def test_manifest_matches_an_independent_computation_and_drift_is_reported(
+    tmp_path: Path,
+) -> None:
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    lines, manifest_sha, config_sha = independent_manifest(ckpt)
+    (port,) = free_ports(1)
+    base = f"http://127.0.0.1:{port}"
+    with running_sidecar(
+        port,
+        ckpt,
+        tmp_path / "sidecar.log",
+        "--verify-interval",
+        "0.1",
+        "--hash-workers",
+        "3",
+        generation="gen-test",
+        **{"--cache": str(tmp_path / "cache.json"), "--image-digest": "sha256:" + "ab" * 32},
+    ):
+        att = wait_for(f"{base}/attestation", 20)
+        assert att["manifest"] == lines
+        assert att["shard_manifest_sha256"] == manifest_sha
+        assert att["config_sha256"] == config_sha
+        assert att["shard_count"] == 3 and att["hashed_files"] == 3
+        assert att["gpu_arch"] == "sim" and att["gpu_arch_source"] == "declared"
+        assert att["generation"] == "gen-test"
+        assert att["image_digest"] == "sha256:" + "ab" * 32
+        assert att["drift"] == [] and att["ok"] is True
+        assert httpx.get(f"{base}/manifest").text == "".join(line + "\n" for line in lines)
+
+        # New bytes, same size: the mtime moves, and the interval check reports it.
+        shard1 = ckpt / SHARD1
+        old_sha1 = hashlib.sha256(shard1.read_bytes()).hexdigest()
+        new_bytes = bytes(reversed(shard1.read_bytes()))
+        shard1.write_bytes(new_bytes)
+        new_sha1 = hashlib.sha256(new_bytes).hexdigest()
+
+        def drift_kinds() -> set[tuple[str, str]]:
+            doc = httpx.get(f"{base}/drift").json()
+            return {(d["path"], d["kind"]) for d in doc["drift"]}
+
+        assert wait_until(lambda: (SHARD1, "mtime") in drift_kinds(), 10)
+        # A full re-hash names the byte change.
+        result = httpx.post(f"{base}/rehash", timeout=30).json()
+        assert {
+            "path": SHARD1,
+            "kind": "sha256",
+            "expected": old_sha1,
+            "actual": new_sha1,
+        } in result["drift"]
+        assert result["ok"] is False
+
+        # A size change.
+        shard2 = ckpt / SHARD2
+        old_size = shard2.stat().st_size
+        with open(shard2, "ab") as f:
+            f.write(b"\0" * 10)
+        assert wait_until(lambda: (SHARD2, "size") in drift_kinds(), 10)
+        att = httpx.get(f"{base}/attestation").json()
+        size = next(d for d in att["drift"] if d["path"] == SHARD2)
+        assert (size["expected"], size["actual"]) == (old_size, old_size + 10)
+        assert att["ok"] is False
+        # The attested identity stays what was computed first: the engine loaded those bytes.
+        assert att["shard_manifest_sha256"] == manifest_sha
+
+        # Adopting the new files as the baseline clears the drift.
+        result = httpx.post(f"{base}/rehash?rebaseline=1", timeout=30).json()
+        assert result["drift"] == []
+        att = httpx.get(f"{base}/attestation").json()
+        assert att["shard_manifest_sha256"] == independent_manifest(ckpt)[1]
+
+
+def test_byte_change_that_keeps_size_and_mtime_needs_a_rehash(tmp_path: Path) -> None:
+    ckpt = make_checkpoint(tmp_path / "ckpt", seed=3)
+    (port,) = free_ports(1)
+    base = f"http://127.0.0.1:{port}"
+    with running_sidecar(
+        port,
+        ckpt,
+        tmp_path / "sidecar.log",
+        "--verify-interval",
+        "0.1",
+        "--no-cache",
+        generation="g",
+    ):
+        wait_for(f"{base}/attestation", 20)
+        shard = ckpt / SHARD2
+        st = shard.stat()
+        data = bytearray(shard.read_bytes())
+        data[1000] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+        verified = httpx.get(f"{base}/drift").json()["verified_at"]
+        assert wait_until(lambda: httpx.get(f"{base}/drift").json()["verified_at"] != verified, 5)
+        assert httpx.get(f"{base}/drift").json()["drift"] == []
+        result = httpx.post(f"{base}/rehash", timeout=30).json()
+        assert [(d["path"], d["kind"]) for d in result["drift"]] == [(SHARD2, "sha256")]
+
+
+def test_cache_spares_a_restarted_sidecar_the_reread(tmp_path: Path) -> None:
+    ckpt = make_checkpoint(tmp_path / "ckpt", seed=5)
+    cache = tmp_path / "cache.json"
+    (port,) = free_ports(1)
+    base = f"http://127.0.0.1:{port}"
+    flags = {"generation": "g", "--cache": str(cache)}
+    with running_sidecar(port, ckpt, tmp_path / "a.log", **flags):
+        first = wait_for(f"{base}/attestation", 20)
+    assert first["hashed_files"] == 3
+    # Touch one shard: only that one is read again.
+    os.utime(ckpt / SHARD1)
+    with running_sidecar(port, ckpt, tmp_path / "b.log", **flags):
+        second = wait_for(f"{base}/attestation", 20)
+    assert (second["hashed_files"], second["cached_files"]) == (1, 2)
+    assert second["shard_manifest_sha256"] == first["shard_manifest_sha256"]
+
+
+def test_hashing_streams_in_chunks(tmp_path: Path) -> None:
+    # A sparse 64 MiB shard: hashing it must not hold it in memory.
+    big = tmp_path / "ckpt" / "big.safetensors"
+    big.parent.mkdir()
+    with open(big, "wb") as f:
+        f.truncate(64 << 20)
+    expected = hashlib.sha256()
+    zeros = bytes(1 << 20)
+    for _ in range(64):
+        expected.update(zeros)
+    tracemalloc.start()
+    try:
+        got = sidecar.hash_file(big, chunk_bytes=1 << 20)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert got == expected.hexdigest()
+    assert peak < 4 << 20, f"peak {peak} bytes while hashing a 64 MiB file"
+
+
+def test_parallel_manifest_equals_the_independent_one(tmp_path: Path) -> None:
+    ckpt = make_checkpoint(tmp_path / "ckpt", seed=9)
+    entries, hashed = sidecar.compute_manifest(ckpt, {}, 4, 4096, sidecar.Progress())
+    lines, manifest_sha, _ = independent_manifest(ckpt)
+    assert hashed == 3
+    text = sidecar.manifest_text(entries)
+    assert text.splitlines() == lines
+    assert hashlib.sha256(text.encode()).hexdigest() == manifest_sha
+
+
+def test_gpu_arch_comes_from_rocminfo_when_present(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = tmp_path / "bin" / "rocminfo"
+    fake.parent.mkdir()
+    fake.write_text(
+        "#!/bin/sh\necho '  Name:                    AMD EPYC 9575F'\n"
+        "echo '  Name:                    gfx950'\necho '  Name:                    gfx950'\n"
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    assert sidecar.detect_gpu_arch() == ["gfx950"]
+
+
+def test_generation_follows_the_engine_process(tmp_path: Path) -> None:
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    pidfile = tmp_path / "engine.pid"
+    pidfile.write_text(f"{os.getpid()}\n")
+    args = sidecar._parser().parse_args(
+        [
+            *("--engine-id", "e0", "--checkpoint", str(ckpt), "--port", "1", "--model-id", "m"),
+            *("--model-revision", "r", "--tp", "8", "--gpu-arch", "sim"),
+            *("--engine-pidfile", str(pidfile), "--no-cache"),
+        ]
+    )
+    att = sidecar.Attestor(sidecar._settings(args))
+    doc = att.engine_doc()
+    assert doc["pid"] == os.getpid() and doc["engine_alive"] is True
+    assert doc["generation"].startswith("g") and len(doc["generation"]) == 17
+    assert doc["generation"] == att.engine_doc()["generation"]  # stable for one process
+    pidfile.write_text("999999999\n")  # no such process: the engine is gone
+    doc = att.engine_doc()
+    assert doc["engine_alive"] is False and doc["generation"] is None
+
+
+def test_unusable_checkpoint_is_an_input_error(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    code = sidecar.main(
+        [
+            *("--engine-id", "e0", "--checkpoint", str(tmp_path / "empty"), "--port", "1"),
+            *("--model-id", "m", "--model-revision", "r", "--tp", "8", "--gpu-arch", "sim"),
+        ]
+    )
+    assert code == 2

@@ -1,0 +1,315 @@
+"""deploy_hosts.py against a real sshd on 127.0.0.1 (Debian's openssh-server, installed by
+`make test-deps`), a local venv and an unreachable host; refusals of dirty trees and wrong
+commits; --dry-run."""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.deployment.sidecars import ROOT, TOOLS
+from tests.helpers import free_ports
+
+SSHD = Path("/usr/sbin/sshd")
+# The real interpreter behind this venv: a venv made from it needs nothing from the network.
+BASE_PYTHON = os.path.realpath(sys.executable)
+
+
+@dataclass
+class Sshd:
+    port: int
+    client_key: Path
+    known_hosts: Path
+    log: Path
+
+
+def _keygen(path: Path) -> None:
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "narwhal-test", "-f", str(path)],
+        check=True,
+        timeout=30,
+    )
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
+    if not SSHD.exists():
+        pytest.skip("sshd is not installed: `make test-deps` installs Debian's openssh-server")
+    if shutil.which("ssh") is None or shutil.which("scp") is None:
+        pytest.skip("the ssh client (ssh, scp) is not installed")
+    if os.geteuid() != 0:
+        pytest.skip("this test runs sshd as root (privilege separation needs /run/sshd)")
+    d = tmp_path_factory.mktemp("sshd")
+    _keygen(d / "host_key")
+    _keygen(d / "client_key")
+    authorized = d / "authorized_keys"
+    authorized.write_text((d / "client_key.pub").read_text())
+    authorized.chmod(0o600)
+    (port,) = free_ports(1)
+    config = d / "sshd_config"
+    config.write_text(
+        "\n".join(
+            [
+                f"Port {port}",
+                "ListenAddress 127.0.0.1",
+                f"HostKey {d / 'host_key'}",
+                f"PidFile {d / 'sshd.pid'}",
+                f"AuthorizedKeysFile {authorized}",
+                f"AllowUsers {getpass.getuser()}",
+                "PermitRootLogin prohibit-password",
+                "PubkeyAuthentication yes",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "UsePAM no",
+                # The throwaway files live under /tmp, whose mode sshd's StrictModes rejects.
+                "StrictModes no",
+                "Subsystem sftp internal-sftp",
+                "LogLevel VERBOSE",
+                "",
+            ]
+        )
+    )
+    Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+    known_hosts = d / "known_hosts"
+    known_hosts.write_text(f"[127.0.0.1]:{port} {(d / 'host_key.pub').read_text()}")
+    log = d / "sshd.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [str(SSHD), "-D", "-e", "-f", str(config)], stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            assert proc.poll() is None, f"sshd exited: {log.read_text()[-2000:]}"
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                    if s.recv(64).startswith(b"SSH-"):
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"sshd not up: {log.read_text()[-2000:]}"
+            time.sleep(0.05)
+        yield Sshd(port, d / "client_key", known_hosts, log)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A clean clone of this repository's HEAD: the tree under test may have local edits."""
+    clone = tmp_path_factory.mktemp("checkout") / "narwhal"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, timeout=120)
+    return clone, _git(clone, "rev-parse", "HEAD")
+
+
+def deploy(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(TOOLS / "deploy_hosts.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def write_deployment(path: Path, hosts: list[dict[str, Any]]) -> Path:
+    path.write_text(yaml.safe_dump({"schema": "narwhal.deployment/v1", "hosts": hosts}))
+    return path
+
+
+def ssh_host(sshd: Sshd, name: str, remote: Path, **overrides: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "transport": "ssh",
+        "address": "127.0.0.1",
+        "port": sshd.port,
+        "user": getpass.getuser(),
+        "identity_file": str(sshd.client_key),
+        "known_hosts_file": str(sshd.known_hosts),
+        "venv": str(remote / "venv"),
+        "stage_dir": str(remote / "stage"),
+        "python": BASE_PYTHON,
+        # Offline: the wheel alone (--no-deps --no-index); `import narwhal` needs nothing else.
+        "system_site_packages": True,
+        "install_deps": False,
+        **overrides,
+    }
+
+
+@pytest.mark.slow
+def test_deploys_the_pinned_commit_over_ssh_and_locally(
+    sshd: Sshd, checkout: tuple[Path, str], tmp_path: Path
+) -> None:
+    repo, commit = checkout
+    (closed,) = free_ports(1)
+    deployment = write_deployment(
+        tmp_path / "deploy.yaml",
+        [
+            ssh_host(sshd, "sshd-loopback", tmp_path / "remote"),
+            {
+                "name": "local-venv",
+                "transport": "local",
+                "venv": "local/venv",  # relative to the deployment file
+                "stage_dir": "local/stage",
+                "python": BASE_PYTHON,
+                "install_deps": False,
+            },
+            # Nothing listens there: this host fails, and must not hide the others.
+            ssh_host(sshd, "unreachable", tmp_path / "nowhere", port=closed, connect_timeout_s=3),
+        ],
+    )
+    report = tmp_path / "report.json"
+    result = deploy(
+        "--deployment", str(deployment), "--commit", commit, "--repo", str(repo),
+        "--report", str(report),
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    version_suffix = f"+g{commit[:12]}"
+    lines = result.stdout.splitlines()
+    ok_ssh = next(line for line in lines if line.startswith("sshd-loopback "))
+    assert f"ok narwhal 0.1.0{version_suffix} commit {commit}" in ok_ssh
+    ok_local = next(line for line in lines if line.startswith("local-venv "))
+    assert f"ok narwhal 0.1.0{version_suffix} commit {commit}" in ok_local
+    failed = next(line for line in lines if line.startswith("unreachable "))
+    assert "FAILED at stage:" in failed and "Connection refused" in failed
+    assert lines[-1] == f"2/3 hosts verified at {commit}"
+
+    doc = json.loads(report.read_text())
+    assert doc["commit"] == commit and doc["version"] == f"0.1.0{version_suffix}"
+    by_name = {h["name"]: h for h in doc["hosts"]}
+    assert by_name["sshd-loopback"]["installed"]["wheel_sha256"] == doc["wheel_sha256"]
+    # It went through sshd, with the throwaway key.
+    assert "Accepted publickey for" in sshd.log.read_text()
+
+    # Ask the installed package directly, outside the tool.
+    venv_python = tmp_path / "remote" / "venv" / "bin" / "python"
+    installed = subprocess.run(
+        [
+            str(venv_python),
+            "-c",
+            "import importlib.metadata as m, narwhal._build_info as b; "
+            "print(m.version('narwhal'), b.COMMIT)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+        cwd=tmp_path,
+    ).stdout.split()
+    assert installed == [f"0.1.0{version_suffix}", commit]
+
+
+def test_dry_run_prints_every_step_and_runs_none(
+    checkout: tuple[Path, str], tmp_path: Path
+) -> None:
+    repo, commit = checkout
+    # No server is contacted: the key files only have to exist.
+    sshd = Sshd(22, tmp_path / "key", tmp_path / "known_hosts", tmp_path / "log")
+    sshd.client_key.write_text("not a key\n")
+    sshd.known_hosts.write_text("")
+    deployment = write_deployment(
+        tmp_path / "deploy.yaml", [ssh_host(sshd, "h1", tmp_path / "remote", install_deps=True)]
+    )
+    result = deploy(
+        "--deployment", str(deployment), "--commit", commit, "--repo", str(repo), "--dry-run"
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert [line.split(":", 1)[0] for line in lines if line.startswith("[h1]")] == [
+        f"[h1] {step}" for step in ("stage", "copy", "venv", "install", "dependencies", "verify")
+    ]
+    assert sum(line.startswith("[build]") for line in lines) == 3
+    copy = next(line for line in lines if line.startswith("[h1] copy:"))
+    for option in (
+        "BatchMode=yes",
+        "StrictHostKeyChecking=yes",
+        f"UserKnownHostsFile={sshd.known_hosts}",
+    ):
+        assert option in copy
+    assert copy.split(": ", 1)[1].startswith("scp ")
+    assert not (tmp_path / "remote").exists()
+
+
+def test_refuses_a_dirty_tree_and_a_commit_that_is_not_head(
+    checkout: tuple[Path, str], tmp_path: Path
+) -> None:
+    repo, commit = checkout
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(repo), str(clone)], check=True, timeout=120)
+    deployment = write_deployment(
+        tmp_path / "deploy.yaml",
+        [{"name": "l", "transport": "local", "venv": "v", "python": BASE_PYTHON}],
+    )
+    args = ["--deployment", str(deployment), "--repo", str(clone), "--dry-run"]
+
+    (clone / "README.md").write_text("edited\n")
+    result = deploy(*args, "--commit", commit)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"deploy_hosts.py: {clone} has uncommitted changes to 1 tracked file (first: README.md); "
+        "commit or stash them"
+    )
+    _git(clone, "checkout", "--", "README.md")
+    (clone / "untracked.txt").write_text("not in git archive, so not in the build\n")
+    assert deploy(*args, "--commit", commit).returncode == 0
+
+    _git(
+        clone,
+        "-c",
+        "user.name=t",
+        "-c",
+        "user.email=t@e",
+        "commit",
+        "-q",
+        "--allow-empty",
+        "-m",
+        "x",
+    )
+    result = deploy(*args, "--commit", commit)
+    assert result.returncode == 2
+    new_head = _git(clone, "rev-parse", "HEAD")
+    assert result.stderr.strip() == (
+        f"deploy_hosts.py: --commit {commit} is {commit[:12]} but {clone} has {new_head[:12]} "
+        "checked out; check out the commit to deploy"
+    )
+    result = deploy(*args, "--commit", "no-such-ref")
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip() == f"deploy_hosts.py: --commit no-such-ref: not a commit in {clone}"
+    )
+
+
+def test_deployment_file_errors_are_one_line(tmp_path: Path, checkout: tuple[Path, str]) -> None:
+    repo, commit = checkout
+    bad = write_deployment(
+        tmp_path / "deploy.yaml",
+        [{"name": "h", "transport": "ssh", "address": "127.0.0.1", "venv": "/v"}],
+    )
+    result = deploy("--deployment", str(bad), "--commit", commit, "--repo", str(repo), "--dry-run")
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"deploy_hosts.py: {bad}: hosts.0: an ssh host needs user, identity_file, known_hosts_file"
+    )

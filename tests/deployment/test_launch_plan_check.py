@@ -1,0 +1,274 @@
+"""launch_plan.py check and render: the shipped plans pass, and each rule refuses in one line."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import launch_plan
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+PROD_PLAN = ROOT / "configs" / "launch" / "kimi-k3-mi355x.yaml"
+SIM_PLAN = ROOT / "configs" / "launch" / "local-sim.yaml"
+PROD_FLEET = ROOT / "configs" / "fleet" / "kimi-k3-mi355x.example.json"
+SIM_FLEET = ROOT / "configs" / "fleet" / "local-sim.json"
+# The revision MAD benchmarked; the shipped example fleet still says "main".
+PINNED_REVISION = "9f62e4e9fffbd0a83ddd60e1c209d828994b3569"
+
+
+def _write(tmp: Path, plan: dict[str, Any], fleet: dict[str, Any]) -> tuple[Path, Path]:
+    plan_path, fleet_path = tmp / "plan.yaml", tmp / "fleet.json"
+    plan_path.write_text(yaml.safe_dump(plan, sort_keys=False))
+    fleet_path.write_text(json.dumps(fleet, indent=2))
+    return plan_path, fleet_path
+
+
+@pytest.fixture
+def prod() -> tuple[dict[str, Any], dict[str, Any]]:
+    plan = yaml.safe_load(PROD_PLAN.read_text())
+    fleet = json.loads(PROD_FLEET.read_text())
+    fleet["model"]["revision"] = PINNED_REVISION
+    return plan, fleet
+
+
+def _check(capsys: pytest.CaptureFixture[str], plan: Path, fleet: Path) -> tuple[int, list[str]]:
+    code = launch_plan.main(["check", str(plan), "--fleet", str(fleet)])
+    err = capsys.readouterr().err.splitlines()
+    # The last line counts the problems; the others are the problems.
+    return code, [line for line in err if not line.endswith(("problem", "problems"))]
+
+
+def test_shipped_production_plan_passes_against_a_pinned_fleet(
+    tmp_path: Path, prod: tuple[dict[str, Any], dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, fleet_path = _write(tmp_path, *prod)
+    # Through the real script, as an operator runs it.
+    script = ROOT / "tools/deployment/launch_plan.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "check", str(PROD_PLAN), "--fleet", str(fleet_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ok: kimi-k3-mi355x (4 engines)")
+
+
+def test_shipped_simulated_plan_passes_against_local_sim_fleet(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert _check(capsys, SIM_PLAN, SIM_FLEET) == (0, [])
+
+
+def test_example_fleet_with_a_branch_revision_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, lines = _check(capsys, PROD_PLAN, PROD_FLEET)
+    assert code == 1
+    assert lines == [
+        f"launch_plan.py: {PROD_PLAN}: model.revision: '{PINNED_REVISION}' differs from the "
+        "fleet's 'main'"
+    ]
+
+
+def _tag(plan: dict[str, Any], fleet: dict[str, Any]) -> None:
+    plan["image"] = "docker.io/vllm/vllm-openai-rocm:kimi-k3"
+
+
+def _arch(plan: dict[str, Any], fleet: dict[str, Any]) -> None:
+    fleet["engine"]["gpu_arch"] = "gfx942"
+
+
+def _env(plan: dict[str, Any], fleet: dict[str, Any]) -> None:
+    del plan["env"]["AITER_SITUV2_A8W4"]
+
+
+def _ports(plan: dict[str, Any], fleet: dict[str, Any]) -> None:
+    # The side channel moved onto the HTTP port, in the plan and the fleet alike: only the
+    # collision is wrong.
+    plan["engines"][0]["side_channel"]["port"] = 8000
+    fleet["engines"][0]["nixl"]["port"] = 8000
+
+
+def _tp(plan: dict[str, Any], fleet: dict[str, Any]) -> None:
+    fleet["engine"]["tp"] = 4
+
+
+REFUSALS: list[tuple[str, Callable[[dict[str, Any], dict[str, Any]], None], str]] = [
+    (
+        "tag-without-digest",
+        _tag,
+        "image: 'docker.io/vllm/vllm-openai-rocm:kimi-k3' is a tag without a digest; pin it as "
+        "NAME@sha256:<64 hex digits> (tags move: the same tag served two digests within one "
+        "build session)",
+    ),
+    (
+        "gpu-arch-outside-validated-set",
+        _arch,
+        "validated_gpu_archs: the fleet's GPU architecture 'gfx942' is outside the validated "
+        "set [gfx950]; this recipe was not validated there",
+    ),
+    (
+        "missing-required-env-flag",
+        _env,
+        "env: required kernel-selection flag AITER_SITUV2_A8W4 is missing (the plan requires "
+        "AITER_SITUV2_A8W4=1)",
+    ),
+    (
+        "colliding-ports",
+        _ports,
+        "engines[0].side_channel.port: port 8000 on 10.20.0.11 collides with engines[0].port (e0)",
+    ),
+    ("tp-differs-from-fleet", _tp, "tp: 8 differs from the fleet's engine.tp (4) in {fleet}"),
+]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"), [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS]
+)
+def test_check_refuses_in_one_line(
+    tmp_path: Path,
+    prod: tuple[dict[str, Any], dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    mutate: Callable[[dict[str, Any], dict[str, Any]], None],
+    expected: str,
+) -> None:
+    plan, fleet = copy.deepcopy(prod)
+    mutate(plan, fleet)
+    plan_path, fleet_path = _write(tmp_path, plan, fleet)
+    code, lines = _check(capsys, plan_path, fleet_path)
+    assert code == 1
+    assert lines == [f"launch_plan.py: {plan_path}: {expected.format(fleet=fleet_path)}"]
+
+
+def test_check_reports_every_problem_at_once(
+    tmp_path: Path, prod: tuple[dict[str, Any], dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan, fleet = copy.deepcopy(prod)
+    for _, mutate, _ in REFUSALS:
+        mutate(plan, fleet)
+    plan_path, fleet_path = _write(tmp_path, plan, fleet)
+    code, lines = _check(capsys, plan_path, fleet_path)
+    assert code == 1
+    assert len(lines) == len(REFUSALS)
+
+
+def test_check_refuses_engines_that_disagree_with_the_fleet(
+    tmp_path: Path, prod: tuple[dict[str, Any], dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan, fleet = copy.deepcopy(prod)
+    plan["engines"][1]["port"] = 8001
+    plan["engines"][2]["side_channel"]["port"] = 5601
+    plan["engines"][3]["id"] = "e9"
+    plan["engines"][0]["env"] = {"AITER_SITUV2_A8W4": "0", "VLLM_NIXL_SIDE_CHANNEL_PORT": "1"}
+    plan["vllm_args"]["--port"] = 9000
+    plan["vllm_args"]["--kv-transfer-config"]["kv_role"] = "kv_producer"
+    plan_path, fleet_path = _write(tmp_path, plan, fleet)
+    code, lines = _check(capsys, plan_path, fleet_path)
+    assert code == 1
+    reasons = [line.split(f"{plan_path}: ", 1)[1] for line in lines]
+    assert reasons == [
+        "engines[0].env.VLLM_NIXL_SIDE_CHANNEL_PORT: set from engines[].side_channel; remove it "
+        "here",
+        "engines[0].env.AITER_SITUV2_A8W4: changes required flag AITER_SITUV2_A8W4 to '0'; the "
+        "plan requires '1'",
+        "vllm_args.--port: rendered from engines[].port; remove it here",
+        "vllm_args.--kv-transfer-config.kv_role: 'kv_producer'; the role controller needs kv_both",
+        "vllm_args.--kv-transfer-config.kv_role: 'kv_producer' differs from the fleet's 'kv_both'",
+        "engines[1]: e1 serves http://10.20.0.12:8001; the fleet says http://10.20.0.12:8000",
+        "engines[2].side_channel: e2 side channel 10.20.0.13:5601; the fleet says 10.20.0.13:5600",
+        "engines[3]: engine 'e9' is not in the fleet (its engines: e0, e1, e2, e3)",
+    ]
+
+
+def test_a_plan_file_that_does_not_parse_is_an_input_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "dup.yaml"
+    path.write_text("schema: narwhal.launch/v1\nname: a\nname: b\n")
+    assert launch_plan.main(["check", str(path), "--fleet", str(SIM_FLEET)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"launch_plan.py: {path}: invalid YAML at line 3 column 1: duplicate key 'name' (line 3)"
+    ]
+    path.write_text("schema: narwhal.launch/v1\nname: a\nkind: container\ntp: eight\n")
+    assert launch_plan.main(["check", str(path), "--fleet", str(SIM_FLEET)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert any(
+        line.startswith(f"launch_plan.py: {path}: tp: Input should be a valid") for line in err
+    )
+    assert f"launch_plan.py: {path}: model: Field required" in err
+    assert all(line.startswith(f"launch_plan.py: {path}: ") for line in err)
+
+
+def test_render_prints_a_pinned_container_command_per_engine(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert launch_plan.main(["render", str(PROD_PLAN), "--sidecars"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    commands = [shlex.split(line) for line in lines if not line.startswith("#")]
+    engines = commands[0::2]
+    assert len(engines) == 4
+    e0 = engines[0]
+    assert e0[:5] == ["docker", "run", "--detach", "--name", "narwhal-e0"]
+    image = next(a for a in e0 if a.startswith("docker.io/"))
+    assert "@sha256:9eacf87e93ecffcb910802d0d0505ef3c9b753a66fb09bec304d72d8dac1dbc2" in image
+    for env in (
+        "AITER_SITUV2_A8W4=1",
+        "VLLM_NIXL_SIDE_CHANNEL_HOST=10.20.0.11",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT=5600",
+    ):
+        assert e0[e0.index(env) - 1] == "--env"
+    serve = e0[e0.index(image) + 1 :]
+    assert serve[:3] == ["vllm", "serve", "/models/Kimi-K3"]
+    assert serve[serve.index("--tensor-parallel-size") + 1] == "8"
+    assert json.loads(serve[serve.index("--kv-transfer-config") + 1]) == {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_buffer_device": "cuda",
+    }
+    sidecar = commands[1]
+    assert sidecar[sidecar.index("--image-digest") + 1].startswith("sha256:9eacf87e")
+    assert "--gpu-arch" not in sidecar  # production reads rocminfo
+
+
+def test_render_refuses_a_plan_that_breaks_its_rules(
+    tmp_path: Path, prod: tuple[dict[str, Any], dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan, fleet = copy.deepcopy(prod)
+    _tag(plan, fleet)
+    plan_path, _ = _write(tmp_path, plan, fleet)
+    assert launch_plan.main(["render", str(plan_path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "is a tag without a digest" in captured.err
+
+
+def test_render_simulated_plan_prints_narwhal_sim_commands(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert launch_plan.main(["render", str(SIM_PLAN), "--fleet", str(SIM_FLEET)]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if not ln.startswith("#")]
+    assert len(lines) == 4
+    argv = shlex.split(lines[0])
+    assert argv[:2] == ["env", "UCX_NET_DEVICES=lo"]
+    sim = argv[argv.index("narwhal-sim") :]
+    assert sim[:4] == ["narwhal-sim", "engine", "--engine-id", "e0"]
+    assert sim[sim.index("--nixl-port") + 1] == "18200"
+    assert sim[sim.index("--time-scale") + 1] == "10"
+
+
+def test_start_refuses_a_container_plan(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code = launch_plan.main(
+        ["start", str(PROD_PLAN), "--fleet", str(PROD_FLEET), "--run-dir", str(tmp_path)]
+    )
+    assert code == 2
+    assert "start runs simulated plans" in capsys.readouterr().err

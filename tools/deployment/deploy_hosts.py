@@ -1,0 +1,354 @@
+"""Build Narwhal at a pinned commit and install it into a venv on every host of a deployment.
+
+    deploy_hosts.py --deployment DEPLOY.yaml --commit SHA [--repo .] [--dry-run]
+                    [--work-dir DIR] [--jobs 8] [--step-timeout 600] [--report REPORT.json]
+
+Per host: make the staging directory, copy the wheel, create the venv, install the wheel,
+and verify that the venv's narwhal reports the pinned version and commit. Transports: ``ssh``
+(the system ssh/scp with the deployment file's user, key and known-hosts file; batch mode,
+strict host key checking, no ~/.ssh/config) and ``local``. Every host gets its own line in the
+report; one failing host does not stop or hide the others.
+
+Exit status: 0 every host verified; 1 a host failed; 2 bad arguments, an unreadable
+deployment file, a dirty tree or a commit that is not HEAD.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from _deploy_build import Build, BuildError, build_steps, build_wheel, verify_tree
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = ["DeploymentFile", "HostSpec", "host_steps", "main"]
+
+PROG = "deploy_hosts.py"
+DEPLOYMENT_SCHEMA = "narwhal.deployment/v1"
+
+# Run by the venv's python on the host. It prints what the host actually has installed, so
+# the comparison is made here, against the build, not on trust.
+VERIFY_SCRIPT = (
+    "import hashlib, importlib.metadata as md, json, sys; "
+    "import narwhal, narwhal._build_info as b; "
+    "{extra}"
+    "print(json.dumps({{'version': md.version('narwhal'), 'commit': b.COMMIT, "
+    "'module': narwhal.__file__, "
+    "'wheel_sha256': hashlib.sha256(open(sys.argv[1], 'rb').read()).hexdigest()}}))"
+)
+
+
+class UsageError(Exception):
+    pass
+
+
+class HostSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1)
+    transport: Literal["ssh", "local"]
+    address: str | None = None
+    port: int = Field(default=22, ge=1, le=65535)
+    user: str | None = None
+    identity_file: str | None = None
+    known_hosts_file: str | None = None
+    connect_timeout_s: int = Field(default=10, ge=1)
+    # On the host. Absolute for ssh hosts: a relative remote path depends on the login's home.
+    venv: str = Field(min_length=1)
+    stage_dir: str = "/tmp/narwhal-deploy"
+    python: str = "python3"
+    system_site_packages: bool = False
+    # False: install only the wheel (--no-deps, --no-index) into a venv that already has the
+    # dependencies, e.g. through system_site_packages on a host without index access.
+    install_deps: bool = True
+
+    @model_validator(mode="after")
+    def _ssh_fields(self) -> HostSpec:
+        if self.transport == "ssh":
+            missing = [
+                k
+                for k in ("address", "user", "identity_file", "known_hosts_file")
+                if getattr(self, k) is None
+            ]
+            if missing:
+                raise ValueError(f"an ssh host needs {', '.join(missing)}")
+            for key in ("venv", "stage_dir"):
+                if not getattr(self, key).startswith("/"):
+                    raise ValueError(f"{key} must be an absolute path on an ssh host")
+        return self
+
+
+class DeploymentFile(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: Literal["narwhal.deployment/v1"] = Field(alias="schema")
+    hosts: list[HostSpec] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique(self) -> DeploymentFile:
+        names = [h.name for h in self.hosts]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"duplicate host names: {', '.join(dup)}")
+        return self
+
+
+def load_deployment(path: Path) -> DeploymentFile:
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise UsageError(f"{path}: invalid YAML: {str(exc).splitlines()[0]}") from None
+    try:
+        spec = DeploymentFile.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        raise UsageError(f"{path}: {where}: {msg}{more}") from None
+    # Key files are on this machine, relative to the deployment file like the file's readers
+    # expect; check them now rather than let ssh fail the same way on every host.
+    hosts = []
+    for h in spec.hosts:
+        updates: dict[str, Any] = {}
+        for key in ("identity_file", "known_hosts_file"):
+            value = getattr(h, key)
+            if value is not None:
+                resolved = (path.parent / Path(value).expanduser()).resolve()
+                if not resolved.is_file():
+                    raise UsageError(f"{path}: host {h.name}: {key} {resolved} does not exist")
+                updates[key] = str(resolved)
+        if h.transport == "local":
+            for key in ("venv", "stage_dir"):
+                updates[key] = str((path.parent / getattr(h, key)).resolve())
+        hosts.append(h.model_copy(update=updates))
+    return spec.model_copy(update={"hosts": hosts})
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    argv: list[str]
+
+
+def _ssh_options(h: HostSpec) -> list[str]:
+    assert h.identity_file and h.known_hosts_file
+    return [
+        "-F", "/dev/null",  # the deployment file is the whole configuration
+        "-i", h.identity_file,
+        "-o", "IdentitiesOnly=yes",
+        "-o", "BatchMode=yes",  # never prompt: a prompt would hang an unattended deploy
+        "-o", "StrictHostKeyChecking=yes",
+        "-o", f"UserKnownHostsFile={h.known_hosts_file}",
+        "-o", "GlobalKnownHostsFile=/dev/null",
+        "-o", f"ConnectTimeout={h.connect_timeout_s}",
+    ]  # fmt: skip
+
+
+def _on_host(h: HostSpec, argv: list[str]) -> list[str]:
+    if h.transport == "local":
+        return argv
+    return [
+        "ssh",
+        *_ssh_options(h),
+        "-p",
+        str(h.port),
+        f"{h.user}@{h.address}",
+        "--",
+        shlex.join(argv),
+    ]
+
+
+def _copy(h: HostSpec, src: Path, dest_dir: str) -> list[str]:
+    if h.transport == "local":
+        return ["cp", str(src), dest_dir + "/"]
+    address = f"[{h.address}]" if h.address and ":" in h.address else h.address
+    return [
+        "scp",
+        *_ssh_options(h),
+        "-P",
+        str(h.port),
+        "-q",
+        str(src),
+        f"{h.user}@{address}:{dest_dir}/",
+    ]
+
+
+def host_steps(h: HostSpec, wheel: Path) -> list[Step]:
+    staged = f"{h.stage_dir}/{wheel.name}"
+    py = f"{h.venv}/bin/python"
+    venv = [
+        h.python,
+        "-m",
+        "venv",
+        *(["--system-site-packages"] if h.system_site_packages else []),
+        h.venv,
+    ]
+    install = [py, "-m", "pip", "install", "-q", "--force-reinstall", "--no-deps"]
+    if not h.install_deps:
+        install.append("--no-index")  # nothing to fetch: fail rather than reach for an index
+    steps = [
+        Step("stage", _on_host(h, ["mkdir", "-p", h.stage_dir])),
+        Step("copy", _copy(h, wheel, h.stage_dir)),
+        Step("venv", _on_host(h, venv)),
+        Step("install", _on_host(h, [*install, staged])),
+    ]
+    if h.install_deps:
+        steps.append(Step("dependencies", _on_host(h, [py, "-m", "pip", "install", "-q", staged])))
+    extra = "import narwhal.contract; " if h.install_deps else ""
+    script = VERIFY_SCRIPT.format(extra=extra)
+    steps.append(Step("verify", _on_host(h, [py, "-c", script, staged])))
+    return steps
+
+
+@dataclass
+class HostResult:
+    name: str
+    target: str
+    ok: bool = False
+    failed_step: str | None = None
+    error: str | None = None
+    installed: dict[str, Any] = field(default_factory=dict)
+
+
+def _target(h: HostSpec) -> str:
+    if h.transport == "local":
+        return f"local {h.venv}"
+    return f"ssh {h.user}@{h.address}:{h.port} {h.venv}"
+
+
+def deploy_host(h: HostSpec, build: Build, timeout_s: float) -> HostResult:
+    result = HostResult(h.name, _target(h))
+    for step in host_steps(h, build.wheel):
+        try:
+            proc = subprocess.run(
+                step.argv,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                stdin=subprocess.DEVNULL,
+            )
+        except subprocess.TimeoutExpired:
+            result.failed_step, result.error = step.name, f"timed out after {timeout_s:g} s"
+            return result
+        except OSError as exc:
+            result.failed_step, result.error = step.name, f"{step.argv[0]}: {exc.strerror}"
+            return result
+        if proc.returncode != 0:
+            lines = [ln for ln in proc.stderr.splitlines() if ln.strip()] or [
+                f"exit {proc.returncode}"
+            ]
+            result.failed_step, result.error = step.name, lines[-1].strip()
+            return result
+        if step.name == "verify":
+            return _check_installed(result, proc.stdout, build)
+    return result
+
+
+def _check_installed(result: HostResult, stdout: str, build: Build) -> HostResult:
+    try:
+        result.installed = json.loads(stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        result.failed_step, result.error = "verify", f"unreadable answer: {stdout.strip()[:200]!r}"
+        return result
+    wrong = [
+        f"{key} {result.installed.get(key)!r} (expected {want!r})"
+        for key, want in (
+            ("version", build.version),
+            ("commit", build.commit),
+            ("wheel_sha256", build.sha256),
+        )
+        if result.installed.get(key) != want
+    ]
+    if wrong:
+        result.failed_step, result.error = "verify", "installed " + "; ".join(wrong)
+    else:
+        result.ok = True
+    return result
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--deployment", required=True, help="YAML or JSON file listing the hosts")
+    p.add_argument("--commit", required=True, help="the commit to deploy (must be HEAD)")
+    p.add_argument("--repo", default=".", help="the git checkout to build from (default .)")
+    p.add_argument("--dry-run", action="store_true", help="print every step, run none")
+    p.add_argument("--work-dir", help="build directory (default: a temporary one)")
+    p.add_argument("--jobs", type=int, default=8, help="hosts deployed at once")
+    p.add_argument("--step-timeout", type=float, default=600.0, help="bound on each step (s)")
+    p.add_argument("--report", help="also write the per-host report as JSON here")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    deployment = load_deployment(Path(args.deployment))
+    repo = Path(args.repo).resolve()
+    try:
+        commit = verify_tree(repo, args.commit)
+    except BuildError as exc:
+        raise UsageError(str(exc)) from None
+    if args.jobs < 1 or args.step_timeout <= 0:
+        raise UsageError("--jobs must be >= 1 and --step-timeout > 0")
+    with tempfile.TemporaryDirectory(prefix="narwhal-deploy-") as tmp:
+        work = Path(args.work_dir) if args.work_dir else Path(tmp)
+        if args.dry_run:
+            for line in build_steps(repo, commit, work):
+                print(f"[build] {line}")
+            wheel = work / "dist" / f"narwhal-VERSION+g{commit[:12]}-py3-none-any.whl"
+            for h in deployment.hosts:
+                for step in host_steps(h, wheel):
+                    print(f"[{h.name}] {step.name}: {shlex.join(step.argv)}")
+            return 0
+        try:
+            build = build_wheel(repo, commit, work / "build", timeout_s=args.step_timeout)
+        except BuildError as exc:
+            print(f"{PROG}: {exc}", file=sys.stderr)
+            return 1
+        print(f"built {build.wheel.name} sha256 {build.sha256} ({build.how})")
+        with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            results = list(
+                pool.map(lambda h: deploy_host(h, build, args.step_timeout), deployment.hosts)
+            )
+    for r in results:
+        if r.ok:
+            got = r.installed
+            print(f"{r.name} ({r.target}): ok narwhal {got['version']} commit {got['commit']}")
+        else:
+            print(f"{r.name} ({r.target}): FAILED at {r.failed_step}: {r.error}")
+    failed = [r.name for r in results if not r.ok]
+    print(f"{len(results) - len(failed)}/{len(results)} hosts verified at {commit}")
+    if args.report:
+        doc = {
+            "schema": "narwhal.deployment-report/v1",
+            "commit": commit,
+            "version": build.version,
+            "wheel": build.wheel.name,
+            "wheel_sha256": build.sha256,
+            "hosts": [asdict(r) for r in results],
+        }
+        Path(args.report).write_text(json.dumps(doc, indent=2) + "\n")
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return run(args)
+    except UsageError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""Checked launch plans: validate, render, start (simulated), stop and capture engines.
+
+    launch_plan.py check PLAN [PLAN ...] --fleet FLEET
+    launch_plan.py render PLAN [--fleet FLEET] [--sidecars] [--checkpoint DIR] [--json]
+    launch_plan.py start PLAN --fleet FLEET --run-dir DIR [--timeout 120]
+    launch_plan.py stop --run-dir DIR [--timeout 10]
+    launch_plan.py capture PLAN [PLAN ...] --out LIVE.json
+
+Exit status: 0 fine; 1 the plan breaks a rule, an engine failed or could not be read (one
+line each on stderr); 2 a file could not be read or parsed, or the arguments are wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# Tools run as scripts (`python tools/deployment/launch_plan.py`): their siblings are
+# importable because Python puts the script's directory first on sys.path.
+import httpx
+from _live import LIVE_SCHEMA, Declared, capture_engine
+from _plan import LoadedPlan, PlanError, load_plan
+from _plan_check import kv_transfer_config, plans_problems
+from _procs import alive, load_run, save_run, start_detached, stop_record, wait_healthy
+from _render import render_engine, render_sidecar, shell_line
+
+from narwhal.contract import ContractError, LoadedFleet, load_fleet
+
+__all__ = ["main"]
+
+PROG = "launch_plan.py"
+
+
+class UsageError(Exception):
+    pass
+
+
+def _err(line: str) -> None:
+    print(f"{PROG}: {line}", file=sys.stderr)
+
+
+def _load(paths: list[str], fleet_path: str | None) -> tuple[list[LoadedPlan], LoadedFleet | None]:
+    plans: list[LoadedPlan] = []
+    problems: list[str] = []
+    for path in paths:
+        try:
+            plans.append(load_plan(path))
+        except PlanError as exc:
+            problems += exc.problems
+    if problems:
+        raise PlanError(problems)
+    return plans, load_fleet(fleet_path) if fleet_path else None
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    plans, fleet = _load(args.plans, args.fleet)
+    problems = plans_problems(plans, fleet)
+    for line in problems:
+        _err(line)
+    if problems:
+        _err(f"{len(problems)} problem{'s' if len(problems) != 1 else ''}")
+        return 1
+    names = ", ".join(f"{lp.plan.name} ({len(lp.plan.engines)} engines)" for lp in plans)
+    print(f"ok: {names} agree with {args.fleet} (sha256 {fleet.sha256 if fleet else '-'})")
+    return 0
+
+
+def _sim_program() -> list[str]:
+    # The console script of the interpreter running this tool, so a plan started from a
+    # venv runs that venv's simulator; fall back to the module if the script is absent.
+    script = Path(sys.executable).parent / "narwhal-sim"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "narwhal.sim.cli"]
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    plans, fleet = _load([args.plan], args.fleet)
+    problems = plans_problems(plans, fleet)
+    if problems:
+        for line in problems:
+            _err(line)
+        _err("not rendering a plan that breaks its rules")
+        return 1
+    lp = plans[0]
+    rendered: list[dict[str, Any]] = []
+    for eng in lp.plan.engines:
+        cmd = render_engine(lp.plan, eng)
+        item: dict[str, Any] = {
+            "engine_id": eng.id,
+            "host": eng.host,
+            "argv": cmd.argv,
+            "env": cmd.env,
+        }
+        if args.sidecars:
+            item["sidecar_argv"] = render_sidecar(
+                lp.plan,
+                eng,
+                checkpoint=args.checkpoint,
+                engine_pidfile=(f"{args.run_dir}/engine-{eng.id}.pid" if args.run_dir else None),
+            )
+        rendered.append(item)
+        if not args.json:
+            print(f"# {eng.id} on {eng.host}")
+            print(shell_line(cmd))
+            if args.sidecars:
+                sidecar = item["sidecar_argv"]
+                print(f"# {eng.id} attestation sidecar")
+                print(shell_line(sidecar) if sidecar else "# (no attestation_port in the plan)")
+    if args.json:
+        print(json.dumps({"plan": lp.plan.name, "engines": rendered}, indent=2))
+    return 0
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    plans, fleet = _load([args.plan], args.fleet)
+    lp = plans[0]
+    if lp.plan.kind != "simulated":
+        raise UsageError(
+            "start runs simulated plans; on engine hosts run the commands `render` prints"
+        )
+    problems = plans_problems(plans, fleet)
+    if problems:
+        for line in problems:
+            _err(line)
+        _err("not starting a plan that breaks its rules")
+        return 1
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    records = load_run(run_dir)
+    running = [r.engine_id for r in records.values() if alive(r)]
+    if running:
+        _err(f"already running from {run_dir}: {', '.join(running)} (stop them first)")
+        return 1
+    records = {}
+    for eng in lp.plan.engines:
+        cmd = render_engine(lp.plan, eng)
+        argv = _sim_program() + cmd.argv[1:]
+        rec = start_detached(eng.id, f"http://{eng.host}:{eng.port}", argv, cmd.env, run_dir)
+        records[eng.id] = rec
+        save_run(run_dir, records)
+    failures = wait_healthy(list(records.values()), args.timeout)
+    if failures:
+        for line in failures:
+            _err(line)
+        # A half-started plan is worse than none: stop what did start.
+        for rec in records.values():
+            stop_record(rec, 10.0)
+        _err(f"start failed; stopped every engine of {lp.plan.name}")
+        return 1
+    for rec in records.values():
+        print(f"{rec.engine_id} healthy at {rec.url} (pid {rec.pid}, log {rec.log})")
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    records = load_run(run_dir)
+    if not records:
+        print(f"nothing recorded in {run_dir}")
+        return 0
+    failed = False
+    for rec in records.values():
+        outcome = stop_record(rec, args.timeout)
+        failed = failed or outcome.startswith("still")
+        print(f"{rec.engine_id} (pid {rec.pid}): {outcome}")
+        Path(rec.pidfile).unlink(missing_ok=True)
+    if not failed:
+        (run_dir / "run.json").unlink(missing_ok=True)
+    return 1 if failed else 0
+
+
+def cmd_capture(args: argparse.Namespace) -> int:
+    plans, _ = _load(args.plans, None)
+    problems: list[str] = []
+    engines: list[dict[str, Any]] = []
+    with httpx.Client(timeout=args.timeout, trust_env=False) as client:
+        for lp in plans:
+            kv = kv_transfer_config(lp.plan) or {}
+            for eng in lp.plan.engines:
+                declared = Declared(
+                    nixl_host=eng.side_channel.host,
+                    nixl_port=eng.side_channel.port,
+                    kv_connector=kv.get("kv_connector"),
+                    kv_role=kv.get("kv_role"),
+                )
+                live, found = capture_engine(
+                    client, eng.id, f"http://{eng.host}:{eng.port}", declared
+                )
+                problems += found
+                engines.append({"plan": lp.plan.name, **live.model_dump()})
+    if problems:
+        for line in problems:
+            _err(line)
+        _err("nothing written")
+        return 1
+    doc = {
+        "schema": LIVE_SCHEMA,
+        "captured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "plans": [
+            {"name": lp.plan.name, "path": str(lp.path), "sha256": lp.sha256} for lp in plans
+        ],
+        "engines": engines,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.replace(out)
+    for e in engines:
+        cache = e.get("kv_cache") or {}
+        nixl = e.get("nixl") or {}
+        print(
+            f"{e['id']}: {e.get('model_id')} block_size {cache.get('block_size')} "
+            f"num_blocks {cache.get('num_blocks')} nixl {nixl.get('host')}:{nixl.get('port')}"
+        )
+    print(f"wrote {out}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("check", help="validate plans against a fleet file")
+    c.add_argument("plans", nargs="+", metavar="PLAN")
+    c.add_argument("--fleet", required=True)
+    c.set_defaults(func=cmd_check)
+    r = sub.add_parser("render", help="print each engine's exact command")
+    r.add_argument("plan", metavar="PLAN")
+    r.add_argument("--fleet", help="also check the plan against this fleet first")
+    r.add_argument("--sidecars", action="store_true", help="also print each sidecar's command")
+    r.add_argument("--checkpoint", help="checkpoint directory for the sidecar commands")
+    r.add_argument("--run-dir", help="run directory whose pid files the sidecars watch")
+    r.add_argument("--json", action="store_true", help="argv lists as JSON")
+    r.set_defaults(func=cmd_render)
+    s = sub.add_parser("start", help="start a simulated plan's engines, detached")
+    s.add_argument("plan", metavar="PLAN")
+    s.add_argument("--fleet", required=True, help="the plan is checked against it first")
+    s.add_argument("--run-dir", required=True, help="logs, pid files and run.json go here")
+    s.add_argument("--timeout", type=float, default=120.0, help="health wait bound (s)")
+    s.set_defaults(func=cmd_start)
+    t = sub.add_parser("stop", help="stop the engines a start recorded in a run directory")
+    t.add_argument("--run-dir", required=True)
+    t.add_argument("--timeout", type=float, default=10.0, help="SIGTERM grace before SIGKILL")
+    t.set_defaults(func=cmd_stop)
+    k = sub.add_parser("capture", help="read running engines' live facts into a JSON file")
+    k.add_argument("plans", nargs="+", metavar="PLAN")
+    k.add_argument("--out", required=True)
+    k.add_argument("--timeout", type=float, default=10.0, help="per-request bound (s)")
+    k.set_defaults(func=cmd_capture)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except PlanError as exc:
+        for line in exc.problems:
+            _err(line)
+        return 2
+    except (ContractError, UsageError) as exc:
+        _err(str(exc))
+        return 2
+    except OSError as exc:
+        _err(f"{exc.filename or ''}: {exc.strerror or exc}".lstrip(": "))
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
