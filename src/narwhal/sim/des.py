@@ -88,6 +88,11 @@ class _Engine:
     max_num_batched_tokens: int
     prefill_queue: deque[list[Any]] = field(default_factory=deque)  # [request, done tokens]
     decoding: list[tuple[int, int, _Sequence]] = field(default_factory=list)  # heap by end_step
+    # A decode leg waits for a step boundary to be admitted (as in vLLM and the live
+    # simulator's step loop), pulls its KV while the engine steps on, then waits for the next
+    # boundary to join the batch: pending -> loading -> joining -> decoding.
+    pending: list[_Sequence] = field(default_factory=list)
+    loading: int = 0
     joining: list[_Sequence] = field(default_factory=list)
     steps: int = 0  # decode steps completed
     context_sum: float = 0.0  # sum over decoding sequences of prompt + generated tokens
@@ -258,14 +263,15 @@ class _Simulation:
                     self.finish_segment(engine)
             elif kind == "prefill_done":
                 self.prefill_done(payload)
-            elif kind == "join":
-                request = payload
-                engine = self.engines[request.decode]
-                engine.joining.append(_Sequence(request, 0, 0))
-                if engine.busy_until is not None:
-                    self.interrupt(engine)  # end a long jump at the next step boundary
-                else:
-                    self.kick(engine)
+            elif kind == "decode_leg":
+                engine = self.engines[payload.decode]
+                engine.pending.append(_Sequence(payload, 0, 0))
+                self.new_work(engine)
+            elif kind == "loaded":
+                engine = self.engines[payload.request.decode]
+                engine.loading -= 1
+                engine.joining.append(payload)
+                self.new_work(engine)
             elif kind == "roles":
                 self.tick_roles()
                 if pending or self.busy():
@@ -279,7 +285,8 @@ class _Simulation:
 
     def busy(self) -> bool:
         return any(
-            e.busy_until is not None or e.joining or e.prefill_queue for e in self.engines.values()
+            e.busy_until is not None or e.joining or e.pending or e.loading or e.prefill_queue
+            for e in self.engines.values()
         ) or bool(self.queue)
 
     # --- routing (the router's code) ----------------------------------------------------
@@ -337,7 +344,7 @@ class _Simulation:
         )
         engine = self.engines[pair.prefill]
         engine.prefill_queue.append([request, 0])
-        self.kick(engine)
+        self.new_work(engine)
 
     def prefill_done(self, request: _Request) -> None:
         now = self.clock.now()
@@ -351,7 +358,7 @@ class _Simulation:
         d = self.state.engines[request.decode]
         d.in_flight_decode += 1
         request.decode_start = now
-        self.at(now + self.config.transfer_s + self.config.leg_overhead_s, "join", request)
+        self.at(now + self.config.leg_overhead_s, "decode_leg", request)
         if self.queue:
             self.drain_queue()
 
@@ -413,12 +420,28 @@ class _Simulation:
     def kick(self, engine: _Engine) -> None:
         """Start a segment if the engine is idle and has work."""
         if engine.busy_until is None and (
-            engine.prefill_queue or engine.joining or engine.decoding
+            engine.prefill_queue or engine.joining or engine.pending or engine.decoding
         ):
             self.start_segment(engine)
 
+    def new_work(self, engine: _Engine) -> None:
+        if engine.busy_until is not None:
+            self.interrupt(engine)  # end a long jump at the next step boundary
+        else:
+            self.kick(engine)
+
     def start_segment(self, engine: _Engine) -> None:
         now = self.clock.now()
+        # Admit decode legs at the boundary: their KV pull runs while the engine steps on.
+        room = max(0, engine.max_num_seqs - engine.batch - engine.loading - len(engine.joining))
+        admitted, engine.pending = engine.pending[:room], engine.pending[room:]
+        for sequence in admitted:
+            engine.loading += 1
+            self.at(now + self.config.transfer_s, "loaded", sequence)
+        if not (engine.prefill_queue or engine.joining or engine.decoding):
+            engine.segment = None
+            engine.busy_until = None
+            return
         # Joins take effect at a step boundary, as in the live engine's step loop.
         room = max(0, engine.max_num_seqs - engine.batch)
         engine.new_joins, engine.joining = engine.joining[:room], engine.joining[room:]
@@ -445,7 +468,7 @@ class _Simulation:
         if engine.decoding:
             mean_ctx = engine.context_sum / engine.batch
             step_s = timing.decode_step_s(engine.batch, mean_ctx)
-            if not chunks and not engine.joining:
+            if not chunks and not engine.joining and not engine.pending:
                 # Only decoding, nothing waiting to join: jump to the next sequence to finish.
                 steps = max(1, engine.decoding[0][0] - engine.steps)
             model_s += step_s
@@ -457,13 +480,13 @@ class _Simulation:
         self.at(engine.busy_until, "segment_end", (engine.id, engine.epoch))
 
     def interrupt(self, engine: _Engine) -> None:
-        """A join arrived mid-jump: end the jump at the next step boundary instead."""
+        """New work arrived mid-jump: end the jump at the next step boundary instead."""
         if engine.segment is None or engine.busy_until is None:
             return
         start, steps, wall, chunks = engine.segment
-        if steps <= 1:
-            return
-        done = min(steps - 1, math.floor((self.clock.now() - start) / wall) + 1)
+        done = math.floor((self.clock.now() - start) / wall) + 1  # the step in progress ends
+        if done >= steps:
+            return  # the segment already ends at (or before) that boundary
         engine.segment = (start, done, wall, chunks)
         engine.busy_until = start + done * wall
         engine.epoch += 1
@@ -479,7 +502,8 @@ class _Simulation:
         if engine.decoding:
             # Sequences join only at a segment's start, so first tokens come at its first step.
             for seq in engine.new_joins:
-                self.decode_first_token(seq.request, first_step_end)
+                # The token still crosses one hop (engine -> router) to count as delivered.
+                self.decode_first_token(seq.request, first_step_end + self.config.leg_overhead_s)
             engine.new_joins = []
             engine.steps += steps
             engine.context_sum += engine.batch * steps
