@@ -211,6 +211,19 @@ class RouterMetrics:
             ["engine", "phase"],
             registry=r,
         )
+        self.budget = Gauge(
+            "narwhal_fleet_budget",
+            "The fleet's budgets, for dashboards and alerts to compare against.",
+            ["budget"],
+            registry=r,
+        )
+        self.slo = Counter(
+            "narwhal_slo_requests",
+            "Finished requests by whether they met both TTFT and TPOT budgets "
+            "(rejected and failed requests count as missed).",
+            ["result"],
+            registry=r,
+        )
         self.role_generation = Gauge(
             "narwhal_role_generation",
             "Generation of the role map (increments on every flip).",
@@ -225,6 +238,8 @@ class RouterMetrics:
         self.fleet_info.labels(fleet_name, fleet_sha256, profile_sha256 or "none").set(1)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
+        for result in ("met", "missed"):
+            self.slo.labels(result)
         for reason in REJECT_REASONS:
             self.admission_rejections.labels(reason)
         for a in ROLES:

@@ -626,7 +626,9 @@ def test_backpressure_fail_closed_never_blocks_and_keeps_room_for_ends(
         assert timed(lambda: j.request_end("b", "ok"))
         assert j.backlog == 4
         assert j.dropped == 1002
-        assert max(durations) < 0.05, max(durations)
+        # The writer is gated until the finally: a submit that blocked would never return.
+        # The bound only keeps a regression from hanging the suite (no absolute timing).
+        assert max(durations) < 2.0, max(durations)
     finally:
         gate.set()
     assert j.close()
@@ -659,7 +661,9 @@ def test_backpressure_best_effort_drops_and_counts(
         assert j.accepting
         assert j.backlog == 3
         assert j.dropped == 1000 - 3
-        assert max(durations) < 0.05, max(durations)
+        # The writer is gated until the finally: a submit that blocked would never return.
+        # The bound only keeps a regression from hanging the suite (no absolute timing).
+        assert max(durations) < 2.0, max(durations)
     finally:
         gate.set()
     assert j.close()

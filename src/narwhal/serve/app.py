@@ -170,6 +170,16 @@ class Runtime:
                 record.t_last_token = tally.last_token_at - record.arrival_mono
         m = self.metrics
         m.requests.labels(outcome).inc()
+        budgets = self.settings.fleet.contract.budgets
+        tpot_ok = (record.tpot_s() or 0.0) <= budgets.tpot_s
+        met = (
+            outcome == "ok"
+            and record.t_first_token is not None
+            and record.t_first_token <= budgets.ttft_s
+            and tpot_ok
+        )
+        if outcome != "client_error":  # a malformed request is nobody's latency
+            m.slo.labels("met" if met else "missed").inc()
         if outcome == "ok":
             if record.t_first_token is not None:
                 m.ttft.observe(record.t_first_token)
@@ -297,6 +307,13 @@ def build_app(settings: ServeSettings) -> FastAPI:
         for role in ("prefill", "decode"):
             metrics.engine_role.labels(engine.id, role).set(1 if engine.role == role else 0)
     metrics.role_generation.set(state.role_generation)
+    for name, value in (
+        ("ttft_seconds", fleet.budgets.ttft_s),
+        ("tpot_seconds", fleet.budgets.tpot_s),
+        ("attainment", fleet.budgets.attainment),
+        ("first_token_timeout_seconds", fleet.engine.first_token_timeout_s),
+    ):
+        metrics.budget.labels(name).set(value)
 
     def on_journal_write(latency_s: float, backlog: int) -> None:
         metrics.journal_write.observe(latency_s)
@@ -360,7 +377,13 @@ def build_app(settings: ServeSettings) -> FastAPI:
                 task.cancel()
             await asyncio.gather(*rt.tasks, return_exceptions=True)
             await rt.engines.aclose()
-            journal.router_stop(clean=not rt.active)
+            # A journal that lost a record cannot vouch for a clean stop, even when this
+            # record itself still fits (a full disk can take a short record after a long one).
+            journal.router_stop(
+                clean=not rt.active and journal.healthy,
+                journal_error=journal.last_error,
+                journal_dropped=journal.dropped,
+            )
             await asyncio.to_thread(journal.close, 10.0)
 
     app = FastAPI(

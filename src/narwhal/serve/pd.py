@@ -19,11 +19,19 @@ from narwhal.engines.client import EnginePool
 from narwhal.engines.legs import decode_leg_body, prefill_leg_body
 from narwhal.engines.sse import iter_sse_events
 from narwhal.metrics import RouterMetrics
-from narwhal.routing.admission import Admit, Queue, Reject, admit
+from narwhal.routing.admission import Admit, Queue, Reject, Unavailable, admit
 from narwhal.routing.fleet_state import EngineState, FleetState
 from narwhal.routing.predictor import LatencyPredictor, PromptLengthEstimator
 from narwhal.routing.roles import DemandTracker
-from narwhal.routing.scheduler import NoPair, Pair, RequestShape, SchedulerV0, SchedulerV1
+from narwhal.routing.scheduler import (
+    NoPair,
+    Pair,
+    RequestShape,
+    SchedulerV0,
+    SchedulerV1,
+    decode_load,
+    prefill_load,
+)
 from narwhal.serve.errors import RouterError
 from narwhal.serve.record import RequestRecord
 from narwhal.serve.validation import ClientRequest
@@ -110,9 +118,8 @@ class PDRouter:
     async def _admit(self, request: ClientRequest, record: RequestRecord) -> Pair:
         """The first pick, under admission control: reject or queue when nothing fits."""
         policy = self.fleet.routing
-        verdict = admit(
-            self.scheduler.pick(self.state, self.shape(request, record)), policy, self.queued
-        )
+        pick = self.scheduler.pick(self.state, self.shape(request, record))
+        verdict = self._idle_override(pick, admit(pick, policy, self.queued), record)
         if isinstance(verdict, Queue):
             self.queued += 1
             self.metrics.admission_queue.set(self.queued)
@@ -124,12 +131,17 @@ class PDRouter:
                     # Re-evaluate when capacity frees up, and at least every 50 ms.
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._capacity.wait(), max(0.0, min(left, 0.05)))
-                    verdict = admit(
-                        self.scheduler.pick(self.state, self.shape(request, record)),
-                        policy,
-                        self.queued,
-                        record.since_arrival() - start,
-                        in_queue=True,
+                    pick = self.scheduler.pick(self.state, self.shape(request, record))
+                    verdict = self._idle_override(
+                        pick,
+                        admit(
+                            pick,
+                            policy,
+                            self.queued,
+                            record.since_arrival() - start,
+                            in_queue=True,
+                        ),
+                        record,
                     )
                 if isinstance(verdict, Admit):
                     record.attempt(
@@ -152,6 +164,33 @@ class PDRouter:
             "unavailable",
             headers={"Retry-After": "1"},
         )
+
+    def _idle_override(
+        self,
+        pick: Pair | NoPair,
+        verdict: Admit | Queue | Reject | Unavailable,
+        record: RequestRecord,
+    ) -> Admit | Queue | Reject | Unavailable:
+        """Admit the best over-budget pair when nothing at all is running on it.
+
+        Predictions carry corrections learnt from the requests served (prefill and decode
+        ratios, the handoff time). A burst can teach them values that put every pair over
+        budget; then nothing is admitted, nothing is observed, and the fleet, idle, would
+        reject every request for good. An idle pair takes the request instead: it delays no
+        one, and what it measures corrects the predictions.
+        """
+        if isinstance(verdict, Admit) or not isinstance(pick, NoPair):
+            return verdict
+        pair = pick.over_budget
+        if pair is None:
+            return verdict
+        p, d = self.state.engines[pair.prefill], self.state.engines[pair.decode]
+        if prefill_load(self.state, p) or p.prefill_work or decode_load(self.state, d):
+            return verdict
+        record.attempt(
+            "admission", pair.prefill, "idle_pair", predicted_ttft_s=pair.predicted_ttft_s
+        )
+        return Admit(pair)
 
     def _reject(self, reason: str, message: str) -> RouterError:
         self.metrics.admission_rejections.labels(reason).inc()
@@ -441,6 +480,13 @@ class PDRouter:
                 resp, events, first = await asyncio.wait_for(first_event(), deadline_s)
             except TimeoutError:
                 self.metrics.deadline_exceeded.labels(engine.id).inc()
+                # The tail of handoff latency includes the legs that missed (at least this
+                # long); and a missed deadline is a failed leg for the breaker, or a half-open
+                # probe that missed would hold its breaker half-open for good.
+                self.metrics.handoff.labels(engine.id).observe(
+                    record.since_arrival() - record.t_decode_start
+                )
+                self._leg_failed(engine, "decode")
                 record.attempt(
                     "decode",
                     engine.id,
