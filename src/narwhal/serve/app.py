@@ -195,9 +195,11 @@ class Runtime:
         self.active.discard(record.id)
 
     async def release_stream(self, stream: DecodeStream, complete: bool = False) -> None:
-        await stream.aclose(drain=complete)
+        # Bookkeeping first, synchronously: a cancellation landing in the await below (the
+        # client leaving as the stream ends) must not skip it.
         assert self.router is not None
         self.router.decode_done(stream.engine)
+        await stream.aclose(drain=complete)
 
     def sync_journal_metrics(self) -> None:
         """Carry the journal's own counters into Prometheus (they only ever grow)."""
@@ -485,23 +487,23 @@ def build_app(settings: ServeSettings) -> FastAPI:
                 media_type="text/event-stream",
                 headers=headers,
             )
+        outcome, status, error, response = "client_abort", None, "cancelled mid-generation", None
         try:
             body = await _until_disconnect(request, aggregate(stream, chat, tally, record))
+            outcome, status, error = "ok", 200, None
+            response = Response(orjson.dumps(body), media_type="application/json", headers=headers)
         except RouterError as exc:
-            rt.finish(record, exc.outcome, exc.status, exc.message, tally)
+            outcome, status, error = exc.outcome, exc.status, exc.message
             response = exc.response()
             response.headers.update(headers)
-            return response
         except (_ClientGone, ClientDisconnect):
-            rt.finish(record, "client_abort", None, "client disconnected mid-generation", tally)
-            return Response(status_code=499)
-        except asyncio.CancelledError:
-            rt.finish(record, "client_abort", None, "cancelled mid-generation", tally)
-            raise
+            error = "client disconnected mid-generation"
+            response = Response(status_code=499)
         finally:
+            # The request's one record is written before anything else can be awaited.
+            rt.finish(record, outcome, status, error, tally, stream)
             await rt.release_stream(stream, complete=tally.done)
-        rt.finish(record, "ok", 200, None, tally, stream)
-        return Response(orjson.dumps(body), media_type="application/json", headers=headers)
+        return response
 
     @app.post("/v1/completions", include_in_schema=True)
     async def completions(request: Request) -> Response:
@@ -740,5 +742,7 @@ async def _relay(
     except StreamFailed as exc:
         outcome, status, error = "stream_error", 200, str(exc)
     finally:
-        await rt.release_stream(stream, complete=tally.done)
+        # The record first: a cancellation landing in release_stream's await (the client
+        # hanging up at [DONE]) must not leave the request without its request.end.
         rt.finish(record, outcome, status, error, tally, stream)
+        await rt.release_stream(stream, complete=tally.done)

@@ -1,0 +1,476 @@
+"""Pure pieces of the measurement tools: plan and workload files, trace parsing, arrival
+schedules, vLLM's metric definitions, reconciliation, scrape coverage, counter_missing, the
+MAD CSV, and the CLIs' usage errors (exit 2, one line, no traceback)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _runner_collect import (
+    Sample,
+    counter_missing,
+    coverage,
+    parse_metrics,
+    router_expected_counters,
+)
+from _runner_journal import journal_slice, reconcile, state_timeline
+from _runner_report import MAD_CORE_COLUMNS, csv_name, write_csv
+from _trial_client import poisson_schedule
+from _trial_stats import Budgets, ClientRecord, summarize
+from _trial_workload import (
+    SeedError,
+    TokenPool,
+    WorkloadError,
+    build_fixed_workload,
+    build_trace_workload,
+    load_workload,
+    make_pool,
+    read_trace,
+    save_workload,
+)
+from benchmark_plan import PlanError, load_plan
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools" / "measurement"
+AZURE = Path(__file__).resolve().parents[3] / "shared" / "data" / "azure-llm-2023"
+SHA = "a" * 64
+
+
+def _plan_doc(**over: object) -> dict:
+    doc = {
+        "schema": "narwhal.benchmark-plan/v1",
+        "fleet": {"path": "fleet.json", "sha256": SHA},
+        "client_revision": "abc",
+        "workload": {"input_tokens": 8192, "output_tokens": 128},
+        "points": [
+            {
+                "name": "r0.5",
+                "rate": 0.5,
+                "requests": 200,
+                "ttft_s": 10,
+                "tpot_s": 0.3,
+                "attainment": 0.95,
+                "timeout_s": 180,
+            },
+        ],
+    }
+    doc.update(over)
+    return doc
+
+
+# --- plan ------------------------------------------------------------------------------
+
+
+def test_plan_loads_resolves_relative_paths_and_hashes_canonically(tmp_path: Path) -> None:
+    (tmp_path / "plan.json").write_text(json.dumps(_plan_doc(seed=1729), indent=4))
+    (tmp_path / "other.json").write_text(json.dumps(_plan_doc(seed=1729)))
+    a, b = load_plan(tmp_path / "plan.json"), load_plan(tmp_path / "other.json")
+    assert a.sha256 == b.sha256  # whitespace does not change the identity
+    assert a.fleet_path == tmp_path / "fleet.json"
+    assert a.plan.seed == 1729 and a.plan.points[0].rate == 0.5
+
+
+@pytest.mark.parametrize(
+    ("doc", "needle"),
+    [
+        (_plan_doc(schema="narwhal.benchmark-plan/v2"), "schema must be"),
+        (_plan_doc(extra=1), "extra"),
+        (_plan_doc(fleet={"path": "f", "sha256": "xyz"}), "fleet.sha256"),
+        (_plan_doc(points=[]), "points"),
+        (_plan_doc(points=[_plan_doc()["points"][0]] * 2), "used twice"),
+    ],
+)
+def test_plan_errors_are_one_line(tmp_path: Path, doc: dict, needle: str) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(PlanError) as info:
+        load_plan(path)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+# --- workload ----------------------------------------------------------------------------
+
+
+def _pool() -> TokenPool:
+    return make_pool("engine./tokenize", "seed", [5, 6, 7, 8, 9, 10, 11, 12, 5, 6])
+
+
+def test_fixed_workload_is_exact_deterministic_and_tamper_evident(tmp_path: Path) -> None:
+    wl = build_fixed_workload("m", _pool(), 100, 7, seed=3, num_prompts=5, provenance={"x": 1})
+    again = build_fixed_workload("m", _pool(), 100, 7, seed=3, num_prompts=5, provenance={})
+    assert wl.sha256 == again.sha256  # provenance is not identity
+    assert all(len(r.prompt) == 100 and r.output_tokens == 7 for r in [wl.warmup, *wl.requests])
+    assert set(wl.requests[0].prompt) <= set(_pool().distinct)
+    assert len({tuple(r.prompt) for r in wl.requests}) == 5  # distinct prompts: no cache hits
+    save_workload(wl, tmp_path)
+    assert load_workload(tmp_path).sha256 == wl.sha256
+    doc = json.loads((tmp_path / "workload.json").read_text())
+    doc["requests"][0]["prompt"][0] = 12 if doc["requests"][0]["prompt"][0] != 12 else 11
+    (tmp_path / "workload.json").write_text(json.dumps(doc))
+    with pytest.raises(WorkloadError, match="sha256"):
+        load_workload(tmp_path)
+
+
+def test_pool_needs_distinct_ids() -> None:
+    # The qualification run's seed completion gave identical output ids: such a pool is refused.
+    with pytest.raises(SeedError, match="distinct"):
+        make_pool("completion.prompt_token_ids", "x", [42] * 28)
+
+
+def test_azure_trace_rows_and_workload(tmp_path: Path) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:17:03.9799600,4808,10\n"
+        "2023-11-16 18:17:04.0319600,20000,8\n"
+        "2023-11-16 18:17:05.0000000,110,0\n"
+    )
+    rows, digest = read_trace(trace, 0, 10)
+    assert [r.context_tokens for r in rows] == [4808, 20000, 110]
+    assert rows[1].t_s == pytest.approx(0.052) and rows[2].t_s == pytest.approx(1.02004)
+    assert rows[2].generated_tokens == 1  # at least one token is asked for
+    wl = build_trace_workload("m", _pool(), trace, digest, rows, 0, 1, 16384, {})
+    assert [len(r.prompt) for r in wl.requests] == [4808, 16384 - 8, 110]
+    assert wl.trace is not None and wl.trace.capped_prompts == 1 and wl.has_arrivals
+    bad = tmp_path / "bad.csv"
+    bad.write_text("time,a,b\n1,2,3\n")
+    with pytest.raises(WorkloadError, match="header"):
+        read_trace(bad, 0, 1)
+
+
+@pytest.mark.skipif(not AZURE.exists(), reason="shared Azure traces not present")
+def test_real_azure_code_trace_parses() -> None:
+    rows, _ = read_trace(AZURE / "AzureLLMInferenceTrace_code.csv", 0, 50)
+    assert len(rows) == 50 and rows[0].t_s == 0 and rows[-1].t_s > 0
+    assert all(rows[i].t_s <= rows[i + 1].t_s for i in range(49))
+
+
+def test_poisson_schedule_is_seeded_and_has_the_rate() -> None:
+    a, b = poisson_schedule(4000, 2.0, 7), poisson_schedule(4000, 2.0, 7)
+    assert a == b and a[0] == 0.0 and a != poisson_schedule(4000, 2.0, 8)
+    assert (len(a) - 1) / a[-1] == pytest.approx(2.0, rel=0.05)
+
+
+# --- definitions -------------------------------------------------------------------------
+
+
+def _rec(i: int, sent: float, ttft: float, e2e: float, out: int = 5, **kw: object) -> ClientRecord:
+    base = dict(
+        index=i,
+        warmup=i < 0,
+        client_request_id=f"run-{i}",
+        router_request_id=f"r{i}",
+        scheduled_s=None if i < 0 else sent,
+        sent_s=sent,
+        first_token_s=sent + ttft,
+        end_s=sent + e2e,
+        status=200,
+        outcome="ok",
+        prompt_tokens=10,
+        expected_output_tokens=out,
+        output_tokens=out,
+        output_tokens_source="usage",
+        chunks=out,
+        itl=[(e2e - ttft) / (out - 1)] * (out - 1) if out > 1 else [],
+    )
+    base.update(kw)
+    return ClientRecord(**base)
+
+
+def test_summary_follows_vllm_definitions() -> None:
+    records = [
+        _rec(-1, -5.0, 1.0, 2.0),  # warmup: excluded from every number
+        _rec(0, 0.0, 1.0, 3.0),  # TPOT (3-1)/(5-1) = 0.5: the first token excluded
+        _rec(1, 1.0, 2.0, 2.4),  # TPOT 0.1
+        _rec(2, 2.0, 0.5, 1.0, outcome="http_error", first_token_s=None, end_s=None),
+    ]
+    s = summarize(
+        records,
+        budgets=Budgets(ttft_s=1.5, tpot_s=0.3, attainment=0.5, timeout_s=10),
+        offered_rate_rps=1.0,
+        run_id="run",
+        base="b",
+        model="m",
+        workload={},
+        arrivals={},
+        t0_wall=0.0,
+        started_wall=0.0,
+        ended_wall=0.0,
+        command=[],
+        versions={},
+    )
+    assert s.requests == 3 and s.completed == 2 and s.by_outcome == {"http_error": 1, "ok": 2}
+    assert s.duration_s == pytest.approx(3.4)  # first send (0) -> last completion (1+2.4)
+    assert s.completed_rate_rps == pytest.approx(2 / 3.4)
+    assert s.output_throughput_tps == pytest.approx(10 / 3.4)
+    assert s.total_token_throughput_tps == pytest.approx(30 / 3.4)
+    assert s.tpot_s.p50 == pytest.approx(0.3) and s.tpot_s.max == pytest.approx(0.5)
+    assert s.ttft_s.p50 == pytest.approx(1.5)
+    # Within limits: only request 0? no: its TPOT 0.5 > 0.3; request 1's TTFT 2.0 > 1.5.
+    assert s.within_limits == 0 and s.attainment == 0 and s.verdict == "fail"
+    assert s.result == "0/3 within limits" and s.warmup["outcome"] == "ok"
+    assert s.itl_s.count == 8 and s.peak_concurrency == 2
+
+
+# --- reconciliation ----------------------------------------------------------------------
+
+
+def _journal_for(records: list[ClientRecord]) -> list[dict]:
+    out = []
+    for r in records:
+        out.append(
+            {
+                "type": "request.start",
+                "id": r.router_request_id,
+                "ts": 1.0,
+                "client_request_id": r.client_request_id,
+            }
+        )
+        out.append(
+            {
+                "type": "request.end",
+                "id": r.router_request_id,
+                "ts": 2.0,
+                "outcome": "ok" if r.outcome == "ok" else "client_error",
+                "status": r.status,
+                "completion_tokens": r.output_tokens,
+                "client_request_id": r.client_request_id,
+            }
+        )
+    return out
+
+
+def test_reconcile_matches_and_flags_every_kind_of_disagreement() -> None:
+    records = [_rec(i, float(i), 0.1, 0.5) for i in range(-1, 4)]
+    journal = _journal_for(records)
+    good = reconcile(records, journal, "run")
+    assert good.passed and good.client_terminal == good.journal_ends == 5
+
+    missing = reconcile(records, [j for j in journal if j["id"] != "r2"], "run")
+    assert not missing.passed and any("no request.end" in m["why"] for m in missing.mismatches)
+
+    dup = reconcile(records, [*journal, journal[-1]], "run")
+    assert not dup.passed and any("2 request.end" in m["why"] for m in dup.mismatches)
+
+    unknown = [*journal, {**journal[-1], "id": "zz", "client_request_id": "run-99"}]
+    assert any("has no record" in p for p in reconcile(records, unknown, "run").problems)
+
+    flipped = [dict(j, outcome="stream_error") if j["id"] == "r1" else j for j in journal]
+    assert reconcile(records, flipped, "run").mismatches[0]["why"] == "outcomes disagree"
+
+    tokens = [dict(j, completion_tokens=4) if j["id"] == "r0" else j for j in journal]
+    assert "completion tokens" in reconcile(records, tokens, "run").mismatches[0]["why"]
+
+    # A request that never reached the router has no journal record, and needs none.
+    gone = [*records, _rec(9, 9.0, 0.1, 0.5, outcome="connect_error", router_request_id=None)]
+    assert reconcile(gone, journal, "run").passed
+
+
+def test_journal_slice_and_timeline() -> None:
+    records = [
+        {"type": "router.start", "ts": 5.0, "engines": {"e0": "prefill", "e1": "prefill"}},
+        {"type": "request.start", "ts": 6.0, "id": "a", "client_request_id": "run-000001"},
+        {"type": "request.start", "ts": 6.5, "id": "b", "client_request_id": None},
+        {
+            "type": "role.flip",
+            "ts": 7.0,
+            "engine": "e1",
+            "from_role": "prefill",
+            "to_role": "decode",
+            "role_generation": 1,
+            "reason": "decode pressure",
+            "forced": True,
+        },
+        {"type": "request.start", "ts": 99.0, "id": "c", "client_request_id": "other-1"},
+    ]
+    mine, foreign = journal_slice(records, "run", 4.0, 10.0)
+    assert [r.get("id") for r in mine] == [None, "a", None]
+    assert [r["id"] for r in foreign] == ["b"]
+    timeline = state_timeline(records)
+    assert timeline[-1]["roles"] == {"e0": "prefill", "e1": "decode"}
+    assert timeline[-1]["generation"] == 1 and timeline[-1]["forced"] is True
+
+
+# --- collectors --------------------------------------------------------------------------
+
+
+def test_coverage_complete_and_with_a_hole() -> None:
+    ok = [Sample("e0", t / 10, 0.0, True, 0.01) for t in range(0, 31)]
+    assert coverage(ok, "e0", 0.0, 3.0, 0.25).complete
+    holed = [s for s in ok if not 1.0 < s.t < 2.0]
+    holed += [Sample("e0", 1.5, 0.0, False, 0.01, error="HTTP 503")]
+    cov = coverage(holed, "e0", 0.0, 3.0, 0.25)
+    assert not cov.complete and cov.failed == 1 and cov.max_gap_s == pytest.approx(1.0)
+    # A window the scrapes do not reach to its end is a hole too.
+    assert not coverage(ok, "e0", 0.0, 5.0, 0.25).complete
+
+
+def test_counter_missing_from_router_definitions() -> None:
+    expected = router_expected_counters(["e0", "e1"])
+    assert 'narwhal_flips_total{from_role="prefill",to_role="decode"}' in expected
+    assert 'narwhal_requests_total{outcome="ok"}' in expected
+    full = {k: 0.0 for k in expected}
+    partial = {k: v for k, v in full.items() if not k.startswith("narwhal_flips_total")}
+    samples = [
+        Sample("router", 1.0, 0.0, True, 0.0, series=partial),
+        Sample("router", 2.0, 0.0, True, 0.0, series=full),
+    ]
+    diags = counter_missing(samples, "router", expected)
+    assert {d["series"].split("{")[0] for d in diags} == {"narwhal_flips_total"}
+    assert all(d["missing_in_scrapes"] == 1 and d["first_seen_t"] == 2.0 for d in diags)
+    series, counters = parse_metrics(
+        '# TYPE vllm:prompt_tokens counter\nvllm:prompt_tokens_total{engine="0"} 3\n'
+    )
+    engine = [Sample("e0", 1.0, 0.0, True, 0.0, series=series, counters=counters)]
+    assert not counter_missing(engine, "e0", expected_names=["vllm:prompt_tokens_total"])
+    assert counter_missing(engine, "e0", expected_names=["vllm:generation_tokens_total"])
+
+
+# --- CSV ---------------------------------------------------------------------------------
+
+
+def test_mad_csv_core_columns_in_order(tmp_path: Path) -> None:
+    summary = {
+        "total_token_throughput_tps": 100.0,
+        "output_throughput_tps": 10.0,
+        "ttft_s": {"p50": 0.25},
+        "tpot_s": {"p50": 0.0125},
+        "itl_s": {"p50": 0.012},
+        "e2el_s": {"p50": 2.0},
+        "offered_rate_rps": 0.5,
+        "completed_rate_rps": 0.46,
+        "result": "200/200 within limits",
+        "attainment": 1.0,
+        "verdict": "pass",
+        "peak_concurrency": 12,
+    }
+    path = tmp_path / csv_name("moonshotai/Kimi-K3")
+    assert path.name == "perf_Kimi-K3.csv"
+    write_csv(
+        path,
+        [
+            {
+                "model": "moonshotai/Kimi-K3",
+                "tp": 8,
+                "inp": 8192,
+                "out": 128,
+                "num_prompts": 200,
+                "cmd": "load_trial.py run ...",
+                "point": "r0.5",
+                "summary": summary,
+                "attainment_target": 0.95,
+                "fleet_sha256": SHA,
+                "workload_sha256": SHA,
+                "plan_sha256": SHA,
+                "narwhal_commit": "c",
+                "client_revision": "r",
+            }
+        ],
+    )
+    with path.open(newline="") as fh:
+        reader = csv.DictReader(fh)
+        assert tuple(reader.fieldnames or ())[: len(MAD_CORE_COLUMNS)] == MAD_CORE_COLUMNS
+        rows = {r["metric"]: r for r in reader}
+    assert list(rows) == [
+        "throughput_tot",
+        "throughput_gen",
+        "median_ttft",
+        "median_tpot",
+        "median_itl",
+        "median_e2el",
+    ]
+    assert rows["median_ttft"]["performance"] == "250.0000" and rows["median_ttft"]["unit"] == "ms"
+    assert rows["throughput_tot"]["unit"] == "tok/sec"
+    assert rows["median_tpot"]["offered_rate_rps"] == "0.5000"
+
+
+# --- CLIs --------------------------------------------------------------------------------
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=60, cwd=TOOLS
+    )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (
+            "load_trial.py",
+            "run",
+            "--base",
+            "http://127.0.0.1:9",
+            "--workload",
+            "/nonexistent",
+            "--rate",
+            "1",
+            "--requests",
+            "1",
+            "--ttft",
+            "1",
+            "--tpot",
+            "1",
+            "--attainment",
+            "0.9",
+            "--timeout",
+            "1",
+            "--out",
+            "/tmp/x",
+        ),
+        ("load_trial.py", "run", "--rate", "-1"),
+        (
+            "load_trial.py",
+            "prepare",
+            "--base",
+            "http://127.0.0.1:9",
+            "--seed",
+            "1",
+            "--out",
+            "/tmp/x",
+            "--trace",
+            "/nonexistent.csv",
+        ),
+        (
+            "benchmark_runner.py",
+            "--base",
+            "http://127.0.0.1:9",
+            "--model",
+            "m",
+            "--plan",
+            "/nonexistent.json",
+            "--out",
+            "/tmp/x",
+            "--journal",
+            "/tmp/j",
+        ),
+        ("benchmark_runner.py", "--base", "u"),
+    ],
+)
+def test_cli_input_errors_exit_2_without_traceback(args: tuple[str, ...]) -> None:
+    proc = _cli(*args)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.strip()
+
+
+def test_prepare_against_nothing_is_one_line_exit_1() -> None:
+    proc = _cli(
+        "load_trial.py",
+        "prepare",
+        "--base",
+        "http://127.0.0.1:9",
+        "--input-tokens",
+        "8",
+        "--output-tokens",
+        "2",
+        "--seed",
+        "1",
+        "--out",
+        "/tmp/never-written",
+    )
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

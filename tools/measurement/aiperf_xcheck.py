@@ -1,0 +1,289 @@
+"""Cross-check Narwhal's measurements with a client nobody here wrote: NVIDIA aiperf.
+
+    aiperf_xcheck.py --base URL --model M --journal ROUTER_JOURNAL --out DIR
+                     --input-tokens N --output-tokens M --rate R --requests K
+                     [--aiperf BIN] [--tokenizer ORG/NAME] [--hf-home DIR] [--sim-tokenizer]
+                     [--load-trial-summary SUMMARY.json] [--seed S]
+                     [--ttft-rel 0.3] [--ttft-abs 0.03]
+
+aiperf runs the same workload shape (N input tokens, M output tokens with ``ignore_eos``,
+Poisson arrivals at R/s, K requests after one warmup, streaming) against narwhal-serve with
+``HF_HUB_OFFLINE=1``; every request carries one ``X-Request-Id`` tag, so the router journal's
+``request.end`` records of the run are exactly aiperf's. Compared:
+
+- request count: aiperf's profiled requests == the journal's ``ok`` ends minus the warmup, and
+  aiperf saw no error (exact);
+- output tokens: aiperf's own count (its tokenizer on the returned text) == the journal's
+  ``completion_tokens`` summed (exact);
+- input tokens: aiperf's mean input length (its tokenizer) vs the journal's ``prompt_tokens``
+  (the engine's count), within 1%;
+- TTFT median: aiperf's p50 vs the journal's median ``t_first_token`` (router arrival to first
+  token), and vs ``load_trial.py``'s p50 when a summary is given: within
+  max(--ttft-abs seconds, --ttft-rel of the larger).
+
+``--sim-tokenizer`` installs a tokenizer mirroring narwhal-sim's vocabulary into HF_HOME as
+``--tokenizer`` (see sim_tokenizer.py). Writes DIR/xcheck.json. Exit status: 0 all agree;
+1 a disagreement or aiperf failed; 2 bad arguments or aiperf not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from _runner_journal import read_journal
+from sim_tokenizer import DEFAULT_NAME, install
+
+__all__ = ["main"]
+
+PROG = "aiperf_xcheck.py"
+REPO = Path(__file__).resolve().parents[2]
+# Where `make aiperf` installs it: a venv of its own (its pins clash with the router's).
+DEFAULT_AIPERF = REPO / ".venv" / "aiperf" / "bin" / "aiperf"
+
+
+class UsageError(Exception):
+    pass
+
+
+def _find_aiperf(given: str | None) -> Path:
+    if given:
+        path = Path(given)
+        if not path.exists():
+            raise UsageError(f"--aiperf {given}: not found")
+        return path
+    if DEFAULT_AIPERF.exists():
+        return DEFAULT_AIPERF
+    found = shutil.which("aiperf")
+    if found:
+        return Path(found)
+    raise UsageError("aiperf is not installed (run `make aiperf`, or pass --aiperf BIN)")
+
+
+def _agree(a: float | None, b: float | None, rel: float, absolute: float) -> dict[str, Any]:
+    if a is None or b is None:
+        return {"a": a, "b": b, "agree": False, "allowed": None}
+    allowed = max(absolute, rel * max(abs(a), abs(b)))
+    return {"a": a, "b": b, "diff": abs(a - b), "allowed": allowed, "agree": abs(a - b) <= allowed}
+
+
+def run_aiperf(args: argparse.Namespace, tag: str, out: Path, hf_home: Path) -> dict[str, Any]:
+    artifacts = out / "aiperf"
+    cmd = [
+        str(_find_aiperf(args.aiperf)),
+        "profile",
+        "--model",
+        args.model,
+        "--tokenizer",
+        args.tokenizer,
+        "--url",
+        args.base,
+        "--endpoint-type",
+        "completions",
+        "--streaming",
+        "--isl",
+        str(args.input_tokens),
+        "--isl-stddev",
+        "0",
+        "--osl",
+        str(args.output_tokens),
+        "--osl-stddev",
+        "0",
+        "--extra-inputs",
+        "ignore_eos:true",
+        "--request-rate",
+        repr(args.rate),
+        "--arrival-pattern",
+        "poisson",
+        "--request-count",
+        str(args.requests),
+        "--warmup-request-count",
+        "1",
+        "--random-seed",
+        str(args.seed),
+        "--header",
+        f"X-Request-Id:{tag}",
+        "--request-timeout-seconds",
+        repr(args.timeout),
+        "--output-artifact-dir",
+        str(artifacts),
+        "--ui",
+        "none",
+        "--no-server-metrics",
+        "--no-gpu-telemetry",
+    ]
+    env = dict(os.environ, HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    bound = 3.0 * args.requests / args.rate + 2 * args.timeout + 180
+    with (out / "aiperf.log").open("wb") as log:
+        try:
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=bound)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"aiperf did not finish within {bound:.0f} s") from None
+    if proc.returncode != 0:
+        tail = (out / "aiperf.log").read_text(errors="replace").strip().splitlines()[-1:]
+        raise RuntimeError(f"aiperf exited {proc.returncode}: {tail[0][:300] if tail else ''}")
+    export = artifacts / "profile_export_aiperf.json"
+    if not export.exists():
+        raise RuntimeError(f"aiperf wrote no {export.name}")
+    data = json.loads(export.read_text())
+    (out / "aiperf_command.txt").write_text(" ".join(cmd) + "\n")
+
+    def metric(name: str, key: str) -> float | None:
+        value = (data.get(name) or {}).get(key)
+        return float(value) if value is not None else None
+
+    errors = (
+        (data.get("error_summary") or []) if isinstance(data.get("error_summary"), list) else []
+    )
+    ttft_ms = metric("time_to_first_token", "p50")
+    return {
+        "command": cmd,
+        "aiperf_version": data.get("aiperf_version"),
+        "request_count": metric("request_count", "avg"),
+        "errors": sum(int(e.get("count", 0)) for e in errors if isinstance(e, dict)),
+        "ttft_p50_s": None if ttft_ms is None else ttft_ms / 1000.0,
+        "output_tokens": metric("output_token_count", "sum"),
+        "input_tokens_mean": metric("input_sequence_length", "avg"),
+    }
+
+
+def journal_side(journal: Path, tag: str) -> dict[str, Any]:
+    ends = [
+        r
+        for r in read_journal(journal).records
+        if r.get("type") == "request.end" and r.get("client_request_id") == tag
+    ]
+    ends.sort(key=lambda r: r.get("arrival") or 0.0)
+    ok = [r for r in ends if r.get("outcome") == "ok"]
+    # aiperf's warmup phase finishes before profiling starts: its request arrived first.
+    profiled = ok[1:]
+    ttfts = [r["t_first_token"] for r in profiled if isinstance(r.get("t_first_token"), float)]
+    return {
+        "ends": len(ends),
+        "ok": len(ok),
+        "profiled": len(profiled),
+        "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+        "output_tokens": sum(int(r.get("completion_tokens") or 0) for r in profiled),
+        "prompt_tokens_mean": statistics.mean(int(r.get("prompt_tokens") or 0) for r in profiled)
+        if profiled
+        else None,
+    }
+
+
+def xcheck(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_home = Path(args.hf_home) if args.hf_home else out / "hf-home"
+    if args.sim_tokenizer:
+        try:
+            install(hf_home, args.tokenizer)
+        except ImportError:
+            raise UsageError("--sim-tokenizer needs the 'tokenizers' package") from None
+    tag = f"aiperf-{int(time.time() * 1000):x}"
+    aip = run_aiperf(args, tag, out, hf_home)
+    # The router writes each request.end just after its response; give the last one a moment.
+    deadline = time.monotonic() + 10
+    jr = journal_side(Path(args.journal), tag)
+    while jr["ends"] < (aip["request_count"] or 0) + 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        jr = journal_side(Path(args.journal), tag)
+    checks: dict[str, Any] = {
+        "request_count": {
+            "aiperf": aip["request_count"],
+            "journal": jr["profiled"],
+            "aiperf_errors": aip["errors"],
+            "agree": aip["request_count"] == jr["profiled"] == args.requests and not aip["errors"],
+        },
+        "output_tokens": {
+            "aiperf": aip["output_tokens"],
+            "journal": jr["output_tokens"],
+            "expected": args.requests * args.output_tokens,
+            "agree": aip["output_tokens"]
+            == jr["output_tokens"]
+            == args.requests * args.output_tokens,
+        },
+        # aiperf sends text its tokenizer sized; the engine's own count is the journal's.
+        "input_tokens_mean": _agree(
+            aip["input_tokens_mean"], jr["prompt_tokens_mean"], rel=0.01, absolute=1.0
+        ),
+        "ttft_p50_aiperf_vs_journal": _agree(
+            aip["ttft_p50_s"], jr["ttft_p50_s"], args.ttft_rel, args.ttft_abs
+        ),
+    }
+    if args.load_trial_summary:
+        summary = json.loads(Path(args.load_trial_summary).read_text())
+        lt_tokens = summary["total_output_tokens"] / max(1, summary["completed"])
+        checks["ttft_p50_aiperf_vs_load_trial"] = _agree(
+            aip["ttft_p50_s"], summary["ttft_s"]["p50"], args.ttft_rel, args.ttft_abs
+        )
+        checks["output_tokens_per_request_vs_load_trial"] = {
+            "aiperf": (aip["output_tokens"] or 0) / max(1.0, aip["request_count"] or 1.0),
+            "load_trial": lt_tokens,
+            "agree": (aip["output_tokens"] or 0) / max(1.0, aip["request_count"] or 1.0)
+            == lt_tokens,
+        }
+        checks["request_count_vs_load_trial"] = {
+            "aiperf": aip["request_count"],
+            "load_trial": summary["requests"],
+            "agree": aip["request_count"] == summary["requests"],
+        }
+    agree = all(c["agree"] for c in checks.values())
+    result = {
+        "schema": "narwhal.aiperf-xcheck/v1",
+        "tag": tag,
+        "agree": agree,
+        "tolerances": {"ttft_rel": args.ttft_rel, "ttft_abs_s": args.ttft_abs},
+        "checks": checks,
+        "aiperf": aip,
+        "journal": jr,
+    }
+    (out / "xcheck.json").write_text(json.dumps(result, indent=2) + "\n")
+    failed = [k for k, c in checks.items() if not c["agree"]]
+    print(
+        f"{PROG}: {'agree' if agree else 'DISAGREE: ' + ', '.join(failed)}; {out / 'xcheck.json'}"
+    )
+    return 0 if agree else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--journal", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--input-tokens", type=int, required=True)
+    p.add_argument("--output-tokens", type=int, required=True)
+    p.add_argument("--rate", type=float, required=True)
+    p.add_argument("--requests", type=int, required=True)
+    p.add_argument("--timeout", type=float, default=180.0)
+    p.add_argument("--seed", type=int, default=1729)
+    p.add_argument("--aiperf")
+    p.add_argument("--tokenizer", default=DEFAULT_NAME)
+    p.add_argument("--hf-home")
+    p.add_argument("--sim-tokenizer", action="store_true")
+    p.add_argument("--load-trial-summary")
+    p.add_argument("--ttft-rel", type=float, default=0.3)
+    p.add_argument("--ttft-abs", type=float, default=0.03)
+    args = p.parse_args(argv)
+    if min(args.input_tokens, args.output_tokens, args.requests) <= 0 or args.rate <= 0:
+        p.error("token counts, --requests and --rate must be > 0")
+    try:
+        return xcheck(args)
+    except UsageError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    except (RuntimeError, OSError, ValueError, KeyError) as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
