@@ -227,3 +227,20 @@ def test_token_id_prompt_length_checked_before_any_engine(stack, tmp_path: Path)
     assert metric(after, "narwhal_prefill_seconds_count") == metric(
         before, "narwhal_prefill_seconds_count"
     )
+
+
+def test_prompt_token_ids_come_back_when_asked(stack) -> None:
+    _, router = stack
+    r = httpx.post(
+        router.url + "/v1/completions",
+        timeout=30,
+        json={"model": MODEL, "prompt": IDS, "max_tokens": 3, "return_token_ids": True},
+    )
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["prompt_token_ids"] == IDS
+    r = httpx.post(
+        router.url + "/v1/completions",
+        timeout=30,
+        json={"model": MODEL, "prompt": IDS, "max_tokens": 3},
+    )
+    assert r.json()["choices"][0].get("prompt_token_ids") is None

@@ -193,6 +193,8 @@ class Runtime:
         assert self.journal is not None
         self.journal.request_end(record.id, outcome, **record.end_fields())
         self.active.discard(record.id)
+        if self.router is not None:
+            self.router.prompt_token_ids(record.id)  # drop what nobody asked for
 
     async def release_stream(self, stream: DecodeStream, complete: bool = False) -> None:
         # Bookkeeping first, synchronously: a cancellation landing in the await below (the
@@ -489,7 +491,10 @@ def build_app(settings: ServeSettings) -> FastAPI:
             )
         outcome, status, error, response = "client_abort", None, "cancelled mid-generation", None
         try:
-            body = await _until_disconnect(request, aggregate(stream, chat, tally, record))
+            ids = (
+                rt.router.prompt_token_ids(record.id) if creq.body.get("return_token_ids") else None
+            )
+            body = await _until_disconnect(request, aggregate(stream, chat, tally, record, ids))
             outcome, status, error = "ok", 200, None
             response = Response(orjson.dumps(body), media_type="application/json", headers=headers)
         except RouterError as exc:

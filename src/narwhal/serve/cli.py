@@ -151,6 +151,48 @@ def _load_profiles(fleet: Any, path: str) -> tuple[Any, str]:
     return store, digest
 
 
+def _verify_report(
+    path: str, fleet: Any, profile_sha: str | None, warnings: list[str]
+) -> dict[str, Any]:
+    """The qualification the router journals, from a narwhal-check report that passed for
+    exactly this fleet file and profile store; UsageError (one line) otherwise."""
+    from narwhal.check.report import load_report, qualification_problem
+
+    report, digest = load_report(path)
+    problem = qualification_problem(report, fleet.sha256, str(fleet.path), profile_sha)
+    if problem is not None:
+        raise UsageError(f"{path}: does not qualify this fleet: {problem}")
+    # The report proved the engine processes it saw; a restart since is worth a loud line
+    # (with a profile store, _load_profiles has already refused restarted engines).
+    checked = {e: i.generation for e, i in report.engines.items()}
+    live = live_generations(fleet.contract)
+    restarted = sorted(
+        e for e, g in checked.items() if g is not None and live.get(e) not in (None, g)
+    )
+    if restarted:
+        warnings.append(
+            f"engines restarted since the check report was made: {', '.join(restarted)} "
+            "(re-run narwhal-check to qualify the running processes)"
+        )
+    log.info(
+        "serving a qualified fleet: %s sha256 %s, report %s sha256 %s (%s)",
+        fleet.path,
+        fleet.sha256,
+        path,
+        digest,
+        report.created_at,
+    )
+    return {
+        "status": "qualified",
+        "report": path,
+        "report_sha256": digest,
+        "report_created_at": report.created_at,
+        "fleet_sha256": report.fleet.sha256,
+        "profile_sha256": report.profile_store.sha256 if report.profile_store else None,
+        "engine_generations": checked,
+    }
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -208,18 +250,18 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
     if scheduler == "v1" and profiles is None:
         raise UsageError("--scheduler v1 needs a profile store (--profiles STORE)")
     if args.check_report:
-        raise UsageError(
-            "--check-report: fleet qualification reports are not supported until "
-            "narwhal-check exists; use --skip-qualification for development"
+        qualification = _verify_report(args.check_report, fleet, profile_sha, warnings)
+    elif args.skip_qualification:
+        warnings.append(
+            f"SERVING AN UNQUALIFIED FLEET (--skip-qualification): {fleet.path} "
+            f"sha256 {fleet.sha256}"
         )
-    if not args.skip_qualification:
+        qualification = {"status": "skipped"}
+    else:
         raise UsageError(
             "this fleet is not qualified: pass --check-report REPORT (from "
             "narwhal-check) or --skip-qualification for development"
         )
-    warnings.append(
-        f"SERVING AN UNQUALIFIED FLEET (--skip-qualification): {fleet.path} sha256 {fleet.sha256}"
-    )
     for warning in warnings:
         log.warning("%s", warning)
     settings = ServeSettings(
@@ -242,7 +284,7 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
         profile_sha256=profile_sha,
         profiles=profiles,
         scheduler=scheduler,
-        qualification={"status": "skipped"},
+        qualification=qualification,
     )
     return settings, host
 

@@ -103,6 +103,7 @@ class PDRouter:
         self.prefill_timeout_s = prefill_timeout_s
         self.predictor = predictor
         self.demand = demand
+        self._prompt_ids: dict[str, list[int] | None] = {}
         self.lengths = PromptLengthEstimator()
         self.queued = 0
         self._capacity = asyncio.Event()
@@ -380,6 +381,12 @@ class PDRouter:
             usage = data.get("usage") or {}
             prompt_tokens = usage.get("prompt_tokens")
             params = data.get("kv_transfer_params")
+            choices = data.get("choices") or [{}]
+            ids = choices[0].get("prompt_token_ids") if isinstance(choices[0], dict) else None
+            if ids is None:
+                ids = data.get("prompt_token_ids")
+            # Kept for the client that asked (return_token_ids): only the prefill leg has them.
+            self._prompt_ids[record.id] = ids if isinstance(ids, list) else None
         except (orjson.JSONDecodeError, AttributeError):
             self._leg_failed(engine, "prefill")
             record.attempt("prefill", engine.id, "failed", error="malformed response")
@@ -529,6 +536,10 @@ class PDRouter:
             pick.predicted_tpot_s,
             self.state.decode_batch(engine),
         )
+
+    def prompt_token_ids(self, request_id: str) -> list[int] | None:
+        """The prompt's token ids as the prefill engine returned them (once per request)."""
+        return self._prompt_ids.pop(request_id, None)
 
     def decode_done(self, engine_id: str) -> None:
         self.state.engines[engine_id].in_flight_decode -= 1

@@ -123,7 +123,11 @@ StreamFailed = _StreamFailed
 
 
 async def aggregate(
-    stream: DecodeStream, chat: bool, tally: StreamTally, record: RequestRecord
+    stream: DecodeStream,
+    chat: bool,
+    tally: StreamTally,
+    record: RequestRecord,
+    prompt_token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
     """Collect a decode stream into one non-streamed OpenAI response."""
     texts: list[str] = []
@@ -216,6 +220,14 @@ async def aggregate(
         obj_type = "text_completion"
     if token_ids is not None:
         choice_out["token_ids"] = token_ids
+    if prompt_token_ids is not None:
+        if chat:
+            extra = {"prompt_token_ids": prompt_token_ids}
+        else:
+            choice_out["prompt_token_ids"] = prompt_token_ids
+            extra = {}
+    else:
+        extra = {}
     return {
         "id": head.get("id"),
         "object": obj_type,
@@ -224,4 +236,5 @@ async def aggregate(
         "choices": [choice_out],
         "usage": usage,
         "system_fingerprint": None,
+        **extra,
     }
