@@ -91,11 +91,6 @@ def test_prepare_from_an_engine_uses_the_completions_prompt_ids(env: dict[str, A
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="narwhal-serve drops prompt_token_ids: relay.aggregate() rebuilds the non-streamed "
-    "choice without it, and the simulator's stream chunks never carry it",
-    strict=False,
-)
 def test_router_returns_prompt_token_ids(env: dict[str, Any]) -> None:
     body = {
         "model": "moonshotai/Kimi-K3",
