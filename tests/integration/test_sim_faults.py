@@ -552,7 +552,7 @@ def test_client_timing_out_while_queued_behind_kv_holds_aborts_it(tmp_path: Path
         url, _ = urls(fleet)
         with httpx.Client(timeout=30) as client:
             params = split_params(client, url, body())
-            assert state(url)["free_blocks"] == 8 - len(params["remote_block_ids"])
+            assert state(url)["free_blocks"] == 8 - len(params["remote_block_ids"][0])
             t0 = time.monotonic()
             with pytest.raises(httpx.TimeoutException):
                 client.post(url + "/v1/completions", json=body(), timeout=1.0)

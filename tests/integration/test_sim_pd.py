@@ -120,7 +120,8 @@ def test_nixl_read_moves_exactly_the_prompt_blocks(pd_fleet: SimFleet) -> None:
         params = client.post(
             prefill_url + "/v1/completions", json=prefill_body(body, False)
         ).json()["kv_transfer_params"]
-        blocks = len(params["remote_block_ids"])
+        (group,) = params["remote_block_ids"]  # one list per KV cache group, as vLLM 0.32
+        blocks = len(group)
         assert blocks == -(-len(TOKEN_PROMPT) // 16) == 21
         assert params["remote_num_tokens"] == len(TOKEN_PROMPT)
         r = client.post(decode_url + "/v1/completions", json={**body, "kv_transfer_params": params})
@@ -227,7 +228,8 @@ def test_unpulled_hold_expires_at_its_lease(tmp_path) -> None:
             state = admin(prefill_url, "GET", path="/sim/state").json()
             if time.monotonic() - t0 < lease * 0.8:
                 assert params["remote_request_id"] in state["holds"]
-                assert state["free_blocks"] == state["num_blocks"] - len(params["remote_block_ids"])
+                (group,) = params["remote_block_ids"]
+                assert state["free_blocks"] == state["num_blocks"] - len(group)
             deadline = time.monotonic() + lease + 5
             expired = 0.0
             while time.monotonic() < deadline:

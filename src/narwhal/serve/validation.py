@@ -128,6 +128,12 @@ def parse_client_request(
         raise bad_request(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
+    try:
+        # The legs re-serialise the body, and orjson writes at most 254 levels of nesting
+        # while it reads 1024: refuse here what could not be forwarded (else a 500 later).
+        orjson.dumps(body)
+    except TypeError:
+        raise bad_request("request body is nested too deeply") from None
     model = body.get("model")
     if model is None:
         raise RouterError(

@@ -376,16 +376,23 @@ class EngineCore:
             request.blocks = []
             self.holds[request.request_id] = _Hold(held, time.monotonic() + self.config.kv_lease_s)
             self._holds_changed()
+            # The fields and shapes vLLM 0.32's NixlConnector returns (docs/vllm-interop.md):
+            # one list of block ids per KV cache group (the simulator has one group), its
+            # parallel sizes, and no expiry or P-side prefix-cache hit to report.
             params = {
                 "do_remote_prefill": True,
                 "do_remote_decode": False,
-                "remote_block_ids": held,
+                "remote_block_ids": [held],
                 "remote_engine_id": self.config.engine_id,
                 "remote_request_id": request.request_id,
                 "remote_host": self.config.nixl_host,
                 "remote_port": self.config.nixl_port,
                 "tp_size": self.config.tp_size,
+                "dcp_size": 1,
+                "pp_size": 1,
                 "remote_num_tokens": len(request.prompt),
+                "remote_blocks_expiry_time": None,
+                "remote_prefill_cached_tokens": 0,
                 "transfer_mode": "pull",
             }
         else:
@@ -439,7 +446,8 @@ class EngineCore:
         if self.faults.crash_on_kv_read:
             log.warning("fault injection: crashing on KV read")
             os._exit(CRASH_EXIT_CODE)
-        if self.faults.hang_kv_read_s > 0:
+        stall_from = self.faults.hang_kv_read_from
+        if self.faults.hang_kv_read_s > 0 and (not stall_from or remote.engine_id in stall_from):
             stall = self.faults.hang_kv_read_s
             await asyncio.sleep(min(stall, timeout))
             if stall >= timeout:

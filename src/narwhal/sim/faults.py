@@ -24,6 +24,8 @@ class FaultSettings(BaseModel):
     crash_after_tokens: int | None = Field(None, ge=1)  # once a stream has sent this many
     # A decode leg's KV READ stalls this long before it is posted (bounded by the read timeout).
     hang_kv_read_s: float = Field(0.0, ge=0)
+    # Only READs from these prefill engines (remote engine ids) stall; empty: every READ does.
+    hang_kv_read_from: list[str] = Field(default_factory=list)
     # The first token of each request is held back this long (wall seconds).
     stall_first_token_s: float = Field(0.0, ge=0)
     # Multiplies every step time: 10 makes the engine ten times slower.
@@ -46,6 +48,7 @@ class FaultUpdate(BaseModel):
     crash_on_kv_read: bool | None = None
     crash_after_tokens: int | None = Field(None, ge=1)
     hang_kv_read_s: float | None = Field(None, ge=0)
+    hang_kv_read_from: list[str] | None = None
     stall_first_token_s: float | None = Field(None, ge=0)
     slowdown: float | None = Field(None, gt=0)
     drop_stream_after_tokens: int | None = Field(None, ge=0)

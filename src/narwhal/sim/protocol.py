@@ -242,8 +242,8 @@ class ResponseBuilder:
             "model": self.model,
             "choices": choices,
         }
-        # vLLM dumps completion chunks whole (usage: null) but chat chunks without unset fields.
-        if usage is not None or not self.params.chat:
+        # vLLM 0.32 leaves an unset usage out of every chunk, completion and chat alike.
+        if usage is not None:
             chunk["usage"] = usage
         return chunk
 
