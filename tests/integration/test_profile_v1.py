@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 # Parameters chosen so that per-request HTTP overhead (a few ms) is small against them.
 PROFILE_SIM = {
     "time_scale": 1.0,
-    "prefill_a": 0.1,
+    "prefill_a": 0.4,
     "prefill_b": 1e-4,
     "prefill_c": 1.2e-9,
     "decode_intercept": 0.05,
@@ -100,7 +100,7 @@ def test_profile_recovers_the_simulators_parameters(tmp_path: Path) -> None:
         assert p.decode_fit.intercept == pytest.approx(0.05, rel=0.10)
         assert p.decode_fit.slope == pytest.approx(0.01, rel=0.10)
         for n in (256, 1024, 4096, 8192):
-            configured = 0.1 + 1e-4 * n + 1.2e-9 * n * n
+            configured = 0.4 + 1e-4 * n + 1.2e-9 * n * n
             fitted = p.prefill_fit.a + p.prefill_fit.b * n + p.prefill_fit.c * n * n
             assert fitted == pytest.approx(configured, rel=0.10), n
     # The file is canonical JSON: its hash is the hash of its content, stable for equal content.

@@ -37,6 +37,8 @@ def test_traffic_shift_flips_an_engine_toward_decode(tmp_path: Path) -> None:
         tpot_s=0.3 / SCALE,
         first_token_timeout_s=8.5 / SCALE,
         role_control=roles,
+        # Admission queues rather than rejects: the point is that no request fails.
+        routing={"admission": "queue", "queue_max": 64, "queue_timeout_s": 10.0},
     ) as fleet:
         store = tmp_path / "store.json"
         r = profile(

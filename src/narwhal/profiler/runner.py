@@ -9,7 +9,6 @@ random order and a ``cache_salt`` per probe, so no probe is served from the pref
 from __future__ import annotations
 
 import asyncio
-import itertools
 import random
 import statistics
 import time
@@ -235,25 +234,34 @@ def _decode_sample(n: int, concurrency: int, tokens: int, runs: list[list[float]
         )
     start = max(times[0] for times in runs)
     end = min(times[-1] for times in runs)
-    gaps: list[float] = []
-    positions: list[int] = []
+    # Each stream's rate across the window (tokens inside it over the time they span): the
+    # median of single gaps reads chunks that arrive coalesced on a busy host as 0 s/token.
+    rates: list[float] = []
+    positions: list[float] = []
+    gaps_used = 0
     for times in runs:
-        for i in range(1, len(times)):
-            if times[i - 1] >= start and times[i] <= end:
-                gaps.append(times[i] - times[i - 1])
-                positions.append(i)
-    if len(gaps) < 2:
-        # Too short a window (one sequence finished as the last started): use whole streams.
-        gaps = [b - a for times in runs for a, b in itertools.pairwise(times)]
-        positions = [i for times in runs for i in range(1, len(times))]
-    spt = statistics.median(gaps)
+        inside = [(i, t) for i, t in enumerate(times) if start <= t <= end]
+        if len(inside) < 3:
+            continue
+        span = inside[-1][1] - inside[0][1]
+        if span <= 0:
+            continue
+        rates.append(span / (len(inside) - 1))
+        positions.extend(i for i, _ in inside)
+        gaps_used += len(inside) - 1
+    if not rates:
+        raise EngineProfilingError(
+            f"decode probe ({n} tokens x {concurrency}) had no window where all {concurrency} "
+            "sequences decoded together: raise --decode-tokens"
+        )
+    spt = statistics.median(rates)
     return DecodeSample(
         input_tokens=n,
         concurrency=concurrency,
         tokens=tokens,
         mean_context=n + statistics.fmean(positions),
         seconds_per_token=spt,
-        itl_samples=len(gaps),
+        itl_samples=gaps_used,
     )
 
 

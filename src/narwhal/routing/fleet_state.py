@@ -38,6 +38,9 @@ class EngineState:
     healthy: bool | None = None  # None until the first probe
     in_flight_prefill: int = 0
     in_flight_decode: int = 0
+    # Requests admitted with this engine as their decode engine, still in their prefill leg:
+    # they will join its batch, so predictions count them now.
+    pending_decode: int = 0
     scraped: ScrapedLoad = field(default_factory=ScrapedLoad)
     draining_from: Role | None = None
     role_since: float = 0.0
@@ -119,8 +122,8 @@ class FleetState:
         """Sequences decoding on ``engine``: the larger of our count and the engine's report."""
         own = engine.in_flight_decode
         if self.scraped_fresh(engine):
-            return max(own, int(engine.scraped.running))
-        return own
+            own = max(own, int(engine.scraped.running))
+        return own + engine.pending_decode
 
     def scraped_fresh(self, engine: EngineState) -> bool:
         at = engine.scraped.at

@@ -143,14 +143,18 @@ class SchedulerV1:
         budgets: Budgets,
         candidates: int | None = None,
         rng: random.Random | None = None,
+        margin: float = 0.05,
     ) -> None:
         """``candidates``: in a pool larger than this, score a random sample of this many
         engines per role instead of all of them (power of k choices: near-optimal balance at
-        O(k) per request, for fleets of hundreds or thousands of engines)."""
+        O(k) per request, for fleets of hundreds or thousands of engines). ``margin``: slack
+        (a fraction of the budgets) within which candidates count as equally good and the
+        less loaded one is taken."""
         self.predictor = predictor
         self.budgets = budgets
         self.candidates = candidates
         self.rng = rng or random.Random(0)
+        self.margin = margin
 
     def _pool(self, state: FleetState, role: Role) -> list[EngineState]:
         pool = state._by_role[role]
@@ -204,19 +208,37 @@ class SchedulerV1:
         ttft_budget = self.budgets.ttft_s - shape.elapsed_s
         tpot_budget = self.budgets.tpot_s
         raw_decode: dict[tuple[int, int], float] = {}
-        best: tuple[float, EngineState, tuple[float, str, float], float, float] | None = None
+        # Within ``margin`` of the best, predictions cannot tell candidates apart (corrections
+        # are noisy, engines alike): the less loaded one wins, so work spreads instead of
+        # herding onto whichever engine's ratio happens to read lowest.
+        margin = self.margin
+        ttft_window = margin * self.budgets.ttft_s
+        candidates: list[
+            tuple[float, float, EngineState, tuple[float, str, float], float, float]
+        ] = []
         for d in decodes:
             choice = None
             for item in ready:
-                if item[1] != d.id and (open_pairs or state.is_permitted(item[1], d.id)):
+                if item[1] == d.id or not (open_pairs or state.is_permitted(item[1], d.id)):
+                    continue
+                if choice is None:
                     choice = item
+                elif item[0] > choice[0] + ttft_window:
                     break
+                elif prefill_load(state, state.engines[item[1]]) < prefill_load(
+                    state, state.engines[choice[1]]
+                ):
+                    choice = item
             if choice is None:
                 continue
             at = d.scraped.at
-            batch = d.in_flight_decode
-            if at is not None and now - at <= stale and d.scraped.running > batch:
-                batch = int(d.scraped.running)
+            batch = d.in_flight_decode + d.pending_decode
+            if (
+                at is not None
+                and now - at <= stale
+                and d.scraped.running + d.pending_decode > batch
+            ):
+                batch = int(d.scraped.running) + d.pending_decode
             model = models[d.id].decode
             key = (id(model), batch + 1)
             raw = raw_decode.get(key)
@@ -227,15 +249,17 @@ class SchedulerV1:
             slack = min(
                 (ttft_budget - ttft) / self.budgets.ttft_s, (tpot_budget - tpot) / tpot_budget
             )
-            if (
-                best is None
-                or slack > best[0] + 1e-9
-                or (abs(slack - best[0]) <= 1e-9 and self._lighter(state, choice, d, best))
-            ):
-                best = (slack, d, choice, ttft, tpot)
-        if best is None:
+            load = prefill_load(state, state.engines[choice[1]]) + decode_load(state, d)
+            candidates.append((slack, load, d, choice, ttft, tpot))
+        if not candidates:
             return NoPair("no permitted KV transfer pair between available engines")
-        slack, d, (_, p_id, prefill_s), ttft, tpot = best
+        top = max(c[0] for c in candidates)
+        floor = top - margin
+        if top >= 0:
+            floor = max(floor, 0.0)
+        slack, _, d, (_, p_id, prefill_s), ttft, tpot = min(
+            (c for c in candidates if c[0] >= floor), key=lambda c: (c[1], -c[0], c[2].id)
+        )
         pair = Pair(p_id, d.id, slack, ttft, tpot, prefill_s)
         if slack < 0:
             return NoPair(
@@ -244,15 +268,3 @@ class SchedulerV1:
                 over_budget=pair,
             )
         return pair
-
-    @staticmethod
-    def _lighter(
-        state: FleetState,
-        choice: tuple[float, str, float],
-        d: EngineState,
-        best: tuple[float, EngineState, tuple[float, str, float], float, float],
-    ) -> bool:
-        """Equal slack: prefer the pair with less outstanding work (computed only on ties)."""
-        mine = prefill_load(state, state.engines[choice[1]]) + decode_load(state, d)
-        theirs = prefill_load(state, state.engines[best[2][1]]) + decode_load(state, best[1])
-        return mine < theirs

@@ -247,7 +247,8 @@ class PDRouter:
             prefill = self.state.engines[pick.prefill]
             decode = self.state.engines[pick.decode]
             record.role_generation = self.state.role_generation
-            # Prefill leg.
+            # Prefill leg. Its decode engine counts it from now (it will join that batch).
+            decode.pending_decode += 1
             try:
                 params, prompt_tokens = await self._prefill(prefill, request, record, pick)
             except _EngineClientError as exc:
@@ -262,6 +263,8 @@ class PDRouter:
                     ) from None
                 self.metrics.retries.labels("prefill").inc()
                 continue
+            finally:
+                decode.pending_decode -= 1
             # Decode leg, under the first-token deadline.
             try:
                 return await self._decode(

@@ -339,6 +339,7 @@ class _Simulation:
             request.predicted_total_prefill = p.queued_prefill_s(now) + pair.predicted_prefill_s
             p.prefill_work[str(request.index)] = (pair.predicted_prefill_s, now)
         p.in_flight_prefill += 1
+        self.state.engines[pair.decode].pending_decode += 1  # as the router counts it
         self.demand.record_start(
             pair.predicted_prefill_s or 0.0, request.spec.prompt_tokens, request.spec.output_tokens
         )
@@ -356,6 +357,7 @@ class _Simulation:
                 p.id, "prefill", request.predicted_total_prefill, now - request.prefill_start
             )
         d = self.state.engines[request.decode]
+        d.pending_decode -= 1
         d.in_flight_decode += 1
         request.decode_start = now
         self.at(now + self.config.leg_overhead_s, "decode_leg", request)
