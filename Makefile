@@ -9,7 +9,7 @@ NIXL_PKGS := nixl-cu12==1.5.1 nixl==1.5.1
 export UCX_NET_DEVICES ?= lo
 export NIXL_LOG_LEVEL ?= WARN
 
-.PHONY: install demo test test-deps check lint format bench clean
+.PHONY: install demo test test-deps test-deps-prometheus check lint format bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,9 +26,16 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m narwhal.demo --fleet configs/fleet/local-sim.json
 
+# The observability tests run a real Prometheus and promtool (Debian's prometheus package, without
+# its recommended node exporter). If it cannot be installed, those tests skip and say why.
+test-deps-prometheus:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || (apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) || \
+		echo "test-deps: prometheus not installed"
+
 # The deployment tests deploy through a real sshd on 127.0.0.1 (Debian's openssh-server). If it
 # cannot be installed, that test skips and says why; the rest of `make test` still runs.
-test-deps:
+test-deps: test-deps-prometheus
 	@test -x /usr/sbin/sshd || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -qq openssh-server) || echo "test-deps: openssh-server not installed"
 
@@ -52,3 +59,52 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
+
+# The measurement tools' cross-check client: aiperf 0.13.0 pins orjson, prometheus-client and
+# more that clash with the router's own, so it gets a venv of its own (under .venv/, ignored).
+# tests/measurement/test_aiperf_xcheck.py skips, saying so, until this has run.
+AIPERF_VENV := $(VENV)/aiperf
+.PHONY: aiperf
+aiperf: $(AIPERF_VENV)/bin/aiperf
+$(AIPERF_VENV)/bin/aiperf:
+	$(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install -q --upgrade pip
+	$(AIPERF_VENV)/bin/python -m pip install -q aiperf==0.13.0
+
+# --- Real vLLM interop (tests/interop, docs/vllm-interop.md) ---------------------------------
+# vLLM's CPU build in its own venv (it pins torch 2.13.0 CPU), and a tiny random Llama built
+# locally from it. `make test` builds both first, then runs tests/interop with the rest;
+# `make interop` runs that suite alone. NARWHAL_INTEROP_REQUIRED makes a missing venv or model
+# fail the suite instead of skipping it. Changing a build script rebuilds what it builds.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.narwhal-vllm-installed
+TINY_MODEL ?= build/interop/tiny-llama
+TINY_STAMP := $(TINY_MODEL)/narwhal-tiny.json
+
+.PHONY: interop interop-env interop-venv interop-model clean-interop
+
+$(VLLM_STAMP): tools/interop/build_venv.sh
+	@rm -f $(VLLM_STAMP)
+	bash tools/interop/build_venv.sh $(VLLM_VENV) $(PYTHON)
+
+$(TINY_STAMP): tools/interop/make_tiny_model.py $(VLLM_STAMP)
+	@rm -f $(TINY_STAMP)
+	HF_HUB_OFFLINE=1 $(VLLM_PY) tools/interop/make_tiny_model.py $(TINY_MODEL)
+
+interop-venv: $(VLLM_STAMP)
+interop-model: $(TINY_STAMP)
+interop-env: interop-venv interop-model
+
+# `make test` does not build the vLLM venv yet (it would not fit the suite's time budget on a
+# fresh 2-core machine): tests/interop skips there, saying how to build it; `make interop`
+# builds it and requires the suite.
+interop: export NARWHAL_INTEROP_REQUIRED := 1
+interop: export NARWHAL_VLLM_VENV := $(VLLM_VENV)
+interop: export NARWHAL_TINY_MODEL := $(TINY_MODEL)
+
+interop: $(STAMP) interop-env
+	$(PY) -m pytest -q tests/interop
+
+clean-interop:
+	rm -rf $(VLLM_VENV) build/interop

@@ -1,0 +1,1187 @@
+"""Goodput: Narwhal v1 against Narwhal v0 and vllm-router on one simulated 8-engine fleet.
+
+A local fleet of 8 simulated engines with the Kimi-K3 calibration (``narwhal.sim.timing``
+defaults: prefill 0.92 s at 8,192 tokens, decode step 0.24 s + 0.0015 s per sequence) runs
+``--time-scale`` S times faster than the real fleet, with a static role split (``--prefill``
+engines prefill, the rest decode; narwhal's role controller is off and each engine may only
+play its role). Budgets are the qualification run's, scaled: TTFT 10/S s, TPOT 0.3/S s (the
+fleet file carries them, and a first-token timeout of 0.85 x TTFT); attainment 95%.
+
+Workloads:
+
+- ``code`` and ``conv``: the Azure LLM inference traces of 2023-11-16 (Patel et al.,
+  "Splitwise: Efficient generative LLM inference using phase splitting", ISCA 2024; Azure
+  Public Dataset, CC-BY 4.0). A trial at offered rate r sends the first r x D requests from
+  ``--trace-start``, their TIMESTAMPs compressed or stretched so that they arrive within D
+  model seconds (D per workload, ``--durations``): the recorded arrival pattern at mean rate
+  r. Each sends ``ContextTokens`` token ids (clipped to max_model_len) and asks for exactly
+  ``GeneratedTokens`` tokens (``ignore_eos``, streamed);
+- ``fixed``: the qualification run's shape, 8,192 tokens in and 128 out, Poisson arrivals.
+
+Systems: ``narwhal_v1`` (narwhal-serve with a profile store that narwhal-profile makes once on
+this fleet; admission control as the fleet's routing policy says, ``reject`` by default),
+``narwhal_v0`` (``--scheduler v0``: least outstanding work), and vllm-router 0.1.17
+(``--vllm-pd-disaggregation``, every engine given as ``--prefill`` or ``--decode``) with
+``--policy round_robin``, ``--policy power_of_two``, and no ``--policy`` (its default,
+cache_aware; one ``--policy`` sets both the prefill and the decode policy).
+
+Rates are requests per second of the real (unscaled) fleet; the client sends S times as many
+per wall second. It measures TTFT (connect -> first token chunk) and TPOT (mean gap between
+token chunks after the first). A request meets the SLO when it answers 200 with all its tokens,
+TTFT <= budget and TPOT <= budget; rejected (429), failed and late requests are offered and
+missed. A request with no first token within the TTFT budget has missed: the client abandons it
+(as an interactive client would), so it stops loading the fleet. The trial ends once the last
+arrival's TTFT budget and 8 decode-step budgets have passed; a stream still running then is
+judged by projecting its remaining tokens at its recent pace (after the last arrival no
+request joins a batch, so batches only shrink: the projection is the slowest it can get;
+such verdicts are counted as ``ok_projected`` / ``tpot_projected``), and cancelled. This
+keeps a trial to duration + TTFT budget instead of waiting for the longest outputs.
+
+Goodput is the highest tested rate with attainment >= 0.95, searched on a geometric grid
+(``--grid-step``) from a capacity estimate (or the best point an earlier system reached): up
+two steps at a time until a miss, down until a pass, then the point between. After
+``--budget-s`` wall seconds every remaining search stops at two trials.
+
+    .venv/bin/python bench/goodput.py [--time-scale 4] [--durations code=20,...] [--workloads ...]
+        [--systems ...] [--max-trials 4] [--keep-dir]
+
+Only 127.0.0.1 is contacted. Progress goes to stderr; ``name: value`` rows, a table and the
+ratio lines ``ratio_goodput_v1_over_best_other_<workload>`` go to stdout. Each trial's CPU
+use of the whole machine and of processes outside this benchmark is reported: the simulated
+engines' step times are only as faithful as the CPU they get.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import csv
+import datetime as dt
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+
+from narwhal.engines.scrape import parse_engine_load
+from narwhal.sim.fleet import SimFleet, SimFleetError, local_fleet_document
+
+MODEL = "moonshotai/Kimi-K3"
+REAL_TTFT_S = 10.0
+REAL_TPOT_S = 0.3
+ATTAINMENT = 0.95
+DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "azure-llm-2023"
+TRACES = {
+    "code": "AzureLLMInferenceTrace_code.csv",
+    "conv": "AzureLLMInferenceTrace_conv.csv",
+}
+WORKLOADS = ("code", "conv", "fixed")
+SYSTEMS = ("narwhal_v1", "narwhal_v0", "vllm_round_robin", "vllm_power_of_two", "vllm_default")
+VLLM_POLICY = {"vllm_round_robin": "round_robin", "vllm_power_of_two": "power_of_two"}
+FIXED_IN, FIXED_OUT = 8192, 128
+WORD_IDS = (256, 10256)  # the simulator's word tokens (byte tokens below, specials above)
+MAX_MODEL_LEN = 16384
+# The simulator's calibration (model seconds), for the starting guesses only.
+PREFILL = (0.02, 1.0e-4, 1.2e-9)
+DECODE = (0.24, 0.0015, 1.3e-7)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Workloads
+
+
+@dataclass
+class Workload:
+    """An arrival pattern (offsets in seconds from the first row) with each request's shape."""
+
+    name: str
+    offsets: list[float]
+    prompt_lens: list[int]
+    gen_lens: list[int]
+    index: int = 0
+    clipped: int = 0
+    start_row: int = 0
+
+    def trial(self, rate: float, duration: float) -> tuple[int, list[float]]:
+        """The first ``n = rate * duration`` requests, their timeline compressed or stretched
+        so that they arrive within ``duration`` model seconds (the next row would arrive at
+        ``duration``): the recorded pattern at exactly ``rate`` requests/s on average."""
+        n = max(2, round(rate * duration))
+        if n >= len(self.offsets):
+            raise SystemExit(f"{self.name}: {n} requests needed, only {len(self.offsets) - 1} rows")
+        span = self.offsets[n] - self.offsets[0]
+        k = duration / span if span > 0 else 0.0
+        return n, [(o - self.offsets[0]) * k for o in self.offsets[:n]]
+
+
+def load_trace(name: str, start: int) -> Workload:
+    path = DATA_DIR / TRACES[name]
+    offsets: list[float] = []
+    prompts: list[int] = []
+    gens: list[int] = []
+    t0 = None
+    clipped = 0
+    with open(path, newline="") as f:
+        for i, row in enumerate(csv.DictReader(f)):
+            if i < start:
+                continue
+            stamp = dt.datetime.fromisoformat(row["TIMESTAMP"].strip()[:26])
+            t0 = t0 or stamp
+            gen = max(1, int(row["GeneratedTokens"]))
+            ctx = max(1, int(row["ContextTokens"]))
+            if ctx + gen > MAX_MODEL_LEN:
+                clipped += 1
+                ctx = MAX_MODEL_LEN - gen
+            offsets.append((stamp - t0).total_seconds())
+            prompts.append(ctx)
+            gens.append(gen)
+    if len(offsets) < 100:
+        raise SystemExit(f"{path}: fewer than 100 requests from row {start}")
+    return Workload(name, offsets, prompts, gens, clipped=clipped, start_row=start)
+
+
+def fixed_workload(seed: int, n: int = 20_000) -> Workload:
+    """The fixed shape with Poisson arrivals (unit rate; trials rescale it)."""
+    rng = random.Random(seed)
+    offsets = [0.0]
+    for _ in range(n - 1):
+        offsets.append(offsets[-1] + rng.expovariate(1.0))
+    return Workload("fixed", offsets, [FIXED_IN] * n, [FIXED_OUT] * n)
+
+
+def build_bodies(w: Workload, n: int, seed: int) -> list[bytes]:
+    """Request bodies with fresh random prompts: no two trials on one router share a prompt
+    (vllm-router's default policy routes by prefix, and the simulator caches none)."""
+    rng = np.random.default_rng(seed)
+    lo, hi = WORD_IDS
+    return [
+        orjson.dumps(
+            {
+                "model": MODEL,
+                "prompt": rng.integers(lo, hi, size=p, dtype=np.int64),
+                "max_tokens": g,
+                "ignore_eos": True,
+                "stream": True,
+            },
+            option=orjson.OPT_SERIALIZE_NUMPY,
+        )
+        for p, g in zip(w.prompt_lens[:n], w.gen_lens[:n], strict=True)
+    ]
+
+
+def capacity_estimate(w: Workload, prefill_engines: int, decode_engines: int, seqs: int) -> float:
+    """Rough requests/s the split can carry within budgets (model time), from the first
+    thousand requests' shapes: the search's starting guess, nothing more."""
+    prompts, gens = w.prompt_lens[:1000], w.gen_lens[:1000]
+    a, b, c = PREFILL
+    mean_prefill = sum(a + b * n + c * n * n for n in prompts) / len(prompts)
+    i, s, k = DECODE
+    ctx = sum(prompts) / len(prompts)
+    batch = max(1, min(seqs, int((REAL_TPOT_S - i - k * ctx) / s)))
+    step = i + s * batch + k * ctx
+    mean_gen = sum(gens) / len(gens)
+    return min(prefill_engines / mean_prefill, decode_engines * batch / step / mean_gen)
+
+
+# --------------------------------------------------------------------------------------------
+# The client: raw asyncio HTTP/1.1, one connection per request, SSE token timing.
+
+RECENT_GAPS = 8
+MET = ("ok", "ok_projected")
+
+
+@dataclass
+class Outcome:
+    """One request, filled in as its stream arrives (perf_counter seconds)."""
+
+    expected: int
+    status: int = 0
+    start: float | None = None
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
+    gaps: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_GAPS))
+    done: bool = False
+    stream_error: bool = False
+    # ok | ok_projected | rejected | error | ttft | tpot | tpot_projected | short | pending
+    kind: str = "pending"
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first is None or self.start is None:
+            return None
+        return self.first - self.start
+
+    @property
+    def tpot(self) -> float | None:
+        if self.first is None or self.last is None or self.tokens < 2:
+            return None
+        return (self.last - self.first) / (self.tokens - 1)
+
+    def judge(self, now: float, budgets: tuple[float, float]) -> None:
+        """Settle ``kind``. A stream still running when the trial ends is judged by
+        projection: its remaining tokens at its recent pace (no new request joins a batch
+        after the trial ends, so that pace is the slowest it can get)."""
+        if self.kind != "pending":
+            return
+        ttft_b, tpot_b = budgets
+        ttft = self.ttft
+        if ttft is None or ttft > ttft_b:
+            self.kind = "ttft"
+        elif self.done:
+            if self.stream_error:
+                self.kind = "error"
+            elif self.tokens < self.expected:
+                self.kind = "short"
+            else:
+                tpot = self.tpot
+                self.kind = "tpot" if tpot is not None and tpot > tpot_b else "ok"
+        elif self.stream_error:
+            self.kind = "error"
+        else:
+            assert self.first is not None and self.last is not None
+            pace = max(sum(self.gaps) / len(self.gaps) if self.gaps else 0.0, now - self.last)
+            remaining = max(0, self.expected - self.tokens)
+            last = max(self.last + pace, now) + (remaining - 1) * pace if remaining else self.last
+            projected = (last - self.first) / max(1, self.expected - 1)
+            self.kind = "tpot_projected" if projected > tpot_b else "ok_projected"
+
+
+async def _read_chunked(reader: asyncio.StreamReader, on_chunk: Any) -> None:
+    for _ in range(10_000_000):
+        size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+        if size == 0:
+            return
+        data = (await reader.readexactly(size + 2))[:-2]
+        on_chunk(data, time.perf_counter())
+    raise RuntimeError("too many chunks")
+
+
+async def send(port: int, body: bytes, request_id: str, out: Outcome) -> None:
+    """POST one streamed completion and record its token times into ``out``."""
+    out.start = time.perf_counter()  # TTFT counts the connection too
+    writer = None
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        writer.write(
+            (
+                f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                "Content-Type: application/json\r\nAccept: text/event-stream\r\n"
+                f"X-Request-Id: {request_id}\r\nConnection: close\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n"
+            ).encode()
+            + body
+        )
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        out.status = int(lines[0].split(b" ", 2)[1])
+        headers = {}
+        for line in lines[1:]:
+            if line:
+                k, _, v = line.partition(b":")
+                headers[k.strip().lower()] = v.strip().lower()
+        if out.status != 200:
+            out.kind = "rejected" if out.status == 429 else "error"
+            return
+        buf = bytearray()
+
+        def on_chunk(data: bytes, now: float) -> None:
+            buf.extend(data)
+            for _ in range(100_000):
+                end = buf.find(b"\n\n")
+                if end < 0:
+                    return
+                event = bytes(buf[:end])
+                del buf[: end + 2]
+                if not event.startswith(b"data: "):
+                    continue
+                payload = event[6:]
+                if payload == b"[DONE]":
+                    out.done = True
+                    continue
+                try:
+                    obj = orjson.loads(payload)
+                except orjson.JSONDecodeError:
+                    out.stream_error = True
+                    continue
+                if "error" in obj:
+                    out.stream_error = True
+                    continue
+                n = sum(1 for ch in obj.get("choices") or () if ch.get("text"))
+                if n:
+                    if out.first is None:
+                        out.first = now
+                    elif out.last is not None:
+                        out.gaps.append((now - out.last) / n)
+                    out.last = now
+                    out.tokens += n
+
+        if headers.get(b"transfer-encoding") == b"chunked":
+            await _read_chunked(reader, on_chunk)
+        else:
+            length = headers.get(b"content-length")
+            data = await (reader.readexactly(int(length)) if length else reader.read())
+            on_chunk(data, time.perf_counter())
+        if not out.done:
+            out.stream_error = True
+            out.done = True
+    except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
+        out.kind = "error"
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+async def run_trial(
+    port: int,
+    bodies: list[bytes],
+    gens: list[int],
+    offsets: list[float],
+    duration: float,
+    scale: float,
+    budgets: tuple[float, float],
+    tag: str,
+) -> list[Outcome]:
+    """Offer the requests at ``offsets`` (model seconds); judge each against the budgets.
+
+    A request with no first token by its TTFT budget has missed: the client gives up on it
+    (as an interactive client would) and it no longer loads the fleet. The trial ends once
+    the last arrival's TTFT budget and a few decode steps have passed; streams still running
+    then are judged by projection (``Outcome.judge``) and cancelled."""
+    ttft_b, tpot_b = budgets
+    loop = asyncio.get_running_loop()
+    t0 = loop.time() + 0.05
+    outcomes = [Outcome(expected=g) for g in gens]
+
+    async def one(i: int) -> None:
+        await asyncio.sleep(max(0.0, t0 + offsets[i] / scale - loop.time()))
+        out = outcomes[i]
+        task = asyncio.ensure_future(send(port, bodies[i], f"{tag}-{i}", out))
+        try:
+            await asyncio.wait({task}, timeout=ttft_b)
+            if not task.done() and out.first is None:
+                task.cancel()
+                out.kind = "ttft"
+            await asyncio.gather(task, return_exceptions=True)
+        finally:
+            task.cancel()
+
+    tasks = [asyncio.ensure_future(one(i)) for i in range(len(offsets))]
+    end = t0 + duration / scale + ttft_b + RECENT_GAPS * tpot_b + 0.1
+    try:
+        await asyncio.wait(tasks, timeout=max(0.0, end - loop.time()))
+    finally:
+        now = time.perf_counter()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for out in outcomes:
+        out.judge(now, budgets)
+    return outcomes
+
+
+# --------------------------------------------------------------------------------------------
+# Processes
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def spawn(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    with open(log_path, "ab") as f:
+        return subprocess.Popen(
+            args,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+
+def stop_process(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait(5)
+
+
+def wait_ready(proc: subprocess.Popen[bytes], url: str, log_path: Path, vllm: bool) -> None:
+    deadline = time.monotonic() + 60
+    with httpx.Client(timeout=2, trust_env=False) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"{url} exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}"
+                )
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                if vllm:
+                    r = client.get(url + "/readiness")
+                    if r.status_code == 200 and r.json().get("status") == "ready":
+                        return
+                elif client.get(url + "/ready").status_code == 200:
+                    return
+            time.sleep(0.1)
+    raise RuntimeError(f"{url} not ready within 60 s:\n{log_path.read_text()[-3000:]}")
+
+
+def fleet_load(urls: list[str]) -> float:
+    """Running + waiting requests over the fleet (inf if an engine does not answer)."""
+    total = 0.0
+    with httpx.Client(timeout=2, trust_env=False) as client:
+        for url in urls:
+            try:
+                load = parse_engine_load(client.get(url + "/metrics").content)
+            except httpx.HTTPError:
+                return math.inf
+            if load is None:
+                return math.inf
+            total += load["running"] + load["waiting"]
+    return total
+
+
+def wait_idle(urls: list[str], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if fleet_load(urls) == 0:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode()
+    except OSError:
+        return None
+    return raw[raw.rindex(")") + 2 :].split()
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """CPU seconds (every thread, and reaped children) of ``root`` and every process below it."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            fields = _stat_fields(int(name))
+            if fields is not None:
+                children.setdefault(int(fields[1]), []).append(int(name))
+    ticks, todo, seen = 0, [root], 0
+    while todo and seen < 10_000:
+        pid = todo.pop()
+        seen += 1
+        fields = _stat_fields(pid)
+        if fields is not None:
+            ticks += sum(int(x) for x in fields[11:15])
+        todo.extend(children.get(pid, []))
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds of this benchmark: this process, the engines, routers and profiler."""
+    return tree_cpu_seconds(os.getpid())
+
+
+def cpu_seconds_all() -> float:
+    """User + system CPU seconds of the whole machine so far (/proc/stat)."""
+    with open("/proc/stat") as f:
+        parts = f.readline().split()
+    return (int(parts[1]) + int(parts[2]) + int(parts[3])) / os.sysconf("SC_CLK_TCK")
+
+
+class Router:
+    """One system under test: a router process in front of the fleet."""
+
+    def __init__(
+        self,
+        system: str,
+        directory: Path,
+        fleet_path: Path,
+        store: Path | None,
+        prefill_urls: list[str],
+        decode_urls: list[str],
+        router_bin: Path,
+    ) -> None:
+        self.system = system
+        ports = free_ports(2)
+        self.port = ports[0]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = directory / f"{system}.log"
+        if system.startswith("narwhal"):
+            args = [
+                sys.executable,
+                "-m",
+                "narwhal.serve.cli",
+                "--fleet",
+                str(fleet_path),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--journal",
+                str(directory / f"{system}-journal.jsonl"),
+                "--skip-qualification",
+                "--log-level",
+                "warning",
+            ]
+            if system == "narwhal_v1":
+                assert store is not None
+                args += ["--profiles", str(store), "--scheduler", "v1"]
+            else:
+                args += ["--scheduler", "v0"]
+        else:
+            args = [str(router_bin), "--vllm-pd-disaggregation"]
+            for u in prefill_urls:
+                args += ["--prefill", u]
+            for u in decode_urls:
+                args += ["--decode", u]
+            if system in VLLM_POLICY:
+                args += ["--policy", VLLM_POLICY[system]]
+            args += [
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(ports[1]),
+                "--worker-startup-check-interval",
+                "1",
+                "--log-level",
+                "warning",
+            ]
+        self.args = args
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.prefill_ids = {f"e{i}" for i in range(len(prefill_urls))}
+
+    def start(self) -> None:
+        self.proc = spawn(self.args, self.log_path)
+        wait_ready(self.proc, self.url, self.log_path, not self.system.startswith("narwhal"))
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+    def narwhal_metrics(self, before: dict[str, float] | None = None) -> dict[str, float]:
+        """narwhal-serve's admission rejections (since ``before``) and, for v1, the online
+        correction ratios (observed / predicted) of each engine in its role."""
+        if not self.system.startswith("narwhal"):
+            return {}
+        try:
+            text = httpx.get(self.url + "/metrics", timeout=5, trust_env=False).text
+        except httpx.HTTPError:
+            return {}
+        out: dict[str, float] = {}
+        for m in re.finditer(
+            r'^narwhal_admission_rejections_total\{reason="([^"]+)"\} (\S+)$', text, re.M
+        ):
+            key = f"admission_rejections_{m.group(1)}"
+            value = float(m.group(2)) - (before or {}).get(key, 0.0)
+            if before is None or value:
+                out[key] = value
+        if self.system == "narwhal_v1":
+            for m in re.finditer(
+                r'^narwhal_latency_ratio\{engine="([^"]+)",phase="([^"]+)"\} (\S+)$', text, re.M
+            ):
+                engine, phase = m.group(1), m.group(2)
+                if (engine in self.prefill_ids) == (phase == "prefill"):
+                    out[f"latency_ratio_{engine}_{phase}"] = float(m.group(3))
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# Goodput search
+
+
+@dataclass
+class Trial:
+    rate: float
+    requests: int
+    attainment: float
+    counts: dict[str, int]
+    ttft_p50: float | None
+    tpot_p50: float | None
+    wall_s: float
+    cpu_util: float
+    foreign_util: float
+    router_cpu_ms: float  # the router's process tree, per request
+
+
+@dataclass
+class Search:
+    trials: dict[int, Trial] = field(default_factory=dict)
+    truncated: bool = False  # stopped early by the run's time budget
+
+    def goodput(self) -> float:
+        passing = [t.rate for t in self.trials.values() if t.attainment >= ATTAINMENT]
+        return max(passing) if passing else 0.0
+
+    def best_k(self) -> int | None:
+        passing = [k for k, t in self.trials.items() if t.attainment >= ATTAINMENT]
+        return max(passing) if passing else None
+
+
+def median(values: list[float]) -> float | None:
+    values = sorted(values)
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def run_point(
+    router: Router,
+    w: Workload,
+    k: int,
+    rate: float,
+    args: argparse.Namespace,
+    budgets: tuple[float, float],
+    engine_urls: list[str],
+    tag: str,
+) -> Trial:
+    if not wait_idle(engine_urls, 60):
+        log(f"warning: fleet not idle before {tag} (load {fleet_load(engine_urls)})")
+    # Let the routers' load scrapes (every second) catch up with the idle fleet.
+    time.sleep(args.settle_s)
+    duration = args.durations[w.name]
+    n, offsets = w.trial(rate, duration)
+    bodies = build_bodies(w, n, args.seed * 100_003 + w.index * 1009 + k)
+    coro = run_trial(
+        router.port, bodies, w.gen_lens[:n], offsets, duration, args.time_scale, budgets, tag
+    )
+    assert router.proc is not None
+    router0 = tree_cpu_seconds(router.proc.pid)
+    cpu0, own0, t0 = cpu_seconds_all(), own_cpu_seconds(), time.perf_counter()
+    outcomes = uvloop.run(coro) if _UVLOOP else asyncio.run(coro)
+    wall = time.perf_counter() - t0
+    total, own = cpu_seconds_all() - cpu0, own_cpu_seconds() - own0
+    router_cpu = tree_cpu_seconds(router.proc.pid) - router0
+    if args.keep_dir:  # the client's view of every request, for analysis next to the journals
+        with open(args.directory / "client.jsonl", "ab") as f:
+            for i, o in enumerate(outcomes):
+                f.write(
+                    orjson.dumps(
+                        {
+                            "id": f"{tag}-{i}",
+                            "offset_s": offsets[i] / args.time_scale,
+                            "start": o.start,
+                            "first": o.first,
+                            "last": o.last,
+                            "tokens": o.tokens,
+                            "expected": o.expected,
+                            "status": o.status,
+                            "kind": o.kind,
+                        }
+                    )
+                    + b"\n"
+                )
+    cpus = os.cpu_count() or 1
+    counts: dict[str, int] = {}
+    for o in outcomes:
+        counts[o.kind] = counts.get(o.kind, 0) + 1
+    met = sum(counts.get(kind, 0) for kind in MET)
+    scale = args.time_scale
+    ttfts = [o.ttft * scale for o in outcomes if o.ttft is not None]
+    tpots = [o.tpot * scale for o in outcomes if o.tpot is not None]
+    return Trial(
+        rate=rate,
+        requests=n,
+        attainment=met / n,
+        counts=counts,
+        ttft_p50=median(ttfts),
+        tpot_p50=median(tpots),
+        wall_s=wall,
+        cpu_util=total / wall / cpus,
+        foreign_util=max(0.0, total - own) / wall / cpus,
+        router_cpu_ms=router_cpu / n * 1000,
+    )
+
+
+def search_goodput(
+    router: Router,
+    w: Workload,
+    base: float,
+    start_k: int,
+    args: argparse.Namespace,
+    budgets: tuple[float, float],
+    engine_urls: list[str],
+    deadline: float,
+) -> Search:
+    """Rates base * step**k: up two steps at a time until a miss, down until a pass, then
+    the point between the highest pass and the lowest miss above it."""
+    s = Search()
+
+    def rate(k: int) -> float:
+        return base * args.grid_step**k
+
+    def test(k: int) -> bool:
+        tag = f"{router.system}-{w.name}-k{k}"
+        t = run_point(router, w, k, rate(k), args, budgets, engine_urls, tag)
+        s.trials[k] = t
+        c = " ".join(f"{n}={v}" for n, v in sorted(t.counts.items()))
+        log(
+            f"{router.system} {w.name} rate {t.rate:.3f}/s ({t.requests} requests):"
+            f" attainment {t.attainment:.3f}"
+            f" [{c}] ttft_p50 {t.ttft_p50 or float('nan'):.2f}s"
+            f" tpot_p50 {t.tpot_p50 or float('nan'):.3f}s wall {t.wall_s:.1f}s"
+            f" cpu {t.cpu_util:.0%} (other processes {t.foreign_util:.0%})"
+            f" router {t.router_cpu_ms:.1f} ms cpu/request"
+        )
+        return t.attainment >= ATTAINMENT
+
+    def more() -> bool:
+        """Another trial? Always a second one; beyond that within --max-trials and the
+        run's time budget."""
+        if len(s.trials) < 2:
+            return True
+        if len(s.trials) >= args.max_trials:
+            return False
+        if time.perf_counter() > deadline:
+            s.truncated = True
+            return False
+        return True
+
+    k = start_k
+    if test(k):
+        while more():
+            k += 2
+            if not test(k):
+                break
+    else:
+        while more() and k > args.min_k:
+            k -= 2
+            if test(k):
+                break
+    hi_pass = s.best_k()
+    if hi_pass is not None and more():
+        fails_above = [j for j in s.trials if j > hi_pass]
+        if fails_above and min(fails_above) - hi_pass == 2:
+            test(hi_pass + 1)
+    return s
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+
+
+def profile(directory: Path, fleet_path: Path, args: argparse.Namespace) -> Path:
+    limits = directory / "limits.json"
+    limits.write_text(
+        json.dumps(
+            {
+                "schema": "narwhal.profiling-limits/v1",
+                "max_wall_s_per_engine": 300,
+                "max_tokens_per_engine": 5_000_000,
+                "probe_timeout_s": 120,
+            }
+        )
+    )
+    store = directory / "profile-store.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "narwhal.profiler.cli",
+        "--fleet",
+        str(fleet_path),
+        "--limits",
+        str(limits),
+        "--prefill-lens",
+        "256,1024,4096,8192",
+        "--decode-input-lens",
+        "512,4096,8192",
+        "--decode-concurrency",
+        args.profile_concurrency,
+        "--decode-tokens",
+        str(args.profile_decode_tokens),
+        "--prefill-repeats",
+        "3",
+        "--out",
+        str(store),
+        "--quiet",
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"narwhal-profile failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    (directory / "profile.txt").write_text(r.stdout)
+    return store
+
+
+def git_state() -> str:
+    """The commit the narwhal code under test is at, and whether src/ differs from it."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--", "src"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{head or 'unknown'}{' + uncommitted changes in src/' if dirty else ''}"
+
+
+def fmt(x: float) -> str:
+    return f"{x:.3f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--time-scale", type=float, default=4.0)
+    parser.add_argument(
+        "--durations",
+        default="code=20,conv=70,fixed=45",
+        help="model seconds of arrivals per trial, per workload (about one request's service"
+        " time at capacity or more, so decode batches fill as in steady state)",
+    )
+    parser.add_argument("--trace-start", type=int, default=0, help="first trace row used")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=700.0,
+        help="wall seconds after which searches stop at two trials each",
+    )
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--prefill", type=int, default=4, help="engines in the prefill role")
+    parser.add_argument("--engines", type=int, default=8)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--num-blocks", type=int, default=65536)
+    parser.add_argument("--block-bytes", type=int, default=1024)
+    parser.add_argument("--grid-step", type=float, default=1.2)
+    parser.add_argument("--start-fraction", type=float, default=0.8)
+    parser.add_argument("--max-trials", type=int, default=4)
+    parser.add_argument("--min-k", type=int, default=-12)
+    parser.add_argument("--start-k", type=int, default=0, help="first grid point tried")
+    parser.add_argument(
+        "--profile-concurrency", default="1,2,4", help="as the qualification run profiles"
+    )
+    parser.add_argument("--profile-decode-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--settle-s", type=float, default=1.0, help="idle pause before a trial")
+    parser.add_argument("--keep-dir", action="store_true")
+    args = parser.parse_args()
+    workloads = [x for x in args.workloads.split(",") if x]
+    systems = [x for x in args.systems.split(",") if x]
+    for x in workloads:
+        if x not in WORKLOADS:
+            parser.error(f"unknown workload {x}")
+    for x in systems:
+        if x not in SYSTEMS:
+            parser.error(f"unknown system {x}")
+    try:
+        args.durations = {
+            k.strip(): float(v) for k, _, v in (x.partition("=") for x in args.durations.split(","))
+        }
+    except ValueError:
+        parser.error("--durations: expected name=seconds,...")
+    for x in workloads:
+        if args.durations.get(x, 0) <= 0:
+            parser.error(f"--durations: no positive duration for {x}")
+    if not 0 < args.prefill < args.engines:
+        parser.error("--prefill must leave at least one decode engine")
+    router_bin = Path(sys.executable).parent / "vllm-router"
+    if not router_bin.exists():
+        found = shutil.which("vllm-router")
+        if not found and any(s.startswith("vllm") for s in systems):
+            print("vllm-router is not installed", file=sys.stderr)
+            return 2
+        router_bin = Path(found or "vllm-router")
+
+    def on_term(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+
+    started = time.perf_counter()
+    scale = args.time_scale
+    budgets = (REAL_TTFT_S / scale, REAL_TPOT_S / scale)
+    rows: list[tuple[str, str]] = []
+
+    def add(name: str, value: str | float) -> None:
+        rows.append((name, value if isinstance(value, str) else fmt(value)))
+
+    # Workloads first: a bad trace path fails before any process starts.
+    loaded: dict[str, Workload] = {}
+    for i, name in enumerate(workloads):
+        w = fixed_workload(args.seed) if name == "fixed" else load_trace(name, args.trace_start)
+        w.index = i
+        loaded[name] = w
+    decode_n = args.engines - args.prefill
+
+    directory = Path(tempfile.mkdtemp(prefix="goodput-"))
+    args.directory = directory
+    fleet: SimFleet | None = None
+    routers: dict[str, Router] = {}
+    try:
+        sim = {
+            "time_scale": scale,
+            "num_blocks": args.num_blocks,
+            "block_bytes": args.block_bytes,
+            "max_num_seqs": args.max_num_seqs,
+        }
+        n = args.engines
+        fleet_path = directory / "fleet.json"
+        doc: dict[str, Any] = {}
+        # Free ports can be taken by another process before the engines bind them: retry.
+        for attempt in range(3):
+            ports = free_ports(2 * n)
+            doc = local_fleet_document(
+                ports[:n],
+                ports[n:],
+                initial_roles=["prefill"] * args.prefill + ["decode"] * decode_n,
+                roles=[["prefill"]] * args.prefill + [["decode"]] * decode_n,
+                sim=sim,
+                ttft_s=budgets[0],
+                tpot_s=budgets[1],
+                first_token_timeout_s=0.85 * budgets[0],
+                max_model_len=MAX_MODEL_LEN,
+                name="goodput-sim",
+            )
+            doc["roles"] = {"enabled": False}  # static split: no role controller
+            fleet_path.write_text(json.dumps(doc, indent=2))
+            log(f"starting {n} simulated engines (time scale {scale:g}) in {directory}")
+            fleet = SimFleet(fleet_path, log_dir=directory / f"logs-{attempt}")
+            try:
+                fleet.start(timeout=120)
+                break
+            except SimFleetError as exc:
+                fleet.stop()
+                fleet = None
+                if attempt == 2:
+                    raise
+                log(f"fleet did not start ({exc}); retrying on new ports")
+        assert fleet is not None
+        ids = [e["id"] for e in doc["engines"]]
+        urls = [fleet.engines[i].url for i in ids]
+        prefill_urls, decode_urls = urls[: args.prefill], urls[args.prefill :]
+
+        store = None
+        if "narwhal_v1" in systems:
+            log(f"profiling the fleet (decode concurrency {args.profile_concurrency})")
+            t = time.perf_counter()
+            store = profile(directory, fleet_path, args)
+            add("profile_wall_s", time.perf_counter() - t)
+            raw = json.loads(store.read_text())
+            a, b, c = PREFILL
+            i0, s0, k0 = DECODE
+            for eid in ids:
+                p = raw["engines"][eid]
+                pf, df = p["prefill_fit"], p["decode_fit"]
+                fit_8k = (pf["a"] + pf["b"] * 8192 + pf["c"] * 8192**2) * scale
+                add(
+                    f"profile_{eid}",
+                    f"prefill@8192 {fit_8k:.3f} s (calibration {a + b * 8192 + c * 8192**2:.3f});"
+                    f" decode intercept {df['intercept'] * scale:.4f} ({i0}),"
+                    f" slope {df['slope'] * scale:.5f} ({s0}),"
+                    f" ctx {df['ctx_coef'] * scale:.2e} ({k0}) (model s)",
+                )
+                bad = [
+                    (d["input_tokens"], d["concurrency"], round(d["seconds_per_token"] * scale, 3))
+                    for d in p["decode_samples"]
+                    if not 0.5 * i0 < d["seconds_per_token"] * scale < 2 * (i0 + s0 * 64)
+                ]
+                if bad:
+                    add(
+                        f"profile_{eid}_implausible_decode_samples",
+                        f"{bad} (input tokens, concurrency, s/token; calibration says"
+                        f" {i0}-{i0 + s0 * 4:.3f})",
+                    )
+
+        bases = {
+            name: args.start_fraction
+            * capacity_estimate(w, args.prefill, decode_n, args.max_num_seqs)
+            for name, w in loaded.items()
+        }
+        results: dict[tuple[str, str], Search] = {}
+        metrics: dict[tuple[str, str], dict[str, float]] = {}
+        # Every router runs for the whole benchmark (idle ones only probe the engines), so the
+        # systems take turns on each workload close together in time.
+        for system in systems:
+            routers[system] = Router(
+                system, directory, fleet_path, store, prefill_urls, decode_urls, router_bin
+            )
+            log(f"starting {system}")
+            routers[system].start()
+        own0, all0, t_idle = own_cpu_seconds(), cpu_seconds_all(), time.perf_counter()
+        time.sleep(3.0)
+        idle_wall = time.perf_counter() - t_idle
+        cpus = os.cpu_count() or 1
+        add(
+            "idle_cpu",
+            f"this benchmark's processes {(own_cpu_seconds() - own0) / idle_wall / cpus:.0%},"
+            f" whole machine {(cpu_seconds_all() - all0) / idle_wall / cpus:.0%}"
+            f" of {cpus} cpus (fleet and routers idle)",
+        )
+        for name, w in loaded.items():
+            for system in systems:
+                router = routers[system]
+                # Start at the best point an earlier system reached on this workload.
+                prior = [s.best_k() for (sy, wl), s in results.items() if wl == name]
+                prior_k = [k for k in prior if k is not None]
+                start_k = max(prior_k) if prior_k else args.start_k
+                metrics_before = router.narwhal_metrics()
+                results[(system, name)] = search_goodput(
+                    router, w, bases[name], start_k, args, budgets, urls, started + args.budget_s
+                )
+                metrics[(system, name)] = router.narwhal_metrics(metrics_before)
+                log(
+                    f"{system} {name}: goodput {results[(system, name)].goodput():.3f} req/s"
+                    f" ({time.perf_counter() - started:.0f}s elapsed)"
+                )
+        elapsed = time.perf_counter() - started
+
+        # ---- report
+        add(
+            "command",
+            f".venv/bin/python bench/goodput.py {' '.join(sys.argv[1:])}".rstrip(),
+        )
+        add("cpus", str(os.cpu_count()))
+        add("source", git_state())
+        add(
+            "fleet",
+            f"{n} simulated engines, {args.prefill} prefill + {decode_n} decode (static;"
+            f" role controller off), Kimi-K3 calibration, time_scale {scale:g},"
+            f" max_num_seqs {args.max_num_seqs}, {args.num_blocks} KV blocks x 16 tokens",
+        )
+        add(
+            "budgets",
+            f"TTFT {REAL_TTFT_S:g} s, TPOT {REAL_TPOT_S:g} s real"
+            f" ({budgets[0]:.3f} s, {budgets[1]:.4f} s wall), attainment {ATTAINMENT}",
+        )
+        add("rates", "offered requests/s of the real fleet (wall rate = rate x time_scale)")
+        add(
+            "vllm_router",
+            "0.1.17 --vllm-pd-disaggregation; vllm_default = no --policy (cache_aware)",
+        )
+        add(
+            "trials",
+            ", ".join(f"{w} {args.durations[w]:g}" for w in loaded)
+            + " model s of arrivals per trial; a request"
+            " with no first token within the TTFT budget is abandoned by the client; streams"
+            " still running when the trial ends (last arrival + TTFT budget + 8 steps) are"
+            " judged by projecting their remaining tokens at their recent pace (*_projected)",
+        )
+        for name, w in loaded.items():
+            m = min(1000, len(w.offsets))
+            desc = (
+                f"first {m} requests: prompt mean {sum(w.prompt_lens[:m]) / m:.0f}"
+                f" max {max(w.prompt_lens[:m])}, output mean {sum(w.gen_lens[:m]) / m:.1f}"
+                f" max {max(w.gen_lens[:m])}"
+            )
+            if name == "fixed":
+                desc += "; Poisson arrivals"
+            else:
+                desc += f"; trace rows from {w.start_row}, timestamps rescaled to the offered rate"
+            if w.clipped:
+                desc += f"; {w.clipped} prompts clipped to max_model_len"
+            add(f"workload_{name}", desc)
+        for (system, name), s in results.items():
+            for k in sorted(s.trials):
+                t = s.trials[k]
+                c = " ".join(f"{kind}={v}" for kind, v in sorted(t.counts.items()))
+                add(
+                    f"attainment_{system}_{name}_at_{t.rate:.3f}",
+                    f"{t.attainment:.3f} of {t.requests} [{c}]"
+                    f" ttft_p50 {t.ttft_p50 or float('nan'):.2f}s"
+                    f" tpot_p50 {t.tpot_p50 or float('nan'):.3f}s (real);"
+                    f" cpu {t.cpu_util:.0%}, other processes {t.foreign_util:.0%},"
+                    f" router {t.router_cpu_ms:.1f} ms cpu/request",
+                )
+        for (system, name), m in metrics.items():
+            for key, value in sorted(m.items()):
+                add(f"{system}_{name}_{key}", f"{value:.3f}")
+        for (system, name), s in results.items():
+            note = " (search cut short by --budget-s)" if s.truncated else ""
+            add(f"goodput_{system}_{name}", f"{s.goodput():.3f}{note}")
+        add("bench_wall_s", elapsed)
+        for row_name, value in rows:
+            print(f"{row_name}: {value}")
+
+        # Table: goodput per system (rows) and workload (columns).
+        print()
+        head = ["system"] + [f"{w} req/s" for w in loaded]
+        table = [head]
+        for system in systems:
+            table.append([system] + [f"{results[(system, w)].goodput():.3f}" for w in loaded])
+        widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+        for r in table:
+            print("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip())
+        print()
+        if "narwhal_v1" in systems and len(systems) > 1:
+            for name in loaded:
+                v1 = results[("narwhal_v1", name)].goodput()
+                others = {s: results[(s, name)].goodput() for s in systems if s != "narwhal_v1"}
+                best_sys = max(others, key=lambda s: others[s])
+                best = others[best_sys]
+                ratio = f"{v1 / best:.2f}" if best > 0 else ("inf" if v1 > 0 else "n/a")
+                print(
+                    f"ratio_goodput_v1_over_best_other_{name}: {ratio}"
+                    f" (v1 {v1:.3f} vs {best_sys} {best:.3f})"
+                )
+        if args.keep_dir:
+            print(f"kept: {directory}")
+        return 0
+    finally:
+        for r in routers.values():
+            r.stop()
+        if fleet is not None:
+            fleet.stop()
+        if not args.keep_dir:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+try:
+    import uvloop
+
+    _UVLOOP = True
+except ImportError:  # pragma: no cover
+    _UVLOOP = False
+
+
+if __name__ == "__main__":
+    sys.exit(main())
