@@ -73,9 +73,9 @@ $(AIPERF_VENV)/bin/aiperf:
 
 # --- Real vLLM interop (tests/interop, docs/vllm-interop.md) ---------------------------------
 # vLLM's CPU build in its own venv (it pins torch 2.13.0 CPU), and a tiny random Llama built
-# locally from it. `make test` builds both first, then runs tests/interop with the rest;
-# `make interop` runs that suite alone. NARWHAL_INTEROP_REQUIRED makes a missing venv or model
-# fail the suite instead of skipping it. Changing a build script rebuilds what it builds.
+# locally from it. `make interop` builds both and runs tests/interop with
+# NARWHAL_INTEROP_REQUIRED (a missing venv or model fails the suite instead of skipping it).
+# Changing a build script rebuilds what it builds.
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.narwhal-vllm-installed
