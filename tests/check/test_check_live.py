@@ -10,6 +10,7 @@ good, runs last.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -276,7 +277,9 @@ def test_kv_transfer_names_the_one_pair_whose_read_stalls(qualified: Qualified) 
     assert r.returncode == 1, r.stdout
     kv = load_report(out)[0].gate("kv_transfer")
     assert len(kv.failures) == 1, kv.failures
-    assert kv.failures[0].startswith("e0->e2: first token after 1.5")
+    # The stall is 1.5 s; on a loaded machine the observed first token comes a little later.
+    match = re.match(r"e0->e2: first token after (\d+\.\d+) s", kv.failures[0])
+    assert match is not None and float(match.group(1)) >= 1.5, kv.failures[0]
     assert "exceeds first_token_timeout_s 1 s" in kv.failures[0]
     pairs = kv.evidence["pairs"]
     assert pairs["e0->e2"]["first_token"]["min_s"] >= 1.5

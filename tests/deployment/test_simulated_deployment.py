@@ -253,8 +253,12 @@ def test_narwhal_check_accepts_the_finalized_fleet(deployment: Deployment) -> No
     exe = shutil.which("narwhal-check", path=str(Path(sys.executable).parent))
     if not has_cli or exe is None:
         pytest.skip("narwhal-check is not available yet (no narwhal.check.cli or no script)")
+    report = deployment.out.with_name("check-report.json")  # never into the working tree
     result = subprocess.run(
-        [exe, "--fleet", str(deployment.out)], capture_output=True, text=True, timeout=300
+        [exe, "--fleet", str(deployment.out), "--report", str(report)],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
