@@ -240,6 +240,8 @@ class RouterMetrics:
             self.requests.labels(outcome)
         for result in ("met", "missed"):
             self.slo.labels(result)
+        for budget in ("ttft_seconds", "tpot_seconds", "attainment", "first_token_timeout_seconds"):
+            self.budget.labels(budget)
         for reason in REJECT_REASONS:
             self.admission_rejections.labels(reason)
         for a in ROLES:

@@ -213,7 +213,7 @@ def test_metrics_endpoint_stops_mid_point(env: dict[str, Any], tmp_path: Path) -
 
     def outage() -> None:
         admin(e1, body={"metrics": "stop"})  # 503 from /metrics
-        time.sleep(2.5)
+        time.sleep(6.0)
         admin(e1, "DELETE")  # back before the drain check
 
     thread = when(lambda: journal_has(router.journal, '"client_request_id":"mstop-', 4), outage, 60)
@@ -221,9 +221,10 @@ def test_metrics_endpoint_stops_mid_point(env: dict[str, Any], tmp_path: Path) -
     out = tmp_path / "out"
     cmd = runner_cmd(router.url, plan, out, router.journal, env["workload"])
     try:
-        # Finer scrapes than the other tests, so a 2.5 s outage is many missed scrapes.
+        # Finer scrapes than the other tests, so a 6 s outage is many missed scrapes; the 3 s
+        # allowance keeps a loaded router's late answers from failing the healthy targets.
         proc = run_runner(
-            [*cmd, "--skip-post-check", "--scrape-interval", "0.25", "--max-gap", "1.0"]
+            [*cmd, "--skip-post-check", "--scrape-interval", "0.25", "--max-gap", "3.0"]
         )
     finally:
         thread.join(10)
@@ -233,7 +234,7 @@ def test_metrics_endpoint_stops_mid_point(env: dict[str, Any], tmp_path: Path) -
     cov = {c["target"]: c for c in gate(p, "scrape_coverage")["detail"]}
     assert p["status"] == "gate_failed" and not gate(p, "scrape_coverage")["passed"]
     assert not cov["e1"]["complete"] and cov["e1"]["failed"] >= 3
-    assert cov["e1"]["max_gap_s"] >= 2.0 and cov["e1"]["gaps"]
+    assert cov["e1"]["max_gap_s"] >= 3.0 and cov["e1"]["gaps"]
     assert cov["router"]["complete"] and cov["e0"]["complete"]
     assert gate(p, "journal_reconciled")["passed"]
     _excluded_from_csv(out)
