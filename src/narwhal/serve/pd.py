@@ -186,7 +186,8 @@ class PDRouter:
         if pair is None:
             return verdict
         p, d = self.state.engines[pair.prefill], self.state.engines[pair.decode]
-        if prefill_load(self.state, p) or p.prefill_work or decode_load(self.state, d):
+        busy = prefill_load(self.state, p) or p.prefill_work
+        if busy or decode_load(self.state, d) or d.pending_decode:
             return verdict
         record.attempt(
             "admission", pair.prefill, "idle_pair", predicted_ttft_s=pair.predicted_ttft_s

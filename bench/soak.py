@@ -1,0 +1,735 @@
+"""Soak: a long mixed run of narwhal-serve on a simulated fleet, with faults on a schedule,
+role flips, and clients that hang up, checking that the router loses nothing.
+
+A fleet of 4 simulated engines (2 prefill, 2 decode to start with; every engine may play
+either role) runs ``--time-scale`` times faster than the calibrated fleet. ``--clients``
+threads send a seeded mix of requests for ``--minutes``: completions and chat, streamed and
+not, 2 to 60 tokens, some hanging up after the first chunk, some with a client timeout shorter
+than their generation. Meanwhile:
+
+- faults, every ``--fault-every`` seconds on a random engine, each cleared after a few
+  seconds: 5xx bursts, a first token held past the deadline, a stalled KV READ, a 3-10x
+  slowdown, streams dropped mid-way, /metrics lying or down, and crashes (on prefill, on the
+  KV READ, mid-stream, at once), after which the engine is restarted;
+- forced role flips through ``POST /admin/roles/flip`` every ``--flip-every`` seconds;
+- samplers: the router's VmRSS every 2 s, and an event-loop lag probe: the latency of
+  ``GET /health`` every 0.5 s (the handler does no work, so its latency is the loop's delay
+  plus one loopback round trip).
+
+At the end the router is drained (SIGTERM) and its journal, rotated files included, is read:
+
+- lost journal records: ``request.start`` without its ``request.end``, ends without a start,
+  duplicates, and client requests (each sends a unique ``X-Request-Id``) that reached the
+  router but have no journal record. Must all be 0: the exit code is 1 otherwise;
+- requests served, outcomes, client-side results, stranded handoffs (metric and journal),
+  RSS over time (first, peak, last, slope after warm-up), lag percentiles.
+
+    .venv/bin/python bench/soak.py --minutes 10 [--clients 12] [--seed 1] [--out soak.json]
+
+Only 127.0.0.1 is contacted. Progress goes to stderr; the report to stdout (and ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+for _var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+    os.environ.pop(_var, None)
+
+import httpx  # noqa: E402 - after the environment above
+
+from narwhal.journal import journal_files  # noqa: E402
+from narwhal.sim.fleet import SimFleet, local_fleet_document  # noqa: E402
+
+MODEL = "moonshotai/Kimi-K3"
+ADMIN_TOKEN = "soak-admin-token"
+FIRST_TOKEN_TIMEOUT_S = 1.5
+PROMPT = [300 + (i * 7) % 9000 for i in range(120)]
+CHAT = " ".join(f"word{i}" for i in range(60))
+
+
+def log(message: str) -> None:
+    print(f"[soak {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def rss_kib(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process so far."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_percent(cpu: list[tuple[float, float]]) -> float | None:
+    if len(cpu) < 2 or cpu[-1][0] <= cpu[0][0]:
+        return None
+    return round(100 * (cpu[-1][1] - cpu[0][1]) / (cpu[-1][0] - cpu[0][0]), 1)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# --------------------------------------------------------------------------------------------
+# The stack
+
+
+class Stack:
+    def __init__(self, directory: Path, time_scale: float, journal_max_bytes: int) -> None:
+        self.directory = directory
+        n = 4
+        ports = free_ports(2 * n + 1)
+        doc = local_fleet_document(
+            ports[:n],
+            ports[n : 2 * n],
+            sim={"time_scale": time_scale, "kv_read_timeout_s": 4.0},
+            first_token_timeout_s=FIRST_TOKEN_TIMEOUT_S,
+            role_control={"enabled": False, "min_prefill": 1, "min_decode": 1},
+        )
+        self.fleet_path = directory / "fleet.json"
+        self.fleet_path.write_text(json.dumps(doc, indent=2))
+        self.fleet = SimFleet(self.fleet_path, admin_token=ADMIN_TOKEN, log_dir=directory / "logs")
+        self.port = ports[-1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.journal = directory / "journal" / "router.jsonl"
+        self.journal_max_bytes = journal_max_bytes
+        self.router: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.fleet.start(timeout=120)
+        token = self.directory / "admin-token"
+        token.write_text(ADMIN_TOKEN + "\n")
+        log_file = open(self.directory / "router.log", "ab")  # noqa: SIM115 - the process's
+        self.router = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "narwhal.serve.cli",
+                "--fleet",
+                str(self.fleet_path),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--journal",
+                str(self.journal),
+                "--journal-max-bytes",
+                str(self.journal_max_bytes),
+                "--skip-qualification",
+                "--admin-token-file",
+                str(token),
+                "--breaker-open-seconds",
+                "1",
+                "--health-interval",
+                "0.5",
+                "--scrape-interval",
+                "0.5",
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log_file.close()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.router.poll() is not None:
+                raise RuntimeError(f"router exited: see {self.directory / 'router.log'}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.1)
+        raise RuntimeError("router not ready within 60 s")
+
+    def admin(self, method: str, path: str, body: Any = None) -> httpx.Response:
+        return httpx.request(
+            method,
+            self.url + path,
+            json=body,
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+            timeout=10,
+        )
+
+    def engine_admin(self, engine_id: str, method: str, body: Any = None) -> None:
+        url = self.fleet.engines[engine_id].url
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.request(
+                method,
+                url + "/sim/faults",
+                json=body,
+                headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+                timeout=5,
+            )
+
+    def stop_router(self) -> int | None:
+        if self.router is None:
+            return None
+        if self.router.poll() is None:
+            self.router.send_signal(signal.SIGTERM)
+            try:
+                self.router.wait(60)
+            except subprocess.TimeoutExpired:
+                self.router.kill()
+                self.router.wait(10)
+        return self.router.returncode
+
+    def stop(self) -> None:
+        self.stop_router()
+        self.fleet.stop()
+
+
+# --------------------------------------------------------------------------------------------
+# Clients
+
+
+@dataclass
+class Sent:
+    cid: str
+    kind: str  # plain, hangup (after the first chunk), timeout (client gives up early)
+    chat: bool
+    stream: bool
+    status: int | None = None
+    router_id: str | None = None
+    result: str = ""  # what the client saw
+    seconds: float = 0.0
+
+
+def one_request(client: httpx.Client, url: str, rng: random.Random, cid: str) -> Sent:
+    chat = rng.random() < 0.35
+    stream = rng.random() < 0.6
+    roll = rng.random()
+    if roll < 0.08 and stream:
+        kind, max_tokens, timeout = "hangup", rng.randint(100, 200), 30.0
+    elif roll < 0.15:
+        kind, max_tokens, timeout = "timeout", rng.randint(150, 250), rng.uniform(0.2, 0.6)
+    else:
+        kind, max_tokens, timeout = "plain", rng.randint(2, 60), 30.0
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": max_tokens, "ignore_eos": True}
+    if chat:
+        body["messages"] = [{"role": "user", "content": CHAT}]
+    else:
+        body["prompt"] = PROMPT
+    if stream:
+        body["stream"] = True
+    sent = Sent(cid, kind, chat, stream)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    t0 = time.monotonic()
+    try:
+        with client.stream(
+            "POST",
+            url + path,
+            json=body,
+            headers={"X-Request-Id": cid},
+            timeout=httpx.Timeout(timeout, connect=10.0),
+        ) as r:
+            sent.status = r.status_code
+            sent.router_id = r.headers.get("x-request-id")
+            if r.status_code != 200 or not stream:
+                r.read()
+                sent.result = f"http_{r.status_code}"
+            else:
+                done = error = False
+                for line in r.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:]
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    if '"error"' in data[:20]:
+                        error = True
+                        continue
+                    if kind == "hangup":
+                        sent.result = "hung_up"
+                        break
+                if not sent.result:
+                    sent.result = "stream_error_event" if error else "ok" if done else "truncated"
+    except httpx.TimeoutException:
+        sent.result = "client_timeout" if kind == "timeout" else "unexpected_timeout"
+    except httpx.HTTPError as exc:
+        sent.result = f"transport_error:{type(exc).__name__}"
+    sent.seconds = time.monotonic() - t0
+    return sent
+
+
+def client_loop(
+    worker: int, url: str, seed: int, stop: threading.Event, out: list[Sent], lock: threading.Lock
+) -> None:
+    rng = random.Random(seed * 1000 + worker)
+    # Idle connections are closed before the router's 5 s keep-alive timeout, so a request is
+    # never written onto a connection the router is closing (a client-side race, not ours).
+    limits = httpx.Limits(max_keepalive_connections=2, keepalive_expiry=2.0)
+    n = 0
+    with httpx.Client(limits=limits) as client:
+        while not stop.is_set():
+            sent = one_request(client, url, rng, f"soak-{worker:02d}-{n:06d}")
+            n += 1
+            with lock:
+                out.append(sent)
+            stop.wait(rng.uniform(0.0, 0.1))
+
+
+# --------------------------------------------------------------------------------------------
+# Faults, flips, samplers
+
+FAULTS: list[tuple[str, float]] = [
+    ("fail_next", 3),
+    ("stall_first_token", 2),
+    ("hang_kv_read", 2),
+    ("slowdown", 2),
+    ("drop_stream", 2),
+    ("metrics", 1),
+    ("crash", 1.5),
+]
+
+
+@dataclass
+class Chaos:
+    t0: float = field(default_factory=time.monotonic)
+    events: list[tuple[float, str]] = field(default_factory=list)  # (seconds, what)
+    faults: Counter[str] = field(default_factory=Counter)
+    restarts: int = 0
+    flips_ok: int = 0
+    flips_refused: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def event(self, what: str) -> None:
+        self.events.append((time.monotonic() - self.t0, what))
+
+
+def chaos_loop(
+    stack: Stack, rng: random.Random, stop: threading.Event, every_s: float, chaos: Chaos
+) -> None:
+    engines = list(stack.fleet.engines)
+    active: dict[str, float] = {}  # engine -> when to clear its fault
+    down: dict[str, float] = {}  # crashed engine -> when to restart it
+    next_fault = time.monotonic() + every_s
+    while not stop.wait(0.2):
+        now = time.monotonic()
+        try:
+            for engine_id, at in list(down.items()):
+                proc = stack.fleet.engines[engine_id]
+                if now >= at or (not proc.alive and now >= at - 2):
+                    if not proc.alive:
+                        stack.fleet.restart(engine_id, timeout=60)
+                        chaos.restarts += 1
+                        chaos.event(f"restarted {engine_id}")
+                        log(f"restarted {engine_id}")
+                    else:
+                        stack.engine_admin(engine_id, "DELETE")
+                    del down[engine_id]
+            for engine_id, at in list(active.items()):
+                if now >= at:
+                    stack.engine_admin(engine_id, "DELETE")
+                    del active[engine_id]
+            if now < next_fault:
+                continue
+            next_fault = now + every_s
+            candidates = [e for e in engines if e not in active and e not in down]
+            if not candidates:
+                continue
+            engine_id = rng.choice(candidates)
+            names, weights = zip(*FAULTS, strict=True)
+            fault = rng.choices(names, weights)[0]
+            if fault == "crash" and down:
+                fault = "fail_next"  # one engine down at a time: the fleet keeps a pair
+            body: dict[str, Any]
+            if fault == "fail_next":
+                body = {"fail_next": rng.randint(1, 6)}
+            elif fault == "stall_first_token":
+                body = {"stall_first_token_s": FIRST_TOKEN_TIMEOUT_S + 0.5}
+            elif fault == "hang_kv_read":
+                body = {"hang_kv_read_s": rng.choice([0.5, FIRST_TOKEN_TIMEOUT_S + 0.5])}
+            elif fault == "slowdown":
+                body = {"slowdown": rng.uniform(3.0, 10.0)}
+            elif fault == "drop_stream":
+                body = {"drop_stream_after_tokens": rng.randint(1, 8)}
+            elif fault == "metrics":
+                body = {"metrics": rng.choice(["lie", "stop"])}
+            else:
+                body = rng.choice(
+                    [
+                        {"crash_on_prefill": True},
+                        {"crash_on_kv_read": True},
+                        {"crash_after_tokens": rng.randint(2, 10)},
+                        {"crash_now": True},
+                    ]
+                )
+                fault = "crash:" + next(iter(body))
+                down[engine_id] = now + rng.uniform(3.0, 6.0)
+            stack.engine_admin(engine_id, "POST", body)
+            if not fault.startswith("crash"):
+                active[engine_id] = now + rng.uniform(2.0, 6.0)
+            chaos.faults[fault] += 1
+            chaos.event(f"{fault} on {engine_id}")
+        except Exception as exc:  # the soak goes on; the report lists what went wrong
+            chaos.errors.append(f"{type(exc).__name__}: {exc}")
+            log(f"chaos error: {exc}")
+    for engine_id in engines:
+        if not stack.fleet.engines[engine_id].alive:
+            stack.fleet.restart(engine_id, timeout=60)
+            chaos.restarts += 1
+        stack.engine_admin(engine_id, "DELETE")
+
+
+def flip_loop(
+    stack: Stack, rng: random.Random, stop: threading.Event, every_s: float, chaos: Chaos
+) -> None:
+    while not stop.wait(every_s):
+        try:
+            state = stack.admin("GET", "/admin/state").json()
+            engine = rng.choice(state["engines"])
+            to = "decode" if engine["role"] == "prefill" else "prefill"
+            r = stack.admin("POST", "/admin/roles/flip", {"engine": engine["id"], "to": to})
+            if r.status_code == 200:
+                chaos.flips_ok += 1
+                chaos.event(f"flipped {engine['id']} to {to}")
+                log(f"flipped {engine['id']} to {to}")
+            else:
+                chaos.flips_refused += 1
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            chaos.errors.append(f"flip: {type(exc).__name__}: {exc}")
+
+
+@dataclass
+class Samples:
+    cpu: list[tuple[float, float]] = field(default_factory=list)
+    load: list[float] = field(default_factory=list)
+    rss: list[tuple[float, int]] = field(default_factory=list)
+    lag: list[tuple[float, float]] = field(default_factory=list)
+    lag_failures: int = 0
+
+
+def sample_loop(stack: Stack, stop: threading.Event, t0: float, samples: Samples) -> None:
+    assert stack.router is not None
+    pid = stack.router.pid
+    next_rss = 0.0
+    with httpx.Client(timeout=5) as client:
+        while not stop.wait(0.5):
+            now = time.monotonic() - t0
+            if now >= next_rss:
+                kib = rss_kib(pid)
+                if kib is not None:
+                    samples.rss.append((now, kib))
+                cpu = cpu_seconds(pid)
+                if cpu is not None:
+                    samples.cpu.append((now, cpu))
+                samples.load.append(os.getloadavg()[0])
+                next_rss = now + 2.0
+            start = time.monotonic()
+            try:
+                client.get(stack.url + "/health")
+                samples.lag.append((now, time.monotonic() - start))
+            except httpx.HTTPError:
+                samples.lag_failures += 1
+
+
+# --------------------------------------------------------------------------------------------
+# The report
+
+
+def journal_report(path: Path, sent: list[Sent]) -> dict[str, Any]:
+    starts: dict[str, dict[str, Any]] = {}
+    ends: dict[str, dict[str, Any]] = {}
+    duplicate_starts = duplicate_ends = unreadable = 0
+    files = journal_files(path)
+    for f in files:
+        for line in f.read_bytes().splitlines():
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                unreadable += 1
+                continue
+            if rec.get("type") == "request.start":
+                duplicate_starts += rec["id"] in starts
+                starts[rec["id"]] = rec
+            elif rec.get("type") == "request.end":
+                duplicate_ends += rec["id"] in ends
+                ends[rec["id"]] = rec
+    by_cid = {s.get("client_request_id"): rid for rid, s in starts.items()}
+    reached = [s for s in sent if s.status is not None or s.cid in by_cid]
+    not_journaled = [s.cid for s in reached if s.cid not in by_cid]
+    never_reached = [s for s in sent if s.status is None and s.cid not in by_cid]
+    mismatched_ids = [
+        s.cid for s in sent if s.router_id is not None and by_cid.get(s.cid) != s.router_id
+    ]
+    errors: dict[str, Counter[str]] = {}
+    for e in ends.values():
+        if e["outcome"] not in ("ok", "client_abort"):
+            # The message without ids and numbers, so that like failures count together.
+            text = "".join(c if not c.isdigit() else "#" for c in str(e.get("error"))[:90])
+            errors.setdefault(e["outcome"], Counter())[text] += 1
+    stranded = sum(
+        1 for e in ends.values() for a in e.get("attempts", ()) if a.get("outcome") == "stranded"
+    )
+    return {
+        "files": len(files),
+        "request_starts": len(starts),
+        "request_ends": len(ends),
+        "open_requests": len(set(starts) - set(ends)),
+        "ends_without_start": len(set(ends) - set(starts)),
+        "duplicate_starts": duplicate_starts,
+        "duplicate_ends": duplicate_ends,
+        "unreadable_lines": unreadable,
+        "client_requests_not_journaled": len(not_journaled),
+        "client_requests_that_never_reached_the_router": len(never_reached),
+        "never_reached_results": dict(Counter(s.result for s in never_reached)),
+        "router_id_mismatches": len(mismatched_ids),
+        "outcomes": dict(Counter(e["outcome"] for e in ends.values()).most_common()),
+        "top_errors": {o: dict(c.most_common(4)) for o, c in sorted(errors.items())},
+        "stranded_handoffs_in_attempts": stranded,
+        "lost_records": len(set(starts) - set(ends))
+        + len(set(ends) - set(starts))
+        + duplicate_starts
+        + duplicate_ends
+        + len(not_journaled),
+    }
+
+
+def metric_sum(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name)] in "{ "):
+            with contextlib.suppress(ValueError):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def rss_report(rss: list[tuple[float, int]], warmup_s: float) -> dict[str, Any]:
+    if not rss:
+        return {}
+    values = [kib for _, kib in rss]
+    after = [(t, kib) for t, kib in rss if t >= warmup_s] or rss
+    # Least-squares slope of RSS over time after the warm-up: flat memory is ~0 KiB/min.
+    n = len(after)
+    mean_t = sum(t for t, _ in after) / n
+    mean_k = sum(k for _, k in after) / n
+    var = sum((t - mean_t) ** 2 for t, _ in after)
+    slope = sum((t - mean_t) * (k - mean_k) for t, k in after) / var * 60 if var else 0.0
+    by_minute: dict[int, int] = {}
+    for t, kib in rss:
+        by_minute[int(t // 60)] = max(by_minute.get(int(t // 60), 0), kib)
+    return {
+        "first_mib": round(values[0] / 1024, 1),
+        "peak_mib": round(max(values) / 1024, 1),
+        "last_mib": round(values[-1] / 1024, 1),
+        "after_warmup_min_mib": round(min(k for _, k in after) / 1024, 1),
+        "after_warmup_max_mib": round(max(k for _, k in after) / 1024, 1),
+        "slope_after_warmup_kib_per_min": round(slope, 1),
+        "peak_by_minute_mib": {m: round(k / 1024, 1) for m, k in sorted(by_minute.items())},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--clients", type=int, default=12)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--time-scale", type=float, default=50.0)
+    p.add_argument(
+        "--fault-every", type=float, default=4.0, help="seconds between faults (0: none)"
+    )
+    p.add_argument("--flip-every", type=float, default=20.0, help="seconds between flips (0: none)")
+    p.add_argument("--journal-max-bytes", type=int, default=8 * 1024 * 1024)
+    p.add_argument("--out", help="also write the report here (JSON)")
+    p.add_argument("--keep-dir", action="store_true", help="keep the logs and the journal")
+    args = p.parse_args(argv)
+    if args.minutes <= 0 or args.clients <= 0:
+        p.error("--minutes and --clients must be positive")
+
+    directory = Path(tempfile.mkdtemp(prefix="narwhal-soak-"))
+    stack = Stack(directory, args.time_scale, args.journal_max_bytes)
+    sent: list[Sent] = []
+    lock = threading.Lock()
+    chaos = Chaos()
+    samples = Samples()
+    stop_clients, stop_chaos, stop_samples = threading.Event(), threading.Event(), threading.Event()
+    load = os.getloadavg()
+    log(f"working in {directory}; load average {load[0]:.1f} on {os.cpu_count()} CPUs")
+    report: dict[str, Any] = {}
+    try:
+        stack.start()
+        assert stack.router is not None
+        t0 = time.monotonic()
+        chaos.t0 = t0
+        threads = [
+            threading.Thread(
+                target=client_loop, args=(i, stack.url, args.seed, stop_clients, sent, lock)
+            )
+            for i in range(args.clients)
+        ]
+        chaos_thread = threading.Thread(
+            target=chaos_loop,
+            args=(stack, random.Random(args.seed + 1), stop_chaos, args.fault_every, chaos),
+        )
+        flip_thread = threading.Thread(
+            target=flip_loop,
+            args=(stack, random.Random(args.seed + 2), stop_chaos, args.flip_every, chaos),
+        )
+        sampler = threading.Thread(target=sample_loop, args=(stack, stop_samples, t0, samples))
+        background = [*threads, sampler]
+        if args.fault_every > 0:
+            background.append(chaos_thread)
+        if args.flip_every > 0:
+            background.append(flip_thread)
+        for t in background:
+            t.daemon = True
+            t.start()
+        end = t0 + args.minutes * 60
+        while time.monotonic() < end:
+            time.sleep(min(30.0, max(0.0, end - time.monotonic())))
+            with lock:
+                n = len(sent)
+            rss = samples.rss[-1][1] / 1024 if samples.rss else float("nan")
+            log(
+                f"{(time.monotonic() - t0) / 60:.1f} min: {n} requests, RSS {rss:.1f} MiB, "
+                f"{sum(chaos.faults.values())} faults, {chaos.restarts} restarts, "
+                f"{chaos.flips_ok} flips"
+            )
+            if stack.router.poll() is not None:
+                raise RuntimeError("the router died")
+        stop_chaos.set()
+        if chaos_thread.is_alive():
+            chaos_thread.join(120)
+        if flip_thread.is_alive():
+            flip_thread.join(30)
+        stop_clients.set()
+        for t in threads:
+            t.join(60)
+        elapsed = time.monotonic() - t0
+        # Drained: nothing in flight, then the final figures, then SIGTERM.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            state = stack.admin("GET", "/admin/state").json()
+            if state["in_flight_requests"] == 0:
+                break
+            time.sleep(0.2)
+        metrics = httpx.get(stack.url + "/metrics", timeout=10).text
+        stop_samples.set()
+        sampler.join(10)
+        code = stack.stop_router()
+        with lock:
+            sent_copy = list(sent)
+        journal = journal_report(stack.journal, sent_copy)
+        lags = [s for _, s in samples.lag]
+        report = {
+            "minutes": round(elapsed / 60, 2),
+            "clients": args.clients,
+            "seed": args.seed,
+            "time_scale": args.time_scale,
+            "load_average_at_start": round(load[0], 1),
+            "load_average_at_end": round(os.getloadavg()[0], 1),
+            "requests_sent": len(sent_copy),
+            "requests_per_second": round(len(sent_copy) / elapsed, 1),
+            "client_results": dict(Counter(s.result for s in sent_copy).most_common()),
+            "client_kinds": dict(Counter(s.kind for s in sent_copy)),
+            "journal": journal,
+            "lost_journal_records": journal["lost_records"],
+            "stranded_handoffs_metric": metric_sum(metrics, "narwhal_stranded_handoffs_total"),
+            "retries_metric": metric_sum(metrics, "narwhal_retries_total"),
+            "journal_dropped_metric": metric_sum(metrics, "narwhal_journal_dropped_total"),
+            "journal_write_errors_metric": metric_sum(
+                metrics, "narwhal_journal_write_errors_total"
+            ),
+            "faults": dict(chaos.faults.most_common()),
+            "engine_restarts": chaos.restarts,
+            "flips": {"done": chaos.flips_ok, "refused": chaos.flips_refused},
+            "chaos_errors": chaos.errors[:20],
+            "router_rss": rss_report(samples.rss, warmup_s=min(60.0, elapsed / 5)),
+            "event_loop_lag_probe_ms": {
+                "samples": len(lags),
+                "failures": samples.lag_failures,
+                "p50": round(percentile(lags, 0.5) * 1000, 2),
+                "p99": round(percentile(lags, 0.99) * 1000, 2),
+                "max": round(max(lags) * 1000, 2) if lags else None,
+                "over_100ms": sum(1 for x in lags if x > 0.1),
+                # The worst probes, each with the chaos events of the 3 s before it: a stall
+                # that follows an engine restart or a flip points at the router; one that
+                # follows nothing points at a starved machine.
+                "worst": [
+                    {
+                        "t_s": round(t, 1),
+                        "ms": round(x * 1000, 1),
+                        "after": [w for te, w in chaos.events if t - 3 <= te <= t],
+                    }
+                    for t, x in sorted(samples.lag, key=lambda s: -s[1])[:5]
+                ],
+            },
+            "router_cpu_percent": cpu_percent(samples.cpu),
+            "machine_load_average": {
+                "mean": round(statistics.fmean(samples.load), 1) if samples.load else None,
+                "max": round(max(samples.load), 1) if samples.load else None,
+                "cpus": os.cpu_count(),
+            },
+            "router_exit_code": code,
+        }
+    finally:
+        stop_chaos.set()
+        stop_clients.set()
+        stop_samples.set()
+        stack.stop()
+        if args.keep_dir:
+            log(f"kept {directory}")
+        else:
+            shutil.rmtree(directory, ignore_errors=True)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    lost = report.get("lost_journal_records")
+    ok = lost == 0 and report.get("router_exit_code") == 0
+    log(f"lost journal records: {lost}; router exit code {report.get('router_exit_code')}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
