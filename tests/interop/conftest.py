@@ -1,11 +1,12 @@
 """The real-vLLM interop suite needs vLLM's own virtual environment (``.venv-vllm``, built by
-``make interop-venv``) and the tiny model (``make interop-model``); ``make interop`` and
-``make test`` build both first. The engine tools are scripts in tools/interop/ that this
-conftest puts on ``sys.path``.
+``make interop-venv``) and the tiny model (``make interop-model``); ``make interop`` builds
+both first. The engine tools are scripts in tools/interop/ that this conftest puts on
+``sys.path``.
 
-Run by hand without the venv, the suite skips and says how to build it; under ``make``
-(``NARWHAL_INTEROP_REQUIRED=1``) a missing venv or model fails instead, so CI cannot pass
-by skipping it.
+Without the venv (plain ``pytest``, or ``make test`` on a machine that never ran
+``make interop``) the real-engine tests skip and say how to build it; under ``make interop``
+(``NARWHAL_INTEROP_REQUIRED=1``) a missing venv or model fails instead, so that target cannot
+pass by skipping.
 """
 
 from __future__ import annotations
