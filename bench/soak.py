@@ -5,7 +5,8 @@ A fleet of 4 simulated engines (2 prefill, 2 decode to start with; every engine 
 either role) runs ``--time-scale`` times faster than the calibrated fleet. ``--clients``
 threads send a seeded mix of requests for ``--minutes``: completions and chat, streamed and
 not, 2 to 60 tokens, some hanging up after the first chunk, some with a client timeout shorter
-than their generation. Meanwhile:
+than their generation; a client told 429 or 503 waits its Retry-After (at most 2 s).
+Meanwhile:
 
 - faults, every ``--fault-every`` seconds on a random engine, each cleared after a few
   seconds: 5xx bursts, a first token held past the deadline, a stalled KV READ, a 3-10x
@@ -239,6 +240,7 @@ class Sent:
     router_id: str | None = None
     result: str = ""  # what the client saw
     seconds: float = 0.0
+    retry_after: float = 0.0
 
 
 def one_request(client: httpx.Client, url: str, rng: random.Random, cid: str) -> Sent:
@@ -274,6 +276,10 @@ def one_request(client: httpx.Client, url: str, rng: random.Random, cid: str) ->
             if r.status_code != 200 or not stream:
                 r.read()
                 sent.result = f"http_{r.status_code}"
+                if r.status_code in (429, 503):
+                    # As a well-behaved client does (bounded: the soak must keep going).
+                    with contextlib.suppress(ValueError):
+                        sent.retry_after = min(2.0, float(r.headers.get("retry-after", 0)))
             else:
                 done = error = False
                 for line in r.iter_lines():
@@ -313,7 +319,7 @@ def client_loop(
             n += 1
             with lock:
                 out.append(sent)
-            stop.wait(rng.uniform(0.0, 0.1))
+            stop.wait(sent.retry_after + rng.uniform(0.0, 0.1))
 
 
 # --------------------------------------------------------------------------------------------
@@ -508,6 +514,18 @@ def journal_report(path: Path, sent: list[Sent]) -> dict[str, Any]:
             # The message without ids and numbers, so that like failures count together.
             text = "".join(c if not c.isdigit() else "#" for c in str(e.get("error"))[:90])
             errors.setdefault(e["outcome"], Counter())[text] += 1
+    # Seconds (by arrival) in which every request was refused as unavailable, and the
+    # longest run of them: a fleet that lost a role for a while, or a breaker stuck open.
+    by_second: dict[int, Counter[str]] = {}
+    for e in ends.values():
+        arrival = e.get("arrival")
+        if isinstance(arrival, int | float):
+            by_second.setdefault(int(arrival), Counter())[e["outcome"]] += 1
+    dark = sorted(s for s, c in by_second.items() if c["unavailable"] == sum(c.values()))
+    longest = run = 0
+    for i, second in enumerate(dark):
+        run = run + 1 if i and second == dark[i - 1] + 1 else 1
+        longest = max(longest, run)
     stranded = sum(
         1 for e in ends.values() for a in e.get("attempts", ()) if a.get("outcome") == "stranded"
     )
@@ -526,6 +544,9 @@ def journal_report(path: Path, sent: list[Sent]) -> dict[str, Any]:
         "router_id_mismatches": len(mismatched_ids),
         "outcomes": dict(Counter(e["outcome"] for e in ends.values()).most_common()),
         "top_errors": {o: dict(c.most_common(4)) for o, c in sorted(errors.items())},
+        "seconds_all_unavailable": len(dark),
+        "longest_all_unavailable_s": longest,
+        "seconds_with_requests": len(by_second),
         "stranded_handoffs_in_attempts": stranded,
         "lost_records": len(set(starts) - set(ends))
         + len(set(ends) - set(starts))
