@@ -31,7 +31,7 @@ from tests.check.support import (
     serve_refused,
     write_json,
 )
-from tests.helpers import admin, running_fleet
+from tests.helpers import TIMER_SLACK_S, admin, running_fleet
 
 pytestmark = pytest.mark.slow
 
@@ -279,10 +279,10 @@ def test_kv_transfer_names_the_one_pair_whose_read_stalls(qualified: Qualified) 
     assert len(kv.failures) == 1, kv.failures
     # The stall is 1.5 s; on a loaded machine the observed first token comes a little later.
     match = re.match(r"e0->e2: first token after (\d+\.\d+) s", kv.failures[0])
-    assert match is not None and float(match.group(1)) >= 1.5, kv.failures[0]
+    assert match is not None and float(match.group(1)) >= 1.5 - TIMER_SLACK_S, kv.failures[0]
     assert "exceeds first_token_timeout_s 1 s" in kv.failures[0]
     pairs = kv.evidence["pairs"]
-    assert pairs["e0->e2"]["first_token"]["min_s"] >= 1.5
+    assert pairs["e0->e2"]["first_token"]["min_s"] >= 1.5 - TIMER_SLACK_S
     assert all(p["first_token"]["max_s"] < 1.0 for name, p in pairs.items() if name != "e0->e2")
     rec = kv.evidence["recommendation"]["recommended_first_token_timeout_s"]
     assert 1.5 * 1.6 <= rec < 10.0

@@ -15,6 +15,7 @@ import pytest
 from narwhal.sim.fleet import SimFleet
 from tests.helpers import (
     MODEL,
+    TIMER_SLACK_S,
     RouterProcess,
     admin,
     metric,
@@ -171,7 +172,7 @@ def test_first_token_deadline_aborts_and_retries_elsewhere(stack) -> None:
     assert retried is not None
     assert retried["outcome"] == "ok" and retried["decode_engine"] == "e3"
     deadline = next(a for a in retried["attempts"] if a["outcome"] == "deadline_exceeded")
-    assert deadline["engine"] == "e2" and deadline["after_s"] >= 1.0
+    assert deadline["engine"] == "e2" and deadline["after_s"] >= 1.0 - TIMER_SLACK_S
     after = router.metrics()
     assert metric(after, "narwhal_first_token_deadline_exceeded_total", engine="e2") > metric(
         before, "narwhal_first_token_deadline_exceeded_total", engine="e2"
