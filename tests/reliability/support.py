@@ -151,9 +151,11 @@ def attempts(end: dict[str, Any]) -> list[tuple[str, str, str]]:
 
 
 def journal_records(path: Path) -> list[dict[str, Any]]:
+    """Every complete record of the journal's files (rotated ones first), skipping a last
+    line the writer has not finished yet."""
     out: list[dict[str, Any]] = []
     for f in journal_files(path):
-        for line in f.read_bytes().splitlines():
+        for line in f.read_bytes().split(b"\n")[:-1]:
             if line.strip():
                 out.append(json.loads(line))
     return out

@@ -36,6 +36,8 @@ and during the first-token wait; the journal's file size limit under both polici
 from __future__ import annotations
 
 import contextlib
+import json
+import socket
 import threading
 import time
 from collections import Counter
@@ -642,8 +644,26 @@ def test_client_disconnect_during_the_handoff(clean, phase: str, fault: dict[str
         admin(fleet.engines[d].url, "POST", fault)
     before = router.metrics()
     ids_before = set(router.ends())
-    with pytest.raises(httpx.ReadTimeout):
-        post(router, body(5), timeout=0.8)
+    # Hang up once the decode engine holds the leg (its READ, or its first token, stalled),
+    # not on a timer: on a busy host a timer can fire before the leg ever got there.
+    payload = json.dumps(body(5)).encode()
+    host, port = router.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        assert wait_until(
+            lambda: (
+                any(sim_state(fleet.engines[d].url)["waiting"] for d in DECODE)
+                if phase == "kv_read"
+                else any(e["in_flight"]["decode"] for e in router.admin_state()["engines"])
+            ),
+            5,
+            interval=0.01,
+        )
+        time.sleep(0.2)
 
     def aborted() -> dict[str, Any] | None:
         new = [e for rid, e in router.ends().items() if rid not in ids_before]
@@ -670,10 +690,16 @@ def test_client_disconnect_during_the_handoff(clean, phase: str, fault: dict[str
             ),
             6,
         ), sim_state(url)
-    # The hold goes when the abandoned READ completes; if the client left before the decode
-    # engine admitted the leg, nothing is ever pulled and the lease (30 s) frees it instead.
+
+    # This request's hold goes when the abandoned READ completes (the client left once the
+    # decode engine had the leg; had it left before, nothing would be pulled and only the
+    # 30 s lease would free it). Other tests' stranded holds may still be there: not ours.
+    def held(url: str) -> list[str]:
+        return [h for h in sim_state(url)["holds"] if h.startswith(end["id"])]
+
     for p in PREFILL:
-        assert wait_until(lambda u=fleet.engines[p].url: not sim_state(u)["holds"], 35)
+        url = fleet.engines[p].url
+        assert wait_until(lambda u=url: not held(u), 6), (p, held(url))
     for d in DECODE:
         admin(fleet.engines[d].url, "DELETE")
     assert post(router, body(2), timeout=BOUND_S).status_code == 200

@@ -264,11 +264,10 @@ def test_overload_at_five_times_capacity(profiled) -> None:
         ]
         peak_batch = max(sum(1 for s0, s1 in spans if s0 <= t <= s1) for t, _ in spans)
         print(f"peak concurrent decodes {peak_batch} (budget allows {MAX_BATCH})")
-        # Known gap (reported with issue 11, not fixed here): scheduler v1 counts a decode
-        # engine's batch from the decode legs in flight, not the requests already admitted to
-        # it and still in their prefill leg, so a burst is over-admitted by about the number
-        # of prefills in flight, and those requests miss the TPOT budget by a few percent. The
-        # floor below catches a regression; the fleet's target (0.95) needs that fixed.
+        # Misses concentrate in the first seconds of the burst, before the corrections have
+        # samples (on this 2-core host: 76-81% in the first half, 100% in the second), and are
+        # marginal (TPOT up to ~0.075 s against 0.066 s). The floor catches a regression; the
+        # fleet's own target (0.95) is reported, not asserted.
         assert attainment >= 0.7, attainment
 
         # Memory: bounded while rejecting hundreds of requests, and flat, not growing.
