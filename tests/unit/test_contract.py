@@ -117,6 +117,17 @@ def test_minimal_document_gets_defaults_and_normalised_urls() -> None:
     assert fleet.model_dump(mode="json")["schema"] == "narwhal.fleet/v1"
 
 
+def test_local_prefill_is_off_by_default_and_leaves_existing_hashes_alone() -> None:
+    doc = minimal_doc()
+    loaded = parse_fleet(doc)
+    assert loaded.contract.routing.local_prefill.enabled is False
+    assert loaded.sha256 == sha256_hex(minimal_doc())  # the option's default is not hashed
+    doc["routing"] = {"local_prefill": {"enabled": True, "max_prompt_tokens": 512}}
+    on = parse_fleet(doc)
+    assert on.contract.routing.local_prefill.max_prompt_tokens == 512
+    assert on.sha256 != loaded.sha256
+
+
 def test_contract_is_frozen() -> None:
     fleet = parse_fleet(minimal_doc()).contract
     with pytest.raises(ValueError, match="frozen"):
@@ -515,6 +526,22 @@ INVALID_CASES: list[tuple[str, Callable[[Doc], None], str]] = [
             _set("name", ""),
         ),
         "name: must not be empty (and 2 more problems)",
+    ),
+    (
+        "local-prefill-zero-tokens",
+        _set("routing", {"local_prefill": {"enabled": True, "max_prompt_tokens": 0}}),
+        "routing.local_prefill.max_prompt_tokens: must be greater than or equal to 1 (got 0)",
+    ),
+    (
+        "local-prefill-enabled-not-boolean",
+        _set("routing", {"local_prefill": {"enabled": "yes"}}),
+        "routing.local_prefill.enabled: expected a boolean (got 'yes')",
+    ),
+    (
+        "local-prefill-beyond-max-model-len",
+        _set("routing", {"local_prefill": {"enabled": True, "max_prompt_tokens": 16385}}),
+        "routing.local_prefill.max_prompt_tokens: 16385 must not exceed model.max_model_len "
+        "(16384)",
     ),
     (
         "two-problems",

@@ -39,6 +39,7 @@ __all__ = [
     "EngineDefaults",
     "EngineSpec",
     "FleetContract",
+    "LocalPrefill",
     "Loc",
     "ModelIdentity",
     "NixlSideChannel",
@@ -294,6 +295,18 @@ class RoleControl(_Model):
     tick_s: float = Field(default=5.0, gt=0)
 
 
+class LocalPrefill(_Model):
+    """Let a decode engine prefill a short prompt itself instead of taking a KV handoff.
+
+    Scheduler v1 only: for prompts of at most ``max_prompt_tokens`` it also weighs "the decode
+    engine prefills it" against the best handoff pair, and takes it only when predicted faster
+    with both budgets (its batch's TPOT, stalled by the prefill, included) still met. Off by
+    default; a document that leaves it out hashes as before (hashes are of the document)."""
+
+    enabled: bool = False
+    max_prompt_tokens: int = Field(default=1024, ge=1)
+
+
 class RoutingPolicy(_Model):
     fallback: Literal["retry", "fail"] = "retry"
     max_prefill_attempts: int = Field(default=2, ge=1)
@@ -301,6 +314,7 @@ class RoutingPolicy(_Model):
     admission: Literal["reject", "queue"] = "reject"
     queue_max: int = Field(default=256, ge=0)
     queue_timeout_s: float = Field(default=5.0, ge=0)
+    local_prefill: LocalPrefill = Field(default_factory=LocalPrefill)
 
 
 class ProfileStoreRef(_Model):
@@ -531,4 +545,14 @@ def consistency_issues(fleet: FleetContract) -> list[ConsistencyIssue]:
                     f"at least {_count(minimum)} must start as {role} (initial_role), "
                     f"found {len(starting)} ({_names(starting)})",
                 )
+
+    # A local-prefill threshold beyond the model's context would read as "any prompt".
+    lp = fleet.routing.local_prefill
+    if lp.max_prompt_tokens > fleet.model.max_model_len:
+        add(
+            ("routing", "local_prefill", "max_prompt_tokens"),
+            f"{lp.max_prompt_tokens!r} must not exceed model.max_model_len "
+            f"({fleet.model.max_model_len!r})",
+        )
+
     return issues
