@@ -5,6 +5,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.narwhal-installed
 # NIXL without its CUDA torch dependency: the UCX backend moves DRAM bytes on a CPU-only host.
 NIXL_PKGS := nixl-cu12==1.5.1 nixl==1.5.1
+# Real vLLM (CPU build) for the interop suite, in a venv of its own, and the tiny model it serves.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.narwhal-vllm-installed
+TINY_MODEL ?= build/interop/tiny-llama
+TINY_STAMP := $(TINY_MODEL)/narwhal-tiny.json
 
 export UCX_NET_DEVICES ?= lo
 export NIXL_LOG_LEVEL ?= WARN
@@ -39,7 +45,14 @@ test-deps: test-deps-prometheus
 	@test -x /usr/sbin/sshd || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -qq openssh-server) || echo "test-deps: openssh-server not installed"
 
-test: $(STAMP) test-deps
+# The whole suite, nothing skipped for want of a part: the real-vLLM interop suite (its venv
+# and tiny model are built first, about 7 minutes on a fresh machine) and the aiperf
+# cross-check run too, and fail rather than skip if their environment is missing.
+test: export NARWHAL_INTEROP_REQUIRED := 1
+test: export NARWHAL_AIPERF_REQUIRED := 1
+test: export NARWHAL_VLLM_VENV := $(VLLM_VENV)
+test: export NARWHAL_TINY_MODEL := $(TINY_MODEL)
+test: $(STAMP) test-deps aiperf interop-env
 	$(PY) -m pytest -q
 
 check: $(STAMP)
@@ -62,7 +75,8 @@ clean:
 
 # The measurement tools' cross-check client: aiperf 0.13.0 pins orjson, prometheus-client and
 # more that clash with the router's own, so it gets a venv of its own (under .venv/, ignored).
-# tests/measurement/test_aiperf_xcheck.py skips, saying so, until this has run.
+# Under a plain pytest, tests/measurement/test_aiperf_xcheck.py skips, saying so, until this has
+# run; under `make test` (NARWHAL_AIPERF_REQUIRED=1) `make test` installs it and the test must run.
 AIPERF_VENV := $(VENV)/aiperf
 .PHONY: aiperf
 aiperf: $(AIPERF_VENV)/bin/aiperf
@@ -76,11 +90,6 @@ $(AIPERF_VENV)/bin/aiperf:
 # locally from it. `make interop` builds both and runs tests/interop with
 # NARWHAL_INTEROP_REQUIRED (a missing venv or model fails the suite instead of skipping it).
 # Changing a build script rebuilds what it builds.
-VLLM_VENV ?= .venv-vllm
-VLLM_PY := $(VLLM_VENV)/bin/python
-VLLM_STAMP := $(VLLM_VENV)/.narwhal-vllm-installed
-TINY_MODEL ?= build/interop/tiny-llama
-TINY_STAMP := $(TINY_MODEL)/narwhal-tiny.json
 
 .PHONY: interop interop-env interop-venv interop-model clean-interop
 
@@ -96,9 +105,7 @@ interop-venv: $(VLLM_STAMP)
 interop-model: $(TINY_STAMP)
 interop-env: interop-venv interop-model
 
-# `make test` does not build the vLLM venv yet (it would not fit the suite's time budget on a
-# fresh 2-core machine): tests/interop skips there, saying how to build it; `make interop`
-# builds it and requires the suite.
+# `make interop` builds both and runs only the interop suite; `make test` runs it with the rest.
 interop: export NARWHAL_INTEROP_REQUIRED := 1
 interop: export NARWHAL_VLLM_VENV := $(VLLM_VENV)
 interop: export NARWHAL_TINY_MODEL := $(TINY_MODEL)

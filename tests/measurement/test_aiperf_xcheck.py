@@ -9,6 +9,7 @@ max(30 ms, 30%); docs/measurement.md explains both)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,10 +23,18 @@ AIPERF = Path(__file__).resolve().parents[2] / ".venv" / "aiperf" / "bin" / "aip
 REQUESTS, RATE = 20, 4.0  # 0.2 request/s on the MI355X fleet's clock: little queueing
 
 
+# `make test` installs aiperf and sets this, so the cross-check cannot pass by skipping there.
+REQUIRED = os.environ.get("NARWHAL_AIPERF_REQUIRED") == "1"
+
+
 @pytest.mark.slow
 @pytest.mark.interop
-@pytest.mark.skipif(not AIPERF.exists(), reason="aiperf not installed: run `make aiperf`")
 def test_aiperf_agrees_with_journal_and_load_trial(tmp_path: Path) -> None:
+    if not AIPERF.exists():
+        why = f"aiperf not installed ({AIPERF} missing): run `make aiperf`"
+        if REQUIRED:
+            pytest.fail(why, pytrace=False)
+        pytest.skip(why)
     with (
         running_fleet(tmp_path, 2, sim=SIM) as fleet,
         running_router(tmp_path, fleet.fleet_path) as router,
