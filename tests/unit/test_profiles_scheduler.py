@@ -220,3 +220,107 @@ def test_v1_respects_roles_health_exclusions_and_permissions() -> None:
     state.engines["e2"].healthy = True
     pick = sched.pick(state, exclude_prefill={"e0"})
     assert isinstance(pick, Pair) and pick.prefill == "e1"
+
+
+# --- local prefill ------------------------------------------------------------------------
+
+
+def local_state(clock: VirtualClock, enabled: bool = True, max_prompt_tokens: int = 500):
+    doc = local_fleet_document(
+        list(range(9000, 9004)),
+        list(range(9100, 9104)),
+        ttft_s=2.0,
+        tpot_s=0.1,
+        first_token_timeout_s=1.0,
+        routing={"local_prefill": {"enabled": enabled, "max_prompt_tokens": max_prompt_tokens}},
+    )
+    state = FleetState(parse_fleet(doc, "t").contract, clock)
+    for e in state.engines.values():
+        e.healthy = True
+    return state
+
+
+def test_local_prefill_hand_computed_on_an_idle_fleet() -> None:
+    clock = VirtualClock(0.0)
+    state = local_state(clock)
+    sched = scheduler()
+    shape = RequestShape(prompt_tokens=200, max_tokens=11)
+    pick = sched.pick(state, shape)
+    # Handoff: prefill 0.01 + 0.02 = 0.03, + transfer 0.02 + first step at batch 1 (0.042)
+    # = 0.092. Local on an idle decode engine: no step in progress, 0.03 + 0.042 = 0.072.
+    assert isinstance(pick, Pair) and pick.local
+    assert (pick.prefill, pick.decode) == ("e2", "e2")
+    assert pick.predicted_prefill_s == pytest.approx(0.03)
+    assert pick.predicted_ttft_s == pytest.approx(0.072)
+    assert pick.predicted_tpot_s == pytest.approx(0.042)  # an empty batch: nobody stalls
+    assert pick.score == pytest.approx(0.58)  # min((2 - 0.072) / 2, (0.1 - 0.042) / 0.1)
+
+
+def test_local_prefill_only_when_enabled_short_and_allowed() -> None:
+    clock = VirtualClock(0.0)
+    long = RequestShape(prompt_tokens=501, max_tokens=11)
+    short = RequestShape(prompt_tokens=200, max_tokens=11)
+    on = local_state(clock)
+    pick = scheduler().pick(on, long)
+    assert isinstance(pick, Pair) and not pick.local and pick.prefill in ("e0", "e1")
+    off = local_state(clock, enabled=False)
+    pick = scheduler().pick(off, short)
+    assert isinstance(pick, Pair) and not pick.local
+    no_ids = RequestShape(prompt_tokens=200, max_tokens=11, local_ok=False)
+    pick = scheduler().pick(on, no_ids)
+    assert isinstance(pick, Pair) and not pick.local
+
+
+def test_local_prefill_weighs_the_step_in_progress_the_queues_and_the_stall() -> None:
+    clock = VirtualClock(10.0)
+    state = local_state(clock)
+    sched = scheduler()
+    shape = RequestShape(prompt_tokens=200, max_tokens=11)  # 10 tokens after the first
+    for d in ("e2", "e3"):
+        state.engines[d].in_flight_decode = 4  # TPOT at batch 5: 0.04 + 0.002 * 5 = 0.05
+    # Local: half a step 0.025 + prefill 0.03 + step 0.05 = 0.105; handoff 0.03 + 0.02 + 0.05
+    # = 0.1 is faster: no local prefill.
+    pick = sched.pick(state, shape)
+    assert isinstance(pick, Pair) and not pick.local
+    assert pick.predicted_ttft_s == pytest.approx(0.1)
+    # Queued prefills on both prefill engines make the handoff slower (1.1 s): local wins, and
+    # its TPOT carries its own stall of the batch spread over 10 tokens: 0.05 + 0.03 / 10.
+    for p in ("e0", "e1"):
+        state.engines[p].prefill_work["q"] = (1.0, 10.0)
+    pick = sched.pick(state, shape)
+    assert isinstance(pick, Pair) and pick.local and pick.decode == "e2"
+    assert pick.predicted_ttft_s == pytest.approx(0.105)
+    assert pick.predicted_tpot_s == pytest.approx(0.053)
+    assert pick.score == pytest.approx(0.47)
+    # A local prefill still queued on e2 delays the next one there by its 0.2 s.
+    state.engines["e2"].prefill_work["l1"] = (0.2, 10.0)
+    pick = sched.pick(state, shape, exclude_decode={"e3"})
+    assert isinstance(pick, Pair) and pick.local and pick.decode == "e2"
+    assert pick.predicted_ttft_s == pytest.approx(0.305)
+    del state.engines["e2"].prefill_work["l1"]
+    # Local prefills sent in the last 10 tokens x 0.05 s = 0.5 s stall the batch again: 0.5 s
+    # of them + this one's 0.03 over 10 tokens puts TPOT at 0.103 > 0.1: handoff after all.
+    for d in ("e2", "e3"):
+        state.engines[d].note_local_prefill(10.0, 0.5)
+    pick = sched.pick(state, shape)
+    assert isinstance(pick, Pair) and not pick.local
+    assert pick.predicted_ttft_s == pytest.approx(1.1)
+    # Half a second later those stalls are behind the horizon (and the prefill queues 0.6 s
+    # shorter): local again.
+    clock.advance(0.6)
+    pick = sched.pick(state, shape)
+    assert isinstance(pick, Pair) and pick.local
+    assert pick.predicted_tpot_s == pytest.approx(0.053)
+
+
+def test_local_prefill_serves_short_prompts_without_a_prefill_engine() -> None:
+    clock = VirtualClock(0.0)
+    state = local_state(clock)
+    sched = scheduler()
+    for p in ("e0", "e1"):
+        state.engines[p].healthy = False
+    pick = sched.pick(state, RequestShape(prompt_tokens=100, max_tokens=11))
+    assert isinstance(pick, Pair) and pick.local
+    assert sched.pick(state, RequestShape(prompt_tokens=800, max_tokens=11)) == NoPair(
+        "no available engine in the prefill role"
+    )

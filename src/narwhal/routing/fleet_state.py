@@ -8,6 +8,7 @@ the engine's (or the reverse) routes on a number that lies.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -18,6 +19,10 @@ from narwhal.engines.breaker import CircuitBreaker
 __all__ = ["EngineState", "FleetState", "Role", "ScrapedLoad"]
 
 Role = Literal["prefill", "decode"]
+
+# How far back a decode engine's local prefills are remembered (longer than any horizon the
+# scheduler asks about: a request's output at the TPOT budget).
+LOCAL_HISTORY_S = 600.0
 
 
 @dataclass
@@ -46,6 +51,23 @@ class EngineState:
     role_since: float = 0.0
     # Prefill legs in flight here: request id -> (predicted seconds, dispatched at).
     prefill_work: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # Local prefills sent to this (decode) engine: (dispatched at, predicted seconds), oldest
+    # first, the last LOCAL_HISTORY_S seconds: each one stalled its decode batch that long.
+    local_prefills: deque[tuple[float, float]] = field(default_factory=deque)
+
+    def note_local_prefill(self, now: float, predicted_s: float) -> None:
+        self.local_prefills.append((now, predicted_s))
+        while self.local_prefills and self.local_prefills[0][0] < now - LOCAL_HISTORY_S:
+            self.local_prefills.popleft()
+
+    def recent_local_prefill_s(self, since: float) -> float:
+        """Predicted seconds of local prefill dispatched here at or after ``since``."""
+        total = 0.0
+        for at, seconds in reversed(self.local_prefills):
+            if at < since:
+                break
+            total += seconds
+        return total
 
     def queued_prefill_s(self, now: float) -> float:
         """Predicted prefill work still ahead of a new prompt on this engine."""

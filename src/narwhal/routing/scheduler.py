@@ -31,6 +31,8 @@ class RequestShape:
     prompt_tokens: int = 1
     max_tokens: int = 16
     elapsed_s: float = 0.0  # already spent (queueing, earlier attempts) against the TTFT budget
+    # False when the request needs what only a prefill leg gives (the prompt's token ids).
+    local_ok: bool = True
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,9 @@ class Pair:
     predicted_ttft_s: float | None = None
     predicted_tpot_s: float | None = None
     predicted_prefill_s: float | None = None
+    # The decode engine prefills the prompt itself (routing.local_prefill): no prefill leg,
+    # no handoff; ``prefill`` and ``decode`` name the same engine.
+    local: bool = False
 
 
 @dataclass(frozen=True)
@@ -135,6 +140,16 @@ class SchedulerV1:
     remaining fractions; ties go to the less loaded pair. TTFT depends on the prefill engine only
     through its predicted time, so for each decode engine the best permitted prefill engine is
     the first one in order of predicted time: O(P log P + D), not O(P x D), for open fleets.
+
+    Local prefill (``routing.local_prefill`` in the fleet, off by default): for a prompt of at
+    most ``max_prompt_tokens`` each decode engine is also a candidate that prefills the prompt
+    itself. Its TTFT = its own queued local prefills + half a decode step (the step in progress
+    when its batch is not empty) + its prefill model at n + the step that emits the first
+    token. A prefill stalls every sequence of that engine's batch for its duration, so its TPOT
+    is the decode model at batch + 1 plus the stalls a sequence there sees over the request's
+    output: the local prefills sent to that engine in the last (output tokens x TPOT) seconds,
+    and this one when the batch is not empty, spread over the output tokens. A local candidate
+    wins only when it is predicted faster than every handoff pair and meets both budgets.
     """
 
     def __init__(
@@ -186,13 +201,15 @@ class SchedulerV1:
                     continue
                 if e.id not in exclude and e.accepts(role) and e.available():  # type: ignore[arg-type]
                     out.append(e)
-        if not prefills:
+        n = shape.prompt_tokens
+        local_cfg = state.fleet.routing.local_prefill
+        local_on = local_cfg.enabled and shape.local_ok and n <= local_cfg.max_prompt_tokens
+        if not prefills and not (local_on and decodes):
             return NoPair("no available engine in the prefill role")
         if not decodes:
             return NoPair("no available engine in the decode role")
         predictor = self.predictor
         models = predictor.models
-        n = shape.prompt_tokens
         raw_prefill: dict[int, float] = {}
         ready: list[tuple[float, str, float]] = []
         for p in prefills:
@@ -216,21 +233,8 @@ class SchedulerV1:
         candidates: list[
             tuple[float, float, EngineState, tuple[float, str, float], float, float]
         ] = []
+        local: list[tuple[float, float, EngineState, float, float, float]] = []
         for d in decodes:
-            choice = None
-            for item in ready:
-                if item[1] == d.id or not (open_pairs or state.is_permitted(item[1], d.id)):
-                    continue
-                if choice is None:
-                    choice = item
-                elif item[0] > choice[0] + ttft_window:
-                    break
-                elif prefill_load(state, state.engines[item[1]]) < prefill_load(
-                    state, state.engines[choice[1]]
-                ):
-                    choice = item
-            if choice is None:
-                continue
             at = d.scraped.at
             batch = d.in_flight_decode + d.pending_decode
             if (
@@ -245,12 +249,40 @@ class SchedulerV1:
             if raw is None:
                 raw = raw_decode[key] = model.predict(batch + 1, context).seconds
             tpot = raw * predictor.ratio(d.id, "decode")
+            if local_on:
+                local.append(self._local(state, d, n, shape, batch, tpot, now))
+            choice = None
+            for item in ready:
+                if item[1] == d.id or not (open_pairs or state.is_permitted(item[1], d.id)):
+                    continue
+                if choice is None:
+                    choice = item
+                elif item[0] > choice[0] + ttft_window:
+                    break
+                elif prefill_load(state, state.engines[item[1]]) < prefill_load(
+                    state, state.engines[choice[1]]
+                ):
+                    choice = item
+            if choice is None:
+                continue
             ttft = choice[0] + predictor.transfer_s(d.id) + tpot
             slack = min(
                 (ttft_budget - ttft) / self.budgets.ttft_s, (tpot_budget - tpot) / tpot_budget
             )
             load = prefill_load(state, state.engines[choice[1]]) + decode_load(state, d)
             candidates.append((slack, load, d, choice, ttft, tpot))
+        if local:
+            fastest = min((c[4] for c in candidates), default=float("inf"))
+            fits = [c for c in local if c[0] >= 0 and c[3] < fastest]
+            if fits:
+                top = max(c[0] for c in fits)
+                floor = max(top - margin, 0.0)
+                slack, _, d, ttft, tpot, prefill_s = min(
+                    (c for c in fits if c[0] >= floor), key=lambda c: (c[1], -c[0], c[2].id)
+                )
+                return Pair(d.id, d.id, slack, ttft, tpot, prefill_s, local=True)
+        if not prefills:
+            return NoPair("no available engine in the prefill role")
         if not candidates:
             return NoPair("no permitted KV transfer pair between available engines")
         top = max(c[0] for c in candidates)
@@ -268,3 +300,32 @@ class SchedulerV1:
                 over_budget=pair,
             )
         return pair
+
+    def _local(
+        self,
+        state: FleetState,
+        d: EngineState,
+        n: int,
+        shape: RequestShape,
+        batch: int,
+        tpot: float,
+        now: float,
+    ) -> tuple[float, float, EngineState, float, float, float]:
+        """The candidate "``d`` prefills the prompt itself": (slack, load, engine, TTFT, TPOT,
+        prefill seconds)."""
+        predictor = self.predictor
+        prefill_s = predictor.models[d.id].prefill.predict(n).seconds * predictor.ratio(
+            d.id, "prefill"
+        )
+        wait = tpot / 2 if batch > 0 else 0.0  # the step in progress finishes first
+        ttft = d.queued_prefill_s(now) + wait + prefill_s + tpot
+        horizon = max(1, shape.max_tokens - 1)
+        stalls = d.recent_local_prefill_s(now - horizon * tpot)
+        if batch > 0:
+            stalls += prefill_s
+        tpot_local = tpot + stalls / horizon
+        slack = min(
+            (self.budgets.ttft_s - shape.elapsed_s - ttft) / self.budgets.ttft_s,
+            (self.budgets.tpot_s - tpot_local) / self.budgets.tpot_s,
+        )
+        return slack, decode_load(state, d), d, ttft, tpot_local, prefill_s
