@@ -152,6 +152,12 @@ class RouterMetrics:
             ["engine", "reason"],
             registry=r,
         )
+        self.local_prefills = Counter(
+            "narwhal_local_prefills",
+            "Requests sent whole to a decode engine to prefill themselves (local prefill).",
+            ["engine"],
+            registry=r,
+        )
         self.retries = Counter(
             "narwhal_retries", "Legs retried on another engine.", ["leg"], registry=r
         )
@@ -254,6 +260,7 @@ class RouterMetrics:
             self.prefill.labels(engine)
             self.handoff.labels(engine)
             self.deadline_exceeded.labels(engine)
+            self.local_prefills.labels(engine)
             self.engine_healthy.labels(engine)
             self.breaker_state.labels(engine)
             self.scrape_errors.labels(engine)

@@ -149,7 +149,8 @@ class SchedulerV1:
     is the decode model at batch + 1 plus the stalls a sequence there sees over the request's
     output: the local prefills sent to that engine in the last (output tokens x TPOT) seconds,
     and this one when the batch is not empty, spread over the output tokens. A local candidate
-    wins only when it is predicted faster than every handoff pair and meets both budgets.
+    wins only when it is predicted faster than every handoff pair, meets both budgets, and
+    its first token comes within the first-token deadline (which bounds its whole leg).
     """
 
     def __init__(
@@ -273,7 +274,8 @@ class SchedulerV1:
             candidates.append((slack, load, d, choice, ttft, tpot))
         if local:
             fastest = min((c[4] for c in candidates), default=float("inf"))
-            fits = [c for c in local if c[0] >= 0 and c[3] < fastest]
+            deadline = state.fleet.engine.first_token_timeout_s
+            fits = [c for c in local if c[0] >= 0 and c[3] < min(fastest, deadline)]
             if fits:
                 top = max(c[0] for c in fits)
                 floor = max(top - margin, 0.0)

@@ -164,6 +164,8 @@ class Runtime:
         if tally is not None:
             if tally.completion_tokens is not None:
                 record.completion_tokens = tally.completion_tokens
+            if record.prompt_tokens is None and isinstance(tally.prompt_tokens, int):
+                record.prompt_tokens = tally.prompt_tokens  # no prefill leg counted them
             if tally.first_token_at is not None:
                 record.t_first_token = tally.first_token_at - record.arrival_mono
             if tally.last_token_at is not None:

@@ -1,6 +1,10 @@
 """The P/D request path: pick a pair, run the prefill leg, open the decode leg under the
 first-token deadline, retry what can be retried, and hand back a decode stream positioned after
-its first event. Relaying that stream to the client lives in ``relay.py``."""
+its first event. Relaying that stream to the client lives in ``relay.py``.
+
+A local pick (scheduler v1 with ``routing.local_prefill``) skips the prefill leg: the decode
+engine gets one ordinary request (no ``kv_transfer_params``), prefills it itself and streams it
+back through the same decode-leg code, deadline, retries and relay."""
 
 from __future__ import annotations
 
@@ -114,7 +118,13 @@ class PDRouter:
         else:
             tokens = self.lengths.estimate(request.prompt_bytes)
         default_max = 16 if not request.chat else DEFAULT_CHAT_MAX_TOKENS
-        return RequestShape(tokens, request.max_tokens or default_max, record.since_arrival())
+        return RequestShape(
+            tokens,
+            request.max_tokens or default_max,
+            record.since_arrival(),
+            # The prompt's token ids come back from a prefill leg only.
+            local_ok=not request.body.get("return_token_ids"),
+        )
 
     async def _admit(self, request: ClientRequest, record: RequestRecord) -> Pair:
         """The first pick, under admission control: reject or queue when nothing fits."""
@@ -224,9 +234,9 @@ class PDRouter:
                 pick: Pair | NoPair = await self._admit(request, record)
                 if self.demand is not None:
                     shape = self.shape(request, record)
-                    self.demand.record_start(
-                        pick.predicted_prefill_s or 0.0, shape.prompt_tokens, shape.max_tokens
-                    )
+                    # A local prefill is no work for the prefill pool.
+                    prefill_s = 0.0 if pick.local else pick.predicted_prefill_s or 0.0
+                    self.demand.record_start(prefill_s, shape.prompt_tokens, shape.max_tokens)
             else:
                 pick = self.scheduler.pick(
                     self.state, self.shape(request, record), failed_prefill, failed_decode
@@ -248,24 +258,28 @@ class PDRouter:
             prefill = self.state.engines[pick.prefill]
             decode = self.state.engines[pick.decode]
             record.role_generation = self.state.role_generation
-            # Prefill leg. Its decode engine counts it from now (it will join that batch).
-            decode.pending_decode += 1
-            try:
-                params, prompt_tokens = await self._prefill(prefill, request, record, pick)
-            except _EngineClientError as exc:
-                raise RouterError.passthrough(exc.status, exc.body) from None
-            except _LegFailure as exc:
-                prefill_failures += 1
-                last_error = f"prefill on {prefill.id}: {exc}"
-                failed_prefill.add(prefill.id)
-                if prefill_failures >= routing.max_prefill_attempts:
-                    raise self._exhausted(
-                        prefill_failures, decode_failures, False, last_error
-                    ) from None
-                self.metrics.retries.labels("prefill").inc()
-                continue
-            finally:
-                decode.pending_decode -= 1
+            record.mode = "local" if pick.local else "pd"
+            params: Any = None
+            prompt_tokens: int | None = None
+            if not pick.local:
+                # Prefill leg. Its decode engine counts it from now (it will join that batch).
+                decode.pending_decode += 1
+                try:
+                    params, prompt_tokens = await self._prefill(prefill, request, record, pick)
+                except _EngineClientError as exc:
+                    raise RouterError.passthrough(exc.status, exc.body) from None
+                except _LegFailure as exc:
+                    prefill_failures += 1
+                    last_error = f"prefill on {prefill.id}: {exc}"
+                    failed_prefill.add(prefill.id)
+                    if prefill_failures >= routing.max_prefill_attempts:
+                        raise self._exhausted(
+                            prefill_failures, decode_failures, False, last_error
+                        ) from None
+                    self.metrics.retries.labels("prefill").inc()
+                    continue
+                finally:
+                    decode.pending_decode -= 1
             # Decode leg, under the first-token deadline.
             try:
                 return await self._decode(
@@ -277,7 +291,8 @@ class PDRouter:
                 raise RouterError.passthrough(exc.status, exc.body) from None
             except _LegFailure as exc:
                 decode_failures += 1
-                last_error = f"decode on {decode.id}: {exc}"
+                what = "local prefill and decode" if pick.local else "decode"
+                last_error = f"{what} on {decode.id}: {exc}"
                 failed_decode.add(decode.id)
                 if params is not None:
                     reason = "deadline_exceeded" if exc.deadline else "decode_failed"
@@ -442,6 +457,7 @@ class PDRouter:
         deadline_s: float,
     ) -> DecodeStream:
         path = "/v1/chat/completions" if request.chat else "/v1/completions"
+        # A local pick sends the client's request as it is: no kv_transfer_params at all.
         body = orjson.dumps(decode_leg_body(request.body, params))
         client = self.engines.client(engine.id)
         record.decode_engine = engine.id
@@ -449,8 +465,22 @@ class PDRouter:
         engine.breaker.on_dispatch()
         engine.in_flight_decode += 1
         self.metrics.in_flight.labels(engine.id, "decode").inc()
+        if pick.local:
+            # The engine that decodes prefills: journaled as both, with no handoff.
+            record.prefill_engine = engine.id
+            record.handoff = None
+            record.t_prefill_start = record.t_decode_start
+            record.t_prefill_end = None
+            self.metrics.local_prefills.labels(engine.id).inc()
+            now = self.state.clock.now()
+            predicted = pick.predicted_prefill_s or 0.0
+            # Queued local prefill work (the next local pick waits behind it) and the stall
+            # history the scheduler weighs against this engine's batch.
+            engine.prefill_work[record.id] = (predicted, now)
+            engine.note_local_prefill(now, predicted)
         handed_over = False
         response: httpx.Response | None = None
+        leg = "local" if pick.local else "decode"  # as the journal's attempts name it
 
         async def first_event() -> tuple[httpx.Response, AsyncIterator[bytes], bytes]:
             nonlocal response
@@ -494,12 +524,13 @@ class PDRouter:
                 # The tail of handoff latency includes the legs that missed (at least this
                 # long); and a missed deadline is a failed leg for the breaker, or a half-open
                 # probe that missed would hold its breaker half-open for good.
-                self.metrics.handoff.labels(engine.id).observe(
-                    record.since_arrival() - record.t_decode_start
-                )
+                if not pick.local:
+                    self.metrics.handoff.labels(engine.id).observe(
+                        record.since_arrival() - record.t_decode_start
+                    )
                 self._leg_failed(engine, "decode")
                 record.attempt(
-                    "decode",
+                    leg,
                     engine.id,
                     "deadline_exceeded",
                     after_s=round(record.since_arrival() - record.t_decode_start, 6),
@@ -507,17 +538,19 @@ class PDRouter:
                 raise _LegFailure(f"no first token within {deadline_s} s", deadline=True) from None
             except (httpx.HTTPError, ValueError, orjson.JSONDecodeError) as exc:
                 self._leg_failed(engine, "decode")
-                record.attempt("decode", engine.id, "failed", error=f"{type(exc).__name__}: {exc}")
+                record.attempt(leg, engine.id, "failed", error=f"{type(exc).__name__}: {exc}")
                 raise _LegFailure(f"{type(exc).__name__}: {exc}") from None
             except _LegFailure as exc:
                 self._leg_failed(engine, "decode")
-                record.attempt("decode", engine.id, "failed", error=str(exc))
+                record.attempt(leg, engine.id, "failed", error=str(exc))
                 raise
             except _EngineClientError:
                 self._leg_ok(engine)
                 raise
             handed_over = True
         finally:
+            if pick.local:
+                engine.prefill_work.pop(record.id, None)
             if not handed_over:
                 engine.in_flight_decode -= 1
                 self.metrics.in_flight.labels(engine.id, "decode").dec()
@@ -526,11 +559,15 @@ class PDRouter:
                         await response.aclose()
         self._leg_ok(engine)
         first_token_s = record.since_arrival() - record.t_decode_start
-        record.handoff_first_token_s = first_token_s
-        self.metrics.handoff.labels(engine.id).observe(first_token_s)
-        record.attempt("decode", engine.id, "first_token", after_s=round(first_token_s, 6))
-        if self.predictor is not None and pick.predicted_tpot_s is not None:
-            self.predictor.observe_handoff(engine.id, first_token_s, pick.predicted_tpot_s)
+        if pick.local:
+            record.t_prefill_end = record.t_decode_start + first_token_s
+            record.attempt(leg, engine.id, "first_token", after_s=round(first_token_s, 6))
+        else:
+            record.handoff_first_token_s = first_token_s
+            self.metrics.handoff.labels(engine.id).observe(first_token_s)
+            record.attempt("decode", engine.id, "first_token", after_s=round(first_token_s, 6))
+            if self.predictor is not None and pick.predicted_tpot_s is not None:
+                self.predictor.observe_handoff(engine.id, first_token_s, pick.predicted_tpot_s)
         return DecodeStream(
             engine.id,
             resp,

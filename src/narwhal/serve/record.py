@@ -29,6 +29,9 @@ class RequestRecord:
     decode_engine: str | None = None
     role_generation: int | None = None
     handoff: str | None = None  # "nixl" when KV moved, "local" when decode prefilled itself
+    # "pd": a prefill leg then a decode leg; "local": the scheduler sent the whole request to
+    # the decode engine (routing.local_prefill); None until an engine was picked.
+    mode: str | None = None
     attempts: list[dict[str, Any]] = field(default_factory=list)
     t_prefill_start: float | None = None
     t_prefill_end: float | None = None
@@ -77,6 +80,7 @@ class RequestRecord:
             "prefill_engine": self.prefill_engine,
             "decode_engine": self.decode_engine,
             "role_generation": self.role_generation,
+            "mode": self.mode,
             "handoff": self.handoff,
             "t_prefill_start": self.t_prefill_start,
             "t_prefill_end": self.t_prefill_end,

@@ -31,6 +31,7 @@ class StreamTally:
     """Token accounting for one decode stream."""
 
     completion_tokens: int | None = None
+    prompt_tokens: int | None = None  # as the decode engine's usage counts them
     token_events: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -94,6 +95,7 @@ async def relay_events(
                 raise _StreamFailed(str((obj.get("error") or {}).get("message", "engine error")))
             if isinstance(obj, dict) and obj.get("usage") and not obj.get("choices"):
                 tally.completion_tokens = obj["usage"].get("completion_tokens")
+                tally.prompt_tokens = obj["usage"].get("prompt_tokens")
                 if include_usage:
                     obj["usage"] = _usage(obj["usage"], stream.prefill_prompt_tokens)
                     yield b"data: " + orjson.dumps(obj) + b"\n\n"
@@ -189,6 +191,7 @@ async def aggregate(
     tally.done = True
     if usage is not None:
         tally.completion_tokens = usage.get("completion_tokens")
+        tally.prompt_tokens = usage.get("prompt_tokens")
         usage = _usage(usage, stream.prefill_prompt_tokens)
     head = head or {}
     text = "".join(texts)
