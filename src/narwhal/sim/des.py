@@ -71,6 +71,7 @@ class _Request:
     last_token: float | None = None
     outcome: str = "pending"
     deadline_missed: bool = False
+    local: bool = False  # prefilled by its decode engine (routing.local_prefill)
 
 
 @dataclass
@@ -263,6 +264,10 @@ class _Simulation:
                     self.finish_segment(engine)
             elif kind == "prefill_done":
                 self.prefill_done(payload)
+            elif kind == "local_leg":
+                engine = self.engines[payload.decode]
+                engine.prefill_queue.append([payload, 0])
+                self.new_work(engine)
             elif kind == "decode_leg":
                 engine = self.engines[payload.decode]
                 engine.pending.append(_Sequence(payload, 0, 0))
@@ -330,6 +335,9 @@ class _Simulation:
             self.at(self.clock.now() + 0.05, "retry_queue", None)
 
     def dispatch(self, request: _Request, pair: Pair) -> None:
+        if pair.local:
+            self.dispatch_local(request, pair)
+            return
         now = self.clock.now()
         request.prefill, request.decode = pair.prefill, pair.decode
         request.predicted_tpot = pair.predicted_tpot_s
@@ -346,6 +354,36 @@ class _Simulation:
         engine = self.engines[pair.prefill]
         engine.prefill_queue.append([request, 0])
         self.new_work(engine)
+
+    def dispatch_local(self, request: _Request, pair: Pair) -> None:
+        """The decode engine prefills the prompt itself: one leg, no transfer. The prompt
+        queues for that engine's prefill budget like any other, stalling its decode steps."""
+        now = self.clock.now()
+        request.local = True
+        request.prefill = request.decode = pair.decode
+        request.predicted_tpot = pair.predicted_tpot_s
+        request.prefill_start = request.decode_start = now
+        d = self.state.engines[pair.decode]
+        d.in_flight_decode += 1  # as the router counts it: one decode leg
+        if pair.predicted_prefill_s is not None:
+            d.prefill_work[str(request.index)] = (pair.predicted_prefill_s, now)
+            d.note_local_prefill(now, pair.predicted_prefill_s)
+        # No work for the prefill pool (as the router records it).
+        self.demand.record_start(0.0, request.spec.prompt_tokens, request.spec.output_tokens)
+        self.at(now + self.config.leg_overhead_s, "local_leg", request)
+
+    def local_prefilled(self, engine: _Engine, request: _Request, step_end: float) -> None:
+        """A local prompt's prefill ended with this step, which also sampled its first token:
+        it decodes from the next step on, in the same engine's batch."""
+        self.state.engines[engine.id].prefill_work.pop(str(request.index), None)
+        self.decode_first_token(request, step_end + self.config.leg_overhead_s)
+        n = request.spec.output_tokens
+        if n <= 1:
+            self.decode_finished(request, step_end)
+            return
+        sequence = _Sequence(request, engine.steps + n - 1, engine.steps)
+        heapq.heappush(engine.decoding, (sequence.end_step, request.index, sequence))
+        engine.context_sum += request.spec.prompt_tokens + 1
 
     def prefill_done(self, request: _Request) -> None:
         now = self.clock.now()
@@ -370,7 +408,11 @@ class _Simulation:
         handoff = now - request.decode_start
         if handoff > self.deadline:
             request.deadline_missed = True
-        if request.predicted_tpot is not None and self.config.scheduler == "v1":
+        if (
+            request.predicted_tpot is not None
+            and self.config.scheduler == "v1"
+            and not request.local  # no handoff to learn from
+        ):
             self.predictor.observe_handoff(request.decode, handoff, request.predicted_tpot)
 
     def decode_finished(self, request: _Request, now: float) -> None:
@@ -526,7 +568,10 @@ class _Simulation:
             job[1] += n
             if job[1] >= request.spec.prompt_tokens:
                 engine.prefill_queue.remove(job)
-                self.at(first_step_end + self.config.leg_overhead_s, "prefill_done", request)
+                if request.local:
+                    self.local_prefilled(engine, request, first_step_end)
+                else:
+                    self.at(first_step_end + self.config.leg_overhead_s, "prefill_done", request)
         engine.segment = None
         engine.busy_until = None
         self.kick(engine)
