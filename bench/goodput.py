@@ -20,6 +20,9 @@ Workloads:
 
 Systems: ``narwhal_v1`` (narwhal-serve with a profile store that narwhal-profile makes once on
 this fleet; admission control as the fleet's routing policy says, ``reject`` by default),
+``narwhal_v1_local`` ("narwhal v1 + local prefill": the same, on a copy of the fleet file with
+``routing.local_prefill`` on for prompts of at most ``--local-max-prompt`` tokens, so a decode
+engine may prefill a short prompt itself when that is predicted faster than a handoff),
 ``narwhal_v0`` (``--scheduler v0``: least outstanding work), and vllm-router 0.1.17
 (``--vllm-pd-disaggregation``, every engine given as ``--prefill`` or ``--decode``) with
 ``--policy round_robin``, ``--policy power_of_two``, and no ``--policy`` (its default,
@@ -46,7 +49,8 @@ two steps at a time until a miss, down until a pass, then the point between. Aft
         [--systems ...] [--max-trials 4] [--keep-dir]
 
 Only 127.0.0.1 is contacted. Progress goes to stderr; ``name: value`` rows, a table and the
-ratio lines ``ratio_goodput_v1_over_best_other_<workload>`` go to stdout. Each trial's CPU
+ratio lines ``ratio_goodput_v1_over_best_other_<workload>`` (other: v0 and vllm-router) and
+``ratio_goodput_v1_local_over_v1_<workload>`` go to stdout. Each trial's CPU
 use of the whole machine and of processes outside this benchmark is reported: the simulated
 engines' step times are only as faithful as the CPU they get.
 """
@@ -92,7 +96,15 @@ TRACES = {
     "conv": "AzureLLMInferenceTrace_conv.csv",
 }
 WORKLOADS = ("code", "conv", "fixed")
-SYSTEMS = ("narwhal_v1", "narwhal_v0", "vllm_round_robin", "vllm_power_of_two", "vllm_default")
+SYSTEMS = (
+    "narwhal_v1",
+    "narwhal_v1_local",
+    "narwhal_v0",
+    "vllm_round_robin",
+    "vllm_power_of_two",
+    "vllm_default",
+)
+V1_SYSTEMS = ("narwhal_v1", "narwhal_v1_local")  # routed with the profile store
 VLLM_POLICY = {"vllm_round_robin": "round_robin", "vllm_power_of_two": "power_of_two"}
 FIXED_IN, FIXED_OUT = 8192, 128
 WORD_IDS = (256, 10256)  # the simulator's word tokens (byte tokens below, specials above)
@@ -562,7 +574,7 @@ class Router:
                 "--log-level",
                 "warning",
             ]
-            if system == "narwhal_v1":
+            if system in V1_SYSTEMS:
                 assert store is not None
                 args += ["--profiles", str(store), "--scheduler", "v1"]
             else:
@@ -617,7 +629,13 @@ class Router:
             value = float(m.group(2)) - (before or {}).get(key, 0.0)
             if before is None or value:
                 out[key] = value
-        if self.system == "narwhal_v1":
+        if self.system == "narwhal_v1_local":
+            local = sum(
+                float(m.group(1))
+                for m in re.finditer(r"^narwhal_local_prefills_total\{[^}]*\} (\S+)$", text, re.M)
+            )
+            out["local_prefills"] = local - (before or {}).get("local_prefills", 0.0)
+        if self.system in V1_SYSTEMS:
             for m in re.finditer(
                 r'^narwhal_latency_ratio\{engine="([^"]+)",phase="([^"]+)"\} (\S+)$', text, re.M
             ):
@@ -903,6 +921,12 @@ def main() -> int:
     parser.add_argument("--profile-decode-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--settle-s", type=float, default=1.0, help="idle pause before a trial")
+    parser.add_argument(
+        "--local-max-prompt",
+        type=int,
+        default=1024,
+        help="narwhal_v1_local: routing.local_prefill.max_prompt_tokens",
+    )
     parser.add_argument("--keep-dir", action="store_true")
     args = parser.parse_args()
     workloads = [x for x in args.workloads.split(",") if x]
@@ -1000,8 +1024,16 @@ def main() -> int:
         urls = [fleet.engines[i].url for i in ids]
         prefill_urls, decode_urls = urls[: args.prefill], urls[args.prefill :]
 
+        local_fleet_path = directory / "fleet-local.json"
+        local_doc = {
+            **doc,
+            "routing": {
+                "local_prefill": {"enabled": True, "max_prompt_tokens": args.local_max_prompt}
+            },
+        }
+        local_fleet_path.write_text(json.dumps(local_doc, indent=2))
         store = None
-        if "narwhal_v1" in systems:
+        if any(s in V1_SYSTEMS for s in systems):
             log(f"profiling the fleet (decode concurrency {args.profile_concurrency})")
             t = time.perf_counter()
             store = profile(directory, fleet_path, args)
@@ -1043,7 +1075,13 @@ def main() -> int:
         # systems take turns on each workload close together in time.
         for system in systems:
             routers[system] = Router(
-                system, directory, fleet_path, store, prefill_urls, decode_urls, router_bin
+                system,
+                directory,
+                local_fleet_path if system == "narwhal_v1_local" else fleet_path,
+                store,
+                prefill_urls,
+                decode_urls,
+                router_bin,
             )
             log(f"starting {system}")
             routers[system].start()
@@ -1098,6 +1136,12 @@ def main() -> int:
             "vllm_router",
             "0.1.17 --vllm-pd-disaggregation; vllm_default = no --policy (cache_aware)",
         )
+        if "narwhal_v1_local" in systems:
+            add(
+                "narwhal_v1_local",
+                "narwhal v1 + local prefill: routing.local_prefill enabled,"
+                f" max_prompt_tokens {args.local_max_prompt}",
+            )
         add(
             "trials",
             ", ".join(f"{w} {args.durations[w]:g}" for w in loaded)
@@ -1155,13 +1199,24 @@ def main() -> int:
         if "narwhal_v1" in systems and len(systems) > 1:
             for name in loaded:
                 v1 = results[("narwhal_v1", name)].goodput()
-                others = {s: results[(s, name)].goodput() for s in systems if s != "narwhal_v1"}
+                others = {s: results[(s, name)].goodput() for s in systems if s not in V1_SYSTEMS}
+                if not others:
+                    continue
                 best_sys = max(others, key=lambda s: others[s])
                 best = others[best_sys]
                 ratio = f"{v1 / best:.2f}" if best > 0 else ("inf" if v1 > 0 else "n/a")
                 print(
                     f"ratio_goodput_v1_over_best_other_{name}: {ratio}"
                     f" (v1 {v1:.3f} vs {best_sys} {best:.3f})"
+                )
+        if "narwhal_v1" in systems and "narwhal_v1_local" in systems:
+            for name in loaded:
+                v1 = results[("narwhal_v1", name)].goodput()
+                lp = results[("narwhal_v1_local", name)].goodput()
+                ratio = f"{lp / v1:.2f}" if v1 > 0 else ("inf" if lp > 0 else "n/a")
+                print(
+                    f"ratio_goodput_v1_local_over_v1_{name}: {ratio}"
+                    f" (v1 + local prefill {lp:.3f} vs v1 {v1:.3f})"
                 )
         if args.keep_dir:
             print(f"kept: {directory}")
