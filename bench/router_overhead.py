@@ -1,26 +1,38 @@
-"""Router overhead: narwhal-serve and vllm-router against the client doing P/D itself.
+"""Router overhead: narwhal-serve, vllm-router and sglang-router against the client doing P/D.
 
 Two simulated engines with zero step latency (every step sleeps 0 s): e0 prefills, e1 decodes.
-In one run this measures, for streamed (16 tokens, ``ignore_eos``, ``stream_options.include_usage``)
-and non-streamed (16 tokens) completions, three targets:
+First the load client alone is measured against one engine (plain completions on e1, no P/D, no
+router), at concurrency 1 and ``--concurrency``: its requests/s and CPU per request bound what
+the client can show of any router. Then, in one run, for streamed (16 tokens, ``ignore_eos``,
+``stream_options.include_usage``) and non-streamed (16 tokens) completions, four targets:
 
 - ``direct``: the client runs the P/D protocol itself (prefill leg on e0 with ``max_tokens: 1``
   and ``kv_transfer_params.do_remote_decode``, then the decode leg on e1 with the
   ``kv_transfer_params`` e0 returned, streamed or not as the client asked). This is the latency
   of the two legs without a router;
 - ``narwhal``: ``narwhal-serve`` as a subprocess;
-- ``vllm_router``: ``vllm-router --vllm-pd-disaggregation`` as a subprocess (the Rust router
-  runs inside the Python launcher's process; the process tree is measured and the process that
-  listens on the port is named in the output).
+- ``vllm_router``: ``vllm-router --vllm-pd-disaggregation --policy round_robin`` as a
+  subprocess (the Rust router runs inside the Python launcher's process; the process tree is
+  measured and the process that listens on the port is named in the output);
+- ``sglang_router``: ``smg launch --pd-disaggregation --policy round_robin`` (sglang-router,
+  Rust, inside its Python launcher's process, measured the same way). It speaks SGLang's P/D
+  protocol: it sends the whole request to the prefill and the decode engine at once, with
+  ``bootstrap_*`` fields the simulated engines ignore, and relays the decode engine's answer.
+  Without ``kv_transfer_params`` the decode engine prefills the prompt itself (at zero cost
+  here), so the engines' work differs from the other targets; the router's does not: two
+  upstream requests per client request and one relayed response.
 
 Router CPU is read from ``/proc/<pid>/stat`` (utime + stime, which covers every thread of the
 process) summed over the router's whole process tree, before and after the measured requests.
 Latency is measured end to end by the client at concurrency 1 (after a warmup), in blocks that
 rotate over the three targets so drift hits all of them alike; "added" latency is the router's
 percentile minus direct's percentile. Requests/s is measured at concurrency 1 and at
-``--concurrency``. The client is raw asyncio streams (uvloop when available) over pooled
-keep-alive HTTP/1.1 connections; its own CPU per request is printed (against direct it pays for
-both legs). Only 127.0.0.1 is contacted.
+``--concurrency`` (32 by default). Every ratio is narwhal / the peer: router CPU per request,
+added p50 and p99 latency, and requests/s. ``*_share_c1_over_35ms`` is the share of concurrency-1
+requests slower than 35 ms: a router that leaves Nagle on would show there the 40 ms delayed-ACK
+stall per streamed response. The client is raw asyncio streams (uvloop when available) over
+pooled keep-alive HTTP/1.1 connections with ``TCP_NODELAY``; its own CPU per request is printed
+(against direct it pays for both legs). Only 127.0.0.1 is contacted.
 
     .venv/bin/python bench/router_overhead.py [--requests N] [--concurrency C]
 """
@@ -30,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.metadata
 import itertools
 import json
 import math
@@ -67,7 +80,10 @@ PROMPT = (
     "the males grow a long spiral tusk, they dive deep for halibut and squid, and they travel in "
     "pods that may number in the hundreds during the summer migration."
 )
-TARGETS = ("direct", "narwhal", "vllm_router")
+TARGETS = ("direct", "narwhal", "vllm_router", "sglang_router")
+ROUTERS = ("narwhal", "vllm_router", "sglang_router")
+PEERS = ("vllm_router", "sglang_router")
+STALL_MS = 35.0
 MODES = ("streamed", "nonstreamed")
 REQUEST_TIMEOUT_S = 30.0
 LATENCY_BLOCK = 25
@@ -283,8 +299,7 @@ def check_completion(content: bytes, stream: bool, where: str) -> None:
 class Endpoints:
     prefill_port: int
     decode_port: int
-    narwhal_port: int
-    vllm_router_port: int
+    ports: dict[str, int]  # router target -> port
 
 
 async def one_request(pool: Pool, ep: Endpoints, target: str, stream: bool, index: int) -> float:
@@ -319,9 +334,15 @@ async def one_request(pool: Pool, ep: Endpoints, target: str, stream: bool, inde
         status, content = await pool.post(
             ep.decode_port, "/v1/completions", orjson.dumps(decode), rid, stream
         )
+    elif target == "engine_alone":
+        # The client alone against one engine: a plain completion, no P/D, no router.
+        status, content = await pool.post(
+            ep.decode_port, "/v1/completions", orjson.dumps(body), rid, stream
+        )
     else:
-        port = ep.narwhal_port if target == "narwhal" else ep.vllm_router_port
-        status, content = await pool.post(port, "/v1/completions", orjson.dumps(body), rid, stream)
+        status, content = await pool.post(
+            ep.ports[target], "/v1/completions", orjson.dumps(body), rid, stream
+        )
     latency = time.perf_counter() - t0
     if status != 200:
         raise HTTPError(f"{target}: HTTP {status}: {content[:300]!r}")
@@ -390,6 +411,15 @@ async def measure(
     out: dict[tuple[str, str, str], Tally] = {}
     pool = Pool()
     try:
+        # The load client alone against one engine, before anything else.
+        for mode in MODES:
+            stream = mode == "streamed"
+            await run_load(pool, ep, "engine_alone", stream, warmup, 1)
+            for phase, conc in (("c1", 1), ("cN", concurrency)):
+                tally = out.setdefault((mode, "engine_alone", phase), Tally())
+                before = meter.snapshot("engine_alone")
+                tally.latencies += await run_load(pool, ep, "engine_alone", stream, requests, conc)
+                Meter.add(tally, before, meter.snapshot("engine_alone"), requests)
         for mode in MODES:
             stream = mode == "streamed"
             for target in TARGETS:
@@ -474,6 +504,37 @@ def spawn(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
         )
 
 
+def versions() -> str:
+    out = []
+    for dist in ("narwhal", "vllm-router", "sglang-router", "httpx", "uvicorn", "uvloop"):
+        try:
+            out.append(f"{dist} {importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            out.append(f"{dist} absent")
+    return ", ".join(out)
+
+
+def source_state() -> str:
+    """The commit measured, and whether the router's source differs from it (work in progress)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--", "src"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git)"
+    return f"HEAD {head}" + (f", {len(dirty)} files under src/ modified" if dirty else ", clean")
+
+
 def describe(pid: int) -> str:
     return f"{pid} ({process_name(pid)}, {thread_count(pid)} threads)"
 
@@ -494,61 +555,99 @@ def report(
     def pct(mode: str, target: str, q: float, phase: str = "c1") -> float:
         return percentile(results[(mode, target, phase)].latencies, q) * 1000
 
+    def added(mode: str, target: str, q: float) -> float:
+        return pct(mode, target, q) - pct(mode, "direct", q)
+
+    def cpu(mode: str, target: str, phase: str) -> float:
+        tally = results[(mode, target, phase)]
+        return per_req_ms(tally.router_cpu_s, tally)
+
+    def rps(mode: str, target: str, phase: str) -> float:
+        tally = results[(mode, target, phase)]
+        return tally.requests / tally.wall_s
+
+    def ratio(a: float, b: float) -> str:
+        # An added latency at or below 0 (noise around direct's) has no meaningful ratio.
+        return f"{a / b:.2f}" if b > 0 else f"n/a (peer {fmt(b)})"
+
     argv = " ".join(sys.argv[1:])
     add("command", f".venv/bin/python bench/router_overhead.py {argv}".rstrip())
     add("cpus", str(os.cpu_count()))
+    add("load_average_at_start", info["loadavg"])
     add("requests_per_target_mode_phase", str(args.requests))
     add("warmup_per_target_mode", f"{args.warmup} at c1 + {2 * c} at c{c}")
     add("throughput_concurrency", str(c))
     add("engines", f"e0 prefill {info['prefill_url']}, e1 decode {info['decode_url']}, steps 0 s")
     client = "raw asyncio streams" + (" + uvloop" if _UVLOOP else "")
-    add("client", f"{client}, keep-alive HTTP/1.1, orjson")
+    add("client", f"{client}, keep-alive HTTP/1.1, TCP_NODELAY, orjson")
     add("cpu_source", f"/proc/<pid>/stat utime+stime+cutime+cstime, {CLK_TCK} ticks/s")
-    add("narwhal_pids", info["narwhal"])
-    add("vllm_router_pids", info["vllm_router"])
+    add("versions", info["versions"])
+    add("source", info["source"])
+    for target in ROUTERS:
+        add(f"{target}_pids", info["pids"][target])
     if any(info["late"].values()):
         add("processes_started_during_run_not_measured", str(info["late"]))
-    add("narwhal_idle_cpu_ms_per_s", info["idle"]["narwhal"])
-    add("vllm_router_idle_cpu_ms_per_s", info["idle"]["vllm_router"])
+    for target in ROUTERS:
+        add(f"{target}_idle_cpu_ms_per_s", info["idle"][target])
     add("bench_wall_s", info["elapsed"])
+    # The load client alone against the decode engine (plain completions, no P/D).
+    for mode in MODES:
+        p = f"client_alone_engine_{mode}"
+        for phase, label in (("c1", "c1"), ("cN", f"c{c}")):
+            tally = results[(mode, "engine_alone", phase)]
+            add(f"{p}_rps_{label}", rps(mode, "engine_alone", phase))
+            add(f"{p}_p50_ms_{label}", pct(mode, "engine_alone", 50, phase))
+            add(f"{p}_client_cpu_ms_per_req_{label}", per_req_ms(tally.client_cpu_s, tally))
+            add(f"{p}_engine_cpu_ms_per_req_{label}", per_req_ms(tally.engine_cpu_s, tally))
     for mode in MODES:
         for target in TARGETS:
             t1, tn = results[(mode, target, "c1")], results[(mode, target, "cN")]
             p = f"{mode}_{target}"
             add(f"{p}_p50_ms", pct(mode, target, 50))
             add(f"{p}_p99_ms", pct(mode, target, 99))
+            stalled = sum(1 for x in t1.latencies if x * 1000 > STALL_MS) / len(t1.latencies)
+            add(f"{p}_share_c1_over_35ms", f"{stalled:.3f}")
             if target != "direct":
-                add(f"{p}_added_p50_ms", pct(mode, target, 50) - pct(mode, "direct", 50))
-                add(f"{p}_added_p99_ms", pct(mode, target, 99) - pct(mode, "direct", 99))
-                add(f"{p}_router_cpu_ms_per_req_c1", per_req_ms(t1.router_cpu_s, t1))
-                add(f"{p}_router_cpu_ms_per_req_c{c}", per_req_ms(tn.router_cpu_s, tn))
-            add(f"{p}_rps_c1", t1.requests / t1.wall_s)
-            add(f"{p}_rps_c{c}", tn.requests / tn.wall_s)
+                add(f"{p}_added_p50_ms", added(mode, target, 50))
+                add(f"{p}_added_p99_ms", added(mode, target, 99))
+                add(f"{p}_router_cpu_ms_per_req_c1", cpu(mode, target, "c1"))
+                add(f"{p}_router_cpu_ms_per_req_c{c}", cpu(mode, target, "cN"))
+            add(f"{p}_rps_c1", rps(mode, target, "c1"))
+            add(f"{p}_rps_c{c}", rps(mode, target, "cN"))
             add(f"{p}_p50_ms_c{c}", pct(mode, target, 50, "cN"))
+            add(f"{p}_p99_ms_c{c}", pct(mode, target, 99, "cN"))
             add(f"{p}_engines_cpu_ms_per_req_c1", per_req_ms(t1.engine_cpu_s, t1))
             add(f"{p}_client_cpu_ms_per_req_c1", per_req_ms(t1.client_cpu_s, t1))
             add(f"{p}_client_cpu_ms_per_req_c{c}", per_req_ms(tn.client_cpu_s, tn))
     for mode in MODES:
         direct = results[(mode, "direct", "c1")]
         add(
-            f"client_alone_cpu_ms_per_req_{mode}",
-            f"{fmt(per_req_ms(direct.client_cpu_s, direct))} (c1 against direct, both legs)",
+            f"client_cpu_ms_per_req_against_direct_{mode}",
+            f"{fmt(per_req_ms(direct.client_cpu_s, direct))} (c1, both legs)",
         )
+    # Ratios, narwhal / each peer. The c1 CPU ratio (each request alone on the machine) is the
+    # headline; it comes last.
     for mode in MODES:
-        for target in ("narwhal", "vllm_router"):
+        for peer in ("direct", *PEERS):
+            for phase, label in (("c1", "c1"), ("cN", f"c{c}")):
+                add(
+                    f"ratio_rps_narwhal_over_{peer}_{mode}_{label}",
+                    ratio(rps(mode, "narwhal", phase), rps(mode, peer, phase)),
+                )
+    for mode in MODES:
+        for peer in PEERS:
             for q in (50, 99):
                 add(
-                    f"added_latency_p{q}_ms_{target}_{mode}",
-                    pct(mode, target, q) - pct(mode, "direct", q),
+                    f"ratio_added_p{q}_narwhal_over_{peer}_{mode}",
+                    ratio(added(mode, "narwhal", q), added(mode, peer, q)),
                 )
-    # The c1 ratio (each request alone on the machine) is the headline; it comes last.
     for phase, label in (("cN", f"_c{c}"), ("c1", "")):
         for mode in MODES:
-            n = results[(mode, "narwhal", phase)]
-            v = results[(mode, "vllm_router", phase)]
-            ncpu, vcpu = per_req_ms(n.router_cpu_s, n), per_req_ms(v.router_cpu_s, v)
-            ratio = ncpu / vcpu if vcpu > 0 else float("inf")
-            add(f"ratio_cpu_narwhal_over_vllm_router_{mode}{label}", f"{ratio:.2f}")
+            for peer in PEERS:
+                add(
+                    f"ratio_cpu_narwhal_over_{peer}_{mode}{label}",
+                    ratio(cpu(mode, "narwhal", phase), cpu(mode, peer, phase)),
+                )
     return rows
 
 
@@ -562,7 +661,7 @@ def main() -> int:
         "--requests", type=int, default=1000, help="measured requests per target, mode and phase"
     )
     parser.add_argument(
-        "--concurrency", type=int, default=8, help="concurrency of the throughput phase"
+        "--concurrency", type=int, default=32, help="concurrency of the throughput phase"
     )
     parser.add_argument(
         "--warmup", type=int, default=30, help="warmup requests per target and mode"
@@ -571,13 +670,16 @@ def main() -> int:
     args = parser.parse_args()
     if args.requests < 1 or args.concurrency < 1 or args.warmup < 0:
         parser.error("--requests and --concurrency must be positive")
-    router_bin = Path(sys.executable).parent / "vllm-router"
-    if not router_bin.exists():
-        found = shutil.which("vllm-router")
-        if not found:
-            print("vllm-router is not installed", file=sys.stderr)
-            return 2
-        router_bin = Path(found)
+    bins: dict[str, Path] = {}
+    for name in ("vllm-router", "smg"):
+        path = Path(sys.executable).parent / name
+        if not path.exists():
+            found = shutil.which(name)
+            if not found:
+                print(f"{name} is not installed (pip install -e '.[dev]')", file=sys.stderr)
+                return 2
+            path = Path(found)
+        bins[name] = path
 
     def on_term(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)
@@ -588,8 +690,10 @@ def main() -> int:
     fleet: SimFleet | None = None
     narwhal: subprocess.Popen[bytes] | None = None
     vllm: subprocess.Popen[bytes] | None = None
+    sglang: subprocess.Popen[bytes] | None = None
+    loadavg = " ".join(f"{x:.2f}" for x in os.getloadavg())
     try:
-        ports = free_ports(8)
+        ports = free_ports(10)
         doc = local_fleet_document(ports[0:2], ports[2:4], sim=dict(ZERO_LATENCY))
         fleet_path = directory / "fleet.json"
         fleet_path.write_text(json.dumps(doc, indent=2))
@@ -599,6 +703,7 @@ def main() -> int:
         engine_pids = [e.process.pid for e in fleet.engines.values() if e.process]
 
         narwhal_port, vllm_port, prom_port = ports[4], ports[5], ports[6]
+        sglang_port, sglang_prom_port = ports[7], ports[8]
         narwhal = spawn(
             [
                 sys.executable,
@@ -620,7 +725,7 @@ def main() -> int:
         )
         vllm = spawn(
             [
-                str(router_bin),
+                str(bins["vllm-router"]),
                 "--vllm-pd-disaggregation",
                 "--prefill",
                 prefill_url,
@@ -643,21 +748,51 @@ def main() -> int:
             ],
             directory / "vllm-router.log",
         )
+        sglang = spawn(
+            [
+                str(bins["smg"]),
+                "launch",
+                "--pd-disaggregation",
+                "--prefill",
+                prefill_url,
+                "--decode",
+                decode_url,
+                "--policy",
+                "round_robin",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(sglang_port),
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(sglang_prom_port),
+                "--worker-startup-check-interval",
+                "1",
+                "--log-level",
+                "info",
+            ],
+            directory / "sglang-router.log",
+        )
         wait_ready(
             narwhal, f"http://127.0.0.1:{narwhal_port}", directory / "narwhal.log", 60, False
         )
         wait_ready(vllm, f"http://127.0.0.1:{vllm_port}", directory / "vllm-router.log", 60, True)
-        router_pids = {"narwhal": descendants(narwhal.pid), "vllm_router": descendants(vllm.pid)}
-        vllm_listener = listening_pid(vllm_port, router_pids["vllm_router"])
-        narwhal_listener = listening_pid(narwhal_port, router_pids["narwhal"])
-        if vllm_listener is None or narwhal_listener is None:
-            raise RuntimeError("could not find the process listening on a router port")
+        wait_ready(
+            sglang, f"http://127.0.0.1:{sglang_port}", directory / "sglang-router.log", 60, True
+        )
+        procs = {"narwhal": narwhal, "vllm_router": vllm, "sglang_router": sglang}
+        ports_of = {"narwhal": narwhal_port, "vllm_router": vllm_port, "sglang_router": sglang_port}
+        router_pids = {t: descendants(p.pid) for t, p in procs.items()}
+        pids_info = {}
+        for target in ROUTERS:
+            listener = listening_pid(ports_of[target], router_pids[target])
+            if listener is None:
+                raise RuntimeError(f"could not find the process listening for {target}")
+            pids_info[target] = f"{router_pids[target]} listener {describe(listener)}"
 
         ep = Endpoints(
-            int(prefill_url.rsplit(":", 1)[1]),
-            int(decode_url.rsplit(":", 1)[1]),
-            narwhal_port,
-            vllm_port,
+            int(prefill_url.rsplit(":", 1)[1]), int(decode_url.rsplit(":", 1)[1]), ports_of
         )
         meter = Meter(router_pids, engine_pids)
 
@@ -674,16 +809,15 @@ def main() -> int:
         results = uvloop.run(coro) if _UVLOOP else asyncio.run(coro)
         elapsed = time.perf_counter() - t_start
         # Processes started during the run (none expected) are reported, not silently missed.
-        late = {
-            t: sorted(set(descendants(p.pid)) - set(router_pids[t]))
-            for t, p in (("narwhal", narwhal), ("vllm_router", vllm))
-        }
+        late = {t: sorted(set(descendants(p.pid)) - set(router_pids[t])) for t, p in procs.items()}
 
         info = {
             "prefill_url": prefill_url,
             "decode_url": decode_url,
-            "narwhal": f"{router_pids['narwhal']} listener {describe(narwhal_listener)}",
-            "vllm_router": f"{router_pids['vllm_router']} listener {describe(vllm_listener)}",
+            "loadavg": loadavg,
+            "versions": versions(),
+            "source": source_state(),
+            "pids": pids_info,
             "late": late,
             "idle": idle,
             "elapsed": elapsed,
@@ -697,6 +831,7 @@ def main() -> int:
     finally:
         stop_process(narwhal)
         stop_process(vllm)
+        stop_process(sglang)
         if fleet is not None:
             fleet.stop()
         if not args.keep_dir:

@@ -80,6 +80,27 @@ def log(message: str) -> None:
     print(f"[streams-memory {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+def source_state() -> str:
+    """The commit measured, and whether the router's source differs from it (work in progress)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--", "src"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git)"
+    return f"HEAD {head}" + (f", {len(dirty)} files under src/ modified" if dirty else ", clean")
+
+
 def free_ports(n: int) -> list[int]:
     socks = []
     try:
@@ -300,7 +321,7 @@ class Client:
 # Router observation
 
 
-def admin_in_flight(url: str) -> int | None:
+def admin_state(url: str) -> dict[str, Any] | None:
     try:
         r = httpx.get(
             url + "/admin/state",
@@ -308,8 +329,17 @@ def admin_in_flight(url: str) -> int | None:
             timeout=30,
             trust_env=False,
         )
-        return int(r.json()["in_flight_requests"])
-    except (httpx.HTTPError, ValueError, KeyError):
+        state = r.json()
+        return state if isinstance(state, dict) else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def admin_in_flight(url: str) -> int | None:
+    state = admin_state(url)
+    try:
+        return int(state["in_flight_requests"]) if state is not None else None
+    except (KeyError, TypeError, ValueError):
         return None
 
 
@@ -446,6 +476,7 @@ async def drive(
         open_seen.append(n_open)
         await asyncio.sleep(2.0)
     metric = await asyncio.to_thread(metric_in_flight, url)
+    end_state = await asyncio.to_thread(admin_state, url)
     phases.hold = (t_hold, time.monotonic())
     hold_s = phases.hold[1] - phases.hold[0]
     cpu_hold = cpu_seconds(pid) - cpu_hold0
@@ -482,10 +513,19 @@ async def drive(
     if ended_early:
         report["streams_ended_by_router_before_hangup"] = len(ended_early)
         report["example_ended_stream_tail"] = ended_early[0].tail.decode(errors="replace")[-200:]
-    failed = [s for s in client.streams if s.error is not None]
-    if failed:
-        report["example_failure"] = (
-            f"stream {failed[0].index}: {failed[0].error} {failed[0].tail[:200]!r}"
+    examples: dict[str, Stream] = {}
+    for s in client.streams:
+        if s.error is not None:
+            examples.setdefault(s.error.split(":")[0][:60], s)
+    for kind, s in examples.items():
+        report[f"first_failure_{kind.replace(' ', '_')}"] = (
+            f"stream {s.index}: {s.error} {s.tail[:240]!r}"
+        )
+    if end_state is not None:
+        report["router_engines_end_of_hold"] = "; ".join(
+            f"{e['id']} {e['role']} healthy={e['healthy']} breaker={e['breaker']} "
+            f"in_flight={e['in_flight']['prefill']}/{e['in_flight']['decode']}"
+            for e in end_state.get("engines", [])
         )
     first_data = sum(1 for s in client.streams if s.first_data_at is not None)
     report["streams_with_a_token"] = first_data
@@ -679,7 +719,10 @@ def main() -> int:
         report["command"] = "python bench/streams_memory.py " + " ".join(sys.argv[1:])
         report["cpus"] = os.cpu_count()
         report["load_average_at_start"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
-        report["rlimit_nofile"] = f"{nofile[0]}/{nofile[1]}"
+        report["source"] = source_state()
+        report["rlimit_nofile"] = f"{nofile[0]}/{nofile[1]}" + (
+            "" if nofile[1] >= want else f" (hard limit; raising it to {want} was refused)"
+        )
         report["engines"] = (
             f"1 prefill (0 s) + {args.decode_engines} decode, one token per stream every "
             f"{args.token_interval} s, max_tokens {max_tokens}, "
