@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
+
 from narwhal.clock import VirtualClock
 from narwhal.contract import Budgets, RoleControl, RoutingPolicy, parse_fleet
+from narwhal.metrics import RouterMetrics
 from narwhal.profiles.models import DecodeLatencyModel, PrefillLatencyModel
 from narwhal.profiles.store import EngineModels
 from narwhal.routing.admission import Admit, Queue, Reject, Unavailable, admit
 from narwhal.routing.fleet_state import FleetState
 from narwhal.routing.predictor import LatencyPredictor
 from narwhal.routing.roles import DemandTracker, RoleController
-from narwhal.routing.scheduler import NoPair, Pair, SchedulerV1
+from narwhal.routing.scheduler import NoPair, Pair, RequestShape, SchedulerV1
+from narwhal.serve.errors import RouterError
+from narwhal.serve.pd import PDRouter
+from narwhal.serve.record import RequestRecord
+from narwhal.serve.validation import parse_client_request
 from narwhal.sim.fleet import local_fleet_document
 
 BUDGETS = Budgets(ttft_s=2.0, tpot_s=0.1, attainment=0.95)
@@ -20,6 +29,7 @@ def setup(
     n: int = 4,
     roles: list[list[str]] | None = None,
     initial: list[str] | None = None,
+    decode_intercept: float = 0.04,
     **limits: float,
 ) -> tuple[VirtualClock, FleetState, RoleController, DemandTracker]:
     clock = VirtualClock(1000.0)
@@ -39,7 +49,7 @@ def setup(
     models = {
         e: EngineModels(
             PrefillLatencyModel(0.01, 1e-4, 0.0, 128, 8192),
-            DecodeLatencyModel(0.04, 0.002, 0.0, 8, 8192),
+            DecodeLatencyModel(decode_intercept, 0.002, 0.0, 8, 8192),
             "g",
         )
         for e in state.engines
@@ -48,7 +58,12 @@ def setup(
         **{"min_prefill": 1, "min_decode": 1, "cooldown_s": 60, "dwell_s": 120, **limits}
     )
     controller = RoleController(LatencyPredictor(models), BUDGETS, control, clock)
-    return clock, state, controller, DemandTracker(clock, window_s=10.0)
+    return clock, state, controller, settled_tracker(clock)
+
+
+def settled_tracker(clock: VirtualClock, window_s: float = 10.0) -> DemandTracker:
+    """A tracker that has run longer than its window: its rates divide by the window."""
+    return DemandTracker(clock, window_s=window_s, started_at=clock.now() - window_s)
 
 
 def prefill_heavy(demand: DemandTracker, per_s: int = 20) -> None:
@@ -118,7 +133,7 @@ def test_dwell_and_cooldown_prevent_oscillation_at_a_boundary() -> None:
         flips = 0
         for tick in range(60):  # one tick a second for a minute
             clock.advance(1.0)
-            demand = DemandTracker(clock, window_s=10.0)
+            demand = settled_tracker(clock)
             decode_tip = tick % 2 == 0
             for e in state.in_role("decode"):
                 e.in_flight_decode = 30 if decode_tip else 2
@@ -186,3 +201,125 @@ def test_admission_verdicts() -> None:
     assert admit(over, queue, 2).reason == "queue_full"  # type: ignore[union-attr]
     assert isinstance(admit(over, queue, 2, waited_s=1.0, in_queue=True), Queue)
     assert admit(over, queue, 2, waited_s=5.0, in_queue=True).reason == "queue_timeout"  # type: ignore[union-attr]
+
+
+# --- decode pressure above the model's floor -----------------------------------------------
+
+
+def test_decode_pressure_counts_the_batch_not_the_floor() -> None:
+    """A decode model whose intercept alone is 80% of the TPOT budget (as on the simulator's
+    calibration: 0.24 s of 0.3 s): an idle decode pool must read as idle and give an engine to
+    a prefill pool that needs it. Pressure is the share of the batch headroom in use."""
+    _, state, controller, demand = setup(decode_intercept=0.08)
+    prefill_heavy(demand, per_s=6)  # 1.86 s/s over 2 engines: 0.93 each
+    p = controller.pressures(state, demand)
+    assert p.decode < 0.2
+    assert p.decode_if_fewer is not None and p.decode_if_fewer < 0.6
+    decision = controller.tick(state, demand)
+    assert decision is not None and (decision.from_role, decision.to_role) == ("decode", "prefill")
+    # At a batch of 5 per engine, TPOT = 0.08 + 0.01 = 0.09: half of the 0.02 s of headroom.
+    for e in state.in_role("decode"):
+        e.in_flight_decode = 5
+    assert controller.pressures(state, demand).decode == pytest.approx(0.5)
+
+
+def test_a_floor_over_the_budget_is_infinite_decode_pressure() -> None:
+    _, state, controller, demand = setup(decode_intercept=0.12)  # no batch meets 0.1 s
+    assert controller.pressures(state, demand).decode == float("inf")
+
+
+# --- the demand tracker ----------------------------------------------------------------------
+
+
+def test_demand_right_after_start_divides_by_the_time_covered() -> None:
+    clock = VirtualClock(500.0)
+    demand = DemandTracker(clock, window_s=30.0)
+    for _ in range(20):  # 5 requests a second for 4 s
+        clock.advance(0.2)
+        demand.record_start(0.1, 1000, 10)
+    assert demand.rate() == pytest.approx(5.0)
+    assert demand.prefill_work_rate() == pytest.approx(0.5)
+    # Once the tracker is older than its window, the window is the span.
+    clock.advance(40.0)
+    for _ in range(30):
+        clock.advance(1.0)
+        demand.record_start(0.1, 1000, 10)
+    assert demand.rate() == pytest.approx(1.0, rel=0.05)
+    # The floor: a request in the tracker's first instant is not a flood.
+    fresh = DemandTracker(clock, window_s=30.0)
+    fresh.record_start(0.1, 1000, 10)
+    assert fresh.rate() == pytest.approx(1.0 / fresh.min_span_s)
+
+
+def test_rejected_requests_count_as_demand() -> None:
+    clock, state, controller, _ = setup()
+    demand = settled_tracker(clock)
+    over = NoPair("too slow", over_budget=Pair("e0", "e2", -0.1, predicted_prefill_s=0.31))
+    for _ in range(10):
+        demand.record_start(0.31, 3000, 4)
+    for _ in range(50):
+        demand.record_rejected(RequestShape(3000, 4), over)
+    assert demand.rejected == 50
+    assert demand.rate() == pytest.approx(6.0)  # 60 arrivals in 10 s, 50 of them rejected
+    assert demand.prefill_work_rate() == pytest.approx(1.86)
+    # The prefill pool that rejects them reads as needing an engine (0.93 per engine).
+    decision = controller.tick(state, demand)
+    assert decision is not None and decision.to_role == "prefill"
+    # No pair at all: the request still arrived; its prefill is unknown.
+    demand.record_rejected(RequestShape(3000, 4), NoPair("no engines"))
+    assert demand.rate() == pytest.approx(6.1)
+
+
+def test_the_tracker_trims_itself_without_reads() -> None:
+    clock = VirtualClock(0.0)
+    demand = DemandTracker(clock, window_s=10.0)
+    for _ in range(10_000):  # ten a second for 1,000 s; nobody reads
+        clock.advance(0.1)
+        demand.record_start(0.1, 100, 10)
+    assert len(demand._starts) <= 101
+
+
+def test_the_routers_admission_records_what_it_rejects() -> None:
+    """narwhal-serve's admission step (in process, no engines): a 429 is demand too."""
+    clock = VirtualClock(100.0)
+    doc = local_fleet_document(
+        [1, 2],
+        [3, 4],
+        initial_roles=["prefill", "decode"],
+        ttft_s=1.0,
+        tpot_s=0.1,
+        first_token_timeout_s=0.9,
+    )
+    fleet = parse_fleet(doc, "fleet.json").contract
+    models = {
+        e.id: EngineModels(
+            PrefillLatencyModel(0.01, 5e-5, 0.0, 64, 8192),
+            DecodeLatencyModel(0.02, 0.001, 0.0, 64, 16384),
+            None,
+        )
+        for e in fleet.engines
+    }
+    predictor = LatencyPredictor(models)
+    state = FleetState(fleet, clock)
+    demand = settled_tracker(clock)
+    router = PDRouter(
+        fleet,
+        state,
+        SchedulerV1(predictor, fleet.budgets),
+        None,  # type: ignore[arg-type] - admission never calls an engine
+        RouterMetrics([e.id for e in fleet.engines], fleet.name, "0" * 64, None),
+        30.0,
+        predictor,
+        demand,
+    )
+    # 5 s of prefill queued on the only prefill engine: nothing meets a 1 s TTFT budget.
+    state.engines["e0"].in_flight_prefill = 1
+    state.engines["e0"].prefill_work["earlier"] = (5.0, clock.now())
+    body = b'{"model": "moonshotai/Kimi-K3", "prompt": [300, 301, 302], "max_tokens": 8}'
+    creq = parse_client_request(body, False, "moonshotai/Kimi-K3", 16384)
+    record = RequestRecord(id="r", arrival=0.0, arrival_mono=0.0, endpoint="/v1/completions")
+    with pytest.raises(RouterError) as refused:
+        asyncio.run(router._admit(creq, record))
+    assert refused.value.status == 429
+    assert demand.rejected == 1 and demand.rate() == pytest.approx(0.1)
+    assert demand.prefill_work_rate() > 0

@@ -70,12 +70,19 @@ class EngineState:
         return total
 
     def queued_prefill_s(self, now: float) -> float:
-        """Predicted prefill work still ahead of a new prompt on this engine."""
+        """Predicted prefill work still ahead of a new prompt on this engine.
+
+        The engine prefills first come, first served: only the oldest leg in flight can have
+        made progress, and at most its own predicted time. Counting the time since its
+        dispatch against the whole queue (as if every leg had run since the oldest was sent)
+        wiped out queues whose oldest leg had itself waited behind legs since finished, and
+        the online correction then read the wait as a slow engine.
+        """
         if not self.prefill_work:
             return 0.0
         total = sum(predicted for predicted, _ in self.prefill_work.values())
-        earliest = min(at for _, at in self.prefill_work.values())
-        return max(0.0, total - (now - earliest))
+        head, since = min(self.prefill_work.values(), key=lambda work: work[1])
+        return total - min(head, max(0.0, now - since))
 
     def can(self, role: Role) -> bool:
         return role in self.roles

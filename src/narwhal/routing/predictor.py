@@ -1,11 +1,14 @@
 """Latency predictions for routing: the profiled models, corrected online.
 
-Per engine and phase (prefill, decode) the predictor keeps an EWMA of observed / predicted
-time and multiplies predictions by it, so a model that drifted (a slower engine, a different
-load mix) is corrected from live traffic; a ratio outside the drift band raises the drift flag
-operators alert on. The KV handoff (transfer plus first decode step) is learnt per decode
-engine from observed first-token latencies. Prompt lengths of text prompts are estimated from
-their size in bytes, with the bytes-per-token ratio corrected from what engines report.
+Per engine and phase (prefill, decode) the predictor keeps observed / predicted time (a ratio of
+EWMAs, each sample weighed by its predicted time) and multiplies predictions by it, so a model
+that drifted (a slower engine, a different load mix) is corrected from live traffic; a ratio
+outside the drift band raises the drift flag operators alert on. Observations must compare like
+with like: a prefill leg's duration (its wait behind the engine's queue, then its own prefill)
+against the predicted queue plus the predicted prefill, both without the correction in force
+when the leg was dispatched. The KV handoff (transfer plus first decode step) is learnt per
+decode engine from observed first-token latencies. Prompt lengths of text prompts are estimated
+from their size in bytes, with the bytes-per-token ratio corrected from what engines report.
 Pure: no clock, no I/O.
 """
 
@@ -16,7 +19,7 @@ from dataclasses import dataclass, field
 from narwhal.profiles.models import Prediction
 from narwhal.profiles.store import EngineModels
 
-__all__ = ["Ewma", "LatencyPredictor", "PromptLengthEstimator"]
+__all__ = ["Ewma", "LatencyPredictor", "PromptLengthEstimator", "RatioEwma"]
 
 PHASES = ("prefill", "decode")
 
@@ -34,13 +37,40 @@ class Ewma:
 
 
 @dataclass
+class RatioEwma:
+    """observed / predicted time as the ratio of two EWMAs (observed seconds, predicted
+    seconds), not the EWMA of per-sample ratios: each sample weighs as much as the time it
+    predicts. A latency measured on a real engine errs by up to a step (a leg that arrives
+    mid-step waits for it), a large part of a short leg and a small part of a long one; the
+    EWMA of ratios let one short leg swing the correction by most of its bounds."""
+
+    alpha: float
+    observed: float = 1.0
+    predicted: float = 1.0
+    samples: int = 0
+
+    @property
+    def value(self) -> float:
+        return self.observed / self.predicted
+
+    def update(self, observed: float, predicted: float) -> float:
+        if self.samples == 0:
+            self.observed, self.predicted = observed, predicted
+        else:
+            self.observed = self.alpha * observed + (1 - self.alpha) * self.observed
+            self.predicted = self.alpha * predicted + (1 - self.alpha) * self.predicted
+        self.samples += 1
+        return self.value
+
+
+@dataclass
 class LatencyPredictor:
     models: dict[str, EngineModels]
     alpha: float = 0.2
     drift_band: tuple[float, float] = (0.67, 1.5)
     ratio_bounds: tuple[float, float] = (0.25, 8.0)
     default_transfer_s: float = 0.02
-    ratios: dict[tuple[str, str], Ewma] = field(default_factory=dict)
+    ratios: dict[tuple[str, str], RatioEwma] = field(default_factory=dict)
     transfer: dict[str, Ewma] = field(default_factory=dict)
 
     def has(self, engine: str) -> bool:
@@ -65,20 +95,45 @@ class LatencyPredictor:
         raw = self.models[engine].decode.predict(batch, context)
         return Prediction(raw.seconds * self.ratio(engine, "decode"), raw.extrapolated, raw.clamped)
 
+    def decode_floor(self, engine: str, context: float) -> float:
+        """Seconds per token that no batch size saves: the decode model at batch 0 (its
+        intercept and context term), corrected like every prediction."""
+        model = self.models[engine].decode
+        return model.seconds_per_token(0, context) * self.ratio(engine, "decode")
+
     def transfer_s(self, engine: str) -> float:
         ewma = self.transfer.get(engine)
         return ewma.value if ewma is not None else self.default_transfer_s
 
-    def observe(self, engine: str, phase: str, predicted_s: float, observed_s: float) -> float:
-        """Fold one observation into the engine's correction; returns the new ratio."""
+    def uncorrected(self, engine: str, phase: str, predicted_s: float) -> float:
+        """A prediction made now with the correction in force now taken out: the raw model."""
+        return predicted_s / self.ratio(engine, phase)
+
+    def observe(
+        self,
+        engine: str,
+        phase: str,
+        predicted_s: float,
+        observed_s: float,
+        *,
+        uncorrected: bool = False,
+    ) -> float:
+        """Fold one observation into the engine's correction; returns the new ratio.
+
+        ``predicted_s`` carries the correction in force now, or none when ``uncorrected``
+        (taken out when the prediction was made, see :meth:`uncorrected`). A prediction made
+        long before it is observed, a prefill leg's, must come uncorrected: under load the
+        ratio moves between its dispatch and its end, and dividing by the newer ratio would
+        read that move as the engine's speed (a feedback loop that swung the ratio between
+        its bounds).
+        """
         if predicted_s <= 0 or observed_s <= 0 or engine not in self.models:
             return self.ratio(engine, phase)
-        # The prediction already carried the old ratio: compare against the raw model.
-        raw = predicted_s / self.ratio(engine, phase)
+        raw = predicted_s if uncorrected else predicted_s / self.ratio(engine, phase)
         lo, hi = self.ratio_bounds
-        sample = min(max(observed_s / raw, lo), hi)
-        ewma = self.ratios.setdefault((engine, phase), Ewma(self.alpha, 1.0))
-        return ewma.update(sample)
+        observed = min(max(observed_s, lo * raw), hi * raw)  # an absurd sample, bounded
+        ewma = self.ratios.setdefault((engine, phase), RatioEwma(self.alpha))
+        return ewma.update(observed, raw)  # within the bounds: every sample is
 
     def observe_handoff(
         self, decode_engine: str, first_token_s: float, first_step_s: float

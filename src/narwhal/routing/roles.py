@@ -1,12 +1,22 @@
 """The role controller: which engines prefill and which decode, as the traffic mix shifts.
 
-On each tick it compares prefill pressure with decode pressure and decides at most one flip:
+On each tick it compares prefill pressure with decode pressure and decides at most one flip.
+Both are utilisations of what the pool can take within its budget, so that 1.0 means "full"
+on either side and a pool's pressure falls towards 0 as its load goes:
 
 - **prefill pressure**: the prefill pool's utilisation (predicted prefill seconds arriving per
-  second, measured from requests *started*, per prefill engine) and its predicted queue wait
-  against the TTFT budget;
-- **decode pressure**: the predicted TPOT at the decode pool's batch (the larger of the
-  sequences decoding now and what arrivals imply by Little's law) against the TPOT budget.
+  second, measured from requests that *arrived* - started, or rejected by admission - per
+  prefill engine) and its predicted queue wait against the TTFT budget, whichever is larger;
+- **decode pressure**: how much of the decode pool's batch headroom is in use. With the decode
+  model ``TPOT(batch) = floor + slope * batch``, where ``floor`` is the model's value at batch 0
+  at the traffic's mean context (its intercept plus its context term, with the engine's online
+  correction: what no batch size saves), pressure = ``(TPOT(batch) - floor) / (budget - floor)``
+  at the pool's batch per engine (the larger of the sequences decoding now and what arrivals
+  imply by Little's law). For a linear model that is batch / B*, B* being the largest batch that
+  meets the budget. Dividing the TPOT itself by the budget instead would count the floor as
+  load: on a model whose intercept is 80% of the budget an idle decode pool would sit at 0.8 and
+  could never give an engine back to prefill. A floor at or above the budget makes the pool's
+  pressure infinite (no batch meets the budget).
 
 It flips only when the receiving pool needs the engine (its pressure is above ``need``) and the
 giving pool would still meet its budget with one engine fewer (its pressure recomputed for N-1
@@ -24,6 +34,7 @@ from narwhal.clock import Clock
 from narwhal.contract import Budgets, RoleControl
 from narwhal.routing.fleet_state import EngineState, FleetState, Role
 from narwhal.routing.predictor import LatencyPredictor
+from narwhal.routing.scheduler import NoPair, Pair, RequestShape
 
 __all__ = ["DemandTracker", "FlipDecision", "Pressures", "RoleController"]
 
@@ -31,28 +42,60 @@ __all__ = ["DemandTracker", "FlipDecision", "Pressures", "RoleController"]
 @dataclass
 class DemandTracker:
     """What arrived in the last ``window_s``: requests started, not completed (a controller
-    that waits for completions sees demand only after the damage is done)."""
+    that waits for completions sees demand only after the damage is done), and requests that
+    admission control rejected (they are demand the fleet failed to serve: leaving them out
+    would make an overloaded pool look lighter the more it rejects).
+
+    Rates divide by the span the tracker has actually covered: the window, or, while the
+    tracker is younger than its window, the time since it started (never less than
+    ``min_span_s``, so that the first request or two does not read as a flood). Dividing a
+    few seconds of history by the whole window would understate demand right after a start.
+    Each record drops what has left the window, so memory stays bounded by the window's
+    arrivals even when nobody reads the rates.
+    """
 
     clock: Clock
     window_s: float = 30.0
+    min_span_s: float = 1.0
+    started_at: float | None = None  # the clock when created, unless given
+    rejected: int = 0  # requests recorded as rejected, ever (for reports)
     _starts: deque[tuple[float, float, int, int]] = field(default_factory=deque)
 
+    def __post_init__(self) -> None:
+        if self.started_at is None:
+            self.started_at = self.clock.now()
+
     def record_start(self, predicted_prefill_s: float, prompt_tokens: int, max_tokens: int) -> None:
+        self._trim()
         self._starts.append((self.clock.now(), predicted_prefill_s, prompt_tokens, max_tokens))
+
+    def record_rejected(self, shape: RequestShape, pick: Pair | NoPair) -> None:
+        """A request admission turned away: demand all the same. Its predicted prefill is the
+        best pair's (the over-budget pair admission refused), 0 when there was none."""
+        pair = pick.over_budget if isinstance(pick, NoPair) else pick
+        predicted = pair.predicted_prefill_s if pair is not None else None
+        self.rejected += 1
+        self.record_start(predicted or 0.0, shape.prompt_tokens, shape.max_tokens)
 
     def _trim(self) -> None:
         horizon = self.clock.now() - self.window_s
         while self._starts and self._starts[0][0] < horizon:
             self._starts.popleft()
 
+    def span_s(self) -> float:
+        """The seconds of history the rates cover."""
+        assert self.started_at is not None
+        covered = self.clock.now() - self.started_at
+        return min(self.window_s, max(covered, self.min_span_s))
+
     def rate(self) -> float:
         self._trim()
-        return len(self._starts) / self.window_s
+        return len(self._starts) / self.span_s()
 
     def prefill_work_rate(self) -> float:
         """Predicted prefill seconds arriving per second."""
         self._trim()
-        return sum(s[1] for s in self._starts) / self.window_s
+        return sum(s[1] for s in self._starts) / self.span_s()
 
     def mean_output_tokens(self) -> float:
         self._trim()
@@ -135,15 +178,17 @@ class RoleController:
         spt = self.predictor.decode(ref, 1, context).seconds
         expected = demand.rate() * demand.mean_output_tokens() * spt
         batch = max(decoding, expected) / n
-        worst = max(
-            (
-                self.predictor.decode(e.id, max(1, round(batch)), context).seconds
-                for e in engines
-                if self.predictor.has(e.id)
-            ),
-            default=spt,
-        )
-        return worst / self.budgets.tpot_s
+        budget = self.budgets.tpot_s
+        worst = 0.0
+        for e in engines:
+            if not self.predictor.has(e.id):
+                continue
+            floor = self.predictor.decode_floor(e.id, context)
+            if floor >= budget:
+                return float("inf")  # not even a lone sequence meets the budget here
+            tpot = self.predictor.decode(e.id, max(1, round(batch)), context).seconds
+            worst = max(worst, (tpot - floor) / (budget - floor))
+        return max(0.0, worst)
 
     def pressures(self, state: FleetState, demand: DemandTracker) -> Pressures:
         n_p, n_d = len(state.in_role("prefill")), len(state.in_role("decode"))

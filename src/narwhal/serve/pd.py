@@ -167,6 +167,8 @@ class PDRouter:
         if isinstance(verdict, Admit):
             return verdict.pair
         if isinstance(verdict, Reject):
+            if self.demand is not None:  # demand: what arrived, whether served or not
+                self.demand.record_rejected(self.shape(request, record), pick)
             raise self._reject(verdict.reason, verdict.message)
         raise RouterError(
             503,
@@ -364,7 +366,10 @@ class PDRouter:
         predicted_total = None
         if pick.predicted_prefill_s is not None:
             now = self.state.clock.now()
+            # Queue and prefill, without the correction in force now (see observe below).
             predicted_total = engine.queued_prefill_s(now) + pick.predicted_prefill_s
+            if self.predictor is not None:
+                predicted_total = self.predictor.uncorrected(engine.id, "prefill", predicted_total)
             engine.prefill_work[record.id] = (pick.predicted_prefill_s, now)
         gauge = self.metrics.in_flight.labels(engine.id, "prefill")
         gauge.inc()
@@ -419,7 +424,9 @@ class PDRouter:
             if request.prompt_tokens_exact is None:
                 self.lengths.observe(request.prompt_bytes, prompt_tokens)
         if self.predictor is not None and predicted_total is not None:
-            ratio = self.predictor.observe(engine.id, "prefill", predicted_total, leg_s)
+            ratio = self.predictor.observe(
+                engine.id, "prefill", predicted_total, leg_s, uncorrected=True
+            )
             self._export_ratio(engine.id, "prefill", ratio)
         # vLLM returns kv_transfer_params only when the prefill stopped on its length cap with
         # blocks to hand over; without them the decode engine prefills the prompt itself.

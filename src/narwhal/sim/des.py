@@ -39,7 +39,7 @@ from narwhal.clock import VirtualClock
 from narwhal.contract import Budgets, ContractError, FleetContract, load_fleet, parse_fleet
 from narwhal.profiles.models import DecodeLatencyModel, PrefillLatencyModel
 from narwhal.profiles.store import EngineModels
-from narwhal.routing.admission import Admit, Queue, admit
+from narwhal.routing.admission import Admit, Queue, Reject, admit
 from narwhal.routing.fleet_state import FleetState
 from narwhal.routing.predictor import LatencyPredictor
 from narwhal.routing.roles import DemandTracker, RoleController
@@ -306,8 +306,9 @@ class _Simulation:
     def route(self, request: _Request, in_queue: bool = False) -> bool:
         policy = self.config.fleet.routing
         waited = self.clock.now() - request.spec.arrival
+        pick = self.scheduler.pick(self.state, self.shape(request))
         verdict = admit(
-            self.scheduler.pick(self.state, self.shape(request)),
+            pick,
             policy,
             len(self.queue),
             waited,
@@ -320,6 +321,8 @@ class _Simulation:
             return False
         if not isinstance(verdict, Admit):
             request.outcome = "rejected"
+            if isinstance(verdict, Reject):  # demand all the same, as the router counts it
+                self.demand.record_rejected(self.shape(request), pick)
             return True
         self.dispatch(request, verdict.pair)
         return True
@@ -344,7 +347,11 @@ class _Simulation:
         request.prefill_start = now
         p = self.state.engines[pair.prefill]
         if pair.predicted_prefill_s is not None:
-            request.predicted_total_prefill = p.queued_prefill_s(now) + pair.predicted_prefill_s
+            # Queue and prefill as predicted now, without the correction in force now: what
+            # the leg's duration is compared with when it ends (as the router does).
+            request.predicted_total_prefill = self.predictor.uncorrected(
+                p.id, "prefill", p.queued_prefill_s(now) + pair.predicted_prefill_s
+            )
             p.prefill_work[str(request.index)] = (pair.predicted_prefill_s, now)
         p.in_flight_prefill += 1
         self.state.engines[pair.decode].pending_decode += 1  # as the router counts it
@@ -392,7 +399,11 @@ class _Simulation:
         p.prefill_work.pop(str(request.index), None)
         if request.predicted_total_prefill is not None and self.config.scheduler == "v1":
             self.predictor.observe(
-                p.id, "prefill", request.predicted_total_prefill, now - request.prefill_start
+                p.id,
+                "prefill",
+                request.predicted_total_prefill,
+                now - request.prefill_start,
+                uncorrected=True,
             )
         d = self.state.engines[request.decode]
         d.pending_decode -= 1
