@@ -324,3 +324,23 @@ def test_local_prefill_serves_short_prompts_without_a_prefill_engine() -> None:
     assert sched.pick(state, RequestShape(prompt_tokens=800, max_tokens=11)) == NoPair(
         "no available engine in the prefill role"
     )
+
+
+def test_local_prefill_only_within_the_first_token_deadline() -> None:
+    clock = VirtualClock(10.0)
+    state = local_state(clock)  # first-token deadline 1.0 s
+    sched = scheduler()
+    shape = RequestShape(prompt_tokens=200, max_tokens=11)
+    state.engines["e2"].in_flight_decode = 4
+    for p in ("e0", "e1"):
+        state.engines[p].prefill_work["q"] = (1.0, 10.0)  # handoff TTFT 1.1 s
+    # Local on e2 behind 0.95 s of local prefill: 0.95 + 0.025 + 0.03 + 0.05 = 1.055 s, faster
+    # than the handoff and within the TTFT budget, but past the deadline that bounds its leg.
+    state.engines["e2"].prefill_work["l1"] = (0.95, 10.0)
+    pick = sched.pick(state, shape, exclude_decode={"e3"})
+    assert isinstance(pick, Pair) and not pick.local
+    assert pick.predicted_ttft_s == pytest.approx(1.1)
+    state.engines["e2"].prefill_work["l1"] = (0.85, 10.0)  # 0.955 s: within it
+    pick = sched.pick(state, shape, exclude_decode={"e3"})
+    assert isinstance(pick, Pair) and pick.local
+    assert pick.predicted_ttft_s == pytest.approx(0.955)
