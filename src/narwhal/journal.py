@@ -111,6 +111,8 @@ _END_RESERVED: Final = _REQUEST_RESERVED | {"outcome"}
 # Records the writer takes from the queue at once: one write(2) for a burst, bounded so the
 # latency hook and flush() waiters hear of progress regularly.
 _BATCH_MAX: Final = 512
+# How long the writer lets records gather after a write: bounds its wake-ups to 500/s.
+_COALESCE_S: Final = 0.002
 # Recovery keeps this many malformed lines in detail (the count is always exact).
 _INVALID_DETAIL_MAX: Final = 100
 _ERROR_LOG_INTERVAL_S: Final = 60.0
@@ -988,6 +990,10 @@ class Journal:
                     self._fail("writer", exc, lost=unprocessed)
                 if finishing:
                     break
+                if batch:
+                    # Let records gather before the next wake-up: under load a wake-up per
+                    # record costs the event loop's thread a GIL hand-off for each one.
+                    time.sleep(_COALESCE_S)
         except BaseException as exc:
             with self._lock:
                 self._error = self._error or f"writer thread died: {exc!r}"

@@ -75,6 +75,7 @@ class ServeSettings:
     profiles: ProfileStore | None = None
     scheduler: Literal["v0", "v1"] = "v0"
     qualification: dict[str, Any] = field(default_factory=dict)
+    engine_transport: Literal["aiohttp", "httpx"] = "aiohttp"
 
 
 class _ClientGone(Exception):
@@ -345,7 +346,7 @@ def build_app(settings: ServeSettings) -> FastAPI:
             qualification=settings.qualification,
             engines={e.id: e.role for e in state.engines.values()},
         )
-        rt.engines = EnginePool(fleet)
+        rt.engines = EnginePool(fleet, transport=settings.engine_transport)
         prefill_timeout = settings.prefill_timeout_s or max(30.0, 3 * fleet.budgets.ttft_s)
         predictor = None
         scheduler: SchedulerV0 | SchedulerV1 = SchedulerV0()
@@ -519,6 +520,12 @@ def build_app(settings: ServeSettings) -> FastAPI:
     @app.post("/v1/chat/completions", include_in_schema=True)
     async def chat_completions(request: Request) -> Response:
         return await generation(request, chat=True)
+
+    # serve() puts these in front of the framework's middleware (narwhal.asgi.HotRouteDispatch).
+    app.state.hot_routes = {
+        "/v1/completions": completions,
+        "/v1/chat/completions": chat_completions,
+    }
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from narwhal.contract import ContractError, load_fleet
+from narwhal.engines.client import ENGINE_TRANSPORTS
 
 __all__ = ["main"]
 
@@ -94,6 +95,12 @@ def _parser() -> argparse.ArgumentParser:
         choices=["fail_closed", "best_effort"],
         default="fail_closed",
         help="when the journal cannot write: refuse requests, or serve unrecorded",
+    )
+    p.add_argument(
+        "--engine-transport",
+        choices=list(ENGINE_TRANSPORTS),
+        default="aiohttp",
+        help="what moves the bytes to and from engines (docs/performance.md compares them)",
     )
     p.add_argument("--log-level", default="info")
     return p
@@ -285,6 +292,7 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
         profiles=profiles,
         scheduler=scheduler,
         qualification=qualification,
+        engine_transport=args.engine_transport,
     )
     return settings, host
 
@@ -303,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn
 
+    from narwhal.asgi import HotRouteDispatch
     from narwhal.serve.app import build_app
 
     app = build_app(settings)
@@ -316,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             self._captured_signals.clear()
 
     config = uvicorn.Config(
-        app,
+        HotRouteDispatch(app, app.state.hot_routes),
         host=host,
         port=args.port,
         log_level=args.log_level.lower(),
