@@ -48,13 +48,10 @@ class _ResponseStream(httpx.AsyncByteStream):
             raise _translate(exc, self._request) from exc
 
     async def aclose(self) -> None:
-        # A body read to its end hands the connection back to the pool; a stream abandoned
-        # part way (a client that left, a deadline) must close it, or the next request on
-        # that connection would read the rest of this one.
-        if self._response.content.at_eof():
-            self._response.release()
-        else:
-            self._response.close()
+        # A body read to its end goes back to the pool; aiohttp closes the connection of one
+        # abandoned part way (a client that left, a deadline), so no later request on it can
+        # read the rest of this one (tests/unit/test_aiohttp_transport.py).
+        self._response.release()
 
 
 class AiohttpTransport(httpx.AsyncBaseTransport):
