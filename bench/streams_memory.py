@@ -30,6 +30,10 @@ Reported:
   own scheduling on a shared CPU. Percentiles are given idle (before the ramp), during the ramp
   and during the hold; the target applies to the hold.
 
+Unless ``--no-gc-trace``, the router runs under a ``gc.callbacks`` hook (the same code, started
+through ``runpy``) that times its garbage collections: the oldest generation's and any other of
+5 ms or more are reported per phase, with how many slow probes overlap a long collection.
+
 Targets (printed as PASS or MISS): < 50 KB of router RSS per stream, lag p99 < 50 ms.
 
     .venv/bin/python bench/streams_memory.py [--streams 10000] [--decode-engines 6]
@@ -207,6 +211,51 @@ def run_probe(port: int, out: str, interval: float, max_s: float) -> int:
             f.flush()
             time.sleep(max(0.0, interval - (time.monotonic() - t0)))
     return 0
+
+
+# Runs narwhal-serve unchanged in this interpreter, recording every garbage collection of the
+# oldest generation, and any other taking 5 ms or more, with its start and duration.
+GC_TRACE = """
+import gc, runpy, sys, time
+out = open(sys.argv[1], "a", buffering=1)
+start = [0.0]
+def trace(phase, info):
+    if phase == "start":
+        start[0] = time.monotonic()
+        return
+    took = time.monotonic() - start[0]
+    if info["generation"] == 2 or took >= 0.005:
+        out.write(f"{start[0]:.6f} {took:.6f} {info['generation']} {info['collected']}\\n")
+gc.callbacks.append(trace)
+sys.argv = ["narwhal-serve", *sys.argv[2:]]
+runpy.run_module("narwhal.serve.cli", run_name="__main__", alter_sys=True)
+"""
+
+
+def gc_report(
+    path: Path, probes: list[tuple[float, float, str]], phases: Phases, report: dict[str, Any]
+) -> None:
+    rows = []
+    with contextlib.suppress(OSError):
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 4:
+                rows.append((float(parts[0]), float(parts[1]), int(parts[2])))
+    for name, (a, b) in (("ramp", phases.ramp), ("hold", phases.hold)):
+        for gen in (0, 1, 2):
+            took = [d * 1000 for t, d, g in rows if a <= t < b and g == gen]
+            if gen == 2 or took:
+                report[f"router_gc_gen{gen}_{name}"] = (
+                    f"n={len(took)} total_ms={sum(took):.0f} max_ms={max(took, default=0):.0f}"
+                    + ("" if gen == 2 else " (only those >= 5 ms)")
+                )
+        # Slow probes (> 100 ms) whose round trip overlaps a collection of 100 ms or more.
+        pauses = [(t, t + d) for t, d, _ in rows if d >= 0.1]
+        slow = [(t, t + lat) for t, lat, status in probes if a <= t < b and lat > 0.1]
+        hit = sum(1 for p0, p1 in slow if any(g0 < p1 and p0 < g1 for g0, g1 in pauses))
+        report[f"lag_probes_over_100ms_{name}_overlapping_a_gc_pause_over_100ms"] = (
+            f"{hit} of {len(slow)}"
+        )
 
 
 def read_probe(path: Path) -> list[tuple[float, float, str]]:
@@ -588,13 +637,19 @@ def main() -> int:
         "--window", type=int, default=1000, help="streams waiting for a response head at most"
     )
     parser.add_argument("--open-timeout", type=float, default=60.0, help="bound per stream head")
-    parser.add_argument("--max-failures", type=int, default=200, help="stop the ramp after these")
-    parser.add_argument("--ramp-timeout", type=float, default=200.0)
-    parser.add_argument("--hold", type=float, default=20.0, help="seconds all streams stay open")
+    parser.add_argument("--max-failures", type=int, default=1000, help="stop the ramp after these")
+    parser.add_argument("--ramp-timeout", type=float, default=300.0)
+    parser.add_argument("--hold", type=float, default=15.0, help="seconds all streams stay open")
     parser.add_argument("--idle", type=float, default=3.0, help="idle probe seconds before ramp")
     parser.add_argument("--teardown-timeout", type=float, default=60.0)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--probe-interval", type=float, default=0.05)
+    parser.add_argument(
+        "--no-gc-trace",
+        dest="gc_trace",
+        action="store_false",
+        help="run the router without the gc.callbacks hook that times its collections",
+    )
     parser.add_argument("--keep-dir", action="store_true")
     parser.add_argument("--lag-probe", nargs=2, metavar=("PORT", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -673,8 +728,11 @@ def main() -> int:
             router = subprocess.Popen(
                 [
                     sys.executable,
-                    "-m",
-                    "narwhal.serve.cli",
+                    *(
+                        ("-c", GC_TRACE, str(directory / "gc.txt"))
+                        if args.gc_trace
+                        else ("-m", "narwhal.serve.cli")
+                    ),
                     "--fleet",
                     str(fleet_path),
                     "--host",
@@ -736,7 +794,10 @@ def main() -> int:
         phases = uvloop.run(coro) if _UVLOOP else asyncio.run(coro)
         probe.send_signal(signal.SIGTERM)
         probe.wait(10)
-        hold_p99 = lag_report(read_probe(probe_out), phases, report)
+        probes = read_probe(probe_out)
+        hold_p99 = lag_report(probes, phases, report)
+        if args.gc_trace:
+            gc_report(directory / "gc.txt", probes, phases, report)
         per_stream = report.pop("_per_stream")
         opened = report["open_streams_at_peak"]
         report["bench_wall_s"] = round(time.monotonic() - t_start, 1)
