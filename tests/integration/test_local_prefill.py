@@ -38,8 +38,19 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SimFleet, 
     """Four engines (e0, e1 prefill; e2, e3 decode), their profile, and a copy of the fleet
     file with local prefill on (same engines, so the same profile store serves both)."""
     directory = tmp_path_factory.mktemp("local-prefill")
+    # A loose TPOT budget: the TTFT budget binds, so a short prompt goes local whenever that is
+    # predicted faster (when TPOT binds, local must also leave the best handoff's slack: the
+    # scheduler's unit tests cover that rule). The prefill engines step 4x slower, so a local
+    # prefill is clearly faster than a handoff whatever the HTTP overheads learnt.
+    base = {"time_scale": 10.0}
+    slow = {"time_scale": 10.0, "slowdown": 4.0}
     with running_fleet(
-        directory, 4, sim={"time_scale": 10.0}, ttft_s=3.0, tpot_s=0.1, first_token_timeout_s=1.0
+        directory,
+        4,
+        sim=[slow, slow, base, base],
+        ttft_s=3.0,
+        tpot_s=2.0,
+        first_token_timeout_s=1.0,
     ) as fleet:
         store = directory / "store.json"
         r = profile(

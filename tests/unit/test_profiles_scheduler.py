@@ -298,19 +298,26 @@ def test_local_prefill_weighs_the_step_in_progress_the_queues_and_the_stall() ->
     assert isinstance(pick, Pair) and pick.local and pick.decode == "e2"
     assert pick.predicted_ttft_s == pytest.approx(0.305)
     del state.engines["e2"].prefill_work["l1"]
-    # Local prefills sent in the last 10 tokens x 0.05 s = 0.5 s stall the batch again: 0.5 s
-    # of them + this one's 0.03 over 10 tokens puts TPOT at 0.103 > 0.1: handoff after all.
+    # Local prefills sent in the last 10 tokens x 0.05 s = 0.5 s stall the batch again, and any
+    # sequence there: 0.49 s of them over 10 tokens puts a handoff's TPOT at 0.099, and with
+    # this one's 0.03 a local pick's at 0.102 > 0.1: handoff after all.
     for d in ("e2", "e3"):
-        state.engines[d].note_local_prefill(10.0, 0.5)
+        state.engines[d].note_local_prefill(10.0, 0.49)
     pick = sched.pick(state, shape)
     assert isinstance(pick, Pair) and not pick.local
-    assert pick.predicted_ttft_s == pytest.approx(1.1)
-    # Half a second later those stalls are behind the horizon (and the prefill queues 0.6 s
-    # shorter): local again.
+    assert pick.predicted_ttft_s == pytest.approx(1.1)  # the stall is no part of the first step
+    assert pick.predicted_tpot_s == pytest.approx(0.099)
+    # 0.6 s later those stalls are behind the horizon, but the prefill queues are 0.6 s shorter
+    # too: a handoff (TTFT 0.5 s, slack min(0.75, 0.5) = 0.5) now leaves more slack than a local
+    # prefill that would stall the batch (0.47), so local loses although faster (0.105 s).
     clock.advance(0.6)
     pick = sched.pick(state, shape)
-    assert isinstance(pick, Pair) and pick.local
-    assert pick.predicted_tpot_s == pytest.approx(0.053)
+    assert isinstance(pick, Pair) and not pick.local
+    assert pick.score == pytest.approx(0.5) and pick.predicted_ttft_s == pytest.approx(0.5)
+    # On an idle engine a local prefill stalls nobody: the same slack as a handoff, and faster.
+    state.engines["e3"].in_flight_decode = 0
+    pick = sched.pick(state, shape)
+    assert isinstance(pick, Pair) and pick.local and pick.decode == "e3"
 
 
 def test_local_prefill_serves_short_prompts_without_a_prefill_engine() -> None:

@@ -148,9 +148,13 @@ class SchedulerV1:
     token. A prefill stalls every sequence of that engine's batch for its duration, so its TPOT
     is the decode model at batch + 1 plus the stalls a sequence there sees over the request's
     output: the local prefills sent to that engine in the last (output tokens x TPOT) seconds,
-    and this one when the batch is not empty, spread over the output tokens. A local candidate
-    wins only when it is predicted faster than every handoff pair, meets both budgets, and
-    its first token comes within the first-token deadline (which bounds its whole leg).
+    and this one when the batch is not empty, spread over the output tokens. The recent stalls
+    count against a handoff to that engine too: its sequence decodes there all the same. A
+    local candidate wins only when it is predicted faster than every handoff pair, meets both
+    budgets, and its first token comes within the first-token deadline (which bounds its whole
+    leg), and leaves at least the slack of the best handoff pair: it spends its batch's TPOT
+    headroom, so it is taken where TTFT binds (behind long prefill queues) or where it stalls
+    nobody (an idle engine).
     """
 
     def __init__(
@@ -249,9 +253,15 @@ class SchedulerV1:
             raw = raw_decode.get(key)
             if raw is None:
                 raw = raw_decode[key] = model.predict(batch + 1, context).seconds
-            tpot = raw * predictor.ratio(d.id, "decode")
-            if local_on:
-                local.append(self._local(state, d, n, shape, batch, tpot, now))
+            tpot = step = raw * predictor.ratio(d.id, "decode")
+            if local_cfg.enabled:
+                # Local prefills stall every sequence here, this request's too, however it
+                # gets here: at the rate recently sent, spread over its output tokens.
+                horizon = max(1, shape.max_tokens - 1)
+                stalls = d.recent_local_prefill_s(now - horizon * tpot)
+                if local_on:
+                    local.append(self._local(state, d, n, shape, batch, tpot, stalls, now))
+                tpot += stalls / horizon
             choice = None
             for item in ready:
                 if item[1] == d.id or not (open_pairs or state.is_permitted(item[1], d.id)):
@@ -266,7 +276,7 @@ class SchedulerV1:
                     choice = item
             if choice is None:
                 continue
-            ttft = choice[0] + predictor.transfer_s(d.id) + tpot
+            ttft = choice[0] + predictor.transfer_s(d.id) + step
             slack = min(
                 (ttft_budget - ttft) / self.budgets.ttft_s, (tpot_budget - tpot) / tpot_budget
             )
@@ -274,8 +284,15 @@ class SchedulerV1:
             candidates.append((slack, load, d, choice, ttft, tpot))
         if local:
             fastest = min((c[4] for c in candidates), default=float("inf"))
+            # Faster is not enough: a local prefill spends its batch's TPOT headroom, which
+            # the handoffs to come need. It must leave at least the slack the best handoff
+            # would (so it wins where TTFT binds: behind long prefill queues, or on an idle
+            # engine, where it stalls no one).
+            best = max((c[0] for c in candidates), default=0.0) - 1e-9
             deadline = state.fleet.engine.first_token_timeout_s
-            fits = [c for c in local if c[0] >= 0 and c[3] < min(fastest, deadline)]
+            fits = [
+                c for c in local if c[0] >= 0 and c[0] >= best and c[3] < min(fastest, deadline)
+            ]
             if fits:
                 top = max(c[0] for c in fits)
                 floor = max(top - margin, 0.0)
@@ -311,6 +328,7 @@ class SchedulerV1:
         shape: RequestShape,
         batch: int,
         tpot: float,
+        stalls: float,
         now: float,
     ) -> tuple[float, float, EngineState, float, float, float]:
         """The candidate "``d`` prefills the prompt itself": (slack, load, engine, TTFT, TPOT,
@@ -322,7 +340,6 @@ class SchedulerV1:
         wait = tpot / 2 if batch > 0 else 0.0  # the step in progress finishes first
         ttft = d.queued_prefill_s(now) + wait + prefill_s + tpot
         horizon = max(1, shape.max_tokens - 1)
-        stalls = d.recent_local_prefill_s(now - horizon * tpot)
         if batch > 0:
             stalls += prefill_s
         tpot_local = tpot + stalls / horizon

@@ -75,6 +75,7 @@ class DecodeStream:
     prefill_prompt_tokens: int | None
     predicted_tpot_s: float | None = None
     batch_at_start: int = 1  # the decode engine's batch when this stream joined it
+    started_at: float = 0.0  # the router's clock at its first token
 
     async def aclose(self, drain: bool = False) -> None:
         """Close the upstream response. After a complete stream, ``drain`` reads the closing
@@ -450,6 +451,13 @@ class PDRouter:
             stream.batch_at_start + self.state.decode_batch(self.state.engines[stream.engine]) + 1
         ) / 2
         expected = self.predictor.decode(stream.engine, max(1, round(batch)), context).seconds
+        # Local prefills sent to this engine while the stream decoded stalled its steps: part of
+        # what was expected, not a slower engine (spread over the stream's tokens).
+        engine = self.state.engines[stream.engine]
+        now = self.state.clock.now()
+        stalls = engine.recent_local_prefill_s(stream.started_at)
+        if stalls > 0 and now > stream.started_at:
+            expected += stalls * tpot_s / (now - stream.started_at)
         ratio = self.predictor.observe(stream.engine, "decode", expected, tpot_s)
         self._export_ratio(stream.engine, "decode", ratio)
 
@@ -583,6 +591,7 @@ class PDRouter:
             prompt_tokens,
             pick.predicted_tpot_s,
             self.state.decode_batch(engine),
+            self.state.clock.now(),
         )
 
     def prompt_token_ids(self, request_id: str) -> list[int] | None:

@@ -437,6 +437,9 @@ class _Simulation:
             batch = (request.batch_at_start + self.state.decode_batch(d) + 1) / 2
             context = request.spec.prompt_tokens + n / 2
             expected = self.predictor.decode(d.id, max(1, round(batch)), context).seconds
+            # Local prefills sent to this engine while it decoded stalled its steps: expected,
+            # not a slower engine (as the router does).
+            expected += d.recent_local_prefill_s(request.first_token) / (n - 1)
             observed = (now - request.first_token) / (n - 1)
             self.predictor.observe(d.id, "decode", expected, observed)
         if self.queue:
