@@ -130,6 +130,19 @@ def all_healthy_and_closed(router: RouterProcess) -> bool:
     )
 
 
+def close_breakers(router: RouterProcess, timeout: float = 10.0) -> bool:
+    """Every engine healthy with a closed breaker. A breaker that failing requests opened, on
+    an engine whose /health kept passing, closes only on a half-open request's success, not on
+    a probe: send small requests until each has had one."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if wait_until(lambda: all_healthy_and_closed(router), 1.0):
+            return True
+        if all(e["healthy"] is True for e in router.admin_state()["engines"]):
+            post(router, body(1), timeout=10)
+    return all_healthy_and_closed(router)
+
+
 def reference_text(url: str, prompt: list[int], max_tokens: int) -> str:
     """What an engine generates for ``prompt`` on its own (no P/D): the simulator's tokens
     are a pure function of the prompt, so a correct P/D answer must equal this."""

@@ -46,6 +46,50 @@ def test_breaker_opens_half_opens_and_closes() -> None:
     assert b.state is BreakerState.CLOSED and b.consecutive_failures == 0
 
 
+def test_a_passing_health_probe_closes_only_a_breaker_that_failing_probes_opened() -> None:
+    clock = VirtualClock()
+    # The engine answers /health but fails requests: probes never close its breaker.
+    b = CircuitBreaker(clock, failure_threshold=3, open_seconds=5)
+    b.record_health(True)
+    for _ in range(3):
+        b.record_failure()
+    assert b.state is BreakerState.OPEN
+    for _ in range(3):
+        clock.advance(5)
+        b.record_health(True)
+        assert b.allows_request() and b.state is BreakerState.HALF_OPEN
+    b.on_dispatch()
+    b.record_failure()  # the one half-open request fails: open again, not three more legs
+    assert b.state is BreakerState.OPEN
+    clock.advance(5)
+    b.record_health(True)
+    b.on_dispatch()
+    b.record_success()
+    assert b.state is BreakerState.CLOSED
+
+    # The engine went down (probes failed too) and came back: a passing probe closes it.
+    b = CircuitBreaker(clock, failure_threshold=3, open_seconds=5)
+    for _ in range(2):
+        b.record_failure()
+    b.record_health(False)
+    assert b.state is BreakerState.OPEN
+    b.record_health(True)
+    assert b.state is BreakerState.OPEN  # not before the cool-off
+    clock.advance(5)
+    b.record_health(True)
+    assert b.state is BreakerState.CLOSED and not b.health_failed
+
+    # A probe that failed once while all was well, then passed, is no evidence later.
+    b = CircuitBreaker(clock, failure_threshold=3, open_seconds=5)
+    b.record_health(False)
+    b.record_health(True)
+    for _ in range(3):
+        b.record_failure()
+    clock.advance(5)
+    b.record_health(True)
+    assert b.allows_request() and b.state is BreakerState.HALF_OPEN
+
+
 def test_scheduler_picks_least_loaded_pair_and_rotates_ties() -> None:
     state = fleet_state(4)
     sched = SchedulerV0()

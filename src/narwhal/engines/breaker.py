@@ -1,5 +1,12 @@
 """Per-engine circuit breaker: closed -> open after consecutive failures, half-open after a
-cool-off (one probe at a time), closed again on a success. Pure; the clock is injected."""
+cool-off (one probe at a time), closed again on a success. Pure; the clock is injected.
+
+Two kinds of evidence feed it: request legs and ``/health`` probes. A passing probe is evidence
+of recovery only if probes failed too while the breaker was not closed (the engine was down and
+is back): an engine that answers ``/health`` while failing requests would otherwise have its
+breaker closed by every probe after each cool-off, and cost ``failure_threshold`` failed legs
+each time instead of the one half-open request.
+"""
 
 from __future__ import annotations
 
@@ -26,6 +33,8 @@ class CircuitBreaker:
     consecutive_failures: int = 0
     opened_at: float = field(default=0.0)
     probe_in_flight: bool = False
+    # Did /health probes fail too (since they last passed with the breaker closed)?
+    health_failed: bool = False
 
     def allows_request(self) -> bool:
         """May a request go to this engine now? (Moves open -> half-open when the time comes.)"""
@@ -47,6 +56,19 @@ class CircuitBreaker:
         self.state = BreakerState.CLOSED
         self.consecutive_failures = 0
         self.probe_in_flight = False
+        self.health_failed = False
+
+    def record_health(self, passed: bool) -> None:
+        """A ``/health`` probe's verdict."""
+        if not passed:
+            self.health_failed = True
+            self.record_failure()
+            return
+        ready = self.allows_request()  # also shows open -> half-open once the cool-off is over
+        if self.state is BreakerState.CLOSED:
+            self.health_failed = False  # a passing probe clears a blip while nothing was wrong
+        elif self.health_failed and ready and self.state is BreakerState.HALF_OPEN:
+            self.record_success()
 
     def record_failure(self) -> None:
         self.consecutive_failures += 1

@@ -7,7 +7,6 @@ import logging
 
 import httpx
 
-from narwhal.engines.breaker import BreakerState
 from narwhal.engines.client import EnginePool
 from narwhal.engines.scrape import parse_engine_load
 from narwhal.metrics import RouterMetrics
@@ -25,13 +24,9 @@ async def _probe(engine: EngineState, pool: EnginePool, metrics: RouterMetrics) 
         ok = False
     was = engine.healthy
     engine.healthy = ok
-    if ok:
-        # A passing probe only closes a breaker whose cool-off has elapsed (half-open):
-        # an engine that answers /health but fails requests stays open.
-        if engine.breaker.allows_request() and engine.breaker.state is BreakerState.HALF_OPEN:
-            engine.breaker.record_success()
-    else:
-        engine.breaker.record_failure()
+    # A passing probe closes only a half-open breaker that failing probes helped open: an
+    # engine that answers /health but fails requests waits for a half-open request instead.
+    engine.breaker.record_health(ok)
     if was is not ok:
         log.log(
             logging.INFO if ok else logging.WARNING,
