@@ -90,18 +90,33 @@ def leg_overhead_s(
     ends: Iterable[dict[str, Any]], timings: dict[str, StepTiming], default_prompt: int
 ) -> float:
     """What one HTTP leg costs on the live stack (router, client and engine servers on
-    loopback), from the router's journal: the median over prefill legs of the leg's duration
-    less the time the simulated engine takes to prefill its prompt (its step timing, which the
-    simulator replays). Not less the *profiled* prefill time: a profile measured through HTTP
-    has that overhead in its intercept already, and the difference would hide it."""
-    extra = []
+    loopback), from the router's journal: the median, over prefill legs that had their engine to
+    themselves (no other prefill leg on it overlapped), of the leg's duration less the time the
+    simulated engine takes to prefill its prompt (its step timing, which the simulator replays).
+
+    Legs that shared their engine carry queueing, which the simulator produces itself (under a
+    saturating load the median leg is mostly queue); all legs count only when fewer than five
+    ran alone. Not less the *profiled* prefill time: a profile measured through HTTP has the
+    overhead in its intercept already, and the difference would hide it."""
+    legs: list[tuple[str, float, float, float]] = []  # engine, start, end, engine seconds
     for e in ends:
-        start, end = e.get("t_prefill_start"), e.get("t_prefill_end")
-        timing = timings.get(e.get("prefill_engine") or "")
-        if start is None or end is None or timing is None:
+        start, end, arrival = e.get("t_prefill_start"), e.get("t_prefill_end"), e.get("arrival")
+        engine = e.get("prefill_engine") or ""
+        timing = timings.get(engine)
+        if start is None or end is None or arrival is None or timing is None:
             continue
         tokens = e.get("prompt_tokens") or default_prompt
-        extra.append(end - start - timing.wall(timing.prefill_s(tokens)))
+        legs.append((engine, arrival + start, arrival + end, timing.wall(timing.prefill_s(tokens))))
+    by_engine: dict[str, list[tuple[float, float]]] = {}
+    for engine, start, end, _ in legs:
+        by_engine.setdefault(engine, []).append((start, end))
+    alone = [
+        leg
+        for leg in legs
+        if sum(1 for s, e in by_engine[leg[0]] if s < leg[2] and e > leg[1]) == 1  # itself
+    ]
+    use = alone if len(alone) >= 5 else legs
+    extra = [end - start - engine_s for _, start, end, engine_s in use]
     return max(0.0, statistics.median(extra)) if extra else 0.0
 
 
