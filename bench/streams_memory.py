@@ -651,6 +651,12 @@ def main() -> int:
         help="run the router without the gc.callbacks hook that times its collections",
     )
     parser.add_argument("--keep-dir", action="store_true")
+    parser.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        help="extra narwhal-serve argument (repeatable), e.g. --router-arg=--gc=default",
+    )
     parser.add_argument("--lag-probe", nargs=2, metavar=("PORT", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.lag_probe:
@@ -746,6 +752,7 @@ def main() -> int:
                     str(token),
                     "--log-level",
                     "warning",
+                    *args.router_arg,
                 ],
                 stdout=out,
                 stderr=subprocess.STDOUT,
