@@ -667,6 +667,12 @@ def main() -> int:
         "--warmup", type=int, default=30, help="warmup requests per target and mode"
     )
     parser.add_argument("--keep-dir", action="store_true", help="keep the logs and journal")
+    parser.add_argument(
+        "--narwhal-arg",
+        action="append",
+        default=[],
+        help="extra narwhal-serve argument (repeatable): --narwhal-arg=--engine-transport=httpx",
+    )
     args = parser.parse_args()
     if args.requests < 1 or args.concurrency < 1 or args.warmup < 0:
         parser.error("--requests and --concurrency must be positive")
@@ -720,6 +726,7 @@ def main() -> int:
                 "--skip-qualification",
                 "--log-level",
                 "info",
+                *args.narwhal_arg,
             ],
             directory / "narwhal.log",
         )
