@@ -527,12 +527,33 @@ def build_app(settings: ServeSettings) -> FastAPI:
         "/v1/chat/completions": chat_completions,
     }
 
+    def key_denied() -> Response:
+        return RouterError(
+            401,
+            "invalid or missing API key",
+            "authentication_error",
+            "client_error",
+            headers={"WWW-Authenticate": "Bearer"},
+        ).response()
+
+    def admin_denied(request: Request) -> Response | None:
+        if settings.admin_token_hash is None:
+            return RouterError(
+                403,
+                "admin endpoints are disabled (no admin token configured)",
+                "permission_error",
+                "client_error",
+            ).response()
+        if not rt.admin_authorized(request):
+            return RouterError(
+                401, "admin token required", "authentication_error", "client_error"
+            ).response()
+        return None
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         if not rt.authorized(request):
-            return RouterError(
-                401, "invalid or missing API key", "authentication_error", "client_error"
-            ).response()
+            return key_denied()
         return _json(
             {
                 "object": "list",
@@ -554,17 +575,13 @@ def build_app(settings: ServeSettings) -> FastAPI:
     @app.get("/health")
     async def health(request: Request) -> Response:
         if settings.protect_health and not rt.authorized(request):
-            return RouterError(
-                401, "invalid or missing API key", "authentication_error", "client_error"
-            ).response()
+            return key_denied()
         return _json({"status": "ok"})
 
     @app.get("/ready")
     async def ready(request: Request) -> Response:
         if settings.protect_health and not rt.authorized(request):
-            return RouterError(
-                401, "invalid or missing API key", "authentication_error", "client_error"
-            ).response()
+            return key_denied()
         ok, reason = state.ready()
         journal_ok = rt.journal is not None and rt.journal.accepting
         if not journal_ok:
@@ -576,25 +593,14 @@ def build_app(settings: ServeSettings) -> FastAPI:
     @app.get("/metrics")
     async def metrics_endpoint(request: Request) -> Response:
         if settings.protect_metrics and not rt.authorized(request):
-            return RouterError(
-                401, "invalid or missing API key", "authentication_error", "client_error"
-            ).response()
+            return key_denied()
         rt.sync_journal_metrics()
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/admin/state")
     async def admin_state(request: Request) -> Response:
-        if settings.admin_token_hash is None:
-            return RouterError(
-                403,
-                "admin endpoints are disabled (no admin token configured)",
-                "permission_error",
-                "client_error",
-            ).response()
-        if not rt.admin_authorized(request):
-            return RouterError(
-                401, "admin token required", "authentication_error", "client_error"
-            ).response()
+        if (denied := admin_denied(request)) is not None:
+            return denied
         now = clock.now()
         journal = rt.journal
         return _json(
@@ -645,20 +651,6 @@ def build_app(settings: ServeSettings) -> FastAPI:
                 ],
             }
         )
-
-    def admin_denied(request: Request) -> Response | None:
-        if settings.admin_token_hash is None:
-            return RouterError(
-                403,
-                "admin endpoints are disabled (no admin token configured)",
-                "permission_error",
-                "client_error",
-            ).response()
-        if not rt.admin_authorized(request):
-            return RouterError(
-                401, "admin token required", "authentication_error", "client_error"
-            ).response()
-        return None
 
     @app.post("/admin/roles/pin")
     async def admin_pin(request: Request) -> Response:
