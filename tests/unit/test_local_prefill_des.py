@@ -55,6 +55,12 @@ def test_local_picks_are_simulated_and_every_request_completes() -> None:
         assert not engine.prefill_work and engine.pending_decode == 0
     for engine in sim.engines.values():
         assert not engine.decoding and not engine.prefill_queue and engine.context_sum == 0
+    # The local legs correct their engines' local predictions, and a perfect profile stays
+    # inside the drift band.
+    lo, hi = sim.predictor.drift_band
+    for engine_id in {r.decode for r in local}:
+        ewma = sim.predictor.ratios[(engine_id, "local")]
+        assert ewma.samples > 0 and lo <= ewma.value <= hi, (engine_id, ewma)
 
 
 def test_without_the_option_nothing_is_local() -> None:

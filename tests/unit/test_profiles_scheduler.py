@@ -247,13 +247,14 @@ def test_local_prefill_hand_computed_on_an_idle_fleet() -> None:
     shape = RequestShape(prompt_tokens=200, max_tokens=11)
     pick = sched.pick(state, shape)
     # Handoff: prefill 0.01 + 0.02 = 0.03, + transfer 0.02 + first step at batch 1 (0.042)
-    # = 0.092. Local on an idle decode engine: no step in progress, 0.03 + 0.042 = 0.072.
+    # = 0.092. Local on an idle decode engine: no step in progress, and the first token comes
+    # with the prefill itself: 0.03.
     assert isinstance(pick, Pair) and pick.local
     assert (pick.prefill, pick.decode) == ("e2", "e2")
     assert pick.predicted_prefill_s == pytest.approx(0.03)
-    assert pick.predicted_ttft_s == pytest.approx(0.072)
+    assert pick.predicted_ttft_s == pytest.approx(0.03)
     assert pick.predicted_tpot_s == pytest.approx(0.042)  # an empty batch: nobody stalls
-    assert pick.score == pytest.approx(0.58)  # min((2 - 0.072) / 2, (0.1 - 0.042) / 0.1)
+    assert pick.score == pytest.approx(0.58)  # min((2 - 0.03) / 2, (0.1 - 0.042) / 0.1)
 
 
 def test_local_prefill_only_when_enabled_short_and_allowed() -> None:

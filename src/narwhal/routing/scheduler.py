@@ -143,18 +143,19 @@ class SchedulerV1:
 
     Local prefill (``routing.local_prefill`` in the fleet, off by default): for a prompt of at
     most ``max_prompt_tokens`` each decode engine is also a candidate that prefills the prompt
-    itself. Its TTFT = its own queued local prefills + half a decode step (the step in progress
-    when its batch is not empty) + its prefill model at n + the step that emits the first
-    token. A prefill stalls every sequence of that engine's batch for its duration, so its TPOT
-    is the decode model at batch + 1 plus the stalls a sequence there sees over the request's
-    output: the local prefills sent to that engine in the last (output tokens x TPOT) seconds,
-    and this one when the batch is not empty, spread over the output tokens. The recent stalls
-    count against a handoff to that engine too: its sequence decodes there all the same. A
-    local candidate wins only when it is predicted faster than every handoff pair, meets both
-    budgets, and its first token comes within the first-token deadline (which bounds its whole
-    leg), and leaves at least the slack of the best handoff pair: it spends its batch's TPOT
-    headroom, so it is taken where TTFT binds (behind long prefill queues) or where it stalls
-    nobody (an idle engine).
+    itself. Its TTFT = its own queued local prefills + its prefill model at n + when its batch
+    is not empty, half a decode step (the step in progress) and the decode step the prefill
+    shares; all but the queue scaled by the engine's learnt ratio of observed to predicted
+    local first-token times. A prefill stalls every sequence of that engine's batch for its
+    duration, so its TPOT is the decode model at batch + 1 plus the stalls a sequence there
+    sees over the request's output: the local prefills sent to that engine in the last (output
+    tokens x TPOT) seconds, and this one when the batch is not empty, spread over the output
+    tokens. The recent stalls count against a handoff to that engine too: its sequence decodes
+    there all the same. A local candidate wins only when it is predicted faster than every
+    handoff pair, meets both budgets, comes within the first-token deadline (which bounds its
+    whole leg), and leaves at least the slack of the best handoff pair: it spends its batch's
+    TPOT headroom, so it is taken where TTFT binds (behind long prefill queues) or where it
+    stalls nobody (an idle engine).
     """
 
     def __init__(
@@ -334,11 +335,18 @@ class SchedulerV1:
         """The candidate "``d`` prefills the prompt itself": (slack, load, engine, TTFT, TPOT,
         prefill seconds)."""
         predictor = self.predictor
-        prefill_s = predictor.models[d.id].prefill.predict(n).seconds * predictor.ratio(
-            d.id, "prefill"
+        # Local legs' first tokens against their predictions (phase "local", learnt online)
+        # scale the whole of it, the prefill (and so the stall) included.
+        correction = predictor.ratio(d.id, "local")
+        prefill_s = (
+            predictor.models[d.id].prefill.predict(n).seconds
+            * predictor.ratio(d.id, "prefill")
+            * correction
         )
-        wait = tpot / 2 if batch > 0 else 0.0  # the step in progress finishes first
-        ttft = d.queued_prefill_s(now) + wait + prefill_s + tpot
+        # The step in progress finishes first; the step that prefills also decodes the batch
+        # (an idle engine's first token comes with the prefill alone).
+        others = 1.5 * tpot if batch > 0 else 0.0
+        ttft = d.queued_prefill_s(now) + others * correction + prefill_s
         horizon = max(1, shape.max_tokens - 1)
         if batch > 0:
             stalls += prefill_s

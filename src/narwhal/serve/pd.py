@@ -489,6 +489,12 @@ class PDRouter:
             self.metrics.local_prefills.labels(engine.id).inc()
             now = self.state.clock.now()
             predicted = pick.predicted_prefill_s or 0.0
+            # The online correction of local legs on this engine compares their first tokens
+            # with the predicted TTFT, without the correction in force now.
+            if self.predictor is not None and self.predictor.has(engine.id):
+                local_predicted = self.predictor.uncorrected(
+                    engine.id, "local", pick.predicted_ttft_s or 0.0
+                )
             # Queued local prefill work (the next local pick waits behind it) and the stall
             # history the scheduler weighs against this engine's batch.
             engine.prefill_work[record.id] = (predicted, now)
@@ -496,6 +502,7 @@ class PDRouter:
         handed_over = False
         response: httpx.Response | None = None
         leg = "local" if pick.local else "decode"  # as the journal's attempts name it
+        local_predicted = 0.0
 
         async def first_event() -> tuple[httpx.Response, AsyncIterator[bytes], bytes]:
             nonlocal response
@@ -577,6 +584,10 @@ class PDRouter:
         if pick.local:
             record.t_prefill_end = record.t_decode_start + first_token_s
             record.attempt(leg, engine.id, "first_token", after_s=round(first_token_s, 6))
+            if self.predictor is not None and local_predicted > 0:
+                self.predictor.observe(
+                    engine.id, "local", local_predicted, first_token_s, uncorrected=True
+                )
         else:
             record.handoff_first_token_s = first_token_s
             self.metrics.handoff.labels(engine.id).observe(first_token_s)

@@ -373,6 +373,10 @@ class _Simulation:
         d = self.state.engines[pair.decode]
         d.in_flight_decode += 1  # as the router counts it: one decode leg
         if pair.predicted_prefill_s is not None:
+            # As the router corrects local legs: first token against predicted TTFT.
+            request.predicted_total_prefill = self.predictor.uncorrected(
+                d.id, "local", pair.predicted_ttft_s or 0.0
+            )
             d.prefill_work[str(request.index)] = (pair.predicted_prefill_s, now)
             d.note_local_prefill(now, pair.predicted_prefill_s)
         # No work for the prefill pool (as the router records it).
@@ -425,6 +429,10 @@ class _Simulation:
             and not request.local  # no handoff to learn from
         ):
             self.predictor.observe_handoff(request.decode, handoff, request.predicted_tpot)
+        if request.local and request.predicted_total_prefill and self.config.scheduler == "v1":
+            self.predictor.observe(
+                request.decode, "local", request.predicted_total_prefill, handoff, uncorrected=True
+            )
 
     def decode_finished(self, request: _Request, now: float) -> None:
         request.last_token = now
