@@ -508,26 +508,34 @@ def test_profile_and_check_pass_on_real_engines(pd: PD) -> None:
 
         report = directory / "check-report.json"
         t1 = time.monotonic()
-        checked = _run(
-            "narwhal.check.cli",
-            "--fleet",
-            str(fleet),
-            "--profiles",
-            str(store),
-            "--report",
-            str(report),
-            # Two engines on two cores shared with the rest of the machine: timing noise is
-            # large relative to a tiny model's millisecond steps.
-            "--pace-tolerance",
-            "2.0",
-            "--quiet",
-        )
+        # The pace gate compares the engines' speed now with their profile. Two CPU engines on
+        # two cores shared with the rest of the machine run 3 to 6 times slower while another
+        # job takes a core (seen here), so a pace failure alone is checked once more, after a
+        # pause; every other gate must pass the first time.
+        for attempt in range(2):
+            checked = _run(
+                "narwhal.check.cli",
+                "--fleet",
+                str(fleet),
+                "--profiles",
+                str(store),
+                "--report",
+                str(report),
+                "--pace-tolerance",
+                "2.0",
+                "--quiet",
+            )
+            result = json.loads(report.read_text()) if report.exists() else None
+            assert result is not None, checked.stderr[-3000:]
+            _save(f"check-report-{attempt}.json", result)  # kept whatever the verdict
+            verdicts = {g["name"]: g["verdict"] for g in result["gates"]}
+            failures = [f"{g['name']}: {f}" for g in result["gates"] for f in g["failures"]]
+            if checked.returncode == 0 or {k for k, v in verdicts.items() if v != "pass"} != {
+                "pace"
+            }:
+                break
+            time.sleep(10)
         check_s = time.monotonic() - t1
-        result = json.loads(report.read_text()) if report.exists() else None
-        assert result is not None, checked.stderr[-3000:]
-        _save("check-report.json", result)  # kept for diagnosis whatever the verdict
-        verdicts = {g["name"]: g["verdict"] for g in result["gates"]}
-        failures = [f"{g['name']}: {f}" for g in result["gates"] for f in g["failures"]]
         assert checked.returncode == 0, "\n".join([str(verdicts), *failures])
         assert result["verdict"] == "pass" and result["complete"] is True
         assert set(verdicts.values()) == {"pass"}, verdicts
