@@ -480,6 +480,7 @@ class PDRouter:
         engine.breaker.on_dispatch()
         engine.in_flight_decode += 1
         self.metrics.in_flight.labels(engine.id, "decode").inc()
+        local_predicted = 0.0
         if pick.local:
             # The engine that decodes prefills: journaled as both, with no handoff.
             record.prefill_engine = engine.id
@@ -502,7 +503,6 @@ class PDRouter:
         handed_over = False
         response: httpx.Response | None = None
         leg = "local" if pick.local else "decode"  # as the journal's attempts name it
-        local_predicted = 0.0
 
         async def first_event() -> tuple[httpx.Response, AsyncIterator[bytes], bytes]:
             nonlocal response
