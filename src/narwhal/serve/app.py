@@ -720,6 +720,11 @@ async def _run_role_loop(rt: Runtime, interval_s: float) -> None:
         await asyncio.sleep(interval_s)
         for engine in rt.state.engines.values():
             engine.settle_drain()
+        if rt.demand is not None:
+            # Every request is recorded in the demand window, but only reading it drops what
+            # has aged out: without a controller that reads it (no profile store, role control
+            # off, pinned) it would grow by one entry per request for as long as we run.
+            rt.demand.rate()
         if rt.roles is None or rt.demand is None:
             continue
         decision = rt.roles.tick(rt.state, rt.demand)
