@@ -19,6 +19,7 @@ import re
 import socket
 import stat
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -278,9 +279,14 @@ def test_journal_and_rotated_files_are_private(fleet: SimFleet, tmp_path: Path) 
             r = httpx.post(router.url + "/v1/completions", json=body(2), timeout=30)
             assert r.status_code == 200
         assert wait_until(lambda: len(journal_files(journal)) >= 3, 5)
-        files = journal_files(journal)
-        modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in files}
-        assert set(modes.values()) == {0o600}, modes
+        modes: dict[str, int] = {}
+        for _ in range(100):  # bounded: 5 s
+            try:
+                modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in journal_files(journal)}
+                break
+            except FileNotFoundError:  # a rotation renamed a file between listing and stat
+                time.sleep(0.05)
+        assert modes and set(modes.values()) == {0o600}, modes
     # A directory the journal creates itself is 0700 at every level.
     fresh = tmp_path / "fresh" / "a" / "b" / "router.jsonl"
     with running_router(tmp_path, fleet.fleet_path, journal=fresh):
