@@ -163,12 +163,23 @@ def attempts(end: dict[str, Any]) -> list[tuple[str, str, str]]:
 # The journal across rotated files
 
 
+def journal_contents(path: Path) -> list[tuple[Path, bytes]]:
+    """The journal's files (rotated ones first) and their bytes. A rotation can rename a file
+    between listing and reading it: list again, a bounded number of times."""
+    for _ in range(100):
+        try:
+            return [(f, f.read_bytes()) for f in journal_files(path)]
+        except FileNotFoundError:
+            time.sleep(0.05)
+    raise AssertionError(f"the journal's files kept moving: {path}")
+
+
 def journal_records(path: Path) -> list[dict[str, Any]]:
     """Every complete record of the journal's files (rotated ones first), skipping a last
     line the writer has not finished yet."""
     out: list[dict[str, Any]] = []
-    for f in journal_files(path):
-        for line in f.read_bytes().split(b"\n")[:-1]:
+    for _, data in journal_contents(path):
+        for line in data.split(b"\n")[:-1]:
             if line.strip():
                 out.append(json.loads(line))
     return out

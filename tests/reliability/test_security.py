@@ -43,6 +43,7 @@ from tests.reliability.support import (
     count_journal,
     end_of,
     engine_metric,
+    journal_contents,
     journal_records,
     router_idle,
     sim_state,
@@ -89,8 +90,8 @@ def auth(key: str = KEY) -> dict[str, str]:
 def surfaces(router: RouterProcess) -> dict[str, str]:
     """Everything an operator or a scraper can read from the router."""
     out = {"log": router.log_path.read_text(errors="replace")}
-    for f in journal_files(router.journal):
-        out[f"journal:{f.name}"] = f.read_text(errors="replace")
+    for f, data in journal_contents(router.journal):
+        out[f"journal:{f.name}"] = data.decode(errors="replace")
     out["metrics"] = httpx.get(router.url + "/metrics", timeout=5).text
     out["admin_state"] = json.dumps(router.admin_state())
     return out
@@ -243,7 +244,7 @@ def test_client_request_ids_are_sanitised(keyed: RouterProcess, fleet: SimFleet)
         assert seen["only-bad"]["client_request_id"] is None
     # Nothing unsanitised in the log or the journal.
     log = router.log_path.read_text(errors="replace")
-    journal = "".join(f.read_text(errors="replace") for f in journal_files(router.journal))
+    journal = "".join(data.decode(errors="replace") for _, data in journal_contents(router.journal))
     for raw in ("../../etc", '"type":"router.stop","clean"', "\x1b[31m", "A" * 129, "запроса"):
         assert raw not in log and raw not in journal, raw
     # Every journal line is still one well-formed record.
