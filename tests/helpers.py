@@ -163,6 +163,33 @@ class RouterProcess:
         ).json()
 
 
+def router_command(
+    fleet_path: Path, port: int, journal: Path, token_file: Path, *extra: str
+) -> list[str]:
+    """The narwhal-serve command line the tests start a router with."""
+    import sys
+
+    return [
+        sys.executable,
+        "-m",
+        "narwhal.serve.cli",
+        "--fleet",
+        str(fleet_path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--journal",
+        str(journal),
+        "--skip-qualification",
+        "--admin-token-file",
+        str(token_file),
+        "--log-level",
+        "info",
+        *extra,
+    ]
+
+
 def start_router(
     directory: Path,
     fleet_path: Path,
@@ -172,7 +199,6 @@ def start_router(
     wait_ready: bool = True,
 ) -> RouterProcess:
     import subprocess
-    import sys
 
     port = port or free_ports(1)[0]
     journal = journal or directory / "journal.jsonl"
@@ -181,25 +207,7 @@ def start_router(
     log_path = directory / f"router-{port}.log"
     log = open(log_path, "ab")  # noqa: SIM115 - owned by the process
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "narwhal.serve.cli",
-            "--fleet",
-            str(fleet_path),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--journal",
-            str(journal),
-            "--skip-qualification",
-            "--admin-token-file",
-            str(token_file),
-            "--log-level",
-            "info",
-            *extra,
-        ],
+        router_command(fleet_path, port, journal, token_file, *extra),
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,

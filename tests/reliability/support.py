@@ -10,7 +10,6 @@ import re
 import resource
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +28,7 @@ from tests.helpers import (
     admin,
     free_ports,
     metric,
+    router_command,
     wait_until,
 )
 
@@ -280,25 +280,7 @@ def start_router_limited(
     token_file.write_text(ADMIN_TOKEN + "\n")
     log_path = directory / f"router-{port}.log"
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "narwhal.serve.cli",
-            "--fleet",
-            str(fleet_path),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--journal",
-            str(journal),
-            "--skip-qualification",
-            "--admin-token-file",
-            str(token_file),
-            "--log-level",
-            "info",
-            *extra,
-        ],
+        router_command(fleet_path, port, journal, token_file, *extra),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         preexec_fn=_limit_file_size(fsize_limit) if fsize_limit else os.setsid,
