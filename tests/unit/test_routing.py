@@ -12,7 +12,7 @@ from narwhal.contract import parse_fleet
 from narwhal.engines.breaker import BreakerState, CircuitBreaker
 from narwhal.engines.legs import decode_leg_body, prefill_leg_body
 from narwhal.engines.scrape import parse_engine_load
-from narwhal.engines.sse import iter_sse_events
+from narwhal.engines.sse import SseSplitter, iter_sse_events
 from narwhal.routing.fleet_state import FleetState
 from narwhal.routing.scheduler import NoPair, Pair, SchedulerV0
 from narwhal.sim.fleet import local_fleet_document
@@ -219,3 +219,19 @@ def test_sse_parser_handles_split_chunks_and_crlf() -> None:
         return [e async for e in iter_sse_events(chunks())]
 
     assert asyncio.run(collect()) == [b'{"a": 1}', b"[DONE]"]
+
+
+def test_sse_splitter_returns_every_event_a_chunk_completes_in_order() -> None:
+    splitter = SseSplitter(max_event_bytes=64)
+    assert splitter.feed(b"data: 1\n\ndata: 2\n\ndata: 3") == [b"1", b"2"]
+    # A multi-line event, a comment, an event with no data, the line end split across chunks.
+    assert splitter.feed(b"\r") == []
+    assert splitter.feed(b"\n\r\nevent: x\ndata: a\ndata:b\n\n: c\n\nid: 7\n\n") == [
+        b"3",
+        b"a\nb",
+    ]
+    assert splitter.feed(b"data: tail") == []
+    assert splitter.finish() == [b"tail"]
+    assert splitter.finish() == []
+    with pytest.raises(ValueError, match="size limit"):
+        splitter.feed(b"data: " + b"x" * 100)

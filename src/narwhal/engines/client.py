@@ -1,23 +1,21 @@
-"""One pooled HTTP client per engine, created once and shared by every request.
-
-The request legs go through httpx's client API; the bytes move either with aiohttp (the
-default: a C HTTP parser, about a third less router CPU per request, docs/performance.md) or
-with httpx's own httpcore transport (``--engine-transport httpx``, kept for comparison).
-"""
+"""One pooled client per engine for the request legs, created once and shared by every request,
+and a separate short-timeout httpx client per engine for health probes and metric scrapes."""
 
 from __future__ import annotations
-
-import socket
-from typing import Literal
 
 import httpx
 
 from narwhal.contract import FleetContract
-from narwhal.engines.aiohttp_transport import AiohttpTransport
+from narwhal.engines.transport import (
+    ENGINE_TRANSPORTS,
+    EngineClient,
+    EngineTransportName,
+    Timeouts,
+    make_engine_client,
+)
 
 __all__ = ["ENGINE_TRANSPORTS", "EnginePool"]
 
-ENGINE_TRANSPORTS = ("aiohttp", "httpx")
 # vLLM's API server (uvicorn) closes a connection idle for 5 s. A pooled connection must be
 # dropped before that, or a request can be written into a socket the engine is closing and
 # fail with a spurious 502.
@@ -29,43 +27,16 @@ class EnginePool:
         self,
         fleet: FleetContract,
         max_connections: int = 2048,
-        transport: Literal["aiohttp", "httpx"] = "aiohttp",
+        transport: EngineTransportName = "aiohttp",
     ) -> None:
-        timeout = httpx.Timeout(
-            connect=fleet.engine.connect_timeout_s,
-            read=fleet.engine.request_timeout_s,
-            write=fleet.engine.request_timeout_s,
-            pool=fleet.engine.connect_timeout_s,
-        )
-        limits = httpx.Limits(
-            max_connections=max_connections,
-            max_keepalive_connections=256,
-            keepalive_expiry=KEEPALIVE_EXPIRY_S,
-        )
-
-        def engine_transport() -> httpx.AsyncBaseTransport:
-            # TCP_NODELAY: a streamed response must not wait on delayed ACKs between small
-            # writes (aiohttp sets it on every connection it opens).
-            if transport == "aiohttp":
-                return AiohttpTransport(max_connections, KEEPALIVE_EXPIRY_S)
-            return httpx.AsyncHTTPTransport(
-                limits=limits, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
-            )
-
-        self._clients: dict[str, httpx.AsyncClient] = {
-            spec.id: httpx.AsyncClient(
-                base_url=spec.url,
-                timeout=timeout,
-                limits=limits,
-                # Engines are only ever the fleet's URLs: no proxies from the environment, no
-                # redirects to somewhere else.
-                trust_env=False,
-                follow_redirects=False,
-                transport=engine_transport(),
+        timeouts = Timeouts(fleet.engine.connect_timeout_s, fleet.engine.request_timeout_s)
+        self._clients: dict[str, EngineClient] = {
+            spec.id: make_engine_client(
+                transport, spec.url, timeouts, max_connections, KEEPALIVE_EXPIRY_S
             )
             for spec in fleet.engines
         }
-        # A separate short-timeout client per engine for probes and scrapes.
+        # Probes and scrapes are rare and must not queue behind a busy pool.
         probe_timeout = httpx.Timeout(2.0, connect=1.0)
         self._probes: dict[str, httpx.AsyncClient] = {
             spec.id: httpx.AsyncClient(
@@ -74,12 +45,14 @@ class EnginePool:
             for spec in fleet.engines
         }
 
-    def client(self, engine_id: str) -> httpx.AsyncClient:
+    def client(self, engine_id: str) -> EngineClient:
         return self._clients[engine_id]
 
     def probe(self, engine_id: str) -> httpx.AsyncClient:
         return self._probes[engine_id]
 
     async def aclose(self) -> None:
-        for client in (*self._clients.values(), *self._probes.values()):
+        for client in self._clients.values():
             await client.aclose()
+        for probe in self._probes.values():
+            await probe.aclose()

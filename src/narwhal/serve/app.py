@@ -747,7 +747,7 @@ async def _relay(
 ) -> AsyncIterator[bytes]:
     outcome, status, error = "client_abort", None, "client disconnected mid-stream"
     try:
-        async for chunk in relay_events(stream, include_usage, tally, lambda: None):
+        async for chunk in relay_events(stream, include_usage, tally):
             yield chunk
         outcome, status, error = "ok", 200, None
     except StreamFailed as exc:

@@ -11,17 +11,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import orjson
 
 from narwhal.contract import FleetContract
 from narwhal.engines.client import EnginePool
 from narwhal.engines.legs import decode_leg_body, prefill_leg_body
-from narwhal.engines.sse import iter_sse_events
+from narwhal.engines.sse import SseEventStream
+from narwhal.engines.transport import EngineResponse, EngineTransportError, read_prefix
 from narwhal.metrics import RouterMetrics
 from narwhal.routing.admission import Admit, Queue, Reject, Unavailable, admit
 from narwhal.routing.fleet_state import EngineState, FleetState
@@ -69,9 +68,10 @@ class _EngineClientError(Exception):
 @dataclass
 class DecodeStream:
     engine: str
-    response: httpx.Response
-    events: AsyncIterator[bytes]
-    first_event: bytes
+    response: EngineResponse
+    events: SseEventStream
+    # The first event with a choice, and the events that arrived with it (relayed next).
+    first_events: list[bytes]
     prefill_prompt_tokens: int | None
     predicted_tpot_s: float | None = None
     batch_at_start: int = 1  # the decode engine's batch when this stream joined it
@@ -83,7 +83,7 @@ class DecodeStream:
         if drain:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(1.0):
-                    async for _ in self.events:
+                    while await self.events.next_batch():
                         pass
         await self.response.aclose()
 
@@ -374,18 +374,19 @@ class PDRouter:
             engine.prefill_work[record.id] = (pick.predicted_prefill_s, now)
         gauge = self.metrics.in_flight.labels(engine.id, "prefill")
         gauge.inc()
+        client = self.engines.client(engine.id)
+        headers = {"X-Request-Id": record.id, "Content-Type": "application/json"}
+        response: EngineResponse | None = None
         try:
-            response = await asyncio.wait_for(
-                self.engines.client(engine.id).post(
-                    path,
-                    content=body,
-                    headers={"X-Request-Id": record.id, "Content-Type": "application/json"},
-                ),
-                self.prefill_timeout_s,
-            )
-        except (httpx.HTTPError, TimeoutError) as exc:
+            async with asyncio.timeout(self.prefill_timeout_s):
+                response = await client.post(path, body, headers)
+                if response.status >= 400:
+                    content = await read_prefix(response, _MAX_ERROR_BODY)
+                else:
+                    content = await response.read()
+        except (EngineTransportError, TimeoutError) as exc:
             self._leg_failed(engine, "prefill")
-            why = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+            why = "timed out" if isinstance(exc, TimeoutError) else str(exc)
             record.attempt("prefill", engine.id, "failed", error=why)
             raise _LegFailure(why) from None
         finally:
@@ -393,16 +394,18 @@ class PDRouter:
             engine.prefill_work.pop(record.id, None)
             gauge.dec()
             self._capacity.set()
+            if response is not None:
+                await response.aclose()
         record.t_prefill_end = record.since_arrival()
-        if response.status_code >= 500:
+        if response.status >= 500:
             self._leg_failed(engine, "prefill")
-            record.attempt("prefill", engine.id, "failed", status=response.status_code)
-            raise _LegFailure(f"HTTP {response.status_code}")
-        if response.status_code >= 400:
+            record.attempt("prefill", engine.id, "failed", status=response.status)
+            raise _LegFailure(f"HTTP {response.status}")
+        if response.status >= 400:
             self._leg_ok(engine)  # the engine is fine; the request is not
-            raise _EngineClientError(response.status_code, response.content[:_MAX_ERROR_BODY])
+            raise _EngineClientError(response.status, content)
         try:
-            data = orjson.loads(response.content)
+            data = orjson.loads(content)
             usage = data.get("usage") or {}
             prompt_tokens = usage.get("prompt_tokens")
             params = data.get("kv_transfer_params")
@@ -501,46 +504,39 @@ class PDRouter:
             engine.prefill_work[record.id] = (predicted, now)
             engine.note_local_prefill(now, predicted)
         handed_over = False
-        response: httpx.Response | None = None
+        response: EngineResponse | None = None
         leg = "local" if pick.local else "decode"  # as the journal's attempts name it
+        headers = {
+            "X-Request-Id": record.id,
+            "Content-Type": "application/json",
+            "Accept": "text/event-stream",
+        }
 
-        async def first_event() -> tuple[httpx.Response, AsyncIterator[bytes], bytes]:
+        async def first_event() -> tuple[EngineResponse, SseEventStream, list[bytes]]:
             nonlocal response
-            req = client.build_request(
-                "POST",
-                path,
-                content=body,
-                headers={
-                    "X-Request-Id": record.id,
-                    "Content-Type": "application/json",
-                    "Accept": "text/event-stream",
-                },
-            )
-            response = await client.send(req, stream=True)
-            if response.status_code >= 400:
-                content = b""
-                async for chunk in response.aiter_bytes():
-                    content += chunk
-                    if len(content) > _MAX_ERROR_BODY:
-                        break
-                if response.status_code >= 500:
-                    raise _LegFailure(f"HTTP {response.status_code}")
-                raise _EngineClientError(response.status_code, content[:_MAX_ERROR_BODY])
-            events = iter_sse_events(response.aiter_bytes())
-            async for data in events:
-                if data == b"[DONE]":
-                    break
-                obj = orjson.loads(data)
-                if isinstance(obj, dict) and "error" in obj:
-                    message = str((obj.get("error") or {}).get("message", obj["error"]))
-                    raise _LegFailure(f"engine error before the first token: {message}")
-                if isinstance(obj, dict) and obj.get("choices"):
-                    return response, events, data
+            response = await client.post(path, body, headers)
+            if response.status >= 400:
+                content = await read_prefix(response, _MAX_ERROR_BODY)
+                if response.status >= 500:
+                    raise _LegFailure(f"HTTP {response.status}")
+                raise _EngineClientError(response.status, content)
+            events = SseEventStream(response)
+            while batch := await events.next_batch():
+                for i, data in enumerate(batch):
+                    if data == b"[DONE]":
+                        raise _LegFailure("stream ended before the first token")
+                    obj = orjson.loads(data)
+                    if isinstance(obj, dict) and "error" in obj:
+                        message = str((obj.get("error") or {}).get("message", obj["error"]))
+                        raise _LegFailure(f"engine error before the first token: {message}")
+                    if isinstance(obj, dict) and obj.get("choices"):
+                        return response, events, batch[i:]
             raise _LegFailure("stream ended before the first token")
 
         try:
             try:
-                resp, events, first = await asyncio.wait_for(first_event(), deadline_s)
+                async with asyncio.timeout(deadline_s):
+                    resp, events, first = await first_event()
             except TimeoutError:
                 self.metrics.deadline_exceeded.labels(engine.id).inc()
                 # The tail of handoff latency includes the legs that missed (at least this
@@ -558,7 +554,11 @@ class PDRouter:
                     after_s=round(record.since_arrival() - record.t_decode_start, 6),
                 )
                 raise _LegFailure(f"no first token within {deadline_s} s", deadline=True) from None
-            except (httpx.HTTPError, ValueError, orjson.JSONDecodeError) as exc:
+            except EngineTransportError as exc:
+                self._leg_failed(engine, "decode")
+                record.attempt(leg, engine.id, "failed", error=str(exc))
+                raise _LegFailure(str(exc)) from None
+            except ValueError as exc:  # orjson.JSONDecodeError, an oversized event
                 self._leg_failed(engine, "decode")
                 record.attempt(leg, engine.id, "failed", error=f"{type(exc).__name__}: {exc}")
                 raise _LegFailure(f"{type(exc).__name__}: {exc}") from None

@@ -10,13 +10,13 @@ ends the client's stream with an OpenAI error event, never a silent truncation.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import orjson
 
+from narwhal.engines.transport import EngineTransportError
 from narwhal.serve.errors import RouterError, error_body
 from narwhal.serve.pd import DecodeStream
 from narwhal.serve.record import RequestRecord
@@ -77,43 +77,52 @@ def _note(tally: StreamTally, obj: dict[str, Any], now: float) -> None:
 
 
 async def relay_events(
-    stream: DecodeStream, include_usage: bool, tally: StreamTally, on_first_byte: Callable[[], None]
-):
-    """Yield SSE bytes for the client. Raises nothing upstream-related: errors become events."""
-    payload = stream.first_event
-    first = True
+    stream: DecodeStream, include_usage: bool, tally: StreamTally
+) -> AsyncIterator[bytes]:
+    """Yield SSE bytes for the client: every event of one upstream read in one piece, so a
+    burst from the engine costs one client write. Raises nothing upstream-related: errors
+    become events, then ``StreamFailed``."""
+    batch = stream.first_events
     try:
         while True:
-            if payload == b"[DONE]":
-                tally.done = True
-                yield _DONE
-                return
-            obj = orjson.loads(payload)
+            out: list[bytes] = []
             now = time.monotonic()
-            if isinstance(obj, dict) and "error" in obj:
-                yield b"data: " + payload + b"\n\n" + _DONE
-                raise _StreamFailed(str((obj.get("error") or {}).get("message", "engine error")))
-            if isinstance(obj, dict) and obj.get("usage") and not obj.get("choices"):
-                tally.completion_tokens = obj["usage"].get("completion_tokens")
-                tally.prompt_tokens = obj["usage"].get("prompt_tokens")
-                if include_usage:
-                    obj["usage"] = _usage(obj["usage"], stream.prefill_prompt_tokens)
-                    yield b"data: " + orjson.dumps(obj) + b"\n\n"
-            else:
-                if isinstance(obj, dict):
-                    _note(tally, obj, now)
-                yield b"data: " + payload + b"\n\n"
-                if first:
-                    first = False
-                    on_first_byte()
-            try:
-                payload = await stream.events.__anext__()
-            except StopAsyncIteration:
-                raise _StreamFailed("the decode engine closed the stream early") from None
-    except (httpx.HTTPError, ValueError) as exc:
+            for payload in batch:
+                if payload == b"[DONE]":
+                    tally.done = True
+                    out.append(_DONE)
+                    yield b"".join(out)
+                    return
+                obj = orjson.loads(payload)
+                if isinstance(obj, dict) and "error" in obj:
+                    out += (b"data: ", payload, b"\n\n", _DONE)
+                    yield b"".join(out)
+                    raise _StreamFailed(
+                        str((obj.get("error") or {}).get("message", "engine error"))
+                    )
+                if isinstance(obj, dict) and obj.get("usage") and not obj.get("choices"):
+                    tally.completion_tokens = obj["usage"].get("completion_tokens")
+                    tally.prompt_tokens = obj["usage"].get("prompt_tokens")
+                    if include_usage:
+                        obj["usage"] = _usage(obj["usage"], stream.prefill_prompt_tokens)
+                        out += (b"data: ", orjson.dumps(obj), b"\n\n")
+                else:
+                    if isinstance(obj, dict):
+                        _note(tally, obj, now)
+                    out += (b"data: ", payload, b"\n\n")
+            if out:
+                yield b"".join(out)
+            batch = await stream.events.next_batch()
+            if not batch:
+                raise _StreamFailed("the decode engine closed the stream early")
+    except (EngineTransportError, ValueError) as exc:
         message = f"decode stream broke: {type(exc).__name__}: {exc}"
-        yield b"data: " + orjson.dumps(error_body(message, "upstream_error", None, 502)) + b"\n\n"
-        yield _DONE
+        yield (
+            b"data: "
+            + orjson.dumps(error_body(message, "upstream_error", None, 502))
+            + b"\n\n"
+            + _DONE
+        )
         raise _StreamFailed(message) from None
 
 
@@ -138,9 +147,22 @@ async def aggregate(
     usage: dict[str, Any] | None = None
     head: dict[str, Any] | None = None
     stop_reason = None
-    payload = stream.first_event
+    batch, i = stream.first_events, 0
     try:
-        while payload != b"[DONE]":
+        while True:
+            if i == len(batch):
+                batch, i = await stream.events.next_batch(), 0
+                if not batch:
+                    raise RouterError(
+                        502,
+                        "the decode engine closed the stream early",
+                        "upstream_error",
+                        "stream_error",
+                    )
+            payload = batch[i]
+            i += 1
+            if payload == b"[DONE]":
+                break
             obj = orjson.loads(payload)
             if not isinstance(obj, dict):
                 raise RouterError(
@@ -169,19 +191,11 @@ async def aggregate(
                 elif choice.get("text"):
                     texts.append(choice["text"])
                 if isinstance(choice.get("token_ids"), list):
-                    token_ids = (token_ids or []) + choice["token_ids"]
+                    token_ids = token_ids or []
+                    token_ids.extend(choice["token_ids"])
                 if choice.get("stop_reason") is not None:
                     stop_reason = choice["stop_reason"]
-            try:
-                payload = await stream.events.__anext__()
-            except StopAsyncIteration:
-                raise RouterError(
-                    502,
-                    "the decode engine closed the stream early",
-                    "upstream_error",
-                    "stream_error",
-                ) from None
-    except (httpx.HTTPError, ValueError) as exc:
+    except (EngineTransportError, ValueError) as exc:
         raise RouterError(
             502,
             f"decode stream broke: {type(exc).__name__}: {exc}",

@@ -1,0 +1,274 @@
+"""How the router's request legs reach an engine: one ``POST`` per leg, over pooled keep-alive
+HTTP/1.1 connections, with the engine's answer read whole (a prefill leg) or chunk by chunk (a
+decode stream).
+
+Two implementations behind one small interface, chosen by ``--engine-transport``:
+
+- ``aiohttp`` (the default) calls aiohttp's client directly: its C HTTP parser and its pool,
+  with nothing in between. Profiling put httpx's client layer (request and response objects,
+  URL merging, cookie extraction, auth and redirect plumbing) at about a fifth of the router's
+  CPU per request even with aiohttp moving the bytes under it (docs/performance.md).
+- ``httpx`` uses httpx's own client and transport (httpcore), kept for comparison and as a
+  fallback.
+
+Both raise :class:`EngineTransportError` for every failure that is the engine's or the network's
+(refused, reset, timed out, a body cut short), so callers handle one exception type; an HTTP
+error status is not an exception, it is the response's ``status``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from typing import Literal, Protocol
+
+import aiohttp
+import httpx
+
+__all__ = [
+    "ENGINE_TRANSPORTS",
+    "AiohttpEngineClient",
+    "EngineClient",
+    "EngineResponse",
+    "EngineTransportError",
+    "HttpxEngineClient",
+    "Timeouts",
+    "make_engine_client",
+    "read_prefix",
+]
+
+ENGINE_TRANSPORTS = ("aiohttp", "httpx")
+EngineTransportName = Literal["aiohttp", "httpx"]
+
+
+class EngineTransportError(Exception):
+    """The engine could not be reached, or its answer stopped or broke part way."""
+
+    def __init__(self, message: str, *, timeout: bool = False) -> None:
+        super().__init__(message)
+        self.timeout = timeout
+
+
+class Timeouts:
+    """Connect and per-read timeouts of one engine's client (seconds)."""
+
+    __slots__ = ("connect_s", "read_s")
+
+    def __init__(self, connect_s: float, read_s: float) -> None:
+        self.connect_s = connect_s
+        self.read_s = read_s
+
+
+class EngineResponse(Protocol):
+    """An engine's answer whose head has arrived; the body is read on demand."""
+
+    status: int
+
+    async def read(self) -> bytes:
+        """The whole body (then the connection goes back to the pool)."""
+        ...
+
+    async def read_chunk(self) -> bytes:
+        """The body bytes that have arrived, waiting for some; ``b""`` at its end."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release the connection: pooled again after a complete body, dropped otherwise, so
+        no later request can read the rest of an abandoned one."""
+        ...
+
+
+async def read_prefix(response: EngineResponse, limit: int) -> bytes:
+    """The body's first ``limit`` bytes or fewer (an error answer worth quoting)."""
+    content = b""
+    while len(content) < limit:
+        chunk = await response.read_chunk()
+        if not chunk:
+            break
+        content += chunk
+    return content[:limit]
+
+
+class EngineClient(Protocol):
+    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> EngineResponse:
+        """Send ``body`` (JSON) and wait for the answer's head."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+# --------------------------------------------------------------------------------------------
+# aiohttp
+
+
+def _aiohttp_error(exc: BaseException) -> EngineTransportError:
+    message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    timeout = isinstance(exc, aiohttp.ServerTimeoutError | asyncio.TimeoutError)
+    return EngineTransportError(message, timeout=timeout)
+
+
+class _AiohttpResponse:
+    __slots__ = ("_response", "status")
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self._response = response
+        self.status = response.status
+
+    async def read(self) -> bytes:
+        try:
+            return await self._response.read()
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise _aiohttp_error(exc) from exc
+
+    async def read_chunk(self) -> bytes:
+        try:
+            return await self._response.content.readany()
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise _aiohttp_error(exc) from exc
+
+    async def aclose(self) -> None:
+        self._response.release()
+
+
+class AiohttpEngineClient:
+    """One aiohttp session (one connection pool) for one engine, opened on first use inside
+    the running event loop."""
+
+    def __init__(self, base_url: str, timeouts: Timeouts, max_connections: int, keepalive_s: float):
+        self._base = base_url.rstrip("/")
+        self._timeouts = timeouts
+        self._max_connections = max_connections
+        self._keepalive_s = keepalive_s
+        self._session: aiohttp.ClientSession | None = None
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(
+                limit=self._max_connections,
+                keepalive_timeout=self._keepalive_s,
+                # Engines are addressed by IP and port from the fleet file: no DNS cache to
+                # go stale, no happy-eyeballs racing.
+                use_dns_cache=False,
+                enable_cleanup_closed=False,
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                # No cookies, no automatic decompression: the router relays engine bytes.
+                cookie_jar=aiohttp.DummyCookieJar(),
+                auto_decompress=False,
+                skip_auto_headers=("User-Agent", "Accept-Encoding"),
+                trust_env=False,
+                timeout=aiohttp.ClientTimeout(
+                    total=None,
+                    connect=self._timeouts.connect_s,
+                    sock_connect=self._timeouts.connect_s,
+                    sock_read=self._timeouts.read_s,
+                ),
+            )
+        return self._session
+
+    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> EngineResponse:
+        session = self._open()
+        try:
+            response = await session.post(
+                self._base + path,
+                data=body,
+                headers=headers,
+                allow_redirects=False,
+                compress=None,
+            )
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise _aiohttp_error(exc) from exc
+        return _AiohttpResponse(response)
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+# --------------------------------------------------------------------------------------------
+# httpx
+
+
+def _httpx_error(exc: httpx.HTTPError) -> EngineTransportError:
+    message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return EngineTransportError(message, timeout=isinstance(exc, httpx.TimeoutException))
+
+
+class _HttpxResponse:
+    __slots__ = ("_chunks", "_response", "status")
+
+    def __init__(self, response: httpx.Response) -> None:
+        self._response = response
+        self.status = response.status_code
+        self._chunks: AsyncIterator[bytes] | None = None
+
+    async def read(self) -> bytes:
+        try:
+            return await self._response.aread()
+        except httpx.HTTPError as exc:
+            raise _httpx_error(exc) from exc
+
+    async def read_chunk(self) -> bytes:
+        if self._chunks is None:
+            self._chunks = self._response.aiter_raw()
+        try:
+            return await anext(self._chunks, b"")
+        except httpx.HTTPError as exc:
+            raise _httpx_error(exc) from exc
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
+class HttpxEngineClient:
+    def __init__(self, base_url: str, timeouts: Timeouts, max_connections: int, keepalive_s: float):
+        limits = httpx.Limits(
+            max_connections=max_connections,
+            max_keepalive_connections=256,
+            keepalive_expiry=keepalive_s,
+        )
+        self._client = httpx.AsyncClient(
+            base_url=base_url,
+            timeout=httpx.Timeout(
+                connect=timeouts.connect_s,
+                read=timeouts.read_s,
+                write=timeouts.read_s,
+                pool=timeouts.connect_s,
+            ),
+            limits=limits,
+            # Engines are only ever the fleet's URLs: no proxies from the environment, no
+            # redirects to somewhere else.
+            trust_env=False,
+            follow_redirects=False,
+            # TCP_NODELAY: a streamed response must not wait on delayed ACKs between small
+            # writes (aiohttp sets it on every connection it opens).
+            transport=httpx.AsyncHTTPTransport(
+                limits=limits, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+            ),
+        )
+
+    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> EngineResponse:
+        request = self._client.build_request("POST", path, content=body, headers=headers)
+        try:
+            response = await self._client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise _httpx_error(exc) from exc
+        return _HttpxResponse(response)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+def make_engine_client(
+    transport: EngineTransportName,
+    base_url: str,
+    timeouts: Timeouts,
+    max_connections: int,
+    keepalive_s: float,
+) -> EngineClient:
+    if transport == "aiohttp":
+        return AiohttpEngineClient(base_url, timeouts, max_connections, keepalive_s)
+    return HttpxEngineClient(base_url, timeouts, max_connections, keepalive_s)

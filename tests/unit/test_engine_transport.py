@@ -1,0 +1,203 @@
+"""The engine clients (aiohttp, the default, and httpx): the same answers and the same
+``EngineTransportError`` for every network failure, against real sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from narwhal.engines.sse import SseEventStream
+from narwhal.engines.transport import (
+    ENGINE_TRANSPORTS,
+    EngineClient,
+    EngineTransportError,
+    Timeouts,
+    make_engine_client,
+    read_prefix,
+)
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+pytestmark = pytest.mark.parametrize("transport", ENGINE_TRANSPORTS)
+
+
+@contextlib.asynccontextmanager
+async def server(handler: Handler) -> AsyncIterator[tuple[str, list[int]]]:
+    """A raw HTTP/1.1 server; yields its base URL and the peer port of every connection."""
+    peers: list[int] = []
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peers.append(writer.get_extra_info("peername")[1])
+        # CancelledError: a handler still waiting when the test's loop ends.
+        with contextlib.suppress(ConnectionError, asyncio.CancelledError):
+            await handler(reader, writer)
+        writer.close()
+
+    srv = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", peers
+    finally:
+        srv.close()
+
+
+@contextlib.asynccontextmanager
+async def engine_client(
+    transport: str, base: str, read_s: float = 5.0
+) -> AsyncIterator[EngineClient]:
+    client = make_engine_client(transport, base, Timeouts(5.0, read_s), 16, 4.0)  # type: ignore[arg-type]
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    body = await reader.readexactly(length) if length else b""
+    return head, body
+
+
+async def test_post_and_stream_pass_bytes_and_reuse_the_connection(transport: str) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head, body = await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            assert b"x-request-id: r1" in head.lower()
+            assert head.startswith(b"POST /v1/completions HTTP/1.1\r\n")
+            chunks = [b"data: " + body + b"\n\n", b"data: [DONE]\n\n"]
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n")
+            writer.write(b"Transfer-Encoding: chunked\r\nX-Engine: e0\r\n\r\n")
+            for c in chunks:
+                writer.write(b"%x\r\n%s\r\n" % (len(c), c))
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+    headers = {"X-Request-Id": "r1", "Content-Type": "application/json"}
+    async with server(handler) as (base, peers), engine_client(transport, base) as c:
+        for i in range(3):
+            r = await c.post("/v1/completions", b'{"n":%d}' % i, headers)
+            assert r.status == 200
+            assert await r.read() == b'data: {"n":%d}\n\ndata: [DONE]\n\n' % i
+            await r.aclose()
+        r = await c.post("/v1/completions", b"{}", headers)
+        events = SseEventStream(r)
+        got = []
+        while batch := await events.next_batch():
+            got += batch
+        await r.aclose()
+        assert got == [b"{}", b"[DONE]"]
+        assert len(peers) == 1  # one kept-alive connection served all four
+
+
+async def test_an_error_status_is_an_answer_and_its_body_is_quoted_up_to_a_limit(
+    transport: str,
+) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        body = b"x" * 10_000
+        writer.write(
+            b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        await writer.drain()
+
+    async with server(handler) as (base, _), engine_client(transport, base) as c:
+        r = await c.post("/v1/completions", b"{}", {})
+        assert r.status == 400
+        assert await read_prefix(r, 1000) == b"x" * 1000
+        await r.aclose()
+
+
+async def test_connection_refused_is_a_transport_error(transport: str) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: refused
+        async with engine_client(transport, f"http://127.0.0.1:{port}") as c:
+            with pytest.raises(EngineTransportError) as info:
+                await c.post("/v1/completions", b"{}", {})
+            assert not info.value.timeout
+
+
+async def test_a_stalled_response_is_a_timeout(transport: str) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await asyncio.sleep(5)
+
+    async with server(handler) as (base, _), engine_client(transport, base, read_s=0.2) as c:
+        with pytest.raises(EngineTransportError) as info:
+            await c.post("/slow", b"{}", {})
+        assert info.value.timeout
+
+
+async def test_a_stream_cut_mid_body_is_a_transport_error(transport: str) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        writer.write(b"6\r\ndata: \r\n")
+        await writer.drain()
+        writer.transport.abort()
+
+    async with server(handler) as (base, _), engine_client(transport, base) as c:
+        r = await c.post("/v1/completions", b"{}", {})
+        with pytest.raises(EngineTransportError):
+            while await r.read_chunk():
+                pass
+        await r.aclose()
+
+
+async def test_an_abandoned_stream_does_not_leave_its_connection_in_the_pool(
+    transport: str,
+) -> None:
+    release = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            writer.write(b"9\r\ndata: a\n\n\r\n")
+            await writer.drain()
+            if not release.is_set():
+                release.set()
+                await asyncio.sleep(0.5)  # the rest of this stream never comes in time
+                return
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+    async with server(handler) as (base, peers), engine_client(transport, base) as c:
+        r = await c.post("/v1/completions", b"{}", {})
+        assert await r.read_chunk() == b"data: a\n\n"
+        await r.aclose()  # the router gave up on this stream (a deadline, a client that left)
+        r = await c.post("/v1/completions", b"{}", {})
+        # A fresh connection, and none of the abandoned stream's bytes in this response.
+        assert await r.read() == b"data: a\n\n" and len(peers) == 2
+        await r.aclose()
+
+
+async def test_closing_the_client_closes_its_pool(transport: str) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await reader.read()  # until the client closes its end
+        closed.set()
+
+    closed = asyncio.Event()
+    async with server(handler) as (base, _):
+        async with engine_client(transport, base) as c:
+            r = await c.post("/", b"{}", {})
+            assert await r.read() == b"ok"
+            await r.aclose()
+        await asyncio.wait_for(closed.wait(), 5)
