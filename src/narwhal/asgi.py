@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
 
-from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-__all__ = ["DisconnectAwareStreamingResponse", "HotRouteDispatch"]
-
-HotHandler = Callable[[Request], Awaitable[Response]]
+__all__ = ["DisconnectAwareStreamingResponse", "EndpointResponse", "HotRouteDispatch"]
 
 
 class HotRouteDispatch:
@@ -26,18 +22,29 @@ class HotRouteDispatch:
     the OpenAPI schema still describes them.
     """
 
-    def __init__(self, app: ASGIApp, routes: dict[str, HotHandler]) -> None:
+    def __init__(self, app: ASGIApp, routes: dict[str, ASGIApp]) -> None:
         self.app = app
         self.routes = routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
-            handler = self.routes.get(scope["path"])
-            if handler is not None:
-                response = await handler(Request(scope, receive, send))
-                await response(scope, receive, send)
+            endpoint = self.routes.get(scope["path"])
+            if endpoint is not None:
+                await endpoint(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class EndpointResponse(Response):
+    """A framework route's answer that hands the exchange to a plain ASGI endpoint (which reads
+    the body and sends the response itself)."""
+
+    def __init__(self, endpoint: ASGIApp) -> None:
+        self.endpoint = endpoint
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.endpoint(scope, receive, send)
 
 
 class DisconnectAwareStreamingResponse(StreamingResponse):

@@ -7,23 +7,21 @@ import contextlib
 import hashlib
 import hmac
 import logging
-import re
 import time
-import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import orjson
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 
 from narwhal import __version__
-from narwhal.asgi import DisconnectAwareStreamingResponse
+from narwhal.asgi import EndpointResponse
 from narwhal.clock import MonotonicClock
 from narwhal.contract import LoadedFleet
 from narwhal.engines.client import EnginePool
@@ -36,17 +34,14 @@ from narwhal.routing.roles import DemandTracker, RoleController
 from narwhal.routing.scheduler import SchedulerV0, SchedulerV1
 from narwhal.serve.background import probe_all, run_health_loop, run_scrape_loop
 from narwhal.serve.errors import RouterError
+from narwhal.serve.generation import GenerationEndpoint
 from narwhal.serve.pd import DecodeStream, PDRouter
 from narwhal.serve.record import RequestRecord
-from narwhal.serve.relay import StreamFailed, StreamTally, aggregate, relay_events
-from narwhal.serve.validation import parse_client_request
+from narwhal.serve.relay import StreamTally
 
 __all__ = ["ServeSettings", "build_app", "hash_secret"]
 
 log = logging.getLogger("narwhal.serve")
-
-_CLIENT_ID_RE = re.compile(r"[^A-Za-z0-9._:-]")
-T = TypeVar("T")
 
 
 def hash_secret(secret: str) -> bytes:
@@ -76,10 +71,6 @@ class ServeSettings:
     scheduler: Literal["v0", "v1"] = "v0"
     qualification: dict[str, Any] = field(default_factory=dict)
     engine_transport: Literal["aiohttp", "httpx"] = "aiohttp"
-
-
-class _ClientGone(Exception):
-    pass
 
 
 @dataclass
@@ -222,10 +213,13 @@ class Runtime:
                 self._journal_seen[key] = value
 
     def authorized(self, request: Request) -> bool:
+        return self.authorized_header(request.headers.get("authorization", ""))
+
+    def authorized_header(self, header: str) -> bool:
+        """Whether an ``Authorization`` header value carries one of the API keys."""
         hashes = self.settings.api_key_hashes
         if not hashes:
             return True
-        header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key:
             return False
@@ -242,55 +236,6 @@ class Runtime:
             return False
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(hash_secret(given.strip()), token)
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise RouterError(
-            413, f"request body exceeds {limit} bytes", "invalid_request_error", "client_error"
-        )
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RouterError(
-                413, f"request body exceeds {limit} bytes", "invalid_request_error", "client_error"
-            )
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def _until_disconnect(
-    request: Request, work: Awaitable[T], orphan: Callable[[T], Awaitable[None]] | None = None
-) -> T:
-    """Run ``work``; if the client disconnects first, cancel it and raise _ClientGone.
-
-    ``orphan`` releases a result that ``work`` produced anyway in the same loop step as the
-    cancellation (an open decode stream must not leak its connection and in-flight count).
-    """
-    task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-            if orphan is not None and not task.cancelled() and task.exception() is None:
-                await orphan(task.result())
-            raise _ClientGone()
-    return task.result()
 
 
 def _json(body: Any, status: int = 200) -> Response:
@@ -403,128 +348,23 @@ def build_app(settings: ServeSettings) -> FastAPI:
     )
     app.state.runtime = rt
 
-    async def generation(request: Request, chat: bool) -> Response:
-        journal = rt.journal
-        assert journal is not None and rt.router is not None
-        if rt.draining:
-            metrics.admission_rejections.labels("draining").inc()
-            return RouterError(
-                503,
-                "the router is shutting down",
-                "service_unavailable",
-                "rejected",
-                headers={"Retry-After": "1"},
-            ).response()
-        if not journal.accepting:
-            metrics.admission_rejections.labels("journal_unavailable").inc()
-            return RouterError(
-                503,
-                "the request journal cannot record requests; refusing them "
-                "rather than serve unrecorded",
-                "service_unavailable",
-                "rejected",
-                headers={"Retry-After": "5"},
-            ).response()
-        record = RequestRecord(
-            id=uuid.uuid4().hex,
-            arrival=time.time(),
-            arrival_mono=time.monotonic(),
-            endpoint=request.url.path,
-        )
-        client_id = request.headers.get("x-request-id")
-        if client_id:
-            record.client_request_id = _CLIENT_ID_RE.sub("", client_id)[:128] or None
-        if not journal.request_start(
-            record.id,
-            record.arrival,
-            endpoint=record.endpoint,
-            client_request_id=record.client_request_id,
-        ):
-            metrics.admission_rejections.labels("journal_unavailable").inc()
-            return RouterError(
-                503,
-                "the request journal cannot record requests; refusing them "
-                "rather than serve unrecorded",
-                "service_unavailable",
-                "rejected",
-                headers={"Retry-After": "5"},
-            ).response()
-        rt.active.add(record.id)
-        headers = {"X-Request-Id": record.id}
-        try:
-            if not rt.authorized(request):
-                raise RouterError(
-                    401,
-                    "invalid or missing API key",
-                    "authentication_error",
-                    "client_error",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-            raw = await _read_body(request, settings.max_body_bytes)
-            creq = parse_client_request(raw, chat, fleet.model.id, fleet.model.max_model_len)
-            record.stream = creq.stream
-            if creq.prompt_tokens_exact is not None:
-                record.prompt_tokens = creq.prompt_tokens_exact
-            stream = await _until_disconnect(
-                request, rt.router.open(creq, record), rt.release_stream
-            )
-        except RouterError as exc:
-            rt.finish(record, exc.outcome, exc.status, exc.message)
-            response = exc.response()
-            response.headers.update(headers)
-            return response
-        except (_ClientGone, ClientDisconnect):
-            rt.finish(record, "client_abort", None, "client disconnected before the first token")
-            return Response(status_code=499)
-        except asyncio.CancelledError:
-            rt.finish(record, "client_abort", None, "cancelled before the first token")
-            raise
-        except Exception as exc:  # never a traceback to the client, always a record
-            log.exception("request %s failed", record.id)
-            rt.finish(record, "internal_error", 500, f"{type(exc).__name__}: {exc}")
-            return RouterError(
-                500, "internal router error", "internal_error", "internal_error"
-            ).response()
-        tally = StreamTally()
-        if creq.stream:
-            return DisconnectAwareStreamingResponse(
-                _relay(rt, stream, creq.include_usage, tally, record),
-                media_type="text/event-stream",
-                headers=headers,
-            )
-        outcome, status, error, response = "client_abort", None, "cancelled mid-generation", None
-        try:
-            ids = (
-                rt.router.prompt_token_ids(record.id) if creq.body.get("return_token_ids") else None
-            )
-            body = await _until_disconnect(request, aggregate(stream, chat, tally, record, ids))
-            outcome, status, error = "ok", 200, None
-            response = Response(orjson.dumps(body), media_type="application/json", headers=headers)
-        except RouterError as exc:
-            outcome, status, error = exc.outcome, exc.status, exc.message
-            response = exc.response()
-            response.headers.update(headers)
-        except (_ClientGone, ClientDisconnect):
-            error = "client disconnected mid-generation"
-            response = Response(status_code=499)
-        finally:
-            # The request's one record is written before anything else can be awaited.
-            rt.finish(record, outcome, status, error, tally, stream)
-            await rt.release_stream(stream, complete=tally.done)
-        return response
+    completions_endpoint = GenerationEndpoint(rt, chat=False)
+    chat_endpoint = GenerationEndpoint(rt, chat=True)
 
+    # Declared on the framework app (the OpenAPI schema describes them, and a request that
+    # comes through the framework is served the same); serve() puts the endpoints themselves
+    # in front of the framework's middleware (narwhal.asgi.HotRouteDispatch).
     @app.post("/v1/completions", include_in_schema=True)
     async def completions(request: Request) -> Response:
-        return await generation(request, chat=False)
+        return EndpointResponse(completions_endpoint)
 
     @app.post("/v1/chat/completions", include_in_schema=True)
     async def chat_completions(request: Request) -> Response:
-        return await generation(request, chat=True)
+        return EndpointResponse(chat_endpoint)
 
-    # serve() puts these in front of the framework's middleware (narwhal.asgi.HotRouteDispatch).
     app.state.hot_routes = {
-        "/v1/completions": completions,
-        "/v1/chat/completions": chat_completions,
+        "/v1/completions": completions_endpoint,
+        "/v1/chat/completions": chat_endpoint,
     }
 
     def key_denied() -> Response:
@@ -736,24 +576,3 @@ async def _run_role_loop(rt: Runtime, interval_s: float) -> None:
                 decision.pressures.as_dict(),
                 forced=False,
             )
-
-
-async def _relay(
-    rt: Runtime,
-    stream: DecodeStream,
-    include_usage: bool,
-    tally: StreamTally,
-    record: RequestRecord,
-) -> AsyncIterator[bytes]:
-    outcome, status, error = "client_abort", None, "client disconnected mid-stream"
-    try:
-        async for chunk in relay_events(stream, include_usage, tally):
-            yield chunk
-        outcome, status, error = "ok", 200, None
-    except StreamFailed as exc:
-        outcome, status, error = "stream_error", 200, str(exc)
-    finally:
-        # The record first: a cancellation landing in release_stream's await (the client
-        # hanging up at [DONE]) must not leave the request without its request.end.
-        rt.finish(record, outcome, status, error, tally, stream)
-        await rt.release_stream(stream, complete=tally.done)

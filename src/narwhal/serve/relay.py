@@ -21,9 +21,9 @@ from narwhal.serve.errors import RouterError, error_body
 from narwhal.serve.pd import DecodeStream
 from narwhal.serve.record import RequestRecord
 
-__all__ = ["StreamTally", "aggregate", "relay_events"]
+__all__ = ["DONE_EVENT", "StreamFailed", "StreamTally", "aggregate", "relay_events"]
 
-_DONE = b"data: [DONE]\n\n"
+DONE_EVENT = b"data: [DONE]\n\n"
 
 
 @dataclass
@@ -90,12 +90,12 @@ async def relay_events(
             for payload in batch:
                 if payload == b"[DONE]":
                     tally.done = True
-                    out.append(_DONE)
+                    out.append(DONE_EVENT)
                     yield b"".join(out)
                     return
                 obj = orjson.loads(payload)
                 if isinstance(obj, dict) and "error" in obj:
-                    out += (b"data: ", payload, b"\n\n", _DONE)
+                    out += (b"data: ", payload, b"\n\n", DONE_EVENT)
                     yield b"".join(out)
                     raise _StreamFailed(
                         str((obj.get("error") or {}).get("message", "engine error"))
@@ -121,7 +121,7 @@ async def relay_events(
             b"data: "
             + orjson.dumps(error_body(message, "upstream_error", None, 502))
             + b"\n\n"
-            + _DONE
+            + DONE_EVENT
         )
         raise _StreamFailed(message) from None
 

@@ -1,0 +1,334 @@
+"""The two generation routes, ``POST /v1/completions`` and ``/v1/chat/completions``, as plain
+ASGI: the router's hot path.
+
+They speak ASGI directly instead of going through a framework request, ``StreamingResponse`` and
+per-phase watcher tasks: profiling put those layers at several percent of the router's CPU per
+request (docs/performance.md). What they guarantee is unchanged: every request that reaches the
+router ends with exactly one ``request.end`` record, every failure is an OpenAI error with the
+right status, and a client that hangs up stops the upstream work at once.
+
+A client that leaves is noticed by one watcher task per request, which waits for the ASGI
+``http.disconnect`` message and then cancels the request's own task; the handler tells that
+cancellation apart from any other (a server shutdown) by the watcher's ``gone`` flag.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from starlette.types import Receive, Scope, Send
+
+from narwhal.serve.errors import RouterError
+from narwhal.serve.pd import DecodeStream
+from narwhal.serve.record import RequestRecord
+from narwhal.serve.relay import DONE_EVENT, StreamFailed, StreamTally, aggregate, relay_events
+from narwhal.serve.validation import parse_client_request
+
+if TYPE_CHECKING:
+    from narwhal.serve.app import Runtime
+
+__all__ = ["GenerationEndpoint"]
+
+log = logging.getLogger("narwhal.serve")
+
+_CLIENT_ID_RE = re.compile(r"[^A-Za-z0-9._:-]")
+_SSE_CONTENT_TYPE = (b"content-type", b"text/event-stream; charset=utf-8")
+_JSON_CONTENT_TYPE = (b"content-type", b"application/json")
+_GONE_BEFORE_FIRST_TOKEN = "client disconnected before the first token"
+
+
+class _ClientGone(Exception):
+    """The client hung up while its request body was still arriving."""
+
+
+class DisconnectWatch:
+    """Waits for the client to hang up, then cancels the task serving it (once, and only while
+    watching)."""
+
+    __slots__ = ("_absorbed", "_task", "_watcher", "gone")
+
+    def __init__(self, receive: Receive) -> None:
+        self.gone = False
+        self._absorbed = False
+        self._task = asyncio.current_task()
+        self._watcher = asyncio.ensure_future(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if self._task is not None:
+            self.gone = True
+            self._task.cancel()
+
+    def stop(self) -> None:
+        """Stop watching: the response is complete (the server reports that as a disconnect
+        too) or the request is over."""
+        self._task = None
+        self._watcher.cancel()
+
+    def absorb(self) -> bool:
+        """In an ``except CancelledError``: True (and the cancellation undone) when the client
+        hung up; False for any other cancellation, which the caller re-raises."""
+        task = asyncio.current_task()
+        if self.gone and not self._absorbed and task is not None:
+            self._absorbed = True
+            task.uncancel()
+            return True
+        return False
+
+
+async def _send_response(
+    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]
+) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [*headers, (b"content-length", b"%d" % len(body))],
+        }
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _send_error(send: Send, exc: RouterError, request_id: bytes | None = None) -> None:
+    headers = [_JSON_CONTENT_TYPE]
+    headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
+    if request_id is not None:
+        headers.append((b"x-request-id", request_id))
+    await _send_response(send, exc.status, orjson.dumps(exc.body()), headers)
+
+
+async def _read_body(receive: Receive, declared: bytes | None, limit: int) -> bytes:
+    too_large = RouterError(
+        413, f"request body exceeds {limit} bytes", "invalid_request_error", "client_error"
+    )
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        if not message.get("more_body", False):
+            if not chunks:
+                return chunk  # the whole body in one message, the usual case
+            chunks.append(chunk)
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+class GenerationEndpoint:
+    """One generation route. Called with ASGI's ``(scope, receive, send)``."""
+
+    def __init__(self, rt: Runtime, chat: bool) -> None:
+        self.rt = rt
+        self.chat = chat
+
+    def _unavailable(self, reason: str, message: str, retry_after: str) -> RouterError:
+        self.rt.metrics.admission_rejections.labels(reason).inc()
+        return RouterError(
+            503,
+            message,
+            "service_unavailable",
+            "rejected",
+            headers={"Retry-After": retry_after},
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        rt = self.rt
+        journal, router = rt.journal, rt.router
+        assert journal is not None and router is not None
+        if rt.draining:
+            await _send_error(
+                send, self._unavailable("draining", "the router is shutting down", "1")
+            )
+            return
+        journal_down = (
+            "the request journal cannot record requests; refusing them rather than serve unrecorded"
+        )
+        if not journal.accepting:
+            await _send_error(send, self._unavailable("journal_unavailable", journal_down, "5"))
+            return
+        authorization = client_id = declared_length = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value
+            elif name == b"x-request-id":
+                client_id = value
+            elif name == b"content-length":
+                declared_length = value
+        record = RequestRecord(
+            id=uuid.uuid4().hex,
+            arrival=time.time(),
+            arrival_mono=time.monotonic(),
+            endpoint=scope["path"],
+        )
+        if client_id:
+            cleaned = _CLIENT_ID_RE.sub("", client_id.decode("latin-1"))[:128]
+            record.client_request_id = cleaned or None
+        if not journal.request_start(
+            record.id,
+            record.arrival,
+            endpoint=record.endpoint,
+            client_request_id=record.client_request_id,
+        ):
+            await _send_error(send, self._unavailable("journal_unavailable", journal_down, "5"))
+            return
+        rt.active.add(record.id)
+        request_id = record.id.encode()
+        watch: DisconnectWatch | None = None
+        try:
+            try:
+                if not rt.authorized_header(
+                    authorization.decode("latin-1") if authorization else ""
+                ):
+                    raise RouterError(
+                        401,
+                        "invalid or missing API key",
+                        "authentication_error",
+                        "client_error",
+                        headers={"WWW-Authenticate": "Bearer"},
+                    )
+                raw = await _read_body(receive, declared_length, rt.settings.max_body_bytes)
+                fleet = rt.settings.fleet.contract
+                creq = parse_client_request(
+                    raw, self.chat, fleet.model.id, fleet.model.max_model_len
+                )
+                record.stream = creq.stream
+                if creq.prompt_tokens_exact is not None:
+                    record.prompt_tokens = creq.prompt_tokens_exact
+                watch = DisconnectWatch(receive)
+                stream = await router.open(creq, record)
+            except RouterError as exc:
+                rt.finish(record, exc.outcome, exc.status, exc.message)
+                await _send_error(send, exc, request_id)
+                return
+            except _ClientGone:
+                rt.finish(
+                    record, "client_abort", None, "client disconnected before the first token"
+                )
+                return
+            except asyncio.CancelledError:
+                if watch is not None and watch.absorb():
+                    rt.finish(
+                        record, "client_abort", None, "client disconnected before the first token"
+                    )
+                    return
+                rt.finish(record, "client_abort", None, "cancelled before the first token")
+                raise
+            except Exception as exc:  # never a traceback to the client, always a record
+                log.exception("request %s failed", record.id)
+                rt.finish(record, "internal_error", 500, f"{type(exc).__name__}: {exc}")
+                await _send_error(
+                    send,
+                    RouterError(500, "internal router error", "internal_error", "internal_error"),
+                    request_id,
+                )
+                return
+            # From here the open stream is released on every path (no await before the try).
+            tally = StreamTally()
+            try:
+                if creq.stream:
+                    await self._relay(send, watch, stream, creq.include_usage, tally, record)
+                else:
+                    await self._aggregate(send, watch, stream, tally, record, creq.body)
+            except asyncio.CancelledError:
+                # The client left while the stream was being released (the record is written).
+                if not watch.absorb():
+                    raise
+        finally:
+            if watch is not None:
+                watch.stop()
+
+    async def _relay(
+        self,
+        send: Send,
+        watch: DisconnectWatch,
+        stream: DecodeStream,
+        include_usage: bool,
+        tally: StreamTally,
+        record: RequestRecord,
+    ) -> None:
+        rt = self.rt
+        outcome, status, error = "client_abort", None, "client disconnected mid-stream"
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [_SSE_CONTENT_TYPE, (b"x-request-id", record.id.encode())],
+                }
+            )
+            complete = False
+            async for chunk in relay_events(stream, include_usage, tally):
+                # Every way the relay ends writes [DONE] last: that write completes the
+                # response, in the same socket write as the chunked terminator.
+                complete = chunk.endswith(DONE_EVENT)
+                if complete:
+                    watch.stop()  # the server reports a completed response as a disconnect
+                await send({"type": "http.response.body", "body": chunk, "more_body": not complete})
+            outcome, status, error = "ok", 200, None
+        except StreamFailed as exc:
+            outcome, status, error = "stream_error", 200, str(exc)
+        except asyncio.CancelledError:
+            if not watch.absorb():
+                raise
+        except Exception as exc:
+            log.exception("request %s: relay failed", record.id)
+            outcome, status, error = "internal_error", 200, f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            # The record first: a cancellation landing in release_stream's await (the client
+            # hanging up at [DONE]) must not leave the request without its request.end.
+            rt.finish(record, outcome, status, error, tally, stream)
+            await rt.release_stream(stream, complete=tally.done)
+
+    async def _aggregate(
+        self,
+        send: Send,
+        watch: DisconnectWatch,
+        stream: DecodeStream,
+        tally: StreamTally,
+        record: RequestRecord,
+        body: dict[str, Any],
+    ) -> None:
+        rt = self.rt
+        assert rt.router is not None
+        outcome, status, error = "client_abort", None, "cancelled mid-generation"
+        failure: RouterError | None = None
+        result = None
+        try:
+            ids = rt.router.prompt_token_ids(record.id) if body.get("return_token_ids") else None
+            result = await aggregate(stream, self.chat, tally, record, ids)
+            outcome, status, error = "ok", 200, None
+        except RouterError as exc:
+            outcome, status, error = exc.outcome, exc.status, exc.message
+            failure = exc
+        except asyncio.CancelledError:
+            if not watch.absorb():
+                raise
+            error = "client disconnected mid-generation"
+        finally:
+            # The request's one record is written before anything else can be awaited.
+            rt.finish(record, outcome, status, error, tally, stream)
+            await rt.release_stream(stream, complete=tally.done)
+        if watch.gone:
+            return
+        watch.stop()
+        request_id = record.id.encode()
+        if failure is not None:
+            await _send_error(send, failure, request_id)
+        elif result is not None:
+            headers = [_JSON_CONTENT_TYPE, (b"x-request-id", request_id)]
+            await _send_response(send, 200, orjson.dumps(result), headers)
