@@ -111,8 +111,12 @@ _END_RESERVED: Final = _REQUEST_RESERVED | {"outcome"}
 # Records the writer takes from the queue at once: one write(2) for a burst, bounded so the
 # latency hook and flush() waiters hear of progress regularly.
 _BATCH_MAX: Final = 512
-# How long the writer lets records gather after a write: bounds its wake-ups to 500/s.
-_COALESCE_S: Final = 0.002
+# How long the writer lets records gather after a write that did not fill a batch: bounds its
+# wake-ups to 50/s. Each wake-up costs the event loop's thread a GIL hand-off; at 2 ms (a wake-up
+# per record at low rates) it cost the router about 7% of its CPU per request
+# (docs/performance.md). A record reaches the file at most this much later; fsync runs every
+# second anyway.
+_COALESCE_S: Final = 0.02
 # Recovery keeps this many malformed lines in detail (the count is always exact).
 _INVALID_DETAIL_MAX: Final = 100
 _ERROR_LOG_INTERVAL_S: Final = 60.0
@@ -990,9 +994,10 @@ class Journal:
                     self._fail("writer", exc, lost=unprocessed)
                 if finishing:
                     break
-                if batch:
+                if 0 < len(batch) < _BATCH_MAX:
                     # Let records gather before the next wake-up: under load a wake-up per
-                    # record costs the event loop's thread a GIL hand-off for each one.
+                    # record costs the event loop's thread a GIL hand-off for each one. A full
+                    # batch means a backlog: write on at once.
                     time.sleep(_COALESCE_S)
         except BaseException as exc:
             with self._lock:
