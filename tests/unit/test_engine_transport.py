@@ -16,6 +16,7 @@ from narwhal.engines.transport import (
     EngineClient,
     EngineTransportError,
     Timeouts,
+    fetch,
     make_engine_client,
     read_prefix,
 )
@@ -201,3 +202,14 @@ async def test_closing_the_client_closes_its_pool(transport: str) -> None:
             assert await r.read() == b"ok"
             await r.aclose()
         await asyncio.wait_for(closed.wait(), 5)
+
+
+async def test_fetch_gets_a_whole_answer(transport: str) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head, _ = await read_request(reader)
+        assert head.startswith(b"GET /metrics HTTP/1.1\r\n")
+        writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\n\r\nbusy")
+        await writer.drain()
+
+    async with server(handler) as (base, _), engine_client(transport, base) as c:
+        assert await fetch(c, "/metrics") == (503, b"busy")

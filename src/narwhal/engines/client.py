@@ -1,9 +1,7 @@
 """One pooled client per engine for the request legs, created once and shared by every request,
-and a separate short-timeout httpx client per engine for health probes and metric scrapes."""
+and a separate short-timeout client per engine for health probes and metric scrapes."""
 
 from __future__ import annotations
-
-import httpx
 
 from narwhal.contract import FleetContract
 from narwhal.engines.transport import (
@@ -20,6 +18,8 @@ __all__ = ["ENGINE_TRANSPORTS", "EnginePool"]
 # dropped before that, or a request can be written into a socket the engine is closing and
 # fail with a spurious 502.
 KEEPALIVE_EXPIRY_S = 4.0
+PROBE_CONNECT_TIMEOUT_S = 1.0
+PROBE_READ_TIMEOUT_S = 2.0
 
 
 class EnginePool:
@@ -36,19 +36,18 @@ class EnginePool:
             )
             for spec in fleet.engines
         }
-        # Probes and scrapes are rare and must not queue behind a busy pool.
-        probe_timeout = httpx.Timeout(2.0, connect=1.0)
-        self._probes: dict[str, httpx.AsyncClient] = {
-            spec.id: httpx.AsyncClient(
-                base_url=spec.url, timeout=probe_timeout, trust_env=False, follow_redirects=False
-            )
+        # Probes and scrapes must not queue behind a busy pool, and a stalled engine must fail
+        # its probe within seconds.
+        probe_timeouts = Timeouts(PROBE_CONNECT_TIMEOUT_S, PROBE_READ_TIMEOUT_S)
+        self._probes: dict[str, EngineClient] = {
+            spec.id: make_engine_client(transport, spec.url, probe_timeouts, 4, KEEPALIVE_EXPIRY_S)
             for spec in fleet.engines
         }
 
     def client(self, engine_id: str) -> EngineClient:
         return self._clients[engine_id]
 
-    def probe(self, engine_id: str) -> httpx.AsyncClient:
+    def probe(self, engine_id: str) -> EngineClient:
         return self._probes[engine_id]
 
     async def aclose(self) -> None:

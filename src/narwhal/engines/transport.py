@@ -34,6 +34,7 @@ __all__ = [
     "EngineTransportError",
     "HttpxEngineClient",
     "Timeouts",
+    "fetch",
     "make_engine_client",
     "read_prefix",
 ]
@@ -90,9 +91,22 @@ async def read_prefix(response: EngineResponse, limit: int) -> bytes:
     return content[:limit]
 
 
+async def fetch(client: EngineClient, path: str) -> tuple[int, bytes]:
+    """``GET path`` read whole: status and body. Raises ``EngineTransportError``."""
+    response = await client.get(path)
+    try:
+        return response.status, await response.read()
+    finally:
+        await response.aclose()
+
+
 class EngineClient(Protocol):
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> EngineResponse:
         """Send ``body`` (JSON) and wait for the answer's head."""
+        ...
+
+    async def get(self, path: str) -> EngineResponse:
+        """A ``GET`` (health probes, metric scrapes); waits for the answer's head."""
         ...
 
     async def aclose(self) -> None: ...
@@ -182,6 +196,14 @@ class AiohttpEngineClient:
             raise _aiohttp_error(exc) from exc
         return _AiohttpResponse(response)
 
+    async def get(self, path: str) -> EngineResponse:
+        session = self._open()
+        try:
+            response = await session.get(self._base + path, allow_redirects=False)
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise _aiohttp_error(exc) from exc
+        return _AiohttpResponse(response)
+
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
@@ -251,7 +273,14 @@ class HttpxEngineClient:
         )
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> EngineResponse:
-        request = self._client.build_request("POST", path, content=body, headers=headers)
+        return await self._send(
+            self._client.build_request("POST", path, content=body, headers=headers)
+        )
+
+    async def get(self, path: str) -> EngineResponse:
+        return await self._send(self._client.build_request("GET", path))
+
+    async def _send(self, request: httpx.Request) -> EngineResponse:
         try:
             response = await self._client.send(request, stream=True)
         except httpx.HTTPError as exc:

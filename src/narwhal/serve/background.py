@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import httpx
-
 from narwhal.engines.client import EnginePool
 from narwhal.engines.scrape import parse_engine_load
+from narwhal.engines.transport import EngineTransportError, fetch
 from narwhal.metrics import RouterMetrics
 from narwhal.routing.fleet_state import EngineState, FleetState
 
@@ -19,8 +18,9 @@ log = logging.getLogger(__name__)
 
 async def _probe(engine: EngineState, pool: EnginePool, metrics: RouterMetrics) -> None:
     try:
-        ok = (await pool.probe(engine.id).get("/health")).status_code == 200
-    except httpx.HTTPError:
+        status, _ = await fetch(pool.probe(engine.id), "/health")
+        ok = status == 200
+    except EngineTransportError:
         ok = False
     was = engine.healthy
     engine.healthy = ok
@@ -54,9 +54,9 @@ async def _scrape(
     engine: EngineState, state: FleetState, pool: EnginePool, metrics: RouterMetrics
 ) -> None:
     try:
-        response = await pool.probe(engine.id).get("/metrics")
-        load = parse_engine_load(response.content) if response.status_code == 200 else None
-    except httpx.HTTPError:
+        status, body = await fetch(pool.probe(engine.id), "/metrics")
+        load = parse_engine_load(body) if status == 200 else None
+    except EngineTransportError:
         load = None
     if load is None:
         metrics.scrape_errors.labels(engine.id).inc()
