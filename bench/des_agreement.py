@@ -37,7 +37,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,7 +50,7 @@ from narwhal.contract import load_fleet
 from narwhal.profiles.store import ProfileStore, engine_models
 from narwhal.sim.agreement import compare, leg_overhead_s, replay, run_des_like_live
 from narwhal.sim.des import poisson_requests, timings_of
-from narwhal.sim.fleet import SimFleet, SimFleetError, local_fleet_document
+from narwhal.sim.fleet import SimFleet, SimFleetError, free_ports, local_fleet_document
 
 MODEL = "moonshotai/Kimi-K3"
 REAL_TTFT_S = 10.0
@@ -68,19 +67,6 @@ WORKLOADS = {
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def start_fleet(directory: Path, scale: float) -> tuple[SimFleet, Path]:

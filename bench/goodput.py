@@ -84,7 +84,7 @@ import numpy as np
 import orjson
 
 from narwhal.engines.scrape import parse_engine_load
-from narwhal.sim.fleet import SimFleet, SimFleetError, local_fleet_document
+from narwhal.sim.fleet import SimFleet, SimFleetError, free_ports, local_fleet_document
 
 MODEL = "moonshotai/Kimi-K3"
 REAL_TTFT_S = 10.0
@@ -417,19 +417,6 @@ async def run_trial(
 
 # --------------------------------------------------------------------------------------------
 # Processes
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def spawn(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:

@@ -104,7 +104,7 @@ from narwhal.sim.des import (
     read_azure_trace,
     synthetic_fleet,
 )
-from narwhal.sim.fleet import SimFleet, SimFleetError, local_fleet_document
+from narwhal.sim.fleet import SimFleet, SimFleetError, free_ports, local_fleet_document
 from narwhal.sim.timing import StepTiming
 
 MODEL = "moonshotai/Kimi-K3"
@@ -429,19 +429,6 @@ def describe_flips(flips: list[dict[str, Any]], limit: int = 12) -> str:
 
 # --------------------------------------------------------------------------------------------
 # Live: processes and the client (helpers copied from bench/goodput.py, which still changes)
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def spawn(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:

@@ -62,7 +62,7 @@ from typing import Any
 import httpx
 import orjson
 
-from narwhal.sim.fleet import SimFleet, local_fleet_document
+from narwhal.sim.fleet import SimFleet, free_ports, local_fleet_document
 
 MODEL = "moonshotai/Kimi-K3"
 TOKENS = 16
@@ -164,19 +164,6 @@ def listening_pid(port: int, candidates: Iterable[int]) -> int | None:
                     if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
                         return pid
     return None
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 # --------------------------------------------------------------------------------------------

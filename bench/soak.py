@@ -39,7 +39,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -59,7 +58,7 @@ for _var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_prox
 import httpx  # noqa: E402 - after the environment above
 
 from narwhal.journal import journal_files  # noqa: E402
-from narwhal.sim.fleet import SimFleet, local_fleet_document  # noqa: E402
+from narwhal.sim.fleet import SimFleet, free_ports, local_fleet_document  # noqa: E402
 
 MODEL = "moonshotai/Kimi-K3"
 ADMIN_TOKEN = "soak-admin-token"
@@ -70,19 +69,6 @@ CHAT = " ".join(f"word{i}" for i in range(60))
 
 def log(message: str) -> None:
     print(f"[soak {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def rss_kib(pid: int) -> int | None:

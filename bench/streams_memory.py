@@ -69,7 +69,7 @@ for _var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_prox
 import httpx  # noqa: E402 - after the environment above
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from narwhal.sim.fleet import SimFleet, local_fleet_document  # noqa: E402
+from narwhal.sim.fleet import SimFleet, free_ports, local_fleet_document  # noqa: E402
 
 MODEL = "moonshotai/Kimi-K3"
 ADMIN_TOKEN = "streams-memory-admin-token"
@@ -103,19 +103,6 @@ def source_state() -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown (no git)"
     return f"HEAD {head}" + (f", {len(dirty)} files under src/ modified" if dirty else ", clean")
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def rss_kib(pid: int) -> int | None:

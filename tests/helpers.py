@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from narwhal.sim.fleet import SimFleet, local_fleet_document
+from narwhal.sim.fleet import SimFleet, free_ports, local_fleet_document
 
 ADMIN_TOKEN = "test-admin-token"
 MODEL = "moonshotai/Kimi-K3"
@@ -22,19 +21,6 @@ TEST_TIME_SCALE = 50.0
 # uvloop (libuv) keeps its timer clock in whole milliseconds, so a timeout armed for T s can fire
 # up to a millisecond before T by a finer monotonic clock: compare timed-out durations with this.
 TIMER_SLACK_S = 0.005
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def write_fleet(directory: Path, num_engines: int, **kwargs: Any) -> Path:

@@ -4,6 +4,7 @@ step timing, block accounting, request parsing and kv_transfer_params parsing.""
 from __future__ import annotations
 
 import random
+import socket
 from typing import Any
 
 import numpy as np
@@ -12,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from narwhal.sim.engine import RemoteKV, parse_kv_transfer_params
+from narwhal.sim.fleet import _ephemeral_range_start, free_ports
 from narwhal.sim.generation import GenerationModel, KVLayout, prompt_digest
 from narwhal.sim.kv_blocks import BlockAllocator
 from narwhal.sim.protocol import ProtocolError, parse_generation
@@ -364,3 +366,12 @@ def test_kv_params_invalid(change: dict[str, Any], words: str) -> None:
 def test_kv_params_not_an_object() -> None:
     assert parse_kv_transfer_params(None) == (None, "kv_transfer_params is not an object")
     assert parse_kv_transfer_params([VALID_PARAMS])[0] is None
+
+
+def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:
+    ports = free_ports(20)
+    assert len(set(ports)) == 20
+    assert all(p < _ephemeral_range_start() for p in ports)
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

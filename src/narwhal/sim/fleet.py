@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,7 +19,55 @@ import httpx
 
 from narwhal.contract import load_fleet
 
-__all__ = ["EngineProcess", "SimFleet", "SimFleetError", "local_fleet_document"]
+__all__ = ["EngineProcess", "SimFleet", "SimFleetError", "free_ports", "local_fleet_document"]
+
+# Ports handed out below the kernel's ephemeral range start here.
+_FIXED_PORTS_FROM = 10_000
+
+
+def _ephemeral_range_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports free on 127.0.0.1 now, for engines and routers started later.
+
+    Taken below the kernel's ephemeral range: a port the kernel picks for a bind to port 0 is an
+    ephemeral one, which any outgoing connection may take as its source port before the
+    process it was promised to binds it ("address already in use" at an engine's start, seen in
+    the test suite). Below that range only an explicit bind takes a port.
+    """
+    low = _ephemeral_range_start()
+    if low - _FIXED_PORTS_FROM < 100 * n:
+        return _kernel_ports(n)  # an unusual port range: fall back to the kernel's choice
+    chosen: list[int] = []
+    for port in random.SystemRandom().sample(range(_FIXED_PORTS_FROM, low), min(50 * n, 2000)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        chosen.append(port)
+        if len(chosen) == n:
+            return chosen
+    return _kernel_ports(n)
+
+
+def _kernel_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 class SimFleetError(Exception):
