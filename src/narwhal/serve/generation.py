@@ -212,24 +212,24 @@ class GenerationEndpoint:
                 stream = await router.open(creq, record)
             except RouterError as exc:
                 rt.finish(record, exc.outcome, exc.status, exc.message)
+                if watch is not None:
+                    watch.stop()  # a completed response reads as a disconnect
                 await _send_error(send, exc, request_id)
                 return
             except _ClientGone:
-                rt.finish(
-                    record, "client_abort", None, "client disconnected before the first token"
-                )
+                rt.finish(record, "client_abort", None, _GONE_BEFORE_FIRST_TOKEN)
                 return
             except asyncio.CancelledError:
                 if watch is not None and watch.absorb():
-                    rt.finish(
-                        record, "client_abort", None, "client disconnected before the first token"
-                    )
+                    rt.finish(record, "client_abort", None, _GONE_BEFORE_FIRST_TOKEN)
                     return
                 rt.finish(record, "client_abort", None, "cancelled before the first token")
                 raise
             except Exception as exc:  # never a traceback to the client, always a record
                 log.exception("request %s failed", record.id)
                 rt.finish(record, "internal_error", 500, f"{type(exc).__name__}: {exc}")
+                if watch is not None:
+                    watch.stop()
                 await _send_error(
                     send,
                     RouterError(500, "internal router error", "internal_error", "internal_error"),
