@@ -48,6 +48,7 @@ import httpx
 
 from narwhal.contract import load_fleet
 from narwhal.profiles.store import ProfileStore, engine_models
+from narwhal.serve.cli import serve_command
 from narwhal.sim.agreement import compare, leg_overhead_s, replay, run_des_like_live
 from narwhal.sim.des import poisson_requests, timings_of
 from narwhal.sim.fleet import SimFleet, SimFleetError, free_ports, local_fleet_document
@@ -134,15 +135,12 @@ def start_router(
     port = free_ports(1)[0]
     journal = directory / f"journal-{name}.jsonl"
     log_path = directory / f"router-{name}.log"
-    cmd = [
-        sys.executable, "-m", "narwhal.serve.cli",
-        "--fleet", str(fleet_path),
-        "--host", "127.0.0.1", "--port", str(port),
-        "--journal", str(journal),
+    cmd = serve_command(
+        fleet_path, port, journal,
         "--skip-qualification",
         "--profiles", str(store), "--scheduler", "v1",
         "--log-level", "warning",
-    ]  # fmt: skip
+    )  # fmt: skip
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

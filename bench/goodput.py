@@ -84,6 +84,7 @@ import numpy as np
 import orjson
 
 from narwhal.engines.scrape import parse_engine_load
+from narwhal.serve.cli import serve_command
 from narwhal.sim.fleet import SimFleet, SimFleetError, free_ports, local_fleet_document
 
 MODEL = "moonshotai/Kimi-K3"
@@ -545,22 +546,14 @@ class Router:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = directory / f"{system}.log"
         if system.startswith("narwhal"):
-            args = [
-                sys.executable,
-                "-m",
-                "narwhal.serve.cli",
-                "--fleet",
-                str(fleet_path),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--journal",
-                str(directory / f"{system}-journal.jsonl"),
+            args = serve_command(
+                fleet_path,
+                self.port,
+                directory / f"{system}-journal.jsonl",
                 "--skip-qualification",
                 "--log-level",
                 "warning",
-            ]
+            )
             if system in V1_SYSTEMS:
                 assert store is not None
                 args += ["--profiles", str(store), "--scheduler", "v1"]

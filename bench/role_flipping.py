@@ -96,6 +96,7 @@ import numpy as np
 import orjson
 
 from narwhal.engines.scrape import parse_engine_load
+from narwhal.serve.cli import serve_command
 from narwhal.sim.des import (
     DesConfig,
     RequestSpec,
@@ -847,15 +848,12 @@ def run_live(
                 rdoc = router_fleet_doc(doc, sys_.n_prefill, roles, f"role-flipping-{sys_.key}")
                 rpath = directory / f"fleet-{sys_.key}.json"
                 rpath.write_text(json.dumps(rdoc, indent=2))
-                cmd = [
-                    sys.executable, "-m", "narwhal.serve.cli",
-                    "--fleet", str(rpath),
-                    "--host", "127.0.0.1", "--port", str(port),
-                    "--journal", str(journal),
+                cmd = serve_command(
+                    rpath, port, journal,
                     "--skip-qualification",
                     "--profiles", str(store), "--scheduler", "v1",
                     "--log-level", "warning",
-                ]  # fmt: skip
+                )  # fmt: skip
             url = f"http://127.0.0.1:{port}"
             log(
                 f"live8: starting {sys_.key} ({sys_.system}, {sys_.n_prefill}/{n - sys_.n_prefill})"

@@ -62,6 +62,7 @@ from typing import Any
 import httpx
 import orjson
 
+from narwhal.serve.cli import serve_command
 from narwhal.sim.fleet import SimFleet, free_ports, local_fleet_document
 
 MODEL = "moonshotai/Kimi-K3"
@@ -698,23 +699,15 @@ def main() -> int:
         narwhal_port, vllm_port, prom_port = ports[4], ports[5], ports[6]
         sglang_port, sglang_prom_port = ports[7], ports[8]
         narwhal = spawn(
-            [
-                sys.executable,
-                "-m",
-                "narwhal.serve.cli",
-                "--fleet",
-                str(fleet_path),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(narwhal_port),
-                "--journal",
-                str(directory / "journal.jsonl"),
+            serve_command(
+                fleet_path,
+                narwhal_port,
+                directory / "journal.jsonl",
                 "--skip-qualification",
                 "--log-level",
                 "info",
                 *args.narwhal_arg,
-            ],
+            ),
             directory / "narwhal.log",
         )
         vllm = spawn(

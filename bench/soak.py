@@ -58,6 +58,7 @@ for _var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_prox
 import httpx  # noqa: E402 - after the environment above
 
 from narwhal.journal import journal_files  # noqa: E402
+from narwhal.serve.cli import serve_command  # noqa: E402
 from narwhal.sim.fleet import SimFleet, free_ports, local_fleet_document  # noqa: E402
 
 MODEL = "moonshotai/Kimi-K3"
@@ -136,18 +137,10 @@ class Stack:
         token.write_text(ADMIN_TOKEN + "\n")
         log_file = open(self.directory / "router.log", "ab")  # noqa: SIM115 - the process's
         self.router = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "narwhal.serve.cli",
-                "--fleet",
-                str(self.fleet_path),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--journal",
-                str(self.journal),
+            serve_command(
+                self.fleet_path,
+                self.port,
+                self.journal,
                 "--journal-max-bytes",
                 str(self.journal_max_bytes),
                 "--skip-qualification",
@@ -159,7 +152,7 @@ class Stack:
                 "0.5",
                 "--scrape-interval",
                 "0.5",
-            ],
+            ),
             stdout=log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -69,6 +69,7 @@ for _var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_prox
 import httpx  # noqa: E402 - after the environment above
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from narwhal.serve.cli import serve_arguments  # noqa: E402
 from narwhal.sim.fleet import SimFleet, free_ports, local_fleet_document  # noqa: E402
 
 MODEL = "moonshotai/Kimi-K3"
@@ -726,20 +727,17 @@ def main() -> int:
                         if args.gc_trace
                         else ("-m", "narwhal.serve.cli")
                     ),
-                    "--fleet",
-                    str(fleet_path),
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                    "--journal",
-                    str(directory / "journal.jsonl"),
-                    "--skip-qualification",
-                    "--admin-token-file",
-                    str(token),
-                    "--log-level",
-                    "warning",
-                    *args.router_arg,
+                    *serve_arguments(
+                        fleet_path,
+                        port,
+                        directory / "journal.jsonl",
+                        "--skip-qualification",
+                        "--admin-token-file",
+                        str(token),
+                        "--log-level",
+                        "warning",
+                        *args.router_arg,
+                    ),
                 ],
                 stdout=out,
                 stderr=subprocess.STDOUT,

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from narwhal.serve.cli import serve_command
 from narwhal.sim.fleet import SimFleet, free_ports, local_fleet_document
 
 ADMIN_TOKEN = "test-admin-token"
@@ -153,27 +154,17 @@ def router_command(
     fleet_path: Path, port: int, journal: Path, token_file: Path, *extra: str
 ) -> list[str]:
     """The narwhal-serve command line the tests start a router with."""
-    import sys
-
-    return [
-        sys.executable,
-        "-m",
-        "narwhal.serve.cli",
-        "--fleet",
-        str(fleet_path),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--journal",
-        str(journal),
+    return serve_command(
+        fleet_path,
+        port,
+        journal,
         "--skip-qualification",
         "--admin-token-file",
         str(token_file),
         "--log-level",
         "info",
         *extra,
-    ]
+    )
 
 
 def start_router(

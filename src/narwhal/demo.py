@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from narwhal.serve.cli import serve_command
 from narwhal.sim.fleet import SimFleet, SimFleetError
 
 
@@ -73,20 +74,7 @@ def run(fleet_path: str, port: int, once: bool) -> int:
         router_log = work / "router.log"
         with open(router_log, "ab") as log:
             router = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "narwhal.serve.cli",
-                    "--fleet",
-                    fleet_path,
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                    "--journal",
-                    str(journal),
-                    "--skip-qualification",
-                ],
+                serve_command(fleet_path, port, journal, "--skip-qualification"),
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )

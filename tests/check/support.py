@@ -19,6 +19,7 @@ from narwhal.profiles.store import (
     ProfileStore,
     fit_engine,
 )
+from narwhal.serve.cli import serve_command
 from narwhal.sim.fleet import local_fleet_document
 from tests.helpers import free_ports, wait_until
 
@@ -175,20 +176,7 @@ def profile(fleet_path: Path, out: Path, *extra: str) -> subprocess.CompletedPro
 
 
 def serve_args(fleet: Path, journal: Path, port: int, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "narwhal.serve.cli",
-        "--fleet",
-        str(fleet),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--journal",
-        str(journal),
-        *extra,
-    ]
+    return serve_command(fleet, port, journal, *extra)
 
 
 def serve_refused(fleet: Path, journal: Path, *extra: str) -> str:

@@ -51,7 +51,5 @@ class EnginePool:
         return self._probes[engine_id]
 
     async def aclose(self) -> None:
-        for client in self._clients.values():
+        for client in (*self._clients.values(), *self._probes.values()):
             await client.aclose()
-        for probe in self._probes.values():
-            await probe.aclose()

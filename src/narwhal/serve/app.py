@@ -25,6 +25,7 @@ from narwhal.asgi import EndpointResponse
 from narwhal.clock import MonotonicClock
 from narwhal.contract import LoadedFleet
 from narwhal.engines.client import EnginePool
+from narwhal.engines.transport import EngineTransportName
 from narwhal.journal import Journal
 from narwhal.metrics import RouterMetrics
 from narwhal.profiles.store import ProfileStore, engine_models
@@ -70,7 +71,7 @@ class ServeSettings:
     profiles: ProfileStore | None = None
     scheduler: Literal["v0", "v1"] = "v0"
     qualification: dict[str, Any] = field(default_factory=dict)
-    engine_transport: Literal["aiohttp", "httpx"] = "aiohttp"
+    engine_transport: EngineTransportName = "aiohttp"
 
 
 @dataclass

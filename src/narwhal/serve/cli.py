@@ -21,9 +21,39 @@ from typing import Any
 from narwhal.contract import ContractError, load_fleet
 from narwhal.engines.client import ENGINE_TRANSPORTS
 
-__all__ = ["main"]
+__all__ = ["main", "serve_arguments", "serve_command"]
 
 log = logging.getLogger("narwhal.serve")
+
+
+def serve_arguments(
+    fleet: str | Path, port: int, journal: str | Path, *extra: str, host: str = "127.0.0.1"
+) -> list[str]:
+    """narwhal-serve's arguments for a router on ``host:port`` (the demo, tests and benchmarks
+    start their routers with these)."""
+    return [
+        "--fleet",
+        str(fleet),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--journal",
+        str(journal),
+        *extra,
+    ]
+
+
+def serve_command(
+    fleet: str | Path, port: int, journal: str | Path, *extra: str, host: str = "127.0.0.1"
+) -> list[str]:
+    """The whole command line: this interpreter running narwhal-serve with ``serve_arguments``."""
+    return [
+        sys.executable,
+        "-m",
+        "narwhal.serve.cli",
+        *serve_arguments(fleet, port, journal, *extra, host=host),
+    ]
 
 
 class UsageError(Exception):

@@ -41,6 +41,9 @@ _CLIENT_ID_RE = re.compile(r"[^A-Za-z0-9._:-]")
 _SSE_CONTENT_TYPE = (b"content-type", b"text/event-stream; charset=utf-8")
 _JSON_CONTENT_TYPE = (b"content-type", b"application/json")
 _GONE_BEFORE_FIRST_TOKEN = "client disconnected before the first token"
+_JOURNAL_DOWN = (
+    "the request journal cannot record requests; refusing them rather than serve unrecorded"
+)
 
 
 class _ClientGone(Exception):
@@ -154,11 +157,8 @@ class GenerationEndpoint:
                 send, self._unavailable("draining", "the router is shutting down", "1")
             )
             return
-        journal_down = (
-            "the request journal cannot record requests; refusing them rather than serve unrecorded"
-        )
         if not journal.accepting:
-            await _send_error(send, self._unavailable("journal_unavailable", journal_down, "5"))
+            await _send_error(send, self._unavailable("journal_unavailable", _JOURNAL_DOWN, "5"))
             return
         authorization = client_id = declared_length = None
         for name, value in scope["headers"]:
@@ -183,7 +183,7 @@ class GenerationEndpoint:
             endpoint=record.endpoint,
             client_request_id=record.client_request_id,
         ):
-            await _send_error(send, self._unavailable("journal_unavailable", journal_down, "5"))
+            await _send_error(send, self._unavailable("journal_unavailable", _JOURNAL_DOWN, "5"))
             return
         rt.active.add(record.id)
         request_id = record.id.encode()
