@@ -25,7 +25,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ __all__ = [
     "fleet_document",
     "free_ports",
     "kill_engine",
+    "quiet_busy_threads",
     "start_engine",
     "stop_engine",
     "tree_rss_bytes",
@@ -98,6 +99,8 @@ class EngineProcess:
     cpu_bind: str
     process: subprocess.Popen[bytes]
     log_path: Path
+    # Threads lowered to nice 19 once the engine was healthy (quiet_busy_threads).
+    quieted_threads: list[int] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -237,6 +240,7 @@ def wait_healthy(engines: list[EngineProcess], timeout: float = ENGINE_READY_TIM
                 )
             if _healthy(engine.url):
                 pending.remove(engine)
+                engine.quieted_threads = quiet_busy_threads(engine.process.pid)
         if pending and time.monotonic() - start > timeout:
             names = ", ".join(e.name for e in pending)
             raise EngineStartError(
@@ -246,6 +250,58 @@ def wait_healthy(engines: list[EngineProcess], timeout: float = ENGINE_READY_TIM
         if pending:
             time.sleep(1.0)
     return time.monotonic() - start
+
+
+def _cpu_ticks(pid: int, tid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def _tree_threads(pid: int) -> list[tuple[int, int]]:
+    """(process, thread) ids of ``pid`` and all its descendants."""
+    out: list[tuple[int, int]] = []
+    stack, seen = [pid], set()
+    while stack:
+        p = stack.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            out += [(p, int(t.name)) for t in Path(f"/proc/{p}/task").iterdir()]
+        except OSError:
+            continue
+        stack += _children(p)
+    return out
+
+
+def quiet_busy_threads(pid: int, sample_s: float = 1.0, busy_share: float = 0.5) -> list[int]:
+    """Drop to nice 19 every non-main thread of an idle engine that keeps a core busy; returns
+    their ids.
+
+    NIXL's UCX progress thread polls without sleeping (the nixl Python API fixes its delay at 0
+    and vLLM has no setting to turn the thread off), so each engine keeps one thread at 100% of
+    the core its worker is bound to, idle or not. On a 2-core machine that leaves the engines'
+    own compute, their API servers, the router and the test client half the machine: stalls of
+    20 to 30 s were measured (a decode leg's connect timed out at 5 s, a chat template render
+    at 30 s). At nice 19 the thread still runs whenever its core has nothing else to do, so
+    transfers still progress. Main threads (the worker's compute) are never touched.
+    """
+    before = {key: _cpu_ticks(*key) for key in _tree_threads(pid)}
+    time.sleep(sample_s)
+    threshold = busy_share * sample_s * os.sysconf("SC_CLK_TCK")
+    quieted: list[int] = []
+    for (process, thread), ticks in before.items():
+        after = _cpu_ticks(process, thread)
+        if thread == process or ticks is None or after is None or after - ticks < threshold:
+            continue
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, thread, 19)
+            quieted.append(thread)
+    return quieted
 
 
 def stop_engine(engine: EngineProcess, timeout: float = 30.0) -> int | None:
@@ -408,7 +464,10 @@ def main(argv: list[str] | None = None) -> int:
         fleet = args.dir / "fleet.json"
         fleet.write_text(json.dumps(fleet_document(engines[0], engines[1]), indent=2) + "\n")
         for e in engines:
-            print(f"{e.name} ready at {e.url} (NIXL side channel {e.side_channel_port})")
+            print(
+                f"{e.name} ready at {e.url} (NIXL side channel {e.side_channel_port}; "
+                f"{len(e.quieted_threads)} busy-polling thread(s) lowered to nice 19)"
+            )
         print(f"ready after {waited:.1f} s; fleet: {fleet}; Ctrl-C stops", flush=True)
         while not stop and all(e.process.poll() is None for e in engines):
             time.sleep(0.5)

@@ -13,7 +13,7 @@ import random
 import statistics
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -31,7 +31,14 @@ from narwhal.profiles.store import (
     fit_engine,
 )
 
-__all__ = ["EngineProfilingError", "profile_engine", "profile_fleet"]
+__all__ = [
+    "DECODE_PROBE_ATTEMPTS",
+    "EngineProfilingError",
+    "NoDecodeOverlapError",
+    "profile_engine",
+    "profile_fleet",
+    "sample_decode",
+]
 
 SEED_TEXT = (
     "Disaggregated serving splits the compute bound prefill of a prompt from the memory bound "
@@ -42,8 +49,18 @@ SEED_TEXT = (
 Progress = Callable[[str], None]
 
 
+# A decode probe whose sequences never all decoded at once (one finished before another had
+# its first token: a stalled host, or an API server that admitted them far apart) measures no
+# batch; it runs again, up to this many times in all, before the engine's profile fails.
+DECODE_PROBE_ATTEMPTS = 3
+
+
 class EngineProfilingError(Exception):
     """An engine could not be profiled completely (the store would be partial)."""
+
+
+class NoDecodeOverlapError(EngineProfilingError):
+    """A decode probe's concurrent sequences had no stretch where all of them decoded."""
 
 
 @dataclass
@@ -196,14 +213,28 @@ async def profile_engine(
         decode: list[DecodeSample] = []
         for n in plan.decode_input_lens:
             for c in plan.decode_concurrency:
-                budget.spend((n + plan.decode_tokens) * c)
-                runs = await asyncio.gather(
-                    *(
-                        _stream_times(client, body(n, plan.decode_tokens), limits.probe_timeout_s)
-                        for _ in range(c)
+
+                async def run(n: int = n, c: int = c) -> list[list[float]]:
+                    budget.spend((n + plan.decode_tokens) * c)
+                    runs = await asyncio.gather(
+                        *(
+                            _stream_times(
+                                client, body(n, plan.decode_tokens), limits.probe_timeout_s
+                            )
+                            for _ in range(c)
+                        )
+                    )
+                    return [times for _, times in runs]
+
+                decode.append(
+                    await sample_decode(
+                        run,
+                        n,
+                        c,
+                        plan.decode_tokens,
+                        on_retry=lambda why: progress(f"{spec.id}: {why}"),
                     )
                 )
-                decode.append(_decode_sample(n, c, plan.decode_tokens, [t for _, t in runs]))
                 progress(
                     f"{spec.id}: decode {n} tokens x {c} concurrent: "
                     f"{decode[-1].seconds_per_token:.5f} s/token"
@@ -220,6 +251,26 @@ async def profile_engine(
         prefill_fit=prefill_fit,
         decode_fit=decode_fit,
     )
+
+
+async def sample_decode(
+    run: Callable[[], Awaitable[list[list[float]]]],
+    n: int,
+    concurrency: int,
+    tokens: int,
+    *,
+    attempts: int = DECODE_PROBE_ATTEMPTS,
+    on_retry: Progress = lambda why: None,
+) -> DecodeSample:
+    """One decode sample from ``run`` (which sends ``concurrency`` probes of ``n`` prompt tokens
+    at once and returns each stream's token arrival times), running it again while its
+    sequences never all decoded together, ``attempts`` times in all."""
+    for attempt in range(1, attempts):
+        try:
+            return _decode_sample(n, concurrency, tokens, await run())
+        except NoDecodeOverlapError as exc:
+            on_retry(f"{exc}; probing again ({attempt + 1}/{attempts})")
+    return _decode_sample(n, concurrency, tokens, await run())
 
 
 def _decode_sample(n: int, concurrency: int, tokens: int, runs: list[list[float]]) -> DecodeSample:
@@ -250,7 +301,7 @@ def _decode_sample(n: int, concurrency: int, tokens: int, runs: list[list[float]
         positions.extend(i for i, _ in inside)
         gaps_used += len(inside) - 1
     if not rates:
-        raise EngineProfilingError(
+        raise NoDecodeOverlapError(
             f"decode probe ({n} tokens x {concurrency}) had no window where all {concurrency} "
             "sequences decoded together: raise --decode-tokens"
         )
