@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["OUTCOMES", "RouterMetrics"]
+__all__ = ["HEALTH_PROBE_FAILURES", "OUTCOMES", "RouterMetrics"]
 
 # Every terminal outcome a request can have; journal and metrics use the same words.
 OUTCOMES = (
@@ -32,6 +32,9 @@ OUTCOMES = (
 ROLES = ("prefill", "decode")
 LEGS = ("prefill", "decode")
 STRANDED_REASONS = ("decode_failed", "deadline_exceeded", "client_abort", "no_decode")
+# timeout: no answer within the probe's timeouts; unreachable: refused, reset or cut short;
+# status: an answer other than 200.
+HEALTH_PROBE_FAILURES = ("timeout", "unreachable", "status")
 REJECT_REASONS = ("over_budget", "queue_full", "queue_timeout", "journal_unavailable", "draining")
 
 _LATENCY = (
@@ -167,6 +170,12 @@ class RouterMetrics:
         self.engine_healthy = Gauge(
             "narwhal_engine_healthy", "1 if the last health probe passed.", ["engine"], registry=r
         )
+        self.health_probe_failures = Counter(
+            "narwhal_health_probe_failures",
+            "Failed /health probes of an engine, by reason.",
+            ["engine", "reason"],
+            registry=r,
+        )
         self.breaker_state = Gauge(
             "narwhal_engine_breaker_state",
             "Circuit breaker: 0 closed, 1 half-open, 2 open.",
@@ -262,6 +271,8 @@ class RouterMetrics:
             self.deadline_exceeded.labels(engine)
             self.local_prefills.labels(engine)
             self.engine_healthy.labels(engine)
+            for reason in HEALTH_PROBE_FAILURES:
+                self.health_probe_failures.labels(engine, reason)
             self.breaker_state.labels(engine)
             self.scrape_errors.labels(engine)
             for role in ROLES:

@@ -397,3 +397,52 @@ def test_api_keys_and_sigterm_drain(tmp_path: Path) -> None:
         ends = [r for r in records if r["type"] == "request.end"]
         assert [e["outcome"] for e in ends] == ["ok", "client_error", "ok"]
         assert "sk-test" not in router.journal.read_text()
+
+
+def test_one_health_probe_timeout_is_tolerated_two_in_a_row_mark_unhealthy(
+    tmp_path: Path,
+) -> None:
+    """A loaded host stalls an engine's API server for seconds: one /health probe that times
+    out leaves the engine in routing; the second in a row marks it unhealthy; the next answer
+    brings it back. Each timeout is counted by reason."""
+    with (
+        running_fleet(tmp_path, 2, initial_roles=["prefill", "decode"]) as fleet,
+        running_router(tmp_path, fleet.fleet_path, *ROUTER_ARGS) as router,
+    ):
+        e1 = fleet.engines["e1"].url
+
+        def timeouts() -> float:
+            return metric(
+                router.metrics(),
+                "narwhal_health_probe_failures_total",
+                engine="e1",
+                reason="timeout",
+            )
+
+        def healthy() -> float:
+            return metric(router.metrics(), "narwhal_engine_healthy", engine="e1")
+
+        assert wait_until(lambda: healthy() == 1, 10)
+        admin(e1, "POST", {"hang_health_next": 1})
+        # Sample health all along: a tolerated timeout must never show as unhealthy.
+        seen: list[float] = []
+        assert wait_until(lambda: seen.append(healthy()) or timeouts() == 1, 15)
+        # The probe after the timeout answers: the streak is over.
+        time.sleep(1.0)
+        seen.append(healthy())
+        assert set(seen) == {1}, seen
+        assert timeouts() == 1
+        assert post(router).status_code == 200
+
+        admin(e1, "POST", {"hang_health_next": 2})
+        assert wait_until(lambda: healthy() == 0, 15), "two timeouts in a row did not count"
+        assert timeouts() == 3
+        assert wait_until(lambda: healthy() == 1, 10), "the engine did not come back"
+        assert post(router).status_code == 200
+        unreachable = metric(
+            router.metrics(),
+            "narwhal_health_probe_failures_total",
+            engine="e1",
+            reason="unreachable",
+        )
+        assert unreachable == 0

@@ -41,6 +41,7 @@ class EngineState:
     role: Role
     breaker: CircuitBreaker
     healthy: bool | None = None  # None until the first probe
+    probe_timeouts: int = 0  # consecutive /health probes that timed out
     in_flight_prefill: int = 0
     in_flight_decode: int = 0
     # Requests admitted with this engine as their decode engine, still in their prefill leg:

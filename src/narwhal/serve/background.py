@@ -15,13 +15,35 @@ __all__ = ["probe_all", "run_health_loop", "run_scrape_loop"]
 
 log = logging.getLogger(__name__)
 
+# Probes that may time out in a row before a healthy engine is marked unhealthy: a loaded host
+# stalls an engine's API server for seconds at a time, and one slow answer should not take the
+# engine out of routing for a whole probe interval. A refused or reset connection, or an answer
+# other than 200, marks it at once: the engine is gone or says it is not well.
+PROBE_TIMEOUTS_TOLERATED = 1
+
 
 async def _probe(engine: EngineState, pool: EnginePool, metrics: RouterMetrics) -> None:
+    failure: str | None = None
     try:
         status, _ = await fetch(pool.probe(engine.id), "/health")
-        ok = status == 200
-    except EngineTransportError:
-        ok = False
+        if status != 200:
+            failure = "status"
+    except EngineTransportError as exc:
+        failure = "timeout" if exc.timeout else "unreachable"
+    if failure is not None:
+        metrics.health_probe_failures.labels(engine.id, failure).inc()
+    if failure == "timeout":
+        engine.probe_timeouts += 1
+        if engine.healthy and engine.probe_timeouts <= PROBE_TIMEOUTS_TOLERATED:
+            log.info(
+                "engine %s: health probe timed out (%d in a row; tolerated)",
+                engine.id,
+                engine.probe_timeouts,
+            )
+            return
+    else:
+        engine.probe_timeouts = 0
+    ok = failure is None
     was = engine.healthy
     engine.healthy = ok
     # A passing probe closes only a half-open breaker that failing probes helped open: an

@@ -34,6 +34,8 @@ class FaultSettings(BaseModel):
     drop_stream_after_tokens: int | None = Field(None, ge=0)
     # /metrics: "lie" reports an idle engine, "stop" answers 503, "hang" never answers.
     metrics: MetricsFault = "ok"
+    # The next N /health requests never answer (a stalled API server).
+    hang_health_next: int = Field(0, ge=0)
 
 
 class FaultUpdate(BaseModel):
@@ -53,6 +55,7 @@ class FaultUpdate(BaseModel):
     slowdown: float | None = Field(None, gt=0)
     drop_stream_after_tokens: int | None = Field(None, ge=0)
     metrics: MetricsFault | None = None
+    hang_health_next: int | None = Field(None, ge=0)
 
     def apply(self, settings: FaultSettings) -> None:
         for name, value in self.model_dump(exclude_unset=True, exclude={"crash_now"}).items():

@@ -174,6 +174,9 @@ def build_app(settings: SimEngineSettings) -> Starlette:
         return state.core
 
     async def health(request: Request) -> Response:
+        if faults.hang_health_next > 0:
+            faults.hang_health_next -= 1
+            await asyncio.sleep(3600)
         return Response(status_code=200)
 
     async def models(request: Request) -> Response:
