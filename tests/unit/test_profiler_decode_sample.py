@@ -1,5 +1,6 @@
-"""The profiler's decode sample: the window where every concurrent sequence decodes, and the
-probe run again when a busy host kept the sequences apart."""
+"""The profiler's decode sample: the engine's own inter-token latencies when they cover the
+probe, else the client's window where every concurrent sequence decodes, and the probe run again
+when a busy host kept the sequences apart."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 
 from narwhal.profiler.runner import (
     DECODE_PROBE_ATTEMPTS,
+    DecodeProbe,
     EngineProfilingError,
     NoDecodeOverlapError,
     sample_decode,
@@ -21,18 +23,41 @@ def stream(first: float, tokens: int, seconds_per_token: float) -> list[float]:
 OVERLAPPING = [stream(0.0, 64, 0.010), stream(0.05, 64, 0.010)]
 # The second sequence's first token comes after the first one finished: no shared stretch.
 APART = [stream(0.0, 64, 0.010), stream(1.0, 64, 0.010)]
+# Both decoded together, but the engine's API server fell behind on the second: vLLM merged its
+# 64 tokens into 10 chunks that reached the client at once, as the first stream ended.
+LUMPED = [stream(0.0, 64, 0.010), [0.63 + i * 1e-6 for i in range(10)]]
 
 
 class Probe:
-    """Hands out canned arrival times, one set per run, and counts the runs."""
+    """Hands out canned probe results, one per run, and counts the runs."""
 
-    def __init__(self, *runs: list[list[float]]) -> None:
-        self.runs = list(runs)
+    def __init__(self, *runs: list[list[float]] | DecodeProbe) -> None:
+        self.runs = [r if isinstance(r, DecodeProbe) else DecodeProbe(r) for r in runs]
         self.calls = 0
 
-    async def __call__(self) -> list[list[float]]:
+    async def __call__(self) -> DecodeProbe:
         self.calls += 1
         return self.runs.pop(0)
+
+
+async def test_the_engines_own_latencies_win_over_lumpy_arrivals() -> None:
+    # The client saw both streams in lumps; the engine's histogram moved by 2 x 63 gaps.
+    lumps = [[0.5 + i * 1e-6 for i in range(5)], [0.5 + i * 1e-6 for i in range(7)]]
+    sample = await sample_decode(Probe(DecodeProbe(lumps, (126 * 0.004, 126))), 64, 2, 64)
+    assert sample.seconds_per_token == pytest.approx(0.004)
+    assert sample.itl_samples == 126
+    assert sample.mean_context == pytest.approx(64 + 31.5)
+
+
+async def test_engine_latencies_that_do_not_match_the_probe_are_not_used() -> None:
+    # Other traffic moved the histogram (400 gaps, not 126): the client's timing is used.
+    sample = await sample_decode(Probe(DecodeProbe(OVERLAPPING, (400 * 0.5, 400))), 64, 2, 64)
+    assert sample.seconds_per_token == pytest.approx(0.010)
+    # Sequences that did not decode together are not a batch, whatever the engine counted.
+    probe = Probe(DecodeProbe(APART, (126 * 0.004, 126)), OVERLAPPING)
+    sample = await sample_decode(probe, 64, 2, 64)
+    assert probe.calls == 2
+    assert sample.seconds_per_token == pytest.approx(0.010)
 
 
 async def test_overlapping_streams_give_the_shared_rate() -> None:
@@ -60,6 +85,24 @@ async def test_gives_up_after_the_last_attempt() -> None:
     with pytest.raises(NoDecodeOverlapError, match="raise --decode-tokens"):
         await sample_decode(probe, 64, 2, 64)
     assert probe.calls == DECODE_PROBE_ATTEMPTS
+
+
+async def test_a_stream_that_arrived_in_a_lump_reads_the_other_ones_rate() -> None:
+    probe = Probe(LUMPED)
+    sample = await sample_decode(probe, 64, 2, 64)
+    assert probe.calls == 1
+    assert sample.seconds_per_token == pytest.approx(0.010)
+    assert sample.itl_samples == 63
+    assert sample.mean_context == pytest.approx(64 + 31.5)
+
+
+async def test_a_lump_long_after_the_other_stream_ended_is_no_batch() -> None:
+    # The lump came a second after the first stream finished: it did not decode beside it.
+    late = [stream(0.0, 64, 0.010), [1.63 + i * 1e-6 for i in range(10)]]
+    probe = Probe(late, late, late)
+    with pytest.raises(NoDecodeOverlapError):
+        await sample_decode(probe, 64, 2, 64)
+    assert probe.calls == 3
 
 
 async def test_too_few_tokens_is_not_retried() -> None:

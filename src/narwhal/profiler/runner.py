@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import statistics
 import time
 import zlib
@@ -33,6 +34,7 @@ from narwhal.profiles.store import (
 
 __all__ = [
     "DECODE_PROBE_ATTEMPTS",
+    "DecodeProbe",
     "EngineProfilingError",
     "NoDecodeOverlapError",
     "profile_engine",
@@ -61,6 +63,32 @@ class EngineProfilingError(Exception):
 
 class NoDecodeOverlapError(EngineProfilingError):
     """A decode probe's concurrent sequences had no stretch where all of them decoded."""
+
+
+@dataclass
+class DecodeProbe:
+    """What one decode probe saw: each stream's token-chunk arrival times at the client, and the
+    change of the engine's own inter-token latency histogram (sum of seconds, count) across
+    the probe, None when the engine's /metrics does not carry it."""
+
+    times: list[list[float]]
+    engine_itl: tuple[float, float] | None = None
+    sent: float = 0.0  # when the first of them was sent (the clock of ``times``)
+
+
+_ITL_LINE = re.compile(
+    rb"^vllm:inter_token_latency_seconds_(sum|count)(?:\{[^}]*\})? ([^\s]+)", re.MULTILINE
+)
+# The engine's inter-token latencies count for a probe when the histogram moved by this share of
+# the probe's own token gaps, give or take: less means the metric lags or is not per token; more
+# means other traffic shared the engine. Either way the client's timing is used instead.
+ENGINE_ITL_COUNT_TOLERANCE = 0.1
+# A stream counts in the window when its arrivals there span at least this share of it; a
+# shorter span is a lump (many tokens at one moment), which says nothing about their rate.
+STREAM_SPAN_SHARE = 0.5
+# The client's window counts when it spans at least this share of the probe (from the first
+# send to the last token); a shorter one is a lump's few microseconds, not a decode.
+WINDOW_SHARE = 0.25
 
 
 @dataclass
@@ -130,6 +158,26 @@ async def _stream_times(
     except httpx.HTTPError as exc:
         raise EngineProfilingError(f"probe failed: {type(exc).__name__}: {exc}") from None
     return sent, times
+
+
+async def engine_itl_totals(client: httpx.AsyncClient) -> tuple[float, float] | None:
+    """The engine's ``vllm:inter_token_latency_seconds`` sum and count (over its label sets),
+    None if its /metrics does not answer or carries no such histogram."""
+    try:
+        r = await client.get("/metrics")
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    totals = {b"sum": 0.0, b"count": 0.0}
+    found = False
+    for match in _ITL_LINE.finditer(r.content):
+        try:
+            totals[match.group(1)] += float(match.group(2))
+        except ValueError:
+            continue
+        found = True
+    return (totals[b"sum"], totals[b"count"]) if found else None
 
 
 async def check_idle(client: httpx.AsyncClient) -> str | None:
@@ -214,8 +262,10 @@ async def profile_engine(
         for n in plan.decode_input_lens:
             for c in plan.decode_concurrency:
 
-                async def run(n: int = n, c: int = c) -> list[list[float]]:
+                async def run(n: int = n, c: int = c) -> DecodeProbe:
                     budget.spend((n + plan.decode_tokens) * c)
+                    before = await engine_itl_totals(client)
+                    sent = time.monotonic()
                     runs = await asyncio.gather(
                         *(
                             _stream_times(
@@ -224,7 +274,11 @@ async def profile_engine(
                             for _ in range(c)
                         )
                     )
-                    return [times for _, times in runs]
+                    after = await engine_itl_totals(client) if before is not None else None
+                    itl = None
+                    if before is not None and after is not None:
+                        itl = (after[0] - before[0], after[1] - before[1])
+                    return DecodeProbe([times for _, times in runs], itl, sent)
 
                 decode.append(
                     await sample_decode(
@@ -254,7 +308,7 @@ async def profile_engine(
 
 
 async def sample_decode(
-    run: Callable[[], Awaitable[list[list[float]]]],
+    run: Callable[[], Awaitable[DecodeProbe]],
     n: int,
     concurrency: int,
     tokens: int,
@@ -263,8 +317,8 @@ async def sample_decode(
     on_retry: Progress = lambda why: None,
 ) -> DecodeSample:
     """One decode sample from ``run`` (which sends ``concurrency`` probes of ``n`` prompt tokens
-    at once and returns each stream's token arrival times), running it again while its
-    sequences never all decoded together, ``attempts`` times in all."""
+    at once and returns what they saw), running it again while its sequences never all decoded
+    together, ``attempts`` times in all."""
     for attempt in range(1, attempts):
         try:
             return _decode_sample(n, concurrency, tokens, await run())
@@ -273,16 +327,44 @@ async def sample_decode(
     return _decode_sample(n, concurrency, tokens, await run())
 
 
-def _decode_sample(n: int, concurrency: int, tokens: int, runs: list[list[float]]) -> DecodeSample:
+# The sequences of one decode probe generate the same number of tokens (``ignore_eos``), so if
+# they all finished within this share of their decode time they ran in one batch (nearly) from
+# start to end, even when one of them reached the client in a lump: an API server that falls
+# behind makes vLLM merge a stream's waiting outputs into a few chunks that arrive at once, and
+# late. Sequences that ran one after the other finish a whole decode time apart.
+ALIGNED_ENDS_SHARE = 0.3
+
+
+def _ends_aligned(runs: list[list[float]], decode_s: float | None = None) -> bool:
+    """Whether the streams' last tokens arrived within ``ALIGNED_ENDS_SHARE`` of ``decode_s``
+    (default: from the first arrival to the last) of each other."""
+    ends = [times[-1] for times in runs]
+    if decode_s is None:
+        decode_s = max(ends) - min(times[0] for times in runs)
+    return max(ends) - min(ends) <= ALIGNED_ENDS_SHARE * decode_s
+
+
+def _decode_sample(n: int, concurrency: int, tokens: int, probe: DecodeProbe) -> DecodeSample:
     """Seconds per token while all ``concurrency`` sequences decode together.
 
-    The window opens when the last sequence has its first token (before that, prefills share
-    the steps) and closes when the first sequence finishes (after that, the batch shrinks).
+    From the client's arrival times across the window that opens when the last sequence has
+    its first token (before that, prefills share the steps) and closes when the first one
+    finishes (after that, the batch shrinks). A window shorter than ``WINDOW_SHARE`` of the
+    probe, or a stream whose arrivals span less than ``STREAM_SPAN_SHARE`` of it, is lumps, not
+    a decode: an API server that falls behind makes vLLM merge a stream's waiting outputs into
+    a few chunks that arrive at once. When no stream arrived smoothly and the sequences
+    finished together: the engine's own inter-token latencies if its histogram moved by the
+    probe's token gaps (vLLM stamps them in the engine core; their mean also counts the steps
+    that later sequences' prefills shared), else the stream that arrived over the longest time
+    (lumps only shorten the others), ``tokens`` over that time.
     """
-    if any(len(times) < 3 for times in runs):
+    runs = probe.times
+    if all(len(times) < 3 for times in runs):
         raise EngineProfilingError(
             f"decode probe ({n} tokens x {concurrency}) returned too few tokens"
         )
+    if any(not times for times in runs):
+        raise EngineProfilingError(f"decode probe ({n} tokens x {concurrency}) produced no token")
     start = max(times[0] for times in runs)
     end = min(times[-1] for times in runs)
     # Each stream's rate across the window (tokens inside it over the time they span): the
@@ -290,29 +372,54 @@ def _decode_sample(n: int, concurrency: int, tokens: int, runs: list[list[float]
     rates: list[float] = []
     positions: list[float] = []
     gaps_used = 0
-    for times in runs:
+    window_counts = end - start >= WINDOW_SHARE * (max(t[-1] for t in runs) - probe.sent)
+    for times in runs if window_counts else ():
         inside = [(i, t) for i, t in enumerate(times) if start <= t <= end]
         if len(inside) < 3:
             continue
         span = inside[-1][1] - inside[0][1]
-        if span <= 0:
+        if span <= 0 or span < STREAM_SPAN_SHARE * (end - start):
             continue
         rates.append(span / (len(inside) - 1))
         positions.extend(i for i, _ in inside)
         gaps_used += len(inside) - 1
-    if not rates:
-        raise NoDecodeOverlapError(
-            f"decode probe ({n} tokens x {concurrency}) had no window where all {concurrency} "
-            "sequences decoded together: raise --decode-tokens"
+    if rates:
+        return DecodeSample(
+            input_tokens=n,
+            concurrency=concurrency,
+            tokens=tokens,
+            mean_context=n + statistics.fmean(positions),
+            seconds_per_token=statistics.median(rates),
+            itl_samples=gaps_used,
         )
-    spt = statistics.median(rates)
+    engine_gaps = concurrency * (tokens - 1)
+    if probe.engine_itl is not None:
+        itl_sum, itl_count = probe.engine_itl
+        close = abs(itl_count - engine_gaps) <= ENGINE_ITL_COUNT_TOLERANCE * engine_gaps
+        if close and itl_sum > 0 and _ends_aligned(runs, itl_sum / itl_count * (tokens - 1)):
+            spt, gaps_used = itl_sum / itl_count, round(itl_count)
+            return DecodeSample(
+                input_tokens=n,
+                concurrency=concurrency,
+                tokens=tokens,
+                mean_context=n + (tokens - 1) / 2,
+                seconds_per_token=spt,
+                itl_samples=gaps_used,
+            )
+    longest = max((t for t in runs if len(t) >= 3), key=lambda t: t[-1] - t[0])
+    span = longest[-1] - longest[0]
+    if span <= 0 or not _ends_aligned(runs):
+        raise NoDecodeOverlapError(
+            f"decode probe ({n} tokens x {concurrency}) had no window where all "
+            f"{concurrency} sequences decoded together: raise --decode-tokens"
+        )
     return DecodeSample(
         input_tokens=n,
         concurrency=concurrency,
         tokens=tokens,
-        mean_context=n + statistics.fmean(positions),
-        seconds_per_token=spt,
-        itl_samples=gaps_used,
+        mean_context=n + (tokens - 1) / 2,
+        seconds_per_token=span / (tokens - 1),
+        itl_samples=tokens - 1,
     )
 
 
