@@ -261,20 +261,26 @@ def _cpu_ticks(pid: int, tid: int) -> int | None:
     return int(fields[11]) + int(fields[12])  # utime + stime
 
 
-def _tree_threads(pid: int) -> list[tuple[int, int]]:
-    """(process, thread) ids of ``pid`` and all its descendants."""
-    out: list[tuple[int, int]] = []
+def _tree_pids(pid: int) -> list[int]:
+    """``pid`` and all its descendants that still exist (Linux /proc)."""
+    out: list[int] = []
     stack, seen = [pid], set()
     while stack:
         p = stack.pop()
-        if p in seen:
+        if p in seen or not Path(f"/proc/{p}").exists():
             continue
         seen.add(p)
-        try:
-            out += [(p, int(t.name)) for t in Path(f"/proc/{p}/task").iterdir()]
-        except OSError:
-            continue
+        out.append(p)
         stack += _children(p)
+    return out
+
+
+def _tree_threads(pid: int) -> list[tuple[int, int]]:
+    """(process, thread) ids of ``pid`` and all its descendants."""
+    out: list[tuple[int, int]] = []
+    for p in _tree_pids(pid):
+        with contextlib.suppress(OSError):
+            out += [(p, int(t.name)) for t in Path(f"/proc/{p}/task").iterdir()]
     return out
 
 
@@ -344,20 +350,13 @@ def _children(pid: int) -> list[int]:
 def tree_rss_bytes(pid: int) -> int:
     """Resident memory of a process and all its descendants (Linux /proc)."""
     total = 0
-    stack = [pid]
-    seen: set[int] = set()
-    while stack:
-        p = stack.pop()
-        if p in seen:
-            continue
-        seen.add(p)
+    for p in _tree_pids(pid):
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
                     total += int(line.split()[1]) * 1024
         except OSError:
             continue
-        stack += _children(p)
     return total
 
 
