@@ -66,11 +66,12 @@ class SseEventStream:
     of the socket completed. A relay that handles a batch at once writes it to its client in
     one go (a decode step of a large batch delivers many events together)."""
 
-    __slots__ = ("_ended", "_response", "_splitter")
+    __slots__ = ("_ended", "_response", "splitter")
 
     def __init__(self, response: EngineResponse, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
         self._response = response
-        self._splitter = SseSplitter(max_event_bytes)
+        # Public: a relay that takes the stream over continues with what it has buffered.
+        self.splitter = SseSplitter(max_event_bytes)
         self._ended = False
 
     async def next_batch(self) -> list[bytes]:
@@ -82,8 +83,8 @@ class SseEventStream:
             chunk = await self._response.read_chunk()
             if not chunk:
                 self._ended = True
-                return self._splitter.finish()
-            events = self._splitter.feed(chunk)
+                return self.splitter.finish()
+            events = self.splitter.feed(chunk)
             if events:
                 return events
         return []

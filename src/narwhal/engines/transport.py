@@ -26,6 +26,9 @@ from typing import Literal, Protocol
 import aiohttp
 import httpx
 
+from narwhal.engines.base import EngineTransportError, Timeouts
+from narwhal.engines.stream_client import EngineStreamPool
+
 __all__ = [
     "ENGINE_TRANSPORTS",
     "AiohttpEngineClient",
@@ -41,24 +44,6 @@ __all__ = [
 
 ENGINE_TRANSPORTS = ("aiohttp", "httpx")
 EngineTransportName = Literal["aiohttp", "httpx"]
-
-
-class EngineTransportError(Exception):
-    """The engine could not be reached, or its answer stopped or broke part way."""
-
-    def __init__(self, message: str, *, timeout: bool = False) -> None:
-        super().__init__(message)
-        self.timeout = timeout
-
-
-class Timeouts:
-    """Connect and per-read timeouts of one engine's client (seconds)."""
-
-    __slots__ = ("connect_s", "read_s")
-
-    def __init__(self, connect_s: float, read_s: float) -> None:
-        self.connect_s = connect_s
-        self.read_s = read_s
 
 
 class EngineResponse(Protocol):
@@ -105,6 +90,10 @@ class EngineClient(Protocol):
         """Send ``body`` (JSON) and wait for the answer's head."""
         ...
 
+    async def stream(self, path: str, body: bytes, headers: dict[str, str]) -> EngineResponse:
+        """A ``POST`` whose answer is a long event stream (a decode leg)."""
+        ...
+
     async def get(self, path: str) -> EngineResponse:
         """A ``GET`` (health probes, metric scrapes); waits for the answer's head."""
         ...
@@ -147,9 +136,11 @@ class _AiohttpResponse:
 
 class AiohttpEngineClient:
     """One aiohttp session (one connection pool) for one engine, opened on first use inside
-    the running event loop."""
+    the running event loop, for the legs read whole; decode streams go over the router's own
+    connections (``narwhal.engines.stream_client``), which can push events to the client."""
 
     def __init__(self, base_url: str, timeouts: Timeouts, max_connections: int, keepalive_s: float):
+        self._streams = EngineStreamPool(base_url, timeouts, max_connections, keepalive_s)
         self._base = base_url.rstrip("/")
         self._timeouts = timeouts
         self._max_connections = max_connections
@@ -196,6 +187,9 @@ class AiohttpEngineClient:
             raise _aiohttp_error(exc) from exc
         return _AiohttpResponse(response)
 
+    async def stream(self, path: str, body: bytes, headers: dict[str, str]) -> EngineResponse:
+        return await self._streams.post(path, body, headers)
+
     async def get(self, path: str) -> EngineResponse:
         session = self._open()
         try:
@@ -205,6 +199,7 @@ class AiohttpEngineClient:
         return _AiohttpResponse(response)
 
     async def aclose(self) -> None:
+        await self._streams.aclose()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -276,6 +271,9 @@ class HttpxEngineClient:
         return await self._send(
             self._client.build_request("POST", path, content=body, headers=headers)
         )
+
+    async def stream(self, path: str, body: bytes, headers: dict[str, str]) -> EngineResponse:
+        return await self.post(path, body, headers)
 
     async def get(self, path: str) -> EngineResponse:
         return await self._send(self._client.build_request("GET", path))

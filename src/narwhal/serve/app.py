@@ -72,6 +72,9 @@ class ServeSettings:
     scheduler: Literal["v0", "v1"] = "v0"
     qualification: dict[str, Any] = field(default_factory=dict)
     engine_transport: EngineTransportName = "aiohttp"
+    # push: decode events written to the client from the engine connection's data_received;
+    # asgi: a task per stream pulls them and sends each piece through ASGI.
+    relay: Literal["push", "asgi"] = "push"
 
 
 @dataclass

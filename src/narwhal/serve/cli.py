@@ -134,6 +134,13 @@ def _parser() -> argparse.ArgumentParser:
         help="what moves the bytes to and from engines (docs/performance.md compares them)",
     )
     p.add_argument(
+        "--relay",
+        choices=["push", "asgi"],
+        default="push",
+        help="how decode events reach the client: pushed from the engine connection as they "
+        "arrive (needs --engine-transport aiohttp), or pulled by a task per stream",
+    )
+    p.add_argument(
         "--gc",
         choices=["tuned", "default"],
         default="tuned",
@@ -330,6 +337,7 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
         scheduler=scheduler,
         qualification=qualification,
         engine_transport=args.engine_transport,
+        relay=args.relay,
     )
     return settings, host
 

@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from starlette.types import Receive, Scope, Send
 
+from narwhal.engines.stream_client import EngineStreamConnection
 from narwhal.serve.errors import RouterError
 from narwhal.serve.pd import DecodeStream
 from narwhal.serve.record import RequestRecord
-from narwhal.serve.relay import DONE_EVENT, StreamFailed, StreamTally, aggregate, relay_events
+from narwhal.serve.relay import EventRenderer, PushRelay, StreamTally, aggregate, relay_events
 from narwhal.serve.validation import parse_client_request
 
 if TYPE_CHECKING:
@@ -84,6 +85,45 @@ class DisconnectWatch:
             task.uncancel()
             return True
         return False
+
+
+class _DirectWriter:
+    """Body pieces of a started chunked response written straight to the client's connection
+    (uvicorn's httptools server): what its ``send`` does for a body message, without the ASGI
+    call, for the relay that runs inside the engine connection's ``data_received``."""
+
+    __slots__ = ("_cycle", "_flow", "_transport")
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle
+        self._transport = cycle.transport
+        self._flow = cycle.flow
+
+    @classmethod
+    def of(cls, send: Send) -> _DirectWriter | None:
+        """The writer behind ``send`` once the response has started, or None when ``send`` is
+        not uvicorn's httptools cycle (another server, a wrapper): then the ASGI relay runs."""
+        cycle = getattr(send, "__self__", None)
+        if type(cycle).__module__ != "uvicorn.protocols.http.httptools_impl":
+            return None
+        try:
+            writer = cls(cycle)
+            ready = cycle.response_started and not cycle.response_complete
+            chunked = cycle.chunked_encoding
+        except AttributeError:  # a uvicorn whose cycle is not what this was written for
+            return None
+        return writer if ready and chunked else None
+
+    @property
+    def paused(self) -> bool:
+        return self._flow.write_paused and not self._cycle.disconnected
+
+    def write(self, data: bytes) -> None:
+        if data and not self._cycle.disconnected:
+            self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+
+    async def drain(self) -> None:
+        await self._flow.drain()
 
 
 async def _send_response(
@@ -262,6 +302,7 @@ class GenerationEndpoint:
     ) -> None:
         rt = self.rt
         outcome, status, error = "client_abort", None, "client disconnected mid-stream"
+        renderer = EventRenderer(tally, include_usage, stream.prefill_prompt_tokens)
         try:
             await send(
                 {
@@ -270,17 +311,32 @@ class GenerationEndpoint:
                     "headers": [_SSE_CONTENT_TYPE, (b"x-request-id", record.id.encode())],
                 }
             )
-            complete = False
-            async for chunk in relay_events(stream, include_usage, tally):
-                # Every way the relay ends writes [DONE] last: that write completes the
-                # response, in the same socket write as the chunked terminator.
-                complete = chunk.endswith(DONE_EVENT)
-                if complete:
-                    watch.stop()  # the server reports a completed response as a disconnect
-                await send({"type": "http.response.body", "body": chunk, "more_body": not complete})
-            outcome, status, error = "ok", 200, None
-        except StreamFailed as exc:
-            outcome, status, error = "stream_error", 200, str(exc)
+            writer = _DirectWriter.of(send) if rt.settings.relay == "push" else None
+            if writer is not None and isinstance(stream.response, EngineStreamConnection):
+                relay = PushRelay(renderer, stream.events.splitter, writer, stream.response)
+                relay.start(stream.first_events)
+                tail = await relay.run()
+                # The last piece through the server: it completes the response, with the
+                # chunked terminator in the same write.
+                watch.stop()  # the server reports a completed response as a disconnect
+                await send({"type": "http.response.body", "body": tail, "more_body": False})
+            else:
+                async for chunk in relay_events(stream, renderer):
+                    # Every way the relay ends writes [DONE] last: that write completes the
+                    # response, in the same socket write as the chunked terminator.
+                    if renderer.finished:
+                        watch.stop()
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "body": chunk,
+                            "more_body": not renderer.finished,
+                        }
+                    )
+            if renderer.failure is not None:
+                outcome, status, error = "stream_error", 200, renderer.failure
+            else:
+                outcome, status, error = "ok", 200, None
         except asyncio.CancelledError:
             if not watch.absorb():
                 raise

@@ -514,7 +514,7 @@ class PDRouter:
 
         async def first_event() -> tuple[EngineResponse, SseEventStream, list[bytes]]:
             nonlocal response
-            response = await client.post(path, body, headers)
+            response = await client.stream(path, body, headers)
             if response.status >= 400:
                 content = await read_prefix(response, _MAX_ERROR_BODY)
                 if response.status >= 500:

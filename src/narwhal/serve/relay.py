@@ -5,23 +5,40 @@ client's ``usage`` counts the prompt as the prefill engine did and the completio
 engine did (and it is dropped when the client did not ask for it: the router always asks, to
 know the count). An engine error or a stream that ends without ``[DONE]`` after the first token
 ends the client's stream with an OpenAI error event, never a silent truncation.
+
+Two relays share the rendering (``EventRenderer``): ``relay_events`` pulls the stream a batch at
+a time for a task that sends each piece through ASGI; ``PushRelay`` is handed the engine's bytes
+as they arrive and writes them straight to the client's connection, with no task wake-up per
+event (the router's own engine connections and uvicorn's httptools server; see
+docs/performance.md).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
+from narwhal.engines.sse import SseSplitter
+from narwhal.engines.stream_client import EngineStreamConnection
 from narwhal.engines.transport import EngineTransportError
 from narwhal.serve.errors import RouterError, error_body
 from narwhal.serve.pd import DecodeStream
 from narwhal.serve.record import RequestRecord
 
-__all__ = ["DONE_EVENT", "StreamFailed", "StreamTally", "aggregate", "relay_events"]
+__all__ = [
+    "DONE_EVENT",
+    "ClientWriter",
+    "EventRenderer",
+    "PushRelay",
+    "StreamTally",
+    "aggregate",
+    "relay_events",
+]
 
 DONE_EVENT = b"data: [DONE]\n\n"
 
@@ -76,61 +93,194 @@ def _note(tally: StreamTally, obj: dict[str, Any], now: float) -> None:
         tally.finish_reason = finish
 
 
-async def relay_events(
-    stream: DecodeStream, include_usage: bool, tally: StreamTally
-) -> AsyncIterator[bytes]:
-    """Yield SSE bytes for the client: every event of one upstream read in one piece, so a
-    burst from the engine costs one client write. Raises nothing upstream-related: errors
-    become events, then ``StreamFailed``."""
-    batch = stream.first_events
-    try:
-        while True:
-            out: list[bytes] = []
-            now = time.monotonic()
-            for payload in batch:
-                if payload == b"[DONE]":
-                    tally.done = True
-                    out.append(DONE_EVENT)
-                    yield b"".join(out)
-                    return
+class EventRenderer:
+    """The client's SSE bytes for a decode stream's events, a batch at a time, keeping the
+    stream's token accounting. ``finished`` once ``[DONE]`` has been rendered: the engine's own,
+    or the one that follows an error event (then ``failure`` says what broke). Raises nothing:
+    a malformed event becomes an error event."""
+
+    __slots__ = ("failure", "finished", "include_usage", "prefill_prompt_tokens", "tally")
+
+    def __init__(
+        self, tally: StreamTally, include_usage: bool, prefill_prompt_tokens: int | None
+    ) -> None:
+        self.tally = tally
+        self.include_usage = include_usage
+        self.prefill_prompt_tokens = prefill_prompt_tokens
+        self.finished = False
+        self.failure: str | None = None
+
+    def render(self, batch: list[bytes]) -> bytes:
+        """Every event of one upstream read in one piece: a burst costs one client write."""
+        out: list[bytes] = []
+        tally = self.tally
+        now = time.monotonic()
+        for payload in batch:
+            if payload == b"[DONE]":
+                tally.done = True
+                self.finished = True
+                out.append(DONE_EVENT)
+                break
+            try:
                 obj = orjson.loads(payload)
-                if isinstance(obj, dict) and "error" in obj:
-                    out += (b"data: ", payload, b"\n\n", DONE_EVENT)
-                    yield b"".join(out)
-                    raise _StreamFailed(
-                        str((obj.get("error") or {}).get("message", "engine error"))
-                    )
-                if isinstance(obj, dict) and obj.get("usage") and not obj.get("choices"):
-                    tally.completion_tokens = obj["usage"].get("completion_tokens")
-                    tally.prompt_tokens = obj["usage"].get("prompt_tokens")
-                    if include_usage:
-                        obj["usage"] = _usage(obj["usage"], stream.prefill_prompt_tokens)
-                        out += (b"data: ", orjson.dumps(obj), b"\n\n")
-                else:
-                    if isinstance(obj, dict):
-                        _note(tally, obj, now)
-                    out += (b"data: ", payload, b"\n\n")
-            if out:
-                yield b"".join(out)
+            except ValueError as exc:
+                out.append(self.broken(f"decode stream broke: {type(exc).__name__}: {exc}"))
+                break
+            if isinstance(obj, dict) and "error" in obj:
+                out += (b"data: ", payload, b"\n\n", DONE_EVENT)
+                self.failure = str((obj.get("error") or {}).get("message", "engine error"))
+                self.finished = True
+                break
+            if isinstance(obj, dict) and obj.get("usage") and not obj.get("choices"):
+                tally.completion_tokens = obj["usage"].get("completion_tokens")
+                tally.prompt_tokens = obj["usage"].get("prompt_tokens")
+                if self.include_usage:
+                    obj["usage"] = _usage(obj["usage"], self.prefill_prompt_tokens)
+                    out += (b"data: ", orjson.dumps(obj), b"\n\n")
+            else:
+                if isinstance(obj, dict):
+                    _note(tally, obj, now)
+                out += (b"data: ", payload, b"\n\n")
+        return b"".join(out)
+
+    def broken(self, message: str) -> bytes:
+        """An error event and ``[DONE]``: the stream broke after its first token, when nothing
+        can be retried, and the client must not take a truncated stream for a whole one."""
+        self.failure = message
+        self.finished = True
+        body = orjson.dumps(error_body(message, "upstream_error", None, 502))
+        return b"data: " + body + b"\n\n" + DONE_EVENT
+
+    def ended(self, error: Exception | None) -> bytes:
+        """What closes a stream whose upstream ended without ``[DONE]``."""
+        if error is not None:
+            return self.broken(f"decode stream broke: {type(error).__name__}: {error}")
+        return self.broken("the decode engine closed the stream early")
+
+
+async def relay_events(stream: DecodeStream, renderer: EventRenderer) -> AsyncIterator[bytes]:
+    """Yield SSE bytes for the client, reading the stream a batch at a time. Every way it ends
+    yields ``[DONE]`` last; ``renderer.failure`` then says whether the stream broke."""
+    batch = stream.first_events
+    while True:
+        out = renderer.render(batch)
+        if out:
+            yield out
+        if renderer.finished:
+            return
+        try:
             batch = await stream.events.next_batch()
-            if not batch:
-                raise _StreamFailed("the decode engine closed the stream early")
-    except (EngineTransportError, ValueError) as exc:
-        message = f"decode stream broke: {type(exc).__name__}: {exc}"
-        yield (
-            b"data: "
-            + orjson.dumps(error_body(message, "upstream_error", None, 502))
-            + b"\n\n"
-            + DONE_EVENT
-        )
-        raise _StreamFailed(message) from None
+        except (EngineTransportError, ValueError) as exc:
+            yield renderer.ended(exc)
+            return
+        if not batch:
+            yield renderer.ended(None)
+            return
 
 
-class _StreamFailed(Exception):
-    pass
+class PushRelay:
+    """The sink of a pushed decode stream (``EngineStreamConnection.push``): in the engine
+    connection's ``data_received``, cut the bytes into events, render them and write them to
+    the client at once. The last piece (ending with ``[DONE]``) is left in ``tail`` for the
+    request's task to send, so the server completes the response as usual.
+
+    The request's task waits on :meth:`wait`, woken when the stream ends or when the client's
+    connection cannot take more (the engine connection is paused then; the task resumes it once
+    the client has drained).
+    """
+
+    __slots__ = ("_connection", "_splitter", "_waiter", "_writer", "renderer", "tail")
+
+    def __init__(
+        self,
+        renderer: EventRenderer,
+        splitter: SseSplitter,
+        writer: ClientWriter,
+        connection: EngineStreamConnection,
+    ) -> None:
+        self.renderer = renderer
+        self._splitter = splitter
+        self._writer = writer
+        self._connection = connection
+        self.tail: bytes | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def start(self, first_events: list[bytes]) -> None:
+        out = self.renderer.render(first_events)
+        if self.renderer.finished:
+            self._finish(out)
+            return
+        if out:
+            self._writer.write(out)
+        self._connection.push(self)
+
+    def on_body(self, data: bytes) -> None:
+        if self.tail is not None:
+            return
+        try:
+            events = self._splitter.feed(data)
+        except ValueError as exc:
+            self._finish(self.renderer.ended(exc))
+            return
+        if not events:
+            return
+        out = self.renderer.render(events)
+        if self.renderer.finished:
+            self._finish(out)
+            return
+        self._writer.write(out)
+        if self._writer.paused:
+            self._connection.pause_reading()
+            self._wake()
+
+    def on_end(self, error: EngineTransportError | None) -> None:
+        if self.tail is not None:
+            return
+        if error is None:
+            out = self.renderer.render(self._splitter.finish())
+            if self.renderer.finished:
+                self._finish(out)
+                return
+            self._finish(out + self.renderer.ended(None))
+            return
+        self._finish(self.renderer.ended(error))
+
+    def _finish(self, tail: bytes) -> None:
+        self.tail = tail
+        self._connection.detach()
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def run(self) -> bytes:
+        """Wait for the end, resuming the engine after back-pressure; the tail to send."""
+        loop = asyncio.get_running_loop()
+        while self.tail is None:
+            if self._writer.paused:
+                await self._writer.drain()
+                self._connection.resume_reading()
+                continue
+            self._waiter = loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self.tail
 
 
-StreamFailed = _StreamFailed
+class ClientWriter(Protocol):
+    """Writes body pieces straight to the client's connection, bypassing the ASGI ``send``."""
+
+    @property
+    def paused(self) -> bool:
+        """The client's connection holds more unsent bytes than it should."""
+        ...
+
+    def write(self, data: bytes) -> None: ...
+
+    async def drain(self) -> None: ...
 
 
 async def aggregate(

@@ -1,0 +1,395 @@
+"""Decode legs over the router's own HTTP/1.1 connections, so a stream's bytes can be pushed
+to the client as they arrive instead of being pulled by a task.
+
+A decode stream carries one event per token for minutes. Pulled through a client library, each
+event costs a stream reader, a timer re-armed on every read, a task wake-up and the coroutine
+layers above it; with thousands of streams stepping together those wake-ups are what keeps the
+event loop busy (docs/performance.md). Here each engine connection is an ``asyncio.Protocol``
+with llhttp's C parser (``httptools``, which uvicorn uses too). Until the first token it is read
+like any response (``read_chunk``, the ``EngineResponse`` interface); the relay then calls
+:meth:`EngineStreamConnection.push`, and from there each body piece is handed to the relay's
+sink inside ``data_received``, with no task in between.
+
+Connections are pooled per engine and reused (keep-alive), at most ``max_connections`` open at
+once; a request written into a pooled connection that the engine closed meanwhile is sent again
+on a new one, once, when no byte of an answer came back. A read stalled for the read timeout
+fails the leg (one timer per stream, re-armed only when it fires, not on every read). Every
+failure is an :class:`EngineTransportError`, like the other engine transports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import socket
+import ssl
+from typing import Protocol, cast
+from urllib.parse import urlsplit
+
+import httptools
+
+from narwhal.engines.base import EngineTransportError, Timeouts
+
+__all__ = ["EngineStreamConnection", "EngineStreamPool", "StreamSink"]
+
+
+class StreamSink(Protocol):
+    """What a pushed stream's body goes to (called from ``data_received``: must not block)."""
+
+    def on_body(self, data: bytes) -> None: ...
+
+    def on_end(self, error: EngineTransportError | None) -> None:
+        """The answer ended: complete (``None``) or broken."""
+        ...
+
+
+class EngineStreamConnection(asyncio.Protocol):
+    """One connection to an engine, carrying one request at a time."""
+
+    def __init__(self, pool: EngineStreamPool) -> None:
+        self._pool = pool
+        self._loop = asyncio.get_running_loop()
+        self._transport: asyncio.Transport | None = None
+        self._parser: httptools.HttpResponseParser | None = None
+        self.status = 0
+        self._keep_alive = False
+        self._head: asyncio.Future[None] | None = None
+        self._chunks: list[bytes] = []
+        self._waiter: asyncio.Future[None] | None = None
+        self._sink: StreamSink | None = None
+        self._complete = False
+        self._error: EngineTransportError | None = None
+        self._closed = False
+        self._released = True
+        self._answered = False  # a byte of the current answer arrived
+        self._paused = False
+        self._last_data = 0.0
+        self._watchdog: asyncio.TimerHandle | None = None
+        self.reused = False
+        self.idle_since = 0.0
+
+    # -- asyncio.Protocol ----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, only alike.
+        self._transport = cast(asyncio.Transport, transport)
+        sock = self._transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            # Each event is a small write on the engine's side; no delayed-ACK stalls here.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        parser = self._parser
+        if parser is None or self._released:
+            # Bytes outside any request: the connection cannot be trusted for the next one.
+            self._abort(EngineTransportError("engine sent bytes outside a request"))
+            return
+        self._answered = True
+        self._last_data = self._loop.time()
+        try:
+            parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._abort(EngineTransportError(f"malformed HTTP answer: {exc}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self._pool._forget(self)
+        if not self._complete and self._error is None and not self._released:
+            why = f": {type(exc).__name__}: {exc}" if exc is not None else ""
+            self._error = EngineTransportError(f"engine closed the connection mid-answer{why}")
+        self._ended()
+
+    # -- httptools callbacks -------------------------------------------------------------
+
+    def on_headers_complete(self) -> None:
+        assert self._parser is not None
+        self.status = self._parser.get_status_code()
+        self._keep_alive = self._parser.should_keep_alive()
+        if self._head is not None and not self._head.done():
+            self._head.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        sink = self._sink
+        if sink is not None:
+            sink.on_body(body)
+            return
+        self._chunks.append(body)
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self._complete = True
+        self._ended()
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _ended(self) -> None:
+        """The answer is over, complete or broken: tell whoever is waiting for it."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        head = self._head
+        if head is not None and not head.done():
+            head.set_exception(self._error or EngineTransportError("answer ended before its head"))
+        sink = self._sink
+        if sink is not None:
+            self._sink = None
+            sink.on_end(self._error if not self._complete else None)
+        self._wake()
+
+    def _abort(self, error: EngineTransportError) -> None:
+        if self._error is None and not self._complete:
+            self._error = error
+        if self._transport is not None:
+            self._transport.abort()  # connection_lost follows and ends the answer
+
+    def _check_stall(self) -> None:
+        self._watchdog = None
+        if self._complete or self._closed or self._released:
+            return
+        read_s = self._pool.timeouts.read_s
+        idle = self._loop.time() - self._last_data
+        if self._paused or idle < read_s:
+            # Paused: the client is slow, not the engine.
+            self._watchdog = self._loop.call_later(max(read_s - idle, 0.05), self._check_stall)
+            return
+        self._abort(EngineTransportError(f"no data from the engine for {read_s} s", timeout=True))
+
+    # -- the request ---------------------------------------------------------------------
+
+    def usable(self, now: float, keepalive_s: float) -> bool:
+        return not self._closed and now - self.idle_since < keepalive_s
+
+    def begin(self, request: bytes) -> asyncio.Future[None]:
+        """Write one request; the future resolves when the answer's head has arrived."""
+        assert self._transport is not None
+        self._parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self._chunks = []
+        self._complete = False
+        self._error = None
+        self._released = False
+        self._answered = False
+        self._head = self._loop.create_future()
+        self._last_data = self._loop.time()
+        self._watchdog = self._loop.call_later(self._pool.timeouts.read_s, self._check_stall)
+        if self._closed or self._transport.is_closing():
+            self._error = EngineTransportError("engine closed the connection")
+            self._ended()
+        else:
+            self._transport.write(request)
+        return self._head
+
+    @property
+    def answered(self) -> bool:
+        return self._answered
+
+    # -- EngineResponse ------------------------------------------------------------------
+
+    async def read_chunk(self) -> bytes:
+        while True:
+            if self._chunks:
+                chunk = b"".join(self._chunks) if len(self._chunks) > 1 else self._chunks[0]
+                self._chunks = []
+                return chunk
+            if self._error is not None:
+                raise self._error
+            if self._complete:
+                return b""
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    async def read(self) -> bytes:
+        parts = []
+        while chunk := await self.read_chunk():
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def aclose(self) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Back to the pool after a complete answer; closed otherwise, so no later request can
+        read the rest of an abandoned one."""
+        if self._released:
+            return
+        self._released = True
+        self._sink = None
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        if self._paused:
+            self.resume_reading()
+        if (
+            self._complete
+            and self._keep_alive
+            and self._error is None
+            and not self._closed
+            and not self._chunks
+        ):
+            self._pool._put_idle(self)
+        else:
+            self._abort(self._error or EngineTransportError("released before its end"))
+
+    # -- push ----------------------------------------------------------------------------
+
+    def push(self, sink: StreamSink) -> None:
+        """From now on, hand each body piece to ``sink`` as it arrives (the pieces already
+        received first), then ``sink.on_end`` once. Pull reads must have stopped."""
+        chunks, self._chunks = self._chunks, []
+        self._sink = sink
+        for chunk in chunks:
+            if self._sink is not sink:
+                return
+            sink.on_body(chunk)
+        if self._sink is sink and (self._complete or self._error is not None):
+            self._ended()
+
+    def detach(self) -> None:
+        """Stop pushing: what arrives later is buffered for ``read_chunk`` again."""
+        self._sink = None
+
+    def pause_reading(self) -> None:
+        if not self._paused and self._transport is not None and not self._closed:
+            self._paused = True
+            self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._paused and self._transport is not None:
+            self._paused = False
+            if not self._closed:
+                self._transport.resume_reading()
+
+
+class EngineStreamPool:
+    """Keep-alive connections to one engine for its decode legs."""
+
+    def __init__(
+        self, base_url: str, timeouts: Timeouts, max_connections: int, keepalive_s: float
+    ) -> None:
+        parts = urlsplit(base_url)
+        self.timeouts = timeouts
+        self._host = parts.hostname or "127.0.0.1"
+        self._ssl: ssl.SSLContext | None = None
+        if parts.scheme == "https":
+            self._ssl = ssl.create_default_context()
+        self._port = parts.port or (443 if self._ssl else 80)
+        self._authority = parts.netloc.encode("idna")
+        self._max = max_connections
+        self._keepalive_s = keepalive_s
+        self._idle: list[EngineStreamConnection] = []
+        self._all: set[EngineStreamConnection] = set()
+        self._opening = 0
+        self._waiters: collections.deque[asyncio.Future[EngineStreamConnection | None]] = (
+            collections.deque()
+        )
+        self._closed = False
+
+    def _request(self, path: str, body: bytes, headers: dict[str, str]) -> bytes:
+        lines = [b"POST %s HTTP/1.1\r\nHost: %s\r\n" % (path.encode(), self._authority)]
+        lines += [b"%s: %s\r\n" % (k.encode(), v.encode("latin-1")) for k, v in headers.items()]
+        lines.append(b"Content-Length: %d\r\n\r\n" % len(body))
+        lines.append(body)
+        return b"".join(lines)
+
+    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> EngineStreamConnection:
+        """Send a request and wait for the answer's head; the connection is the response."""
+        request = self._request(path, body, headers)
+        for attempt in range(2):
+            conn = await self._acquire(fresh=attempt > 0)
+            try:
+                await conn.begin(request)
+            except EngineTransportError:
+                conn.release()
+                if attempt == 0 and conn.reused and not conn.answered:
+                    continue  # the engine closed the idle connection as we wrote to it
+                raise
+            except BaseException:
+                conn.release()
+                raise
+            return conn
+        raise AssertionError("unreachable")
+
+    async def _acquire(self, fresh: bool) -> EngineStreamConnection:
+        if self._closed:
+            raise EngineTransportError("engine client is closed")
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        while self._idle and not fresh:
+            conn = self._idle.pop()
+            if conn.usable(now, self._keepalive_s):
+                conn.reused = True
+                return conn
+            conn._abort(EngineTransportError("idle too long"))
+        if len(self._all) + self._opening >= self._max:
+            waiter: asyncio.Future[EngineStreamConnection | None] = loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                async with asyncio.timeout(self.timeouts.connect_s):
+                    handed = await waiter
+            except TimeoutError:
+                raise EngineTransportError(
+                    f"no free connection to the engine within {self.timeouts.connect_s} s",
+                    timeout=True,
+                ) from None
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+            if handed is not None:
+                handed.reused = True
+                return handed
+        self._opening += 1
+        try:
+            async with asyncio.timeout(self.timeouts.connect_s):
+                _, conn = await loop.create_connection(
+                    lambda: EngineStreamConnection(self),
+                    self._host,
+                    self._port,
+                    ssl=self._ssl,
+                )
+        except TimeoutError:
+            raise EngineTransportError(
+                f"connect to the engine timed out after {self.timeouts.connect_s} s", timeout=True
+            ) from None
+        except OSError as exc:
+            raise EngineTransportError(f"{type(exc).__name__}: {exc}") from None
+        finally:
+            self._opening -= 1
+        self._all.add(conn)
+        if self._closed:
+            conn._abort(EngineTransportError("engine client is closed"))
+            raise EngineTransportError("engine client is closed")
+        return conn
+
+    def _put_idle(self, conn: EngineStreamConnection) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(conn)
+                return
+        conn.reused = False
+        conn.idle_since = asyncio.get_running_loop().time()
+        self._idle.append(conn)
+
+    def _forget(self, conn: EngineStreamConnection) -> None:
+        self._all.discard(conn)
+        if conn in self._idle:
+            self._idle.remove(conn)
+        while self._waiters:  # a slot is free: the first waiter opens a connection
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for conn in list(self._all):
+            conn._abort(EngineTransportError("engine client is closed"))
+        self._idle.clear()
