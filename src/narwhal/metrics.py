@@ -176,6 +176,13 @@ class RouterMetrics:
             ["engine", "reason"],
             registry=r,
         )
+        self.slow_client_pauses = Counter(
+            "narwhal_slow_client_pauses",
+            "Times a decode stream's engine connection was paused because its client read "
+            "slower than the engine wrote (push relay).",
+            ["engine"],
+            registry=r,
+        )
         self.breaker_state = Gauge(
             "narwhal_engine_breaker_state",
             "Circuit breaker: 0 closed, 1 half-open, 2 open.",
@@ -274,6 +281,7 @@ class RouterMetrics:
             for reason in HEALTH_PROBE_FAILURES:
                 self.health_probe_failures.labels(engine, reason)
             self.breaker_state.labels(engine)
+            self.slow_client_pauses.labels(engine)
             self.scrape_errors.labels(engine)
             for role in ROLES:
                 self.in_flight.labels(engine, role)

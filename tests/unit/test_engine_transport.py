@@ -1,5 +1,6 @@
-"""The engine clients (aiohttp, the default, and httpx): the same answers and the same
-``EngineTransportError`` for every network failure, against real sockets on 127.0.0.1."""
+"""The engine clients (aiohttp, the default, and httpx), for legs read whole and for decode
+streams: the same answers and the same ``EngineTransportError`` for every network failure,
+against real sockets on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ from narwhal.engines.transport import (
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 pytestmark = pytest.mark.parametrize("transport", ENGINE_TRANSPORTS)
+# A leg read whole (post) and a decode stream (stream: the router's own connections under the
+# aiohttp transport) honour the same contract.
+LEGS = pytest.mark.parametrize("leg", ["post", "stream"])
 
 
 @contextlib.asynccontextmanager
@@ -67,7 +71,10 @@ async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
     return head, body
 
 
-async def test_post_and_stream_pass_bytes_and_reuse_the_connection(transport: str) -> None:
+@LEGS
+async def test_post_and_stream_pass_bytes_and_reuse_the_connection(
+    transport: str, leg: str
+) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
             try:
@@ -87,11 +94,11 @@ async def test_post_and_stream_pass_bytes_and_reuse_the_connection(transport: st
     headers = {"X-Request-Id": "r1", "Content-Type": "application/json"}
     async with server(handler) as (base, peers), engine_client(transport, base) as c:
         for i in range(3):
-            r = await c.post("/v1/completions", b'{"n":%d}' % i, headers)
+            r = await getattr(c, leg)("/v1/completions", b'{"n":%d}' % i, headers)
             assert r.status == 200
             assert await r.read() == b'data: {"n":%d}\n\ndata: [DONE]\n\n' % i
             await r.aclose()
-        r = await c.post("/v1/completions", b"{}", headers)
+        r = await getattr(c, leg)("/v1/completions", b"{}", headers)
         events = SseEventStream(r)
         got = []
         while batch := await events.next_batch():
@@ -101,8 +108,9 @@ async def test_post_and_stream_pass_bytes_and_reuse_the_connection(transport: st
         assert len(peers) == 1  # one kept-alive connection served all four
 
 
+@LEGS
 async def test_an_error_status_is_an_answer_and_its_body_is_quoted_up_to_a_limit(
-    transport: str,
+    transport: str, leg: str
 ) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
@@ -113,34 +121,37 @@ async def test_an_error_status_is_an_answer_and_its_body_is_quoted_up_to_a_limit
         await writer.drain()
 
     async with server(handler) as (base, _), engine_client(transport, base) as c:
-        r = await c.post("/v1/completions", b"{}", {})
+        r = await getattr(c, leg)("/v1/completions", b"{}", {})
         assert r.status == 400
         assert await read_prefix(r, 1000) == b"x" * 1000
         await r.aclose()
 
 
-async def test_connection_refused_is_a_transport_error(transport: str) -> None:
+@LEGS
+async def test_connection_refused_is_a_transport_error(transport: str, leg: str) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, not listening: refused
         async with engine_client(transport, f"http://127.0.0.1:{port}") as c:
             with pytest.raises(EngineTransportError) as info:
-                await c.post("/v1/completions", b"{}", {})
+                await getattr(c, leg)("/v1/completions", b"{}", {})
             assert not info.value.timeout
 
 
-async def test_a_stalled_response_is_a_timeout(transport: str) -> None:
+@LEGS
+async def test_a_stalled_response_is_a_timeout(transport: str, leg: str) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
         await asyncio.sleep(5)
 
     async with server(handler) as (base, _), engine_client(transport, base, read_s=0.2) as c:
         with pytest.raises(EngineTransportError) as info:
-            await c.post("/slow", b"{}", {})
+            await getattr(c, leg)("/slow", b"{}", {})
         assert info.value.timeout
 
 
-async def test_a_stream_cut_mid_body_is_a_transport_error(transport: str) -> None:
+@LEGS
+async def test_a_stream_cut_mid_body_is_a_transport_error(transport: str, leg: str) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
@@ -149,15 +160,16 @@ async def test_a_stream_cut_mid_body_is_a_transport_error(transport: str) -> Non
         writer.transport.abort()
 
     async with server(handler) as (base, _), engine_client(transport, base) as c:
-        r = await c.post("/v1/completions", b"{}", {})
+        r = await getattr(c, leg)("/v1/completions", b"{}", {})
         with pytest.raises(EngineTransportError):
             while await r.read_chunk():
                 pass
         await r.aclose()
 
 
+@LEGS
 async def test_an_abandoned_stream_does_not_leave_its_connection_in_the_pool(
-    transport: str,
+    transport: str, leg: str
 ) -> None:
     release = asyncio.Event()
 
@@ -178,16 +190,17 @@ async def test_an_abandoned_stream_does_not_leave_its_connection_in_the_pool(
             await writer.drain()
 
     async with server(handler) as (base, peers), engine_client(transport, base) as c:
-        r = await c.post("/v1/completions", b"{}", {})
+        r = await getattr(c, leg)("/v1/completions", b"{}", {})
         assert await r.read_chunk() == b"data: a\n\n"
         await r.aclose()  # the router gave up on this stream (a deadline, a client that left)
-        r = await c.post("/v1/completions", b"{}", {})
+        r = await getattr(c, leg)("/v1/completions", b"{}", {})
         # A fresh connection, and none of the abandoned stream's bytes in this response.
         assert await r.read() == b"data: a\n\n" and len(peers) == 2
         await r.aclose()
 
 
-async def test_closing_the_client_closes_its_pool(transport: str) -> None:
+@LEGS
+async def test_closing_the_client_closes_its_pool(transport: str, leg: str) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
@@ -198,7 +211,7 @@ async def test_closing_the_client_closes_its_pool(transport: str) -> None:
     closed = asyncio.Event()
     async with server(handler) as (base, _):
         async with engine_client(transport, base) as c:
-            r = await c.post("/", b"{}", {})
+            r = await getattr(c, leg)("/", b"{}", {})
             assert await r.read() == b"ok"
             await r.aclose()
         await asyncio.wait_for(closed.wait(), 5)

@@ -90,6 +90,8 @@ class EngineStreamConnection(asyncio.Protocol):
             parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._abort(EngineTransportError(f"malformed HTTP answer: {exc}"))
+            return
+        self._deliver()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
@@ -109,18 +111,25 @@ class EngineStreamConnection(asyncio.Protocol):
             self._head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
-        sink = self._sink
-        if sink is not None:
-            sink.on_body(body)
-            return
+        # Delivered once per read (``_deliver``): a burst of events is one write to the client.
         self._chunks.append(body)
-        self._wake()
 
     def on_message_complete(self) -> None:
         self._complete = True
         self._ended()
 
     # -- internals -----------------------------------------------------------------------
+
+    def _deliver(self) -> None:
+        """Hand what the last read brought to the sink, or wake the reader."""
+        if not self._chunks:
+            return
+        sink = self._sink
+        if sink is None:
+            self._wake()
+            return
+        chunks, self._chunks = self._chunks, []
+        sink.on_body(b"".join(chunks) if len(chunks) > 1 else chunks[0])
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -135,6 +144,7 @@ class EngineStreamConnection(asyncio.Protocol):
         head = self._head
         if head is not None and not head.done():
             head.set_exception(self._error or EngineTransportError("answer ended before its head"))
+        self._deliver()
         sink = self._sink
         if sink is not None:
             self._sink = None
@@ -243,12 +253,8 @@ class EngineStreamConnection(asyncio.Protocol):
     def push(self, sink: StreamSink) -> None:
         """From now on, hand each body piece to ``sink`` as it arrives (the pieces already
         received first), then ``sink.on_end`` once. Pull reads must have stopped."""
-        chunks, self._chunks = self._chunks, []
         self._sink = sink
-        for chunk in chunks:
-            if self._sink is not sink:
-                return
-            sink.on_body(chunk)
+        self._deliver()
         if self._sink is sink and (self._complete or self._error is not None):
             self._ended()
 

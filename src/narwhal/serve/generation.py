@@ -315,7 +315,11 @@ class GenerationEndpoint:
             if writer is not None and isinstance(stream.response, EngineStreamConnection):
                 relay = PushRelay(renderer, stream.events.splitter, writer, stream.response)
                 relay.start(stream.first_events)
-                tail = await relay.run()
+                try:
+                    tail = await relay.run()
+                finally:
+                    if relay.pauses:
+                        rt.metrics.slow_client_pauses.labels(stream.engine).inc(relay.pauses)
                 # The last piece through the server: it completes the response, with the
                 # chunked terminator in the same write.
                 watch.stop()  # the server reports a completed response as a disconnect

@@ -189,7 +189,7 @@ class PushRelay:
     the client has drained).
     """
 
-    __slots__ = ("_connection", "_splitter", "_waiter", "_writer", "renderer", "tail")
+    __slots__ = ("_connection", "_splitter", "_waiter", "_writer", "pauses", "renderer", "tail")
 
     def __init__(
         self,
@@ -198,6 +198,7 @@ class PushRelay:
         writer: ClientWriter,
         connection: EngineStreamConnection,
     ) -> None:
+        self.pauses = 0  # times the engine was paused for the client
         self.renderer = renderer
         self._splitter = splitter
         self._writer = writer
@@ -259,6 +260,7 @@ class PushRelay:
         loop = asyncio.get_running_loop()
         while self.tail is None:
             if self._writer.paused:
+                self.pauses += 1
                 await self._writer.drain()
                 self._connection.resume_reading()
                 continue

@@ -1,0 +1,96 @@
+"""A client that reads slower than the decode engine writes, through both relays: the router
+holds the engine back instead of buffering without bound, and the stream arrives whole once the
+client reads."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from narwhal.sim.fleet import SimFleet
+from tests.helpers import MODEL, metric, running_fleet, running_router, wait_until
+
+# More than the kernel's socket buffers hold (up to 4 MiB each way on loopback), decoded fast
+# (about 0.02 ms a step) so the engine outruns a client that does not read.
+TOKENS = 30_000
+SIM = {"time_scale": 50.0, "decode_intercept": 0.001, "decode_slope": 0, "decode_ctx_coef": 0}
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimFleet]:
+    directory = tmp_path_factory.mktemp("relay-backpressure")
+    with running_fleet(
+        directory, 2, sim=SIM, first_token_timeout_s=5.0, max_model_len=65536
+    ) as fleet:
+        yield fleet
+
+
+def slow_stream(url: str, pause_s: float, deadline_s: float = 60.0) -> tuple[str, bytes]:
+    """POST a streamed completion on a socket with a small receive buffer, read nothing for
+    ``pause_s``, then read the whole response. Returns the request id and the body bytes."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps(
+        {"model": MODEL, "prompt": "a slow reader", "max_tokens": TOKENS, "stream": True}
+    ).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(10)
+    sock.connect((host, int(port)))
+    try:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (url.encode(), len(body), body)
+        )
+        time.sleep(pause_s)
+        data = b""
+        deadline = time.monotonic() + deadline_s
+        while not data.endswith(b"0\r\n\r\n") and time.monotonic() < deadline:
+            piece = sock.recv(65536)
+            if not piece:
+                break
+            data += piece
+    finally:
+        sock.close()
+    head, _, chunked = data.partition(b"\r\n\r\n")
+    request_id = ""
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"x-request-id:"):
+            request_id = line.split(b":", 1)[1].strip().decode()
+    assert head.startswith(b"HTTP/1.1 200"), head
+    # De-chunk.
+    out, rest = b"", chunked
+    while rest:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            break
+        out, rest = out + rest[:size], rest[size + 2 :]
+    return request_id, out
+
+
+@pytest.mark.parametrize("relay", ["push", "asgi"])
+def test_a_slow_client_gets_the_whole_stream_and_holds_the_engine_back(
+    fleet: SimFleet, relay: str, tmp_path: Path
+) -> None:
+    with running_router(tmp_path, fleet.fleet_path, "--relay", relay) as router:
+        request_id, body = slow_stream(router.url, pause_s=3.0)
+        events = [e[6:] for e in body.decode().split("\n\n") if e.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert not any("error" in c for c in chunks)
+        text_events = [c for c in chunks if c.get("choices") and c["choices"][0].get("text")]
+        assert len(text_events) == TOKENS
+        assert wait_until(lambda: request_id in router.ends(), 5)
+        end = router.ends()[request_id]
+        assert end["outcome"] == "ok" and end["completion_tokens"] == TOKENS
+        pauses = metric(router.metrics(), "narwhal_slow_client_pauses_total")
+        if relay == "push":
+            # The client's buffers filled: the engine connection was paused, then resumed.
+            assert pauses >= 1
+        else:
+            assert pauses == 0  # uvicorn's send waits for the client itself

@@ -1,0 +1,235 @@
+"""The router's own decode-stream connections (``narwhal.engines.stream_client``): pushing body
+pieces to a sink, stalls, back-pressure, keep-alive reuse and its races, the pool's limit;
+against raw HTTP/1.1 servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+
+from narwhal.engines.base import EngineTransportError, Timeouts
+from narwhal.engines.stream_client import EngineStreamConnection, EngineStreamPool
+from tests.unit.test_engine_transport import Handler, read_request, server
+
+HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.pieces: list[bytes] = []
+        self.ends: list[EngineTransportError | None] = []
+        self.ended = asyncio.Event()
+
+    def on_body(self, data: bytes) -> None:
+        self.pieces.append(data)
+
+    def on_end(self, error: EngineTransportError | None) -> None:
+        self.ends.append(error)
+        self.ended.set()
+
+
+@contextlib.asynccontextmanager
+async def pool_for(
+    handler: Handler, read_s: float = 5.0, connect_s: float = 5.0, limit: int = 16
+) -> AsyncIterator[tuple[EngineStreamPool, list[int]]]:
+    async with server(handler) as (base, peers):
+        pool = EngineStreamPool(base, Timeouts(connect_s, read_s), limit, 4.0)
+        try:
+            yield pool, peers
+        finally:
+            await pool.aclose()
+
+
+async def open_stream(pool: EngineStreamPool) -> EngineStreamConnection:
+    return await pool.post("/v1/completions", b"{}", {"Content-Type": "application/json"})
+
+
+async def test_pushed_pieces_arrive_in_order_then_the_end_and_the_connection_is_reused() -> None:
+    step = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(HEAD + chunk(b"data: 1\n\n"))
+            await writer.drain()
+            await step.wait()
+            step.clear()
+            for piece in (b"data: 2\n\n", b"data: 3\n\n"):
+                writer.write(chunk(piece))
+                await writer.drain()
+                await asyncio.sleep(0.01)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+    async with pool_for(handler) as (pool, peers):
+        for _ in range(2):
+            conn = await open_stream(pool)
+            assert conn.status == 200
+            assert await conn.read_chunk() == b"data: 1\n\n"  # pulled until the first token
+            sink = Sink()
+            conn.push(sink)
+            step.set()
+            await asyncio.wait_for(sink.ended.wait(), 5)
+            assert b"".join(sink.pieces) == b"data: 2\n\ndata: 3\n\n"
+            assert sink.ends == [None]
+            conn.release()
+        assert len(peers) == 1
+
+
+async def test_pieces_received_before_push_go_to_the_sink_first() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(HEAD + chunk(b"data: a\n\n") + chunk(b"data: b\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with pool_for(handler) as (pool, _):
+        conn = await open_stream(pool)
+        await asyncio.sleep(0.2)  # the whole answer is buffered before the push
+        sink = Sink()
+        conn.push(sink)
+        assert b"".join(sink.pieces) == b"data: a\n\ndata: b\n\n" and sink.ends == [None]
+        conn.release()
+
+
+async def test_a_pushed_stream_cut_by_the_engine_ends_with_an_error() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(HEAD + chunk(b"data: 1\n\n"))
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.transport.abort()
+
+    async with pool_for(handler) as (pool, _):
+        conn = await open_stream(pool)
+        sink = Sink()
+        conn.push(sink)
+        await asyncio.wait_for(sink.ended.wait(), 5)
+        assert len(sink.ends) == 1 and isinstance(sink.ends[0], EngineTransportError)
+        assert not sink.ends[0].timeout
+        conn.release()
+
+
+async def test_a_stalled_pushed_stream_times_out_but_a_paused_one_does_not() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(HEAD + chunk(b"data: 1\n\n"))
+        await writer.drain()
+        await asyncio.sleep(1.0)  # longer than the read timeout
+        writer.write(chunk(b"data: 2\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with pool_for(handler, read_s=0.3) as (pool, _):
+        conn = await open_stream(pool)
+        sink = Sink()
+        conn.push(sink)
+        await asyncio.wait_for(sink.ended.wait(), 5)
+        assert sink.ends[0] is not None and sink.ends[0].timeout
+        conn.release()
+
+        # Paused by the router (its client is slow): the engine's silence is not a stall.
+        conn = await open_stream(pool)
+        conn.pause_reading()
+        sink = Sink()
+        conn.push(sink)
+        await asyncio.sleep(1.3)
+        assert sink.ends == []
+        conn.resume_reading()
+        await asyncio.wait_for(sink.ended.wait(), 5)
+        assert b"".join(sink.pieces) == b"data: 1\n\ndata: 2\n\n" and sink.ends == [None]
+        conn.release()
+
+
+async def test_a_request_on_a_kept_alive_connection_the_engine_dropped_is_sent_again() -> None:
+    served = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal served
+        while True:
+            try:
+                await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            if served == 1:
+                served += 1
+                writer.transport.abort()  # the idle connection closed as the request came
+                return
+            served += 1
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async with pool_for(handler) as (pool, peers):
+        for _ in range(2):
+            conn = await open_stream(pool)
+            assert await conn.read() == b"ok"
+            conn.release()
+        assert served == 3 and len(peers) == 2
+
+
+async def test_a_dropped_connection_after_part_of_an_answer_is_not_sent_again() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 20")  # part of a head, then gone: the engine saw the request
+        await writer.drain()
+        writer.transport.abort()
+
+    async with pool_for(handler) as (pool, peers):
+        conn = await open_stream(pool)
+        assert await conn.read() == b"ok"
+        conn.release()
+        with pytest.raises(EngineTransportError):
+            await open_stream(pool)
+        assert len(peers) == 1
+
+
+async def test_the_pool_limit_queues_a_request_for_the_next_free_connection() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async with pool_for(handler, connect_s=0.5, limit=1) as (pool, peers):
+        first = await open_stream(pool)
+        waiting = asyncio.ensure_future(open_stream(pool))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        assert await first.read() == b"ok"
+        first.release()  # handed straight to the waiting request
+        second = await asyncio.wait_for(waiting, 5)
+        assert await second.read() == b"ok"
+        # Held and never released: the next request gives up after the connect timeout.
+        with pytest.raises(EngineTransportError) as info:
+            await open_stream(pool)
+        assert info.value.timeout
+        second.release()
+        assert len(peers) == 1
+
+
+async def test_a_malformed_answer_is_a_transport_error() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with pool_for(handler) as (pool, _):
+        with pytest.raises(EngineTransportError, match="malformed"):
+            await open_stream(pool)
