@@ -46,6 +46,29 @@ class StreamSink(Protocol):
 class EngineStreamConnection(asyncio.Protocol):
     """One connection to an engine, carrying one request at a time."""
 
+    __slots__ = (
+        "_answered",
+        "_chunks",
+        "_closed",
+        "_complete",
+        "_error",
+        "_head",
+        "_keep_alive",
+        "_last_data",
+        "_loop",
+        "_parser",
+        "_paused",
+        "_pool",
+        "_released",
+        "_sink",
+        "_transport",
+        "_waiter",
+        "_watchdog",
+        "idle_since",
+        "reused",
+        "status",
+    )
+
     def __init__(self, pool: EngineStreamPool) -> None:
         self._pool = pool
         self._loop = asyncio.get_running_loop()
