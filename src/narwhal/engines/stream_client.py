@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import socket
 import ssl
 from typing import Protocol, cast
@@ -31,6 +32,8 @@ import httptools
 from narwhal.engines.base import EngineTransportError, Timeouts
 
 __all__ = ["EngineStreamConnection", "EngineStreamPool", "StreamSink"]
+
+log = logging.getLogger(__name__)
 
 
 class StreamSink(Protocol):
@@ -152,7 +155,11 @@ class EngineStreamConnection(asyncio.Protocol):
             self._wake()
             return
         chunks, self._chunks = self._chunks, []
-        sink.on_body(b"".join(chunks) if len(chunks) > 1 else chunks[0])
+        try:
+            sink.on_body(b"".join(chunks) if len(chunks) > 1 else chunks[0])
+        except Exception as exc:  # a bug in the sink must still end its stream
+            log.exception("decode stream sink failed")
+            self._abort(EngineTransportError(f"relay failed: {type(exc).__name__}: {exc}"))
 
     def _wake(self) -> None:
         waiter = self._waiter
