@@ -30,12 +30,18 @@ PROMPT = [300 + (i * 7) % 9000 for i in range(120)]
 ROUTER_ARGS = ("--breaker-open-seconds", "0.3", "--health-interval", "0.2")
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SimFleet, RouterProcess]]:
+# Both relays (events pushed from the engine connection, or pulled by a task per stream) take
+# every failure path.
+@pytest.fixture(scope="module", params=["push", "asgi"])
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[tuple[SimFleet, RouterProcess]]:
     directory = tmp_path_factory.mktemp("router-failures")
     with (
         running_fleet(directory, 4, first_token_timeout_s=1.0) as fleet,
-        running_router(directory, fleet.fleet_path, *ROUTER_ARGS) as router,
+        running_router(
+            directory, fleet.fleet_path, *ROUTER_ARGS, "--relay", request.param
+        ) as router,
     ):
         yield fleet, router
 

@@ -11,7 +11,11 @@ from collections.abc import AsyncIterator
 import pytest
 
 from narwhal.engines.base import EngineTransportError, Timeouts
-from narwhal.engines.stream_client import EngineStreamConnection, EngineStreamPool
+from narwhal.engines.stream_client import (
+    READ_BUFFER_HIGH_WATER,
+    EngineStreamConnection,
+    EngineStreamPool,
+)
 from tests.unit.test_engine_transport import Handler, read_request, server
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -233,3 +237,51 @@ async def test_a_malformed_answer_is_a_transport_error() -> None:
     async with pool_for(handler) as (pool, _):
         with pytest.raises(EngineTransportError, match="malformed"):
             await open_stream(pool)
+
+
+async def test_a_sink_that_fails_ends_its_stream_with_an_error() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(HEAD)
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.write(chunk(b"data: 1\n\n"))
+        await writer.drain()
+        await reader.read()
+
+    class BrokenSink(Sink):
+        def on_body(self, data: bytes) -> None:
+            raise RuntimeError("bug")
+
+    async with pool_for(handler) as (pool, _):
+        conn = await open_stream(pool)
+        sink = BrokenSink()
+        conn.push(sink)
+        await asyncio.wait_for(sink.ended.wait(), 5)
+        assert len(sink.ends) == 1 and "relay failed: RuntimeError" in str(sink.ends[0])
+        conn.release()
+
+
+async def test_an_unread_answer_stops_the_reading_above_the_high_water_mark() -> None:
+    # Far more than the router's high-water mark and the kernel's socket buffers together.
+    size = 64 * READ_BUFFER_HIGH_WATER
+    written = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal written
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+        piece = b"x" * 65536
+        while written < size:
+            writer.write(piece)
+            await writer.drain()  # blocks once the router stops reading
+            written += len(piece)
+        await reader.read()
+
+    async with pool_for(handler) as (pool, _):
+        conn = await open_stream(pool)
+        await asyncio.sleep(0.5)
+        assert written < size  # held back: nobody read, so the router stopped reading
+        body = await asyncio.wait_for(conn.read(), 10)
+        assert len(body) == size and written == size
+        conn.release()

@@ -33,6 +33,10 @@ from narwhal.engines.base import EngineTransportError, Timeouts
 
 __all__ = ["EngineStreamConnection", "EngineStreamPool", "StreamSink"]
 
+# Body bytes held for a reader that has not taken them; above this the connection stops reading
+# from the engine until it does (a client slower than its engine is held back, not buffered).
+READ_BUFFER_HIGH_WATER = 256 * 1024
+
 log = logging.getLogger(__name__)
 
 
@@ -51,6 +55,7 @@ class EngineStreamConnection(asyncio.Protocol):
 
     __slots__ = (
         "_answered",
+        "_buffered",
         "_chunks",
         "_closed",
         "_complete",
@@ -81,6 +86,7 @@ class EngineStreamConnection(asyncio.Protocol):
         self._keep_alive = False
         self._head: asyncio.Future[None] | None = None
         self._chunks: list[bytes] = []
+        self._buffered = 0
         self._waiter: asyncio.Future[None] | None = None
         self._sink: StreamSink | None = None
         self._complete = False
@@ -139,6 +145,7 @@ class EngineStreamConnection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         # Delivered once per read (``_deliver``): a burst of events is one write to the client.
         self._chunks.append(body)
+        self._buffered += len(body)
 
     def on_message_complete(self) -> None:
         self._complete = True
@@ -152,9 +159,12 @@ class EngineStreamConnection(asyncio.Protocol):
             return
         sink = self._sink
         if sink is None:
+            if self._buffered > READ_BUFFER_HIGH_WATER:
+                self.pause_reading()  # read_chunk resumes it
             self._wake()
             return
         chunks, self._chunks = self._chunks, []
+        self._buffered = 0
         try:
             sink.on_body(b"".join(chunks) if len(chunks) > 1 else chunks[0])
         except Exception as exc:  # a bug in the sink must still end its stream
@@ -210,6 +220,7 @@ class EngineStreamConnection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self.status = 0
         self._chunks = []
+        self._buffered = 0
         self._complete = False
         self._error = None
         self._released = False
@@ -235,6 +246,9 @@ class EngineStreamConnection(asyncio.Protocol):
             if self._chunks:
                 chunk = b"".join(self._chunks) if len(self._chunks) > 1 else self._chunks[0]
                 self._chunks = []
+                self._buffered = 0
+                if self._paused:
+                    self.resume_reading()
                 return chunk
             if self._error is not None:
                 raise self._error
