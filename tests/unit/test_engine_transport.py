@@ -71,16 +71,21 @@ async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
     return head, body
 
 
+async def each_request(reader: asyncio.StreamReader) -> AsyncIterator[tuple[bytes, bytes]]:
+    """Every request on one connection, until the client closes it."""
+    while True:
+        try:
+            yield await read_request(reader)
+        except asyncio.IncompleteReadError:
+            return
+
+
 @LEGS
 async def test_post_and_stream_pass_bytes_and_reuse_the_connection(
     transport: str, leg: str
 ) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                head, body = await read_request(reader)
-            except asyncio.IncompleteReadError:
-                return
+        async for head, body in each_request(reader):
             assert b"x-request-id: r1" in head.lower()
             assert head.startswith(b"POST /v1/completions HTTP/1.1\r\n")
             chunks = [b"data: " + body + b"\n\n", b"data: [DONE]\n\n"]
@@ -174,11 +179,7 @@ async def test_an_abandoned_stream_does_not_leave_its_connection_in_the_pool(
     release = asyncio.Event()
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                await read_request(reader)
-            except asyncio.IncompleteReadError:
-                return
+        async for _request in each_request(reader):
             writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
             writer.write(b"9\r\ndata: a\n\n\r\n")
             await writer.drain()

@@ -16,7 +16,7 @@ from narwhal.engines.stream_client import (
     EngineStreamConnection,
     EngineStreamPool,
 )
-from tests.unit.test_engine_transport import Handler, read_request, server
+from tests.unit.test_engine_transport import Handler, each_request, read_request, server
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 
@@ -55,15 +55,18 @@ async def open_stream(pool: EngineStreamPool) -> EngineStreamConnection:
     return await pool.post("/v1/completions", b"{}", {"Content-Type": "application/json"})
 
 
+async def pushed_to_its_end(conn: EngineStreamConnection, sink: Sink | None = None) -> Sink:
+    sink = sink or Sink()
+    conn.push(sink)
+    await asyncio.wait_for(sink.ended.wait(), 5)
+    return sink
+
+
 async def test_pushed_pieces_arrive_in_order_then_the_end_and_the_connection_is_reused() -> None:
     step = asyncio.Event()
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                await read_request(reader)
-            except asyncio.IncompleteReadError:
-                return
+        async for _request in each_request(reader):
             writer.write(HEAD + chunk(b"data: 1\n\n"))
             await writer.drain()
             await step.wait()
@@ -116,9 +119,7 @@ async def test_a_pushed_stream_cut_by_the_engine_ends_with_an_error() -> None:
 
     async with pool_for(handler) as (pool, _):
         conn = await open_stream(pool)
-        sink = Sink()
-        conn.push(sink)
-        await asyncio.wait_for(sink.ended.wait(), 5)
+        sink = await pushed_to_its_end(conn)
         assert len(sink.ends) == 1 and isinstance(sink.ends[0], EngineTransportError)
         assert not sink.ends[0].timeout
         conn.release()
@@ -136,9 +137,7 @@ async def test_a_stalled_pushed_stream_times_out_but_a_paused_one_does_not() -> 
 
     async with pool_for(handler, read_s=0.3) as (pool, _):
         conn = await open_stream(pool)
-        sink = Sink()
-        conn.push(sink)
-        await asyncio.wait_for(sink.ended.wait(), 5)
+        sink = await pushed_to_its_end(conn)
         assert sink.ends[0] is not None and sink.ends[0].timeout
         conn.release()
 
@@ -160,11 +159,7 @@ async def test_a_request_on_a_kept_alive_connection_the_engine_dropped_is_sent_a
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonlocal served
-        while True:
-            try:
-                await read_request(reader)
-            except asyncio.IncompleteReadError:
-                return
+        async for _request in each_request(reader):
             if served == 1:
                 served += 1
                 writer.transport.abort()  # the idle connection closed as the request came
@@ -202,11 +197,7 @@ async def test_a_dropped_connection_after_part_of_an_answer_is_not_sent_again() 
 
 async def test_the_pool_limit_queues_a_request_for_the_next_free_connection() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                await read_request(reader)
-            except asyncio.IncompleteReadError:
-                return
+        async for _request in each_request(reader):
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
             await writer.drain()
 
@@ -255,9 +246,7 @@ async def test_a_sink_that_fails_ends_its_stream_with_an_error() -> None:
 
     async with pool_for(handler) as (pool, _):
         conn = await open_stream(pool)
-        sink = BrokenSink()
-        conn.push(sink)
-        await asyncio.wait_for(sink.ended.wait(), 5)
+        sink = await pushed_to_its_end(conn, BrokenSink())
         assert len(sink.ends) == 1 and "relay failed: RuntimeError" in str(sink.ends[0])
         conn.release()
 
