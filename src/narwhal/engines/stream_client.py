@@ -385,6 +385,10 @@ class EngineStreamPool:
                 async with asyncio.timeout(self.timeouts.connect_s):
                     handed = await waiter
             except TimeoutError:
+                late = waiter.result() if waiter.done() and not waiter.cancelled() else None
+                if late is not None:
+                    # Handed a connection just as the wait timed out: keep it for the next one.
+                    self._put_idle(late)
                 raise EngineTransportError(
                     f"no free connection to the engine within {self.timeouts.connect_s} s",
                     timeout=True,
