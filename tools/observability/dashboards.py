@@ -965,7 +965,27 @@ def fleet_and_roles() -> db.Dashboard:
                     "A",
                 )
             ],
-            width=24,
+            width=12,
+            height=6,
+            bars=True,
+        )
+    )
+    d = d.with_panel(
+        graph(
+            ids,
+            "Slow-client pauses",
+            "Times a streamed response's decode connection was paused because its client read "
+            "slower than the engine wrote, per rate interval (narwhal_slow_client_pauses_total). "
+            "A steady rate: clients holding decode slots longer than the engine needs.",
+            "short",
+            [
+                _q(
+                    _events("engine", "narwhal_slow_client_pauses_total", engine=True),
+                    "{{engine}}",
+                    "A",
+                )
+            ],
+            width=12,
             height=6,
             bars=True,
         )
