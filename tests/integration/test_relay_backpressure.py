@@ -14,6 +14,7 @@ import pytest
 
 from narwhal.sim.fleet import SimFleet
 from tests.helpers import MODEL, metric, running_fleet, running_router, wait_until
+from tests.reliability.support import sse_events
 
 # More than the kernel's socket buffers hold (up to 4 MiB each way on loopback), decoded fast
 # (about 0.02 ms a step) so the engine outruns a client that does not read.
@@ -74,15 +75,16 @@ def slow_stream(
         if line.lower().startswith(b"x-request-id:"):
             request_id = line.split(b":", 1)[1].strip().decode()
     assert head.startswith(b"HTTP/1.1 200"), head
-    # De-chunk.
-    out, rest = b"", chunked
-    while rest:
-        size_line, _, rest = rest.partition(b"\r\n")
-        size = int(size_line, 16)
+    # De-chunk (by position: thousands of chunks, megabytes).
+    pieces, at = [], 0
+    while at < len(chunked):
+        eol = chunked.index(b"\r\n", at)
+        size = int(chunked[at:eol], 16)
         if size == 0:
             break
-        out, rest = out + rest[:size], rest[size + 2 :]
-    return request_id, out, grown
+        pieces.append(chunked[eol + 2 : eol + 2 + size])
+        at = eol + 2 + size + 2
+    return request_id, b"".join(pieces), grown
 
 
 @pytest.mark.parametrize("relay", ["push", "asgi"])
@@ -94,9 +96,9 @@ def test_a_slow_client_gets_the_whole_stream_and_holds_the_engine_back(
         # The engine finished well within the pause; what the kernel's buffers could not take
         # stayed with the engine, not in the router (buffered, it grew the router by ~5 MiB).
         assert grown_kib < 2048, grown_kib
-        events = [e[6:] for e in body.decode().split("\n\n") if e.startswith("data: ")]
+        events = sse_events(body.decode())
         assert events[-1] == "[DONE]"
-        chunks = [json.loads(e) for e in events[:-1]]
+        chunks = events[:-1]
         assert not any("error" in c for c in chunks)
         text_events = [c for c in chunks if c.get("choices") and c["choices"][0].get("text")]
         assert len(text_events) == TOKENS

@@ -356,13 +356,11 @@ class EngineStreamPool:
             conn = await self._acquire(fresh=attempt > 0)
             try:
                 await conn.begin(request)
-            except EngineTransportError:
+            except BaseException as exc:
                 conn.release()
-                if attempt == 0 and conn.reused and not conn.answered:
+                stale = conn.reused and not conn.answered
+                if isinstance(exc, EngineTransportError) and attempt == 0 and stale:
                     continue  # the engine closed the idle connection as we wrote to it
-                raise
-            except BaseException:
-                conn.release()
                 raise
             return conn
         raise AssertionError("unreachable")
@@ -400,6 +398,7 @@ class EngineStreamPool:
                 handed.reused = True
                 return handed
         self._opening += 1
+        opened = False
         try:
             async with asyncio.timeout(self.timeouts.connect_s):
                 _, conn = await loop.create_connection(
@@ -408,6 +407,7 @@ class EngineStreamPool:
                     self._port,
                     ssl=self._ssl,
                 )
+            opened = True
         except TimeoutError:
             raise EngineTransportError(
                 f"connect to the engine timed out after {self.timeouts.connect_s} s", timeout=True
@@ -416,18 +416,26 @@ class EngineStreamPool:
             raise EngineTransportError(f"{type(exc).__name__}: {exc}") from None
         finally:
             self._opening -= 1
+            if not opened:
+                self._hand_over(None)  # the slot it held is free for a waiting request
         self._all.add(conn)
         if self._closed:
             conn._abort(EngineTransportError("engine client is closed"))
             raise EngineTransportError("engine client is closed")
         return conn
 
-    def _put_idle(self, conn: EngineStreamConnection) -> None:
+    def _hand_over(self, conn: EngineStreamConnection | None) -> bool:
+        """Give the first waiting request ``conn``, or (None) a free slot to connect in."""
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(conn)
-                return
+                return True
+        return False
+
+    def _put_idle(self, conn: EngineStreamConnection) -> None:
+        if self._hand_over(conn):
+            return
         conn.reused = False
         conn.idle_since = asyncio.get_running_loop().time()
         self._idle.append(conn)
@@ -436,11 +444,7 @@ class EngineStreamPool:
         self._all.discard(conn)
         if conn in self._idle:
             self._idle.remove(conn)
-        while self._waiters:  # a slot is free: the first waiter opens a connection
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
+        self._hand_over(None)
 
     async def aclose(self) -> None:
         self._closed = True

@@ -383,43 +383,34 @@ def _decode_sample(n: int, concurrency: int, tokens: int, probe: DecodeProbe) ->
         rates.append(span / (len(inside) - 1))
         positions.extend(i for i, _ in inside)
         gaps_used += len(inside) - 1
-    if rates:
-        return DecodeSample(
-            input_tokens=n,
-            concurrency=concurrency,
-            tokens=tokens,
-            mean_context=n + statistics.fmean(positions),
-            seconds_per_token=statistics.median(rates),
-            itl_samples=gaps_used,
-        )
+    # Seconds per token, mean context position and token gaps behind them, from the first
+    # source that holds: the client's window, the engine's own latencies, the longest stream.
+    spt: float | None = None
+    position, gaps = (tokens - 1) / 2, tokens - 1
     engine_gaps = concurrency * (tokens - 1)
-    if probe.engine_itl is not None:
+    if rates:
+        spt, position, gaps = statistics.median(rates), statistics.fmean(positions), gaps_used
+    elif probe.engine_itl is not None:
         itl_sum, itl_count = probe.engine_itl
         close = abs(itl_count - engine_gaps) <= ENGINE_ITL_COUNT_TOLERANCE * engine_gaps
         if close and itl_sum > 0 and _ends_aligned(runs, itl_sum / itl_count * (tokens - 1)):
-            spt, gaps_used = itl_sum / itl_count, round(itl_count)
-            return DecodeSample(
-                input_tokens=n,
-                concurrency=concurrency,
-                tokens=tokens,
-                mean_context=n + (tokens - 1) / 2,
-                seconds_per_token=spt,
-                itl_samples=gaps_used,
+            spt, gaps = itl_sum / itl_count, round(itl_count)
+    if spt is None:
+        longest = max((t for t in runs if len(t) >= 3), key=lambda t: t[-1] - t[0])
+        span = longest[-1] - longest[0]
+        if span <= 0 or not _ends_aligned(runs):
+            raise NoDecodeOverlapError(
+                f"decode probe ({n} tokens x {concurrency}) had no window where all "
+                f"{concurrency} sequences decoded together: raise --decode-tokens"
             )
-    longest = max((t for t in runs if len(t) >= 3), key=lambda t: t[-1] - t[0])
-    span = longest[-1] - longest[0]
-    if span <= 0 or not _ends_aligned(runs):
-        raise NoDecodeOverlapError(
-            f"decode probe ({n} tokens x {concurrency}) had no window where all "
-            f"{concurrency} sequences decoded together: raise --decode-tokens"
-        )
+        spt = span / (tokens - 1)
     return DecodeSample(
         input_tokens=n,
         concurrency=concurrency,
         tokens=tokens,
-        mean_context=n + (tokens - 1) / 2,
-        seconds_per_token=span / (tokens - 1),
-        itl_samples=tokens - 1,
+        mean_context=n + position,
+        seconds_per_token=spt,
+        itl_samples=gaps,
     )
 
 

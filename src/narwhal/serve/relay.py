@@ -184,7 +184,7 @@ class PushRelay:
     the client at once. The last piece (ending with ``[DONE]``) is left in ``tail`` for the
     request's task to send, so the server completes the response as usual.
 
-    The request's task waits on :meth:`wait`, woken when the stream ends or when the client's
+    The request's task waits in :meth:`run`, woken when the stream ends or when the client's
     connection cannot take more (the engine connection is paused then; the task resumes it once
     the client has drained).
     """
@@ -237,14 +237,11 @@ class PushRelay:
     def on_end(self, error: EngineTransportError | None) -> None:
         if self.tail is not None:
             return
-        if error is None:
-            out = self.renderer.render(self._splitter.finish())
-            if self.renderer.finished:
-                self._finish(out)
-                return
-            self._finish(out + self.renderer.ended(None))
+        if error is not None:
+            self._finish(self.renderer.ended(error))
             return
-        self._finish(self.renderer.ended(error))
+        out = self.renderer.render(self._splitter.finish())
+        self._finish(out if self.renderer.finished else out + self.renderer.ended(None))
 
     def _finish(self, tail: bytes) -> None:
         self.tail = tail
