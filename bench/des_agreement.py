@@ -1,12 +1,12 @@
 """The virtual-time simulator against the live simulated fleet, at a larger size than the test.
 
 The same open-loop Poisson workloads go through narwhal-serve (scheduler v1, flipping off) on 8
-live simulated engines (``narwhal.sim.fleet.SimFleet``, 4 prefill / 4 decode, time scale S: wall
-seconds = model seconds / S, budgets TTFT 10 s and TPOT 0.3 s divided by S) and through the
-simulator (``narwhal.sim.des``) on the same fleet file, the router's own profiles (narwhal-profile
-run once on the live engines) and the per-leg HTTP overhead measured in each live run (median
-prefill leg less its profiled prefill time, from the router's journal). Each workload gets a
-fresh router, so the online corrections start from the profile on both sides.
+live simulated engines (``narwhal.simengine.fleet.SimFleet``, 4 prefill / 4 decode, time scale
+S: wall seconds = model seconds / S, budgets TTFT 10 s and TPOT 0.3 s divided by S) and through
+the simulator (``narwhal.fleetsim``) on the same fleet file, the router's own profiles
+(narwhal-profile run once on the live engines) and the per-leg HTTP overhead measured in each
+live run (median prefill leg less its profiled prefill time, from the router's journal). Each
+workload gets a fresh router, so the online corrections start from the profile on both sides.
 
 Workloads (rates for 8 engines, wall seconds at S):
 
@@ -21,7 +21,7 @@ checks that neither side fails or rejects what the other serves); the medians ca
 
 Printed per workload: attainment and TTFT/TPOT medians, live and simulated, and the relative
 differences against the issue's agreement target (10%). The machinery is
-``narwhal.sim.agreement``, shared with ``tests/integration/test_des_agreement.py``.
+``narwhal.fleetsim.agreement``, shared with ``tests/integration/test_des_agreement.py``.
 
     .venv/bin/python bench/des_agreement.py [--time-scale 2] [--requests 240] [--seed 7]
 
@@ -47,11 +47,11 @@ from pathlib import Path
 import httpx
 
 from narwhal.contract import load_fleet
+from narwhal.fleetsim.agreement import compare, leg_overhead_s, replay, run_des_like_live
+from narwhal.fleetsim.workloads import poisson_requests, timings_of
 from narwhal.profiles.store import ProfileStore, engine_models
 from narwhal.serve.cli import serve_command
-from narwhal.sim.agreement import compare, leg_overhead_s, replay, run_des_like_live
-from narwhal.sim.des import poisson_requests, timings_of
-from narwhal.sim.fleet import SimFleet, SimFleetError, free_ports, local_fleet_document
+from narwhal.simengine.fleet import SimFleet, SimFleetError, free_ports, local_fleet_document
 
 MODEL = "moonshotai/Kimi-K3"
 REAL_TTFT_S = 10.0

@@ -1,6 +1,6 @@
 """Goodput: Narwhal v1 against Narwhal v0 and vllm-router on one simulated 8-engine fleet.
 
-A local fleet of 8 simulated engines with the Kimi-K3 calibration (``narwhal.sim.timing``
+A local fleet of 8 simulated engines with the Kimi-K3 calibration (``narwhal.simengine.timing``
 defaults: prefill 0.92 s at 8,192 tokens, decode step 0.24 s + 0.0015 s per sequence) runs
 ``--time-scale`` S times faster than the real fleet, with a static role split (``--prefill``
 engines prefill, the rest decode; narwhal's role controller is off and each engine may only
@@ -85,7 +85,7 @@ import orjson
 
 from narwhal.engines.scrape import parse_engine_load
 from narwhal.serve.cli import serve_command
-from narwhal.sim.fleet import SimFleet, SimFleetError, free_ports, local_fleet_document
+from narwhal.simengine.fleet import SimFleet, SimFleetError, free_ports, local_fleet_document
 
 MODEL = "moonshotai/Kimi-K3"
 REAL_TTFT_S = 10.0

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import orjson
 
-from narwhal.sim.kv_transfer import KVPeerInfo, KVTransferAgent
+from narwhal.simengine.kv_transfer import KVPeerInfo, KVTransferAgent
 
 BLOCK_BYTES = 256 * 1024
 POOL_BLOCKS = 1024  # 256 MiB
@@ -27,7 +27,7 @@ SIZES_MIB = (1, 16, 256)
 
 _OWNER = """
 import asyncio, sys, numpy as np, orjson
-from narwhal.sim.kv_transfer import KVTransferAgent
+from narwhal.simengine.kv_transfer import KVTransferAgent
 async def main():
     pool = np.empty(({n}, {b}), dtype=np.uint8)
     pool[:] = (np.arange(pool.size, dtype=np.uint64) % 251).astype(np.uint8).reshape(pool.shape)

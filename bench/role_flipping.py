@@ -10,7 +10,7 @@ window's mean rate is the phase's rate (``poisson`` in ``--des8-arrivals`` inste
 arrival times uniformly over the phase: a Poisson process with the same count; des8 only).
 
 Rates (the saturation computation, printed in the output): on the simulator's calibration
-(``narwhal.sim.timing.StepTiming`` defaults, model seconds: prefill of n tokens
+(``narwhal.simengine.timing.StepTiming`` defaults, model seconds: prefill of n tokens
 a + b*n + c*n^2 = 0.02 + 1e-4*n + 1.2e-9*n^2, decode step 0.24 + 0.0015*batch + 1.3e-7*context)
 and budgets TTFT 10 s, TPOT 0.3 s,
 
@@ -32,7 +32,7 @@ scheduler v1 with the role controller off (``roles.enabled: false``).
 
 Settings:
 
-- ``des8``: the virtual-time simulator (``narwhal.sim.des``), 8 engines, real time; static
+- ``des8``: the virtual-time simulator (``narwhal.fleetsim``), 8 engines, real time; static
   splits 1..7 prefill engines, flipping with the fleet's default limits (cooldown 60 s, dwell
   120 s, tick 5 s). With ``--des8-arrivals trace,poisson`` both arrival models are run
   (``des8_poisson`` is a sensitivity row);
@@ -42,7 +42,7 @@ Settings:
   the fleet a minute, this keeps a comparable pace at 512); scheduler v1 samples
   ``--des512-candidates`` engines per role (8 by default: 32, the simulator's default, is about
   four times slower per request on this 2-core machine);
-- ``live8``: 8 simulated engines (``narwhal.sim``) as processes at ``--time-scale`` S
+- ``live8``: 8 simulated engines (``narwhal.simengine``) as processes at ``--time-scale`` S
   (budgets and the role controller's limits divided by S, rates multiplied by S), profiled once
   by narwhal-profile (decode concurrency 1,2,4 x 64 tokens, as bench/goodput.py); each system
   gets its own router in front of the same engines, in turn, on the same ``--live-phase-s``
@@ -96,17 +96,16 @@ import numpy as np
 import orjson
 
 from narwhal.engines.scrape import parse_engine_load
-from narwhal.serve.cli import serve_command
-from narwhal.sim.des import (
+from narwhal.fleetsim.simulator import (
     DesConfig,
     RequestSpec,
     _Simulation,  # run_des keeps no per-request outcomes; the per-phase split needs them
     models_from_timing,
-    read_azure_trace,
-    synthetic_fleet,
 )
-from narwhal.sim.fleet import SimFleet, SimFleetError, free_ports, local_fleet_document
-from narwhal.sim.timing import StepTiming
+from narwhal.fleetsim.workloads import read_azure_trace, synthetic_fleet
+from narwhal.serve.cli import serve_command
+from narwhal.simengine.fleet import SimFleet, SimFleetError, free_ports, local_fleet_document
+from narwhal.simengine.timing import StepTiming
 
 MODEL = "moonshotai/Kimi-K3"
 REAL_TTFT_S = 10.0

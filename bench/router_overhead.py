@@ -63,7 +63,7 @@ import httpx
 import orjson
 
 from narwhal.serve.cli import serve_command
-from narwhal.sim.fleet import SimFleet, free_ports, local_fleet_document
+from narwhal.simengine.fleet import SimFleet, free_ports, local_fleet_document
 
 MODEL = "moonshotai/Kimi-K3"
 TOKENS = 16

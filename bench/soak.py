@@ -59,7 +59,7 @@ import httpx  # noqa: E402 - after the environment above
 
 from narwhal.journal import journal_files  # noqa: E402
 from narwhal.serve.cli import serve_command  # noqa: E402
-from narwhal.sim.fleet import SimFleet, free_ports, local_fleet_document  # noqa: E402
+from narwhal.simengine.fleet import SimFleet, free_ports, local_fleet_document  # noqa: E402
 
 MODEL = "moonshotai/Kimi-K3"
 ADMIN_TOKEN = "soak-admin-token"

@@ -70,7 +70,7 @@ import httpx  # noqa: E402 - after the environment above
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from narwhal.serve.cli import serve_arguments  # noqa: E402
-from narwhal.sim.fleet import SimFleet, free_ports, local_fleet_document  # noqa: E402
+from narwhal.simengine.fleet import SimFleet, free_ports, local_fleet_document  # noqa: E402
 
 MODEL = "moonshotai/Kimi-K3"
 ADMIN_TOKEN = "streams-memory-admin-token"

@@ -13,7 +13,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from narwhal.serve.cli import serve_command
-from narwhal.sim.fleet import SimFleet, free_ports, local_fleet_document
+from narwhal.simengine.fleet import SimFleet, free_ports, local_fleet_document
 
 ADMIN_TOKEN = "test-admin-token"
 MODEL = "moonshotai/Kimi-K3"

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 
 from narwhal.serve.cli import serve_command
-from narwhal.sim.fleet import SimFleet, SimFleetError
+from narwhal.simengine.fleet import SimFleet, SimFleetError
 
 
 def _metric_sum(text: str, name: str) -> float:

@@ -20,7 +20,7 @@ from narwhal.profiles.store import (
     fit_engine,
 )
 from narwhal.serve.cli import serve_command
-from narwhal.sim.fleet import local_fleet_document
+from narwhal.simengine.fleet import local_fleet_document
 from tests.helpers import free_ports, wait_until
 
 PROFILE_LIMITS = {

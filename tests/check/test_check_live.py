@@ -20,7 +20,7 @@ import pytest
 
 from narwhal.check.report import GATE_NAMES, load_report
 from narwhal.contract import load_fleet
-from narwhal.sim.fleet import SimFleet
+from narwhal.simengine.fleet import SimFleet
 from tests.check.support import (
     check,
     fleet_copy,

@@ -56,7 +56,7 @@ from narwhal.check.slo import (
 from narwhal.clock import VirtualClock
 from narwhal.contract import ContractError
 from narwhal.profiles.store import engine_models
-from narwhal.sim.vocab import Vocabulary
+from narwhal.simengine.vocab import Vocabulary
 from tests.check.support import KIMI, check, fleet_doc, loaded, make_store, plan_doc, point
 
 # --- kv_transfer: the deadline recommendation ------------------------------------------------
@@ -379,7 +379,7 @@ def test_slo_fails_unreachable_budgets_and_bad_plans() -> None:
     assert out.failures[0].startswith("plan point '9rps' (9 req/s): predicted attainment")
     assert "simulated" in out.failures[0] and "rejected" in out.failures[0]
     evidence = out.evidence["plan"]
-    assert evidence["method"].startswith("virtual-time simulator (narwhal.sim.des)")
+    assert evidence["method"].startswith("virtual-time simulator (narwhal.fleetsim)")
     assert "Erlang-C" in evidence["cross_check"]
     points = evidence["points"]
     for name in ("0.5rps", "1rps"):

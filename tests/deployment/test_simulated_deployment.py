@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from narwhal.contract import load_fleet
-from narwhal.sim.fleet import local_fleet_document
+from narwhal.simengine.fleet import local_fleet_document
 from tests.deployment.sidecars import ROOT, TOOLS, independent_manifest, make_checkpoint, wait_for
 from tests.helpers import MODEL, free_ports, running_router
 

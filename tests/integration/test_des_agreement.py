@@ -1,6 +1,6 @@
 """The virtual-time simulator against the live simulated fleet on the same workload: attainment
 and TTFT/TPOT medians agree within 10%. The larger version is ``bench/des_agreement.py``; both
-use ``narwhal.sim.agreement``."""
+use ``narwhal.fleetsim.agreement``."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from narwhal.contract import load_fleet
+from narwhal.fleetsim.agreement import compare, leg_overhead_s, replay, run_des_like_live
+from narwhal.fleetsim.workloads import poisson_requests, timings_of
 from narwhal.profiles.store import ProfileStore, engine_models
-from narwhal.sim.agreement import compare, leg_overhead_s, replay, run_des_like_live
-from narwhal.sim.des import poisson_requests, timings_of
 from tests.helpers import MODEL, running_fleet, running_router, wait_until
 from tests.integration.test_profile_v1 import profile, write_limits
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from narwhal.sim.fleet import SimFleet
+from narwhal.simengine.fleet import SimFleet
 from tests.helpers import MODEL, metric, running_fleet, running_router, wait_until
 from tests.reliability.support import sse_events
 

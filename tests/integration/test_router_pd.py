@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from narwhal.sim.fleet import SimFleet
+from narwhal.simengine.fleet import SimFleet
 from tests.helpers import (
     MODEL,
     RouterProcess,

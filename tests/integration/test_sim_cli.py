@@ -21,11 +21,11 @@ from typing import Any
 import httpx
 import pytest
 
-from narwhal.sim.fleet import sim_env
+from narwhal.simengine.fleet import sim_env
 from tests.helpers import write_fleet
 
 SCRIPT = Path(sys.executable).parent / "narwhal-sim"
-COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "narwhal.sim.cli"]
+COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "narwhal.simengine.cli"]
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

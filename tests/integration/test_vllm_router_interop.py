@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from narwhal.sim.fleet import SimFleet
+from narwhal.simengine.fleet import SimFleet
 from tests.helpers import MODEL, admin, free_ports, metric, running_fleet, sse_events, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.interop]

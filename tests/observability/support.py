@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from narwhal.metrics import RouterMetrics
-from narwhal.sim.metrics import EngineMetrics
+from narwhal.simengine.metrics import EngineMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = ROOT / "configs" / "grafana" / "dashboards"

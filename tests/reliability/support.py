@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from narwhal.journal import journal_files
-from narwhal.sim.fleet import SimFleet
+from narwhal.simengine.fleet import SimFleet
 from tests.helpers import (
     ADMIN_TOKEN,
     MODEL,

@@ -29,7 +29,7 @@ from narwhal.serve.errors import RouterError
 from narwhal.serve.pd import PDRouter
 from narwhal.serve.record import RequestRecord
 from narwhal.serve.validation import ClientRequest, parse_client_request
-from narwhal.sim.fleet import local_fleet_document
+from narwhal.simengine.fleet import local_fleet_document
 
 PROMPT = list(range(300, 812))  # 512 tokens
 

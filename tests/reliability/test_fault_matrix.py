@@ -49,7 +49,7 @@ from typing import Any
 import httpx
 import pytest
 
-from narwhal.sim.fleet import SimFleet
+from narwhal.simengine.fleet import SimFleet
 from tests.helpers import (
     TEST_TIME_SCALE,
     TIMER_SLACK_S,

@@ -28,7 +28,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from narwhal.sim.fleet import SimFleet
+from narwhal.simengine.fleet import SimFleet
 from tests.helpers import MODEL, RouterProcess, running_fleet, running_router, wait_until
 from tests.reliability.support import ROUTER_ID_RE, count_journal, router_idle
 

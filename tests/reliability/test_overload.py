@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from narwhal.sim.fleet import SimFleet
+from narwhal.simengine.fleet import SimFleet
 from tests.helpers import (
     MODEL,
     RouterProcess,

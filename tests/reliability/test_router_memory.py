@@ -18,7 +18,7 @@ from narwhal.metrics import RouterMetrics
 from narwhal.routing.fleet_state import FleetState
 from narwhal.routing.roles import DemandTracker
 from narwhal.serve.app import Runtime, ServeSettings, _run_role_loop
-from narwhal.sim.fleet import local_fleet_document
+from narwhal.simengine.fleet import local_fleet_document
 
 
 def test_the_demand_window_is_trimmed_without_a_role_controller(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from narwhal.journal import journal_files
-from narwhal.sim.fleet import SimFleet
+from narwhal.simengine.fleet import SimFleet
 from tests.helpers import (
     ADMIN_TOKEN,
     MODEL,

@@ -3,15 +3,9 @@
 from __future__ import annotations
 
 from narwhal.contract import parse_fleet
-from narwhal.sim.des import (
-    DesConfig,
-    RequestSpec,
-    _Simulation,
-    models_from_timing,
-    poisson_requests,
-    timings_of,
-)
-from narwhal.sim.fleet import local_fleet_document
+from narwhal.fleetsim.simulator import DesConfig, RequestSpec, _Simulation, models_from_timing
+from narwhal.fleetsim.workloads import poisson_requests, timings_of
+from narwhal.simengine.fleet import local_fleet_document
 
 
 def simulate(enabled: bool, specs: list[RequestSpec]) -> _Simulation:

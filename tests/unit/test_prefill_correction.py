@@ -11,13 +11,14 @@ import pytest
 
 from narwhal.clock import VirtualClock
 from narwhal.contract import parse_fleet
+from narwhal.fleetsim.simulator import DesConfig, RequestSpec, _Simulation, models_from_timing
+from narwhal.fleetsim.workloads import timings_of
 from narwhal.profiles.models import DecodeLatencyModel, PrefillLatencyModel
 from narwhal.profiles.store import EngineModels
 from narwhal.routing.fleet_state import FleetState
 from narwhal.routing.predictor import LatencyPredictor, RatioEwma
-from narwhal.sim.des import DesConfig, RequestSpec, _Simulation, models_from_timing, timings_of
-from narwhal.sim.fleet import local_fleet_document
-from narwhal.sim.timing import StepTiming
+from narwhal.simengine.fleet import local_fleet_document
+from narwhal.simengine.timing import StepTiming
 
 
 def test_the_queue_counts_the_legs_that_cannot_have_started() -> None:

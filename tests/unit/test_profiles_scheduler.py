@@ -15,9 +15,10 @@ from narwhal.profiles.models import (
 )
 from narwhal.profiles.store import EngineModels
 from narwhal.routing.fleet_state import FleetState
-from narwhal.routing.predictor import LatencyPredictor, PromptLengthEstimator
+from narwhal.routing.predictor import LatencyPredictor
+from narwhal.routing.prompt_length import PromptLengthEstimator
 from narwhal.routing.scheduler import NoPair, Pair, RequestShape, SchedulerV1
-from narwhal.sim.fleet import local_fleet_document
+from narwhal.simengine.fleet import local_fleet_document
 
 # --- models -------------------------------------------------------------------------------
 

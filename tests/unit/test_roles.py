@@ -20,7 +20,7 @@ from narwhal.serve.errors import RouterError
 from narwhal.serve.pd import PDRouter
 from narwhal.serve.record import RequestRecord
 from narwhal.serve.validation import parse_client_request
-from narwhal.sim.fleet import local_fleet_document
+from narwhal.simengine.fleet import local_fleet_document
 
 BUDGETS = Budgets(ttft_s=2.0, tpot_s=0.1, attainment=0.95)
 

@@ -9,13 +9,13 @@ import pytest
 
 from narwhal.clock import VirtualClock
 from narwhal.contract import parse_fleet
-from narwhal.engines.breaker import BreakerState, CircuitBreaker
 from narwhal.engines.legs import decode_leg_body, prefill_leg_body
 from narwhal.engines.scrape import parse_engine_load
 from narwhal.engines.sse import SseSplitter, iter_sse_events
+from narwhal.routing.breaker import BreakerState, CircuitBreaker
 from narwhal.routing.fleet_state import FleetState
 from narwhal.routing.scheduler import NoPair, Pair, SchedulerV0
-from narwhal.sim.fleet import local_fleet_document
+from narwhal.simengine.fleet import local_fleet_document
 
 
 def fleet_state(n: int = 4, clock: VirtualClock | None = None, **kwargs: Any) -> FleetState:

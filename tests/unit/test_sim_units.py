@@ -12,13 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from narwhal.sim.engine import RemoteKV, parse_kv_transfer_params
-from narwhal.sim.fleet import _ephemeral_range_start, free_ports
-from narwhal.sim.generation import GenerationModel, KVLayout, prompt_digest
-from narwhal.sim.kv_blocks import BlockAllocator
-from narwhal.sim.protocol import ProtocolError, parse_generation
-from narwhal.sim.timing import StepTiming
-from narwhal.sim.vocab import EOS, IM_END, IM_START, NUM_BYTE_TOKENS, Vocabulary
+from narwhal.simengine.engine import RemoteKV, parse_kv_transfer_params
+from narwhal.simengine.fleet import _ephemeral_range_start, free_ports
+from narwhal.simengine.generation import GenerationModel, KVLayout, prompt_digest
+from narwhal.simengine.kv_blocks import BlockAllocator
+from narwhal.simengine.protocol import ProtocolError, parse_generation
+from narwhal.simengine.timing import StepTiming
+from narwhal.simengine.vocab import EOS, IM_END, IM_START, NUM_BYTE_TOKENS, Vocabulary
 
 VOCAB = Vocabulary()
 

@@ -99,7 +99,7 @@ def test_accepted_requests() -> None:
     )
     assert r.prompt_tokens_exact == 3 and r.max_tokens == 5 and r.stream and r.include_usage
     r = parse({"model": MODEL, "prompt": "hello world", "temperature": 0.2, "seed": 7})
-    assert r.prompt_tokens_exact is None and r.prompt_tokens_estimate >= 1
+    assert r.prompt_tokens_exact is None and r.prompt_bytes == len("hello world")
     assert r.body["temperature"] == 0.2  # passed through
     r = parse(
         {

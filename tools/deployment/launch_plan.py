@@ -73,7 +73,7 @@ def _sim_program() -> list[str]:
     # The console script of the interpreter running this tool, so a plan started from a
     # venv runs that venv's simulator; fall back to the module if the script is absent.
     script = Path(sys.executable).parent / "narwhal-sim"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "narwhal.sim.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "narwhal.simengine.cli"]
 
 
 def cmd_render(args: argparse.Namespace) -> int:

@@ -4,7 +4,7 @@
 
     sim_tokenizer.py --hf-home DIR [--name narwhal/sim-vocab] [--vocab-seed 0]
 
-The simulator's vocabulary (``narwhal.sim.vocab``): ids 0-255 are bytes, then 10,000 words
+The simulator's vocabulary (``narwhal.simengine.vocab``): ids 0-255 are bytes, then 10,000 words
 " CVCV" (consonant-vowel-consonant-vowel with a leading space), then three specials. Its encoder
 takes " " + four letters as one token when that is a vocabulary word and falls back to bytes
 otherwise; a pre-tokenizer that isolates exactly the vocabulary words (and single characters
@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from narwhal.sim.vocab import EOS, IM_END, IM_START, NUM_BYTE_TOKENS, Vocabulary
+from narwhal.simengine.vocab import EOS, IM_END, IM_START, NUM_BYTE_TOKENS, Vocabulary
 
 __all__ = ["build_tokenizer_json", "install", "main"]
 

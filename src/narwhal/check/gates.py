@@ -32,8 +32,11 @@ from narwhal.check.slo import (
 )
 from narwhal.contract import FleetContract
 from narwhal.profiles.store import ProfileStore, engine_models, generation_problems
-from narwhal.routing.predictor import PromptLengthEstimator
-from narwhal.serve.validation import EST_BYTES_PER_TOKEN, MAX_BYTES_PER_TOKEN
+from narwhal.routing.prompt_length import (
+    COLD_BYTES_PER_TOKEN,
+    MAX_BYTES_PER_TOKEN,
+    PromptLengthEstimator,
+)
 
 __all__ = [
     "DeadlineAdvice",
@@ -558,7 +561,7 @@ def tokenization_gate(
     worst = 0.0
     for i, (size, count, ratio) in enumerate(zip(sizes, counts, ratios, strict=True)):
         estimate = learnt.estimate(size)
-        cold = max(1, round(size / EST_BYTES_PER_TOKEN))
+        cold = max(1, round(size / COLD_BYTES_PER_TOKEN))
         error = abs(estimate - count) / count if count else float("inf")
         worst = max(worst, error)
         rows.append(
@@ -575,7 +578,7 @@ def tokenization_gate(
         if ratio > MAX_BYTES_PER_TOKEN:
             failures.append(
                 f"prompt {i}: {ratio:.1f} bytes per token exceeds the router's "
-                f"{MAX_BYTES_PER_TOKEN}-byte bound: it would refuse prompts that fit"
+                f"{MAX_BYTES_PER_TOKEN:g}-byte bound: it would refuse prompts that fit"
             )
         elif error > tolerance:
             failures.append(
@@ -585,14 +588,14 @@ def tokenization_gate(
     cold_worst = max(r["cold_start_error"] or 0.0 for r in rows)
     if cold_worst > tolerance:
         notes.append(
-            f"the router's cold-start estimate ({EST_BYTES_PER_TOKEN:g} bytes/token) is up to "
+            f"the router's cold-start estimate ({COLD_BYTES_PER_TOKEN:g} bytes/token) is up to "
             f"{cold_worst:.0%} off on this tokenizer until its first prefill answer corrects it"
         )
     evidence["router_estimate"] = {
         "method": (
             "PromptLengthEstimator converged to the mix's mean bytes/token (clamped to "
             f"[{estimator.min_ratio:g}, {estimator.max_ratio:g}]); cold start "
-            f"{EST_BYTES_PER_TOKEN:g} bytes/token"
+            f"{COLD_BYTES_PER_TOKEN:g} bytes/token"
         ),
         "converged_bytes_per_token": _r(converged, 4),
         "max_error": _r(worst, 4),

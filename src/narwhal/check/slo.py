@@ -1,6 +1,6 @@
 """Load predictions for the slo gate: will a fleet meet its budgets at a planned load?
 
-A plan point is judged by the **virtual-time fleet simulator** (``narwhal.sim.des``) when it is
+A plan point is judged by the **virtual-time fleet simulator** (``narwhal.fleetsim``) when it is
 available: the router's own scheduler v1, admission control and role controller on a virtual
 clock, over engines stepped by the profiled latency models (a profile's fitted forms are the
 simulator's step model), fed the point's Poisson arrivals (its rate and request count) with
@@ -62,7 +62,7 @@ METHOD = (
     "analytic: M/M/c Erlang-C prefill queue + Little's-law decode batch with a Poisson batch tail"
 )
 DES_METHOD = (
-    "virtual-time simulator (narwhal.sim.des): the router's scheduler v1, admission control and "
+    "virtual-time simulator (narwhal.fleetsim): the router's scheduler v1, admission control and "
     "role controller over engines stepped by the profiled latency models, Poisson arrivals at "
     "the point's rate and request count, mean attainment over 5 seeded replays"
 )
@@ -302,8 +302,9 @@ def simulate_point(
     """The point replayed ``DES_REPLAYS`` times (seeds ``seed`` onwards) through the
     virtual-time simulator; None when the simulator is unavailable."""
     try:
-        from narwhal.sim import des
-        from narwhal.sim.timing import StepTiming
+        from narwhal.fleetsim.simulator import DesConfig, run_des
+        from narwhal.fleetsim.workloads import poisson_requests
+        from narwhal.simengine.timing import StepTiming
     except ImportError:
         return None
     timings = {
@@ -335,7 +336,7 @@ def simulate_point(
     flips = 0
     timed_out = 0
     for replay in range(DES_REPLAYS):
-        config = des.DesConfig(
+        config = DesConfig(
             fleet=fleet.model_copy(update={"budgets": budgets}),
             timings=timings,
             scheduler="v1",
@@ -345,10 +346,10 @@ def simulate_point(
             max_num_batched_tokens=min((s.max_num_batched_tokens for s in sims), default=8192),
             seed=seed + replay,
         )
-        specs = des.poisson_requests(
+        specs = poisson_requests(
             point.rate, requests, point.input_tokens, point.output_tokens, seed=seed + replay
         )
-        result = des.run_des(config, specs, models=dict(models))
+        result = run_des(config, specs, models=dict(models))
         late = 0
         if timeout_binds:
             late = sum(

@@ -152,7 +152,7 @@ class NixlSideChannel(_Model):
 
 
 class SimulatedEngineSettings(_Model):
-    """Knobs of the simulated engine; defaults match ``narwhal.sim.timing.StepTiming``."""
+    """Knobs of the simulated engine; defaults match ``narwhal.simengine.timing.StepTiming``."""
 
     time_scale: float = Field(default=1.0, gt=0)
     prefill_a: float = Field(default=0.02, ge=0)

@@ -14,7 +14,7 @@ from typing import Literal
 
 from narwhal.clock import Clock
 from narwhal.contract import FleetContract
-from narwhal.engines.breaker import CircuitBreaker
+from narwhal.routing.breaker import CircuitBreaker
 
 __all__ = ["EngineState", "FleetState", "Role", "ScrapedLoad"]
 

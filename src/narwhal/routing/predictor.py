@@ -7,9 +7,8 @@ outside the drift band raises the drift flag operators alert on. Observations mu
 with like: a prefill leg's duration (its wait behind the engine's queue, then its own prefill)
 against the predicted queue plus the predicted prefill, both without the correction in force
 when the leg was dispatched. The KV handoff (transfer plus first decode step) is learnt per
-decode engine from observed first-token latencies. Prompt lengths of text prompts are estimated
-from their size in bytes, with the bytes-per-token ratio corrected from what engines report.
-Pure: no clock, no I/O.
+decode engine from observed first-token latencies. (Prompt lengths of text prompts are estimated
+in ``narwhal.routing.prompt_length``.) Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from dataclasses import dataclass, field
 from narwhal.profiles.models import Prediction
 from narwhal.profiles.store import EngineModels
 
-__all__ = ["Ewma", "LatencyPredictor", "PromptLengthEstimator", "RatioEwma"]
+__all__ = ["Ewma", "LatencyPredictor", "RatioEwma"]
 
 PHASES = ("prefill", "decode")
 
@@ -142,28 +141,3 @@ class LatencyPredictor:
         after the predicted first step is the KV transfer (and its setup)."""
         transfer = max(0.0, first_token_s - first_step_s)
         self.transfer.setdefault(decode_engine, Ewma(self.alpha, transfer)).update(transfer)
-
-
-@dataclass
-class PromptLengthEstimator:
-    """Tokens in a text prompt from its UTF-8 size, learning bytes per token online."""
-
-    bytes_per_token: float = 4.0
-    alpha: float = 0.1
-    min_ratio: float = 1.0
-    max_ratio: float = 16.0
-    samples: int = 0
-
-    def estimate(self, size_bytes: int) -> int:
-        return max(1, round(size_bytes / self.bytes_per_token))
-
-    def observe(self, size_bytes: int, tokens: int) -> None:
-        if tokens <= 0 or size_bytes <= 0:
-            return
-        ratio = min(max(size_bytes / tokens, self.min_ratio), self.max_ratio)
-        self.bytes_per_token = (
-            ratio
-            if self.samples == 0
-            else self.alpha * ratio + (1 - self.alpha) * self.bytes_per_token
-        )
-        self.samples += 1

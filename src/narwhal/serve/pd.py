@@ -24,7 +24,8 @@ from narwhal.engines.transport import EngineResponse, EngineTransportError, read
 from narwhal.metrics import RouterMetrics
 from narwhal.routing.admission import Admit, Queue, Reject, Unavailable, admit
 from narwhal.routing.fleet_state import EngineState, FleetState
-from narwhal.routing.predictor import LatencyPredictor, PromptLengthEstimator
+from narwhal.routing.predictor import LatencyPredictor
+from narwhal.routing.prompt_length import PromptLengthEstimator
 from narwhal.routing.roles import DemandTracker
 from narwhal.routing.scheduler import (
     NoPair,

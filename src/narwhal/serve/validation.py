@@ -9,15 +9,10 @@ from typing import Any
 
 import orjson
 
+from narwhal.routing.prompt_length import MAX_BYTES_PER_TOKEN
 from narwhal.serve.errors import RouterError, bad_request
 
 __all__ = ["ClientRequest", "parse_client_request"]
-
-# A lower bound on bytes per token used to refuse text prompts that cannot fit before any engine
-# is asked: no tokenizer we serve has tokens longer than this many bytes on average.
-MAX_BYTES_PER_TOKEN = 16
-# The scheduling estimate for text prompts until an engine reports the real count.
-EST_BYTES_PER_TOKEN = 4.0
 
 # Fields the router refuses, with why: each would need the router to merge or fan out
 # per-choice or per-position data from two engines, which P/D serving cannot do faithfully.
@@ -57,7 +52,6 @@ class ClientRequest:
     include_usage: bool
     max_tokens: int | None
     prompt_tokens_exact: int | None
-    prompt_tokens_estimate: int
     prompt_bytes: int = 0
 
 
@@ -181,7 +175,6 @@ def parse_client_request(
         max_tokens = cap if cap is not None else max_tokens
     _check_int(body, "min_tokens", 0)
     exact, size = _prompt_length(body, chat)
-    estimate = exact if exact is not None else max(1, round(size / EST_BYTES_PER_TOKEN))
     if exact is not None:
         total = exact + (max_tokens or 0)
         if exact >= max_model_len or total > max_model_len:
@@ -206,6 +199,5 @@ def parse_client_request(
         include_usage=include_usage,
         max_tokens=max_tokens,
         prompt_tokens_exact=exact,
-        prompt_tokens_estimate=estimate,
         prompt_bytes=size,
     )

@@ -21,9 +21,10 @@ import httpx
 import orjson
 
 from narwhal.contract import Budgets, FleetContract
+from narwhal.fleetsim.simulator import DesConfig, DesResult, RequestSpec, run_des
+from narwhal.fleetsim.workloads import timings_of
 from narwhal.profiles.store import EngineModels
-from narwhal.sim.des import DesConfig, DesResult, RequestSpec, run_des, timings_of
-from narwhal.sim.timing import StepTiming
+from narwhal.simengine.timing import StepTiming
 
 __all__ = [
     "Agreement",

@@ -118,7 +118,7 @@ class SimFleet:
             args = [
                 sys.executable,
                 "-m",
-                "narwhal.sim.cli",
+                "narwhal.simengine.cli",
                 "engine",
                 "--fleet",
                 str(self.fleet_path),

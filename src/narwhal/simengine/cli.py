@@ -16,13 +16,13 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from narwhal.contract import ContractError, SimulatedEngineSettings, load_fleet
-from narwhal.sim.engine import EngineConfig
-from narwhal.sim.faults import FaultSettings
-from narwhal.sim.timing import StepTiming
+from narwhal.simengine.engine import EngineConfig
+from narwhal.simengine.faults import FaultSettings
+from narwhal.simengine.timing import StepTiming
 
 __all__ = ["main"]
 
-log = logging.getLogger("narwhal.sim")
+log = logging.getLogger("narwhal.simengine")
 
 _SIM_FIELDS = tuple(SimulatedEngineSettings.model_fields)
 
@@ -79,7 +79,7 @@ def _fleet_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def _resolve_engine(args: argparse.Namespace) -> tuple[Any, str, int]:
-    from narwhal.sim.server import SimEngineSettings
+    from narwhal.simengine.server import SimEngineSettings
 
     sim = SimulatedEngineSettings()
     engine_id = args.engine_id or "sim0"
@@ -175,7 +175,7 @@ def _resolve_engine(args: argparse.Namespace) -> tuple[Any, str, int]:
 def _run_engine(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from narwhal.sim.server import build_app
+    from narwhal.simengine.server import build_app
 
     settings, host, port = _resolve_engine(args)
     logging.basicConfig(
@@ -194,7 +194,7 @@ def _run_engine(args: argparse.Namespace) -> int:
 
 
 def _run_fleet(args: argparse.Namespace) -> int:
-    from narwhal.sim.fleet import SimFleet, SimFleetError
+    from narwhal.simengine.fleet import SimFleet, SimFleetError
 
     ids = [e.strip() for e in args.engines.split(",")] if args.engines else None
     fleet = SimFleet(args.fleet, admin_token=args.admin_token, log_dir=args.log_dir, engine_ids=ids)

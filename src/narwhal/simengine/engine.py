@@ -25,13 +25,13 @@ from typing import Any
 
 import numpy as np
 
-from narwhal.sim.faults import FaultSettings
-from narwhal.sim.generation import GenerationModel, KVLayout, prompt_digest
-from narwhal.sim.kv_blocks import BlockAllocator
-from narwhal.sim.kv_transfer import KVTransferAgent, KVTransferError
-from narwhal.sim.metrics import EngineMetrics
-from narwhal.sim.side_channel import PeerDirectory
-from narwhal.sim.timing import StepTiming
+from narwhal.simengine.faults import FaultSettings
+from narwhal.simengine.generation import GenerationModel, KVLayout, prompt_digest
+from narwhal.simengine.kv_blocks import BlockAllocator
+from narwhal.simengine.kv_transfer import KVTransferAgent, KVTransferError
+from narwhal.simengine.metrics import EngineMetrics
+from narwhal.simengine.side_channel import PeerDirectory
+from narwhal.simengine.timing import StepTiming
 
 __all__ = [
     "EngineConfig",

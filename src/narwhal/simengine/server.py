@@ -26,7 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from narwhal.asgi import DisconnectAwareStreamingResponse
-from narwhal.sim.engine import (
+from narwhal.simengine.engine import (
     CRASH_EXIT_CODE,
     EngineConfig,
     EngineCore,
@@ -36,19 +36,19 @@ from narwhal.sim.engine import (
     TokenEvent,
     parse_kv_transfer_params,
 )
-from narwhal.sim.faults import FaultSettings, FaultUpdate
-from narwhal.sim.generation import GenerationModel
-from narwhal.sim.kv_transfer import KVTransferAgent
-from narwhal.sim.metrics import EngineMetrics
-from narwhal.sim.protocol import (
+from narwhal.simengine.faults import FaultSettings, FaultUpdate
+from narwhal.simengine.generation import GenerationModel
+from narwhal.simengine.kv_transfer import KVTransferAgent
+from narwhal.simengine.metrics import EngineMetrics
+from narwhal.simengine.protocol import (
     GenerationParams,
     ProtocolError,
     ResponseBuilder,
     error_body,
     parse_generation,
 )
-from narwhal.sim.side_channel import PeerDirectory, serve_side_channel
-from narwhal.sim.vocab import Vocabulary
+from narwhal.simengine.side_channel import PeerDirectory, serve_side_channel
+from narwhal.simengine.vocab import Vocabulary
 
 __all__ = ["SimEngineSettings", "build_app"]
 

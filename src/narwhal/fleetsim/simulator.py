@@ -1,8 +1,8 @@
 """A virtual-time fleet simulator: the router's own scheduler, admission control and role
 controller, driven by a discrete-event simulation of engines, with no processes and no sleeping.
 
-Engines follow the live simulator's step model (``narwhal.sim.timing.StepTiming`` and the step
-loop of ``narwhal.sim.engine``): each step advances every decoding sequence by one token and
+Engines follow the live simulator's step model (``narwhal.simengine.timing.StepTiming`` and the step
+loop of ``narwhal.simengine.engine``): each step advances every decoding sequence by one token and
 prefills up to ``max_num_batched_tokens`` prompt tokens, first come first served; a prompt's
 first token comes at the end of the step that finishes its prefill; a decode leg joins its
 engine's batch after the KV transfer and emits its first token at the end of the next step.
@@ -19,24 +19,19 @@ would have missed it is counted, not retried), and scrape lag (engines report at
 
 from __future__ import annotations
 
-import argparse
-import csv
 import heapq
 import itertools
-import json
 import math
 import random
 import statistics
-import sys
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from narwhal.clock import VirtualClock
-from narwhal.contract import Budgets, ContractError, FleetContract, load_fleet, parse_fleet
+from narwhal.contract import Budgets, FleetContract
 from narwhal.profiles.models import DecodeLatencyModel, PrefillLatencyModel
 from narwhal.profiles.store import EngineModels
 from narwhal.routing.admission import Admit, Queue, Reject, admit
@@ -44,7 +39,7 @@ from narwhal.routing.fleet_state import FleetState
 from narwhal.routing.predictor import LatencyPredictor
 from narwhal.routing.roles import DemandTracker, RoleController
 from narwhal.routing.scheduler import Pair, RequestShape, SchedulerV0, SchedulerV1
-from narwhal.sim.timing import StepTiming
+from narwhal.simengine.timing import StepTiming
 
 __all__ = ["DesConfig", "DesResult", "RequestSpec", "models_from_timing", "run_des"]
 
@@ -639,170 +634,3 @@ def run_des(
         },
         wall_s=time.monotonic() - started,
     )
-
-
-# --- workloads ------------------------------------------------------------------------------
-
-
-def read_azure_trace(
-    path: str | Path,
-    limit: int | None = None,
-    max_prompt: int | None = None,
-) -> list[tuple[float, int, int]]:
-    """(seconds since the first request, context tokens, generated tokens) from an Azure
-    LLM inference trace (TIMESTAMP, ContextTokens, GeneratedTokens)."""
-    from datetime import datetime
-
-    rows: list[tuple[float, int, int]] = []
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        t0 = None
-        for row in reader:
-            stamp = row["TIMESTAMP"].strip()
-            # Nanosecond fractions: keep microseconds for datetime.
-            head, _, frac = stamp.partition(".")
-            frac = (frac.split("+")[0] + "000000")[:6]
-            t = datetime.fromisoformat(f"{head}.{frac}").timestamp()
-            t0 = t if t0 is None else t0
-            prompt = max(1, int(row["ContextTokens"]))
-            if max_prompt is not None:
-                prompt = min(prompt, max_prompt)
-            rows.append((t - t0, prompt, max(1, int(row["GeneratedTokens"]))))
-            if limit is not None and len(rows) >= limit:
-                break
-    return rows
-
-
-def trace_requests(
-    rows: list[tuple[float, int, int]],
-    rate_scale: float = 1.0,
-) -> list[RequestSpec]:
-    """Replay a trace with its inter-arrival times divided by ``rate_scale``."""
-    return [RequestSpec(t / rate_scale, p, g) for t, p, g in rows]
-
-
-def poisson_requests(
-    rate: float,
-    count: int,
-    prompt_tokens: int,
-    output_tokens: int,
-    seed: int = 0,
-    start: float = 0.0,
-) -> list[RequestSpec]:
-    rng = random.Random(seed)
-    t, out = start, []
-    for _ in range(count):
-        t += rng.expovariate(rate)
-        out.append(RequestSpec(t, prompt_tokens, output_tokens))
-    return out
-
-
-def synthetic_fleet(
-    n_prefill: int,
-    n_decode: int,
-    budgets: dict[str, float],
-    time_scale: float = 1.0,
-    roles: dict[str, Any] | None = None,
-    first_token_timeout_s: float | None = None,
-) -> tuple[FleetContract, dict[str, StepTiming]]:
-    """A fleet of any size on the default calibration (no processes: ports are nominal)."""
-    from narwhal.sim.fleet import local_fleet_document
-
-    n = n_prefill + n_decode
-    doc = local_fleet_document(
-        [20000 + i for i in range(n)],
-        [40000 + i for i in range(n)],
-        initial_roles=["prefill"] * n_prefill + ["decode"] * n_decode,
-        sim={"time_scale": time_scale},
-        ttft_s=budgets["ttft_s"],
-        tpot_s=budgets["tpot_s"],
-        first_token_timeout_s=first_token_timeout_s or 0.85 * budgets["ttft_s"],
-        role_control=roles,
-        name=f"des-{n_prefill}p{n_decode}d",
-    )
-    fleet = parse_fleet(doc, "<synthetic>").contract
-    timing = StepTiming(time_scale=time_scale)
-    return fleet, {e.id: timing for e in fleet.engines}
-
-
-def timings_of(fleet: FleetContract) -> dict[str, StepTiming]:
-    out = {}
-    for e in fleet.engines:
-        s = e.sim
-        out[e.id] = (
-            StepTiming()
-            if s is None
-            else StepTiming(
-                prefill_a=s.prefill_a,
-                prefill_b=s.prefill_b,
-                prefill_c=s.prefill_c,
-                decode_intercept=s.decode_intercept,
-                decode_slope=s.decode_slope,
-                decode_ctx_coef=s.decode_ctx_coef,
-                time_scale=s.time_scale,
-                slowdown=s.slowdown,
-            )
-        )
-    return out
-
-
-# --- CLI ------------------------------------------------------------------------------------
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="narwhal-des", description="Virtual-time fleet simulation of Narwhal's routing."
-    )
-    src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--fleet", help="a fleet file (engines' sim blocks give their timing)")
-    src.add_argument("--engines", help="a synthetic fleet: PREFILL:DECODE, e.g. 500:500")
-    parser.add_argument("--trace", help="Azure-format trace CSV (else Poisson, see --rate)")
-    parser.add_argument("--rate-scale", type=float, default=1.0)
-    parser.add_argument("--rate", type=float, default=1.0)
-    parser.add_argument("--requests", type=int, default=1000)
-    parser.add_argument("--prompt-tokens", type=int, default=8192)
-    parser.add_argument("--output-tokens", type=int, default=128)
-    parser.add_argument("--scheduler", choices=["v0", "v1"], default="v1")
-    parser.add_argument("--no-flipping", action="store_true")
-    parser.add_argument("--ttft", type=float, default=10.0)
-    parser.add_argument("--tpot", type=float, default=0.3)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    try:
-        if args.fleet:
-            fleet = load_fleet(args.fleet).contract
-            timings = timings_of(fleet)
-        else:
-            try:
-                n_p, n_d = (int(x) for x in args.engines.split(":"))
-            except ValueError:
-                print("narwhal-des: --engines: expected PREFILL:DECODE", file=sys.stderr)
-                return 2
-            fleet, timings = synthetic_fleet(
-                n_p,
-                n_d,
-                {"ttft_s": args.ttft, "tpot_s": args.tpot},
-                roles={"cooldown_s": 60, "dwell_s": 120, "tick_s": 5},
-            )
-    except ContractError as exc:
-        print(f"narwhal-des: {exc}", file=sys.stderr)
-        return 2
-    if args.trace:
-        specs = trace_requests(
-            read_azure_trace(args.trace, args.requests, fleet.model.max_model_len // 2),
-            args.rate_scale,
-        )
-    else:
-        specs = poisson_requests(
-            args.rate, args.requests, args.prompt_tokens, args.output_tokens, args.seed
-        )
-    config = DesConfig(
-        fleet, timings, scheduler=args.scheduler, flipping=not args.no_flipping, seed=args.seed
-    )
-    result = run_des(config, specs)
-    print(json.dumps(result.summary(), indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from narwhal.sim.vocab import ChatTemplateError, Vocabulary, render_chat
+from narwhal.simengine.vocab import ChatTemplateError, Vocabulary, render_chat
 
 __all__ = ["GenerationParams", "ProtocolError", "ResponseBuilder", "error_body", "parse_generation"]
 

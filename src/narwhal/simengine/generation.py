@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from narwhal.sim.vocab import Vocabulary
+from narwhal.simengine.vocab import Vocabulary
 
 __all__ = ["GenerationModel", "KVLayout", "prompt_digest"]
 

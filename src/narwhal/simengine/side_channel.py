@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import orjson
 
-from narwhal.sim.kv_transfer import KVPeerInfo
+from narwhal.simengine.kv_transfer import KVPeerInfo
 
 __all__ = ["PeerDirectory", "serve_side_channel"]
 
