@@ -12,29 +12,23 @@ In process, no engines: the router's admission step on a state that the test set
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import pytest
 
-from narwhal.clock import MonotonicClock
+from narwhal.clock import VirtualClock
 from narwhal.contract import parse_fleet
-from narwhal.metrics import RouterMetrics
 from narwhal.profiles.models import DecodeLatencyModel, PrefillLatencyModel
 from narwhal.profiles.store import EngineModels
+from narwhal.routing.admission import Admit, Queue, Reject
 from narwhal.routing.fleet_state import FleetState
+from narwhal.routing.lifecycle import Lifecycle
 from narwhal.routing.predictor import LatencyPredictor
 from narwhal.routing.scheduler import Pair, SchedulerV1
-from narwhal.serve.errors import RouterError
-from narwhal.serve.pd import PDRouter
-from narwhal.serve.record import RequestRecord
-from narwhal.serve.validation import ClientRequest, parse_client_request
 from narwhal.simengine.fleet import local_fleet_document
 
-PROMPT = list(range(300, 812))  # 512 tokens
+PROMPT_TOKENS = 512
 
 
-def make_router(admission: str) -> tuple[PDRouter, FleetState, LatencyPredictor]:
+def make_lifecycle(admission: str) -> tuple[Lifecycle, VirtualClock, LatencyPredictor]:
     doc = local_fleet_document(
         [1, 2],
         [3, 4],
@@ -54,18 +48,10 @@ def make_router(admission: str) -> tuple[PDRouter, FleetState, LatencyPredictor]
         for e in fleet.engines
     }
     predictor = LatencyPredictor(models)
-    state = FleetState(fleet, MonotonicClock())
-    metrics = RouterMetrics([e.id for e in fleet.engines], fleet.name, "0" * 64, None)
-    router = PDRouter(
-        fleet,
-        state,
-        SchedulerV1(predictor, fleet.budgets),
-        None,  # type: ignore[arg-type] - admission never calls an engine
-        metrics,
-        30.0,
-        predictor,
-    )
-    return router, state, predictor
+    clock = VirtualClock(100.0)
+    state = FleetState(fleet, clock)
+    lifecycle = Lifecycle(state, SchedulerV1(predictor, fleet.budgets), predictor=predictor)
+    return lifecycle, clock, predictor
 
 
 def after_a_burst(predictor: LatencyPredictor) -> None:
@@ -75,34 +61,30 @@ def after_a_burst(predictor: LatencyPredictor) -> None:
         predictor.observe_handoff("e1", 0.95, 0.05)
 
 
-def request() -> tuple[ClientRequest, RequestRecord]:
-    raw = f'{{"model": "moonshotai/Kimi-K3", "prompt": {PROMPT}, "max_tokens": 24}}'.encode()
-    creq = parse_client_request(raw, False, "moonshotai/Kimi-K3", 16384)
-    record = RequestRecord(
-        id="r", arrival=time.time(), arrival_mono=time.monotonic(), endpoint="/v1/completions"
-    )
-    return creq, record
-
-
 @pytest.mark.parametrize("admission", ["reject", "queue"])
 @pytest.mark.parametrize("busy", ["in_flight_decode", "pending_decode", "in_flight_prefill"])
 def test_an_idle_pair_takes_the_request_a_busy_one_does_not(admission: str, busy: str) -> None:
-    router, state, predictor = make_router(admission)
+    lifecycle, clock, predictor = make_lifecycle(admission)
     after_a_burst(predictor)
-    creq, record = request()
-    pick = router.scheduler.pick(state, router.shape(creq, record))
+    ticket = lifecycle.arrive("r1", max_tokens=24, prompt_tokens=PROMPT_TOKENS)
+    pick = lifecycle.scheduler.pick(lifecycle.state, lifecycle.shape(ticket))
     assert not isinstance(pick, Pair) and pick.over_budget is not None  # the latch
 
-    pair = asyncio.run(router._admit(creq, record))
-    assert (pair.prefill, pair.decode) == ("e0", "e1")
-    assert [(a["leg"], a["outcome"]) for a in record.attempts] == [("admission", "idle_pair")]
+    verdict = lifecycle.admit(ticket)
+    assert isinstance(verdict, Admit) and verdict.idle
+    assert (verdict.pair.prefill, verdict.pair.decode) == ("e0", "e1")
+    lifecycle.cancel(ticket)  # the client left: the pair is idle again
 
     # With a decode in flight on the pair, one admitted to it, or a prefill in flight, the
     # pair is not idle: the budgets decide, as before.
-    engine = state.engines["e0" if busy == "in_flight_prefill" else "e1"]
+    engine = lifecycle.state.engines["e0" if busy == "in_flight_prefill" else "e1"]
     setattr(engine, busy, 1)
-    creq, record = request()
-    with pytest.raises(RouterError) as refused:
-        asyncio.run(router._admit(creq, record))
-    assert refused.value.status == 429
-    assert refused.value.code == ("over_budget" if admission == "reject" else "queue_timeout")
+    ticket = lifecycle.arrive("r2", max_tokens=24, prompt_tokens=PROMPT_TOKENS)
+    verdict = lifecycle.admit(ticket)
+    if admission == "queue":
+        assert isinstance(verdict, Queue) and lifecycle.queued == 1
+        clock.advance(0.31)  # past the queue's timeout
+        [(left, verdict)] = lifecycle.drain()
+        assert left is ticket and lifecycle.queued == 0
+    assert isinstance(verdict, Reject)
+    assert verdict.reason == ("over_budget" if admission == "reject" else "queue_timeout")

@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from narwhal.clock import VirtualClock
 from narwhal.contract import Budgets, RoleControl, RoutingPolicy, parse_fleet
-from narwhal.metrics import RouterMetrics
 from narwhal.profiles.models import DecodeLatencyModel, PrefillLatencyModel
 from narwhal.profiles.store import EngineModels
 from narwhal.routing.admission import Admit, Queue, Reject, Unavailable, admit
 from narwhal.routing.fleet_state import FleetState
+from narwhal.routing.lifecycle import Lifecycle
 from narwhal.routing.predictor import LatencyPredictor
 from narwhal.routing.roles import DemandTracker, RoleController
 from narwhal.routing.scheduler import NoPair, Pair, RequestShape, SchedulerV1
-from narwhal.serve.errors import RouterError
-from narwhal.serve.pd import PDRouter
-from narwhal.serve.record import RequestRecord
-from narwhal.serve.validation import parse_client_request
 from narwhal.simengine.fleet import local_fleet_document
 
 BUDGETS = Budgets(ttft_s=2.0, tpot_s=0.1, attainment=0.95)
@@ -280,7 +274,8 @@ def test_the_tracker_trims_itself_without_reads() -> None:
 
 
 def test_the_routers_admission_records_what_it_rejects() -> None:
-    """narwhal-serve's admission step (in process, no engines): a 429 is demand too."""
+    """The lifecycle's admission step (the router's and the simulator's): a 429 is demand
+    too."""
     clock = VirtualClock(100.0)
     doc = local_fleet_document(
         [1, 2],
@@ -302,24 +297,15 @@ def test_the_routers_admission_records_what_it_rejects() -> None:
     predictor = LatencyPredictor(models)
     state = FleetState(fleet, clock)
     demand = settled_tracker(clock)
-    router = PDRouter(
-        fleet,
-        state,
-        SchedulerV1(predictor, fleet.budgets),
-        None,  # type: ignore[arg-type] - admission never calls an engine
-        RouterMetrics([e.id for e in fleet.engines], fleet.name, "0" * 64, None),
-        30.0,
-        predictor,
-        demand,
+    lifecycle = Lifecycle(
+        state, SchedulerV1(predictor, fleet.budgets), predictor=predictor, demand=demand
     )
     # 5 s of prefill queued on the only prefill engine: nothing meets a 1 s TTFT budget.
     state.engines["e0"].in_flight_prefill = 1
     state.engines["e0"].prefill_work["earlier"] = (5.0, clock.now())
-    body = b'{"model": "moonshotai/Kimi-K3", "prompt": [300, 301, 302], "max_tokens": 8}'
-    creq = parse_client_request(body, False, "moonshotai/Kimi-K3", 16384)
-    record = RequestRecord(id="r", arrival=0.0, arrival_mono=0.0, endpoint="/v1/completions")
-    with pytest.raises(RouterError) as refused:
-        asyncio.run(router._admit(creq, record))
-    assert refused.value.status == 429
+    ticket = lifecycle.arrive("r", max_tokens=8, prompt_tokens=3)
+    verdict = lifecycle.admit(ticket)
+    assert isinstance(verdict, Reject) and verdict.reason == "over_budget"
+    assert ticket.phase == "done"
     assert demand.rejected == 1 and demand.rate() == pytest.approx(0.1)
     assert demand.prefill_work_rate() > 0

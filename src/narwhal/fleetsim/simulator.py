@@ -34,11 +34,12 @@ from narwhal.clock import VirtualClock
 from narwhal.contract import Budgets, FleetContract
 from narwhal.profiles.models import DecodeLatencyModel, PrefillLatencyModel
 from narwhal.profiles.store import EngineModels
-from narwhal.routing.admission import Admit, Queue, Reject, admit
+from narwhal.routing.admission import Admit, Queue, Verdict
 from narwhal.routing.fleet_state import FleetState
+from narwhal.routing.lifecycle import QUEUE_RECHECK_S, Lifecycle, Ticket
 from narwhal.routing.predictor import LatencyPredictor
 from narwhal.routing.roles import DemandTracker, RoleController
-from narwhal.routing.scheduler import Pair, RequestShape, SchedulerV0, SchedulerV1
+from narwhal.routing.scheduler import SchedulerV0, SchedulerV1
 from narwhal.simengine.timing import StepTiming
 
 __all__ = ["DesConfig", "DesResult", "RequestSpec", "models_from_timing", "run_des"]
@@ -55,18 +56,24 @@ class RequestSpec:
 class _Request:
     spec: RequestSpec
     index: int
-    prefill: str = ""
-    decode: str = ""
-    predicted_tpot: float | None = None
-    batch_at_start: int = 0
-    predicted_total_prefill: float | None = None
-    prefill_start: float = 0.0
-    decode_start: float = 0.0
+    ticket: Ticket
     first_token: float | None = None
     last_token: float | None = None
     outcome: str = "pending"
     deadline_missed: bool = False
-    local: bool = False  # prefilled by its decode engine (routing.local_prefill)
+
+    @property
+    def prefill(self) -> str:
+        return self.ticket.pair.prefill if self.ticket.pair is not None else ""
+
+    @property
+    def decode(self) -> str:
+        return self.ticket.pair.decode if self.ticket.pair is not None else ""
+
+    @property
+    def local(self) -> bool:
+        """Prefilled by its decode engine (routing.local_prefill)."""
+        return self.ticket.local
 
 
 @dataclass
@@ -199,14 +206,20 @@ class _Simulation:
         for engine in self.state.engines.values():
             engine.healthy = True
         self.predictor = LatencyPredictor(models)
+        v1 = config.scheduler == "v1"
         self.scheduler: SchedulerV0 | SchedulerV1 = (
             SchedulerV1(
                 self.predictor, fleet.budgets, config.candidates, random.Random(config.seed)
             )
-            if config.scheduler == "v1"
+            if v1
             else SchedulerV0()
         )
         self.demand = DemandTracker(self.clock, window_s=max(10.0, 6 * fleet.roles.tick_s))
+        # As the router builds it: scheduler v0 predicts nothing, so nothing is corrected.
+        self.lifecycle = Lifecycle(
+            self.state, self.scheduler, predictor=self.predictor if v1 else None, demand=self.demand
+        )
+        self.by_ticket: dict[Ticket, _Request] = {}
         self.roles = (
             RoleController(self.predictor, fleet.budgets, fleet.roles, self.clock)
             if config.flipping and fleet.roles.enabled and config.scheduler == "v1"
@@ -220,7 +233,6 @@ class _Simulation:
         }
         self.events: list[tuple[float, int, str, Any]] = []
         self.seq = itertools.count()
-        self.queue: deque[tuple[_Request, float]] = deque()
         self.flips: list[dict[str, Any]] = []
         self.requests: list[_Request] = []
         self.deadline = fleet.engine.first_token_timeout_s
@@ -244,7 +256,15 @@ class _Simulation:
             t, _, kind, payload = heapq.heappop(self.events)
             self.clock.set(max(t, self.clock.now()))
             if kind == "arrive":
-                request = _Request(payload, next(index))
+                i = next(index)
+                ticket = self.lifecycle.arrive(
+                    str(i),
+                    max_tokens=payload.output_tokens,
+                    prompt_tokens=payload.prompt_tokens,
+                    arrival=payload.arrival,
+                )
+                request = _Request(payload, i, ticket)
+                self.by_ticket[ticket] = request
                 self.requests.append(request)
                 self.route(request)
                 nxt = next(arrivals, None)
@@ -287,101 +307,40 @@ class _Simulation:
         return any(
             e.busy_until is not None or e.joining or e.pending or e.loading or e.prefill_queue
             for e in self.engines.values()
-        ) or bool(self.queue)
+        ) or bool(self.lifecycle.queued)
 
-    # --- routing (the router's code) ----------------------------------------------------
+    # --- routing: the router's lifecycle, driven by simulated legs ----------------------
 
-    def shape(self, request: _Request) -> RequestShape:
-        return RequestShape(
-            request.spec.prompt_tokens,
-            request.spec.output_tokens,
-            self.clock.now() - request.spec.arrival,
-        )
-
-    def route(self, request: _Request, in_queue: bool = False) -> bool:
-        policy = self.config.fleet.routing
-        waited = self.clock.now() - request.spec.arrival
-        pick = self.scheduler.pick(self.state, self.shape(request))
-        verdict = admit(
-            pick,
-            policy,
-            len(self.queue),
-            waited,
-            in_queue=in_queue,
-        )
+    def route(self, request: _Request) -> None:
+        verdict = self.lifecycle.admit(request.ticket)
         if isinstance(verdict, Queue):
-            if not in_queue:
-                self.queue.append((request, self.clock.now()))
-                self.at(self.clock.now() + 0.05, "retry_queue", None)
-            return False
+            self.at(self.clock.now() + QUEUE_RECHECK_S, "retry_queue", None)
+        else:
+            self.admitted(request, verdict)
+
+    def admitted(self, request: _Request, verdict: Verdict) -> None:
         if not isinstance(verdict, Admit):
             request.outcome = "rejected"
-            if isinstance(verdict, Reject):  # demand all the same, as the router counts it
-                self.demand.record_rejected(self.shape(request), pick)
-            return True
-        self.dispatch(request, verdict.pair)
-        return True
-
-    def drain_queue(self) -> None:
-        kept: deque[tuple[_Request, float]] = deque()
-        while self.queue:
-            request, since = self.queue.popleft()
-            if not self.route(request, in_queue=True):
-                kept.append((request, since))
-        self.queue = kept
-        if self.queue:
-            self.at(self.clock.now() + 0.05, "retry_queue", None)
-
-    def dispatch(self, request: _Request, pair: Pair) -> None:
-        if pair.local:
-            self.dispatch_local(request, pair)
             return
         now = self.clock.now()
-        request.prefill, request.decode = pair.prefill, pair.decode
-        request.predicted_tpot = pair.predicted_tpot_s
-        request.prefill_start = now
-        p = self.state.engines[pair.prefill]
-        if pair.predicted_prefill_s is not None:
-            # Queue and prefill as predicted now, without the correction in force now: what
-            # the leg's duration is compared with when it ends (as the router does).
-            request.predicted_total_prefill = self.predictor.uncorrected(
-                p.id, "prefill", p.queued_prefill_s(now) + pair.predicted_prefill_s
-            )
-            p.prefill_work[str(request.index)] = (pair.predicted_prefill_s, now)
-        p.in_flight_prefill += 1
-        self.state.engines[pair.decode].pending_decode += 1  # as the router counts it
-        self.demand.record_start(
-            pair.predicted_prefill_s or 0.0, request.spec.prompt_tokens, request.spec.output_tokens
-        )
-        engine = self.engines[pair.prefill]
+        if verdict.pair.local:
+            # The decode engine prefills the prompt itself: one leg, no transfer. The prompt
+            # queues for that engine's prefill budget like any other, stalling its decode steps.
+            self.at(now + self.config.leg_overhead_s, "local_leg", request)
+            return
+        engine = self.engines[verdict.pair.prefill]
         engine.prefill_queue.append([request, 0])
         self.new_work(engine)
 
-    def dispatch_local(self, request: _Request, pair: Pair) -> None:
-        """The decode engine prefills the prompt itself: one leg, no transfer. The prompt
-        queues for that engine's prefill budget like any other, stalling its decode steps."""
-        now = self.clock.now()
-        request.local = True
-        request.prefill = request.decode = pair.decode
-        request.predicted_tpot = pair.predicted_tpot_s
-        request.prefill_start = request.decode_start = now
-        d = self.state.engines[pair.decode]
-        d.in_flight_decode += 1  # as the router counts it: one decode leg
-        if pair.predicted_prefill_s is not None:
-            # As the router corrects local legs: first token against predicted TTFT.
-            request.predicted_total_prefill = self.predictor.uncorrected(
-                d.id, "local", pair.predicted_ttft_s or 0.0
-            )
-            d.prefill_work[str(request.index)] = (pair.predicted_prefill_s, now)
-            d.note_local_prefill(now, pair.predicted_prefill_s)
-        # No work for the prefill pool (as the router records it).
-        self.demand.record_start(0.0, request.spec.prompt_tokens, request.spec.output_tokens)
-        self.at(now + self.config.leg_overhead_s, "local_leg", request)
+    def drain_queue(self) -> None:
+        for ticket, verdict in self.lifecycle.drain():
+            self.admitted(self.by_ticket[ticket], verdict)
+        if self.lifecycle.queued:
+            self.at(self.clock.now() + QUEUE_RECHECK_S, "retry_queue", None)
 
     def local_prefilled(self, engine: _Engine, request: _Request, step_end: float) -> None:
         """A local prompt's prefill ended with this step, which also sampled its first token:
         it decodes from the next step on, in the same engine's batch."""
-        self.state.engines[engine.id].prefill_work.pop(str(request.index), None)
         self.decode_first_token(request, step_end + self.config.leg_overhead_s)
         n = request.spec.output_tokens
         if n <= 1:
@@ -392,60 +351,30 @@ class _Simulation:
         engine.context_sum += request.spec.prompt_tokens + 1
 
     def prefill_done(self, request: _Request) -> None:
-        now = self.clock.now()
-        p = self.state.engines[request.prefill]
-        p.in_flight_prefill -= 1
-        p.prefill_work.pop(str(request.index), None)
-        if request.predicted_total_prefill is not None and self.config.scheduler == "v1":
-            self.predictor.observe(
-                p.id,
-                "prefill",
-                request.predicted_total_prefill,
-                now - request.prefill_start,
-                uncorrected=True,
-            )
-        d = self.state.engines[request.decode]
-        d.pending_decode -= 1
-        d.in_flight_decode += 1
-        request.decode_start = now
-        self.at(now + self.config.leg_overhead_s, "decode_leg", request)
-        if self.queue:
+        self.lifecycle.prefill_done(request.ticket, "ok")
+        self.at(self.clock.now() + self.config.leg_overhead_s, "decode_leg", request)
+        if self.lifecycle.queued:
             self.drain_queue()
 
     def decode_first_token(self, request: _Request, now: float) -> None:
+        """The first token reaches the router at ``now`` (at or before the clock: a segment's
+        first step ends before the segment does)."""
+        ticket = request.ticket
+        self.lifecycle.first_token(ticket, at=now)
         request.first_token = now
-        request.batch_at_start = self.state.decode_batch(self.state.engines[request.decode])
-        handoff = now - request.decode_start
-        if handoff > self.deadline:
+        # The live router would have aborted the leg at its first-token deadline: counted.
+        if now - ticket.decode_started > self.deadline:
             request.deadline_missed = True
-        if (
-            request.predicted_tpot is not None
-            and self.config.scheduler == "v1"
-            and not request.local  # no handoff to learn from
-        ):
-            self.predictor.observe_handoff(request.decode, handoff, request.predicted_tpot)
-        if request.local and request.predicted_total_prefill and self.config.scheduler == "v1":
-            self.predictor.observe(
-                request.decode, "local", request.predicted_total_prefill, handoff, uncorrected=True
-            )
 
     def decode_finished(self, request: _Request, now: float) -> None:
         request.last_token = now
         request.outcome = "ok"
-        d = self.state.engines[request.decode]
-        d.in_flight_decode -= 1
         n = request.spec.output_tokens
-        if n > 1 and request.first_token is not None and self.config.scheduler == "v1":
-            # As the router does: against the model at the batch the request actually shared.
-            batch = (request.batch_at_start + self.state.decode_batch(d) + 1) / 2
-            context = request.spec.prompt_tokens + n / 2
-            expected = self.predictor.decode(d.id, max(1, round(batch)), context).seconds
-            # Local prefills sent to this engine while it decoded stalled its steps: expected,
-            # not a slower engine (as the router does).
-            expected += d.recent_local_prefill_s(request.first_token) / (n - 1)
-            observed = (now - request.first_token) / (n - 1)
-            self.predictor.observe(d.id, "decode", expected, observed)
-        if self.queue:
+        tpot = None
+        if n > 1 and request.first_token is not None:
+            tpot = (now - request.first_token) / (n - 1)
+        self.lifecycle.finished(request.ticket, completion_tokens=n, tpot_s=tpot)
+        if self.lifecycle.queued:
             self.drain_queue()
 
     def scrape(self) -> None:

@@ -52,6 +52,13 @@ class CircuitBreaker:
         if self.state is BreakerState.HALF_OPEN:
             self.probe_in_flight = True
 
+    def on_abandon(self) -> None:
+        """A leg dispatched here ended with no verdict (its client left): if it was the
+        half-open probe, the next request may probe instead, or the breaker would stay
+        half-open with no probe for good."""
+        if self.state is BreakerState.HALF_OPEN:
+            self.probe_in_flight = False
+
     def record_success(self) -> None:
         self.state = BreakerState.CLOSED
         self.consecutive_failures = 0

@@ -14,12 +14,13 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import Protocol
 
 from narwhal.contract import Budgets
 from narwhal.routing.fleet_state import EngineState, FleetState, Role
 from narwhal.routing.predictor import LatencyPredictor
 
-__all__ = ["NoPair", "Pair", "RequestShape", "SchedulerV0", "SchedulerV1"]
+__all__ = ["NoPair", "Pair", "RequestShape", "Scheduler", "SchedulerV0", "SchedulerV1"]
 
 KV_FULL = 0.98
 
@@ -53,6 +54,20 @@ class NoPair:
     reason: str
     # Set when pairs exist but none is predicted to meet the budgets: admission's business.
     over_budget: Pair | None = None
+
+
+class Scheduler(Protocol):
+    def pick(
+        self,
+        state: FleetState,
+        shape: RequestShape | None = None,
+        exclude_prefill: Collection[str] = (),
+        exclude_decode: Collection[str] = (),
+    ) -> Pair | NoPair:
+        """The pair to serve a request of ``shape`` now, avoiding the excluded engines; or
+        why there is none (with the best over-budget pair when only the budgets stand in the
+        way)."""
+        ...
 
 
 PairFilter = Callable[[FleetState, EngineState, EngineState], bool]

@@ -30,13 +30,14 @@ from narwhal.journal import Journal
 from narwhal.metrics import RouterMetrics
 from narwhal.profiles.store import ProfileStore, engine_models
 from narwhal.routing.fleet_state import FleetState, Role
+from narwhal.routing.lifecycle import Lifecycle
 from narwhal.routing.predictor import LatencyPredictor
 from narwhal.routing.roles import DemandTracker, RoleController
 from narwhal.routing.scheduler import SchedulerV0, SchedulerV1
 from narwhal.serve.background import probe_all, run_health_loop, run_scrape_loop
 from narwhal.serve.errors import RouterError
 from narwhal.serve.generation import GenerationEndpoint
-from narwhal.serve.pd import DecodeStream, PDRouter
+from narwhal.serve.pd import DecodeStream, MetricsObserver, PDRouter
 from narwhal.serve.record import RequestRecord
 from narwhal.serve.relay import StreamTally
 
@@ -185,20 +186,17 @@ class Runtime:
             tpot = record.tpot_s()
             if tpot is not None:
                 m.tpot.observe(tpot)
-                if stream is not None and self.router is not None:
-                    context = (record.prompt_tokens or 0) + (record.completion_tokens or 0) / 2
-                    self.router.observe_tpot(stream, tpot, context)
         assert self.journal is not None
         self.journal.request_end(record.id, outcome, **record.end_fields())
         self.active.discard(record.id)
-        if self.router is not None:
-            self.router.prompt_token_ids(record.id)  # drop what nobody asked for
 
-    async def release_stream(self, stream: DecodeStream, complete: bool = False) -> None:
+    async def release_stream(
+        self, stream: DecodeStream, record: RequestRecord, complete: bool = False
+    ) -> None:
         # Bookkeeping first, synchronously: a cancellation landing in the await below (the
         # client leaving as the stream ends) must not skip it.
         assert self.router is not None
-        self.router.decode_done(stream.engine)
+        self.router.finish(stream, record)
         await stream.aclose(drain=complete)
 
     def sync_journal_metrics(self) -> None:
@@ -304,9 +302,15 @@ def build_app(settings: ServeSettings) -> FastAPI:
             predictor = LatencyPredictor(engine_models(settings.profiles))
             scheduler = SchedulerV1(predictor, fleet.budgets)
         rt.demand = DemandTracker(clock, window_s=max(10.0, 6 * fleet.roles.tick_s))
-        rt.router = PDRouter(
-            fleet, state, scheduler, rt.engines, metrics, prefill_timeout, predictor, rt.demand
+        capacity = asyncio.Event()
+        lifecycle = Lifecycle(
+            state,
+            scheduler,
+            predictor=predictor,
+            demand=rt.demand,
+            observer=MetricsObserver(metrics, capacity),
         )
+        rt.router = PDRouter(fleet, lifecycle, rt.engines, metrics, prefill_timeout, capacity)
         if predictor is not None and fleet.roles.enabled:
             rt.roles = RoleController(
                 predictor, fleet.budgets, fleet.roles, clock, pinned=rt.pinned

@@ -352,7 +352,7 @@ class GenerationEndpoint:
             # The record first: a cancellation landing in release_stream's await (the client
             # hanging up at [DONE]) must not leave the request without its request.end.
             rt.finish(record, outcome, status, error, tally, stream)
-            await rt.release_stream(stream, complete=tally.done)
+            await rt.release_stream(stream, record, complete=tally.done)
 
     async def _aggregate(
         self,
@@ -369,7 +369,7 @@ class GenerationEndpoint:
         failure: RouterError | None = None
         result = None
         try:
-            ids = rt.router.prompt_token_ids(record.id) if body.get("return_token_ids") else None
+            ids = stream.prompt_token_ids if body.get("return_token_ids") else None
             result = await aggregate(stream, self.chat, tally, record, ids)
             outcome, status, error = "ok", 200, None
         except RouterError as exc:
@@ -382,7 +382,7 @@ class GenerationEndpoint:
         finally:
             # The request's one record is written before anything else can be awaited.
             rt.finish(record, outcome, status, error, tally, stream)
-            await rt.release_stream(stream, complete=tally.done)
+            await rt.release_stream(stream, record, complete=tally.done)
         if watch.gone:
             return
         watch.stop()

@@ -1,6 +1,8 @@
-"""The P/D request path: pick a pair, run the prefill leg, open the decode leg under the
-first-token deadline, retry what can be retried, and hand back a decode stream positioned after
-its first event. Relaying that stream to the client lives in ``relay.py``.
+"""The P/D request path over HTTP: run the legs the routing lifecycle dispatches (the prefill
+leg, then the decode leg under the first-token deadline), retry what can be retried, and hand
+back a decode stream positioned after its first event. Every routing decision and every count on
+the engines is the lifecycle's (``narwhal.routing.lifecycle``): this module reports what the
+legs did. Relaying the stream to the client lives in ``relay.py``.
 
 A local pick (scheduler v1 with ``routing.local_prefill``) skips the prefill leg: the decode
 engine gets one ordinary request (no ``kv_transfer_params``), prefills it itself and streams it
@@ -12,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
@@ -22,25 +24,16 @@ from narwhal.engines.legs import decode_leg_body, prefill_leg_body
 from narwhal.engines.sse import SseEventStream
 from narwhal.engines.transport import EngineResponse, EngineTransportError, read_prefix
 from narwhal.metrics import RouterMetrics
-from narwhal.routing.admission import Admit, Queue, Reject, Unavailable, admit
-from narwhal.routing.fleet_state import EngineState, FleetState
-from narwhal.routing.predictor import LatencyPredictor
-from narwhal.routing.prompt_length import PromptLengthEstimator
-from narwhal.routing.roles import DemandTracker
-from narwhal.routing.scheduler import (
-    NoPair,
-    Pair,
-    RequestShape,
-    SchedulerV0,
-    SchedulerV1,
-    decode_load,
-    prefill_load,
-)
+from narwhal.routing.admission import Admit, Queue, Reject, Verdict
+from narwhal.routing.breaker import BreakerState
+from narwhal.routing.fleet_state import Role
+from narwhal.routing.lifecycle import QUEUE_RECHECK_S, Lifecycle, LifecycleObserver, Ticket
+from narwhal.routing.scheduler import NoPair, Pair
 from narwhal.serve.errors import RouterError
 from narwhal.serve.record import RequestRecord
 from narwhal.serve.validation import ClientRequest
 
-__all__ = ["DecodeStream", "PDRouter"]
+__all__ = ["DecodeStream", "MetricsObserver", "PDRouter"]
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +67,9 @@ class DecodeStream:
     # The first event with a choice, and the events that arrived with it (relayed next).
     first_events: list[bytes]
     prefill_prompt_tokens: int | None
-    predicted_tpot_s: float | None = None
-    batch_at_start: int = 1  # the decode engine's batch when this stream joined it
-    started_at: float = 0.0  # the router's clock at its first token
+    ticket: Ticket
+    # The prompt's token ids as the prefill engine returned them (only a prefill leg has them).
+    prompt_token_ids: list[int] | None = None
 
     async def aclose(self, drain: bool = False) -> None:
         """Close the upstream response. After a complete stream, ``drain`` reads the closing
@@ -89,231 +82,227 @@ class DecodeStream:
         await self.response.aclose()
 
 
+class MetricsObserver(LifecycleObserver):
+    """The lifecycle's reports as the router's metrics; a leg's end also wakes the admission
+    queue."""
+
+    def __init__(self, metrics: RouterMetrics, capacity: asyncio.Event) -> None:
+        self.metrics = metrics
+        self.capacity = capacity
+
+    def in_flight(self, engine: str, role: Role, delta: int) -> None:
+        self.metrics.in_flight.labels(engine, role).inc(delta)
+
+    def queue_depth(self, depth: int) -> None:
+        self.metrics.admission_queue.set(depth)
+
+    def leg_failed(self, engine: str, leg: Literal["prefill", "decode"]) -> None:
+        self.metrics.leg_failures.labels(engine, leg).inc()
+
+    def breaker(self, engine: str, state: BreakerState) -> None:
+        self.metrics.breaker_state.labels(engine).set(int(state))
+
+    def correction(self, engine: str, phase: str, ratio: float, drifted: bool) -> None:
+        self.metrics.latency_ratio.labels(engine, phase).set(ratio)
+        self.metrics.profile_drift.labels(engine, phase).set(1 if drifted else 0)
+
+    def capacity_freed(self) -> None:
+        self.capacity.set()
+
+
 class PDRouter:
+    """Runs each request's legs over HTTP as its lifecycle dispatches them."""
+
     def __init__(
         self,
         fleet: FleetContract,
-        state: FleetState,
-        scheduler: SchedulerV0 | SchedulerV1,
+        lifecycle: Lifecycle,
         engines: EnginePool,
         metrics: RouterMetrics,
         prefill_timeout_s: float,
-        predictor: LatencyPredictor | None = None,
-        demand: DemandTracker | None = None,
+        capacity: asyncio.Event,
     ) -> None:
+        """``capacity`` is set whenever a leg ends (the lifecycle's observer sets it): the
+        admission queue is decided on again then, and at least every ``QUEUE_RECHECK_S``."""
         self.fleet = fleet
-        self.state = state
-        self.scheduler = scheduler
+        self.lifecycle = lifecycle
+        self.state = lifecycle.state
         self.engines = engines
         self.metrics = metrics
         self.prefill_timeout_s = prefill_timeout_s
-        self.predictor = predictor
-        self.demand = demand
-        self._prompt_ids: dict[str, list[int] | None] = {}
-        self.lengths = PromptLengthEstimator()
-        self.queued = 0
-        self._capacity = asyncio.Event()
+        self._capacity = capacity
+        self._waiters: dict[Ticket, asyncio.Future[Verdict]] = {}
+        self._pump: asyncio.Task[None] | None = None
 
-    def shape(self, request: ClientRequest, record: RequestRecord) -> RequestShape:
-        if request.prompt_tokens_exact is not None:
-            tokens = request.prompt_tokens_exact
-        else:
-            tokens = self.lengths.estimate(request.prompt_bytes)
+    def ticket(self, request: ClientRequest, record: RequestRecord) -> Ticket:
         default_max = 16 if not request.chat else DEFAULT_CHAT_MAX_TOKENS
-        return RequestShape(
-            tokens,
-            request.max_tokens or default_max,
-            record.since_arrival(),
+        return self.lifecycle.arrive(
+            record.id,
+            max_tokens=request.max_tokens or default_max,
+            prompt_tokens=request.prompt_tokens_exact,
+            prompt_bytes=request.prompt_bytes,
             # The prompt's token ids come back from a prefill leg only.
             local_ok=not request.body.get("return_token_ids"),
+            arrival=record.arrival_mono,
         )
 
-    async def _admit(self, request: ClientRequest, record: RequestRecord) -> Pair:
-        """The first pick, under admission control: reject or queue when nothing fits."""
-        policy = self.fleet.routing
-        pick = self.scheduler.pick(self.state, self.shape(request, record))
-        verdict = self._idle_override(pick, admit(pick, policy, self.queued), record)
+    async def open(self, request: ClientRequest, record: RequestRecord) -> DecodeStream:
+        """Run legs until a decode stream has produced its first event, or raise RouterError.
+        Whatever way this ends short of a stream, the request holds nothing on any engine."""
+        ticket = self.ticket(request, record)
+        try:
+            return await self._open(ticket, request, record)
+        except BaseException:
+            self.lifecycle.cancel(ticket)  # a no-op once the lifecycle has ended it
+            raise
+
+    def finish(self, stream: DecodeStream, record: RequestRecord) -> None:
+        """The stream is over (its record complete): its decode leg ends, and a completed
+        answer's TPOT corrects the decode model."""
+        tpot = record.tpot_s() if record.outcome == "ok" else None
+        if record.prompt_tokens is not None:
+            stream.ticket.prompt_tokens = record.prompt_tokens
+        self.lifecycle.finished(
+            stream.ticket, completion_tokens=record.completion_tokens, tpot_s=tpot
+        )
+
+    # --- admission ----------------------------------------------------------------------
+
+    async def _admit(self, ticket: Ticket, record: RequestRecord) -> Pair:
+        """The first decision, under admission control: reject, or wait in the queue."""
+        verdict = self.lifecycle.admit(ticket)
         if isinstance(verdict, Queue):
-            self.queued += 1
-            self.metrics.admission_queue.set(self.queued)
-            start = record.since_arrival()
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters[ticket] = waiter
+            if self._pump is None or self._pump.done():
+                self._pump = asyncio.create_task(self._run_queue())
             try:
-                while isinstance(verdict, Queue):
-                    self._capacity.clear()
-                    left = policy.queue_timeout_s - (record.since_arrival() - start)
-                    # Re-evaluate when capacity frees up, and at least every 50 ms.
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._capacity.wait(), max(0.0, min(left, 0.05)))
-                    pick = self.scheduler.pick(self.state, self.shape(request, record))
-                    verdict = self._idle_override(
-                        pick,
-                        admit(
-                            pick,
-                            policy,
-                            self.queued,
-                            record.since_arrival() - start,
-                            in_queue=True,
-                        ),
-                        record,
-                    )
-                if isinstance(verdict, Admit):
-                    record.attempt(
-                        "admission",
-                        verdict.pair.prefill,
-                        "queued",
-                        waited_s=round(record.since_arrival() - start, 6),
-                    )
+                verdict = await waiter
             finally:
-                self.queued -= 1
-                self.metrics.admission_queue.set(self.queued)
+                self._waiters.pop(ticket, None)
         if isinstance(verdict, Admit):
-            return verdict.pair
+            pair = verdict.pair
+            if verdict.idle:
+                record.attempt(
+                    "admission", pair.prefill, "idle_pair", predicted_ttft_s=pair.predicted_ttft_s
+                )
+            if ticket.waited_s is not None:
+                record.attempt(
+                    "admission", pair.prefill, "queued", waited_s=round(ticket.waited_s, 6)
+                )
+            return pair
         if isinstance(verdict, Reject):
-            if self.demand is not None:  # demand: what arrived, whether served or not
-                self.demand.record_rejected(self.shape(request, record), pick)
-            raise self._reject(verdict.reason, verdict.message)
-        raise RouterError(
+            self.metrics.admission_rejections.labels(verdict.reason).inc()
+            raise RouterError(
+                429,
+                f"request rejected by admission control: {verdict.message}",
+                "rate_limit_exceeded",
+                "rejected",
+                headers={"Retry-After": "1"},
+                code=verdict.reason,
+            )
+        raise self._unavailable(verdict.message)
+
+    async def _run_queue(self) -> None:
+        """Decide on the queued requests whenever a leg ends, and at least every
+        ``QUEUE_RECHECK_S``, until none waits."""
+        while self._waiters:
+            self._capacity.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._capacity.wait(), QUEUE_RECHECK_S)
+            for ticket, verdict in self.lifecycle.drain():
+                waiter = self._waiters.get(ticket)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(verdict)
+                else:  # its request is gone (cancelled) as it was admitted
+                    self.lifecycle.cancel(ticket)
+
+    @staticmethod
+    def _unavailable(reason: str) -> RouterError:
+        return RouterError(
             503,
-            f"no engine pair can serve: {verdict.message}",
+            f"no engine pair can serve: {reason}",
             "service_unavailable",
             "unavailable",
             headers={"Retry-After": "1"},
         )
 
-    def _idle_override(
-        self,
-        pick: Pair | NoPair,
-        verdict: Admit | Queue | Reject | Unavailable,
-        record: RequestRecord,
-    ) -> Admit | Queue | Reject | Unavailable:
-        """Admit the best over-budget pair when nothing at all is running on it.
+    # --- the legs -----------------------------------------------------------------------
 
-        Predictions carry corrections learnt from the requests served (prefill and decode
-        ratios, the handoff time). A burst can teach them values that put every pair over
-        budget; then nothing is admitted, nothing is observed, and the fleet, idle, would
-        reject every request for good. An idle pair takes the request instead: it delays no
-        one, and what it measures corrects the predictions.
-        """
-        if isinstance(verdict, Admit) or not isinstance(pick, NoPair):
-            return verdict
-        pair = pick.over_budget
-        if pair is None:
-            return verdict
-        p, d = self.state.engines[pair.prefill], self.state.engines[pair.decode]
-        busy = prefill_load(self.state, p) or p.prefill_work
-        if busy or decode_load(self.state, d) or d.pending_decode:
-            return verdict
-        record.attempt(
-            "admission", pair.prefill, "idle_pair", predicted_ttft_s=pair.predicted_ttft_s
-        )
-        return Admit(pair)
-
-    def _reject(self, reason: str, message: str) -> RouterError:
-        self.metrics.admission_rejections.labels(reason).inc()
-        return RouterError(
-            429,
-            f"request rejected by admission control: {message}",
-            "rate_limit_exceeded",
-            "rejected",
-            headers={"Retry-After": "1"},
-            code=reason,
-        )
-
-    def capacity_freed(self) -> None:
-        self._capacity.set()
-
-    async def open(self, request: ClientRequest, record: RequestRecord) -> DecodeStream:
-        """Run legs until a decode stream has produced its first event, or raise RouterError."""
+    async def _open(
+        self, ticket: Ticket, request: ClientRequest, record: RequestRecord
+    ) -> DecodeStream:
         routing = self.fleet.routing
         deadline_s = self.fleet.engine.first_token_timeout_s
-        failed_prefill: set[str] = set()
-        failed_decode: set[str] = set()
         prefill_failures = decode_failures = 0
         last_error = "no attempt"
         deadline_hit = False
-        first = True
+        pair = await self._admit(ticket, record)
         while True:
-            if first:
-                first = False
-                pick: Pair | NoPair = await self._admit(request, record)
-                if self.demand is not None:
-                    shape = self.shape(request, record)
-                    # A local prefill is no work for the prefill pool.
-                    prefill_s = 0.0 if pick.local else pick.predicted_prefill_s or 0.0
-                    self.demand.record_start(prefill_s, shape.prompt_tokens, shape.max_tokens)
-            else:
-                pick = self.scheduler.pick(
-                    self.state, self.shape(request, record), failed_prefill, failed_decode
-                )
-                if isinstance(pick, NoPair) and pick.over_budget is not None:
-                    pick = pick.over_budget  # already admitted: retry on the best pair there is
-            if isinstance(pick, NoPair):
-                if prefill_failures or decode_failures:
-                    raise self._exhausted(
-                        prefill_failures, decode_failures, deadline_hit, last_error
-                    )
-                raise RouterError(
-                    503,
-                    f"no engine pair can serve: {pick.reason}",
-                    "service_unavailable",
-                    "unavailable",
-                    headers={"Retry-After": "1"},
-                )
-            prefill = self.state.engines[pick.prefill]
-            decode = self.state.engines[pick.decode]
             record.role_generation = self.state.role_generation
-            record.mode = "local" if pick.local else "pd"
+            record.mode = "local" if pair.local else "pd"
             params: Any = None
             prompt_tokens: int | None = None
-            if not pick.local:
-                # Prefill leg. Its decode engine counts it from now (it will join that batch).
-                decode.pending_decode += 1
+            prompt_ids: list[int] | None = None
+            if not pair.local:
                 try:
-                    params, prompt_tokens = await self._prefill(prefill, request, record, pick)
+                    params, prompt_tokens, prompt_ids = await self._prefill(
+                        ticket, pair, request, record
+                    )
                 except _EngineClientError as exc:
                     raise RouterError.passthrough(exc.status, exc.body) from None
                 except _LegFailure as exc:
                     prefill_failures += 1
-                    last_error = f"prefill on {prefill.id}: {exc}"
-                    failed_prefill.add(prefill.id)
+                    last_error = f"prefill on {pair.prefill}: {exc}"
                     if prefill_failures >= routing.max_prefill_attempts:
                         raise self._exhausted(
                             prefill_failures, decode_failures, False, last_error
                         ) from None
                     self.metrics.retries.labels("prefill").inc()
+                    pair = self._retry(ticket, prefill_failures, decode_failures, False, last_error)
                     continue
-                finally:
-                    decode.pending_decode -= 1
             # Decode leg, under the first-token deadline.
             try:
                 return await self._decode(
-                    pick, decode, request, record, params, prompt_tokens, deadline_s
+                    ticket, pair, request, record, params, prompt_tokens, prompt_ids, deadline_s
                 )
             except _EngineClientError as exc:
                 if params is not None:
-                    self._stranded(prefill.id, "decode_failed", record)
+                    self._stranded(pair.prefill, "decode_failed", record)
                 raise RouterError.passthrough(exc.status, exc.body) from None
             except _LegFailure as exc:
                 decode_failures += 1
-                what = "local prefill and decode" if pick.local else "decode"
-                last_error = f"{what} on {decode.id}: {exc}"
-                failed_decode.add(decode.id)
+                what = "local prefill and decode" if pair.local else "decode"
+                last_error = f"{what} on {pair.decode}: {exc}"
                 if params is not None:
                     reason = "deadline_exceeded" if exc.deadline else "decode_failed"
-                    self._stranded(prefill.id, reason, record)
+                    self._stranded(pair.prefill, reason, record)
+                give_up = False
                 if exc.deadline:
                     deadline_hit = True
-                    if routing.fallback == "fail":
-                        raise self._exhausted(
-                            prefill_failures, decode_failures, True, last_error
-                        ) from None
+                    give_up = routing.fallback == "fail"
                 budget_left = self.fleet.budgets.ttft_s - record.since_arrival()
-                if decode_failures >= routing.max_decode_attempts or budget_left <= 0:
+                if give_up or decode_failures >= routing.max_decode_attempts or budget_left <= 0:
                     raise self._exhausted(
                         prefill_failures, decode_failures, deadline_hit, last_error
                     ) from None
                 self.metrics.retries.labels("decode").inc()
-                continue
+                pair = self._retry(
+                    ticket, prefill_failures, decode_failures, deadline_hit, last_error
+                )
+
+    def _retry(
+        self,
+        ticket: Ticket,
+        prefill_failures: int,
+        decode_failures: int,
+        deadline: bool,
+        last_error: str,
+    ) -> Pair:
+        pick = self.lifecycle.retry(ticket)
+        if isinstance(pick, NoPair):
+            raise self._exhausted(prefill_failures, decode_failures, deadline, last_error)
+        return pick
 
     def _exhausted(
         self, prefill_failures: int, decode_failures: int, deadline: bool, last_error: str
@@ -347,35 +336,15 @@ class PDRouter:
         record.attempt("handoff", prefill_id, "stranded", reason=reason)
         log.warning("request %s: KV prefilled on %s stranded (%s)", record.id, prefill_id, reason)
 
-    def _leg_failed(self, engine: EngineState, leg: str) -> None:
-        engine.breaker.record_failure()
-        self.metrics.leg_failures.labels(engine.id, leg).inc()
-        self.metrics.breaker_state.labels(engine.id).set(int(engine.breaker.state))
-
-    def _leg_ok(self, engine: EngineState) -> None:
-        engine.breaker.record_success()
-        self.metrics.breaker_state.labels(engine.id).set(int(engine.breaker.state))
-
     async def _prefill(
-        self, engine: EngineState, request: ClientRequest, record: RequestRecord, pick: Pair
-    ) -> tuple[Any, int | None]:
+        self, ticket: Ticket, pair: Pair, request: ClientRequest, record: RequestRecord
+    ) -> tuple[Any, int | None, list[int] | None]:
+        engine = pair.prefill
         path = "/v1/chat/completions" if request.chat else "/v1/completions"
         body = orjson.dumps(prefill_leg_body(request.body, request.chat))
-        record.prefill_engine = engine.id
+        record.prefill_engine = engine
         record.t_prefill_start = record.since_arrival()
-        engine.breaker.on_dispatch()
-        engine.in_flight_prefill += 1
-        predicted_total = None
-        if pick.predicted_prefill_s is not None:
-            now = self.state.clock.now()
-            # Queue and prefill, without the correction in force now (see observe below).
-            predicted_total = engine.queued_prefill_s(now) + pick.predicted_prefill_s
-            if self.predictor is not None:
-                predicted_total = self.predictor.uncorrected(engine.id, "prefill", predicted_total)
-            engine.prefill_work[record.id] = (pick.predicted_prefill_s, now)
-        gauge = self.metrics.in_flight.labels(engine.id, "prefill")
-        gauge.inc()
-        client = self.engines.client(engine.id)
+        client = self.engines.client(engine)
         headers = {"X-Request-Id": record.id, "Content-Type": "application/json"}
         response: EngineResponse | None = None
         try:
@@ -386,24 +355,20 @@ class PDRouter:
                 else:
                     content = await response.read()
         except (EngineTransportError, TimeoutError) as exc:
-            self._leg_failed(engine, "prefill")
+            self.lifecycle.prefill_done(ticket, "failed")
             why = "timed out" if isinstance(exc, TimeoutError) else str(exc)
-            record.attempt("prefill", engine.id, "failed", error=why)
+            record.attempt("prefill", engine, "failed", error=why)
             raise _LegFailure(why) from None
         finally:
-            engine.in_flight_prefill -= 1
-            engine.prefill_work.pop(record.id, None)
-            gauge.dec()
-            self._capacity.set()
             if response is not None:
                 await response.aclose()
         record.t_prefill_end = record.since_arrival()
         if response.status >= 500:
-            self._leg_failed(engine, "prefill")
-            record.attempt("prefill", engine.id, "failed", status=response.status)
+            self.lifecycle.prefill_done(ticket, "failed")
+            record.attempt("prefill", engine, "failed", status=response.status)
             raise _LegFailure(f"HTTP {response.status}")
         if response.status >= 400:
-            self._leg_ok(engine)  # the engine is fine; the request is not
+            self.lifecycle.prefill_done(ticket, "refused")  # the engine is fine; the request not
             raise _EngineClientError(response.status, content)
         try:
             data = orjson.loads(content)
@@ -414,99 +379,51 @@ class PDRouter:
             ids = choices[0].get("prompt_token_ids") if isinstance(choices[0], dict) else None
             if ids is None:
                 ids = data.get("prompt_token_ids")
-            # Kept for the client that asked (return_token_ids): only the prefill leg has them.
-            self._prompt_ids[record.id] = ids if isinstance(ids, list) else None
         except (orjson.JSONDecodeError, AttributeError):
-            self._leg_failed(engine, "prefill")
-            record.attempt("prefill", engine.id, "failed", error="malformed response")
+            self.lifecycle.prefill_done(ticket, "failed")
+            record.attempt("prefill", engine, "failed", error="malformed response")
             raise _LegFailure("malformed prefill response") from None
-        self._leg_ok(engine)
-        leg_s = record.t_prefill_end - record.t_prefill_start
-        self.metrics.prefill.labels(engine.id).observe(leg_s)
-        record.attempt("prefill", engine.id, "ok")
-        if isinstance(prompt_tokens, int):
-            record.prompt_tokens = prompt_tokens
-            if request.prompt_tokens_exact is None:
-                self.lengths.observe(request.prompt_bytes, prompt_tokens)
-        if self.predictor is not None and predicted_total is not None:
-            ratio = self.predictor.observe(
-                engine.id, "prefill", predicted_total, leg_s, uncorrected=True
-            )
-            self._export_ratio(engine.id, "prefill", ratio)
+        counted = prompt_tokens if isinstance(prompt_tokens, int) else None
+        # The decode leg is counted on its engine from here.
+        self.lifecycle.prefill_done(ticket, "ok", prompt_tokens=counted)
+        self.metrics.prefill.labels(engine).observe(record.t_prefill_end - record.t_prefill_start)
+        record.attempt("prefill", engine, "ok")
+        if counted is not None:
+            record.prompt_tokens = counted
         # vLLM returns kv_transfer_params only when the prefill stopped on its length cap with
         # blocks to hand over; without them the decode engine prefills the prompt itself.
         record.handoff = "nixl" if params is not None else "local"
-        return params, prompt_tokens if isinstance(prompt_tokens, int) else None
-
-    def _export_ratio(self, engine_id: str, phase: str, ratio: float) -> None:
-        assert self.predictor is not None
-        self.metrics.latency_ratio.labels(engine_id, phase).set(ratio)
-        self.metrics.profile_drift.labels(engine_id, phase).set(
-            1 if self.predictor.drifted(engine_id, phase) else 0
-        )
-
-    def observe_tpot(self, stream: DecodeStream, tpot_s: float, context: float) -> None:
-        """A finished request's TPOT against the model at the batch it actually shared (the
-        mean of the engine's batch when it joined and when it left): comparing with the batch
-        at pick time instead would read growing load as a slow engine."""
-        if self.predictor is None or not self.predictor.has(stream.engine) or tpot_s <= 0:
-            return
-        batch = (
-            stream.batch_at_start + self.state.decode_batch(self.state.engines[stream.engine]) + 1
-        ) / 2
-        expected = self.predictor.decode(stream.engine, max(1, round(batch)), context).seconds
-        # Local prefills sent to this engine while the stream decoded stalled its steps: part of
-        # what was expected, not a slower engine (spread over the stream's tokens).
-        engine = self.state.engines[stream.engine]
-        now = self.state.clock.now()
-        stalls = engine.recent_local_prefill_s(stream.started_at)
-        if stalls > 0 and now > stream.started_at:
-            expected += stalls * tpot_s / (now - stream.started_at)
-        ratio = self.predictor.observe(stream.engine, "decode", expected, tpot_s)
-        self._export_ratio(stream.engine, "decode", ratio)
+        # Kept for the client that asked (return_token_ids): only the prefill leg has them.
+        return params, counted, ids if isinstance(ids, list) else None
 
     async def _decode(
         self,
-        pick: Pair,
-        engine: EngineState,
+        ticket: Ticket,
+        pair: Pair,
         request: ClientRequest,
         record: RequestRecord,
         params: Any,
         prompt_tokens: int | None,
+        prompt_ids: list[int] | None,
         deadline_s: float,
     ) -> DecodeStream:
+        engine = pair.decode
         path = "/v1/chat/completions" if request.chat else "/v1/completions"
         # A local pick sends the client's request as it is: no kv_transfer_params at all.
         body = orjson.dumps(decode_leg_body(request.body, params))
-        client = self.engines.client(engine.id)
-        record.decode_engine = engine.id
+        client = self.engines.client(engine)
+        record.decode_engine = engine
         record.t_decode_start = record.since_arrival()
-        engine.breaker.on_dispatch()
-        engine.in_flight_decode += 1
-        self.metrics.in_flight.labels(engine.id, "decode").inc()
-        local_predicted = 0.0
-        if pick.local:
+        if pair.local:
             # The engine that decodes prefills: journaled as both, with no handoff.
-            record.prefill_engine = engine.id
+            record.prefill_engine = engine
             record.handoff = None
             record.t_prefill_start = record.t_decode_start
             record.t_prefill_end = None
-            self.metrics.local_prefills.labels(engine.id).inc()
-            now = self.state.clock.now()
-            predicted = pick.predicted_prefill_s or 0.0
-            # The online correction of local legs on this engine compares their first tokens
-            # with the predicted TTFT, without the correction in force now.
-            if self.predictor is not None and self.predictor.has(engine.id):
-                local_predicted = self.predictor.uncorrected(
-                    engine.id, "local", pick.predicted_ttft_s or 0.0
-                )
-            # Queued local prefill work (the next local pick waits behind it) and the stall
-            # history the scheduler weighs against this engine's batch.
-            engine.prefill_work[record.id] = (predicted, now)
-            engine.note_local_prefill(now, predicted)
+            self.metrics.local_prefills.labels(engine).inc()
         handed_over = False
         response: EngineResponse | None = None
-        leg = "local" if pick.local else "decode"  # as the journal's attempts name it
+        leg = "local" if pair.local else "decode"  # as the journal's attempts name it
         headers = {
             "X-Request-Id": record.id,
             "Content-Type": "application/json",
@@ -539,78 +456,49 @@ class PDRouter:
                 async with asyncio.timeout(deadline_s):
                     resp, events, first = await first_event()
             except TimeoutError:
-                self.metrics.deadline_exceeded.labels(engine.id).inc()
+                self.metrics.deadline_exceeded.labels(engine).inc()
                 # The tail of handoff latency includes the legs that missed (at least this
                 # long); and a missed deadline is a failed leg for the breaker, or a half-open
                 # probe that missed would hold its breaker half-open for good.
-                if not pick.local:
-                    self.metrics.handoff.labels(engine.id).observe(
+                if not pair.local:
+                    self.metrics.handoff.labels(engine).observe(
                         record.since_arrival() - record.t_decode_start
                     )
-                self._leg_failed(engine, "decode")
+                self.lifecycle.decode_failed(ticket, "deadline")
                 record.attempt(
                     leg,
-                    engine.id,
+                    engine,
                     "deadline_exceeded",
                     after_s=round(record.since_arrival() - record.t_decode_start, 6),
                 )
                 raise _LegFailure(f"no first token within {deadline_s} s", deadline=True) from None
             except EngineTransportError as exc:
-                self._leg_failed(engine, "decode")
-                record.attempt(leg, engine.id, "failed", error=str(exc))
+                self.lifecycle.decode_failed(ticket, "failed")
+                record.attempt(leg, engine, "failed", error=str(exc))
                 raise _LegFailure(str(exc)) from None
             except ValueError as exc:  # orjson.JSONDecodeError, an oversized event
-                self._leg_failed(engine, "decode")
-                record.attempt(leg, engine.id, "failed", error=f"{type(exc).__name__}: {exc}")
+                self.lifecycle.decode_failed(ticket, "failed")
+                record.attempt(leg, engine, "failed", error=f"{type(exc).__name__}: {exc}")
                 raise _LegFailure(f"{type(exc).__name__}: {exc}") from None
             except _LegFailure as exc:
-                self._leg_failed(engine, "decode")
-                record.attempt(leg, engine.id, "failed", error=str(exc))
+                self.lifecycle.decode_failed(ticket, "failed")
+                record.attempt(leg, engine, "failed", error=str(exc))
                 raise
             except _EngineClientError:
-                self._leg_ok(engine)
+                self.lifecycle.decode_failed(ticket, "refused")
                 raise
             handed_over = True
         finally:
-            if pick.local:
-                engine.prefill_work.pop(record.id, None)
-            if not handed_over:
-                engine.in_flight_decode -= 1
-                self.metrics.in_flight.labels(engine.id, "decode").dec()
-                if response is not None:
-                    with contextlib.suppress(Exception):
-                        await response.aclose()
-        self._leg_ok(engine)
+            if not handed_over and response is not None:
+                with contextlib.suppress(Exception):
+                    await response.aclose()
+        self.lifecycle.first_token(ticket)
         first_token_s = record.since_arrival() - record.t_decode_start
-        if pick.local:
+        if pair.local:
             record.t_prefill_end = record.t_decode_start + first_token_s
-            record.attempt(leg, engine.id, "first_token", after_s=round(first_token_s, 6))
-            if self.predictor is not None and local_predicted > 0:
-                self.predictor.observe(
-                    engine.id, "local", local_predicted, first_token_s, uncorrected=True
-                )
+            record.attempt(leg, engine, "first_token", after_s=round(first_token_s, 6))
         else:
             record.handoff_first_token_s = first_token_s
-            self.metrics.handoff.labels(engine.id).observe(first_token_s)
-            record.attempt("decode", engine.id, "first_token", after_s=round(first_token_s, 6))
-            if self.predictor is not None and pick.predicted_tpot_s is not None:
-                self.predictor.observe_handoff(engine.id, first_token_s, pick.predicted_tpot_s)
-        return DecodeStream(
-            engine.id,
-            resp,
-            events,
-            first,
-            prompt_tokens,
-            pick.predicted_tpot_s,
-            self.state.decode_batch(engine),
-            self.state.clock.now(),
-        )
-
-    def prompt_token_ids(self, request_id: str) -> list[int] | None:
-        """The prompt's token ids as the prefill engine returned them (once per request)."""
-        return self._prompt_ids.pop(request_id, None)
-
-    def decode_done(self, engine_id: str) -> None:
-        self.state.engines[engine_id].in_flight_decode -= 1
-        self.metrics.in_flight.labels(engine_id, "decode").dec()
-        self._capacity.set()
+            self.metrics.handoff.labels(engine).observe(first_token_s)
+            record.attempt("decode", engine, "first_token", after_s=round(first_token_s, 6))
+        return DecodeStream(engine, resp, events, first, prompt_tokens, ticket, prompt_ids)

@@ -1,0 +1,474 @@
+"""A request's life through the fleet, as one pure object: admission (with the idle override),
+the admission queue, pair selection, each leg's accounting on ``FleetState``, the breakers'
+verdicts, the online corrections of the latency models and the demand record.
+
+Two drivers run it, and nothing else decides any of this: ``narwhal.serve.pd`` runs the legs
+over HTTP, the virtual-time simulator (``narwhal.fleetsim``) runs simulated ones. A routing
+change is written here once, and the simulator measures what the router does.
+
+A driver tells the lifecycle what happened, in order, and asks it what to do::
+
+    ticket = lifecycle.arrive(...)
+    verdict = lifecycle.admit(ticket)        # Admit: its first leg is already counted
+    ...                                      # Queue: wait, then take it from lifecycle.drain()
+    lifecycle.prefill_done(ticket, "ok")     # a P/D pair: the decode leg is counted from now
+    lifecycle.first_token(ticket)
+    lifecycle.finished(ticket, completion_tokens=n, tpot_s=...)
+
+A failed leg (``prefill_done(t, "failed")``, ``decode_failed(t, "failed")``) leaves the ticket
+waiting for :meth:`Lifecycle.retry`; ``cancel`` releases whatever a ticket still holds (a client
+that left, a router shutting down). Pure: the clock is the fleet state's, there is no I/O, and
+what the router's metrics want to hear goes to an injected :class:`LifecycleObserver`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from narwhal.routing.admission import Admit, Queue, Reject, Verdict, admit
+from narwhal.routing.breaker import BreakerState
+from narwhal.routing.fleet_state import EngineState, FleetState, Role
+from narwhal.routing.predictor import LatencyPredictor
+from narwhal.routing.prompt_length import PromptLengthEstimator
+from narwhal.routing.roles import DemandTracker
+from narwhal.routing.scheduler import (
+    NoPair,
+    Pair,
+    RequestShape,
+    Scheduler,
+    decode_load,
+    prefill_load,
+)
+
+__all__ = [
+    "QUEUE_RECHECK_S",
+    "LegOutcome",
+    "Lifecycle",
+    "LifecycleObserver",
+    "Phase",
+    "Ticket",
+]
+
+# While requests wait in the admission queue, drivers decide on them again whenever a leg ends
+# and at least this often.
+QUEUE_RECHECK_S = 0.05
+
+# new: not yet admitted, or waiting for a retry after a failed leg; queued: in the admission
+# queue; prefill: its prefill leg runs; decode: its decode leg runs, no token yet; streaming:
+# the decode leg has produced its first token; done: nothing held any more.
+Phase = Literal["new", "queued", "prefill", "decode", "streaming", "done"]
+
+# ok: the leg did its work; refused: the engine answered 4xx (the request's fault: the engine is
+# fine and the request is over); failed: the engine failed (a retry may go elsewhere);
+# deadline: the decode leg produced no first token within the first-token deadline.
+LegOutcome = Literal["ok", "refused", "failed", "deadline"]
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request's routing state, from arrival to its end. Times are on the lifecycle's
+    clock."""
+
+    id: str
+    arrival: float
+    max_tokens: int
+    # Exact when known: a prompt of token ids, or the count a prefill leg reported.
+    prompt_tokens: int | None = None
+    prompt_bytes: int = 0  # a text prompt's size, from which its length is estimated
+    local_ok: bool = True  # False when the request needs what only a prefill leg returns
+    phase: Phase = "new"
+    pair: Pair | None = None
+    queued_at: float | None = None
+    waited_s: float | None = None  # time in the admission queue, once admitted from it
+    idle_admitted: bool = False
+    failed_prefill: set[str] = field(default_factory=set)
+    failed_decode: set[str] = field(default_factory=set)
+    prefill_started: float = 0.0
+    # The prefill leg's predicted queue wait plus prefill, without the correction in force
+    # when it was dispatched: what its duration is compared with when it ends.
+    prefill_predicted_s: float | None = None
+    decode_started: float = 0.0
+    local_predicted_s: float | None = None  # likewise, a local leg's first token
+    first_token_at: float | None = None
+    batch_at_start: int = 0  # the decode engine's batch when this request joined it
+
+    @property
+    def local(self) -> bool:
+        return self.pair is not None and self.pair.local
+
+
+class LifecycleObserver:
+    """What the lifecycle reports as it goes (the router turns it into metrics). Every method
+    is a no-op here: the simulator observes nothing."""
+
+    def in_flight(self, engine: str, role: Role, delta: int) -> None:
+        """Legs of ``role`` in flight on ``engine`` moved by ``delta``."""
+
+    def queue_depth(self, depth: int) -> None:
+        """The admission queue now holds ``depth`` requests."""
+
+    def leg_failed(self, engine: str, leg: Literal["prefill", "decode"]) -> None:
+        """A leg failed on ``engine`` (counted against its breaker)."""
+
+    def breaker(self, engine: str, state: BreakerState) -> None:
+        """``engine``'s breaker is now in ``state`` (after a leg's verdict)."""
+
+    def correction(self, engine: str, phase: str, ratio: float, drifted: bool) -> None:
+        """The online correction of ``engine``'s ``phase`` model is now ``ratio``."""
+
+    def capacity_freed(self) -> None:
+        """A leg ended: queued requests may fit now."""
+
+
+class Lifecycle:
+    """Every request's life through one fleet. See the module docstring for the protocol."""
+
+    def __init__(
+        self,
+        state: FleetState,
+        scheduler: Scheduler,
+        *,
+        predictor: LatencyPredictor | None = None,
+        demand: DemandTracker | None = None,
+        observer: LifecycleObserver | None = None,
+    ) -> None:
+        self.state = state
+        self.clock = state.clock
+        self.scheduler = scheduler
+        self.predictor = predictor
+        self.demand = demand
+        self.observer = observer or LifecycleObserver()
+        self.policy = state.fleet.routing
+        self.lengths = PromptLengthEstimator()
+        # The admission queue in arrival order (a dict: ordered, O(1) removal).
+        self._queue: dict[Ticket, None] = {}
+
+    # --- arrival and admission ----------------------------------------------------------
+
+    def arrive(
+        self,
+        request_id: str,
+        *,
+        max_tokens: int,
+        prompt_tokens: int | None = None,
+        prompt_bytes: int = 0,
+        local_ok: bool = True,
+        arrival: float | None = None,
+    ) -> Ticket:
+        return Ticket(
+            request_id,
+            self.clock.now() if arrival is None else arrival,
+            max_tokens,
+            prompt_tokens,
+            prompt_bytes,
+            local_ok,
+        )
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting in the admission queue."""
+        return len(self._queue)
+
+    def shape(self, ticket: Ticket) -> RequestShape:
+        tokens = ticket.prompt_tokens
+        if tokens is None:
+            tokens = self.lengths.estimate(ticket.prompt_bytes)
+        return RequestShape(
+            tokens, ticket.max_tokens, self.clock.now() - ticket.arrival, ticket.local_ok
+        )
+
+    def admit(self, ticket: Ticket) -> Verdict:
+        """The first decision on a request. ``Admit``: its first leg is dispatched (counted on
+        its engines) before this returns. ``Queue``: it waits in the admission queue, and
+        :meth:`drain` decides again."""
+        if ticket.phase != "new":
+            raise ValueError(f"request {ticket.id} was already admitted ({ticket.phase})")
+        return self._decide(ticket, in_queue=False)
+
+    def drain(self) -> list[tuple[Ticket, Verdict]]:
+        """Decide again on every queued request, oldest first (each admitted one is counted
+        before the next is decided); returns those that left the queue, with their verdict."""
+        left: list[tuple[Ticket, Verdict]] = []
+        for ticket in list(self._queue):
+            verdict = self._decide(ticket, in_queue=True)
+            if not isinstance(verdict, Queue):
+                left.append((ticket, verdict))
+        return left
+
+    def _decide(self, ticket: Ticket, in_queue: bool) -> Verdict:
+        shape = self.shape(ticket)
+        pick = self.scheduler.pick(self.state, shape)
+        now = self.clock.now()
+        waited = now - ticket.queued_at if in_queue and ticket.queued_at is not None else 0.0
+        verdict = self._idle_override(
+            pick, admit(pick, self.policy, len(self._queue), waited, in_queue=in_queue)
+        )
+        if isinstance(verdict, Queue):
+            if not in_queue:
+                ticket.phase = "queued"
+                ticket.queued_at = now
+                self._queue[ticket] = None
+                self.observer.queue_depth(len(self._queue))
+            return verdict
+        if in_queue:
+            del self._queue[ticket]
+            ticket.waited_s = waited
+            self.observer.queue_depth(len(self._queue))
+        if isinstance(verdict, Admit):
+            ticket.idle_admitted = verdict.idle
+            if self.demand is not None:
+                # A local prefill is no work for the prefill pool.
+                pair = verdict.pair
+                prefill_s = 0.0 if pair.local else pair.predicted_prefill_s or 0.0
+                self.demand.record_start(prefill_s, shape.prompt_tokens, shape.max_tokens)
+            self._dispatch(ticket, verdict.pair)
+            return verdict
+        ticket.phase = "done"
+        if isinstance(verdict, Reject) and self.demand is not None:
+            self.demand.record_rejected(shape, pick)  # demand all the same
+        return verdict
+
+    def _idle_override(self, pick: Pair | NoPair, verdict: Verdict) -> Verdict:
+        """Admit the best over-budget pair when nothing at all is running on it.
+
+        Predictions carry corrections learnt from the requests served (prefill and decode
+        ratios, the handoff time). A burst can teach them values that put every pair over
+        budget; then nothing is admitted, nothing is observed, and the fleet, idle, would
+        reject every request for good. An idle pair takes the request instead: it delays no
+        one, and what it measures corrects the predictions.
+        """
+        if isinstance(verdict, Admit) or not isinstance(pick, NoPair):
+            return verdict
+        pair = pick.over_budget
+        if pair is None:
+            return verdict
+        p, d = self.state.engines[pair.prefill], self.state.engines[pair.decode]
+        busy = prefill_load(self.state, p) or p.prefill_work
+        if busy or decode_load(self.state, d) or d.pending_decode:
+            return verdict
+        return Admit(pair, idle=True)
+
+    def retry(self, ticket: Ticket) -> Pair | NoPair:
+        """After a failed leg: the best pair avoiding the engines that failed this request
+        (over budget or not: it was admitted), dispatched; or why there is none."""
+        if ticket.phase != "new":
+            raise ValueError(f"request {ticket.id} has nothing to retry ({ticket.phase})")
+        pick = self.scheduler.pick(
+            self.state, self.shape(ticket), ticket.failed_prefill, ticket.failed_decode
+        )
+        if isinstance(pick, NoPair) and pick.over_budget is not None:
+            pick = pick.over_budget
+        if isinstance(pick, Pair):
+            self._dispatch(ticket, pick)
+        else:
+            ticket.phase = "done"
+        return pick
+
+    def _dispatch(self, ticket: Ticket, pair: Pair) -> None:
+        ticket.pair = pair
+        if pair.local:
+            self._begin_decode(ticket)
+            return
+        p, d = self.state.engines[pair.prefill], self.state.engines[pair.decode]
+        # The decode engine counts the request from now: it will join that batch.
+        d.pending_decode += 1
+        p.breaker.on_dispatch()
+        p.in_flight_prefill += 1
+        self.observer.in_flight(p.id, "prefill", 1)
+        now = self.clock.now()
+        ticket.phase = "prefill"
+        ticket.prefill_started = now
+        ticket.prefill_predicted_s = None
+        if pair.predicted_prefill_s is not None:
+            # Queue and prefill, without the correction in force now (see prefill_done).
+            predicted = p.queued_prefill_s(now) + pair.predicted_prefill_s
+            if self.predictor is not None:
+                predicted = self.predictor.uncorrected(p.id, "prefill", predicted)
+            ticket.prefill_predicted_s = predicted
+            p.prefill_work[ticket.id] = (pair.predicted_prefill_s, now)
+
+    # --- the prefill leg ----------------------------------------------------------------
+
+    def prefill_done(
+        self, ticket: Ticket, outcome: LegOutcome, *, prompt_tokens: int | None = None
+    ) -> None:
+        """The prefill leg ended. ``ok``: the decode leg is dispatched to the pair's decode
+        engine (counted from now); ``prompt_tokens`` is the count the engine reported."""
+        if ticket.phase != "prefill" or ticket.pair is None:
+            raise ValueError(f"request {ticket.id} has no prefill leg running ({ticket.phase})")
+        p = self._end_prefill(ticket)
+        if outcome in ("failed", "deadline"):
+            self._verdict(p, ok=False, leg="prefill")
+            ticket.failed_prefill.add(p.id)
+            ticket.phase = "new"
+            return
+        self._verdict(p, ok=True)
+        if outcome == "refused":
+            ticket.phase = "done"
+            return
+        if prompt_tokens is not None and prompt_tokens > 0:
+            if ticket.prompt_tokens is None:
+                self.lengths.observe(ticket.prompt_bytes, prompt_tokens)
+            ticket.prompt_tokens = prompt_tokens
+        if self.predictor is not None and ticket.prefill_predicted_s is not None:
+            ratio = self.predictor.observe(
+                p.id,
+                "prefill",
+                ticket.prefill_predicted_s,
+                self.clock.now() - ticket.prefill_started,
+                uncorrected=True,
+            )
+            self._report_correction(p.id, "prefill", ratio)
+        self._begin_decode(ticket)
+
+    def _end_prefill(self, ticket: Ticket) -> EngineState:
+        assert ticket.pair is not None
+        p = self.state.engines[ticket.pair.prefill]
+        self.state.engines[ticket.pair.decode].pending_decode -= 1
+        p.in_flight_prefill -= 1
+        p.prefill_work.pop(ticket.id, None)
+        self.observer.in_flight(p.id, "prefill", -1)
+        self.observer.capacity_freed()
+        return p
+
+    # --- the decode leg -----------------------------------------------------------------
+
+    def _begin_decode(self, ticket: Ticket) -> None:
+        assert ticket.pair is not None
+        pair = ticket.pair
+        d = self.state.engines[pair.decode]
+        d.breaker.on_dispatch()
+        d.in_flight_decode += 1
+        self.observer.in_flight(d.id, "decode", 1)
+        now = self.clock.now()
+        ticket.phase = "decode"
+        ticket.decode_started = now
+        ticket.local_predicted_s = None
+        if pair.local:
+            predicted = pair.predicted_prefill_s or 0.0
+            # A local leg's first token against the predicted TTFT, without the correction in
+            # force now, corrects local legs on this engine.
+            if self.predictor is not None and self.predictor.has(d.id):
+                ticket.local_predicted_s = self.predictor.uncorrected(
+                    d.id, "local", pair.predicted_ttft_s or 0.0
+                )
+            # Queued local prefill work (the next local pick waits behind it) and the stall
+            # history the scheduler weighs against this engine's batch.
+            d.prefill_work[ticket.id] = (predicted, now)
+            d.note_local_prefill(now, predicted)
+
+    def first_token(self, ticket: Ticket, *, at: float | None = None) -> None:
+        """The decode leg produced its first token (``at``: when, if not now)."""
+        if ticket.phase != "decode" or ticket.pair is None:
+            raise ValueError(f"request {ticket.id} has no decode leg waiting ({ticket.phase})")
+        now = self.clock.now() if at is None else at
+        d = self.state.engines[ticket.pair.decode]
+        if ticket.local:
+            d.prefill_work.pop(ticket.id, None)
+        self._verdict(d, ok=True)
+        ticket.phase = "streaming"
+        ticket.first_token_at = now
+        after = now - ticket.decode_started
+        predictor = self.predictor
+        if predictor is not None:
+            if ticket.local:
+                if ticket.local_predicted_s:
+                    predictor.observe(
+                        d.id, "local", ticket.local_predicted_s, after, uncorrected=True
+                    )
+            elif ticket.pair.predicted_tpot_s is not None:
+                # What is left after the predicted first step is the KV transfer.
+                predictor.observe_handoff(d.id, after, ticket.pair.predicted_tpot_s)
+        ticket.batch_at_start = self.state.decode_batch(d)
+
+    def decode_failed(self, ticket: Ticket, outcome: LegOutcome) -> None:
+        """The decode leg ended before its first token: ``failed`` or ``deadline`` (the
+        engine's fault: a retry may go elsewhere), or ``refused`` (the request is over)."""
+        if ticket.phase != "decode" or ticket.pair is None:
+            raise ValueError(f"request {ticket.id} has no decode leg waiting ({ticket.phase})")
+        d = self._end_decode(ticket)
+        if outcome == "refused":
+            self._verdict(d, ok=True)
+            ticket.phase = "done"
+            return
+        self._verdict(d, ok=False, leg="decode")
+        ticket.failed_decode.add(d.id)
+        ticket.phase = "new"
+
+    def finished(
+        self,
+        ticket: Ticket,
+        *,
+        completion_tokens: int | None = None,
+        tpot_s: float | None = None,
+    ) -> None:
+        """The decode stream is over. With ``tpot_s`` (a completed answer's measured time per
+        output token after the first) the decode model's correction learns from it: against
+        the model at the batch the request actually shared (the mean of the engine's batch when
+        it joined and when it left; comparing with the batch at pick time would read growing
+        load as a slow engine)."""
+        if ticket.phase != "streaming" or ticket.pair is None:
+            raise ValueError(f"request {ticket.id} is not streaming ({ticket.phase})")
+        d = self._end_decode(ticket)
+        ticket.phase = "done"
+        predictor = self.predictor
+        n = completion_tokens or 0
+        if (
+            predictor is None
+            or tpot_s is None
+            or tpot_s <= 0
+            or n < 2
+            or ticket.first_token_at is None
+            or not predictor.has(d.id)
+        ):
+            return
+        batch = (ticket.batch_at_start + self.state.decode_batch(d) + 1) / 2
+        context = (ticket.prompt_tokens or 0) + n / 2
+        expected = predictor.decode(d.id, max(1, round(batch)), context).seconds
+        # Local prefills sent to this engine while the request decoded stalled its steps: part
+        # of what was expected, not a slower engine (spread over its tokens).
+        expected += d.recent_local_prefill_s(ticket.first_token_at) / (n - 1)
+        ratio = predictor.observe(d.id, "decode", expected, tpot_s)
+        self._report_correction(d.id, "decode", ratio)
+
+    def _end_decode(self, ticket: Ticket) -> EngineState:
+        assert ticket.pair is not None
+        d = self.state.engines[ticket.pair.decode]
+        d.in_flight_decode -= 1
+        if ticket.local:
+            d.prefill_work.pop(ticket.id, None)
+        self.observer.in_flight(d.id, "decode", -1)
+        self.observer.capacity_freed()
+        return d
+
+    # --- the end, whatever it was ---------------------------------------------------------
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Release whatever the ticket still holds, with no verdict on any engine: the client
+        left, or the router stops. Idempotent."""
+        phase = ticket.phase
+        ticket.phase = "done"
+        if phase == "queued":
+            self._queue.pop(ticket, None)
+            self.observer.queue_depth(len(self._queue))
+        elif phase == "prefill":
+            self._end_prefill(ticket).breaker.on_abandon()
+        elif phase in ("decode", "streaming"):
+            self._end_decode(ticket).breaker.on_abandon()
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def _verdict(
+        self, engine: EngineState, ok: bool, leg: Literal["prefill", "decode"] = "decode"
+    ) -> None:
+        if ok:
+            engine.breaker.record_success()
+        else:
+            engine.breaker.record_failure()
+            self.observer.leg_failed(engine.id, leg)
+        self.observer.breaker(engine.id, engine.breaker.state)
+
+    def _report_correction(self, engine: str, phase: str, ratio: float) -> None:
+        assert self.predictor is not None
+        self.observer.correction(engine, phase, ratio, self.predictor.drifted(engine, phase))

@@ -1,0 +1,330 @@
+"""The routing lifecycle on a virtual clock: what each step counts on the engines, what it
+releases, the queue, retries, cancellation, and what it reports to its observer."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Literal
+
+import pytest
+
+from narwhal.clock import VirtualClock
+from narwhal.contract import parse_fleet
+from narwhal.profiles.models import DecodeLatencyModel, PrefillLatencyModel
+from narwhal.profiles.store import EngineModels
+from narwhal.routing.admission import Admit, Queue, Reject
+from narwhal.routing.breaker import BreakerState
+from narwhal.routing.fleet_state import FleetState, Role
+from narwhal.routing.lifecycle import Lifecycle, LifecycleObserver, Ticket
+from narwhal.routing.predictor import LatencyPredictor
+from narwhal.routing.roles import DemandTracker
+from narwhal.routing.scheduler import NoPair, Pair, SchedulerV0, SchedulerV1
+from narwhal.simengine.fleet import local_fleet_document
+
+
+class RecordingObserver(LifecycleObserver):
+    def __init__(self) -> None:
+        self.in_flight_by: Counter[tuple[str, str]] = Counter()
+        self.depths: list[int] = []
+        self.failed: list[tuple[str, str]] = []
+        self.breakers: dict[str, BreakerState] = {}
+        self.corrections: list[tuple[str, str]] = []
+        self.freed = 0
+
+    def in_flight(self, engine: str, role: Role, delta: int) -> None:
+        self.in_flight_by[(engine, role)] += delta
+
+    def queue_depth(self, depth: int) -> None:
+        self.depths.append(depth)
+
+    def leg_failed(self, engine: str, leg: Literal["prefill", "decode"]) -> None:
+        self.failed.append((engine, leg))
+
+    def breaker(self, engine: str, state: BreakerState) -> None:
+        self.breakers[engine] = state
+
+    def correction(self, engine: str, phase: str, ratio: float, drifted: bool) -> None:
+        self.corrections.append((engine, phase))
+
+    def capacity_freed(self) -> None:
+        self.freed += 1
+
+
+def build(
+    *,
+    n_prefill: int = 2,
+    n_decode: int = 2,
+    routing: dict[str, object] | None = None,
+    scheduler: str = "v1",
+    ttft_s: float = 2.0,
+) -> tuple[Lifecycle, VirtualClock, RecordingObserver]:
+    n = n_prefill + n_decode
+    doc = local_fleet_document(
+        list(range(9000, 9000 + n)),
+        list(range(9100, 9100 + n)),
+        initial_roles=["prefill"] * n_prefill + ["decode"] * n_decode,
+        ttft_s=ttft_s,
+        tpot_s=0.1,
+        first_token_timeout_s=0.9 * ttft_s,
+        routing=routing or {},
+    )
+    fleet = parse_fleet(doc, "fleet.json").contract
+    models = {
+        e.id: EngineModels(
+            PrefillLatencyModel(0.01, 1e-4, 0.0, 64, 8192),
+            DecodeLatencyModel(0.02, 0.001, 0.0, 64, 16384),
+            None,
+        )
+        for e in fleet.engines
+    }
+    clock = VirtualClock(10.0)
+    state = FleetState(fleet, clock)
+    predictor = LatencyPredictor(models)
+    observer = RecordingObserver()
+    lifecycle = Lifecycle(
+        state,
+        SchedulerV1(predictor, fleet.budgets) if scheduler == "v1" else SchedulerV0(),
+        predictor=predictor if scheduler == "v1" else None,
+        demand=DemandTracker(clock),
+        observer=observer,
+    )
+    return lifecycle, clock, observer
+
+
+def counts(lifecycle: Lifecycle) -> dict[str, tuple[int, int, int, int]]:
+    """Per engine: in-flight prefill, in-flight decode, pending decode, queued prefill work."""
+    return {
+        e.id: (e.in_flight_prefill, e.in_flight_decode, e.pending_decode, len(e.prefill_work))
+        for e in lifecycle.state.engines.values()
+    }
+
+
+IDLE = {"e0": (0, 0, 0, 0), "e1": (0, 0, 0, 0), "e2": (0, 0, 0, 0), "e3": (0, 0, 0, 0)}
+
+
+def admitted(lifecycle: Lifecycle, ticket: Ticket) -> Pair:
+    verdict = lifecycle.admit(ticket)
+    assert isinstance(verdict, Admit), verdict
+    return verdict.pair
+
+
+def test_a_pd_request_is_counted_on_its_engines_leg_by_leg_and_released() -> None:
+    lifecycle, clock, observer = build()
+    ticket = lifecycle.arrive("r", max_tokens=11, prompt_tokens=1000)
+    pair = admitted(lifecycle, ticket)
+    p, d = pair.prefill, pair.decode
+    assert ticket.phase == "prefill"
+    # The prefill leg runs on p; d counts the request as joining its batch.
+    assert counts(lifecycle)[p] == (1, 0, 0, 1) and counts(lifecycle)[d] == (0, 0, 1, 0)
+    assert lifecycle.state.decode_batch(lifecycle.state.engines[d]) == 1
+    clock.advance(0.2)
+    lifecycle.prefill_done(ticket, "ok", prompt_tokens=1000)
+    assert ticket.phase == "decode"
+    assert counts(lifecycle)[p] == (0, 0, 0, 0) and counts(lifecycle)[d] == (0, 1, 0, 0)
+    assert ("e0" if p == "e0" else p, "prefill") in observer.corrections
+    clock.advance(0.05)
+    lifecycle.first_token(ticket)
+    assert ticket.phase == "streaming" and ticket.batch_at_start == 1
+    clock.advance(0.25)
+    lifecycle.finished(ticket, completion_tokens=11, tpot_s=0.025)
+    assert ticket.phase == "done"
+    assert counts(lifecycle) == IDLE
+    assert (d, "decode") in observer.corrections
+    assert all(v == 0 for v in observer.in_flight_by.values())
+    assert observer.freed == 2  # the prefill leg's end and the decode leg's
+    assert lifecycle.demand is not None and lifecycle.demand.rate() > 0
+
+
+def test_the_prefill_correction_compares_its_leg_with_the_queue_it_waited_behind() -> None:
+    lifecycle, clock, _ = build(n_prefill=1)
+    first = lifecycle.arrive("a", max_tokens=2, prompt_tokens=4000)
+    second = lifecycle.arrive("b", max_tokens=2, prompt_tokens=4000)
+    admitted(lifecycle, first)
+    admitted(lifecycle, second)
+    assert first.prefill_predicted_s == pytest.approx(0.41)
+    # The second waits behind the first: its prediction is both prefills.
+    assert second.prefill_predicted_s == pytest.approx(0.82)
+    clock.advance(0.41)
+    lifecycle.prefill_done(first, "ok")
+    clock.advance(0.41)
+    lifecycle.prefill_done(second, "ok")
+    predictor = lifecycle.predictor
+    assert predictor is not None
+    assert predictor.ratio("e0", "prefill") == pytest.approx(1.0)
+
+
+def test_a_failed_prefill_counts_against_its_engine_and_the_retry_goes_elsewhere() -> None:
+    lifecycle, _, observer = build()
+    ticket = lifecycle.arrive("r", max_tokens=4, prompt_tokens=100)
+    first = admitted(lifecycle, ticket)
+    lifecycle.prefill_done(ticket, "failed")
+    assert ticket.phase == "new" and ticket.failed_prefill == {first.prefill}
+    assert observer.failed == [(first.prefill, "prefill")]
+    assert lifecycle.state.engines[first.prefill].breaker.consecutive_failures == 1
+    assert counts(lifecycle) == IDLE
+    retry = lifecycle.retry(ticket)
+    assert isinstance(retry, Pair) and retry.prefill != first.prefill
+    assert ticket.phase == "prefill"
+    lifecycle.cancel(ticket)
+    assert counts(lifecycle) == IDLE
+
+
+def test_a_refused_leg_ends_the_request_and_clears_its_engine() -> None:
+    lifecycle, _, observer = build()
+    ticket = lifecycle.arrive("r", max_tokens=4, prompt_tokens=100)
+    pair = admitted(lifecycle, ticket)
+    engine = lifecycle.state.engines[pair.prefill]
+    engine.breaker.record_failure()
+    lifecycle.prefill_done(ticket, "refused")
+    assert ticket.phase == "done" and engine.breaker.consecutive_failures == 0
+    assert observer.failed == [] and counts(lifecycle) == IDLE
+    with pytest.raises(ValueError):
+        lifecycle.retry(ticket)
+
+
+@pytest.mark.parametrize("outcome", ["failed", "deadline"])
+def test_a_decode_leg_that_fails_before_its_first_token_is_retried_elsewhere(
+    outcome: Literal["failed", "deadline"],
+) -> None:
+    lifecycle, _, observer = build()
+    ticket = lifecycle.arrive("r", max_tokens=4, prompt_tokens=100)
+    pair = admitted(lifecycle, ticket)
+    lifecycle.prefill_done(ticket, "ok")
+    lifecycle.decode_failed(ticket, outcome)
+    assert ticket.failed_decode == {pair.decode} and observer.failed == [(pair.decode, "decode")]
+    assert counts(lifecycle) == IDLE
+    retry = lifecycle.retry(ticket)
+    assert isinstance(retry, Pair) and retry.decode != pair.decode
+
+
+def test_no_pair_left_after_failures_ends_the_ticket() -> None:
+    lifecycle, _, _ = build(n_prefill=1, n_decode=1)
+    ticket = lifecycle.arrive("r", max_tokens=4, prompt_tokens=100)
+    admitted(lifecycle, ticket)
+    lifecycle.prefill_done(ticket, "failed")
+    assert isinstance(lifecycle.retry(ticket), NoPair) and ticket.phase == "done"
+
+
+@pytest.mark.parametrize("phase", ["queued", "prefill", "decode", "streaming"])
+def test_cancel_releases_whatever_the_ticket_holds(phase: str) -> None:
+    lifecycle, clock, observer = build(n_prefill=1, routing={"admission": "queue"}, ttft_s=0.1)
+    ticket = lifecycle.arrive("r", max_tokens=4, prompt_tokens=100)
+    prefill = lifecycle.state.engines["e0"]
+    if phase == "queued":
+        # 5 s of prefill ahead: nothing meets a 0.1 s TTFT budget.
+        prefill.in_flight_prefill = 1
+        prefill.prefill_work["earlier"] = (5.0, clock.now())
+        assert isinstance(lifecycle.admit(ticket), Queue) and lifecycle.queued == 1
+        prefill.in_flight_prefill = 0
+        del prefill.prefill_work["earlier"]
+    else:
+        pair = admitted(lifecycle, ticket)
+        # A half-open breaker's probe: cancelling it must let the next request probe.
+        engine = lifecycle.state.engines[pair.prefill if phase == "prefill" else pair.decode]
+        engine.breaker.state = BreakerState.HALF_OPEN
+        engine.breaker.probe_in_flight = True
+        if phase != "prefill":
+            lifecycle.prefill_done(ticket, "ok")
+            engine.breaker.state = BreakerState.HALF_OPEN
+            engine.breaker.probe_in_flight = True
+        if phase == "streaming":
+            lifecycle.first_token(ticket)
+            engine.breaker.state = BreakerState.HALF_OPEN
+            engine.breaker.probe_in_flight = True
+    lifecycle.cancel(ticket)
+    lifecycle.cancel(ticket)  # idempotent
+    assert ticket.phase == "done" and lifecycle.queued == 0
+    assert set(counts(lifecycle).values()) == {(0, 0, 0, 0)}
+    assert all(v == 0 for v in observer.in_flight_by.values())
+    assert all(e.breaker.allows_request() for e in lifecycle.state.engines.values())
+
+
+def test_the_queue_is_decided_oldest_first_and_times_out() -> None:
+    lifecycle, clock, observer = build(
+        n_prefill=1, routing={"admission": "queue", "queue_timeout_s": 1.0}, ttft_s=0.5
+    )
+    prefill = lifecycle.state.engines["e0"]
+    prefill.in_flight_prefill = 1
+    prefill.prefill_work["earlier"] = (5.0, clock.now())
+    tickets = [lifecycle.arrive(f"r{i}", max_tokens=4, prompt_tokens=100) for i in range(3)]
+    for t in tickets:
+        assert isinstance(lifecycle.admit(t), Queue)
+    assert lifecycle.queued == 3 and observer.depths == [1, 2, 3]
+    clock.advance(0.5)
+    assert lifecycle.drain() == []  # still no room, and not yet timed out
+    # The earlier prefill ends: room for one (each admission is counted before the next).
+    prefill.in_flight_prefill = 0
+    del prefill.prefill_work["earlier"]
+    left = lifecycle.drain()
+    assert next(t.id for t, v in left if isinstance(v, Admit)) == "r0"
+    assert tickets[0].waited_s == pytest.approx(0.5)
+    clock.advance(0.6)
+    rest = lifecycle.drain()
+    assert {t.id for t, v in rest if isinstance(v, Reject) and v.reason == "queue_timeout"} == {
+        t.id for t in tickets if t.phase == "done" and t.pair is None
+    }
+    assert lifecycle.queued == 0 and observer.depths[-1] == 0
+
+
+def test_queue_full_rejects_at_once() -> None:
+    lifecycle, clock, _ = build(n_prefill=1, routing={"admission": "queue", "queue_max": 1})
+    prefill = lifecycle.state.engines["e0"]
+    prefill.in_flight_prefill = 1
+    prefill.prefill_work["earlier"] = (50.0, clock.now())
+    assert isinstance(lifecycle.admit(lifecycle.arrive("a", max_tokens=4, prompt_tokens=10)), Queue)
+    verdict = lifecycle.admit(lifecycle.arrive("b", max_tokens=4, prompt_tokens=10))
+    assert isinstance(verdict, Reject) and verdict.reason == "queue_full"
+
+
+def test_a_local_leg_holds_its_decode_engine_as_prefill_work_until_its_first_token() -> None:
+    lifecycle, clock, _ = build(
+        n_prefill=1, routing={"local_prefill": {"enabled": True, "max_prompt_tokens": 4096}}
+    )
+    # A long prefill queue on the only prefill engine: the decode engine prefills itself.
+    prefill = lifecycle.state.engines["e0"]
+    prefill.in_flight_prefill = 1
+    prefill.prefill_work["earlier"] = (1.5, clock.now())
+    ticket = lifecycle.arrive("r", max_tokens=8, prompt_tokens=200)
+    pair = admitted(lifecycle, ticket)
+    assert pair.local and ticket.phase == "decode"
+    d = lifecycle.state.engines[pair.decode]
+    assert d.in_flight_decode == 1 and ticket.id in d.prefill_work
+    assert d.recent_local_prefill_s(clock.now()) == pytest.approx(pair.predicted_prefill_s)
+    clock.advance(0.05)
+    lifecycle.first_token(ticket)
+    assert ticket.id not in d.prefill_work and d.in_flight_decode == 1
+    lifecycle.finished(ticket, completion_tokens=8, tpot_s=0.03)
+    assert d.in_flight_decode == 0
+
+
+def test_text_prompts_are_estimated_until_a_prefill_leg_counts_them() -> None:
+    lifecycle, _, _ = build(scheduler="v0")
+    ticket = lifecycle.arrive("r", max_tokens=4, prompt_bytes=4000)
+    assert lifecycle.shape(ticket).prompt_tokens == 1000  # 4 bytes a token, cold
+    admitted(lifecycle, ticket)
+    lifecycle.prefill_done(ticket, "ok", prompt_tokens=500)
+    assert ticket.prompt_tokens == 500
+    assert (
+        lifecycle.shape(lifecycle.arrive("s", max_tokens=4, prompt_bytes=4000)).prompt_tokens == 500
+    )
+
+
+def test_an_idle_pair_takes_an_over_budget_request_a_busy_one_does_not() -> None:
+    lifecycle, _, _ = build(n_prefill=1, n_decode=1, ttft_s=0.001)  # no pair meets this
+    first = lifecycle.arrive("r", max_tokens=4, prompt_tokens=100)
+    verdict = lifecycle.admit(first)
+    assert isinstance(verdict, Admit) and verdict.idle and first.idle_admitted
+    verdict = lifecycle.admit(lifecycle.arrive("s", max_tokens=4, prompt_tokens=100))
+    assert isinstance(verdict, Reject) and verdict.reason == "over_budget"
+
+
+def test_steps_out_of_order_are_refused() -> None:
+    lifecycle, _, _ = build()
+    ticket = lifecycle.arrive("r", max_tokens=4, prompt_tokens=100)
+    with pytest.raises(ValueError):
+        lifecycle.prefill_done(ticket, "ok")
+    admitted(lifecycle, ticket)
+    with pytest.raises(ValueError):
+        lifecycle.admit(ticket)
+    with pytest.raises(ValueError):
+        lifecycle.first_token(ticket)
