@@ -279,6 +279,10 @@ class _Simulation:
                     self.finish_segment(engine)
             elif kind == "prefill_done":
                 self.prefill_done(payload)
+            elif kind == "first_token":
+                self.decode_first_token(payload)
+            elif kind == "finished":
+                self.decode_finished(payload)
             elif kind == "local_leg":
                 engine = self.engines[payload.decode]
                 engine.prefill_queue.append([payload, 0])
@@ -341,10 +345,11 @@ class _Simulation:
     def local_prefilled(self, engine: _Engine, request: _Request, step_end: float) -> None:
         """A local prompt's prefill ended with this step, which also sampled its first token:
         it decodes from the next step on, in the same engine's batch."""
-        self.decode_first_token(request, step_end + self.config.leg_overhead_s)
+        hop = self.config.leg_overhead_s
+        self.at(step_end + hop, "first_token", request)
         n = request.spec.output_tokens
         if n <= 1:
-            self.decode_finished(request, step_end)
+            self.at(step_end + hop, "finished", request)
             return
         sequence = _Sequence(request, engine.steps + n - 1, engine.steps)
         heapq.heappush(engine.decoding, (sequence.end_step, request.index, sequence))
@@ -356,17 +361,17 @@ class _Simulation:
         if self.lifecycle.queued:
             self.drain_queue()
 
-    def decode_first_token(self, request: _Request, now: float) -> None:
-        """The first token reaches the router at ``now`` (at or before the clock: a segment's
-        first step ends before the segment does)."""
+    def decode_first_token(self, request: _Request) -> None:
+        now = self.clock.now()
         ticket = request.ticket
-        self.lifecycle.first_token(ticket, at=now)
+        self.lifecycle.first_token(ticket)
         request.first_token = now
         # The live router would have aborted the leg at its first-token deadline: counted.
         if now - ticket.decode_started > self.deadline:
             request.deadline_missed = True
 
-    def decode_finished(self, request: _Request, now: float) -> None:
+    def decode_finished(self, request: _Request) -> None:
+        now = self.clock.now()
         request.last_token = now
         request.outcome = "ok"
         n = request.spec.output_tokens
@@ -464,6 +469,10 @@ class _Simulation:
             model_s += step_s
         wall = timing.wall(model_s)
         duration = wall * steps
+        # Sequences join only at a segment's start, so their first tokens come with its first
+        # step (which an interrupted segment still completes), plus the hop to the router.
+        for sequence in engine.new_joins:
+            self.at(now + wall + self.config.leg_overhead_s, "first_token", sequence.request)
         engine.segment = (now, steps, wall, chunks)
         engine.busy_until = now + duration
         engine.epoch += 1
@@ -490,10 +499,6 @@ class _Simulation:
         first_step_end = start + wall
         # Decode: every sequence gained ``steps`` tokens.
         if engine.decoding:
-            # Sequences join only at a segment's start, so first tokens come at its first step.
-            for seq in engine.new_joins:
-                # The token still crosses one hop (engine -> router) to count as delivered.
-                self.decode_first_token(seq.request, first_step_end + self.config.leg_overhead_s)
             engine.new_joins = []
             engine.steps += steps
             engine.context_sum += engine.batch * steps
@@ -502,7 +507,8 @@ class _Simulation:
                 engine.context_sum -= (
                     seq.request.spec.prompt_tokens + seq.request.spec.output_tokens
                 )
-                self.decode_finished(seq.request, now)
+                # The last token, like the first, crosses the hop to the router.
+                self.at(now + self.config.leg_overhead_s, "finished", seq.request)
         # Prefill chunks (only ever in single-step segments).
         for request, n in chunks:
             job = engine.prefill_queue[0] if engine.prefill_queue else None

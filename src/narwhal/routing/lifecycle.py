@@ -358,11 +358,11 @@ class Lifecycle:
             d.prefill_work[ticket.id] = (predicted, now)
             d.note_local_prefill(now, predicted)
 
-    def first_token(self, ticket: Ticket, *, at: float | None = None) -> None:
-        """The decode leg produced its first token (``at``: when, if not now)."""
+    def first_token(self, ticket: Ticket) -> None:
+        """The decode leg's first token reached the router."""
         if ticket.phase != "decode" or ticket.pair is None:
             raise ValueError(f"request {ticket.id} has no decode leg waiting ({ticket.phase})")
-        now = self.clock.now() if at is None else at
+        now = self.clock.now()
         d = self.state.engines[ticket.pair.decode]
         if ticket.local:
             d.prefill_work.pop(ticket.id, None)
