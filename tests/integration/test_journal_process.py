@@ -1,8 +1,9 @@
-"""The journal against real processes: a router killed mid-stream, and a real full file.
+"""The journal against real processes: a router killed mid-stream, a real full file, and a
+process that exits without closing its journal.
 
 A child Python process writes the journal; the parent kills it (SIGKILL, no chance to clean
-up) or limits its file size (RLIMIT_FSIZE, a real EFBIG from the kernel), then checks the
-file and what recovery makes of it.
+up), limits its file size (RLIMIT_FSIZE, a real EFBIG from the kernel) or lets it exit with
+records still queued, then checks the file and what recovery makes of it.
 """
 
 from __future__ import annotations
@@ -65,6 +66,54 @@ print(json.dumps({
     "records_written": s.records_written, "write_errors": s.write_errors,
     "dropped": s.dropped,
 }))
+"""
+
+
+EXIT_CHILD = r"""
+import sys, time
+from narwhal.journal import Journal
+from narwhal.journal.file import JournalFile
+
+path, how = sys.argv[1], sys.argv[2]
+write, fsync = JournalFile.write, JournalFile.fsync
+
+def slow_write(self, data):
+    time.sleep(0.05)  # a slow disk: the writer is still busy when the main thread ends
+    write(self, data)
+
+def loud_fsync(self):
+    print("fsync", flush=True)
+    fsync(self)
+
+JournalFile.write, JournalFile.fsync = slow_write, loud_fsync
+j = Journal.open(path, fsync_interval_s=3600)
+j.router_start()
+for i in range(100):
+    j.request_start(f"r{i}", float(i))
+    j.request_end(f"r{i}", "ok")
+print("submitted", flush=True)
+if how == "raise":
+    raise RuntimeError("the owner dies without closing its journal")
+"""
+
+ATEXIT_CHILD = r"""
+import atexit, json, sys
+
+hooks = []
+register = atexit.register
+
+def recording_register(func, *args, **kwargs):
+    hooks.append(getattr(func, "__module__", None) or "")
+    return register(func, *args, **kwargs)
+
+atexit.register = recording_register
+from narwhal.journal import Journal
+
+at_import = [m for m in hooks if m.startswith("narwhal")]
+journal = Journal.open(sys.argv[1])
+at_open = [m for m in hooks if m.startswith("narwhal")]
+journal.close()
+print(json.dumps({"at_import": at_import, "at_open": at_open}))
 """
 
 
@@ -195,3 +244,37 @@ def test_real_file_size_limit(tmp_path: Path, policy: str) -> None:
     ends = Counter(r["id"] for r in parse_lines(path)[0] if r["type"] == "request.end")
     starts = {r["id"] for r in parse_lines(path)[0] if r["type"] == "request.start"}
     assert starts <= set(ends) and set(ends.values()) == {1}
+
+
+@pytest.mark.parametrize("how", ["return", "raise"])
+def test_exit_without_close_writes_and_fsyncs_what_was_queued(tmp_path: Path, how: str) -> None:
+    """The writer is a daemon thread, which the interpreter stops wherever it is at exit: a
+    process that never closes its journal (here on a slow disk) must still get every queued
+    record into the file, fsynced."""
+    path = tmp_path / "j.jsonl"
+    out = subprocess.run(
+        [sys.executable, "-c", EXIT_CHILD, str(path), how],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == (1 if how == "raise" else 0), out.stderr
+    assert out.stdout.split() == ["submitted", "fsync"]  # one fsync: at the exit-time close
+    recs, bad = parse_lines(path)
+    assert not bad
+    assert [r["type"] for r in recs] == ["router.start"] + ["request.start", "request.end"] * 100
+    assert recover(path).open_requests == {}
+
+
+def test_importing_the_journal_registers_no_exit_hook(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", ATEXIT_CHILD, str(tmp_path / "j.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert json.loads(out.stdout) == {
+        "at_import": [],
+        "at_open": ["narwhal.journal.at_exit"],  # the recorder does see the journal's hook
+    }

@@ -4,8 +4,8 @@ fleet with the simulator's fault injection, asserting what the client sees, the 
 
 Cases covered by tests elsewhere, not repeated here. RF: tests/integration/
 test_router_failures.py; RR: tests/integration/test_router_resilience.py; SF: tests/integration/
-test_sim_faults.py; JU: tests/unit/test_journal.py; JP: tests/integration/test_journal_process.py;
-OV: tests/reliability/test_overload.py.
+test_sim_faults.py; JU: tests/unit/journal/test_writer.py; JP: tests/integration/
+test_journal_process.py; OV: tests/reliability/test_overload.py.
 
 | case               | test                                                                      |
 |--------------------|---------------------------------------------------------------------------|
