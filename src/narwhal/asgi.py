@@ -4,11 +4,40 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Protocol
 
+from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-__all__ = ["DisconnectAwareStreamingResponse", "EndpointResponse", "HotRouteDispatch"]
+__all__ = [
+    "DisconnectAwareStreamingResponse",
+    "EndpointResponse",
+    "HotRouteDispatch",
+    "register_hot_route",
+]
+
+
+class _RouteRegistry(Protocol):
+    """What ``register_hot_route`` needs of a framework app (FastAPI's and Starlette's)."""
+
+    @property
+    def routes(self) -> list[BaseRoute]: ...
+
+    def add_api_route(self, path: str, endpoint: object, *, methods: list[str]) -> None: ...
+
+
+def register_hot_route(app: _RouteRegistry, path: str, endpoint: ASGIApp) -> None:
+    """Declare ``POST path`` on the framework app (its one registration: the OpenAPI schema
+    describes it, and a request that comes through the framework is served the same), marked
+    for ``HotRouteDispatch`` to serve ahead of the framework."""
+
+    async def route(request: Request) -> Response:
+        return EndpointResponse(endpoint)
+
+    route.hot_endpoint = endpoint  # type: ignore[attr-defined]
+    app.add_api_route(path, route, methods=["POST"])
 
 
 class HotRouteDispatch:
@@ -25,6 +54,17 @@ class HotRouteDispatch:
     def __init__(self, app: ASGIApp, routes: dict[str, ASGIApp]) -> None:
         self.app = app
         self.routes = routes
+
+    @classmethod
+    def of(cls, app: _RouteRegistry) -> HotRouteDispatch:
+        """The dispatch for the routes ``register_hot_route`` declared on ``app``."""
+        routes: dict[str, ASGIApp] = {}
+        for route in app.routes:
+            endpoint = getattr(route, "endpoint", None)
+            hot = getattr(endpoint, "hot_endpoint", None)
+            if isinstance(route, Route) and hot is not None:
+                routes[route.path] = hot
+        return cls(app, routes)  # type: ignore[arg-type]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":

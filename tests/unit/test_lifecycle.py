@@ -126,7 +126,7 @@ def test_a_pd_request_is_counted_on_its_engines_leg_by_leg_and_released() -> Non
     lifecycle.first_token(ticket)
     assert ticket.phase == "streaming" and ticket.batch_at_start == 1
     clock.advance(0.25)
-    lifecycle.finished(ticket, completion_tokens=11, tpot_s=0.025)
+    lifecycle.finished(ticket, completion_tokens=11, complete=True)
     assert ticket.phase == "done"
     assert counts(lifecycle) == IDLE
     assert (d, "decode") in observer.corrections
@@ -293,7 +293,7 @@ def test_a_local_leg_holds_its_decode_engine_as_prefill_work_until_its_first_tok
     clock.advance(0.05)
     lifecycle.first_token(ticket)
     assert ticket.id not in d.prefill_work and d.in_flight_decode == 1
-    lifecycle.finished(ticket, completion_tokens=8, tpot_s=0.03)
+    lifecycle.finished(ticket, completion_tokens=8, complete=True)
     assert d.in_flight_decode == 0
 
 

@@ -374,11 +374,9 @@ class _Simulation:
         now = self.clock.now()
         request.last_token = now
         request.outcome = "ok"
-        n = request.spec.output_tokens
-        tpot = None
-        if n > 1 and request.first_token is not None:
-            tpot = (now - request.first_token) / (n - 1)
-        self.lifecycle.finished(request.ticket, completion_tokens=n, tpot_s=tpot)
+        self.lifecycle.finished(
+            request.ticket, completion_tokens=request.spec.output_tokens, complete=True
+        )
         if self.lifecycle.queued:
             self.drain_queue()
 

@@ -13,7 +13,7 @@ A driver tells the lifecycle what happened, in order, and asks it what to do::
     ...                                      # Queue: wait, then take it from lifecycle.drain()
     lifecycle.prefill_done(ticket, "ok")     # a P/D pair: the decode leg is counted from now
     lifecycle.first_token(ticket)
-    lifecycle.finished(ticket, completion_tokens=n, tpot_s=...)
+    lifecycle.finished(ticket, completion_tokens=n, complete=True)
 
 A failed leg (``prefill_done(t, "failed")``, ``decode_failed(t, "failed")``) leaves the ticket
 waiting for :meth:`Lifecycle.retry`; ``cancel`` releases whatever a ticket still holds (a client
@@ -397,38 +397,30 @@ class Lifecycle:
         ticket.phase = "new"
 
     def finished(
-        self,
-        ticket: Ticket,
-        *,
-        completion_tokens: int | None = None,
-        tpot_s: float | None = None,
+        self, ticket: Ticket, *, completion_tokens: int | None = None, complete: bool = False
     ) -> None:
-        """The decode stream is over. With ``tpot_s`` (a completed answer's measured time per
-        output token after the first) the decode model's correction learns from it: against
-        the model at the batch the request actually shared (the mean of the engine's batch when
-        it joined and when it left; comparing with the batch at pick time would read growing
-        load as a slow engine)."""
+        """The decode stream is over; ``complete``: it delivered its whole answer of
+        ``completion_tokens``, whose time per output token after the first (from the first
+        token's arrival to now) then corrects the decode model: against the model at the batch
+        the request actually shared (the mean of the engine's batch when it joined and when it
+        left; comparing with the batch at pick time would read growing load as a slow
+        engine)."""
         if ticket.phase != "streaming" or ticket.pair is None:
             raise ValueError(f"request {ticket.id} is not streaming ({ticket.phase})")
         d = self._end_decode(ticket)
         ticket.phase = "done"
         predictor = self.predictor
         n = completion_tokens or 0
-        if (
-            predictor is None
-            or tpot_s is None
-            or tpot_s <= 0
-            or n < 2
-            or ticket.first_token_at is None
-            or not predictor.has(d.id)
-        ):
+        first = ticket.first_token_at
+        if not complete or predictor is None or n < 2 or first is None or not predictor.has(d.id):
             return
+        tpot_s = (self.clock.now() - first) / (n - 1)
         batch = (ticket.batch_at_start + self.state.decode_batch(d) + 1) / 2
         context = (ticket.prompt_tokens or 0) + n / 2
         expected = predictor.decode(d.id, max(1, round(batch)), context).seconds
         # Local prefills sent to this engine while the request decoded stalled its steps: part
         # of what was expected, not a slower engine (spread over its tokens).
-        expected += d.recent_local_prefill_s(ticket.first_token_at) / (n - 1)
+        expected += d.recent_local_prefill_s(first) / (n - 1)
         ratio = predictor.observe(d.id, "decode", expected, tpot_s)
         self._report_correction(d.id, "decode", ratio)
 

@@ -254,7 +254,8 @@ def _is_loopback(host: str) -> bool:
 
 
 def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
-    from narwhal.serve.app import ServeSettings, hash_secret
+    from narwhal.serve.auth import hash_secret
+    from narwhal.serve.settings import ServeSettings
 
     fleet = load_fleet(args.fleet)
     if not (0 < args.port < 65536):
@@ -366,13 +367,13 @@ def main(argv: list[str] | None = None) -> int:
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             # Stop admitting at once; uvicorn then drains connections up to the timeout.
-            app.state.runtime.draining = True
+            app.state.services.ledger.draining = True
             super().handle_exit(sig, frame)
             # A drained shutdown is a success: exit 0 rather than re-raise the signal.
             self._captured_signals.clear()
 
     config = uvicorn.Config(
-        HotRouteDispatch(app, app.state.hot_routes),
+        HotRouteDispatch.of(app),
         host=host,
         port=args.port,
         log_level=args.log_level.lower(),

@@ -1,43 +1,129 @@
-"""Errors the router answers with, in OpenAI's shape: {"error": {message, type, param, code}}."""
+"""The errors the router answers with, in OpenAI's shape ``{"error": {message, type, param,
+code}}``, each with its HTTP status and the outcome its journal record carries.
+
+::
+
+    RouterError
+    ├── ClientError                 outcome client_error
+    │   ├── InvalidRequest          400 invalid_request_error
+    │   ├── Unauthorized            401 authentication_error (WWW-Authenticate: Bearer)
+    │   ├── Forbidden               403 permission_error
+    │   ├── NotFound                404 not_found_error
+    │   ├── Conflict                409 conflict
+    │   ├── PayloadTooLarge         413 invalid_request_error
+    │   └── EngineRefused           the engine's own 4xx, its message passed through
+    ├── AdmissionRejected           429 rate_limit_exceeded, outcome rejected (Retry-After)
+    ├── NotAccepting                503 service_unavailable, outcome rejected (Retry-After)
+    ├── NoEligiblePair              503 service_unavailable, outcome unavailable (Retry-After)
+    ├── UpstreamFailed              502 upstream_error, outcome prefill_failed / decode_failed
+    │                                   / stream_error
+    ├── FirstTokenDeadlineExceeded  504 timeout, outcome deadline_exceeded
+    └── InternalError               500 internal_error, outcome internal_error
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import orjson
 from starlette.responses import Response
 
-__all__ = ["RouterError", "error_body", "error_response"]
+__all__ = [
+    "AdmissionRejected",
+    "ClientError",
+    "Conflict",
+    "EngineRefused",
+    "FirstTokenDeadlineExceeded",
+    "Forbidden",
+    "InternalError",
+    "InvalidRequest",
+    "NoEligiblePair",
+    "NotAccepting",
+    "NotFound",
+    "PayloadTooLarge",
+    "RouterError",
+    "Unauthorized",
+    "UpstreamFailed",
+    "error_body",
+]
 
 
 class RouterError(Exception):
-    """A request-level failure with the status, type and journal outcome it maps to."""
+    """A request-level failure: its status, OpenAI error type and journal outcome."""
+
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "internal_error"
+    outcome: ClassVar[str] = "internal_error"
 
     def __init__(
         self,
-        status: int,
         message: str,
-        type_: str,
-        outcome: str,
         param: str | None = None,
-        headers: dict[str, str] | None = None,
+        *,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
-        self.status = status
         self.message = message
-        self.type = type_
-        self.outcome = outcome
         self.param = param
-        self.headers = headers or {}
         self.code = code
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code or self.status)
 
-    @classmethod
-    def passthrough(cls, status: int, raw_body: bytes) -> RouterError:
-        """An engine's own 4xx answer, handed to the client unchanged (if it is OpenAI JSON)."""
+    def response(self) -> Response:
+        return Response(
+            orjson.dumps(self.body()),
+            status_code=self.status,
+            media_type="application/json",
+            headers=self.headers,
+        )
+
+
+class ClientError(RouterError):
+    outcome = "client_error"
+
+
+class InvalidRequest(ClientError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(ClientError):
+    status = 401
+    type = "authentication_error"
+
+    def __init__(self, message: str = "invalid or missing API key") -> None:
+        super().__init__(message, headers={"WWW-Authenticate": "Bearer"})
+
+
+class Forbidden(ClientError):
+    status = 403
+    type = "permission_error"
+
+
+class NotFound(ClientError):
+    status = 404
+    type = "not_found_error"
+
+
+class Conflict(ClientError):
+    status = 409
+    type = "conflict"
+
+
+class PayloadTooLarge(ClientError):
+    status = 413
+    type = "invalid_request_error"
+
+
+class EngineRefused(ClientError):
+    """An engine's own 4xx answer: the client's error, handed on with the engine's message."""
+
+    type = "invalid_request_error"
+
+    def __init__(self, status: int, raw_body: bytes) -> None:
         message = f"engine refused the request (HTTP {status})"
         try:
             parsed = orjson.loads(raw_body)
@@ -48,26 +134,69 @@ class RouterError(Exception):
                 message = parsed["message"]
         except orjson.JSONDecodeError:
             pass
-        err = cls(status, message, "invalid_request_error", "client_error")
-        return err
+        super().__init__(message)
+        self.status = status  # type: ignore[misc]  # the engine's, per instance
 
-    def response(self) -> Response:
-        return error_response(self.body(), self.status, self.headers)
+
+class AdmissionRejected(RouterError):
+    status = 429
+    type = "rate_limit_exceeded"
+    outcome = "rejected"
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(
+            f"request rejected by admission control: {message}",
+            code=reason,
+            headers={"Retry-After": "1"},
+        )
+
+
+class NotAccepting(RouterError):
+    """The router takes no requests now (it is shutting down, its journal cannot record)."""
+
+    status = 503
+    type = "service_unavailable"
+    outcome = "rejected"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message, headers={"Retry-After": str(retry_after_s)})
+
+
+class NoEligiblePair(RouterError):
+    status = 503
+    type = "service_unavailable"
+    outcome = "unavailable"
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"no engine pair can serve: {reason}", headers={"Retry-After": "1"})
+
+
+class UpstreamFailed(RouterError):
+    status = 502
+    type = "upstream_error"
+
+    def __init__(
+        self, outcome: Literal["prefill_failed", "decode_failed", "stream_error"], message: str
+    ) -> None:
+        super().__init__(message)
+        self.outcome = outcome  # type: ignore[misc]  # which leg failed, per instance
+
+
+class FirstTokenDeadlineExceeded(RouterError):
+    status = 504
+    type = "timeout"
+    outcome = "deadline_exceeded"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="first_token_deadline_exceeded")
+
+
+class InternalError(RouterError):
+    def __init__(self, message: str = "internal router error") -> None:
+        super().__init__(message)
 
 
 def error_body(
     message: str, type_: str, param: str | None = None, code: int | str | None = None
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def error_response(
-    body: dict[str, Any], status: int, headers: dict[str, str] | None = None
-) -> Response:
-    return Response(
-        orjson.dumps(body), status_code=status, media_type="application/json", headers=headers
-    )
-
-
-def bad_request(message: str, param: str | None = None) -> RouterError:
-    return RouterError(400, message, "invalid_request_error", "client_error", param)

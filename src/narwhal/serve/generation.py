@@ -19,20 +19,24 @@ import logging
 import re
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from starlette.types import Receive, Scope, Send
 
 from narwhal.engines.stream_client import EngineStreamConnection
-from narwhal.serve.errors import RouterError
+from narwhal.serve.errors import (
+    InternalError,
+    NotAccepting,
+    PayloadTooLarge,
+    RouterError,
+    Unauthorized,
+)
 from narwhal.serve.pd import DecodeStream
 from narwhal.serve.record import RequestRecord
 from narwhal.serve.relay import EventRenderer, PushRelay, StreamTally, aggregate, relay_events
+from narwhal.serve.services import Services
 from narwhal.serve.validation import parse_client_request
-
-if TYPE_CHECKING:
-    from narwhal.serve.app import Runtime
 
 __all__ = ["GenerationEndpoint"]
 
@@ -148,9 +152,7 @@ async def _send_error(send: Send, exc: RouterError, request_id: bytes | None = N
 
 
 async def _read_body(receive: Receive, declared: bytes | None, limit: int) -> bytes:
-    too_large = RouterError(
-        413, f"request body exceeds {limit} bytes", "invalid_request_error", "client_error"
-    )
+    too_large = PayloadTooLarge(f"request body exceeds {limit} bytes")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks: list[bytes] = []
@@ -174,31 +176,23 @@ async def _read_body(receive: Receive, declared: bytes | None, limit: int) -> by
 class GenerationEndpoint:
     """One generation route. Called with ASGI's ``(scope, receive, send)``."""
 
-    def __init__(self, rt: Runtime, chat: bool) -> None:
-        self.rt = rt
+    def __init__(self, services: Services, chat: bool) -> None:
+        self.services = services
+        self.ledger = services.ledger
         self.chat = chat
 
-    def _unavailable(self, reason: str, message: str, retry_after: str) -> RouterError:
-        self.rt.metrics.admission_rejections.labels(reason).inc()
-        return RouterError(
-            503,
-            message,
-            "service_unavailable",
-            "rejected",
-            headers={"Retry-After": retry_after},
-        )
+    def _not_accepting(self, reason: str, message: str, retry_after_s: int) -> RouterError:
+        self.services.metrics.admission_rejections.labels(reason).inc()
+        return NotAccepting(message, retry_after_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        rt = self.rt
-        journal, router = rt.journal, rt.router
-        assert journal is not None and router is not None
-        if rt.draining:
-            await _send_error(
-                send, self._unavailable("draining", "the router is shutting down", "1")
-            )
+        services, ledger = self.services, self.ledger
+        if ledger.draining:
+            refusal = self._not_accepting("draining", "the router is shutting down", 1)
+            await _send_error(send, refusal)
             return
-        if not journal.accepting:
-            await _send_error(send, self._unavailable("journal_unavailable", _JOURNAL_DOWN, "5"))
+        if not services.journal.accepting:
+            await _send_error(send, self._not_accepting("journal_unavailable", _JOURNAL_DOWN, 5))
             return
         authorization = client_id = declared_length = None
         for name, value in scope["headers"]:
@@ -217,31 +211,19 @@ class GenerationEndpoint:
         if client_id:
             cleaned = _CLIENT_ID_RE.sub("", client_id.decode("latin-1"))[:128]
             record.client_request_id = cleaned or None
-        if not journal.request_start(
-            record.id,
-            record.arrival,
-            endpoint=record.endpoint,
-            client_request_id=record.client_request_id,
-        ):
-            await _send_error(send, self._unavailable("journal_unavailable", _JOURNAL_DOWN, "5"))
+        if not ledger.open(record):
+            await _send_error(send, self._not_accepting("journal_unavailable", _JOURNAL_DOWN, 5))
             return
-        rt.active.add(record.id)
         request_id = record.id.encode()
         watch: DisconnectWatch | None = None
         try:
             try:
-                if not rt.authorized_header(
+                if not services.auth.client_allowed(
                     authorization.decode("latin-1") if authorization else ""
                 ):
-                    raise RouterError(
-                        401,
-                        "invalid or missing API key",
-                        "authentication_error",
-                        "client_error",
-                        headers={"WWW-Authenticate": "Bearer"},
-                    )
-                raw = await _read_body(receive, declared_length, rt.settings.max_body_bytes)
-                fleet = rt.settings.fleet.contract
+                    raise Unauthorized()
+                raw = await _read_body(receive, declared_length, services.settings.max_body_bytes)
+                fleet = services.settings.fleet.contract
                 creq = parse_client_request(
                     raw, self.chat, fleet.model.id, fleet.model.max_model_len
                 )
@@ -249,32 +231,28 @@ class GenerationEndpoint:
                 if creq.prompt_tokens_exact is not None:
                     record.prompt_tokens = creq.prompt_tokens_exact
                 watch = DisconnectWatch(receive)
-                stream = await router.open(creq, record)
+                stream = await services.router.open(creq, record)
             except RouterError as exc:
-                rt.finish(record, exc.outcome, exc.status, exc.message)
+                ledger.close(record, exc.outcome, exc.status, exc.message)
                 if watch is not None:
                     watch.stop()  # a completed response reads as a disconnect
                 await _send_error(send, exc, request_id)
                 return
             except _ClientGone:
-                rt.finish(record, "client_abort", None, _GONE_BEFORE_FIRST_TOKEN)
+                ledger.close(record, "client_abort", None, _GONE_BEFORE_FIRST_TOKEN)
                 return
             except asyncio.CancelledError:
                 if watch is not None and watch.absorb():
-                    rt.finish(record, "client_abort", None, _GONE_BEFORE_FIRST_TOKEN)
+                    ledger.close(record, "client_abort", None, _GONE_BEFORE_FIRST_TOKEN)
                     return
-                rt.finish(record, "client_abort", None, "cancelled before the first token")
+                ledger.close(record, "client_abort", None, "cancelled before the first token")
                 raise
             except Exception as exc:  # never a traceback to the client, always a record
                 log.exception("request %s failed", record.id)
-                rt.finish(record, "internal_error", 500, f"{type(exc).__name__}: {exc}")
+                ledger.close(record, "internal_error", 500, f"{type(exc).__name__}: {exc}")
                 if watch is not None:
                     watch.stop()
-                await _send_error(
-                    send,
-                    RouterError(500, "internal router error", "internal_error", "internal_error"),
-                    request_id,
-                )
+                await _send_error(send, InternalError(), request_id)
                 return
             # From here the open stream is released on every path (no await before the try).
             tally = StreamTally()
@@ -291,6 +269,22 @@ class GenerationEndpoint:
             if watch is not None:
                 watch.stop()
 
+    async def _release(
+        self,
+        stream: DecodeStream,
+        record: RequestRecord,
+        outcome: str,
+        status: int | None,
+        error: str | None,
+        tally: StreamTally,
+    ) -> None:
+        """The request's record, then its decode leg's end, then the upstream connection. The
+        first two are synchronous: a cancellation landing in the await (the client hanging up
+        at [DONE]) must not skip them."""
+        self.ledger.close(record, outcome, status, error, tally)
+        self.services.router.finish(stream, record)
+        await stream.aclose(drain=tally.done)
+
     async def _relay(
         self,
         send: Send,
@@ -300,7 +294,6 @@ class GenerationEndpoint:
         tally: StreamTally,
         record: RequestRecord,
     ) -> None:
-        rt = self.rt
         outcome, status, error = "client_abort", None, "client disconnected mid-stream"
         renderer = EventRenderer(tally, include_usage, stream.prefill_prompt_tokens)
         try:
@@ -311,7 +304,7 @@ class GenerationEndpoint:
                     "headers": [_SSE_CONTENT_TYPE, (b"x-request-id", record.id.encode())],
                 }
             )
-            writer = _DirectWriter.of(send) if rt.settings.relay == "push" else None
+            writer = _DirectWriter.of(send) if self.services.settings.relay == "push" else None
             if writer is not None and isinstance(stream.response, EngineStreamConnection):
                 relay = PushRelay(renderer, stream.events.splitter, writer, stream.response)
                 relay.start(stream.first_events)
@@ -319,7 +312,8 @@ class GenerationEndpoint:
                     tail = await relay.run()
                 finally:
                     if relay.pauses:
-                        rt.metrics.slow_client_pauses.labels(stream.engine).inc(relay.pauses)
+                        pauses = self.services.metrics.slow_client_pauses
+                        pauses.labels(stream.engine).inc(relay.pauses)
                 # The last piece through the server: it completes the response, with the
                 # chunked terminator in the same write.
                 watch.stop()  # the server reports a completed response as a disconnect
@@ -349,10 +343,7 @@ class GenerationEndpoint:
             outcome, status, error = "internal_error", 200, f"{type(exc).__name__}: {exc}"
             raise
         finally:
-            # The record first: a cancellation landing in release_stream's await (the client
-            # hanging up at [DONE]) must not leave the request without its request.end.
-            rt.finish(record, outcome, status, error, tally, stream)
-            await rt.release_stream(stream, record, complete=tally.done)
+            await self._release(stream, record, outcome, status, error, tally)
 
     async def _aggregate(
         self,
@@ -363,8 +354,6 @@ class GenerationEndpoint:
         record: RequestRecord,
         body: dict[str, Any],
     ) -> None:
-        rt = self.rt
-        assert rt.router is not None
         outcome, status, error = "client_abort", None, "cancelled mid-generation"
         failure: RouterError | None = None
         result = None
@@ -380,9 +369,7 @@ class GenerationEndpoint:
                 raise
             error = "client disconnected mid-generation"
         finally:
-            # The request's one record is written before anything else can be awaited.
-            rt.finish(record, outcome, status, error, tally, stream)
-            await rt.release_stream(stream, record, complete=tally.done)
+            await self._release(stream, record, outcome, status, error, tally)
         if watch.gone:
             return
         watch.stop()

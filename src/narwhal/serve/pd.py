@@ -29,7 +29,14 @@ from narwhal.routing.breaker import BreakerState
 from narwhal.routing.fleet_state import Role
 from narwhal.routing.lifecycle import QUEUE_RECHECK_S, Lifecycle, LifecycleObserver, Ticket
 from narwhal.routing.scheduler import NoPair, Pair
-from narwhal.serve.errors import RouterError
+from narwhal.serve.errors import (
+    AdmissionRejected,
+    EngineRefused,
+    FirstTokenDeadlineExceeded,
+    NoEligiblePair,
+    RouterError,
+    UpstreamFailed,
+)
 from narwhal.serve.record import RequestRecord
 from narwhal.serve.validation import ClientRequest
 
@@ -157,13 +164,14 @@ class PDRouter:
             raise
 
     def finish(self, stream: DecodeStream, record: RequestRecord) -> None:
-        """The stream is over (its record complete): its decode leg ends, and a completed
-        answer's TPOT corrects the decode model."""
-        tpot = record.tpot_s() if record.outcome == "ok" else None
+        """The stream is over (its record closed): its decode leg ends, and a completed
+        answer's time per token corrects the decode model."""
         if record.prompt_tokens is not None:
             stream.ticket.prompt_tokens = record.prompt_tokens
         self.lifecycle.finished(
-            stream.ticket, completion_tokens=record.completion_tokens, tpot_s=tpot
+            stream.ticket,
+            completion_tokens=record.completion_tokens,
+            complete=record.outcome == "ok",
         )
 
     # --- admission ----------------------------------------------------------------------
@@ -193,15 +201,8 @@ class PDRouter:
             return pair
         if isinstance(verdict, Reject):
             self.metrics.admission_rejections.labels(verdict.reason).inc()
-            raise RouterError(
-                429,
-                f"request rejected by admission control: {verdict.message}",
-                "rate_limit_exceeded",
-                "rejected",
-                headers={"Retry-After": "1"},
-                code=verdict.reason,
-            )
-        raise self._unavailable(verdict.message)
+            raise AdmissionRejected(verdict.reason, verdict.message)
+        raise NoEligiblePair(verdict.message)
 
     async def _run_queue(self) -> None:
         """Decide on the queued requests whenever a leg ends, and at least every
@@ -216,16 +217,6 @@ class PDRouter:
                     waiter.set_result(verdict)
                 else:  # its request is gone (cancelled) as it was admitted
                     self.lifecycle.cancel(ticket)
-
-    @staticmethod
-    def _unavailable(reason: str) -> RouterError:
-        return RouterError(
-            503,
-            f"no engine pair can serve: {reason}",
-            "service_unavailable",
-            "unavailable",
-            headers={"Retry-After": "1"},
-        )
 
     # --- the legs -----------------------------------------------------------------------
 
@@ -250,7 +241,7 @@ class PDRouter:
                         ticket, pair, request, record
                     )
                 except _EngineClientError as exc:
-                    raise RouterError.passthrough(exc.status, exc.body) from None
+                    raise EngineRefused(exc.status, exc.body) from None
                 except _LegFailure as exc:
                     prefill_failures += 1
                     last_error = f"prefill on {pair.prefill}: {exc}"
@@ -269,7 +260,7 @@ class PDRouter:
             except _EngineClientError as exc:
                 if params is not None:
                     self._stranded(pair.prefill, "decode_failed", record)
-                raise RouterError.passthrough(exc.status, exc.body) from None
+                raise EngineRefused(exc.status, exc.body) from None
             except _LegFailure as exc:
                 decode_failures += 1
                 what = "local prefill and decode" if pair.local else "decode"
@@ -308,26 +299,16 @@ class PDRouter:
         self, prefill_failures: int, decode_failures: int, deadline: bool, last_error: str
     ) -> RouterError:
         if deadline:
-            return RouterError(
-                504,
+            return FirstTokenDeadlineExceeded(
                 f"no first token within the fleet's first-token deadline "
-                f"({self.fleet.engine.first_token_timeout_s} s) on any pair tried: {last_error}",
-                "timeout",
-                "deadline_exceeded",
-                code="first_token_deadline_exceeded",
+                f"({self.fleet.engine.first_token_timeout_s} s) on any pair tried: {last_error}"
             )
         if decode_failures:
-            return RouterError(
-                502,
-                f"decode failed on every engine tried: {last_error}",
-                "upstream_error",
-                "decode_failed",
+            return UpstreamFailed(
+                "decode_failed", f"decode failed on every engine tried: {last_error}"
             )
-        return RouterError(
-            502,
-            f"prefill failed on every engine tried: {last_error}",
-            "upstream_error",
-            "prefill_failed",
+        return UpstreamFailed(
+            "prefill_failed", f"prefill failed on every engine tried: {last_error}"
         )
 
     def _stranded(self, prefill_id: str, reason: str, record: RequestRecord) -> None:

@@ -26,7 +26,7 @@ import orjson
 from narwhal.engines.sse import SseSplitter
 from narwhal.engines.stream_client import EngineStreamConnection
 from narwhal.engines.transport import EngineTransportError
-from narwhal.serve.errors import RouterError, error_body
+from narwhal.serve.errors import UpstreamFailed, error_body
 from narwhal.serve.pd import DecodeStream
 from narwhal.serve.record import RequestRecord
 
@@ -302,11 +302,8 @@ async def aggregate(
             if i == len(batch):
                 batch, i = await stream.events.next_batch(), 0
                 if not batch:
-                    raise RouterError(
-                        502,
-                        "the decode engine closed the stream early",
-                        "upstream_error",
-                        "stream_error",
+                    raise UpstreamFailed(
+                        "stream_error", "the decode engine closed the stream early"
                     )
             payload = batch[i]
             i += 1
@@ -314,17 +311,10 @@ async def aggregate(
                 break
             obj = orjson.loads(payload)
             if not isinstance(obj, dict):
-                raise RouterError(
-                    502, "malformed chunk from the decode engine", "upstream_error", "decode_failed"
-                )
+                raise UpstreamFailed("decode_failed", "malformed chunk from the decode engine")
             if "error" in obj:
                 message = str((obj.get("error") or {}).get("message", "engine error"))
-                raise RouterError(
-                    502,
-                    f"decode failed mid-generation: {message}",
-                    "upstream_error",
-                    "stream_error",
-                )
+                raise UpstreamFailed("stream_error", f"decode failed mid-generation: {message}")
             head = head or obj
             if obj.get("usage") and not obj.get("choices"):
                 usage = obj["usage"]
@@ -345,11 +335,8 @@ async def aggregate(
                 if choice.get("stop_reason") is not None:
                     stop_reason = choice["stop_reason"]
     except (EngineTransportError, ValueError) as exc:
-        raise RouterError(
-            502,
-            f"decode stream broke: {type(exc).__name__}: {exc}",
-            "upstream_error",
-            "stream_error",
+        raise UpstreamFailed(
+            "stream_error", f"decode stream broke: {type(exc).__name__}: {exc}"
         ) from None
     tally.done = True
     if usage is not None:

@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 
 from narwhal.routing.prompt_length import MAX_BYTES_PER_TOKEN
-from narwhal.serve.errors import RouterError, bad_request
+from narwhal.serve.errors import InvalidRequest, NotFound
 
 __all__ = ["ClientRequest", "parse_client_request"]
 
@@ -60,9 +60,9 @@ def _check_int(body: dict[str, Any], name: str, minimum: int) -> int | None:
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool):
-        raise bad_request(f"'{name}' must be an integer", name)
+        raise InvalidRequest(f"'{name}' must be an integer", name)
     if value < minimum:
-        raise bad_request(f"'{name}' must be at least {minimum} (got {value})", name)
+        raise InvalidRequest(f"'{name}' must be at least {minimum} (got {value})", name)
     return value
 
 
@@ -71,11 +71,11 @@ def _prompt_length(body: dict[str, Any], chat: bool) -> tuple[int | None, int]:
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise bad_request("'messages' must be a non-empty list", "messages")
+            raise InvalidRequest("'messages' must be a non-empty list", "messages")
         size = 0
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise bad_request(
+                raise InvalidRequest(
                     f"'messages[{i}]' must be an object with a string 'role'", f"messages[{i}]"
                 )
             content = message.get("content")
@@ -86,31 +86,31 @@ def _prompt_length(body: dict[str, Any], chat: bool) -> tuple[int | None, int]:
                     if isinstance(part, dict) and isinstance(part.get("text"), str):
                         size += len(part["text"].encode("utf-8", "surrogatepass"))
             elif content is not None:
-                raise bad_request(
+                raise InvalidRequest(
                     f"'messages[{i}].content' must be a string or a list of parts",
                     f"messages[{i}].content",
                 )
             size += 8  # role markers of a chat template
         return None, max(1, size)
     if "prompt" not in body:
-        raise bad_request("'prompt' is required", "prompt")
+        raise InvalidRequest("'prompt' is required", "prompt")
     prompt = body["prompt"]
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
-            raise bad_request("'prompt' must not be empty", "prompt")
+            raise InvalidRequest("'prompt' must not be empty", "prompt")
         return None, len(prompt.encode("utf-8", "surrogatepass"))
     if isinstance(prompt, list) and prompt:
         for token in prompt:
             if not isinstance(token, int) or isinstance(token, bool) or token < 0:
-                raise bad_request("'prompt' token ids must be non-negative integers", "prompt")
+                raise InvalidRequest("'prompt' token ids must be non-negative integers", "prompt")
         return len(prompt), 0
     if isinstance(prompt, list) and len(prompt) > 1:
-        raise bad_request(
+        raise InvalidRequest(
             "batched prompts are not supported: send one prompt per request", "prompt"
         )
-    raise bad_request("'prompt' must be a string or a non-empty list of token ids", "prompt")
+    raise InvalidRequest("'prompt' must be a string or a non-empty list of token ids", "prompt")
 
 
 def parse_client_request(
@@ -119,53 +119,47 @@ def parse_client_request(
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from None
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object")
+        raise InvalidRequest("request body must be a JSON object")
     try:
         # The legs re-serialise the body, and orjson writes at most 254 levels of nesting
         # while it reads 1024: refuse here what could not be forwarded (else a 500 later).
         orjson.dumps(body)
     except TypeError:
-        raise bad_request("request body is nested too deeply") from None
+        raise InvalidRequest("request body is nested too deeply") from None
     model = body.get("model")
     if model is None:
-        raise RouterError(
-            404,
+        raise NotFound(
             f"'model' is required; this router serves '{served_model}'",
-            "not_found_error",
-            "client_error",
             "model",
             code="model_not_found",
         )
     if not isinstance(model, str):
-        raise bad_request("'model' must be a string", "model")
+        raise InvalidRequest("'model' must be a string", "model")
     if model != served_model:
-        raise RouterError(
-            404,
+        raise NotFound(
             f"The model '{model}' does not exist; this router serves '{served_model}'",
-            "not_found_error",
-            "client_error",
             "model",
             code="model_not_found",
         )
     n = body.get("n")
     if n is not None and n != 1:
-        raise bad_request("'n' must be 1: the P/D router returns one choice per request", "n")
+        raise InvalidRequest("'n' must be 1: the P/D router returns one choice per request", "n")
     for name, why in _UNSUPPORTED.items():
         if name in body and (name == "kv_transfer_params" or not _is_off(name, body[name])):
-            raise bad_request(why, name)
+            raise InvalidRequest(why, name)
     stream = body.get("stream", False)
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
-        raise bad_request("'stream' must be a boolean", "stream")
+        raise InvalidRequest("'stream' must be a boolean", "stream")
     options = body.get("stream_options")
     if options is not None:
         if not isinstance(options, dict):
-            raise bad_request("'stream_options' must be an object", "stream_options")
+            raise InvalidRequest("'stream_options' must be an object", "stream_options")
         if not stream:
-            raise bad_request(
+            raise InvalidRequest(
                 "'stream_options' is only allowed when 'stream' is true", "stream_options"
             )
     include_usage = bool(options and options.get("include_usage"))
@@ -178,7 +172,7 @@ def parse_client_request(
     if exact is not None:
         total = exact + (max_tokens or 0)
         if exact >= max_model_len or total > max_model_len:
-            raise bad_request(
+            raise InvalidRequest(
                 f"This model's maximum context length is {max_model_len} tokens; the request has"
                 f" {exact} prompt tokens and asks for {max_tokens or 0} more",
                 "prompt" if exact >= max_model_len else "max_tokens",
@@ -186,7 +180,7 @@ def parse_client_request(
     else:
         floor = size / MAX_BYTES_PER_TOKEN
         if floor > max_model_len:
-            raise bad_request(
+            raise InvalidRequest(
                 f"This model's maximum context length is {max_model_len} tokens; the prompt is"
                 f" at least {int(floor)} tokens long",
                 "messages" if chat else "prompt",

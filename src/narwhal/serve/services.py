@@ -1,0 +1,166 @@
+"""Every part of a running narwhal-serve, built whole before the first request: the fleet's
+state and the routing lifecycle, the engine clients, the request ledger and its journal, the
+role service, the metrics. ``start`` begins the background loops; ``stop`` drains and closes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+from narwhal.clock import MonotonicClock
+from narwhal.engines.client import EnginePool
+from narwhal.journal import Journal
+from narwhal.metrics import RouterMetrics
+from narwhal.profiles.store import engine_models
+from narwhal.routing.fleet_state import FleetState
+from narwhal.routing.lifecycle import Lifecycle
+from narwhal.routing.predictor import LatencyPredictor
+from narwhal.routing.roles import DemandTracker, RoleController
+from narwhal.routing.scheduler import SchedulerV0, SchedulerV1
+from narwhal.serve.auth import Auth
+from narwhal.serve.background import probe_all, run_health_loop, run_scrape_loop
+from narwhal.serve.ledger import RequestLedger
+from narwhal.serve.pd import MetricsObserver, PDRouter
+from narwhal.serve.roles import RoleService
+from narwhal.serve.settings import ServeSettings
+
+__all__ = ["Services"]
+
+log = logging.getLogger("narwhal.serve")
+
+
+@dataclass
+class Services:
+    settings: ServeSettings
+    clock: MonotonicClock
+    metrics: RouterMetrics
+    state: FleetState
+    journal: Journal
+    engines: EnginePool
+    router: PDRouter
+    ledger: RequestLedger
+    roles: RoleService
+    auth: Auth
+    started_at: float = field(default_factory=time.time)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @classmethod
+    def open(cls, settings: ServeSettings) -> Services:
+        """Build every part; the journal is opened (and recovered) here, before anything
+        serves. Loop-bound resources (engine connections, the loops) come with ``start``."""
+        fleet = settings.fleet.contract
+        clock = MonotonicClock()
+        metrics = RouterMetrics(
+            [e.id for e in fleet.engines],
+            fleet.name,
+            settings.fleet.sha256,
+            settings.profile_sha256,
+        )
+        state = FleetState(
+            fleet,
+            clock,
+            breaker_failures=settings.breaker_failures,
+            breaker_open_s=settings.breaker_open_s,
+        )
+        for engine in state.engines.values():
+            for role in ("prefill", "decode"):
+                metrics.engine_role.labels(engine.id, role).set(1 if engine.role == role else 0)
+        metrics.role_generation.set(state.role_generation)
+        for name, value in (
+            ("ttft_seconds", fleet.budgets.ttft_s),
+            ("tpot_seconds", fleet.budgets.tpot_s),
+            ("attainment", fleet.budgets.attainment),
+            ("first_token_timeout_seconds", fleet.engine.first_token_timeout_s),
+        ):
+            metrics.budget.labels(name).set(value)
+
+        def on_journal_write(latency_s: float, backlog: int) -> None:
+            metrics.journal_write.observe(latency_s)
+            metrics.journal_backlog.set(backlog)
+
+        journal = Journal.open(
+            settings.journal_path,
+            recover=True,
+            fsync_interval_s=settings.journal_fsync_interval_s,
+            max_bytes=settings.journal_max_bytes,
+            on_error=settings.journal_on_error,
+            on_write=on_journal_write,
+        )
+        predictor: LatencyPredictor | None = None
+        scheduler: SchedulerV0 | SchedulerV1 = SchedulerV0()
+        if settings.scheduler == "v1":
+            if settings.profiles is None:
+                raise ValueError("scheduler v1 needs a profile store")
+            predictor = LatencyPredictor(engine_models(settings.profiles))
+            scheduler = SchedulerV1(predictor, fleet.budgets)
+        demand = DemandTracker(clock, window_s=max(10.0, 6 * fleet.roles.tick_s))
+        capacity = asyncio.Event()
+        lifecycle = Lifecycle(
+            state,
+            scheduler,
+            predictor=predictor,
+            demand=demand,
+            observer=MetricsObserver(metrics, capacity),
+        )
+        engines = EnginePool(fleet, transport=settings.engine_transport)
+        prefill_timeout = settings.prefill_timeout_s or max(30.0, 3 * fleet.budgets.ttft_s)
+        controller = None
+        if predictor is not None and fleet.roles.enabled:
+            controller = RoleController(predictor, fleet.budgets, fleet.roles, clock)
+        return cls(
+            settings=settings,
+            clock=clock,
+            metrics=metrics,
+            state=state,
+            journal=journal,
+            engines=engines,
+            router=PDRouter(fleet, lifecycle, engines, metrics, prefill_timeout, capacity),
+            ledger=RequestLedger(journal, metrics, fleet.budgets),
+            roles=RoleService(fleet, state, metrics, journal, demand, controller),
+            auth=Auth(settings.api_key_hashes, settings.admin_token_hash),
+        )
+
+    async def start(self) -> None:
+        settings = self.settings
+        fleet = settings.fleet.contract
+        self.journal.router_start(
+            fleet=fleet.name,
+            fleet_sha256=settings.fleet.sha256,
+            profile_sha256=settings.profile_sha256,
+            qualification=settings.qualification,
+            engines={e.id: e.role for e in self.state.engines.values()},
+        )
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(probe_all(self.state, self.engines, self.metrics), 3.0)
+        self.tasks = [
+            asyncio.create_task(
+                run_health_loop(self.state, self.engines, self.metrics, settings.health_interval_s)
+            ),
+            asyncio.create_task(
+                run_scrape_loop(self.state, self.engines, self.metrics, settings.scrape_interval_s)
+            ),
+            asyncio.create_task(self.roles.run(fleet.roles.tick_s)),
+        ]
+
+    async def stop(self) -> None:
+        ledger = self.ledger
+        ledger.draining = True
+        deadline = time.monotonic() + self.settings.drain_timeout_s
+        while ledger.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.engines.aclose()
+        journal = self.journal
+        # A journal that lost a record cannot vouch for a clean stop, even when this record
+        # itself still fits (a full disk can take a short record after a long one).
+        journal.router_stop(
+            clean=not ledger.active and journal.healthy,
+            journal_error=journal.last_error,
+            journal_dropped=journal.dropped,
+        )
+        await asyncio.to_thread(journal.close, 10.0)

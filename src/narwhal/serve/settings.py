@@ -1,0 +1,42 @@
+"""narwhal-serve's settings: everything the command line (and the fleet file) decided, checked,
+before anything starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from narwhal.contract import LoadedFleet
+from narwhal.engines.transport import EngineTransportName
+from narwhal.profiles.store import ProfileStore
+
+__all__ = ["ServeSettings"]
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    fleet: LoadedFleet
+    journal_path: Path
+    api_key_hashes: tuple[bytes, ...] = ()
+    admin_token_hash: bytes | None = None
+    max_body_bytes: int = 16 * 1024 * 1024
+    health_interval_s: float = 1.0
+    scrape_interval_s: float = 1.0
+    prefill_timeout_s: float | None = None
+    drain_timeout_s: float = 30.0
+    breaker_failures: int = 3
+    breaker_open_s: float = 5.0
+    protect_metrics: bool = False
+    protect_health: bool = False
+    journal_fsync_interval_s: float = 1.0
+    journal_max_bytes: int = 256 * 1024 * 1024
+    journal_on_error: Literal["fail_closed", "best_effort"] = "fail_closed"
+    profile_sha256: str | None = None
+    profiles: ProfileStore | None = None
+    scheduler: Literal["v0", "v1"] = "v0"
+    qualification: dict[str, Any] = field(default_factory=dict)
+    engine_transport: EngineTransportName = "aiohttp"
+    # push: decode events written to the client from the engine connection's data_received;
+    # asgi: a task per stream pulls them and sends each piece through ASGI.
+    relay: Literal["push", "asgi"] = "push"
