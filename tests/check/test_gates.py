@@ -36,13 +36,6 @@ from narwhal.check.gates import (
     tokenization_gate,
 )
 from narwhal.check.plan import BenchmarkPlan
-from narwhal.check.report import (
-    GATE_NAMES,
-    CheckReport,
-    load_report,
-    qualification_problem,
-    render_table,
-)
 from narwhal.check.runner import CheckInputs, run_check
 from narwhal.check.settings import TOKENIZATION_PROMPTS, CheckSettings
 from narwhal.check.slo import (
@@ -53,8 +46,15 @@ from narwhal.check.slo import (
     poisson_cdf,
     predict_point,
 )
+from narwhal.check.table import render_table
 from narwhal.clock import VirtualClock
-from narwhal.contract import ContractError
+from narwhal.contract import (
+    GATE_NAMES,
+    CheckReport,
+    ContractError,
+    load_report,
+    qualification_problem,
+)
 from narwhal.profiles.store import engine_models
 from narwhal.simengine.vocab import Vocabulary
 from tests.check.support import KIMI, check, fleet_doc, loaded, make_store, plan_doc, point

@@ -28,7 +28,9 @@ from narwhal.check.gates import (
     tokenization_gate,
 )
 from narwhal.check.plan import BenchmarkPlan
-from narwhal.check.report import (
+from narwhal.check.settings import TOKENIZATION_PROMPTS, CheckSettings
+from narwhal.clock import Clock
+from narwhal.contract import (
     GATE_NAMES,
     REPORT_SCHEMA,
     CheckReport,
@@ -36,11 +38,9 @@ from narwhal.check.report import (
     FileRef,
     FleetRef,
     GateReport,
+    LoadedFleet,
     SkipInfo,
 )
-from narwhal.check.settings import TOKENIZATION_PROMPTS, CheckSettings
-from narwhal.clock import Clock
-from narwhal.contract import LoadedFleet
 from narwhal.profiles.store import ProfileStore, engine_models
 
 __all__ = ["CheckInputs", "run_check"]
