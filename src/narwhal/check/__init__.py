@@ -1,10 +1,9 @@
 """narwhal-check: preflight gates that qualify a fleet before it serves.
 
-``gates`` judges evidence (pure), ``collect`` gathers it from the engines (all I/O), ``runner``
-runs the gates in order, ``table`` prints the report, ``plan`` is the benchmark-plan format,
-``slo`` the analytic load predictions. The report format itself, and the test narwhal-serve
-applies to it, is ``narwhal.contract.check_report``: narwhal-serve reads it without importing
-narwhal-check.
+``gates`` judges evidence (pure, one module per gate), ``collect`` gathers it from the engines
+(all I/O), ``runner`` runs the gates in order, ``table`` prints the report, ``plan`` is the
+benchmark-plan format. The report format itself, and the test narwhal-serve applies to it, is
+``narwhal.contract.check_report``: narwhal-serve reads it without importing narwhal-check.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from narwhal.check.evidence import (
     PairResult,
     TokenizeResult,
 )
-from narwhal.check.gates import PaceProbePlan
+from narwhal.check.gates.pace import PaceProbePlan
 from narwhal.check.settings import GENERATION_TEXT, CheckSettings
 from narwhal.clock import Clock
 from narwhal.contract import EngineSpec, FleetContract
