@@ -98,6 +98,30 @@ def make_store(
     return store, sha256_hex(store.model_dump(mode="json", by_alias=True))
 
 
+def attestation(fleet: Any, engine: Any, **over: Any) -> dict[str, Any]:
+    """A ready attestation document for ``engine`` that matches ``fleet``, with ``over``
+    replacing fields."""
+    doc = {
+        "schema": "narwhal.attestation/v1",
+        "engine_id": engine.id,
+        "model_id": fleet.model.id,
+        "model_revision": fleet.model.revision,
+        "config_sha256": "c" * 64,
+        "shard_manifest_sha256": "a" * 64,
+        "tp": fleet.engine.tp,
+        "gpu_arch": fleet.engine.gpu_arch,
+        "accelerator": fleet.engine.accelerator,
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_buffer_device": "cpu",
+        "nixl": {"host": engine.nixl.host, "port": engine.nixl.port},
+        "kv_cache": {"block_size": 16, "num_blocks": 4096, "block_bytes": 16384},
+        "generation": f"gen-{engine.id}",
+    }
+    doc.update(over)
+    return doc
+
+
 # The qualification fleet's engine, as the simulator models it at time scale 1.
 KIMI = {"a": 0.02, "b": 1.0e-4, "c": 1.2e-9, "intercept": 0.24, "slope": 0.0015, "ctx": 1.3e-7}
 

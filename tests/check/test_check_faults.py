@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from narwhal.check.report import CheckReport, load_report
+from narwhal.contract import CheckReport, load_report
 from tests.check.support import check
 from tests.helpers import running_fleet
 

@@ -18,8 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from narwhal.check.report import GATE_NAMES, load_report
-from narwhal.contract import load_fleet
+from narwhal.contract import GATE_NAMES, load_fleet, load_report
 from narwhal.simengine.fleet import SimFleet
 from tests.check.support import (
     check,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from narwhal.check.report import load_report
+from narwhal.contract import load_report
 from tests.check.support import check, fleet_copy, serve_ready, serve_refused
 from tests.helpers import running_fleet
 

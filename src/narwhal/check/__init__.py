@@ -1,27 +1,13 @@
 """narwhal-check: preflight gates that qualify a fleet before it serves.
 
-``gates`` judges evidence (pure), ``collect`` gathers it from the engines (all I/O), ``runner``
-runs the gates in order, ``report`` is the report format and the test narwhal-serve applies to
-it, ``plan`` the benchmark-plan format, ``slo`` the analytic load predictions.
+``gates`` judges evidence (pure, one module per gate), ``collect`` gathers it from the engines
+(all I/O), ``runner`` runs the gates in order, ``table`` prints the report, ``plan`` is the
+benchmark-plan format. The report format itself, and the test narwhal-serve applies to it, is
+``narwhal.contract.check_report``: narwhal-serve reads it without importing narwhal-check.
 """
 
 from __future__ import annotations
 
 from narwhal.check.plan import PLAN_SCHEMA, BenchmarkPlan
-from narwhal.check.report import (
-    GATE_NAMES,
-    REPORT_SCHEMA,
-    CheckReport,
-    load_report,
-    qualification_problem,
-)
 
-__all__ = [
-    "GATE_NAMES",
-    "PLAN_SCHEMA",
-    "REPORT_SCHEMA",
-    "BenchmarkPlan",
-    "CheckReport",
-    "load_report",
-    "qualification_problem",
-]
+__all__ = ["PLAN_SCHEMA", "BenchmarkPlan"]

@@ -20,12 +20,14 @@ from pathlib import Path
 from typing import NoReturn
 
 from narwhal.check.plan import BenchmarkPlan
-from narwhal.check.report import GATE_NAMES, FileRef, render_table
 from narwhal.check.runner import NEEDS_STORE, CheckInputs, run_check
 from narwhal.check.settings import CheckSettings
+from narwhal.check.table import render_table
 from narwhal.clock import MonotonicClock
 from narwhal.contract import (
+    GATE_NAMES,
     ContractError,
+    FileRef,
     load_fleet,
     read_json_document,
     sha256_hex,

@@ -32,13 +32,13 @@ from narwhal.check.evidence import (
     PairResult,
     TokenizeResult,
 )
-from narwhal.check.gates import PaceProbePlan
+from narwhal.check.gates.pace import PaceProbePlan
 from narwhal.check.settings import GENERATION_TEXT, CheckSettings
 from narwhal.clock import Clock
 from narwhal.contract import EngineSpec, FleetContract
 from narwhal.engines.legs import decode_leg_body, prefill_leg_body
+from narwhal.engines.probes import SEED_TEXT, check_idle
 from narwhal.engines.sse import iter_sse_events
-from narwhal.profiler.runner import SEED_TEXT, check_idle
 
 __all__ = ["Collector", "metric_sum"]
 

@@ -1,6 +1,6 @@
 """What the collector brings back from the engines: plain data the gates judge.
 
-The collector (``collect.py``) does every socket call and fills these; the gates (``gates.py``)
+The collector (``collect.py``) does every socket call and fills these; the gates (``gates/``)
 never touch the network, so each verdict can be reproduced from recorded evidence in a test.
 Times are seconds from the injected monotonic clock.
 """

@@ -13,22 +13,19 @@ from typing import Any
 
 from narwhal import __version__
 from narwhal.check.collect import Collector
-from narwhal.check.gates import (
-    GateOutcome,
-    contract_gate,
-    generation_gate,
-    health_gate,
-    kv_prompt_tokens,
-    kv_transfer_gate,
-    model_gate,
-    pace_gate,
-    pace_probe_plan,
-    planned_prompt_tokens,
-    slo_gate,
-    tokenization_gate,
-)
+from narwhal.check.gates.common import GateOutcome, planned_prompt_tokens
+from narwhal.check.gates.contract import contract_gate
+from narwhal.check.gates.generation import generation_gate
+from narwhal.check.gates.health import health_gate
+from narwhal.check.gates.kv_transfer import kv_prompt_tokens, kv_transfer_gate
+from narwhal.check.gates.model import model_gate
+from narwhal.check.gates.pace import pace_gate, pace_probe_plan
+from narwhal.check.gates.slo import slo_gate
+from narwhal.check.gates.tokenization import tokenization_gate
 from narwhal.check.plan import BenchmarkPlan
-from narwhal.check.report import (
+from narwhal.check.settings import TOKENIZATION_PROMPTS, CheckSettings
+from narwhal.clock import Clock
+from narwhal.contract import (
     GATE_NAMES,
     REPORT_SCHEMA,
     CheckReport,
@@ -36,11 +33,9 @@ from narwhal.check.report import (
     FileRef,
     FleetRef,
     GateReport,
+    LoadedFleet,
     SkipInfo,
 )
-from narwhal.check.settings import TOKENIZATION_PROMPTS, CheckSettings
-from narwhal.clock import Clock
-from narwhal.contract import LoadedFleet
 from narwhal.profiles.store import ProfileStore, engine_models
 
 __all__ = ["CheckInputs", "run_check"]

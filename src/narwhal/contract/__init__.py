@@ -1,11 +1,25 @@
-"""The fleet contract: which engines serve which model under which budgets, and its hash.
+"""The fleet contract: which engines serve which model under which budgets, and its hash;
+and the check report, which says whether a fleet is qualified to serve.
 
-Pure apart from ``load_fleet``, which reads the file. See ``models`` for the schema,
-``hashing`` for the canonical form that names a fleet, and ``loader`` for error wording.
+Pure apart from ``load_fleet`` and ``load_report``, which read their files (through ``loader``).
+See ``models`` for the fleet schema, ``hashing`` for the canonical form that names a fleet,
+``loader`` for error wording, and ``check_report`` for the narwhal-check report format.
 """
 
 from __future__ import annotations
 
+from narwhal.contract.check_report import (
+    GATE_NAMES,
+    REPORT_SCHEMA,
+    CheckReport,
+    EngineIdentity,
+    FileRef,
+    FleetRef,
+    GateReport,
+    SkipInfo,
+    load_report,
+    qualification_problem,
+)
 from narwhal.contract.hashing import canonical_json, sha256_hex
 from narwhal.contract.loader import (
     ContractError,
@@ -36,12 +50,19 @@ from narwhal.contract.models import (
 
 __all__ = [
     "FLEET_SCHEMA",
+    "GATE_NAMES",
+    "REPORT_SCHEMA",
     "Budgets",
+    "CheckReport",
     "ConsistencyIssue",
     "ContractError",
     "EngineDefaults",
+    "EngineIdentity",
     "EngineSpec",
+    "FileRef",
     "FleetContract",
+    "FleetRef",
+    "GateReport",
     "LoadedFleet",
     "LocalPrefill",
     "ModelIdentity",
@@ -51,11 +72,14 @@ __all__ = [
     "RoleControl",
     "RoutingPolicy",
     "SimulatedEngineSettings",
+    "SkipInfo",
     "TransferPair",
     "canonical_json",
     "consistency_issues",
     "load_fleet",
+    "load_report",
     "parse_fleet",
+    "qualification_problem",
     "read_json_document",
     "sha256_hex",
     "validate_document",

@@ -21,7 +21,7 @@ import httpx
 import orjson
 
 from narwhal.contract import EngineSpec, FleetContract
-from narwhal.engines.scrape import parse_engine_load
+from narwhal.engines.probes import SEED_TEXT, check_idle
 from narwhal.engines.sse import iter_sse_events
 from narwhal.profiles.store import (
     DecodeSample,
@@ -41,12 +41,6 @@ __all__ = [
     "profile_fleet",
     "sample_decode",
 ]
-
-SEED_TEXT = (
-    "Disaggregated serving splits the compute bound prefill of a prompt from the memory bound "
-    "decode of its answer, so that each runs on hardware sized for it, and moves the key value "
-    "cache between them over a fast fabric. Routers pick engines by predicted latency. "
-)
 
 Progress = Callable[[str], None]
 
@@ -178,20 +172,6 @@ async def engine_itl_totals(client: httpx.AsyncClient) -> tuple[float, float] | 
             continue
         found = True
     return (totals[b"sum"], totals[b"count"]) if found else None
-
-
-async def check_idle(client: httpx.AsyncClient) -> str | None:
-    """None if the engine is idle; otherwise why not."""
-    try:
-        r = await client.get("/metrics")
-    except httpx.HTTPError as exc:
-        return f"/metrics unreachable: {type(exc).__name__}"
-    load = parse_engine_load(r.content) if r.status_code == 200 else None
-    if load is None:
-        return "its /metrics carries no vLLM load gauges"
-    if load["running"] or load["waiting"]:
-        return f"not idle ({load['running']:g} running, {load['waiting']:g} waiting)"
-    return None
 
 
 async def _generation(spec: EngineSpec) -> str | None:

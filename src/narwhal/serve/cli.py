@@ -207,7 +207,7 @@ def _verify_report(
 ) -> dict[str, Any]:
     """The qualification the router journals, from a narwhal-check report that passed for
     exactly this fleet file and profile store; UsageError (one line) otherwise."""
-    from narwhal.check.report import load_report, qualification_problem
+    from narwhal.contract import load_report, qualification_problem
 
     report, digest = load_report(path)
     problem = qualification_problem(report, fleet.sha256, str(fleet.path), profile_sha)

@@ -1,5 +1,6 @@
 """The check report (``narwhal.check-report/v1``): what ``narwhal-check`` proved about a fleet,
-and the one test ``narwhal-serve --check-report`` applies before serving it.
+and the one test ``narwhal-serve --check-report`` applies before serving it. narwhal-check
+writes it and narwhal-serve reads it, so the format lives here, below both.
 
 A report names the exact inputs it judged (fleet and profile-store SHA-256s, the plan's if any,
 each engine's generation) and carries every gate's verdict with its evidence and timing. Its
@@ -13,7 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from narwhal.contract import read_json_document, sha256_hex, validate_document
+from narwhal.contract.hashing import sha256_hex
+from narwhal.contract.loader import read_json_document, validate_document
 
 __all__ = [
     "GATE_NAMES",
@@ -26,7 +28,6 @@ __all__ = [
     "SkipInfo",
     "load_report",
     "qualification_problem",
-    "render_table",
 ]
 
 REPORT_SCHEMA = "narwhal.check-report/v1"
@@ -187,25 +188,3 @@ def qualification_problem(
             f"{_short(profile_sha256)}"
         )
     return None
-
-
-def render_table(report: CheckReport) -> str:
-    """The human summary: one row per gate, then the overall verdict."""
-    rows = [["gate", "verdict", "time_s", "summary"]]
-    for g in report.gates:
-        summary = g.summary
-        if g.verdict == "fail" and g.failures:
-            summary = g.failures[0] + (
-                f" (and {len(g.failures) - 1} more)" if len(g.failures) > 1 else ""
-            )
-        elif g.skip is not None:
-            summary = f"{g.skip.kind}: {g.skip.reason}"
-        rows.append([g.name, g.verdict.upper(), f"{g.duration_s:.2f}", summary])
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    lines = ["  ".join([*(r[i].ljust(widths[i]) for i in range(3)), r[3]]) for r in rows]
-    store = report.profile_store.sha256[:12] if report.profile_store else "none"
-    lines.append(
-        f"overall: {report.verdict.upper()}{'' if report.complete else ' (partial)'}  "
-        f"fleet {report.fleet.name} sha256 {report.fleet.sha256[:12]}  profile store {store}"
-    )
-    return "\n".join(lines)

@@ -1,14 +1,14 @@
 """Load predictions for the slo gate: will a fleet meet its budgets at a planned load?
 
-A plan point is judged by the **virtual-time fleet simulator** (``narwhal.fleetsim``) when it is
-available: the router's own scheduler v1, admission control and role controller on a virtual
-clock, over engines stepped by the profiled latency models (a profile's fitted forms are the
-simulator's step model), fed the point's Poisson arrivals (its rate and request count) with
-the KV transfer the kv_transfer gate measured, replayed with several seeds and judged on the
-mean attainment. ``DES_METHOD`` says so in the report.
+A plan point is judged by the **virtual-time fleet simulator** (``narwhal.fleetsim``): the
+router's own scheduler v1, admission control and role controller on a virtual clock, over
+engines stepped by the profiled latency models (a profile's fitted forms are the simulator's
+step model), fed the point's Poisson arrivals (its rate and request count) with the KV transfer
+the kv_transfer gate measured, replayed with several seeds and judged on the mean attainment.
+``DES_METHOD`` says so in the report.
 
 An **analytic** prediction is computed for every point as well (``METHOD``), reported beside the
-simulation as a cross-check, and used alone where the simulator cannot be imported:
+simulation as a cross-check:
 
 - **Prefill (TTFT)**: the prefill engines are an M/M/c queue (Poisson arrivals, ``c`` prefill
   engines, mean service time the profiled prefill at the workload's prompt length). The chance a
@@ -39,7 +39,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from narwhal.contract import Budgets, FleetContract
+from narwhal.fleetsim.simulator import DesConfig, run_des
+from narwhal.fleetsim.workloads import poisson_requests
 from narwhal.profiles.store import EngineModels
+from narwhal.simengine.timing import StepTiming
 
 __all__ = [
     "DEFAULT_TRANSFER_S",
@@ -298,15 +301,9 @@ def simulate_point(
     requests: int,
     seed: int,
     handoff_s: float | None,
-) -> SimulatedPoint | None:
+) -> SimulatedPoint:
     """The point replayed ``DES_REPLAYS`` times (seeds ``seed`` onwards) through the
-    virtual-time simulator; None when the simulator is unavailable."""
-    try:
-        from narwhal.fleetsim.simulator import DesConfig, run_des
-        from narwhal.fleetsim.workloads import poisson_requests
-        from narwhal.simengine.timing import StepTiming
-    except ImportError:
-        return None
+    virtual-time simulator."""
     timings = {
         e: StepTiming(
             prefill_a=m.prefill.a,

@@ -1,0 +1,242 @@
+"""The kv_transfer gate: every permitted (prefill, decode) pair completes real handoffs
+within the first-token deadline; and the deadline it recommends from what it observed."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from narwhal.check.evidence import PairResult
+from narwhal.check.gates.common import GateOutcome, outcome, planned_prompt_tokens, rounded
+from narwhal.check.plan import BenchmarkPlan
+from narwhal.check.settings import CheckSettings
+from narwhal.contract import FleetContract
+from narwhal.profiles.store import ProfileStore
+
+__all__ = ["DeadlineAdvice", "kv_prompt_tokens", "kv_transfer_gate", "recommend_deadline"]
+
+
+def kv_prompt_tokens(
+    settings: CheckSettings,
+    store: ProfileStore | None,
+    plan: BenchmarkPlan | None,
+    max_model_len: int,
+) -> tuple[int, str]:
+    """The handoff probes' prompt length, and why that one."""
+    if settings.kv_prompt_tokens is not None:
+        tokens, why = settings.kv_prompt_tokens, "--kv-prompt-tokens"
+    else:
+        planned, why = planned_prompt_tokens(store, plan)
+        tokens = planned if planned is not None else 1024
+        if planned is None:
+            why = "default (no plan, no profile store)"
+    # Prompt plus the streamed tokens must fit the engines' context.
+    room = max_model_len - settings.kv_output_tokens
+    if tokens > room:
+        return room, f"{why}, capped at max_model_len - output tokens"
+    return tokens, why
+
+
+@dataclass(frozen=True)
+class DeadlineAdvice:
+    value_s: float | None
+    lower_s: float
+    upper_s: float
+    headroom_s: float | None
+    how: str
+
+    def document(self) -> dict[str, Any]:
+        return {
+            "recommended_first_token_timeout_s": self.value_s,
+            "lower_bound_s": rounded(self.lower_s),
+            "upper_bound_s": rounded(self.upper_s),
+            "ttft_left_after_prefill_and_deadline_s": rounded(self.headroom_s),
+            "how": self.how,
+        }
+
+
+def recommend_deadline(
+    observed_max_s: float, ttft_s: float, prefill_s: float, margin: float
+) -> DeadlineAdvice:
+    """A first-token deadline above the observed maximum with ``margin`` (relative), rounded
+    up to 0.5 s (0.1 s, 0.01 s when the budget is tight), and below the TTFT budget minus the
+    prefill, so a request whose deadline expires still has its prefill inside the budget."""
+    lower = observed_max_s * (1 + margin)
+    upper = ttft_s - prefill_s
+    base = (
+        f"observed maximum {observed_max_s:.3f} s x (1 + margin {margin:g}) = {lower:.3f} s, "
+        f"rounded up; must stay below TTFT budget {ttft_s:g} s - prefill {prefill_s:.3f} s = "
+        f"{upper:.3f} s"
+    )
+    if observed_max_s >= upper:
+        return DeadlineAdvice(
+            None,
+            lower,
+            upper,
+            None,
+            f"impossible: the slowest handoff ({observed_max_s:.3f} s) plus the prefill "
+            f"({prefill_s:.3f} s) already exceeds the TTFT budget {ttft_s:g} s; no deadline "
+            "both admits the observed handoffs and fits the budget (fix the KV path or raise "
+            "the budget)",
+        )
+    value: float | None = None
+    for step in (0.5, 0.1, 0.01):
+        candidate = round(max(1, math.ceil(lower / step - 1e-9)) * step, 2)
+        if candidate < upper:
+            value = candidate
+            break
+    how = base
+    if value is None:
+        # The margin does not fit: the largest deadline that does, still above the maximum.
+        value = (math.ceil(upper * 100 - 1e-9) - 1) / 100
+        if value <= observed_max_s:
+            value = round((observed_max_s + upper) / 2, 4)
+        how = f"{base}; the margin does not fit, so the largest value below the bound"
+    return DeadlineAdvice(value, lower, upper, ttft_s - prefill_s - value, how)
+
+
+def _dist(values: Sequence[float]) -> dict[str, Any]:
+    if not values:
+        return {"n": 0}
+    ordered = sorted(values)
+
+    def q(p: float) -> float:
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(p * len(ordered)) - 1))]
+
+    return {
+        "n": len(ordered),
+        "min_s": rounded(ordered[0]),
+        "p50_s": rounded(statistics.median(ordered)),
+        "p90_s": rounded(q(0.9)),
+        "max_s": rounded(ordered[-1]),
+        "mean_s": rounded(statistics.fmean(ordered)),
+    }
+
+
+def kv_transfer_gate(
+    fleet: FleetContract,
+    pairs: Sequence[PairResult],
+    prompt_tokens: int,
+    prompt_basis: str,
+    window_s: float,
+    margin: float,
+    profiled_prefill: tuple[float, str] | None,
+) -> GateOutcome:
+    """Every permitted (prefill, decode) pair completes real handoffs: the prefill leg returns
+    kv_transfer_params, the decode leg pulls the KV (its NIXL transfer count rises, where the
+    engine exports it) and streams its tokens, with every first token (decode leg start to its
+    first token, the router's deadline clock) within ``first_token_timeout_s``.
+
+    Also reports the first-token distribution and a recommended deadline (``recommend_deadline``)
+    against the prefill time: ``profiled_prefill`` (seconds at the planned prompt length on the
+    slowest prefill engine, and why) when a store is given, else the slowest prefill leg seen.
+    """
+    deadline = fleet.engine.first_token_timeout_s
+    failures: list[str] = []
+    notes: list[str] = []
+    per_pair: dict[str, Any] = {}
+    all_first: list[float] = []
+    all_prefill: list[float] = []
+    unbounded = False
+    for pair in pairs:
+        firsts = [p.first_token_s for p in pair.probes if p.first_token_s is not None]
+        prefills = [p.prefill_s for p in pair.probes if p.prefill_s is not None]
+        all_first += firsts
+        all_prefill += prefills
+        errors = [(i, p.error) for i, p in enumerate(pair.probes) if p.error is not None]
+        completed = sum(1 for p in pair.probes if p.error is None)
+        per_pair[pair.name] = {
+            "first_token": _dist(firsts),
+            "prefill_leg": _dist(prefills),
+            "probes": [
+                {
+                    "prefill_s": rounded(p.prefill_s),
+                    "first_token_s": rounded(p.first_token_s),
+                    "tokens": p.tokens,
+                    "error": p.error,
+                }
+                for p in pair.probes
+            ],
+            "kv_transfers": pair.kv_transfers,
+            "kv_bytes": pair.kv_bytes,
+            "failed_transfers": pair.failed_transfers,
+        }
+        for i, error in errors:
+            failures.append(f"{pair.name}: handoff {i + 1}/{len(pair.probes)} failed: {error}")
+            if "no first token within" in error:
+                unbounded = True
+        if firsts and max(firsts) > deadline:
+            over = sum(1 for f in firsts if f > deadline)
+            failures.append(
+                f"{pair.name}: first token after {max(firsts):.3f} s ({over} of "
+                f"{len(pair.probes)} handoffs over) exceeds first_token_timeout_s {deadline:g} s"
+            )
+        if pair.kv_transfers is None:
+            notes.append(
+                f"{pair.name}: {pair.decode} exports no vllm:nixl_bytes_transferred: KV movement "
+                "not confirmed by metrics"
+            )
+        elif completed and pair.kv_transfers < completed:
+            failures.append(
+                f"{pair.name}: {pair.decode}'s NIXL transfer count rose by "
+                f"{pair.kv_transfers:g} over {completed} completed handoffs: the KV did not move "
+                "(decode prefilled locally?)"
+            )
+    if not pairs:
+        failures.append("the fleet has no permitted pair to probe")
+
+    if profiled_prefill is not None:
+        prefill_s, prefill_basis = profiled_prefill
+    elif all_prefill:
+        prefill_s = max(all_prefill)
+        prefill_basis = (
+            f"the slowest prefill leg of these probes ({prompt_tokens} tokens; no profile store)"
+        )
+    else:
+        prefill_s, prefill_basis = 0.0, "no prefill measured"
+    if unbounded:
+        advice: dict[str, Any] = {
+            "recommended_first_token_timeout_s": None,
+            "how": f"impossible to say: a handoff produced no first token within the "
+            f"{window_s:g} s observation window, so the maximum is unknown",
+        }
+    elif all_first:
+        advice = recommend_deadline(
+            max(all_first), fleet.budgets.ttft_s, prefill_s, margin
+        ).document()
+    else:
+        advice = {"recommended_first_token_timeout_s": None, "how": "no handoff completed"}
+    advice["prefill_s"] = rounded(prefill_s)
+    advice["prefill_basis"] = prefill_basis
+    recommended = advice.get("recommended_first_token_timeout_s")
+    if recommended is not None and recommended >= fleet.engine.request_timeout_s:
+        notes.append(
+            f"the recommended deadline {recommended:g} s is not below engine.request_timeout_s "
+            f"{fleet.engine.request_timeout_s:g} s: raise that too"
+        )
+    dist = _dist(all_first)
+    evidence = {
+        "first_token_timeout_s": deadline,
+        "prompt_tokens": prompt_tokens,
+        "prompt_basis": prompt_basis,
+        "handoffs_per_pair": max((len(p.probes) for p in pairs), default=0),
+        "observation_window_s": window_s,
+        "first_token": dist,
+        "prefill_leg": _dist(all_prefill),
+        "pairs": per_pair,
+        "recommendation": advice,
+    }
+    summary = (
+        f"{len(pairs)} pairs x {evidence['handoffs_per_pair']} handoffs: first token "
+        f"{dist.get('min_s', 0):.3f}-{dist.get('max_s', 0):.3f} s (p50 "
+        f"{dist.get('p50_s', 0):.3f}) within the {deadline:g} s deadline; recommended "
+        f"{recommended} s"
+    )
+    if failures and recommended is not None:
+        notes.append(
+            f"recommended engine.first_token_timeout_s: {recommended:g} s ({advice['how']})"
+        )
+    return outcome(summary, failures, notes, evidence)

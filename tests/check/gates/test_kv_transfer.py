@@ -1,0 +1,100 @@
+"""The kv_transfer gate against recorded handoffs, its deadline recommendation and the
+handoff probes' prompt length."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from narwhal.check.evidence import HandoffProbe, PairResult
+from narwhal.check.gates.kv_transfer import kv_prompt_tokens, kv_transfer_gate, recommend_deadline
+from narwhal.check.plan import BenchmarkPlan
+from narwhal.check.settings import CheckSettings
+from tests.check.support import KIMI, fleet_doc, loaded, make_store, plan_doc, point
+
+
+def test_recommendation_reproduces_the_qualification_run() -> None:
+    # Observed 0.348-5.274 s, 8,192-token prefill 0.92 s, 10 s TTFT: the run chose 8.5 s,
+    # "leaving about 0.6 s of the 10 s TTFT budget after the measured prefill".
+    advice = recommend_deadline(5.274, ttft_s=10.0, prefill_s=0.92, margin=0.6)
+    assert advice.value_s == 8.5
+    assert advice.headroom_s == pytest.approx(0.58)
+    assert advice.lower_s == pytest.approx(5.274 * 1.6)
+    assert advice.upper_s == pytest.approx(9.08)
+    # The packaged deadline is below the observed maximum: the gate would have failed.
+    assert 2.5 < 5.274
+
+
+def test_recommendation_when_the_margin_does_not_fit_or_nothing_does() -> None:
+    tight = recommend_deadline(8.0, ttft_s=10.0, prefill_s=0.92, margin=0.6)
+    assert tight.value_s is not None and 8.0 < tight.value_s < 9.08
+    assert "margin does not fit" in tight.how
+    impossible = recommend_deadline(9.5, ttft_s=10.0, prefill_s=0.92, margin=0.6)
+    assert impossible.value_s is None and impossible.how.startswith("impossible")
+    fine_steps = recommend_deadline(0.03, ttft_s=10.0, prefill_s=0.1, margin=0.6)
+    assert fine_steps.value_s == 0.5
+
+
+def _pair(p: str, d: str, firsts: list[float], kv: float | None = None, **kw: Any) -> PairResult:
+    probes = [HandoffProbe(prefill_s=0.1, first_token_s=f, tokens=2) for f in firsts]
+    return PairResult(p, d, probes, float(len(firsts)) if kv is None else kv, 1e6, 0.0, **kw)
+
+
+def test_kv_transfer_names_the_slow_pair_and_recommends() -> None:
+    fleet = loaded(fleet_doc(3)).contract
+    pairs = [
+        _pair("e0", "e1", [0.35, 0.4, 0.5]),
+        _pair("e0", "e2", [3.1, 5.274, 4.0]),
+        _pair("e1", "e2", [0.4, 0.6, 0.5]),
+    ]
+    out = kv_transfer_gate(fleet, pairs, 8192, "plan", 10.0, 0.6, (0.92, "profiled"))
+    assert out.verdict == "fail"
+    assert len(out.failures) == 1 and out.failures[0].startswith("e0->e2: first token after 5.274")
+    rec = out.evidence["recommendation"]
+    assert rec["recommended_first_token_timeout_s"] == 8.5
+    assert rec["prefill_basis"] == "profiled"
+    assert out.evidence["first_token"]["n"] == 9
+    assert out.evidence["first_token"]["min_s"] == 0.35
+    assert out.evidence["first_token"]["max_s"] == 5.274
+    assert any("recommended engine.first_token_timeout_s: 8.5" in n for n in out.notes)
+
+
+def test_kv_transfer_requires_the_kv_to_move_where_the_metric_exists() -> None:
+    fleet = loaded(fleet_doc(2)).contract
+    moved_nothing = _pair("e0", "e1", [0.1, 0.1], kv=0.0)
+    no_metric = PairResult("e1", "e0", [HandoffProbe(0.1, 0.1, 2)], None, None, None)
+    out = kv_transfer_gate(fleet, [moved_nothing, no_metric], 512, "x", 10.0, 0.6, None)
+    assert out.verdict == "fail"
+    assert out.failures == [
+        "e0->e1: e1's NIXL transfer count rose by 0 over 2 completed handoffs: the KV did not "
+        "move (decode prefilled locally?)"
+    ]
+    assert any("e1->e0" in n and "not confirmed" in n for n in out.notes)
+    # No store: the prefill the recommendation leaves room for is the slowest leg observed.
+    assert "slowest prefill leg" in out.evidence["recommendation"]["prefill_basis"]
+
+
+def test_kv_transfer_unbounded_handoff_makes_the_recommendation_impossible() -> None:
+    fleet = loaded(fleet_doc(2)).contract
+    stuck = PairResult(
+        "e0",
+        "e1",
+        [HandoffProbe(0.1, None, 0, "no first token within the 10 s observation window")],
+        0.0,
+    )
+    out = kv_transfer_gate(fleet, [stuck], 512, "x", 10.0, 0.6, None)
+    assert out.verdict == "fail" and "e0->e1: handoff 1/1 failed" in out.failures[0]
+    rec = out.evidence["recommendation"]
+    assert rec["recommended_first_token_timeout_s"] is None
+    assert "maximum is unknown" in rec["how"]
+
+
+def test_kv_prompt_length_follows_plan_then_store_and_fits_the_context() -> None:
+    store, _ = make_store({"e0": KIMI})
+    s = CheckSettings()
+    plan = BenchmarkPlan.model_validate(plan_doc("0" * 64, [point("a", 1.0)]))
+    assert kv_prompt_tokens(s, store, plan, 16384)[0] == 8192
+    assert kv_prompt_tokens(s, store, None, 16384)[0] == 8192
+    assert kv_prompt_tokens(s, None, None, 16384) == (1024, "default (no plan, no profile store)")
+    assert kv_prompt_tokens(s, store, None, 4096)[0] == 4096 - s.kv_output_tokens

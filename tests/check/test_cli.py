@@ -1,0 +1,62 @@
+"""narwhal-check's command line: input errors (no engine is contacted) and an unreachable
+fleet."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from narwhal.check import cli
+from narwhal.contract import load_report
+from tests.check.support import KIMI, check, fleet_doc, make_store, plan_doc, point
+
+
+def test_cli_input_errors_are_one_line_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fleet = tmp_path / "fleet.json"
+    fleet.write_text(json.dumps(fleet_doc(2)))
+    bad_plan = tmp_path / "plan.json"
+    bad_plan.write_text(json.dumps({"schema": "narwhal.benchmark-plan/v1"}))
+    store, _ = make_store({"e0": KIMI, "e1": KIMI})
+    store_path = tmp_path / "store.json"
+    store_path.write_text(json.dumps(store.model_dump(mode="json", by_alias=True)))
+    cases = [
+        (["--fleet", str(tmp_path / "missing.json")], "cannot read"),
+        (["--fleet", str(fleet), "--gates", "health,warp"], "unknown gate(s) warp"),
+        (["--fleet", str(fleet), "--gates", "pace"], "--gates pace needs a profile store"),
+        (["--fleet", str(fleet), "--plan", str(bad_plan)], "plan.json: fleet: required field"),
+        (["--fleet", str(fleet), "--pace-tolerance", "0"], "--pace-tolerance: must be positive"),
+        (["--fleet", str(fleet), "--kv-probes", "x"], "invalid int value"),
+        (["--fleet", str(fleet), "--report", str(tmp_path)], "is a directory"),
+        (["--gates", "health"], "the following arguments are required: --fleet"),
+    ]
+    good_plan = tmp_path / "good-plan.json"
+    good_plan.write_text(json.dumps(plan_doc("0" * 64, [point("a", 1.0)])))
+    cases.append((["--fleet", str(fleet), "--plan", str(good_plan)], "--plan: predicting"))
+    for args, words in cases:
+        # In process (fast); the console script itself is exercised by the live tests.
+        try:
+            code = cli.main(["--quiet", *args])
+        except SystemExit as exc:  # argparse's own errors
+            code = int(exc.code or 0)
+        err = capsys.readouterr().err
+        assert code == 2, (args, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and words in lines[0], (args, err)
+        assert lines[0].startswith("narwhal-check: ")
+
+
+def test_cli_unreachable_fleet_fails_health_and_blocks_the_rest(tmp_path: Path) -> None:
+    # Nothing listens on the fleet's ports: health fails fast, every live gate is blocked.
+    fleet = tmp_path / "fleet.json"
+    fleet.write_text(json.dumps(fleet_doc(2)))
+    report = tmp_path / "report.json"
+    r = check("--fleet", str(fleet), "--report", str(report), "--health-timeout", "2")
+    assert r.returncode == 1, r.stderr
+    doc, digest = load_report(report)
+    assert doc.gate("health").verdict == "fail" and doc.gate("model").skip.kind == "blocked"
+    assert (tmp_path / "report.json.sha256").read_text().split()[0] == digest
+    assert "health        FAIL" in r.stdout
