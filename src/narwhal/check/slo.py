@@ -304,20 +304,9 @@ def simulate_point(
     try:
         from narwhal.fleetsim.simulator import DesConfig, run_des
         from narwhal.fleetsim.workloads import poisson_requests
-        from narwhal.simengine.timing import StepTiming
     except ImportError:
         return None
-    timings = {
-        e: StepTiming(
-            prefill_a=m.prefill.a,
-            prefill_b=m.prefill.b,
-            prefill_c=m.prefill.c,
-            decode_intercept=m.decode.intercept,
-            decode_slope=m.decode.slope,
-            decode_ctx_coef=m.decode.ctx_coef,
-        )
-        for e, m in models.items()
-    }
+    timings = dict(models)  # the simulated engines step as the profiled models say
     context = point.input_tokens + point.output_tokens / 2
     step_1 = sum(m.decode.seconds_per_token(1, context) for m in models.values()) / len(models)
     # The measured first-token latency is the KV pull plus about one decode step.
