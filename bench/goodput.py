@@ -86,6 +86,7 @@ import orjson
 from narwhal.engines.scrape import parse_engine_load
 from narwhal.serve.cli import serve_command
 from narwhal.simengine.fleet import SimFleet, SimFleetError, free_ports, local_fleet_document
+from narwhal.simengine.timing import CALIBRATION
 
 MODEL = "moonshotai/Kimi-K3"
 REAL_TTFT_S = 10.0
@@ -111,8 +112,7 @@ FIXED_IN, FIXED_OUT = 8192, 128
 WORD_IDS = (256, 10256)  # the simulator's word tokens (byte tokens below, specials above)
 MAX_MODEL_LEN = 16384
 # The simulator's calibration (model seconds), for the starting guesses only.
-PREFILL = (0.02, 1.0e-4, 1.2e-9)
-DECODE = (0.24, 0.0015, 1.3e-7)
+PREFILL, DECODE = CALIBRATION.prefill, CALIBRATION.decode
 
 
 def log(msg: str) -> None:
@@ -206,12 +206,11 @@ def capacity_estimate(w: Workload, prefill_engines: int, decode_engines: int, se
     """Rough requests/s the split can carry within budgets (model time), from the first
     thousand requests' shapes: the search's starting guess, nothing more."""
     prompts, gens = w.prompt_lens[:1000], w.gen_lens[:1000]
-    a, b, c = PREFILL
-    mean_prefill = sum(a + b * n + c * n * n for n in prompts) / len(prompts)
-    i, s, k = DECODE
+    mean_prefill = sum(PREFILL.seconds(n) for n in prompts) / len(prompts)
+    i, s, k = DECODE.intercept, DECODE.slope, DECODE.ctx_coef
     ctx = sum(prompts) / len(prompts)
     batch = max(1, min(seqs, int((REAL_TPOT_S - i - k * ctx) / s)))
-    step = i + s * batch + k * ctx
+    step = DECODE.seconds_per_token(batch, ctx)
     mean_gen = sum(gens) / len(gens)
     return min(prefill_engines / mean_prefill, decode_engines * batch / step / mean_gen)
 
@@ -1019,15 +1018,14 @@ def main() -> int:
             store = profile(directory, fleet_path, args)
             add("profile_wall_s", time.perf_counter() - t)
             raw = json.loads(store.read_text())
-            a, b, c = PREFILL
-            i0, s0, k0 = DECODE
+            i0, s0, k0 = DECODE.intercept, DECODE.slope, DECODE.ctx_coef
             for eid in ids:
                 p = raw["engines"][eid]
                 pf, df = p["prefill_fit"], p["decode_fit"]
                 fit_8k = (pf["a"] + pf["b"] * 8192 + pf["c"] * 8192**2) * scale
                 add(
                     f"profile_{eid}",
-                    f"prefill@8192 {fit_8k:.3f} s (calibration {a + b * 8192 + c * 8192**2:.3f});"
+                    f"prefill@8192 {fit_8k:.3f} s (calibration {PREFILL.seconds(8192):.3f});"
                     f" decode intercept {df['intercept'] * scale:.4f} ({i0}),"
                     f" slope {df['slope'] * scale:.5f} ({s0}),"
                     f" ctx {df['ctx_coef'] * scale:.2e} ({k0}) (model s)",

@@ -10,7 +10,7 @@ window's mean rate is the phase's rate (``poisson`` in ``--des8-arrivals`` inste
 arrival times uniformly over the phase: a Poisson process with the same count; des8 only).
 
 Rates (the saturation computation, printed in the output): on the simulator's calibration
-(``narwhal.simengine.timing.StepTiming`` defaults, model seconds: prefill of n tokens
+(``narwhal.simengine.timing.CALIBRATION``, model seconds: prefill of n tokens
 a + b*n + c*n^2 = 0.02 + 1e-4*n + 1.2e-9*n^2, decode step 0.24 + 0.0015*batch + 1.3e-7*context)
 and budgets TTFT 10 s, TPOT 0.3 s,
 
@@ -100,12 +100,11 @@ from narwhal.fleetsim.simulator import (
     DesConfig,
     RequestSpec,
     _Simulation,  # run_des keeps no per-request outcomes; the per-phase split needs them
-    models_from_timing,
 )
 from narwhal.fleetsim.workloads import read_azure_trace, synthetic_fleet
 from narwhal.serve.cli import serve_command
 from narwhal.simengine.fleet import SimFleet, SimFleetError, free_ports, local_fleet_document
-from narwhal.simengine.timing import StepTiming
+from narwhal.simengine.timing import CALIBRATION
 
 MODEL = "moonshotai/Kimi-K3"
 REAL_TTFT_S = 10.0
@@ -124,7 +123,7 @@ ATTRIBUTION = (
 # The fleet's default role-control limits (narwhal.contract RoleControl), real seconds.
 ROLES_8 = {"min_prefill": 1, "min_decode": 1, "cooldown_s": 60.0, "dwell_s": 120.0, "tick_s": 5.0}
 WORD_IDS = (256, 10256)  # the simulator's word tokens
-CAL = StepTiming()
+PREFILL, DECODE = CALIBRATION.prefill, CALIBRATION.decode
 SETTINGS = ("des8", "des512", "live8")
 
 
@@ -137,14 +136,14 @@ def log(msg: str) -> None:
 
 
 def prefill_s(n: int) -> float:
-    return CAL.prefill_s(n)
+    return PREFILL.chunk_seconds(0, n)  # as the engines compute it
 
 
 def decode_capacity(context: float) -> tuple[int, float, float]:
     """(B*, step seconds at B*, tokens/s) of one decode engine within the TPOT budget."""
-    i, s, k = CAL.decode_intercept, CAL.decode_slope, CAL.decode_ctx_coef
+    i, s, k = DECODE.intercept, DECODE.slope, DECODE.ctx_coef
     b = max(1, min(MAX_NUM_SEQS, math.floor((REAL_TPOT_S - i - k * context) / s)))
-    step = CAL.decode_step_s(b, context)
+    step = DECODE.seconds_per_token(b, context)
     return b, step, b / step
 
 
@@ -358,7 +357,7 @@ def run_des_setting(
         roles={"enabled": flipping, **roles},
         first_token_timeout_s=FIRST_TOKEN_FRACTION * REAL_TTFT_S,
     )
-    shared = models_from_timing(next(iter(timings.values())))
+    shared = next(iter(timings.values())).in_wall_seconds()
     config = DesConfig(
         fleet,
         timings,
@@ -1050,8 +1049,8 @@ def main() -> int:
     add("data", ATTRIBUTION)
     add(
         "calibration",
-        f"prefill {CAL.prefill_a} + {CAL.prefill_b:g}*n + {CAL.prefill_c:g}*n^2 s; decode step"
-        f" {CAL.decode_intercept} + {CAL.decode_slope}*batch + {CAL.decode_ctx_coef:g}*ctx s;"
+        f"prefill {PREFILL.a} + {PREFILL.b:g}*n + {PREFILL.c:g}*n^2 s; decode step"
+        f" {DECODE.intercept} + {DECODE.slope}*batch + {DECODE.ctx_coef:g}*ctx s;"
         f" budgets TTFT {REAL_TTFT_S:g} s, TPOT {REAL_TPOT_S:g} s (real), max_num_seqs"
         f" {MAX_NUM_SEQS}, prompts clipped to {MAX_PROMPT}",
     )

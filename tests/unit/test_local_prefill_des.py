@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from narwhal.contract import parse_fleet
-from narwhal.fleetsim.simulator import DesConfig, RequestSpec, _Simulation, models_from_timing
+from narwhal.fleetsim.simulator import DesConfig, RequestSpec, _Simulation
 from narwhal.fleetsim.workloads import poisson_requests, timings_of
 from narwhal.simengine.fleet import local_fleet_document
 
@@ -21,7 +21,7 @@ def simulate(enabled: bool, specs: list[RequestSpec]) -> _Simulation:
     )
     fleet = parse_fleet(doc, "t").contract
     timings = timings_of(fleet)
-    models = {e: models_from_timing(t) for e, t in timings.items()}
+    models = {e: t.in_wall_seconds() for e, t in timings.items()}
     sim = _Simulation(DesConfig(fleet, timings, flipping=False), models)
     sim.run(specs)
     return sim

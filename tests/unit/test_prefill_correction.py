@@ -11,14 +11,14 @@ import pytest
 
 from narwhal.clock import VirtualClock
 from narwhal.contract import parse_fleet
-from narwhal.fleetsim.simulator import DesConfig, RequestSpec, _Simulation, models_from_timing
+from narwhal.fleetsim.simulator import DesConfig, RequestSpec, _Simulation
 from narwhal.fleetsim.workloads import timings_of
 from narwhal.profiles.models import DecodeLatencyModel, PrefillLatencyModel
 from narwhal.profiles.store import EngineModels
 from narwhal.routing.fleet_state import FleetState
 from narwhal.routing.predictor import LatencyPredictor, RatioEwma
 from narwhal.simengine.fleet import local_fleet_document
-from narwhal.simengine.timing import StepTiming
+from narwhal.simengine.timing import CALIBRATION
 
 
 def test_the_queue_counts_the_legs_that_cannot_have_started() -> None:
@@ -89,11 +89,11 @@ def test_a_perfect_profile_stays_near_one_under_a_prefill_queue() -> None:
     )
     fleet = parse_fleet(doc, "f").contract
     timings = timings_of(fleet)
-    models = {e: models_from_timing(t) for e, t in timings.items()}
+    models = {e: t.in_wall_seconds() for e, t in timings.items()}
     rng = random.Random(3)
     specs, t = [], 0.0
-    timing = StepTiming()
-    mean_prefill = sum(timing.prefill_s(n) for n in range(500, 6001, 500)) / 11
+    prefill = CALIBRATION.prefill
+    mean_prefill = sum(prefill.chunk_seconds(0, n) for n in range(500, 6001, 500)) / 11
     for _ in range(600):
         t += rng.expovariate(0.9 * 2 / mean_prefill / 4) if rng.random() < 0.25 else 0.0
         specs.append(RequestSpec(t, rng.choice(range(500, 6001, 500)), 4))

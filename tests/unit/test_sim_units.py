@@ -12,12 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from narwhal.contract import SimulatedEngineSettings
 from narwhal.simengine.engine import RemoteKV, parse_kv_transfer_params
 from narwhal.simengine.fleet import _ephemeral_range_start, free_ports
 from narwhal.simengine.generation import GenerationModel, KVLayout, prompt_digest
 from narwhal.simengine.kv_blocks import BlockAllocator
 from narwhal.simengine.protocol import ProtocolError, parse_generation
-from narwhal.simengine.timing import StepTiming
+from narwhal.simengine.timing import CALIBRATION, sim_models
 from narwhal.simengine.vocab import EOS, IM_END, IM_START, NUM_BYTE_TOKENS, Vocabulary
 
 VOCAB = Vocabulary()
@@ -184,32 +185,81 @@ def test_model_seed_changes_kv() -> None:
     assert all(not np.array_equal(a[i], b[i]) for i in range(len(a)))
 
 
-# --- StepTiming ----------------------------------------------------------------------------
+# --- Step timing (the latency model) --------------------------------------------------------
 
 
 def test_timing_calibration() -> None:
-    t = StepTiming()
-    assert t.prefill_s(8192) == pytest.approx(0.92, rel=0.01)
-    assert t.decode_step_s(1, 512) == pytest.approx(0.2416, abs=0.0005)
-    assert t.decode_step_s(1, 8192) == pytest.approx(0.2426, abs=0.0005)
-    assert t.prefill_s(0) == 0.0 and t.decode_step_s(0, 100) == 0.0
-    assert t.decode_step_s(8, 512) > t.decode_step_s(1, 512)
+    p, d = CALIBRATION.prefill, CALIBRATION.decode
+    assert p.chunk_seconds(0, 8192) == pytest.approx(0.92, rel=0.01)
+    assert d.seconds_per_token(1, 512) == pytest.approx(0.2416, abs=0.0005)
+    assert d.seconds_per_token(1, 8192) == pytest.approx(0.2426, abs=0.0005)
+    assert p.chunk_seconds(0, 0) == 0.0 and p.chunk_seconds(100, 0) == 0.0
+    assert d.seconds_per_token(8, 512) > d.seconds_per_token(1, 512)
+
+
+def test_the_sim_block_defaults_are_the_calibration() -> None:
+    # The fleet file's sim block (floor 1) cannot import the constant: it repeats its numbers.
+    assert sim_models(SimulatedEngineSettings()) == CALIBRATION
+    assert sim_models(None) is CALIBRATION
+
+
+def test_the_sim_block_converts_every_timing_knob() -> None:
+    sim = SimulatedEngineSettings(
+        time_scale=7.0,
+        slowdown=1.5,
+        prefill_a=0.1,
+        prefill_b=0.2,
+        prefill_c=0.3,
+        decode_intercept=0.4,
+        decode_slope=0.5,
+        decode_ctx_coef=0.6,
+    )
+    m = sim_models(sim)
+    assert (m.prefill.a, m.prefill.b, m.prefill.c) == (0.1, 0.2, 0.3)
+    assert (m.decode.intercept, m.decode.slope, m.decode.ctx_coef) == (0.4, 0.5, 0.6)
+    assert (m.time_scale, m.slowdown) == (7.0, 1.5)
 
 
 @pytest.mark.parametrize("chunks", [[8192], [4096, 4096], [1000, 3000, 4192], [1] * 7 + [8185]])
 def test_prefill_chunks_add_up_to_the_whole(chunks: list[int]) -> None:
-    # The engine charges prefill_a once per step and the rest per chunk.
-    t = StepTiming()
-    offset, total = 0, t.prefill_a
+    # The engine charges prefill.a once per step and the rest per chunk.
+    p = CALIBRATION.prefill
+    offset, total = 0, p.a
     for n in chunks:
-        total += t.prefill_chunk_s(offset, n) - t.prefill_a
+        total += p.chunk_seconds(offset, n) - p.a
         offset += n
-    assert total == pytest.approx(t.prefill_s(offset), rel=1e-12)
+    assert total == pytest.approx(p.chunk_seconds(0, offset), rel=1e-12)
+    assert total == pytest.approx(p.seconds(offset), rel=1e-12)
 
 
 def test_wall_time_scales() -> None:
-    assert StepTiming(time_scale=50).wall(1.0) == pytest.approx(0.02)
-    assert StepTiming(time_scale=50, slowdown=10).wall(1.0) == pytest.approx(0.2)
+    fast = sim_models(SimulatedEngineSettings(time_scale=50))
+    assert fast.wall(1.0) == pytest.approx(0.02)
+    assert sim_models(SimulatedEngineSettings(time_scale=50, slowdown=10)).wall(1.0) == (
+        pytest.approx(0.2)
+    )
+
+
+def test_in_wall_seconds_is_what_a_profile_would_fit() -> None:
+    m = sim_models(SimulatedEngineSettings(time_scale=50, slowdown=10))
+    w = m.in_wall_seconds()
+    assert (w.time_scale, w.slowdown) == (1.0, 1.0)
+    for n in (1, 700, 8192):
+        assert w.prefill.seconds(n) == pytest.approx(m.wall(m.prefill.seconds(n)), rel=1e-12)
+    assert w.decode.seconds_per_token(8, 4096) == pytest.approx(
+        m.wall(m.decode.seconds_per_token(8, 4096)), rel=1e-12
+    )
+    # The ranges are the calibration's: where predictions are flagged as extrapolated.
+    assert (w.prefill.min_tokens, w.prefill.max_tokens) == (1, 8192)
+    assert (w.decode.max_batch, w.decode.max_context) == (64, 16384)
+
+
+def test_the_engines_cost_is_never_clamped() -> None:
+    # Predictions far beyond the profiled range follow the tangent; an engine's step does not.
+    p = CALIBRATION.prefill
+    n = 10 * p.max_tokens
+    assert p.predict(n).clamped and p.predict(n).seconds < p.chunk_seconds(0, n)
+    assert p.chunk_seconds(0, n) == pytest.approx(p.a + p.b * n + p.c * n * n, rel=1e-12)
 
 
 # --- BlockAllocator ------------------------------------------------------------------------

@@ -152,7 +152,9 @@ class NixlSideChannel(_Model):
 
 
 class SimulatedEngineSettings(_Model):
-    """Knobs of the simulated engine; defaults match ``narwhal.simengine.timing.StepTiming``."""
+    """Knobs of the simulated engine. The timing knobs are a file format for the latency model
+    (``narwhal.simengine.timing.sim_models`` converts them) and default to the simulator's
+    calibration (``narwhal.simengine.timing.CALIBRATION``)."""
 
     time_scale: float = Field(default=1.0, gt=0)
     prefill_a: float = Field(default=0.02, ge=0)

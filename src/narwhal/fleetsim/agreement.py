@@ -24,7 +24,6 @@ from narwhal.contract import Budgets, FleetContract
 from narwhal.fleetsim.simulator import DesConfig, DesResult, RequestSpec, run_des
 from narwhal.fleetsim.workloads import timings_of
 from narwhal.profiles.store import EngineModels
-from narwhal.simengine.timing import StepTiming
 
 __all__ = [
     "Agreement",
@@ -88,7 +87,7 @@ async def replay(
 
 
 def leg_overhead_s(
-    ends: Iterable[dict[str, Any]], timings: dict[str, StepTiming], default_prompt: int
+    ends: Iterable[dict[str, Any]], timings: dict[str, EngineModels], default_prompt: int
 ) -> float:
     """What one HTTP leg costs on the live stack (router, client and engine servers on
     loopback), from the router's journal: the median, over prefill legs that had their engine to
@@ -107,7 +106,8 @@ def leg_overhead_s(
         if start is None or end is None or arrival is None or timing is None:
             continue
         tokens = e.get("prompt_tokens") or default_prompt
-        legs.append((engine, arrival + start, arrival + end, timing.wall(timing.prefill_s(tokens))))
+        engine_s = timing.wall(timing.prefill.chunk_seconds(0, tokens))
+        legs.append((engine, arrival + start, arrival + end, engine_s))
     by_engine: dict[str, list[tuple[float, float]]] = {}
     for engine, start, end, _ in legs:
         by_engine.setdefault(engine, []).append((start, end))

@@ -1,7 +1,7 @@
 """A virtual-time fleet simulator: the router's own scheduler, admission control and role
 controller, driven by a discrete-event simulation of engines, with no processes and no sleeping.
 
-Engines follow the live simulator's step model (``narwhal.simengine.timing.StepTiming`` and the step
+Engines follow the live simulator's step model (``narwhal.simengine.timing`` and the step
 loop of ``narwhal.simengine.engine``): each step advances every decoding sequence by one token and
 prefills up to ``max_num_batched_tokens`` prompt tokens, first come first served; a prompt's
 first token comes at the end of the step that finishes its prefill; a decode leg joins its
@@ -32,7 +32,6 @@ from typing import Any
 
 from narwhal.clock import VirtualClock
 from narwhal.contract import Budgets, FleetContract
-from narwhal.profiles.models import DecodeLatencyModel, PrefillLatencyModel
 from narwhal.profiles.store import EngineModels
 from narwhal.routing.admission import Admit, Queue, Verdict
 from narwhal.routing.fleet_state import FleetState
@@ -40,9 +39,8 @@ from narwhal.routing.lifecycle import QUEUE_RECHECK_S, Lifecycle, Ticket
 from narwhal.routing.predictor import LatencyPredictor
 from narwhal.routing.roles import DemandTracker, RoleController
 from narwhal.routing.scheduler import SchedulerV0, SchedulerV1
-from narwhal.simengine.timing import StepTiming
 
-__all__ = ["DesConfig", "DesResult", "RequestSpec", "models_from_timing", "run_des"]
+__all__ = ["DesConfig", "DesResult", "RequestSpec", "run_des"]
 
 
 @dataclass(frozen=True)
@@ -86,7 +84,7 @@ class _Sequence:
 @dataclass
 class _Engine:
     id: str
-    timing: StepTiming
+    timing: EngineModels
     max_num_seqs: int
     max_num_batched_tokens: int
     prefill_queue: deque[list[Any]] = field(default_factory=deque)  # [request, done tokens]
@@ -113,7 +111,7 @@ class _Engine:
 @dataclass(frozen=True)
 class DesConfig:
     fleet: FleetContract
-    timings: dict[str, StepTiming]
+    timings: dict[str, EngineModels]  # each engine's step timing (narwhal.simengine.timing)
     scheduler: str = "v1"  # "v0" or "v1"
     flipping: bool = True
     transfer_s: float = 0.002  # KV pull, wall seconds (measured on loopback: a few ms)
@@ -173,28 +171,6 @@ class DesResult:
             else None,
             "wall_s": round(self.wall_s, 2),
         }
-
-
-def models_from_timing(
-    timing: StepTiming,
-    max_tokens: int = 8192,
-    max_batch: int = 64,
-) -> EngineModels:
-    """The latency models a perfect profile of a simulated engine would produce (wall s)."""
-    s = timing.slowdown / timing.time_scale
-    return EngineModels(
-        prefill=PrefillLatencyModel(
-            timing.prefill_a * s, timing.prefill_b * s, timing.prefill_c * s, 1, max_tokens
-        ),
-        decode=DecodeLatencyModel(
-            timing.decode_intercept * s,
-            timing.decode_slope * s,
-            timing.decode_ctx_coef * s,
-            max_batch,
-            max_tokens * 2,
-        ),
-        generation=None,
-    )
 
 
 class _Simulation:
@@ -453,14 +429,14 @@ class _Simulation:
             request, done = job
             n = min(request.spec.prompt_tokens - done, budget)
             chunks.append((request, n))
-            model_s += timing.prefill_chunk_s(done, n) - timing.prefill_a
+            model_s += timing.prefill.chunk_seconds(done, n) - timing.prefill.a
             budget -= n
         if chunks:
-            model_s += timing.prefill_a
+            model_s += timing.prefill.a
         steps = 1
         if engine.decoding:
             mean_ctx = engine.context_sum / engine.batch
-            step_s = timing.decode_step_s(engine.batch, mean_ctx)
+            step_s = timing.decode.seconds_per_token(engine.batch, mean_ctx)
             if not chunks and not engine.joining and not engine.pending:
                 # Only decoding, nothing waiting to join: jump to the next sequence to finish.
                 steps = max(1, engine.decoding[0][0] - engine.steps)
@@ -532,8 +508,9 @@ def run_des(
 ) -> DesResult:
     started = time.monotonic()
     if models is None:
-        shared: dict[StepTiming, EngineModels] = {}  # equal timings share one model object
-        models = {e: shared.setdefault(t, models_from_timing(t)) for e, t in config.timings.items()}
+        # What a perfect profile of each engine would find; equal timings share one object.
+        shared: dict[EngineModels, EngineModels] = {}
+        models = {e: shared.setdefault(t, t.in_wall_seconds()) for e, t in config.timings.items()}
     sim = _Simulation(config, models)
     sim.run(specs)
     budgets: Budgets = config.fleet.budgets

@@ -1,5 +1,5 @@
 """Workloads for the virtual-time simulator: Azure-format traces, Poisson arrivals, synthetic
-fleets of any size, and the timing of a fleet file's simulated engines."""
+fleets of any size, and the timing (latency model) of a fleet file's simulated engines."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from typing import Any
 
 from narwhal.contract import FleetContract, parse_fleet
 from narwhal.fleetsim.simulator import RequestSpec
+from narwhal.profiles.models import EngineModels
 from narwhal.simengine.fleet import local_fleet_document
-from narwhal.simengine.timing import StepTiming
+from narwhal.simengine.timing import sim_models
 
 __all__ = [
     "poisson_requests",
@@ -81,7 +82,7 @@ def synthetic_fleet(
     time_scale: float = 1.0,
     roles: dict[str, Any] | None = None,
     first_token_timeout_s: float | None = None,
-) -> tuple[FleetContract, dict[str, StepTiming]]:
+) -> tuple[FleetContract, dict[str, EngineModels]]:
     """A fleet of any size on the default calibration (no processes: ports are nominal)."""
     n = n_prefill + n_decode
     doc = local_fleet_document(
@@ -96,26 +97,9 @@ def synthetic_fleet(
         name=f"des-{n_prefill}p{n_decode}d",
     )
     fleet = parse_fleet(doc, "<synthetic>").contract
-    timing = StepTiming(time_scale=time_scale)
-    return fleet, {e.id: timing for e in fleet.engines}
+    return fleet, timings_of(fleet)
 
 
-def timings_of(fleet: FleetContract) -> dict[str, StepTiming]:
-    out = {}
-    for e in fleet.engines:
-        s = e.sim
-        out[e.id] = (
-            StepTiming()
-            if s is None
-            else StepTiming(
-                prefill_a=s.prefill_a,
-                prefill_b=s.prefill_b,
-                prefill_c=s.prefill_c,
-                decode_intercept=s.decode_intercept,
-                decode_slope=s.decode_slope,
-                decode_ctx_coef=s.decode_ctx_coef,
-                time_scale=s.time_scale,
-                slowdown=s.slowdown,
-            )
-        )
-    return out
+def timings_of(fleet: FleetContract) -> dict[str, EngineModels]:
+    """Each engine's step timing, from its ``sim`` block (the calibration without one)."""
+    return {e.id: sim_models(e.sim) for e in fleet.engines}

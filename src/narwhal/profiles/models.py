@@ -1,30 +1,40 @@
-"""Latency models fitted from profiles.
+"""The latency model: one engine's prefill and decode times, fitted from profiles.
 
-``PrefillLatencyModel``: seconds to prefill ``n`` prompt tokens, ``a + b*n + c*n^2``.
+``PrefillLatencyModel``: seconds to prefill ``n`` prompt tokens, ``a + b*n + c*n^2``; a chunk of
+``n`` tokens at offset ``o`` costs ``a + b*n + c*((o+n)^2 - o^2)``, so a prompt's chunks add up to
+the whole.
 ``DecodeLatencyModel``: seconds per output token for a batch of ``batch`` sequences whose mean
 context is ``context`` tokens, ``intercept + slope*batch + ctx_coef*context``.
+``EngineModels``: one engine's pair of them, the generation they describe and the scaling from
+their seconds to wall seconds (a simulated engine runs ``time_scale`` times faster than the
+fleet it models, and ``slowdown`` times slower). Everything that predicts and the simulated
+engines use this one type: a profile's models are in wall seconds; the simulators' are in the
+modelled fleet's seconds (``narwhal.simengine.timing``).
 
-Both are fitted by least squares with every coefficient constrained non-negative, which keeps
-prefill time non-decreasing in ``n`` and decode time non-decreasing in batch and context, as
-the physics says. Predictions inside the profiled range are plain; outside it they are flagged
-``extrapolated``; far outside it (beyond ``max_extrapolation`` times the profiled maximum) the
-curve is clamped to its tangent at that limit, so no higher-order term fitted on the profiled
-range is trusted there, and the prediction is flagged ``clamped``. A model never extrapolates
-silently, and clamping never hides growth: the tangent keeps rising as the load does (clamping
-the input instead would tell admission control that a batch of 100 costs what a batch of 8
-does).
+The prefill and decode models are fitted by least squares with every coefficient constrained
+non-negative, which keeps prefill time non-decreasing in ``n`` and decode time non-decreasing in
+batch and context, as the physics says. Predictions inside the profiled range are plain; outside
+it they are flagged ``extrapolated``; far outside it (beyond ``max_extrapolation`` times the
+profiled maximum) the curve is clamped to its tangent at that limit, so no higher-order term
+fitted on the profiled range is trusted there, and the prediction is flagged ``clamped``. A
+model never extrapolates silently, and clamping never hides growth: the tangent keeps rising as
+the load does (clamping the input instead would tell admission control that a batch of 100 costs
+what a batch of 8 does). The simulated engines use the plain formulas (``chunk_seconds``,
+``seconds_per_token``), never ``predict``: what an engine takes does not depend on how far a
+profile reached.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 __all__ = [
     "DecodeLatencyModel",
+    "EngineModels",
     "FitQuality",
     "Prediction",
     "PrefillLatencyModel",
@@ -97,6 +107,16 @@ class PrefillLatencyModel:
     def seconds(self, n: float) -> float:
         return self.a + self.b * n + self.c * n * n
 
+    def chunk_seconds(self, offset: int, n: int) -> float:
+        """Seconds to prefill ``n`` tokens after ``offset`` tokens of the same prompt: ``a +
+        b*n + c*((offset+n)^2 - offset^2)``, 0 for no tokens. A simulated engine's cost of one
+        chunk, never flagged or clamped; ``chunk_seconds(0, n)`` is ``seconds(n)`` up to
+        rounding (the engines' own order of operations, which their results depend on)."""
+        if n <= 0:
+            return 0.0
+        end = offset + n
+        return self.a + self.b * n + self.c * (end * end - offset * offset)
+
     def predict(self, n: int) -> Prediction:
         limit = self.max_tokens * self.max_extrapolation
         if n > limit:
@@ -131,6 +151,37 @@ class DecodeLatencyModel:
         outside = batch > self.max_batch or context > self.max_context
         return Prediction(
             self.seconds_per_token(batch, context), extrapolated=outside, clamped=clamped
+        )
+
+
+@dataclass(frozen=True)
+class EngineModels:
+    """One engine's latency model. Its seconds are wall seconds times ``time_scale`` /
+    ``slowdown`` (both 1 for a profile, which measures wall seconds): ``wall`` converts.
+
+    ``in_wall_seconds()`` folds the scaling into the coefficients: what a perfect profile of the
+    engine would find, and what predictions need (the predictor reads the coefficients as wall
+    seconds).
+    """
+
+    prefill: PrefillLatencyModel
+    decode: DecodeLatencyModel
+    generation: str | None = None
+    time_scale: float = 1.0
+    slowdown: float = 1.0
+
+    def wall(self, model_seconds: float) -> float:
+        return model_seconds * self.slowdown / self.time_scale
+
+    def in_wall_seconds(self) -> EngineModels:
+        s = self.slowdown / self.time_scale
+        p, d = self.prefill, self.decode
+        return EngineModels(
+            prefill=replace(p, a=p.a * s, b=p.b * s, c=p.c * s),
+            decode=replace(
+                d, intercept=d.intercept * s, slope=d.slope * s, ctx_coef=d.ctx_coef * s
+            ),
+            generation=self.generation,
         )
 
 

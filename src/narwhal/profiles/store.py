@@ -8,7 +8,6 @@ its parsed document, which is what a fleet's ``profile_store.sha256`` pins.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -16,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from narwhal.contract import canonical_json, sha256_hex, validate_document
 from narwhal.profiles.models import (
     DecodeLatencyModel,
+    EngineModels,
     FitQuality,
     PrefillLatencyModel,
     fit_decode,
@@ -143,13 +143,6 @@ class ProfileStore(_Model):
         if self.complete and self.failures:
             raise ValueError("a store with failures cannot be complete")
         return self
-
-
-@dataclass(frozen=True)
-class EngineModels:
-    prefill: PrefillLatencyModel
-    decode: DecodeLatencyModel
-    generation: str | None
 
 
 def _quality(fit: PrefillFit | DecodeFit) -> FitQuality:

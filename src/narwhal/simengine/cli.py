@@ -12,13 +12,14 @@ import logging
 import signal
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
 from narwhal.contract import ContractError, SimulatedEngineSettings, load_fleet
 from narwhal.simengine.engine import EngineConfig
 from narwhal.simengine.faults import FaultSettings
-from narwhal.simengine.timing import StepTiming
+from narwhal.simengine.timing import sim_models
 
 __all__ = ["main"]
 
@@ -120,15 +121,8 @@ def _resolve_engine(args: argparse.Namespace) -> tuple[Any, str, int]:
         raise UsageError("--port is required without --fleet")
     if nixl_port is None:
         raise UsageError("--nixl-port is required without --fleet")
-    timing = StepTiming(
-        prefill_a=sim.prefill_a,
-        prefill_b=sim.prefill_b,
-        prefill_c=sim.prefill_c,
-        decode_intercept=sim.decode_intercept,
-        decode_slope=sim.decode_slope,
-        decode_ctx_coef=sim.decode_ctx_coef,
-        time_scale=sim.time_scale,
-    )
+    # The slowdown goes to the fault settings (changeable at run time), not the step timing.
+    timing = replace(sim_models(sim), slowdown=1.0)
     engine = EngineConfig(
         engine_id=engine_id,
         served_model_name=args.model or model,

@@ -25,13 +25,14 @@ from typing import Any
 
 import numpy as np
 
+from narwhal.profiles.models import EngineModels
 from narwhal.simengine.faults import FaultSettings
 from narwhal.simengine.generation import GenerationModel, KVLayout, prompt_digest
 from narwhal.simengine.kv_blocks import BlockAllocator
 from narwhal.simengine.kv_transfer import KVTransferAgent, KVTransferError
 from narwhal.simengine.metrics import EngineMetrics
 from narwhal.simengine.side_channel import PeerDirectory
-from narwhal.simengine.timing import StepTiming
+from narwhal.simengine.timing import CALIBRATION
 
 __all__ = [
     "EngineConfig",
@@ -122,7 +123,9 @@ class EngineConfig:
     tp_size: int = 1
     nixl_host: str = "127.0.0.1"
     nixl_port: int = 5600
-    timing: StepTiming = field(default_factory=StepTiming)
+    # Model seconds at its time_scale; its slowdown stays 1, as the steps' slowdown is the
+    # fault setting's (FaultSettings.slowdown, changeable at run time).
+    timing: EngineModels = CALIBRATION
 
 
 def parse_kv_transfer_params(params: Any) -> tuple[RemoteKV | None, str | None]:
@@ -291,10 +294,11 @@ class EngineCore:
             model_s = 0.0
             if decodes:
                 context = sum(len(r.prompt) + len(r.output) for r in decodes) / len(decodes)
-                model_s += timing.decode_step_s(len(decodes), context)
+                model_s += timing.decode.seconds_per_token(len(decodes), context)
             if chunks:
-                model_s += timing.prefill_a + sum(
-                    timing.prefill_chunk_s(r.computed, n) - timing.prefill_a for r, n in chunks
+                model_s += timing.prefill.a + sum(
+                    timing.prefill.chunk_seconds(r.computed, n) - timing.prefill.a
+                    for r, n in chunks
                 )
             await asyncio.sleep(timing.wall(model_s) * self.faults.slowdown)
             now = time.monotonic()

@@ -42,7 +42,6 @@ from narwhal.contract import Budgets, FleetContract
 from narwhal.fleetsim.simulator import DesConfig, run_des
 from narwhal.fleetsim.workloads import poisson_requests
 from narwhal.profiles.store import EngineModels
-from narwhal.simengine.timing import StepTiming
 
 __all__ = [
     "DEFAULT_TRANSFER_S",
@@ -304,17 +303,7 @@ def simulate_point(
 ) -> SimulatedPoint:
     """The point replayed ``DES_REPLAYS`` times (seeds ``seed`` onwards) through the
     virtual-time simulator."""
-    timings = {
-        e: StepTiming(
-            prefill_a=m.prefill.a,
-            prefill_b=m.prefill.b,
-            prefill_c=m.prefill.c,
-            decode_intercept=m.decode.intercept,
-            decode_slope=m.decode.slope,
-            decode_ctx_coef=m.decode.ctx_coef,
-        )
-        for e, m in models.items()
-    }
+    timings = dict(models)  # the simulated engines step as the profiled models say
     context = point.input_tokens + point.output_tokens / 2
     step_1 = sum(m.decode.seconds_per_token(1, context) for m in models.values()) / len(models)
     # The measured first-token latency is the KV pull plus about one decode step.
