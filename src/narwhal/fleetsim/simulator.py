@@ -173,6 +173,13 @@ class DesResult:
         }
 
 
+_TRACED = frozenset({"arrive", "prefill_done", "first_token", "finished"})
+
+
+def _traced(kind: str, payload: Any) -> Any:
+    return payload.arrival if kind == "arrive" else payload.index
+
+
 class _Simulation:
     def __init__(self, config: DesConfig, models: dict[str, EngineModels]) -> None:
         self.config = config
@@ -196,6 +203,11 @@ class _Simulation:
             self.state, self.scheduler, predictor=self.predictor if v1 else None, demand=self.demand
         )
         self.by_ticket: dict[Ticket, _Request] = {}
+        self.queue_timer: int | None = None  # the pending queue recheck's id
+        # When set, every event that moves a request or the fleet's scraped load is appended
+        # as (time, kind, request index or the scraped loads): what a replay of this run
+        # through the router needs (tests/unit/test_lifecycle_replay.py).
+        self.trace: list[tuple[float, str, Any]] | None = None
         self.roles = (
             RoleController(self.predictor, fleet.budgets, fleet.roles, self.clock)
             if config.flipping and fleet.roles.enabled and config.scheduler == "v1"
@@ -231,6 +243,8 @@ class _Simulation:
         while self.events:
             t, _, kind, payload = heapq.heappop(self.events)
             self.clock.set(max(t, self.clock.now()))
+            if self.trace is not None and kind in _TRACED:
+                self.trace.append((self.clock.now(), kind, _traced(kind, payload)))
             if kind == "arrive":
                 i = next(index)
                 ticket = self.lifecycle.arrive(
@@ -280,8 +294,8 @@ class _Simulation:
                 self.scrape()
                 if pending or self.busy():
                     self.at(self.clock.now() + self.config.scrape_interval_s, "scrape", None)
-            elif kind == "retry_queue":
-                self.drain_queue()
+            elif kind == "retry_queue" and payload == self.queue_timer:
+                self.drain_queue()  # (a stale recheck: a later drain moved it)
 
     def busy(self) -> bool:
         return any(
@@ -293,10 +307,16 @@ class _Simulation:
 
     def route(self, request: _Request) -> None:
         verdict = self.lifecycle.admit(request.ticket)
-        if isinstance(verdict, Queue):
-            self.at(self.clock.now() + QUEUE_RECHECK_S, "retry_queue", None)
-        else:
+        if not isinstance(verdict, Queue):
             self.admitted(request, verdict)
+        elif self.queue_timer is None:
+            self.recheck_queue_later()
+
+    def recheck_queue_later(self) -> None:
+        """As the router's queue does: the queue is decided on again when a leg ends, and
+        ``QUEUE_RECHECK_S`` after it was last decided on, while anyone waits."""
+        self.queue_timer = next(self.seq)
+        self.at(self.clock.now() + QUEUE_RECHECK_S, "retry_queue", self.queue_timer)
 
     def admitted(self, request: _Request, verdict: Verdict) -> None:
         if not isinstance(verdict, Admit):
@@ -316,7 +336,9 @@ class _Simulation:
         for ticket, verdict in self.lifecycle.drain():
             self.admitted(self.by_ticket[ticket], verdict)
         if self.lifecycle.queued:
-            self.at(self.clock.now() + QUEUE_RECHECK_S, "retry_queue", None)
+            self.recheck_queue_later()
+        else:
+            self.queue_timer = None
 
     def local_prefilled(self, engine: _Engine, request: _Request, step_end: float) -> None:
         """A local prompt's prefill ended with this step, which also sampled its first token:
@@ -357,11 +379,18 @@ class _Simulation:
             self.drain_queue()
 
     def scrape(self) -> None:
+        """What the router's scrape loop reads from each engine's /metrics, at once."""
         now = self.clock.now()
-        for engine_id, engine in self.engines.items():
+        loads = {
+            engine_id: (engine.batch + len(engine.prefill_queue), len(engine.joining))
+            for engine_id, engine in self.engines.items()
+        }
+        if self.trace is not None:
+            self.trace.append((now, "scrape", loads))
+        for engine_id, (running, waiting) in loads.items():
             scraped = self.state.engines[engine_id].scraped
-            scraped.running = engine.batch + len(engine.prefill_queue)
-            scraped.waiting = len(engine.joining)
+            scraped.running = running
+            scraped.waiting = waiting
             scraped.at = now
 
     def tick_roles(self) -> None:

@@ -102,6 +102,9 @@ class LifecycleObserver:
     """What the lifecycle reports as it goes (the router turns it into metrics). Every method
     is a no-op here: the simulator observes nothing."""
 
+    def decided(self, ticket: Ticket, decision: Verdict | Pair | NoPair) -> None:
+        """An admission verdict on ``ticket`` (``Queue`` included), or a retry's pick."""
+
     def in_flight(self, engine: str, role: Role, delta: int) -> None:
         """Legs of ``role`` in flight on ``engine`` moved by ``delta``."""
 
@@ -204,6 +207,7 @@ class Lifecycle:
         verdict = self._idle_override(
             pick, admit(pick, self.policy, len(self._queue), waited, in_queue=in_queue)
         )
+        self.observer.decided(ticket, verdict)
         if isinstance(verdict, Queue):
             if not in_queue:
                 ticket.phase = "queued"
@@ -259,6 +263,7 @@ class Lifecycle:
         )
         if isinstance(pick, NoPair) and pick.over_budget is not None:
             pick = pick.over_budget
+        self.observer.decided(ticket, pick)
         if isinstance(pick, Pair):
             self._dispatch(ticket, pick)
         else:

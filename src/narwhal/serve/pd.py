@@ -206,11 +206,16 @@ class PDRouter:
 
     async def _run_queue(self) -> None:
         """Decide on the queued requests whenever a leg ends, and at least every
-        ``QUEUE_RECHECK_S``, until none waits."""
+        ``QUEUE_RECHECK_S`` on the lifecycle's clock, until none waits."""
         while self._waiters:
             self._capacity.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._capacity.wait(), QUEUE_RECHECK_S)
+            freed = asyncio.ensure_future(self._capacity.wait())
+            recheck = asyncio.ensure_future(self.lifecycle.clock.sleep(QUEUE_RECHECK_S))
+            try:
+                await asyncio.wait((freed, recheck), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                freed.cancel()
+                recheck.cancel()
             for ticket, verdict in self.lifecycle.drain():
                 waiter = self._waiters.get(ticket)
                 if waiter is not None and not waiter.done():

@@ -3,7 +3,6 @@ pinning, and each flip's record (state, metrics, journal, the timeline /admin/st
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import deque
@@ -126,5 +125,5 @@ class RoleService:
 
     async def run(self, interval_s: float) -> None:
         while True:
-            await asyncio.sleep(interval_s)
+            await self.state.clock.sleep(interval_s)
             self.tick()
