@@ -15,7 +15,7 @@ TINY_STAMP := $(TINY_MODEL)/narwhal-tiny.json
 export UCX_NET_DEVICES ?= lo
 export NIXL_LOG_LEVEL ?= WARN
 
-.PHONY: install demo test test-deps test-deps-prometheus check lint format bench clean
+.PHONY: install demo test test-deps test-deps-prometheus check lint typecheck format bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -52,16 +52,21 @@ test: export NARWHAL_INTEROP_REQUIRED := 1
 test: export NARWHAL_AIPERF_REQUIRED := 1
 test: export NARWHAL_VLLM_VENV := $(VLLM_VENV)
 test: export NARWHAL_TINY_MODEL := $(TINY_MODEL)
-test: $(STAMP) test-deps aiperf interop-env
+test: $(STAMP) typecheck test-deps aiperf interop-env
 	$(PY) -m pytest -q
 
-check: $(STAMP)
+check: $(STAMP) typecheck
 	$(PY) -m ruff check src tests bench tools
 	$(PY) -m pytest -q -m "not slow"
 
-lint: $(STAMP)
+lint: $(STAMP) typecheck
 	$(PY) -m ruff check src tests bench tools
 	$(PY) -m ruff format --check src tests bench tools
+
+# mypy over src/narwhal, configured in pyproject.toml ([tool.mypy]: strict on contract/,
+# profiles/ and routing/). `make check` and `make test` run it before their tests.
+typecheck: $(STAMP)
+	$(PY) -m mypy
 
 format: $(STAMP)
 	$(PY) -m ruff format src tests bench tools
@@ -71,7 +76,7 @@ bench: $(STAMP)
 	$(PY) bench/kv_transfer.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache .mypy_cache
 
 # The measurement tools' cross-check client: aiperf 0.13.0 pins orjson, prometheus-client and
 # more that clash with the router's own, so it gets a venv of its own (under .venv/, ignored).

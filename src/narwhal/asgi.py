@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -25,7 +26,11 @@ class _RouteRegistry(Protocol):
     @property
     def routes(self) -> list[BaseRoute]: ...
 
-    def add_api_route(self, path: str, endpoint: object, *, methods: list[str]) -> None: ...
+    def add_api_route(
+        self, path: str, endpoint: Callable[..., Any], *, methods: list[str]
+    ) -> None: ...
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None: ...
 
 
 def register_hot_route(app: _RouteRegistry, path: str, endpoint: ASGIApp) -> None:
@@ -36,7 +41,7 @@ def register_hot_route(app: _RouteRegistry, path: str, endpoint: ASGIApp) -> Non
     async def route(request: Request) -> Response:
         return EndpointResponse(endpoint)
 
-    route.hot_endpoint = endpoint  # type: ignore[attr-defined]
+    route.hot_endpoint = endpoint  # type: ignore[attr-defined]  # HotRouteDispatch.of reads it
     app.add_api_route(path, route, methods=["POST"])
 
 
@@ -64,7 +69,7 @@ class HotRouteDispatch:
             hot = getattr(endpoint, "hot_endpoint", None)
             if isinstance(route, Route) and hot is not None:
                 routes[route.path] = hot
-        return cls(app, routes)  # type: ignore[arg-type]
+        return cls(app, routes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":

@@ -11,6 +11,7 @@ makes them, so no probe is served from a prefix cache.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import random
 import re
@@ -331,17 +332,17 @@ class Collector:
         repeats = self.settings.pace_repeats
 
         async def one(spec: EngineSpec) -> PaceResult:
-            base = {
-                "engine_id": spec.id,
-                "live_generation": live.get(spec.id),
-                "prefill_tokens": plan.prefill_tokens,
-                "decode_input_tokens": plan.decode_input_tokens,
-                "decode_tokens": plan.decode_tokens,
-            }
+            base = PaceResult(
+                engine_id=spec.id,
+                live_generation=live.get(spec.id),
+                prefill_tokens=plan.prefill_tokens,
+                decode_input_tokens=plan.decode_input_tokens,
+                decode_tokens=plan.decode_tokens,
+            )
             try:
                 idle = await check_idle(self._clients[spec.id])
                 if idle is not None:
-                    return PaceResult(**base, idle_problem=idle)
+                    return dataclasses.replace(base, idle_problem=idle)
                 pool = await self._pool(spec.id)
                 prefill: list[float] = []
                 for _ in range(repeats):
@@ -357,11 +358,11 @@ class Collector:
                 if len(times) < 3:
                     raise ProbeError("the decode probe returned too few tokens")
                 gaps = [b - a for a, b in itertools.pairwise(times)]
-                return PaceResult(
-                    **base, prefill_s=prefill, decode_s_per_token=statistics.median(gaps)
+                return dataclasses.replace(
+                    base, prefill_s=prefill, decode_s_per_token=statistics.median(gaps)
                 )
             except ProbeError as exc:
-                return PaceResult(**base, error=str(exc))
+                return dataclasses.replace(base, error=str(exc))
 
         return list(await asyncio.gather(*(one(e) for e in self.fleet.engines)))
 

@@ -32,9 +32,11 @@ from narwhal.contract import (
     EngineIdentity,
     FileRef,
     FleetRef,
+    GateName,
     GateReport,
     LoadedFleet,
     SkipInfo,
+    SkipKind,
 )
 from narwhal.profiles.store import ProfileStore, engine_models
 
@@ -168,12 +170,12 @@ _GATES = {
 }
 
 
-def _skip(name: str, kind: str, reason: str, at: float) -> GateReport:
+def _skip(name: GateName, kind: SkipKind, reason: str, at: float) -> GateReport:
     return GateReport(
-        name=name,  # type: ignore[arg-type]
+        name=name,
         verdict="skip",
         summary=reason,
-        skip=SkipInfo(kind=kind, reason=reason),  # type: ignore[arg-type]
+        skip=SkipInfo(kind=kind, reason=reason),
         started_s=at,
         duration_s=0.0,
     )
@@ -229,7 +231,7 @@ async def run_check(
             took = max(0.0, clock.now() - start - at)
             gates.append(
                 GateReport(
-                    name=name,  # type: ignore[arg-type]
+                    name=name,
                     verdict=outcome.verdict,
                     summary=outcome.summary,
                     failures=outcome.failures,

@@ -24,8 +24,10 @@ __all__ = [
     "EngineIdentity",
     "FileRef",
     "FleetRef",
+    "GateName",
     "GateReport",
     "SkipInfo",
+    "SkipKind",
     "load_report",
     "qualification_problem",
 ]
@@ -33,7 +35,7 @@ __all__ = [
 REPORT_SCHEMA = "narwhal.check-report/v1"
 # The order gates run in: cheap identity checks first, so a wrong engine is named before any
 # timing gate spends minutes measuring it.
-GATE_NAMES: tuple[str, ...] = (
+GATE_NAMES: tuple[GateName, ...] = (
     "health",
     "contract",
     "generation",

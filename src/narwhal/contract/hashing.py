@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
 
 __all__ = ["canonical_json", "sha256_hex"]
 
 
-def canonical_json(obj: Any) -> bytes:
+def canonical_json(obj: object) -> bytes:
     """Sorted keys, compact separators, UTF-8, floats as Python's repr prints them.
 
     NaN and Infinity are refused: they are not JSON, and a document containing them has no
@@ -28,6 +27,6 @@ def canonical_json(obj: Any) -> bytes:
     ).encode("utf-8")
 
 
-def sha256_hex(obj: Any) -> str:
+def sha256_hex(obj: object) -> str:
     """Lowercase hex SHA-256 of ``canonical_json(obj)``."""
     return hashlib.sha256(canonical_json(obj)).hexdigest()

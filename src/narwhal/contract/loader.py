@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -108,7 +108,7 @@ def load_fleet(path: str | os.PathLike[str]) -> LoadedFleet:
     return parse_fleet(raw, source, path=Path(path))
 
 
-def parse_fleet(raw: Any, source: str = "<fleet>", *, path: Path | None = None) -> LoadedFleet:
+def parse_fleet(raw: object, source: str = "<fleet>", *, path: Path | None = None) -> LoadedFleet:
     """Validate an already-parsed fleet document. Pure.
 
     ``source`` names the document in error messages; ``path`` (default ``Path(source)``) is
@@ -137,7 +137,7 @@ def parse_fleet(raw: Any, source: str = "<fleet>", *, path: Path | None = None) 
     )
 
 
-def read_json_document(path: str | os.PathLike[str]) -> Any:
+def read_json_document(path: str | os.PathLike[str]) -> object:
     """Read a JSON file with the fleet loader's strictness (UTF-8, no duplicate keys, no NaN);
     every problem is a one-line ContractError naming the file."""
     source = os.fspath(path)
@@ -148,7 +148,7 @@ def read_json_document(path: str | os.PathLike[str]) -> Any:
     return _parse_json(data, source)
 
 
-def validate_document(raw: Any, model: type[ModelT], source: str) -> ModelT:
+def validate_document(raw: object, model: type[ModelT], source: str) -> ModelT:
     """Validate any Narwhal file format against its pydantic model, with one-line errors."""
     if not isinstance(raw, dict):
         raise ContractError(source, "", f"top level must be a JSON object (got {_describe(raw)})")
@@ -181,11 +181,11 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _reject_constant(token: str) -> Any:
+def _reject_constant(token: str) -> NoReturn:
     raise _NonFiniteError(token)
 
 
-def _parse_json(data: bytes, source: str) -> Any:
+def _parse_json(data: bytes, source: str) -> object:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -241,14 +241,14 @@ def _strip_union_tag(loc: Loc) -> tuple[Loc, str | None]:
     return loc, None
 
 
-def _document_position(raw: Any, loc: Loc) -> tuple[int, ...]:
+def _document_position(raw: object, loc: Loc) -> tuple[int, ...]:
     """Sort key placing ``loc`` where it appears in the document.
 
     Keys absent from the document (missing fields) sort after the keys that are present in
     the same object.
     """
     key: list[int] = []
-    node: Any = raw
+    node: object = raw
     for part in loc:
         if isinstance(node, dict) and isinstance(part, str) and part in node:
             key.append(list(node).index(part))
@@ -326,14 +326,14 @@ def _reason(err: Mapping[str, Any]) -> str:
     return msg[:1].lower() + msg[1:]
 
 
-def _bound(value: Any) -> str:
+def _bound(value: object) -> str:
     # Float fields hand pydantic a float limit; "greater than 0" reads better than "0.0".
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
     return repr(value)
 
 
-def _describe(value: Any) -> str:
+def _describe(value: object) -> str:
     """A short, one-line rendering of a document value for 'got ...'."""
     if value is None:
         return "null"

@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 from urllib.parse import SplitResult, urlsplit
 
 from pydantic import (
@@ -194,7 +194,7 @@ class EngineSpec(_Model):
 
     @model_validator(mode="before")
     @classmethod
-    def _default_host(cls, data: Any) -> Any:
+    def _default_host(cls, data: object) -> object:
         if isinstance(data, dict) and "host" not in data and isinstance(data.get("url"), str):
             try:
                 hostname = urlsplit(data["url"]).hostname
@@ -264,7 +264,7 @@ class TransferPair(_Model):
     decode: str
 
 
-def _pairs_tag(value: Any) -> str | None:
+def _pairs_tag(value: object) -> str | None:
     # Route "all" and lists to their own branch so a bad list reports its real element path
     # instead of pydantic's "did not match any member of the union" pair of complaints.
     if isinstance(value, str):
@@ -487,14 +487,14 @@ def consistency_issues(fleet: FleetContract) -> list[ConsistencyIssue]:
             before = len(issues)
             for side in _SIDES:
                 engine_id = getattr(pair, side)
-                eng = by_id.get(engine_id)
-                if eng is None:
+                named = by_id.get(engine_id)
+                if named is None:
                     add(("kv_transfer_pairs", i, side), f"unknown engine {engine_id!r}")
-                elif not eng.can(side):
+                elif not named.can(side):
                     add(
                         ("kv_transfer_pairs", i, side),
                         f"engine {engine_id!r} cannot {side} "
-                        f"(its permitted roles: {', '.join(eng.roles)})",
+                        f"(its permitted roles: {', '.join(named.roles)})",
                     )
             if pair.prefill == pair.decode:
                 add(("kv_transfer_pairs", i), f"pair from engine {pair.prefill!r} to itself")

@@ -8,7 +8,7 @@ its parsed document, which is what a fleet's ``profile_store.sha256`` pins.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -204,7 +204,7 @@ def store_bytes(store: ProfileStore) -> bytes:
     return canonical_json(store.model_dump(mode="json", by_alias=True))
 
 
-def parse_profile_store(raw: Any, source: str) -> tuple[ProfileStore, str]:
+def parse_profile_store(raw: object, source: str) -> tuple[ProfileStore, str]:
     """Validate a parsed store document: (store, sha256). Pure."""
     store = validate_document(raw, ProfileStore, source)
     return store, sha256_hex(raw)

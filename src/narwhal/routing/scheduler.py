@@ -212,15 +212,16 @@ class SchedulerV1:
         stale = state.scrape_stale_s
         prefills: list[EngineState] = []
         decodes: list[EngineState] = []
-        for role, out, exclude in (
+        sides: tuple[tuple[Role, list[EngineState], Collection[str]], ...] = (
             ("prefill", prefills, exclude_prefill),
             ("decode", decodes, exclude_decode),
-        ):
-            for e in self._pool(state, role):  # type: ignore[arg-type]
+        )
+        for role, out, exclude in sides:
+            for e in self._pool(state, role):
                 at = e.scraped.at
                 if at is not None and now - at <= stale and e.scraped.kv_cache_usage >= KV_FULL:
                     continue
-                if e.id not in exclude and e.accepts(role) and e.available():  # type: ignore[arg-type]
+                if e.id not in exclude and e.accepts(role) and e.available():
                     out.append(e)
         n = shape.prompt_tokens
         local_cfg = state.fleet.routing.local_prefill
@@ -264,11 +265,11 @@ class SchedulerV1:
                 and d.scraped.running + d.pending_decode > batch
             ):
                 batch = int(d.scraped.running) + d.pending_decode
-            model = models[d.id].decode
-            key = (id(model), batch + 1)
+            decode_model = models[d.id].decode
+            key = (id(decode_model), batch + 1)
             raw = raw_decode.get(key)
             if raw is None:
-                raw = raw_decode[key] = model.predict(batch + 1, context).seconds
+                raw = raw_decode[key] = decode_model.predict(batch + 1, context).seconds
             tpot = step = raw * predictor.ratio(d.id, "decode")
             if local_cfg.enabled:
                 # Local prefills stall every sequence here, this request's too, however it

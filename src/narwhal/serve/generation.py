@@ -107,7 +107,7 @@ class _DirectWriter:
     def of(cls, send: Send) -> _DirectWriter | None:
         """The writer behind ``send`` once the response has started, or None when ``send`` is
         not uvicorn's httptools cycle (another server, a wrapper): then the ASGI relay runs."""
-        cycle = getattr(send, "__self__", None)
+        cycle: Any = getattr(send, "__self__", None)
         if type(cycle).__module__ != "uvicorn.protocols.http.httptools_impl":
             return None
         try:
@@ -294,6 +294,7 @@ class GenerationEndpoint:
         tally: StreamTally,
         record: RequestRecord,
     ) -> None:
+        error: str | None
         outcome, status, error = "client_abort", None, "client disconnected mid-stream"
         renderer = EventRenderer(tally, include_usage, stream.prefill_prompt_tokens)
         try:
@@ -354,6 +355,7 @@ class GenerationEndpoint:
         record: RequestRecord,
         body: dict[str, Any],
     ) -> None:
+        error: str | None
         outcome, status, error = "client_abort", None, "cancelled mid-generation"
         failure: RouterError | None = None
         result = None

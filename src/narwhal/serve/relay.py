@@ -313,8 +313,8 @@ async def aggregate(
             if not isinstance(obj, dict):
                 raise UpstreamFailed("decode_failed", "malformed chunk from the decode engine")
             if "error" in obj:
-                message = str((obj.get("error") or {}).get("message", "engine error"))
-                raise UpstreamFailed("stream_error", f"decode failed mid-generation: {message}")
+                detail = str((obj.get("error") or {}).get("message", "engine error"))
+                raise UpstreamFailed("stream_error", f"decode failed mid-generation: {detail}")
             head = head or obj
             if obj.get("usage") and not obj.get("choices"):
                 usage = obj["usage"]

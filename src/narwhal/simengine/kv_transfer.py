@@ -386,7 +386,7 @@ class KVTransferAgent:
             if error is not None:
                 future.set_exception(error)
             else:
-                future.set_result(result)  # type: ignore[arg-type]
+                future.set_result(result)  # type: ignore[arg-type]  # set whenever error is None
 
         assert self._loop is not None
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more

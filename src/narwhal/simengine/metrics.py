@@ -3,7 +3,10 @@ registry of the engine's own (never the global one)."""
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 __all__ = ["EngineMetrics"]
 
@@ -48,6 +51,7 @@ _ITL_BUCKETS = (
     5.0,
 )
 _BYTES_BUCKETS = tuple(float(2**k) for k in range(10, 34, 2))
+_M = TypeVar("_M", bound=MetricWrapperBase)
 
 
 class EngineMetrics:
@@ -155,8 +159,8 @@ class EngineMetrics:
         for reason in ("stop", "length", "abort", "error"):
             self.request_success.labels(**self._values, finished_reason=reason)
 
-    def get(self, metric):  # type: ignore[no-untyped-def]
+    def get(self, metric: _M) -> _M:
         return metric.labels(**self._values)
 
-    def finished(self, reason: str):  # type: ignore[no-untyped-def]
+    def finished(self, reason: str) -> Counter:
         return self.request_success.labels(**self._values, finished_reason=reason)

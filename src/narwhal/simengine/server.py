@@ -140,9 +140,7 @@ def build_app(settings: SimEngineSettings) -> Starlette:
             agent_name=f"{cfg.engine_id}-{state.generation_id[:12]}",
             pool=pool,
             on_notification=lambda message: (
-                state.core.on_notification(message)  # type: ignore[union-attr]
-                if state.core is not None
-                else None
+                state.core.on_notification(message) if state.core is not None else None
             ),
         )
         await loop.run_in_executor(None, agent.start, loop)

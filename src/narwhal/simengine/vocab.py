@@ -120,7 +120,7 @@ class Vocabulary:
         size = self.size
         for token in tokens:
             if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < size:
-                return token  # type: ignore[return-value]
+                return token
         return None
 
 
