@@ -68,6 +68,18 @@ def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 
     return predicate()
 
 
+async def async_wait_until(
+    predicate: Callable[[], bool], timeout: float, interval: float = 0.01
+) -> bool:
+    """``wait_until`` for a test on the event loop: polls without blocking the loop."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(interval)
+    return predicate()
+
+
 async def until_asleep(clock: VirtualClock, max_yields: int = 100) -> float:
     """Yield to the event loop until a task sleeps on ``clock``; the earliest deadline. Bounded
     in loop turns, not time: no real time passes under a virtual clock."""

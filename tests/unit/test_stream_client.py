@@ -16,6 +16,7 @@ from narwhal.engines.stream_client import (
     EngineStreamConnection,
     EngineStreamPool,
 )
+from tests.helpers import async_wait_until
 from tests.unit.test_engine_transport import Handler, each_request, read_request, server
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -102,7 +103,8 @@ async def test_pieces_received_before_push_go_to_the_sink_first() -> None:
 
     async with pool_for(handler) as (pool, _):
         conn = await open_stream(pool)
-        await asyncio.sleep(0.2)  # the whole answer is buffered before the push
+        # The whole answer is buffered before the push.
+        assert await async_wait_until(lambda: conn._complete, 5)
         sink = Sink()
         conn.push(sink)
         assert b"".join(sink.pieces) == b"data: a\n\ndata: b\n\n" and sink.ends == [None]
@@ -110,32 +112,41 @@ async def test_pieces_received_before_push_go_to_the_sink_first() -> None:
 
 
 async def test_a_pushed_stream_cut_by_the_engine_ends_with_an_error() -> None:
+    pushed = asyncio.Event()
+
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
         writer.write(HEAD + chunk(b"data: 1\n\n"))
         await writer.drain()
-        await asyncio.sleep(0.1)
+        await pushed.wait()
         writer.transport.abort()
 
     async with pool_for(handler) as (pool, _):
         conn = await open_stream(pool)
-        sink = await pushed_to_its_end(conn)
+        sink = Sink()
+        conn.push(sink)
+        pushed.set()
+        await asyncio.wait_for(sink.ended.wait(), 5)
+        assert sink.pieces == [b"data: 1\n\n"]
         assert len(sink.ends) == 1 and isinstance(sink.ends[0], EngineTransportError)
         assert not sink.ends[0].timeout
         conn.release()
 
 
 async def test_a_stalled_pushed_stream_times_out_but_a_paused_one_does_not() -> None:
+    read_s = 0.3
+    silence = asyncio.Event()
+
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
         writer.write(HEAD + chunk(b"data: 1\n\n"))
         await writer.drain()
-        await asyncio.sleep(1.0)  # longer than the read timeout
+        await silence.wait()  # silent until the test ends the silence
         writer.write(chunk(b"data: 2\n\n") + b"0\r\n\r\n")
         await writer.drain()
         await reader.read()
 
-    async with pool_for(handler, read_s=0.3) as (pool, _):
+    async with pool_for(handler, read_s=read_s) as (pool, _):
         conn = await open_stream(pool)
         sink = await pushed_to_its_end(conn)
         assert sink.ends[0] is not None and sink.ends[0].timeout
@@ -146,8 +157,11 @@ async def test_a_stalled_pushed_stream_times_out_but_a_paused_one_does_not() -> 
         conn.pause_reading()
         sink = Sink()
         conn.push(sink)
-        await asyncio.sleep(1.3)
+        # The scenario itself: silent for three read timeouts, during which the stall watchdog
+        # checks (and lets be) the paused stream every 50 ms.
+        await asyncio.sleep(3 * read_s)
         assert sink.ends == []
+        silence.set()
         conn.resume_reading()
         await asyncio.wait_for(sink.ended.wait(), 5)
         assert b"".join(sink.pieces) == b"data: 1\n\ndata: 2\n\n" and sink.ends == [None]
@@ -204,7 +218,7 @@ async def test_the_pool_limit_queues_a_request_for_the_next_free_connection() ->
     async with pool_for(handler, connect_s=0.5, limit=1) as (pool, peers):
         first = await open_stream(pool)
         waiting = asyncio.ensure_future(open_stream(pool))
-        await asyncio.sleep(0.1)
+        assert await async_wait_until(lambda: len(pool._waiters) == 1, 5)  # queued for a slot
         assert not waiting.done()
         assert await first.read() == b"ok"
         first.release()  # handed straight to the waiting request
@@ -231,11 +245,13 @@ async def test_a_malformed_answer_is_a_transport_error() -> None:
 
 
 async def test_a_sink_that_fails_ends_its_stream_with_an_error() -> None:
+    pushed = asyncio.Event()
+
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
         writer.write(HEAD)
         await writer.drain()
-        await asyncio.sleep(0.1)
+        await pushed.wait()  # the piece arrives at the pushed stream, not in its buffer
         writer.write(chunk(b"data: 1\n\n"))
         await writer.drain()
         await reader.read()
@@ -246,7 +262,10 @@ async def test_a_sink_that_fails_ends_its_stream_with_an_error() -> None:
 
     async with pool_for(handler) as (pool, _):
         conn = await open_stream(pool)
-        sink = await pushed_to_its_end(conn, BrokenSink())
+        sink = BrokenSink()
+        conn.push(sink)
+        pushed.set()
+        await asyncio.wait_for(sink.ended.wait(), 5)
         assert len(sink.ends) == 1 and "relay failed: RuntimeError" in str(sink.ends[0])
         conn.release()
 
@@ -269,8 +288,10 @@ async def test_an_unread_answer_stops_the_reading_above_the_high_water_mark() ->
 
     async with pool_for(handler) as (pool, _):
         conn = await open_stream(pool)
-        await asyncio.sleep(0.5)
-        assert written < size  # held back: nobody read, so the router stopped reading
+        # Nobody reads, so the router stops reading once past its high-water mark, and the
+        # engine's writes are held back.
+        assert await async_wait_until(lambda: conn._paused, 10)
+        assert written < size
         body = await asyncio.wait_for(conn.read(), 10)
         assert len(body) == size and written == size
         conn.release()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import stat
-import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -43,12 +42,3 @@ def ends_per_id(path: Path) -> Counter[str]:
 
 def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.005)
-    return predicate()

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from narwhal.journal.file import JournalFile
-from tests.unit.journal.support import OpenJournal, records, wait_for
+from tests.helpers import wait_until
+from tests.unit.journal.support import OpenJournal, records
 
 
 def _enospc(self: JournalFile, data: bytes) -> None:
@@ -214,4 +215,5 @@ def test_fsync_on_interval_on_request_and_at_close(
 
     k = open_journal(tmp_path / "k.jsonl", recover=False, fsync_interval_s=0.02)
     k.record("x")
-    assert wait_for(lambda: k.stats().fsyncs >= 1)  # nobody asked: the interval did it
+    # Nobody asked: the interval did it.
+    assert wait_until(lambda: k.stats().fsyncs >= 1, 5.0, 0.005)
