@@ -17,7 +17,6 @@ the prefill engine and brings it back; keep it last.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import os
@@ -444,8 +443,6 @@ def test_client_disconnect_mid_stream_aborts(pd: PD) -> None:
 
 
 def test_profile_and_check_pass_on_real_engines(pd: PD) -> None:
-    if importlib.util.find_spec("narwhal.check.cli") is None:
-        pytest.skip("narwhal.check.cli is not in this tree yet: narwhal-check not run")
     from tests.deployment.sidecars import running_sidecar
 
     directory = pd.directory / "qualify"
