@@ -288,7 +288,8 @@ def start_router_limited(
 
     def pump() -> None:
         assert process.stdout is not None
-        with open(log_path, "ab") as log:
+        # The pipe is ours to close at its end (the router exited), not the garbage collector's.
+        with process.stdout, open(log_path, "ab") as log:
             for chunk in iter(lambda: process.stdout.read1(65536), b""):  # type: ignore[union-attr]
                 log.write(chunk)
                 log.flush()
