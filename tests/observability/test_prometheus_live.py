@@ -54,6 +54,7 @@ FLEET = "obs-fleet"  # not the packaged name: proves $fleet really selects
 ENGINES = 4  # e0, e1 prefill; e2, e3 decode
 DEADLINE_S = 0.5  # first_token_timeout_s: short, so a stalled engine misses it quickly
 RATE_INTERVAL = "1m"  # $__rate_interval: covers the whole load
+FINISHED = "vllm:request_success_total"  # an engine's finished requests, by finish reason
 
 
 @dataclass
@@ -221,12 +222,24 @@ def _drive(
     assert sent.count(200) >= len(sent) // 2, sent
 
     # Prometheus has scraped the end of the load when it counts every request the router ended,
-    # and a few more scrapes let the engines' last samples in too.
+    # and every engine's finished requests as the engine itself counts them now.
     total = f'sum(narwhal_requests_total{{fleet="{FLEET}"}})'
     assert wait_until(
         lambda: [float(v) for v in prometheus.query(total)] == [len(sent)], 20, 0.5
     ), f"Prometheus never counted {len(sent)} requests: {prometheus.query(total)}"
-    time.sleep(3)
+
+    def engines_in_prometheus() -> dict[str, tuple[float, list[float]]]:
+        """Per engine: (its own count of finished requests, what Prometheus holds)."""
+        out = {}
+        for engine, url in engine_urls.items():
+            own = metric(httpx.get(url + "/metrics", timeout=10).text, FINISHED)
+            expr = f'sum({FINISHED}{{fleet="{FLEET}",engine="{engine}"}})'
+            out[engine] = (own, [float(v) for v in prometheus.query(expr)])
+        return out
+
+    assert wait_until(
+        lambda: all([own] == held for own, held in engines_in_prometheus().values()), 20, 0.5
+    ), f"Prometheus is behind the engines: {engines_in_prometheus()}"
     exported = exported_names(
         [
             router.metrics(),
