@@ -13,7 +13,6 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from narwhal.clock import VirtualClock
 from narwhal.serve.cli import serve_command
 from narwhal.simengine.fleet import SimFleet, free_ports, local_fleet_document
 
@@ -78,17 +77,6 @@ async def async_wait_until(
             return True
         await asyncio.sleep(interval)
     return predicate()
-
-
-async def until_asleep(clock: VirtualClock, max_yields: int = 100) -> float:
-    """Yield to the event loop until a task sleeps on ``clock``; the earliest deadline. Bounded
-    in loop turns, not time: no real time passes under a virtual clock."""
-    for _ in range(max_yields):
-        deadline = clock.next_deadline()
-        if deadline is not None:
-            return deadline
-        await asyncio.sleep(0)
-    raise AssertionError(f"nothing slept on the clock within {max_yields} event-loop turns")
 
 
 def admin(
