@@ -208,7 +208,8 @@ def host_steps(h: HostSpec, wheel: Path) -> list[Step]:
         steps.append(Step("dependencies", _on_host(h, [py, "-m", "pip", "install", "-q", staged])))
     extra = "import narwhal.contract; " if h.install_deps else ""
     script = VERIFY_SCRIPT.format(extra=extra)
-    steps.append(Step("verify", _on_host(h, [py, "-c", script, staged])))
+    # Isolated (-I): what the venv installed, not a narwhal an inherited PYTHONPATH points at.
+    steps.append(Step("verify", _on_host(h, [py, "-I", "-c", script, staged])))
     return steps
 
 
