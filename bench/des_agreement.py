@@ -33,25 +33,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-
-import httpx
 
 from narwhal.contract import load_fleet
 from narwhal.fleetsim.agreement import compare, leg_overhead_s, replay, run_des_like_live
 from narwhal.fleetsim.workloads import poisson_requests, timings_of
 from narwhal.profiles.store import ProfileStore, engine_models
 from narwhal.serve.cli import serve_command
-from narwhal.simengine.fleet import SimFleet, SimFleetError, free_ports, local_fleet_document
+from narwhal.testing import procs
+from narwhal.testing.fleet import SimFleet, start_local_fleet
+from narwhal.testing.ports import free_ports
+from narwhal.testing.profiling import profile_fleet
+from narwhal.testing.routers import router_ready
 
 MODEL = "moonshotai/Kimi-K3"
 REAL_TTFT_S = 10.0
@@ -72,66 +74,40 @@ def log(msg: str) -> None:
 
 def start_fleet(directory: Path, scale: float) -> tuple[SimFleet, Path]:
     path = directory / "fleet.json"
-    for attempt in range(3):  # a free port can be taken before an engine binds it
-        ports = free_ports(2 * ENGINES)
-        doc = local_fleet_document(
-            ports[:ENGINES],
-            ports[ENGINES:],
-            initial_roles=["prefill"] * 4 + ["decode"] * 4,
-            sim={"time_scale": scale},
-            ttft_s=REAL_TTFT_S / scale,
-            tpot_s=REAL_TPOT_S / scale,
-            first_token_timeout_s=0.85 * REAL_TTFT_S / scale,
-            role_control={"enabled": False},
-            name="des-agreement",
-        )
-        path.write_text(json.dumps(doc, indent=2))
-        fleet = SimFleet(path, log_dir=directory / f"logs-{attempt}")
-        try:
-            fleet.start(timeout=120)
-            return fleet, path
-        except SimFleetError as exc:
-            fleet.stop()
-            if attempt == 2:
-                raise
-            log(f"fleet did not start ({exc}); retrying on new ports")
-    raise AssertionError("unreachable")
+    fleet, _ = start_local_fleet(
+        path,
+        ENGINES,
+        log_dir=directory,
+        on_retry=lambda exc: log(f"fleet did not start ({exc}); retrying on new ports"),
+        initial_roles=["prefill"] * 4 + ["decode"] * 4,
+        sim={"time_scale": scale},
+        ttft_s=REAL_TTFT_S / scale,
+        tpot_s=REAL_TPOT_S / scale,
+        first_token_timeout_s=0.85 * REAL_TTFT_S / scale,
+        role_control={"enabled": False},
+        name="des-agreement",
+    )
+    return fleet, path
 
 
 def profile(directory: Path, fleet_path: Path) -> Path:
-    limits = directory / "limits.json"
-    limits.write_text(
-        json.dumps(
-            {
-                "schema": "narwhal.profiling-limits/v1",
-                "max_wall_s_per_engine": 300,
-                "max_tokens_per_engine": 5_000_000,
-                "probe_timeout_s": 120,
-            }
-        )
-    )
-    store = directory / "store.json"
-    cmd = [
-        sys.executable, "-m", "narwhal.profiler.cli",
-        "--fleet", str(fleet_path),
-        "--limits", str(limits),
+    return profile_fleet(
+        directory,
+        fleet_path,
         "--prefill-lens", "256,1024,2048",
         "--decode-input-lens", "512,1024",
         "--decode-concurrency", "1,2,4",
         "--decode-tokens", "16",
         "--prefill-repeats", "2",
-        "--out", str(store),
-        "--quiet",
-    ]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if r.returncode != 0:
-        raise RuntimeError(f"narwhal-profile failed ({r.returncode}):\n{r.stderr[-3000:]}")
-    return store
+        store="store.json",
+    )  # fmt: skip
 
 
-def start_router(
+@contextlib.contextmanager
+def running_router(
     directory: Path, fleet_path: Path, store: Path, name: str
-) -> tuple[subprocess.Popen[bytes], str, Path]:
+) -> Iterator[tuple[str, Path]]:
+    """narwhal-serve (scheduler v1) on the fleet, ready; (its URL, its journal)."""
     port = free_ports(1)[0]
     journal = directory / f"journal-{name}.jsonl"
     log_path = directory / f"router-{name}.log"
@@ -141,35 +117,10 @@ def start_router(
         "--profiles", str(store), "--scheduler", "v1",
         "--log-level", "warning",
     )  # fmt: skip
-    with open(log_path, "ab") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    with httpx.Client(timeout=2, trust_env=False) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"router exited:\n{log_path.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if client.get(url + "/ready").status_code == 200:
-                    return proc, url, journal
-            time.sleep(0.1)
-    stop(proc)
-    raise RuntimeError(f"router not ready within 60 s:\n{log_path.read_text()[-3000:]}")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
+    ready = functools.partial(router_ready, url)
+    with procs.running(cmd, log_path, ready=ready, name="router", stop_timeout=30):
+        yield url, journal
 
 
 def journal_ends(journal: Path, expected: int, timeout: float = 15.0) -> list[dict]:
@@ -239,16 +190,13 @@ def main() -> int:
                 output_tokens=output,
                 seed=args.seed + i,
             )
-            proc, url, journal = start_router(directory, fleet_path, store, name)
-            try:
+            with running_router(directory, fleet_path, store, name) as (url, journal):
                 time.sleep(1.5)  # load scrapes catch up with the idle fleet
                 log(f"{name}: replaying {len(specs)} requests live ({specs[-1].arrival:.0f} s)")
                 t = time.perf_counter()
                 live = asyncio.run(replay(url, specs, MODEL))
                 live_wall = time.perf_counter() - t
                 ends = journal_ends(journal, len(specs))
-            finally:
-                stop(proc)
             overhead = leg_overhead_s(ends, timings, prompt)
             legs = [
                 e["t_prefill_end"] - e["t_prefill_start"]

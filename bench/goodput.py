@@ -59,17 +59,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import csv
 import datetime as dt
 import json
-import math
 import os
 import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -77,16 +74,21 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
 import orjson
 
-from narwhal.engines.scrape import parse_engine_load
 from narwhal.serve.cli import serve_command
-from narwhal.simengine.fleet import SimFleet, SimFleetError, free_ports, local_fleet_document
 from narwhal.simengine.timing import CALIBRATION
+from narwhal.testing import aio, procfs, procs
+from narwhal.testing.fleet import SimFleet, fleet_load, start_local_fleet, wait_idle
+from narwhal.testing.ports import free_ports
+from narwhal.testing.profiling import profile_fleet
+from narwhal.testing.provenance import git
+from narwhal.testing.rawhttp import TRANSPORT_ERRORS, post_stream
+from narwhal.testing.routers import peer_router_command, router_ready
+from narwhal.testing.stats import median
 
 MODEL = "moonshotai/Kimi-K3"
 REAL_TTFT_S = 10.0
@@ -250,6 +252,21 @@ class Outcome:
             return None
         return (self.last - self.first) / (self.tokens - 1)
 
+    # The StreamSink that post_stream fills in.
+    def on_tokens(self, n: int, now: float) -> None:
+        if self.first is None:
+            self.first = now
+        elif self.last is not None:
+            self.gaps.append((now - self.last) / n)
+        self.last = now
+        self.tokens += n
+
+    def on_done(self) -> None:
+        self.done = True
+
+    def on_error(self) -> None:
+        self.stream_error = True
+
     def judge(self, now: float, budgets: tuple[float, float]) -> None:
         """Settle ``kind``. A stream still running when the trial ends is judged by
         projection: its remaining tokens at its recent pace (no new request joins a batch
@@ -279,92 +296,18 @@ class Outcome:
             self.kind = "tpot_projected" if projected > tpot_b else "ok_projected"
 
 
-async def _read_chunked(reader: asyncio.StreamReader, on_chunk: Any) -> None:
-    for _ in range(10_000_000):
-        size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-        if size == 0:
-            return
-        data = (await reader.readexactly(size + 2))[:-2]
-        on_chunk(data, time.perf_counter())
-    raise RuntimeError("too many chunks")
-
-
 async def send(port: int, body: bytes, request_id: str, out: Outcome) -> None:
     """POST one streamed completion and record its token times into ``out``."""
     out.start = time.perf_counter()  # TTFT counts the connection too
-    writer = None
     try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        writer.write(
-            (
-                f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-                "Content-Type: application/json\r\nAccept: text/event-stream\r\n"
-                f"X-Request-Id: {request_id}\r\nConnection: close\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n"
-            ).encode()
-            + body
-        )
-        head = await reader.readuntil(b"\r\n\r\n")
-        lines = head.split(b"\r\n")
-        out.status = int(lines[0].split(b" ", 2)[1])
-        headers = {}
-        for line in lines[1:]:
-            if line:
-                k, _, v = line.partition(b":")
-                headers[k.strip().lower()] = v.strip().lower()
-        if out.status != 200:
+        if not await post_stream(port, body, request_id, out):
             out.kind = "rejected" if out.status == 429 else "error"
             return
-        buf = bytearray()
-
-        def on_chunk(data: bytes, now: float) -> None:
-            buf.extend(data)
-            for _ in range(100_000):
-                end = buf.find(b"\n\n")
-                if end < 0:
-                    return
-                event = bytes(buf[:end])
-                del buf[: end + 2]
-                if not event.startswith(b"data: "):
-                    continue
-                payload = event[6:]
-                if payload == b"[DONE]":
-                    out.done = True
-                    continue
-                try:
-                    obj = orjson.loads(payload)
-                except orjson.JSONDecodeError:
-                    out.stream_error = True
-                    continue
-                if "error" in obj:
-                    out.stream_error = True
-                    continue
-                n = sum(1 for ch in obj.get("choices") or () if ch.get("text"))
-                if n:
-                    if out.first is None:
-                        out.first = now
-                    elif out.last is not None:
-                        out.gaps.append((now - out.last) / n)
-                    out.last = now
-                    out.tokens += n
-
-        if headers.get(b"transfer-encoding") == b"chunked":
-            await _read_chunked(reader, on_chunk)
-        else:
-            length = headers.get(b"content-length")
-            data = await (reader.readexactly(int(length)) if length else reader.read())
-            on_chunk(data, time.perf_counter())
         if not out.done:
             out.stream_error = True
             out.done = True
-    except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
+    except TRANSPORT_ERRORS:
         out.kind = "error"
-    finally:
-        if writer is not None:
-            writer.close()
 
 
 async def run_trial(
@@ -415,115 +358,9 @@ async def run_trial(
     return outcomes
 
 
-# --------------------------------------------------------------------------------------------
-# Processes
-
-
-def spawn(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-    with open(log_path, "ab") as f:
-        return subprocess.Popen(
-            args,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-
-
-def stop_process(proc: subprocess.Popen[bytes] | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        proc.wait(5)
-
-
-def wait_ready(proc: subprocess.Popen[bytes], url: str, log_path: Path, vllm: bool) -> None:
-    deadline = time.monotonic() + 60
-    with httpx.Client(timeout=2, trust_env=False) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"{url} exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}"
-                )
-            with contextlib.suppress(httpx.HTTPError, ValueError):
-                if vllm:
-                    r = client.get(url + "/readiness")
-                    if r.status_code == 200 and r.json().get("status") == "ready":
-                        return
-                elif client.get(url + "/ready").status_code == 200:
-                    return
-            time.sleep(0.1)
-    raise RuntimeError(f"{url} not ready within 60 s:\n{log_path.read_text()[-3000:]}")
-
-
-def fleet_load(urls: list[str]) -> float:
-    """Running + waiting requests over the fleet (inf if an engine does not answer)."""
-    total = 0.0
-    with httpx.Client(timeout=2, trust_env=False) as client:
-        for url in urls:
-            try:
-                load = parse_engine_load(client.get(url + "/metrics").content)
-            except httpx.HTTPError:
-                return math.inf
-            if load is None:
-                return math.inf
-            total += load["running"] + load["waiting"]
-    return total
-
-
-def wait_idle(urls: list[str], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if fleet_load(urls) == 0:
-            return True
-        time.sleep(0.1)
-    return False
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read().decode()
-    except OSError:
-        return None
-    return raw[raw.rindex(")") + 2 :].split()
-
-
-def tree_cpu_seconds(root: int) -> float:
-    """CPU seconds (every thread, and reaped children) of ``root`` and every process below it."""
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            fields = _stat_fields(int(name))
-            if fields is not None:
-                children.setdefault(int(fields[1]), []).append(int(name))
-    ticks, todo, seen = 0, [root], 0
-    while todo and seen < 10_000:
-        pid = todo.pop()
-        seen += 1
-        fields = _stat_fields(pid)
-        if fields is not None:
-            ticks += sum(int(x) for x in fields[11:15])
-        todo.extend(children.get(pid, []))
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
 def own_cpu_seconds() -> float:
     """CPU seconds of this benchmark: this process, the engines, routers and profiler."""
-    return tree_cpu_seconds(os.getpid())
-
-
-def cpu_seconds_all() -> float:
-    """User + system CPU seconds of the whole machine so far (/proc/stat)."""
-    with open("/proc/stat") as f:
-        parts = f.readline().split()
-    return (int(parts[1]) + int(parts[2]) + int(parts[3])) / os.sysconf("SC_CLK_TCK")
+    return procfs.tree_cpu_seconds(os.getpid())
 
 
 class Router:
@@ -559,37 +396,31 @@ class Router:
             else:
                 args += ["--scheduler", "v0"]
         else:
-            args = [str(router_bin), "--vllm-pd-disaggregation"]
-            for u in prefill_urls:
-                args += ["--prefill", u]
-            for u in decode_urls:
-                args += ["--decode", u]
-            if system in VLLM_POLICY:
-                args += ["--policy", VLLM_POLICY[system]]
-            args += [
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--prometheus-host",
-                "127.0.0.1",
-                "--prometheus-port",
-                str(ports[1]),
-                "--worker-startup-check-interval",
-                "1",
-                "--log-level",
-                "warning",
-            ]
+            args = peer_router_command(
+                router_bin,
+                prefill_urls,
+                decode_urls,
+                self.port,
+                ports[1],
+                policy=VLLM_POLICY.get(system),
+            )
         self.args = args
         self.proc: subprocess.Popen[bytes] | None = None
         self.prefill_ids = {f"e{i}" for i in range(len(prefill_urls))}
 
     def start(self) -> None:
-        self.proc = spawn(self.args, self.log_path)
-        wait_ready(self.proc, self.url, self.log_path, not self.system.startswith("narwhal"))
+        self.proc = procs.start(self.args, self.log_path)
+        procs.wait_ready(
+            lambda: router_ready(self.url, peer=not self.system.startswith("narwhal")),
+            60,
+            process=self.proc,
+            name=self.url,
+            log=self.log_path,
+        )
 
     def stop(self) -> None:
-        stop_process(self.proc)
+        if self.proc is not None:
+            procs.stop(self.proc)
 
     def narwhal_metrics(self, before: dict[str, float] | None = None) -> dict[str, float]:
         """narwhal-serve's admission rejections (since ``before``) and, for v1, the online
@@ -656,14 +487,6 @@ class Search:
         return max(passing) if passing else None
 
 
-def median(values: list[float]) -> float | None:
-    values = sorted(values)
-    if not values:
-        return None
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
-
-
 def run_point(
     router: Router,
     w: Workload,
@@ -685,12 +508,12 @@ def run_point(
         router.port, bodies, w.gen_lens[:n], offsets, duration, args.time_scale, budgets, tag
     )
     assert router.proc is not None
-    router0 = tree_cpu_seconds(router.proc.pid)
-    cpu0, own0, t0 = cpu_seconds_all(), own_cpu_seconds(), time.perf_counter()
-    outcomes = uvloop.run(coro) if _UVLOOP else asyncio.run(coro)
+    router0 = procfs.tree_cpu_seconds(router.proc.pid)
+    cpu0, own0, t0 = procfs.machine_cpu_seconds(), own_cpu_seconds(), time.perf_counter()
+    outcomes = aio.run(coro)
     wall = time.perf_counter() - t0
-    total, own = cpu_seconds_all() - cpu0, own_cpu_seconds() - own0
-    router_cpu = tree_cpu_seconds(router.proc.pid) - router0
+    total, own = procfs.machine_cpu_seconds() - cpu0, own_cpu_seconds() - own0
+    router_cpu = procfs.tree_cpu_seconds(router.proc.pid) - router0
     if args.keep_dir:  # the client's view of every request, for analysis next to the journals
         with open(args.directory / "client.jsonl", "ab") as f:
             for i, o in enumerate(outcomes):
@@ -800,65 +623,22 @@ def search_goodput(
 
 
 def profile(directory: Path, fleet_path: Path, args: argparse.Namespace) -> Path:
-    limits = directory / "limits.json"
-    limits.write_text(
-        json.dumps(
-            {
-                "schema": "narwhal.profiling-limits/v1",
-                "max_wall_s_per_engine": 300,
-                "max_tokens_per_engine": 5_000_000,
-                "probe_timeout_s": 120,
-            }
-        )
-    )
-    store = directory / "profile-store.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "narwhal.profiler.cli",
-        "--fleet",
-        str(fleet_path),
-        "--limits",
-        str(limits),
-        "--prefill-lens",
-        "256,1024,4096,8192",
-        "--decode-input-lens",
-        "512,4096,8192",
-        "--decode-concurrency",
-        args.profile_concurrency,
-        "--decode-tokens",
-        str(args.profile_decode_tokens),
-        "--prefill-repeats",
-        "3",
-        "--out",
-        str(store),
-        "--quiet",
-    ]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if r.returncode != 0:
-        raise RuntimeError(f"narwhal-profile failed ({r.returncode}):\n{r.stderr[-3000:]}")
-    (directory / "profile.txt").write_text(r.stdout)
-    return store
+    return profile_fleet(
+        directory,
+        fleet_path,
+        "--prefill-lens", "256,1024,4096,8192",
+        "--decode-input-lens", "512,4096,8192",
+        "--decode-concurrency", args.profile_concurrency,
+        "--decode-tokens", str(args.profile_decode_tokens),
+        "--prefill-repeats", "3",
+    )  # fmt: skip
 
 
 def git_state() -> str:
     """The commit the narwhal code under test is at, and whether src/ differs from it."""
     root = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--", "src"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+    head = git(root, "rev-parse", "--short", "HEAD")
+    dirty = git(root, "status", "--porcelain", "--", "src")
     return f"{head or 'unknown'}{' + uncommitted changes in src/' if dirty else ''}"
 
 
@@ -969,36 +749,22 @@ def main() -> int:
         }
         n = args.engines
         fleet_path = directory / "fleet.json"
-        doc: dict[str, Any] = {}
-        # Free ports can be taken by another process before the engines bind them: retry.
-        for attempt in range(3):
-            ports = free_ports(2 * n)
-            doc = local_fleet_document(
-                ports[:n],
-                ports[n:],
-                initial_roles=["prefill"] * args.prefill + ["decode"] * decode_n,
-                roles=[["prefill"]] * args.prefill + [["decode"]] * decode_n,
-                sim=sim,
-                ttft_s=budgets[0],
-                tpot_s=budgets[1],
-                first_token_timeout_s=0.85 * budgets[0],
-                max_model_len=MAX_MODEL_LEN,
-                name="goodput-sim",
-            )
-            doc["roles"] = {"enabled": False}  # static split: no role controller
-            fleet_path.write_text(json.dumps(doc, indent=2))
-            log(f"starting {n} simulated engines (time scale {scale:g}) in {directory}")
-            fleet = SimFleet(fleet_path, log_dir=directory / f"logs-{attempt}")
-            try:
-                fleet.start(timeout=120)
-                break
-            except SimFleetError as exc:
-                fleet.stop()
-                fleet = None
-                if attempt == 2:
-                    raise
-                log(f"fleet did not start ({exc}); retrying on new ports")
-        assert fleet is not None
+        log(f"starting {n} simulated engines (time scale {scale:g}) in {directory}")
+        fleet, doc = start_local_fleet(
+            fleet_path,
+            n,
+            log_dir=directory,
+            on_retry=lambda exc: log(f"fleet did not start ({exc}); retrying on new ports"),
+            initial_roles=["prefill"] * args.prefill + ["decode"] * decode_n,
+            roles=[["prefill"]] * args.prefill + [["decode"]] * decode_n,
+            sim=sim,
+            ttft_s=budgets[0],
+            tpot_s=budgets[1],
+            first_token_timeout_s=0.85 * budgets[0],
+            max_model_len=MAX_MODEL_LEN,
+            name="goodput-sim",
+            role_control={"enabled": False},  # static split: no role controller
+        )
         ids = [e["id"] for e in doc["engines"]]
         urls = [fleet.engines[i].url for i in ids]
         prefill_urls, decode_urls = urls[: args.prefill], urls[args.prefill :]
@@ -1063,14 +829,14 @@ def main() -> int:
             )
             log(f"starting {system}")
             routers[system].start()
-        own0, all0, t_idle = own_cpu_seconds(), cpu_seconds_all(), time.perf_counter()
+        own0, all0, t_idle = own_cpu_seconds(), procfs.machine_cpu_seconds(), time.perf_counter()
         time.sleep(3.0)
         idle_wall = time.perf_counter() - t_idle
         cpus = os.cpu_count() or 1
         add(
             "idle_cpu",
             f"this benchmark's processes {(own_cpu_seconds() - own0) / idle_wall / cpus:.0%},"
-            f" whole machine {(cpu_seconds_all() - all0) / idle_wall / cpus:.0%}"
+            f" whole machine {(procfs.machine_cpu_seconds() - all0) / idle_wall / cpus:.0%}"
             f" of {cpus} cpus (fleet and routers idle)",
         )
         for name, w in loaded.items():
@@ -1206,14 +972,6 @@ def main() -> int:
             fleet.stop()
         if not args.keep_dir:
             shutil.rmtree(directory, ignore_errors=True)
-
-
-try:
-    import uvloop
-
-    _UVLOOP = True
-except ImportError:  # pragma: no cover
-    _UVLOOP = False
 
 
 if __name__ == "__main__":

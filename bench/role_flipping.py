@@ -74,6 +74,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -81,7 +82,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -91,11 +91,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import orjson
 
-from narwhal.engines.scrape import parse_engine_load
 from narwhal.fleetsim.simulator import (
     DesConfig,
     RequestSpec,
@@ -103,8 +101,14 @@ from narwhal.fleetsim.simulator import (
 )
 from narwhal.fleetsim.workloads import read_azure_trace, synthetic_fleet
 from narwhal.serve.cli import serve_command
-from narwhal.simengine.fleet import SimFleet, SimFleetError, free_ports, local_fleet_document
 from narwhal.simengine.timing import CALIBRATION
+from narwhal.testing import aio, procfs, procs
+from narwhal.testing.fleet import SimFleet, fleet_load, start_local_fleet, wait_idle
+from narwhal.testing.ports import free_ports
+from narwhal.testing.profiling import profile_fleet
+from narwhal.testing.rawhttp import TRANSPORT_ERRORS, StreamTimes, post_stream
+from narwhal.testing.routers import peer_router_command, router_ready
+from narwhal.testing.stats import median
 
 MODEL = "moonshotai/Kimi-K3"
 REAL_TTFT_S = 10.0
@@ -323,14 +327,6 @@ def scored_mask(w: Workload, tail_s: float) -> list[bool]:
     ]
 
 
-def median(values: list[float]) -> float | None:
-    v = sorted(values)
-    if not v:
-        return None
-    m = len(v) // 2
-    return v[m] if len(v) % 2 else (v[m - 1] + v[m]) / 2
-
-
 # --------------------------------------------------------------------------------------------
 # The simulator
 
@@ -427,107 +423,12 @@ def describe_flips(flips: list[dict[str, Any]], limit: int = 12) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Live: processes and the client (helpers copied from bench/goodput.py, which still changes)
-
-
-def spawn(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-    with open(log_path, "ab") as f:
-        return subprocess.Popen(
-            args,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-
-
-def stop_process(proc: subprocess.Popen[bytes] | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        proc.wait(5)
-
-
-def wait_ready(proc: subprocess.Popen[bytes], url: str, log_path: Path, vllm: bool) -> None:
-    deadline = time.monotonic() + 60
-    with httpx.Client(timeout=2, trust_env=False) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"{url} exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}"
-                )
-            with contextlib.suppress(httpx.HTTPError, ValueError):
-                if vllm:
-                    r = client.get(url + "/readiness")
-                    if r.status_code == 200 and r.json().get("status") == "ready":
-                        return
-                elif client.get(url + "/ready").status_code == 200:
-                    return
-            time.sleep(0.1)
-    raise RuntimeError(f"{url} not ready within 60 s:\n{log_path.read_text()[-3000:]}")
-
-
-def fleet_load(urls: list[str]) -> float:
-    total = 0.0
-    with httpx.Client(timeout=2, trust_env=False) as client:
-        for url in urls:
-            try:
-                load = parse_engine_load(client.get(url + "/metrics").content)
-            except httpx.HTTPError:
-                return math.inf
-            if load is None:
-                return math.inf
-            total += load["running"] + load["waiting"]
-    return total
-
-
-def wait_idle(urls: list[str], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if fleet_load(urls) == 0:
-            return True
-        time.sleep(0.2)
-    return False
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read().decode()
-    except OSError:
-        return None
-    return raw[raw.rindex(")") + 2 :].split()
+# Live: the client
 
 
 def own_cpu_seconds() -> float:
     """CPU seconds of this process and every process below it."""
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            fields = _stat_fields(int(name))
-            if fields is not None:
-                children.setdefault(int(fields[1]), []).append(int(name))
-    ticks, todo, seen = 0, [os.getpid()], 0
-    while todo and seen < 10_000:
-        pid = todo.pop()
-        seen += 1
-        fields = _stat_fields(pid)
-        if fields is not None:
-            ticks += sum(int(x) for x in fields[11:15])
-        todo.extend(children.get(pid, []))
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds_all() -> float:
-    with open("/proc/stat") as f:
-        parts = f.readline().split()
-    return (int(parts[1]) + int(parts[2]) + int(parts[3])) / os.sysconf("SC_CLK_TCK")
+    return procfs.tree_cpu_seconds(os.getpid())
 
 
 @dataclass
@@ -539,116 +440,38 @@ class Outcome:
     kind: str = "cut"  # ok | rejected | error | ttft | tpot | short | cut
 
 
-async def _read_chunked(reader: asyncio.StreamReader, on_chunk: Any) -> None:
-    for _ in range(10_000_000):
-        size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-        if size == 0:
-            return
-        data = (await reader.readexactly(size + 2))[:-2]
-        on_chunk(data, time.perf_counter())
-    raise RuntimeError("too many chunks")
-
-
 async def send(
     port: int, body: bytes, request_id: str, expected: int, budgets: tuple[float, float]
 ) -> Outcome:
     out = Outcome()
+    stream = StreamTimes()
     t0 = time.perf_counter()
     try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    except OSError:
+        ok = await post_stream(port, body, request_id, stream)
+    except TRANSPORT_ERRORS:
+        out.status, out.kind = stream.status, "error"
+        return out
+    out.status = stream.status
+    if not ok:
+        out.kind = "rejected" if out.status == 429 else "error"
+        return out
+    out.tokens = stream.tokens
+    if stream.first is not None and stream.last is not None:
+        out.ttft = stream.first - t0
+        if out.tokens > 1:
+            out.tpot = (stream.last - stream.first) / (out.tokens - 1)
+    ttft_b, tpot_b = budgets
+    if stream.error or not stream.done:
         out.kind = "error"
-        return out
-    try:
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        writer.write(
-            (
-                f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-                "Content-Type: application/json\r\nAccept: text/event-stream\r\n"
-                f"X-Request-Id: {request_id}\r\nConnection: close\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n"
-            ).encode()
-            + body
-        )
-        head = await reader.readuntil(b"\r\n\r\n")
-        lines = head.split(b"\r\n")
-        out.status = int(lines[0].split(b" ", 2)[1])
-        headers = {}
-        for line in lines[1:]:
-            if line:
-                k, _, v = line.partition(b":")
-                headers[k.strip().lower()] = v.strip().lower()
-        if out.status != 200:
-            out.kind = "rejected" if out.status == 429 else "error"
-            return out
-        buf = bytearray()
-        state: dict[str, Any] = {
-            "first": None,
-            "last": None,
-            "tokens": 0,
-            "done": False,
-            "error": False,
-        }
-
-        def on_chunk(data: bytes, now: float) -> None:
-            buf.extend(data)
-            while True:
-                end = buf.find(b"\n\n")
-                if end < 0:
-                    return
-                event = bytes(buf[:end])
-                del buf[: end + 2]
-                if not event.startswith(b"data: "):
-                    continue
-                payload = event[6:]
-                if payload == b"[DONE]":
-                    state["done"] = True
-                    continue
-                try:
-                    obj = orjson.loads(payload)
-                except orjson.JSONDecodeError:
-                    state["error"] = True
-                    continue
-                if "error" in obj:
-                    state["error"] = True
-                    continue
-                n = sum(1 for ch in obj.get("choices") or () if ch.get("text"))
-                if n:
-                    if state["first"] is None:
-                        state["first"] = now
-                    state["last"] = now
-                    state["tokens"] += n
-
-        if headers.get(b"transfer-encoding") == b"chunked":
-            await _read_chunked(reader, on_chunk)
-        else:
-            length = headers.get(b"content-length")
-            data = await (reader.readexactly(int(length)) if length else reader.read())
-            on_chunk(data, time.perf_counter())
-        out.tokens = state["tokens"]
-        if state["first"] is not None:
-            out.ttft = state["first"] - t0
-            if out.tokens > 1:
-                out.tpot = (state["last"] - state["first"]) / (out.tokens - 1)
-        ttft_b, tpot_b = budgets
-        if state["error"] or not state["done"]:
-            out.kind = "error"
-        elif out.tokens < expected:
-            out.kind = "short"
-        elif out.ttft is None or out.ttft > ttft_b:
-            out.kind = "ttft"
-        elif out.tpot is not None and out.tpot > tpot_b:
-            out.kind = "tpot"
-        else:
-            out.kind = "ok"
-        return out
-    except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
-        out.kind = "error"
-        return out
-    finally:
-        writer.close()
+    elif out.tokens < expected:
+        out.kind = "short"
+    elif out.ttft is None or out.ttft > ttft_b:
+        out.kind = "ttft"
+    elif out.tpot is not None and out.tpot > tpot_b:
+        out.kind = "tpot"
+    else:
+        out.kind = "ok"
+    return out
 
 
 def build_bodies(w: Workload, seed: int) -> list[bytes]:
@@ -699,38 +522,6 @@ async def run_trial(
     return outcomes, wall0
 
 
-def profile_fleet(directory: Path, fleet_path: Path) -> Path:
-    limits = directory / "limits.json"
-    limits.write_text(
-        json.dumps(
-            {
-                "schema": "narwhal.profiling-limits/v1",
-                "max_wall_s_per_engine": 300,
-                "max_tokens_per_engine": 5_000_000,
-                "probe_timeout_s": 120,
-            }
-        )
-    )
-    store = directory / "profile-store.json"
-    cmd = [
-        sys.executable, "-m", "narwhal.profiler.cli",
-        "--fleet", str(fleet_path),
-        "--limits", str(limits),
-        "--prefill-lens", "256,1024,4096,8192",
-        "--decode-input-lens", "512,4096,8192",
-        "--decode-concurrency", "1,2,4",
-        "--decode-tokens", "64",
-        "--prefill-repeats", "3",
-        "--out", str(store),
-        "--quiet",
-    ]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    if r.returncode != 0:
-        raise RuntimeError(f"narwhal-profile failed ({r.returncode}):\n{r.stderr[-3000:]}")
-    (directory / "profile.txt").write_text(r.stdout)
-    return store
-
-
 @dataclass
 class LiveSystem:
     key: str  # flipping | static_<p> | vllm_router
@@ -770,38 +561,34 @@ def run_live(
     proc: subprocess.Popen[bytes] | None = None
     results: dict[str, Result] = {}
     try:
-        doc: dict[str, Any] = {}
-        for attempt in range(3):  # a free port can be taken before an engine binds it
-            ports = free_ports(2 * n)
-            doc = local_fleet_document(
-                ports[:n],
-                ports[n:],
-                initial_roles=["prefill"] * 4 + ["decode"] * 4,
-                sim=sim,
-                ttft_s=REAL_TTFT_S / scale,
-                tpot_s=REAL_TPOT_S / scale,
-                first_token_timeout_s=FIRST_TOKEN_FRACTION * REAL_TTFT_S / scale,
-                max_model_len=MAX_MODEL_LEN,
-                name="role-flipping-engines",
-                role_control={"enabled": False},
-            )
-            engine_path.write_text(json.dumps(doc, indent=2))
-            log(f"live8: starting {n} simulated engines (time scale {scale:g}) in {directory}")
-            fleet = SimFleet(engine_path, log_dir=directory / f"logs-{attempt}")
-            try:
-                fleet.start(timeout=120)
-                break
-            except SimFleetError as exc:
-                fleet.stop()
-                fleet = None
-                if attempt == 2:
-                    raise
-                log(f"fleet did not start ({exc}); retrying on new ports")
-        assert fleet is not None
+        log(f"live8: starting {n} simulated engines (time scale {scale:g}) in {directory}")
+        fleet, doc = start_local_fleet(
+            engine_path,
+            n,
+            log_dir=directory,
+            on_retry=lambda exc: log(f"fleet did not start ({exc}); retrying on new ports"),
+            initial_roles=["prefill"] * 4 + ["decode"] * 4,
+            sim=sim,
+            ttft_s=REAL_TTFT_S / scale,
+            tpot_s=REAL_TPOT_S / scale,
+            first_token_timeout_s=FIRST_TOKEN_FRACTION * REAL_TTFT_S / scale,
+            max_model_len=MAX_MODEL_LEN,
+            name="role-flipping-engines",
+            role_control={"enabled": False},
+        )
         urls = [fleet.engines[f"e{i}"].url for i in range(n)]
         log("live8: profiling the fleet (narwhal-profile)")
         t = time.perf_counter()
-        store = profile_fleet(directory, engine_path)
+        store = profile_fleet(
+            directory,
+            engine_path,
+            "--prefill-lens", "256,1024,4096,8192",
+            "--decode-input-lens", "512,4096,8192",
+            "--decode-concurrency", "1,2,4",
+            "--decode-tokens", "64",
+            "--prefill-repeats", "3",
+            timeout=900,
+        )  # fmt: skip
         rows.append(("live8_profile_wall_s", f"{time.perf_counter() - t:.1f}"))
         raw = json.loads(store.read_text())
         pf, df = raw["engines"]["e0"]["prefill_fit"], raw["engines"]["e0"]["decode_fit"]
@@ -823,24 +610,15 @@ def run_live(
             **{k: (v / scale if k.endswith("_s") else v) for k, v in ROLES_8.items()},
         }
         for si, sys_ in enumerate(systems):
-            if not wait_idle(urls, 120):
+            if not wait_idle(urls, 120, 0.2):
                 log(f"warning: fleet not idle before {sys_.key} (load {fleet_load(urls)})")
             port, prom = free_ports(2)
             journal = directory / f"{sys_.key}-journal.jsonl"
             log_path = directory / f"{sys_.key}.log"
             if sys_.system == "vllm_router":
-                cmd = [str(router_bin), "--vllm-pd-disaggregation"]
-                for u in urls[: sys_.n_prefill]:
-                    cmd += ["--prefill", u]
-                for u in urls[sys_.n_prefill :]:
-                    cmd += ["--decode", u]
-                cmd += [
-                    "--policy", "round_robin",
-                    "--host", "127.0.0.1", "--port", str(port),
-                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
-                    "--worker-startup-check-interval", "1",
-                    "--log-level", "warning",
-                ]  # fmt: skip
+                cmd = peer_router_command(
+                    router_bin, urls[: sys_.n_prefill], urls[sys_.n_prefill :], port, prom
+                )
             else:
                 roles = live_roles if sys_.system == "flipping" else {"enabled": False}
                 rdoc = router_fleet_doc(doc, sys_.n_prefill, roles, f"role-flipping-{sys_.key}")
@@ -856,18 +634,20 @@ def run_live(
             log(
                 f"live8: starting {sys_.key} ({sys_.system}, {sys_.n_prefill}/{n - sys_.n_prefill})"
             )
-            proc = spawn(cmd, log_path)
+            proc = procs.start(cmd, log_path)
             try:
-                wait_ready(proc, url, log_path, sys_.system == "vllm_router")
+                ready = functools.partial(router_ready, url, peer=sys_.system == "vllm_router")
+                procs.wait_ready(ready, 60, process=proc, name=url, log=log_path)
                 time.sleep(args.settle_s)  # load scrapes catch up with the idle fleet
-                cpu0, own0, t0 = cpu_seconds_all(), own_cpu_seconds(), time.perf_counter()
+                cpu0, own0 = procfs.machine_cpu_seconds(), own_cpu_seconds()
+                t0 = time.perf_counter()
                 coro = run_trial(port, w, bodies, scale, args.tail_s, f"{sys_.key}")
-                outcomes, wall0 = uvloop.run(coro) if _UVLOOP else asyncio.run(coro)
+                outcomes, wall0 = aio.run(coro)
                 wall = time.perf_counter() - t0
                 cpus = os.cpu_count() or 1
-                total, own = cpu_seconds_all() - cpu0, own_cpu_seconds() - own0
+                total, own = procfs.machine_cpu_seconds() - cpu0, own_cpu_seconds() - own0
             finally:
-                stop_process(proc)
+                procs.stop(proc)
                 proc = None
             flips = []
             if journal.exists():
@@ -903,10 +683,11 @@ def run_live(
                 f" {res.extra['cpu_util']} (other processes"
                 f" {res.extra['other_processes_cpu_util']})"
             )
-            if si + 1 < len(systems) and not wait_idle(urls, 120):
+            if si + 1 < len(systems) and not wait_idle(urls, 120, 0.2):
                 log("warning: fleet still busy after the trial")
     finally:
-        stop_process(proc)
+        if proc is not None:
+            procs.stop(proc)
         if fleet is not None:
             fleet.stop()
     return results
@@ -1321,14 +1102,6 @@ def main() -> int:
     finally:
         if not args.keep_dir:
             shutil.rmtree(directory, ignore_errors=True)
-
-
-try:
-    import uvloop
-
-    _UVLOOP = True
-except ImportError:  # pragma: no cover
-    _UVLOOP = False
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import importlib.metadata
 import itertools
 import json
@@ -49,21 +50,26 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import orjson
 
 from narwhal.serve.cli import serve_command
-from narwhal.simengine.fleet import SimFleet, free_ports, local_fleet_document
+from narwhal.simengine.fleet import local_fleet_document
+from narwhal.testing import aio, procfs, procs
+from narwhal.testing.fleet import SimFleet
+from narwhal.testing.ports import free_ports
+from narwhal.testing.procfs import total_cpu_seconds
+from narwhal.testing.provenance import source_state
+from narwhal.testing.rawhttp import connect, read_head
+from narwhal.testing.routers import peer_router_command, router_ready
+from narwhal.testing.stats import percentile
 
 MODEL = "moonshotai/Kimi-K3"
 TOKENS = 16
@@ -88,83 +94,6 @@ STALL_MS = 35.0
 MODES = ("streamed", "nonstreamed")
 REQUEST_TIMEOUT_S = 30.0
 LATENCY_BLOCK = 25
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-# --------------------------------------------------------------------------------------------
-# /proc helpers
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read().decode()
-    except OSError:
-        return None
-    # comm may contain spaces and parentheses: the fields start after the last ')'.
-    return raw[raw.rindex(")") + 2 :].split()
-
-
-def descendants(root: int) -> list[int]:
-    """``root`` and every process below it."""
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        fields = _stat_fields(int(name))
-        if fields is not None:
-            children.setdefault(int(fields[1]), []).append(int(name))
-    out, todo = [], [root]
-    while todo and len(out) < 10_000:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
-
-
-def cpu_seconds(pids: Iterable[int]) -> float:
-    """utime + stime (every thread) + cutime + cstime (reaped children) of these processes."""
-    ticks = 0
-    for pid in pids:
-        fields = _stat_fields(pid)
-        if fields is not None:
-            # After the comm: state ppid pgrp session tty tpgid flags minflt cminflt majflt
-            # cmajflt utime(11) stime(12) cutime(13) cstime(14).
-            ticks += sum(int(x) for x in fields[11:15])
-    return ticks / CLK_TCK
-
-
-def process_name(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return "?"
-
-
-def thread_count(pid: int) -> int:
-    try:
-        return len(os.listdir(f"/proc/{pid}/task"))
-    except OSError:
-        return 0
-
-
-def listening_pid(port: int, candidates: Iterable[int]) -> int | None:
-    """The process among ``candidates`` holding the socket listening on 127.0.0.1:port."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError), open(table) as f:
-            next(f, None)
-            for line in f:
-                parts = line.split()
-                if len(parts) > 9 and parts[3] == "0A" and int(parts[1].split(":")[1], 16) == port:
-                    inodes.add(f"socket:[{parts[9]}]")
-    for pid in candidates:
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
-                        return pid
-    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,10 +115,7 @@ class Pool:
             reader, writer = idle.pop()
             if not writer.is_closing() and not reader.at_eof():
                 return reader, writer
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        reader, writer = await connect(port)
         self._all.append(writer)
         return reader, writer
 
@@ -208,14 +134,7 @@ class Pool:
                 ).encode()
                 + body
             )
-            head = await reader.readuntil(b"\r\n\r\n")
-            lines = head.split(b"\r\n")
-            status = int(lines[0].split(b" ", 2)[1])
-            headers = {}
-            for line in lines[1:]:
-                if line:
-                    k, _, v = line.partition(b":")
-                    headers[k.strip().lower()] = v.strip().lower()
+            status, headers = await read_head(reader)
             if headers.get(b"transfer-encoding") == b"chunked":
                 parts = []
                 for _ in range(1_000_000):
@@ -380,8 +299,9 @@ class Meter:
         self.engine_pids = engine_pids
 
     def snapshot(self, target: str) -> tuple[float, float, float, float]:
-        router = cpu_seconds(self.router_pids[target]) if target in self.router_pids else 0.0
-        return (time.perf_counter(), router, cpu_seconds(self.engine_pids), time.process_time())
+        router = total_cpu_seconds(self.router_pids.get(target, []))
+        engines = total_cpu_seconds(self.engine_pids)
+        return (time.perf_counter(), router, engines, time.process_time())
 
     @staticmethod
     def add(tally: Tally, before: tuple[float, ...], after: tuple[float, ...], n: int) -> None:
@@ -434,64 +354,6 @@ async def measure(
     return out
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    rank = q / 100 * (len(ordered) - 1)
-    lo, hi = math.floor(rank), math.ceil(rank)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
-
-
-# --------------------------------------------------------------------------------------------
-# Processes
-
-
-def wait_ready(
-    proc: subprocess.Popen[bytes], url: str, log: Path, timeout: float, vllm: bool
-) -> None:
-    deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=2, trust_env=False) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"{url} exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-                )
-            with contextlib.suppress(httpx.HTTPError, ValueError):
-                if vllm:
-                    r = client.get(url + "/readiness")
-                    if r.status_code == 200 and r.json().get("status") == "ready":
-                        return
-                elif client.get(url + "/ready").status_code == 200:
-                    return
-            time.sleep(0.1)
-    raise RuntimeError(f"{url} not ready within {timeout} s:\n{log.read_text()[-3000:]}")
-
-
-def stop_process(proc: subprocess.Popen[bytes] | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        proc.wait(5)
-
-
-def spawn(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-    with open(log_path, "wb") as log:
-        return subprocess.Popen(
-            args,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-
-
 def versions() -> str:
     out = []
     for dist in ("narwhal", "vllm-router", "sglang-router", "httpx", "uvicorn", "uvloop"):
@@ -502,29 +364,8 @@ def versions() -> str:
     return ", ".join(out)
 
 
-def source_state() -> str:
-    """The commit measured, and whether the router's source differs from it (work in progress)."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--", "src"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.splitlines()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown (no git)"
-    return f"HEAD {head}" + (f", {len(dirty)} files under src/ modified" if dirty else ", clean")
-
-
 def describe(pid: int) -> str:
-    return f"{pid} ({process_name(pid)}, {thread_count(pid)} threads)"
+    return f"{pid} ({procfs.process_name(pid)}, {procfs.thread_count(pid)} threads)"
 
 
 def per_req_ms(seconds: float, tally: Tally) -> float:
@@ -566,9 +407,9 @@ def report(
     add("warmup_per_target_mode", f"{args.warmup} at c1 + {2 * c} at c{c}")
     add("throughput_concurrency", str(c))
     add("engines", f"e0 prefill {info['prefill_url']}, e1 decode {info['decode_url']}, steps 0 s")
-    client = "raw asyncio streams" + (" + uvloop" if _UVLOOP else "")
+    client = "raw asyncio streams" + (" + uvloop" if aio.UVLOOP else "")
     add("client", f"{client}, keep-alive HTTP/1.1, TCP_NODELAY, orjson")
-    add("cpu_source", f"/proc/<pid>/stat utime+stime+cutime+cstime, {CLK_TCK} ticks/s")
+    add("cpu_source", f"/proc/<pid>/stat utime+stime+cutime+cstime, {procfs.CLK_TCK} ticks/s")
     add("versions", info["versions"])
     add("source", info["source"])
     for target in ROUTERS:
@@ -698,7 +539,8 @@ def main() -> int:
 
         narwhal_port, vllm_port, prom_port = ports[4], ports[5], ports[6]
         sglang_port, sglang_prom_port = ports[7], ports[8]
-        narwhal = spawn(
+        narwhal_log = directory / "narwhal.log"
+        narwhal = procs.start(
             serve_command(
                 fleet_path,
                 narwhal_port,
@@ -708,72 +550,43 @@ def main() -> int:
                 "info",
                 *args.narwhal_arg,
             ),
-            directory / "narwhal.log",
+            narwhal_log,
+            append=False,
         )
-        vllm = spawn(
-            [
-                str(bins["vllm-router"]),
-                "--vllm-pd-disaggregation",
-                "--prefill",
-                prefill_url,
-                "--decode",
-                decode_url,
-                "--policy",
-                "round_robin",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(vllm_port),
-                "--prometheus-host",
-                "127.0.0.1",
-                "--prometheus-port",
-                str(prom_port),
-                "--worker-startup-check-interval",
-                "1",
-                "--log-level",
-                "info",
-            ],
-            directory / "vllm-router.log",
-        )
-        sglang = spawn(
-            [
-                str(bins["smg"]),
-                "launch",
-                "--pd-disaggregation",
-                "--prefill",
-                prefill_url,
-                "--decode",
-                decode_url,
-                "--policy",
-                "round_robin",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(sglang_port),
-                "--prometheus-host",
-                "127.0.0.1",
-                "--prometheus-port",
-                str(sglang_prom_port),
-                "--worker-startup-check-interval",
-                "1",
-                "--log-level",
-                "info",
-            ],
-            directory / "sglang-router.log",
-        )
-        wait_ready(
-            narwhal, f"http://127.0.0.1:{narwhal_port}", directory / "narwhal.log", 60, False
-        )
-        wait_ready(vllm, f"http://127.0.0.1:{vllm_port}", directory / "vllm-router.log", 60, True)
-        wait_ready(
-            sglang, f"http://127.0.0.1:{sglang_port}", directory / "sglang-router.log", 60, True
-        )
-        procs = {"narwhal": narwhal, "vllm_router": vllm, "sglang_router": sglang}
+        vllm_log = directory / "vllm-router.log"
+        vllm = procs.start(
+            peer_router_command(
+                bins["vllm-router"], [prefill_url], [decode_url], vllm_port, prom_port,
+                log_level="info",
+            ),
+            vllm_log,
+            append=False,
+        )  # fmt: skip
+        sglang_log = directory / "sglang-router.log"
+        sglang = procs.start(
+            peer_router_command(
+                bins["smg"], [prefill_url], [decode_url], sglang_port, sglang_prom_port,
+                log_level="info", sglang=True,
+            ),
+            sglang_log,
+            append=False,
+        )  # fmt: skip
+        started = {"narwhal": narwhal, "vllm_router": vllm, "sglang_router": sglang}
         ports_of = {"narwhal": narwhal_port, "vllm_router": vllm_port, "sglang_router": sglang_port}
-        router_pids = {t: descendants(p.pid) for t, p in procs.items()}
+        logs = {"narwhal": narwhal_log, "vllm_router": vllm_log, "sglang_router": sglang_log}
+        for target, proc in started.items():
+            url = f"http://127.0.0.1:{ports_of[target]}"
+            procs.wait_ready(
+                functools.partial(router_ready, url, peer=target != "narwhal"),
+                60,
+                process=proc,
+                name=url,
+                log=logs[target],
+            )
+        router_pids = {t: procfs.descendants(p.pid) for t, p in started.items()}
         pids_info = {}
         for target in ROUTERS:
-            listener = listening_pid(ports_of[target], router_pids[target])
+            listener = procfs.listening_pid(ports_of[target], router_pids[target])
             if listener is None:
                 raise RuntimeError(f"could not find the process listening for {target}")
             pids_info[target] = f"{router_pids[target]} listener {describe(listener)}"
@@ -785,25 +598,29 @@ def main() -> int:
 
         # Idle cost of each router (health probes, scrapes, timers) with no requests.
         idle_s = 3.0
-        idle_before = {t: cpu_seconds(p) for t, p in router_pids.items()}
-        time.sleep(idle_s)
+        idle_before = {t: total_cpu_seconds(p) for t, p in router_pids.items()}
+        time.sleep(idle_s)  # the idle window measured, not a wait
         idle = {
-            t: (cpu_seconds(p) - idle_before[t]) / idle_s * 1000 for t, p in router_pids.items()
+            t: (total_cpu_seconds(p) - idle_before[t]) / idle_s * 1000
+            for t, p in router_pids.items()
         }
 
         t_start = time.perf_counter()
         coro = measure(ep, meter, args.requests, args.concurrency, args.warmup)
-        results = uvloop.run(coro) if _UVLOOP else asyncio.run(coro)
+        results = aio.run(coro)
         elapsed = time.perf_counter() - t_start
         # Processes started during the run (none expected) are reported, not silently missed.
-        late = {t: sorted(set(descendants(p.pid)) - set(router_pids[t])) for t, p in procs.items()}
+        late = {
+            t: sorted(set(procfs.descendants(p.pid)) - set(router_pids[t]))
+            for t, p in started.items()
+        }
 
         info = {
             "prefill_url": prefill_url,
             "decode_url": decode_url,
             "loadavg": loadavg,
             "versions": versions(),
-            "source": source_state(),
+            "source": source_state(Path(__file__).resolve().parent.parent),
             "pids": pids_info,
             "late": late,
             "idle": idle,
@@ -816,21 +633,13 @@ def main() -> int:
             print(f"kept: {directory}")
         return 0
     finally:
-        stop_process(narwhal)
-        stop_process(vllm)
-        stop_process(sglang)
+        for proc in (narwhal, vllm, sglang):
+            if proc is not None:
+                procs.stop(proc)
         if fleet is not None:
             fleet.stop()
         if not args.keep_dir:
             shutil.rmtree(directory, ignore_errors=True)
-
-
-try:
-    import uvloop
-
-    _UVLOOP = True
-except ImportError:  # pragma: no cover
-    _UVLOOP = False
 
 
 if __name__ == "__main__":

@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -50,16 +50,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-for _var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
-    os.environ.pop(_var, None)
+import httpx
 
-import httpx  # noqa: E402 - after the environment above
+from narwhal.journal import journal_files
+from narwhal.serve.cli import serve_command
+from narwhal.simengine.fleet import local_fleet_document
+from narwhal.testing import procs
+from narwhal.testing.fleet import SimFleet, loopback_only
+from narwhal.testing.ports import free_ports
+from narwhal.testing.procfs import cpu_seconds, rss_kib
+from narwhal.testing.routers import router_ready
+from narwhal.testing.stats import rank_percentile
 
-from narwhal.journal import journal_files  # noqa: E402
-from narwhal.serve.cli import serve_command  # noqa: E402
-from narwhal.simengine.fleet import SimFleet, free_ports, local_fleet_document  # noqa: E402
+# Only 127.0.0.1 is contacted: NIXL on loopback, no proxy (every process started inherits this).
+loopback_only()
 
 MODEL = "moonshotai/Kimi-K3"
 ADMIN_TOKEN = "soak-admin-token"
@@ -72,38 +76,10 @@ def log(message: str) -> None:
     print(f"[soak {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def rss_kib(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time of a process so far."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def cpu_percent(cpu: list[tuple[float, float]]) -> float | None:
     if len(cpu) < 2 or cpu[-1][0] <= cpu[0][0]:
         return None
     return round(100 * (cpu[-1][1] - cpu[0][1]) / (cpu[-1][0] - cpu[0][0]), 1)
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 # --------------------------------------------------------------------------------------------
@@ -135,8 +111,8 @@ class Stack:
         self.fleet.start(timeout=120)
         token = self.directory / "admin-token"
         token.write_text(ADMIN_TOKEN + "\n")
-        log_file = open(self.directory / "router.log", "ab")  # noqa: SIM115 - the process's
-        self.router = subprocess.Popen(
+        log_path = self.directory / "router.log"
+        self.router = procs.start(
             serve_command(
                 self.fleet_path,
                 self.port,
@@ -153,20 +129,15 @@ class Stack:
                 "--scrape-interval",
                 "0.5",
             ),
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+            log_path,
         )
-        log_file.close()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.router.poll() is not None:
-                raise RuntimeError(f"router exited: see {self.directory / 'router.log'}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.1)
-        raise RuntimeError("router not ready within 60 s")
+        procs.wait_ready(
+            functools.partial(router_ready, self.url),
+            60,
+            process=self.router,
+            name="router",
+            log=log_path,
+        )
 
     def admin(self, method: str, path: str, body: Any = None) -> httpx.Response:
         return httpx.request(
@@ -191,14 +162,7 @@ class Stack:
     def stop_router(self) -> int | None:
         if self.router is None:
             return None
-        if self.router.poll() is None:
-            self.router.send_signal(signal.SIGTERM)
-            try:
-                self.router.wait(60)
-            except subprocess.TimeoutExpired:
-                self.router.kill()
-                self.router.wait(10)
-        return self.router.returncode
+        return procs.stop(self.router, 60)
 
     def stop(self) -> None:
         self.stop_router()
@@ -688,8 +652,8 @@ def main(argv: list[str] | None = None) -> int:
             "event_loop_lag_probe_ms": {
                 "samples": len(lags),
                 "failures": samples.lag_failures,
-                "p50": round(percentile(lags, 0.5) * 1000, 2),
-                "p99": round(percentile(lags, 0.99) * 1000, 2),
+                "p50": round(rank_percentile(lags, 50) * 1000, 2),
+                "p99": round(rank_percentile(lags, 99) * 1000, 2),
                 "max": round(max(lags) * 1000, 2) if lags else None,
                 "over_100ms": sum(1 for x in lags if x > 0.1),
                 # The worst probes, each with the chaos events of the 3 s before it: a stall

@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import os
@@ -61,16 +62,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-for _var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
-    os.environ.pop(_var, None)
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
-import httpx  # noqa: E402 - after the environment above
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from narwhal.serve.cli import serve_arguments
+from narwhal.simengine.fleet import local_fleet_document
+from narwhal.testing import aio, procfs, procs
+from narwhal.testing.fleet import SimFleet, loopback_only
+from narwhal.testing.ports import free_ports
+from narwhal.testing.procfs import fd_count, rss_kib, thread_count
+from narwhal.testing.provenance import source_state
+from narwhal.testing.rawhttp import connect
+from narwhal.testing.routers import router_ready
+from narwhal.testing.stats import percentile
 
-from narwhal.serve.cli import serve_arguments  # noqa: E402
-from narwhal.simengine.fleet import SimFleet, free_ports, local_fleet_document  # noqa: E402
+# Only 127.0.0.1 is contacted: NIXL on loopback, no proxy (every process started inherits this).
+loopback_only()
 
 MODEL = "moonshotai/Kimi-K3"
 ADMIN_TOKEN = "streams-memory-admin-token"
@@ -85,68 +92,8 @@ def log(message: str) -> None:
     print(f"[streams-memory {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def source_state() -> str:
-    """The commit measured, and whether the router's source differs from it (work in progress)."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--", "src"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.splitlines()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown (no git)"
-    return f"HEAD {head}" + (f", {len(dirty)} files under src/ modified" if dirty else ", clean")
-
-
-def rss_kib(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def thread_count(pid: int) -> int:
-    try:
-        return len(os.listdir(f"/proc/{pid}/task"))
-    except OSError:
-        return 0
-
-
-def fd_count(pid: int) -> int:
-    try:
-        return len(os.listdir(f"/proc/{pid}/fd"))
-    except OSError:
-        return 0
-
-
 def cpu_seconds(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    rank = q / 100 * (len(ordered) - 1)
-    lo, hi = math.floor(rank), math.ceil(rank)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+    return procfs.cpu_seconds(pid) or 0.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -299,11 +246,8 @@ class Client:
     async def open(self, stream: Stream) -> None:
         """Send the request and read the response head; then keep reading in the background."""
         try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+            reader, writer = await connect(self.port)
             stream.writer = writer
-            sock = writer.get_extra_info("socket")
-            if sock is not None:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             writer.write(self.request(stream.index))
             head = await reader.readuntil(b"\r\n\r\n")
             stream.status = int(head.split(b" ", 2)[1])
@@ -718,58 +662,47 @@ def main() -> int:
         url = f"http://127.0.0.1:{port}"
         token = directory / "admin-token"
         token.write_text(ADMIN_TOKEN + "\n")
-        with open(directory / "router.log", "wb") as out:
-            router = subprocess.Popen(
-                [
-                    sys.executable,
-                    *(
-                        ("-c", GC_TRACE, str(directory / "gc.txt"))
-                        if args.gc_trace
-                        else ("-m", "narwhal.serve.cli")
-                    ),
-                    *serve_arguments(
-                        fleet_path,
-                        port,
-                        directory / "journal.jsonl",
-                        "--skip-qualification",
-                        "--admin-token-file",
-                        str(token),
-                        "--log-level",
-                        "warning",
-                        *args.router_arg,
-                    ),
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + 60
-        while True:
-            if router.poll() is not None:
-                tail = (directory / "router.log").read_text()[-2000:]
-                raise RuntimeError(f"router exited: {tail}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/ready", timeout=2, trust_env=False).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("router not ready within 60 s")
-            time.sleep(0.1)
+        router_log = directory / "router.log"
+        router = procs.start(
+            [
+                sys.executable,
+                *(
+                    ("-c", GC_TRACE, str(directory / "gc.txt"))
+                    if args.gc_trace
+                    else ("-m", "narwhal.serve.cli")
+                ),
+                *serve_arguments(
+                    fleet_path,
+                    port,
+                    directory / "journal.jsonl",
+                    "--skip-qualification",
+                    "--admin-token-file",
+                    str(token),
+                    "--log-level",
+                    "warning",
+                    *args.router_arg,
+                ),
+            ],
+            router_log,
+            append=False,
+        )
+        procs.wait_ready(
+            functools.partial(router_ready, url), 60, process=router, name="router", log=router_log
+        )
         probe_out = directory / "lag.txt"
-        probe = subprocess.Popen(
+        probe = procs.start(
             [
                 sys.executable,
                 __file__,
                 *("--lag-probe", str(port), str(probe_out)),
                 *("--probe-interval", str(args.probe_interval)),
             ],
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
+            directory / "lag-probe.log",
         )
         report["command"] = "python bench/streams_memory.py " + " ".join(sys.argv[1:])
         report["cpus"] = os.cpu_count()
         report["load_average_at_start"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
-        report["source"] = source_state()
+        report["source"] = source_state(Path(__file__).resolve().parent.parent)
         report["rlimit_nofile"] = f"{nofile[0]}/{nofile[1]}" + (
             "" if nofile[1] >= want else f" (hard limit; raising it to {want} was refused)"
         )
@@ -779,11 +712,11 @@ def main() -> int:
             f"max_num_seqs {sim['max_num_seqs']}, "
             f"num_blocks {num_blocks} x {BLOCK_BYTES} B"
         )
-        report["client"] = "raw asyncio streams" + (" + uvloop" if _UVLOOP else "")
+        report["client"] = "raw asyncio streams" + (" + uvloop" if aio.UVLOOP else "")
         report["router_pid"] = router.pid
         log(f"router pid {router.pid} ready; ramping {args.streams} streams")
         coro = drive(args, url, port, router.pid, report)
-        phases = uvloop.run(coro) if _UVLOOP else asyncio.run(coro)
+        phases = aio.run(coro)
         probe.send_signal(signal.SIGTERM)
         probe.wait(10)
         probes = read_probe(probe_out)
@@ -811,28 +744,14 @@ def main() -> int:
             print(f"kept: {directory}")
         return 0
     finally:
-        if probe is not None and probe.poll() is None:
-            probe.kill()
-            probe.wait(5)
-        if router is not None and router.poll() is None:
-            router.send_signal(signal.SIGTERM)
-            try:
-                router.wait(30)
-            except subprocess.TimeoutExpired:
-                router.kill()
-                router.wait(5)
+        if probe is not None:
+            procs.kill(probe)
+        if router is not None:
+            procs.stop(router, 30)
         if fleet is not None:
             fleet.stop()
         if not args.keep_dir:
             shutil.rmtree(directory, ignore_errors=True)
-
-
-try:
-    import uvloop
-
-    _UVLOOP = True
-except ImportError:  # pragma: no cover
-    _UVLOOP = False
 
 
 if __name__ == "__main__":

@@ -1,12 +1,11 @@
-"""Shared test helpers: free ports, fleets of simulated engines, metric parsing."""
+"""Shared test helpers: fleets of simulated engines and the router as the tests run them,
+metric parsing, request bodies. Processes, ports and waiting are ``narwhal.testing``'s."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,10 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from narwhal.serve.cli import serve_command
-from narwhal.simengine.fleet import SimFleet, free_ports, local_fleet_document
+from narwhal.simengine.fleet import local_fleet_document
+from narwhal.testing import procs
+from narwhal.testing.fleet import SimFleet
+from narwhal.testing.ports import free_ports
 
 ADMIN_TOKEN = "test-admin-token"
 MODEL = "moonshotai/Kimi-K3"
@@ -56,27 +58,6 @@ def metric(text: str, name: str, **labels: str) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 total += sample.value
     return total
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
-
-
-async def async_wait_until(
-    predicate: Callable[[], bool], timeout: float, interval: float = 0.01
-) -> bool:
-    """``wait_until`` for a test on the event loop: polls without blocking the loop."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(interval)
-    return predicate()
 
 
 def admin(
@@ -187,49 +168,37 @@ def start_router(
     journal: Path | None = None,
     port: int | None = None,
     wait_ready: bool = True,
+    **start: Any,
 ) -> RouterProcess:
-    import subprocess
-
+    """narwhal-serve on ``fleet_path`` with the tests' admin token, its output in
+    ``directory/router-PORT.log``; ``start`` goes to ``narwhal.testing.procs.start``."""
     port = port or free_ports(1)[0]
     journal = journal or directory / "journal.jsonl"
     token_file = directory / "admin-token"
     token_file.write_text(ADMIN_TOKEN + "\n")
     log_path = directory / f"router-{port}.log"
-    log = open(log_path, "ab")  # noqa: SIM115 - owned by the process
-    process = subprocess.Popen(
-        router_command(fleet_path, port, journal, token_file, *extra),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+    process = procs.start(
+        router_command(fleet_path, port, journal, token_file, *extra), log_path, **start
     )
-    log.close()
     router = RouterProcess(f"http://127.0.0.1:{port}", process, journal, log_path, ADMIN_TOKEN)
     if wait_ready:
-
-        def ready() -> bool:
-            if process.poll() is not None:
-                raise AssertionError(f"router exited: {log_path.read_text()[-3000:]}")
-            try:
-                return httpx.get(router.url + "/ready", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        assert wait_until(ready, 30), f"router not ready: {log_path.read_text()[-3000:]}"
+        try:
+            procs.wait_ready(
+                lambda: procs.http_ok(router.url + "/ready"),
+                30,
+                process=process,
+                name="router",
+                log=log_path,
+                interval=0.05,
+            )
+        except procs.ProcessError as exc:
+            procs.stop(process)
+            raise AssertionError(str(exc)) from None
     return router
 
 
-def stop_router(router: RouterProcess, timeout: float = 30) -> int:
-    import signal
-    import subprocess
-
-    if router.process.poll() is None:
-        router.process.send_signal(signal.SIGTERM)
-        try:
-            router.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            router.process.kill()
-            router.process.wait(10)
-    return router.process.returncode
+def stop_router(router: RouterProcess, timeout: float = 30) -> int | None:
+    return procs.stop(router.process, timeout)
 
 
 @contextlib.contextmanager

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,7 +22,9 @@ from typing import Any
 import httpx
 
 from narwhal.serve.cli import serve_command
-from narwhal.simengine.fleet import SimFleet, SimFleetError
+from narwhal.testing import procs
+from narwhal.testing.fleet import SimFleet
+from narwhal.testing.routers import router_ready
 
 
 def _metric_sum(text: str, name: str) -> float:
@@ -42,22 +43,6 @@ def _summary(record: dict[str, Any]) -> str:
     )
 
 
-def _wait_ready(url: str, process: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SimFleetError(
-                f"narwhal-serve exited with {process.returncode}:\n" + log.read_text()[-2000:]
-            )
-        try:
-            if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise SimFleetError(f"narwhal-serve not ready within {timeout} s (log: {log})")
-
-
 def run(fleet_path: str, port: int, once: bool) -> int:
     work = Path(tempfile.mkdtemp(prefix="narwhal-demo-"))
     journal = work / "journal.jsonl"
@@ -72,15 +57,18 @@ def run(fleet_path: str, port: int, once: bool) -> int:
             flush=True,
         )
         router_log = work / "router.log"
-        with open(router_log, "ab") as log:
-            router = subprocess.Popen(
-                serve_command(fleet_path, port, journal, "--skip-qualification"),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+        router = procs.start(
+            serve_command(fleet_path, port, journal, "--skip-qualification"), router_log
+        )
         url = f"http://127.0.0.1:{port}"
         try:
-            _wait_ready(url, router, router_log, 30)
+            procs.wait_ready(
+                lambda: router_ready(url),
+                30,
+                process=router,
+                name="narwhal-serve",
+                log=router_log,
+            )
             print(f"narwhal-serve ready at {url}\n", flush=True)
             model = fleet.fleet.model.id
             decode_urls = [e.url for e in fleet.fleet.engines if e.initial_role == "decode"]
@@ -129,13 +117,14 @@ def run(fleet_path: str, port: int, once: bool) -> int:
                 f"NIXL moved {int(moved - before):,} bytes of KV between engines; checksum: "
                 f"{'every pulled block verified' if failures == 0 else 'FAILED'}"
             )
-            deadline = time.monotonic() + 5
             ends: list[dict[str, Any]] = []
-            while time.monotonic() < deadline and len(ends) < 2:
-                ends = [
-                    json.loads(x) for x in journal.read_text().splitlines() if '"request.end"' in x
-                ]
-                time.sleep(0.05)
+
+            def both_ended() -> bool:
+                lines = journal.read_text().splitlines()
+                ends[:] = [json.loads(x) for x in lines if '"request.end"' in x]
+                return len(ends) >= 2
+
+            procs.wait_until(both_ended, 5)
             print("journal (one line per request):")
             for record in ends:
                 print(_summary(record))
@@ -155,12 +144,7 @@ def run(fleet_path: str, port: int, once: bool) -> int:
                 time.sleep(0.2)
             return 0
         finally:
-            if router.poll() is None:
-                router.send_signal(signal.SIGTERM)
-                try:
-                    router.wait(30)
-                except subprocess.TimeoutExpired:
-                    router.kill()
+            procs.stop(router, 30)
             print("stopped the router and the fleet")
 
 
@@ -172,7 +156,7 @@ def main() -> None:
     once = os.environ.get("DEMO_ONCE", "") not in ("", "0")
     try:
         sys.exit(run(args.fleet, args.port, once))
-    except (SimFleetError, httpx.HTTPError) as exc:
+    except (procs.ProcessError, httpx.HTTPError) as exc:
         print(f"demo failed: {exc}", file=sys.stderr)
         sys.exit(1)
 

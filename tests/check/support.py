@@ -10,8 +10,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from narwhal.contract import LoadedFleet, parse_fleet, sha256_hex
 from narwhal.profiles.store import (
     DecodeSample,
@@ -21,7 +19,8 @@ from narwhal.profiles.store import (
 )
 from narwhal.serve.cli import serve_command
 from narwhal.simengine.fleet import local_fleet_document
-from tests.helpers import free_ports, wait_until
+from narwhal.testing import procs, profiling
+from narwhal.testing.ports import free_ports
 
 PROFILE_LIMITS = {
     "schema": "narwhal.profiling-limits/v1",
@@ -179,24 +178,7 @@ def check(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
 
 def profile(fleet_path: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     limits = write_json(out.parent / "limits.json", PROFILE_LIMITS)
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "narwhal.profiler.cli",
-            "--fleet",
-            str(fleet_path),
-            "--limits",
-            str(limits),
-            "--out",
-            str(out),
-            "--quiet",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return profiling.profile(fleet_path, limits, out, *extra)
 
 
 def serve_args(fleet: Path, journal: Path, port: int, *extra: str) -> list[str]:
@@ -220,30 +202,14 @@ def serve_refused(fleet: Path, journal: Path, *extra: str) -> str:
 def serve_ready(fleet: Path, journal: Path, log: Path, *extra: str) -> tuple[bool, str]:
     """Start narwhal-serve, wait (bounded) for /ready 200, stop it; (ready, its log)."""
     port = free_ports(1)[0]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            serve_args(fleet, journal, port, *extra),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    proc = procs.start(serve_args(fleet, journal, port, *extra), log, append=False)
     try:
-
-        def ready() -> bool:
-            if proc.poll() is not None:
-                return False
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        ok = wait_until(ready, 30)
+        ok = procs.wait_all(
+            {"router": lambda: procs.http_ok(f"http://127.0.0.1:{port}/ready")},
+            30,
+            alive={"router": lambda: proc.poll() is None},
+            interval=0.05,
+        ).ok
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        procs.stop(proc, 30)
     return ok, log.read_text()

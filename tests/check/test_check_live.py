@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from narwhal.contract import GATE_NAMES, load_fleet, load_report
-from narwhal.simengine.fleet import SimFleet
+from narwhal.testing.fleet import SimFleet
 from tests.check.support import (
     check,
     fleet_copy,

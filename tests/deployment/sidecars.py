@@ -5,16 +5,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from narwhal.testing import procs
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = ROOT / "tools" / "deployment"
@@ -48,20 +47,26 @@ def independent_manifest(directory: Path) -> tuple[list[str], str, str]:
 
 def wait_for(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> Any:
     """GET ``url`` until it answers 200; its JSON (or text). Bounded by ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    last = ""
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"process exited with {proc.returncode} while waiting for {url}")
+    seen: dict[str, Any] = {"last": ""}
+
+    def answered() -> bool:
         try:
             resp = httpx.get(url, timeout=2.0)
-            if resp.status_code == 200:
-                return resp.json() if "json" in resp.headers.get("content-type", "") else resp.text
-            last = f"HTTP {resp.status_code}: {resp.text[:200]}"
         except httpx.HTTPError as exc:
-            last = repr(exc)
-        time.sleep(0.05)
-    raise AssertionError(f"{url} not ready within {timeout_s} s ({last})")
+            seen["last"] = repr(exc)
+            return False
+        if resp.status_code != 200:
+            seen["last"] = f"HTTP {resp.status_code}: {resp.text[:200]}"
+            return False
+        json_body = "json" in resp.headers.get("content-type", "")
+        seen["body"] = resp.json() if json_body else resp.text
+        return True
+
+    try:
+        procs.wait_ready(answered, timeout_s, process=proc, name=url, interval=0.05)
+    except procs.ProcessError as exc:
+        raise AssertionError(f"{exc} ({seen['last']})") from None
+    return seen["body"]
 
 
 @contextlib.contextmanager
@@ -82,18 +87,9 @@ def running_sidecar(
     argv = [sys.executable, str(SIDECAR)]
     for key, value in args.items():
         argv += [key, value]
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            [*argv, *extra], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+    proc = procs.start([*argv, *extra], log)
     try:
         wait_for(f"http://127.0.0.1:{port}/health", 20, proc)
         yield proc
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
+        procs.stop(proc, 10, group=True)

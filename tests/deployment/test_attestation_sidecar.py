@@ -9,17 +9,18 @@ import stat
 import tracemalloc
 from pathlib import Path
 
-import attestation_sidecar as sidecar
 import httpx
 import pytest
 
+from narwhal.testing.ports import free_ports
+from narwhal.testing.procs import wait_until
 from tests.deployment.sidecars import (
     independent_manifest,
     make_checkpoint,
     running_sidecar,
     wait_for,
 )
-from tests.helpers import free_ports, wait_until
+from tools.deployment import attestation_sidecar as sidecar
 
 SHARD1 = "model-00001-of-00003.safetensors"
 SHARD2 = "model-00002-of-00003.safetensors"

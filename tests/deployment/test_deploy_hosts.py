@@ -11,7 +11,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +19,9 @@ from typing import Any
 import pytest
 import yaml
 
+from narwhal.testing import procs
+from narwhal.testing.ports import free_ports
 from tests.deployment.sidecars import ROOT, TOOLS
-from tests.helpers import free_ports
 
 SSHD = Path("/usr/sbin/sshd")
 # The real interpreter behind this venv: a venv made from it needs nothing from the network.
@@ -86,30 +86,23 @@ def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
     known_hosts = d / "known_hosts"
     known_hosts.write_text(f"[127.0.0.1]:{port} {(d / 'host_key.pub').read_text()}")
     log = d / "sshd.log"
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            [str(SSHD), "-D", "-e", "-f", str(config)], stdout=out, stderr=subprocess.STDOUT
-        )
-    try:
-        deadline = time.monotonic() + 15
-        while True:
-            assert proc.poll() is None, f"sshd exited: {log.read_text()[-2000:]}"
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-                    if s.recv(64).startswith(b"SSH-"):
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"sshd not up: {log.read_text()[-2000:]}"
-            time.sleep(0.05)
-        yield Sshd(port, d / "client_key", known_hosts, log)
-    finally:
-        proc.terminate()
+
+    def banner() -> bool:
         try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                return s.recv(64).startswith(b"SSH-")
+        except OSError:
+            return False
+
+    with procs.running(
+        [str(SSHD), "-D", "-e", "-f", str(config)],
+        log,
+        ready=banner,
+        ready_timeout=15,
+        name="sshd",
+        stop_timeout=10,
+    ):
+        yield Sshd(port, d / "client_key", known_hosts, log)
 
 
 def _git(repo: Path, *args: str) -> str:

@@ -11,9 +11,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import launch_plan
 import pytest
 import yaml
+
+from tools.deployment import launch_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 PROD_PLAN = ROOT / "configs" / "launch" / "kimi-k3-mi355x.yaml"

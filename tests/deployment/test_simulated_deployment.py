@@ -19,8 +19,10 @@ import yaml
 
 from narwhal.contract import load_fleet
 from narwhal.simengine.fleet import local_fleet_document
+from narwhal.testing import procs
+from narwhal.testing.ports import free_ports
 from tests.deployment.sidecars import ROOT, TOOLS, independent_manifest, make_checkpoint, wait_for
-from tests.helpers import MODEL, free_ports, running_router
+from tests.helpers import MODEL, running_router
 
 pytestmark = pytest.mark.slow
 
@@ -113,27 +115,23 @@ def sidecars(plan: Path, checkpoint: Path, run_dir: Path, directory: Path) -> It
         str(run_dir),
     )
     assert rendered.returncode == 0, rendered.stderr
-    procs: list[subprocess.Popen[bytes]] = []
+    started: list[subprocess.Popen[bytes]] = []
     try:
         for engine in json.loads(rendered.stdout)["engines"]:
             argv = engine["sidecar_argv"]
             assert argv[:2] == ["python3", "tools/deployment/attestation_sidecar.py"]
             argv = [sys.executable, argv[1], *argv[2:]]
             argv += ["--cache", str(directory / f"cache-{engine['engine_id']}.json")]
-            with open(directory / f"sidecar-{engine['engine_id']}.log", "ab") as log:
-                procs.append(subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+            log = directory / f"sidecar-{engine['engine_id']}.log"
+            started.append(procs.start(argv, log, cwd=ROOT))
             port = argv[argv.index("--port") + 1]
-            wait_for(f"http://127.0.0.1:{port}/attestation", 30, procs[-1])
-        yield procs
+            wait_for(f"http://127.0.0.1:{port}/attestation", 30, started[-1])
+        yield started
     finally:
-        for proc in procs:
+        for proc in started:
             proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        for proc in started:
+            procs.stop(proc, 10)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_ports, write_fleet
+from narwhal.testing.ports import free_ports
+from tests.helpers import write_fleet
 
 pytestmark = pytest.mark.slow
 

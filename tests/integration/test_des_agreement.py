@@ -13,7 +13,8 @@ from narwhal.contract import load_fleet
 from narwhal.fleetsim.agreement import compare, leg_overhead_s, replay, run_des_like_live
 from narwhal.fleetsim.workloads import poisson_requests, timings_of
 from narwhal.profiles.store import ProfileStore, engine_models
-from tests.helpers import MODEL, running_fleet, running_router, wait_until
+from narwhal.testing.procs import wait_until
+from tests.helpers import MODEL, running_fleet, running_router
 from tests.integration.test_profile_v1 import profile, write_limits
 
 pytestmark = pytest.mark.slow

@@ -23,6 +23,7 @@ import orjson
 import pytest
 
 from narwhal.journal import OUTCOME_ROUTER_RESTART, Journal, journal_files, recover
+from narwhal.testing import procs
 
 KILL_CHILD = r"""
 import sys, time
@@ -159,9 +160,7 @@ def test_sigkill_mid_stream_then_recovery_closes_each_open_request_once(tmp_path
         os.kill(child.pid, signal.SIGKILL)
         assert child.wait(30) == -signal.SIGKILL
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(30)
+        procs.kill(child)
         if child.stdout is not None:
             child.stdout.close()
 

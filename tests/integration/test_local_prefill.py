@@ -12,7 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from narwhal.simengine.fleet import SimFleet
+from narwhal.testing.fleet import SimFleet
+from narwhal.testing.procs import wait_until
 from tests.helpers import (
     MODEL,
     RouterProcess,
@@ -21,7 +22,6 @@ from tests.helpers import (
     running_fleet,
     running_router,
     sse_events,
-    wait_until,
 )
 from tests.integration.test_profile_v1 import profile, write_limits
 

@@ -8,13 +8,16 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from narwhal.contract import canonical_json, sha256_hex
 from narwhal.profiles.store import ProfileStore
-from tests.helpers import MODEL, running_fleet, running_router, start_router, wait_until
+from narwhal.testing import profiling
+from narwhal.testing.procs import wait_until
+from tests.helpers import MODEL, running_fleet, running_router, start_router, stop_router
 
 pytestmark = pytest.mark.slow
 
@@ -28,18 +31,11 @@ PROFILE_SIM = {
     "decode_slope": 0.01,
     "decode_ctx_coef": 1e-6,
 }
-LIMITS = {
-    "schema": "narwhal.profiling-limits/v1",
-    "max_wall_s_per_engine": 300,
-    "max_tokens_per_engine": 200000,
-    "probe_timeout_s": 60,
-}
 
 
-def write_limits(directory: Path, **overrides: object) -> Path:
-    path = directory / "limits.json"
-    path.write_text(json.dumps({**LIMITS, **overrides}))
-    return path
+def write_limits(directory: Path, **overrides: Any) -> Path:
+    limits = {"max_tokens_per_engine": 200000, "probe_timeout_s": 60, **overrides}
+    return profiling.write_limits(directory / "limits.json", **limits)
 
 
 def profile(
@@ -52,34 +48,18 @@ def profile(
     decode_tokens: str = "16",
     timeout: float = 300,
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "narwhal.profiler.cli",
-            "--fleet",
-            str(fleet_path),
-            "--limits",
-            str(limits),
-            "--prefill-lens",
-            prefill_lens,
-            "--decode-input-lens",
-            decode_lens,
-            "--decode-concurrency",
-            "1,2,4",
-            "--decode-tokens",
-            decode_tokens,
-            "--prefill-repeats",
-            "2",
-            "--out",
-            str(out),
-            "--quiet",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
+    return profiling.profile(
+        fleet_path,
+        limits,
+        out,
+        "--prefill-lens", prefill_lens,
+        "--decode-input-lens", decode_lens,
+        "--decode-concurrency", "1,2,4",
+        "--decode-tokens", decode_tokens,
+        "--prefill-repeats", "2",
+        *extra,
         timeout=timeout,
-    )
+    )  # fmt: skip
 
 
 def test_profile_recovers_the_simulators_parameters(tmp_path: Path) -> None:
@@ -184,8 +164,7 @@ def test_router_refuses_bad_or_stale_profile_stores(tmp_path: Path) -> None:
         )
         assert r.returncode == 0, r.stderr
         router = start_router(tmp_path, fleet.fleet_path, "--profiles", str(out))
-        router.process.terminate()
-        router.process.wait(30)
+        stop_router(router)
         corrupt = tmp_path / "corrupt.json"
         corrupt.write_text(out.read_text()[:-20])
         for store, words in ((corrupt, "invalid JSON"),):

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from narwhal.simengine.fleet import SimFleet
-from tests.helpers import MODEL, metric, running_fleet, running_router, wait_until
+from narwhal.testing.fleet import SimFleet
+from narwhal.testing.procfs import rss_kib
+from narwhal.testing.procs import wait_until
+from tests.helpers import MODEL, metric, running_fleet, running_router
 from tests.reliability.support import sse_events
 
 # More than the kernel's socket buffers hold (up to 4 MiB each way on loopback), decoded fast
@@ -31,13 +33,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimFleet]:
         yield fleet
 
 
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmRSS")
-
-
 def slow_stream(
     url: str, pause_s: float, router_pid: int, deadline_s: float = 60.0
 ) -> tuple[str, bytes, int]:
@@ -53,13 +48,16 @@ def slow_stream(
     sock.settimeout(10)
     sock.connect((host, int(port)))
     rss_before = rss_kib(router_pid)
+    assert rss_before is not None, "the router is gone"
     try:
         sock.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n%s" % (url.encode(), len(body), body)
         )
         time.sleep(pause_s)
-        grown = rss_kib(router_pid) - rss_before
+        rss_after = rss_kib(router_pid)
+        assert rss_after is not None, "the router is gone"
+        grown = rss_after - rss_before
         data = b""
         deadline = time.monotonic() + deadline_s
         while not data.endswith(b"0\r\n\r\n") and time.monotonic() < deadline:

@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import MODEL, metric, running_fleet, running_router, wait_until
+from narwhal.testing.procs import wait_until
+from tests.helpers import MODEL, metric, running_fleet, running_router
 from tests.integration.test_profile_v1 import profile, write_limits
 
 pytestmark = pytest.mark.slow

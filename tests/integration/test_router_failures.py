@@ -12,7 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from narwhal.simengine.fleet import SimFleet
+from narwhal.testing.fleet import SimFleet
+from narwhal.testing.procs import wait_until
 from tests.helpers import (
     MODEL,
     TIMER_SLACK_S,
@@ -23,7 +24,6 @@ from tests.helpers import (
     running_router,
     start_router,
     stop_router,
-    wait_until,
 )
 
 PROMPT = [300 + (i * 7) % 9000 for i in range(120)]

@@ -9,15 +9,9 @@ import httpx
 import openai
 import pytest
 
-from narwhal.simengine.fleet import SimFleet
-from tests.helpers import (
-    MODEL,
-    RouterProcess,
-    metric,
-    running_fleet,
-    running_router,
-    wait_until,
-)
+from narwhal.testing.fleet import SimFleet
+from narwhal.testing.procs import wait_until
+from tests.helpers import MODEL, RouterProcess, metric, running_fleet, running_router
 
 PROMPT = " ".join(f"token{i} of a long prompt" for i in range(50))
 IDS = [300 + (i * 53) % 9000 for i in range(200)]

@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 
 from narwhal.journal import recover
+from narwhal.testing.procs import wait_until
 from tests.helpers import (
     MODEL,
     RouterProcess,
@@ -34,7 +35,6 @@ from tests.helpers import (
     running_router,
     start_router,
     stop_router,
-    wait_until,
 )
 
 PROMPT = [300 + (i * 7) % 9000 for i in range(120)]

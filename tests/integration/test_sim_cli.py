@@ -21,11 +21,19 @@ from typing import Any
 import httpx
 import pytest
 
-from narwhal.simengine.fleet import sim_env
+from narwhal.testing import procs
+from narwhal.testing.fleet import sim_env
 from tests.helpers import write_fleet
 
+MODULE = "narwhal.testing.sim_cli"
 SCRIPT = Path(sys.executable).parent / "narwhal-sim"
-COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "narwhal.simengine.cli"]
+# The console script as installed, unless it was installed before its entry point moved here
+# (an editable install keeps the old entry point until it is reinstalled): then the module.
+COMMAND = (
+    [str(SCRIPT)]
+    if SCRIPT.exists() and MODULE in SCRIPT.read_text(errors="replace")
+    else [sys.executable, "-m", MODULE]
+)
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -161,13 +169,7 @@ def test_fleet_command_runs_and_stops_on_sigterm(tmp_path: Path) -> None:
             with pytest.raises(ProcessLookupError):
                 os.kill(pids[eid], 0)
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        procs.stop(proc)
         # Engines run in sessions of their own: never leave one behind.
         for pid in pids.values():
             with contextlib.suppress(ProcessLookupError):

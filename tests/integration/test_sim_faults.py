@@ -19,7 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
-from narwhal.simengine.fleet import SimFleet
+from narwhal.testing.fleet import SimFleet
+from narwhal.testing.procs import wait_until
 from tests.helpers import (
     ADMIN_TOKEN,
     MODEL,
@@ -28,7 +29,6 @@ from tests.helpers import (
     metric,
     prefill_body,
     running_fleet,
-    wait_until,
     write_fleet,
 )
 

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from narwhal.simengine.fleet import SimFleet
+from narwhal.testing.fleet import SimFleet
 from tests.helpers import MODEL, admin, metric, prefill_body, running_fleet, sse_events
 
 LONG_TEXT = " ".join(f"word{i} about disaggregated serving" for i in range(60))

@@ -7,9 +7,8 @@ must really have moved over NIXL (one READ on the decode engine per routed reque
 
 from __future__ import annotations
 
-import subprocess
+import functools
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,8 +16,12 @@ from typing import Any
 import httpx
 import pytest
 
-from narwhal.simengine.fleet import SimFleet
-from tests.helpers import MODEL, admin, free_ports, metric, running_fleet, sse_events, wait_until
+from narwhal.testing import procs
+from narwhal.testing.fleet import SimFleet
+from narwhal.testing.ports import free_ports
+from narwhal.testing.procs import wait_until
+from narwhal.testing.routers import peer_router_command, router_ready
+from tests.helpers import MODEL, admin, metric, running_fleet, sse_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.interop]
 
@@ -36,24 +39,6 @@ class Routed:
         self.decode = fleet.engines["e1"].url
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=2) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(
-                    f"vllm-router exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-                )
-            try:
-                r = client.get(url + "/readiness")
-                if r.status_code == 200 and r.json().get("status") == "ready":
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.1)
-    pytest.fail(f"vllm-router not ready within {timeout} s:\n{log.read_text()[-3000:]}")
-
-
 @pytest.fixture(scope="module")
 def routed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Routed]:
     if not ROUTER.exists():
@@ -62,41 +47,23 @@ def routed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Routed]:
     with running_fleet(directory, 2) as fleet:
         port, prometheus_port = free_ports(2)
         log_path = directory / "router.log"
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [
-                    str(ROUTER),
-                    "--vllm-pd-disaggregation",
-                    "--prefill",
-                    fleet.engines["e0"].url,
-                    "--decode",
-                    fleet.engines["e1"].url,
-                    "--policy",
-                    "round_robin",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                    "--prometheus-port",
-                    str(prometheus_port),
-                    "--worker-startup-check-interval",
-                    "1",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            try:
-                url = f"http://127.0.0.1:{port}"
-                _wait_ready(proc, url, log_path, timeout=60)
-                yield Routed(fleet, url, log_path)
-            finally:
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(5)
+        url = f"http://127.0.0.1:{port}"
+        argv = peer_router_command(
+            ROUTER,
+            [fleet.engines["e0"].url],
+            [fleet.engines["e1"].url],
+            port,
+            prometheus_port,
+            log_level=None,
+        )
+        with procs.running(
+            argv,
+            log_path,
+            ready=functools.partial(router_ready, url, peer=True),
+            name="vllm-router",
+            stop_timeout=10,
+        ):
+            yield Routed(fleet, url, log_path)
 
 
 def run(

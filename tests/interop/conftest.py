@@ -1,7 +1,6 @@
 """The real-vLLM interop suite needs vLLM's own virtual environment (``.venv-vllm``, built by
 ``make interop-venv``) and the tiny model (``make interop-model``); ``make interop`` builds
-both first. The engine tools are scripts in tools/interop/ that this conftest puts on
-``sys.path``.
+both first. The engine tools are ``tools.interop``.
 
 Without the venv (plain ``pytest``, or ``make test`` on a machine that never ran
 ``make interop``) the real-engine tests skip and say how to build it; under ``make interop``
@@ -13,16 +12,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools" / "interop"
-if str(TOOLS) not in sys.path:
-    sys.path.insert(0, str(TOOLS))
+from narwhal.testing.procfs import available_memory_bytes
+from tools.interop import vllm_engines
 
-import vllm_engines  # noqa: E402
+TOOLS = Path(__file__).resolve().parents[2] / "tools" / "interop"
 
 REQUIRED = os.environ.get("NARWHAL_INTEROP_REQUIRED") == "1"
 # Two engines hold about 3 GB each; leave room for the router and the test.
@@ -35,23 +32,13 @@ def _missing(why: str) -> None:
     pytest.skip(why)
 
 
-def _available_memory() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 @pytest.fixture(scope="session")
 def vllm_python() -> Path:
     python = vllm_engines.default_vllm_python()
     stamp = python.parent.parent / ".narwhal-vllm-installed"
     if not python.exists() or not stamp.exists():
         _missing(f"the vLLM virtual environment is not built ({stamp} missing): run `make interop`")
-    available = _available_memory()
+    available = available_memory_bytes()
     if available is not None and available < MIN_AVAILABLE_BYTES:
         _missing(
             f"two vLLM engines need about 7 GiB of free memory; {available / 2**30:.1f} GiB "

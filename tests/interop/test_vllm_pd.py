@@ -31,21 +31,12 @@ from typing import Any
 
 import httpx
 import pytest
-import vllm_engines
-from vllm_engines import (
-    MODEL_NAME,
-    EngineProcess,
-    EngineStartError,
-    fleet_document,
-    kill_engine,
-    start_engine,
-    stop_engine,
-    tree_rss_bytes,
-    wait_healthy,
-)
 
 from narwhal.engines.legs import decode_leg_body, prefill_leg_body
-from tests.helpers import RouterProcess, free_ports, metric, start_router, stop_router, wait_until
+from narwhal.testing.ports import free_ports
+from narwhal.testing.procfs import tree_rss_bytes
+from narwhal.testing.procs import wait_until
+from tests.helpers import RouterProcess, metric, start_router, stop_router
 from tests.interop.support import (
     KVGeometry,
     NixlCounters,
@@ -55,6 +46,17 @@ from tests.interop.support import (
     info_labels,
     nixl_counters,
     scrape,
+)
+from tools.interop import vllm_engines
+from tools.interop.vllm_engines import (
+    MODEL_NAME,
+    EngineProcess,
+    EngineStartError,
+    fleet_document,
+    kill_engine,
+    start_engine,
+    stop_engine,
+    wait_healthy,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.interop, pytest.mark.timeout(1200)]

@@ -6,14 +6,13 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from narwhal.contract import load_fleet
+from narwhal.testing import procs
+from narwhal.testing.fleet import fleet_load
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools" / "measurement"
 MODEL = "moonshotai/Kimi-K3"
@@ -129,12 +128,8 @@ def when(
     """Run ``action`` once ``condition`` holds (polled, bounded by ``timeout``)."""
 
     def body() -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if condition():
-                action()
-                return
-            time.sleep(0.05)
+        if procs.wait_until(condition, timeout):
+            action()
 
     thread = threading.Thread(target=body, daemon=True)
     thread.start()
@@ -142,13 +137,5 @@ def when(
 
 
 def engines_idle(urls: list[str]) -> bool:
-    for url in urls:
-        try:
-            text = httpx.get(url + "/metrics", timeout=2).text
-        except httpx.HTTPError:
-            return False
-        for line in text.splitlines():
-            busy = line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))
-            if busy and float(line.rsplit(" ", 1)[1]) != 0:
-                return False
-    return True
+    """No request running or waiting on any of these engines (False if one does not answer)."""
+    return fleet_load(urls) == 0

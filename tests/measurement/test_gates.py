@@ -16,14 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import (
-    admin,
-    free_ports,
-    running_fleet,
-    start_router,
-    stop_router,
-    wait_until,
-)
+from narwhal.testing.ports import free_ports
+from narwhal.testing.procs import wait_until
+from tests.helpers import admin, running_fleet, start_router, stop_router
 from tests.measurement.support import (
     SIM,
     engines_idle,

@@ -11,18 +11,19 @@ import sys
 from pathlib import Path
 
 import pytest
-from _runner_collect import (
+
+from tools.measurement._runner_collect import (
     Sample,
     counter_missing,
     coverage,
     parse_metrics,
     router_expected_counters,
 )
-from _runner_journal import journal_slice, reconcile, state_timeline
-from _runner_report import MAD_CORE_COLUMNS, csv_name, write_csv
-from _trial_client import poisson_schedule
-from _trial_stats import Budgets, ClientRecord, summarize
-from _trial_workload import (
+from tools.measurement._runner_journal import journal_slice, reconcile, state_timeline
+from tools.measurement._runner_report import MAD_CORE_COLUMNS, csv_name, write_csv
+from tools.measurement._trial_client import poisson_schedule
+from tools.measurement._trial_stats import Budgets, ClientRecord, summarize
+from tools.measurement._trial_workload import (
     SeedError,
     TokenPool,
     WorkloadError,
@@ -33,7 +34,7 @@ from _trial_workload import (
     read_trace,
     save_workload,
 )
-from benchmark_plan import PlanError, load_plan
+from tools.measurement.benchmark_plan import PlanError, load_plan
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools" / "measurement"
 AZURE = Path(__file__).resolve().parents[3] / "shared" / "data" / "azure-llm-2023"

@@ -10,14 +10,22 @@ import re
 from pathlib import Path
 from typing import Any
 
-import dashboards
 import pytest
-import scrape_config
 import yaml
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.dashboard import Dashboard
 from prometheus_client.parser import text_string_to_metric_families
-from promql_check import (
+
+from tests.observability.support import (
+    DASHBOARDS,
+    PROVISIONING,
+    ROOT,
+    RULES,
+    SCRAPE_CONFIG,
+    expositions,
+)
+from tools.observability import dashboards, scrape_config
+from tools.observability.promql_check import (
     PROMETHEUS_GENERATED,
     coverage_form,
     dashboard_queries,
@@ -28,15 +36,6 @@ from promql_check import (
     rule_queries,
     substitute,
     variable_values,
-)
-
-from tests.observability.support import (
-    DASHBOARDS,
-    PROVISIONING,
-    ROOT,
-    RULES,
-    SCRAPE_CONFIG,
-    expositions,
 )
 
 

@@ -9,9 +9,9 @@ import re
 
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from promql_check import dashboard_queries, query_metric_names, rule_queries
 
 from tests.observability.support import DASHBOARDS, DOCS, RULES, expositions
+from tools.observability.promql_check import dashboard_queries, query_metric_names, rule_queries
 
 SHORT = {"narwhal-router-overview.json": "Overview", "narwhal-fleet-roles.json": "Fleet"}
 _SUFFIX = re.compile(r"_(bucket|count|sum)$")

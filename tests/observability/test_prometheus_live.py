@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import json
 import subprocess
 import time
@@ -22,7 +23,13 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from promql_check import (
+
+from narwhal.testing import procs
+from narwhal.testing.ports import free_ports
+from narwhal.testing.procs import wait_until
+from tests.helpers import MODEL, RouterProcess, admin, metric, running_fleet, running_router
+from tests.observability.support import DASHBOARDS, RULES, binary
+from tools.observability.promql_check import (
     Problem,
     Prometheus,
     Query,
@@ -34,19 +41,7 @@ from promql_check import (
     recorded_names,
     variable_values,
 )
-from scrape_config import ENGINE_JOB, ROUTER_JOB, scrape_config
-
-from tests.helpers import (
-    MODEL,
-    RouterProcess,
-    admin,
-    free_ports,
-    metric,
-    running_fleet,
-    running_router,
-    wait_until,
-)
-from tests.observability.support import DASHBOARDS, RULES, binary
+from tools.observability.scrape_config import ENGINE_JOB, ROUTER_JOB, scrape_config
 
 pytestmark = pytest.mark.slow
 
@@ -72,41 +67,23 @@ class Live:
 @contextlib.contextmanager
 def _prometheus(directory: Path, config: Path) -> Iterator[str]:
     port = free_ports(1)[0]
-    log_path = directory / "prometheus.log"
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(
-            [
-                binary("prometheus"),
-                f"--config.file={config}",
-                f"--storage.tsdb.path={directory / 'tsdb'}",
-                f"--web.listen-address=127.0.0.1:{port}",
-                "--storage.tsdb.retention.time=1h",
-                "--log.level=warn",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
     url = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        if process.poll() is not None:
-            raise AssertionError(f"prometheus exited: {log_path.read_text()[-3000:]}")
-        try:
-            return httpx.get(url + "/-/ready", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        assert wait_until(ready, 30, 0.2), f"prometheus not ready: {log_path.read_text()[-3000:]}"
+    argv = [
+        binary("prometheus"),
+        f"--config.file={config}",
+        f"--storage.tsdb.path={directory / 'tsdb'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        "--storage.tsdb.retention.time=1h",
+        "--log.level=warn",
+    ]
+    with procs.running(
+        argv,
+        directory / "prometheus.log",
+        ready=functools.partial(procs.http_ok, url + "/-/ready"),
+        ready_timeout=30,
+        name="prometheus",
+    ):
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
 
 
 def _send(client: httpx.Client, url: str, i: int) -> int:

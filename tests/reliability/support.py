@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import resource
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,17 +18,10 @@ from typing import Any
 import httpx
 
 from narwhal.journal import journal_files
-from narwhal.simengine.fleet import SimFleet
-from tests.helpers import (
-    ADMIN_TOKEN,
-    MODEL,
-    RouterProcess,
-    admin,
-    free_ports,
-    metric,
-    router_command,
-    wait_until,
-)
+from narwhal.testing.fleet import SimFleet
+from narwhal.testing.procfs import rss_kib
+from narwhal.testing.procs import wait_until
+from tests.helpers import MODEL, RouterProcess, admin, metric, start_router
 
 # 120 token ids: 8 KV blocks of 16. Deterministic, in vocabulary.
 PROMPT = [300 + (i * 7) % 9000 for i in range(120)]
@@ -219,14 +210,6 @@ def count_journal(path: Path) -> JournalCount:
 # Processes
 
 
-def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError(f"no VmRSS for pid {pid}")
-
-
 class RssSampler:
     """Samples a process's VmRSS every ``interval`` seconds in a thread, until stopped."""
 
@@ -241,8 +224,9 @@ class RssSampler:
     def _run(self) -> None:
         t0 = time.monotonic()
         while not self._stop.is_set() and len(self.samples) < self.max_samples:
-            with contextlib.suppress(OSError, AssertionError):
-                self.samples.append((time.monotonic() - t0, rss_kib(self.pid)))
+            kib = rss_kib(self.pid)
+            if kib is not None:
+                self.samples.append((time.monotonic() - t0, kib))
             self._stop.wait(self.interval)
 
     def __enter__(self) -> RssSampler:
@@ -260,7 +244,6 @@ def _limit_file_size(limit: int) -> Callable[[], None]:
         # killing the router, which is what a full disk looks like to it.
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-        os.setsid()
 
     return apply
 
@@ -275,39 +258,15 @@ def start_router_limited(
 ) -> RouterProcess:
     """``tests.helpers.start_router``, optionally under RLIMIT_FSIZE. Its output goes through a
     pipe (pipes have no file size) to the log file, so only the journal meets the limit."""
-    port = free_ports(1)[0]
-    token_file = directory / "admin-token"
-    token_file.write_text(ADMIN_TOKEN + "\n")
-    log_path = directory / f"router-{port}.log"
-    process = subprocess.Popen(
-        router_command(fleet_path, port, journal, token_file, *extra),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        preexec_fn=_limit_file_size(fsize_limit) if fsize_limit else os.setsid,
+    return start_router(
+        directory,
+        fleet_path,
+        *extra,
+        journal=journal,
+        wait_ready=wait_ready,
+        preexec_fn=_limit_file_size(fsize_limit) if fsize_limit else None,
+        log_via_pipe=True,
     )
-
-    def pump() -> None:
-        assert process.stdout is not None
-        # The pipe is ours to close at its end (the router exited), not the garbage collector's.
-        with process.stdout, open(log_path, "ab") as log:
-            for chunk in iter(lambda: process.stdout.read1(65536), b""):  # type: ignore[union-attr]
-                log.write(chunk)
-                log.flush()
-
-    threading.Thread(target=pump, daemon=True).start()
-    router = RouterProcess(f"http://127.0.0.1:{port}", process, journal, log_path, ADMIN_TOKEN)
-    if wait_ready:
-
-        def ready() -> bool:
-            if process.poll() is not None:
-                raise AssertionError(f"router exited: {log_path.read_text()[-3000:]}")
-            try:
-                return httpx.get(router.url + "/ready", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        assert wait_until(ready, 30), f"router not ready: {log_path.read_text()[-3000:]}"
-    return router
 
 
 def restart_dead_engines(fleet: SimFleet) -> list[str]:

@@ -49,7 +49,8 @@ from typing import Any
 import httpx
 import pytest
 
-from narwhal.simengine.fleet import SimFleet
+from narwhal.testing.fleet import SimFleet
+from narwhal.testing.procs import wait_until
 from tests.helpers import (
     TEST_TIME_SCALE,
     TIMER_SLACK_S,
@@ -60,7 +61,6 @@ from tests.helpers import (
     running_fleet,
     running_router,
     stop_router,
-    wait_until,
 )
 from tests.reliability.support import (
     PROMPT,

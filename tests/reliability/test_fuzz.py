@@ -28,8 +28,9 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from narwhal.simengine.fleet import SimFleet
-from tests.helpers import MODEL, RouterProcess, running_fleet, running_router, wait_until
+from narwhal.testing.fleet import SimFleet
+from narwhal.testing.procs import wait_until
+from tests.helpers import MODEL, RouterProcess, running_fleet, running_router
 from tests.reliability.support import ROUTER_ID_RE, count_journal, router_idle
 
 GENERATION = ("/v1/completions", "/v1/chat/completions")

@@ -22,24 +22,12 @@ from typing import Any
 import httpx
 import pytest
 
-from narwhal.simengine.fleet import SimFleet
-from tests.helpers import (
-    MODEL,
-    RouterProcess,
-    metric,
-    running_fleet,
-    running_router,
-    wait_until,
-)
+from narwhal.testing.fleet import SimFleet
+from narwhal.testing.procfs import rss_kib
+from narwhal.testing.procs import wait_until
+from tests.helpers import MODEL, RouterProcess, metric, running_fleet, running_router
 from tests.integration.test_profile_v1 import profile, write_limits
-from tests.reliability.support import (
-    RssSampler,
-    count_journal,
-    end_of,
-    engine_metric,
-    metric_delta,
-    rss_kib,
-)
+from tests.reliability.support import RssSampler, count_journal, end_of, engine_metric, metric_delta
 
 pytestmark = pytest.mark.slow
 
@@ -178,6 +166,7 @@ def test_overload_at_five_times_capacity(profiled) -> None:
         normal = statistics.median(baseline)
         pid = router.process.pid
         rss_start = rss_kib(pid)
+        assert rss_start is not None, "the router is gone"
         before = router.metrics()
         with RssSampler(pid, 0.5) as rss:
             t_load = time.monotonic()

@@ -28,15 +28,9 @@ import httpx
 import pytest
 
 from narwhal.journal import journal_files
-from narwhal.simengine.fleet import SimFleet
-from tests.helpers import (
-    ADMIN_TOKEN,
-    MODEL,
-    RouterProcess,
-    running_fleet,
-    running_router,
-    wait_until,
-)
+from narwhal.testing.fleet import SimFleet
+from narwhal.testing.procs import wait_until
+from tests.helpers import ADMIN_TOKEN, MODEL, RouterProcess, running_fleet, running_router
 from tests.reliability.support import (
     ROUTER_ID_RE,
     body,

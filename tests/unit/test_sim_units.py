@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 
 from narwhal.contract import SimulatedEngineSettings
 from narwhal.simengine.engine import RemoteKV, parse_kv_transfer_params
-from narwhal.simengine.fleet import _ephemeral_range_start, free_ports
 from narwhal.simengine.generation import GenerationModel, KVLayout, prompt_digest
 from narwhal.simengine.kv_blocks import BlockAllocator
 from narwhal.simengine.protocol import ProtocolError, parse_generation
 from narwhal.simengine.timing import CALIBRATION, sim_models
 from narwhal.simengine.vocab import EOS, IM_END, IM_START, NUM_BYTE_TOKENS, Vocabulary
+from narwhal.testing.ports import ephemeral_range_start, free_ports
 
 VOCAB = Vocabulary()
 
@@ -421,7 +421,7 @@ def test_kv_params_not_an_object() -> None:
 def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:
     ports = free_ports(20)
     assert len(set(ports)) == 20
-    assert all(p < _ephemeral_range_start() for p in ports)
+    assert all(p < ephemeral_range_start() for p in ports)
     for port in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))

@@ -16,7 +16,7 @@ from narwhal.engines.stream_client import (
     EngineStreamConnection,
     EngineStreamPool,
 )
-from tests.helpers import async_wait_until
+from narwhal.testing.procs import async_wait_until
 from tests.unit.test_engine_transport import Handler, each_request, read_request, server
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"

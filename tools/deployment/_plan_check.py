@@ -14,9 +14,8 @@ import re
 from typing import Any
 from urllib.parse import urlsplit
 
-from _plan import EnginePlan, LaunchPlan, LoadedPlan
-
 from narwhal.contract import LoadedFleet
+from tools.deployment._plan import EnginePlan, LaunchPlan, LoadedPlan
 
 __all__ = [
     "SIDE_CHANNEL_ENV",

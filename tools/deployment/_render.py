@@ -12,8 +12,8 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from _plan import ContainerSettings, EnginePlan, LaunchPlan, SimulatedSettings
-from _plan_check import kv_transfer_config
+from tools.deployment._plan import ContainerSettings, EnginePlan, LaunchPlan, SimulatedSettings
+from tools.deployment._plan_check import kv_transfer_config
 
 __all__ = ["EngineCommand", "flag_args", "render_engine", "render_sidecar", "shell_line"]
 

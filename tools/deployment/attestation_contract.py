@@ -26,11 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+if __package__ in (None, ""):  # run by path: the repository root for `tools` (tools/__init__.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 import httpx
-from _live import Declared, LiveContract, LiveEngine, capture_engine
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from narwhal.contract import ContractError, EngineSpec, FleetContract, load_fleet, parse_fleet
+from tools.deployment._live import Declared, LiveContract, LiveEngine, capture_engine
 
 __all__ = ["Attestation", "disagreements", "finalize", "main"]
 

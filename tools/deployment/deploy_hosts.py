@@ -26,9 +26,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+if __package__ in (None, ""):  # run by path: the repository root for `tools` (tools/__init__.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 import yaml
-from _deploy_build import Build, BuildError, build_steps, build_wheel, verify_tree
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tools.deployment._deploy_build import Build, BuildError, build_steps, build_wheel, verify_tree
 
 __all__ = ["DeploymentFile", "HostSpec", "host_steps", "main"]
 

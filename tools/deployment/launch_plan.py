@@ -19,16 +19,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-# Tools run as scripts (`python tools/deployment/launch_plan.py`): their siblings are
-# importable because Python puts the script's directory first on sys.path.
+if __package__ in (None, ""):  # run by path: the repository root for `tools` (tools/__init__.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 import httpx
-from _live import LIVE_SCHEMA, Declared, capture_engine
-from _plan import LoadedPlan, PlanError, load_plan
-from _plan_check import kv_transfer_config, plans_problems
-from _procs import alive, load_run, save_run, start_detached, stop_record, wait_healthy
-from _render import render_engine, render_sidecar, shell_line
 
 from narwhal.contract import ContractError, LoadedFleet, load_fleet
+from tools.deployment._live import LIVE_SCHEMA, Declared, capture_engine
+from tools.deployment._plan import LoadedPlan, PlanError, load_plan
+from tools.deployment._plan_check import kv_transfer_config, plans_problems
+from tools.deployment._procs import (
+    alive,
+    load_run,
+    save_run,
+    start_detached,
+    stop_record,
+    wait_healthy,
+)
+from tools.deployment._render import render_engine, render_sidecar, shell_line
 
 __all__ = ["main"]
 

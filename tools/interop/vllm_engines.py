@@ -6,7 +6,8 @@ issue 12, and write the fleet file that puts Narwhal in front of them.
 
 runs a prefill engine ``p0`` and a decode engine ``d0`` until Ctrl-C or SIGTERM, and writes
 ``DIR/fleet.json`` for ``narwhal-serve``. The interop suite (``tests/interop``) imports the same
-functions. Standard library only: it runs under any Python 3.11.
+functions. It runs under Narwhal's own environment (the engines under vLLM's): processes, ports
+and /proc readings are ``narwhal.testing``'s.
 
 Every engine runs in its own session (process group), so stopping it ends its EngineCore child
 too; stopping signals that group by the id this module started it with, never by name.
@@ -15,19 +16,20 @@ too; stopping signals that group by the id this module started it with, never by
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from narwhal.testing import procs
+from narwhal.testing.ports import free_ports
+from narwhal.testing.procfs import busy_threads
 
 __all__ = [
     "ENGINE_READY_TIMEOUT_S",
@@ -39,12 +41,10 @@ __all__ = [
     "engine_command",
     "engine_env",
     "fleet_document",
-    "free_ports",
     "kill_engine",
     "quiet_busy_threads",
     "start_engine",
     "stop_engine",
-    "tree_rss_bytes",
     "wait_healthy",
 ]
 
@@ -76,19 +76,6 @@ def default_vllm_python() -> Path:
 def default_model_dir() -> Path:
     model = os.environ.get("NARWHAL_TINY_MODEL") or str(ROOT / "build" / "interop" / "tiny-llama")
     return Path(os.path.abspath(model))
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @dataclass
@@ -204,84 +191,44 @@ def start_engine(
     home = Path(os.path.abspath(workdir / name))
     home.mkdir(parents=True, exist_ok=True)
     log_path = home / "engine.log"
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(
-            engine_command(python, model_dir, port),
-            env=engine_env(home, side_channel_port, cpu_bind),
-            cwd=home,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    process = procs.start(
+        engine_command(python, model_dir, port),
+        log_path,
+        env=engine_env(home, side_channel_port, cpu_bind),
+        cwd=home,
+    )
     return EngineProcess(name, port, side_channel_port, cpu_bind, process, log_path)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as r:
-            return r.status == 200
-    except (OSError, urllib.error.URLError):
-        return False
 
 
 def wait_healthy(engines: list[EngineProcess], timeout: float = ENGINE_READY_TIMEOUT_S) -> float:
     """Wait until every engine answers /health; raise with the log tail of one that died or
     did not come up. Returns the seconds waited."""
-    start = time.monotonic()
-    pending = list(engines)
-    while pending:
-        for engine in list(pending):
-            code = engine.process.poll()
-            if code is not None:
-                raise EngineStartError(
-                    f"engine {engine.name} exited with {code} while starting; log tail:\n"
-                    + engine.log_tail()
-                )
-            if _healthy(engine.url):
-                pending.remove(engine)
-                engine.quieted_threads = quiet_busy_threads(engine.process.pid)
-        if pending and time.monotonic() - start > timeout:
-            names = ", ".join(e.name for e in pending)
-            raise EngineStartError(
-                f"engine(s) {names} not healthy within {timeout:.0f} s; log tail of "
-                f"{pending[0].name}:\n" + pending[0].log_tail()
-            )
-        if pending:
-            time.sleep(1.0)
-    return time.monotonic() - start
+    by_name = {e.name: e for e in engines}
 
+    def quiet(name: str) -> None:
+        engine = by_name[name]
+        engine.quieted_threads = quiet_busy_threads(engine.process.pid)
 
-def _cpu_ticks(pid: int, tid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])  # utime + stime
-
-
-def _tree_pids(pid: int) -> list[int]:
-    """``pid`` and all its descendants that still exist (Linux /proc)."""
-    out: list[int] = []
-    stack, seen = [pid], set()
-    while stack:
-        p = stack.pop()
-        if p in seen or not Path(f"/proc/{p}").exists():
-            continue
-        seen.add(p)
-        out.append(p)
-        stack += _children(p)
-    return out
-
-
-def _tree_threads(pid: int) -> list[tuple[int, int]]:
-    """(process, thread) ids of ``pid`` and all its descendants."""
-    out: list[tuple[int, int]] = []
-    for p in _tree_pids(pid):
-        with contextlib.suppress(OSError):
-            out += [(p, int(t.name)) for t in Path(f"/proc/{p}/task").iterdir()]
-    return out
+    waited = procs.wait_all(
+        {e.name: functools.partial(procs.http_ok, e.url + "/health") for e in engines},
+        timeout,
+        alive={e.name: functools.partial(procs.is_running, e.process) for e in engines},
+        interval=1.0,
+        on_ready=quiet,
+    )
+    for name in waited.exited:
+        engine = by_name[name]
+        raise EngineStartError(
+            f"engine {name} exited with {engine.process.returncode} while starting; log tail:\n"
+            + engine.log_tail()
+        )
+    if waited.pending:
+        first = by_name[waited.pending[0]]
+        raise EngineStartError(
+            f"engine(s) {', '.join(waited.pending)} not healthy within {timeout:.0f} s; log tail"
+            f" of {first.name}:\n" + first.log_tail()
+        )
+    return waited.seconds
 
 
 def quiet_busy_threads(pid: int, sample_s: float = 1.0, busy_share: float = 0.5) -> list[int]:
@@ -296,68 +243,25 @@ def quiet_busy_threads(pid: int, sample_s: float = 1.0, busy_share: float = 0.5)
     at 30 s). At nice 19 the thread still runs whenever its core has nothing else to do, so
     transfers still progress. Main threads (the worker's compute) are never touched.
     """
-    before = {key: _cpu_ticks(*key) for key in _tree_threads(pid)}
-    time.sleep(sample_s)
-    threshold = busy_share * sample_s * os.sysconf("SC_CLK_TCK")
     quieted: list[int] = []
-    for (process, thread), ticks in before.items():
-        after = _cpu_ticks(process, thread)
-        if thread == process or ticks is None or after is None or after - ticks < threshold:
-            continue
-        with contextlib.suppress(OSError):
+    for thread in busy_threads(pid, sample_s, busy_share):
+        try:
             os.setpriority(os.PRIO_PROCESS, thread, 19)
-            quieted.append(thread)
+        except OSError:
+            continue
+        quieted.append(thread)
     return quieted
 
 
 def stop_engine(engine: EngineProcess, timeout: float = 30.0) -> int | None:
-    """SIGTERM the engine's process group, then SIGKILL it if still there after ``timeout``."""
-    pgid = engine.process.pid  # start_new_session: the engine leads its own group
-    if engine.process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            engine.process.wait(timeout)
-    # Children (EngineCore) may outlive the API server; the group is ours either way.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
-    try:
-        engine.process.wait(10)
-    except subprocess.TimeoutExpired:
-        return None
-    return engine.process.returncode
+    """SIGTERM the engine's process group, then SIGKILL it if still there after ``timeout``.
+    Children (EngineCore) may outlive the API server; the group is ours either way."""
+    return procs.stop(engine.process, timeout, group=True)
 
 
 def kill_engine(engine: EngineProcess) -> None:
     """SIGKILL the engine's whole process group at once (a crash, for failure tests)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(engine.process.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        engine.process.wait(10)
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            text = (task / "children").read_text()
-            out += [int(c) for c in text.split()]
-    except OSError:
-        pass
-    return out
-
-
-def tree_rss_bytes(pid: int) -> int:
-    """Resident memory of a process and all its descendants (Linux /proc)."""
-    total = 0
-    for p in _tree_pids(pid):
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-        except OSError:
-            continue
-    return total
+    procs.kill(engine.process, group=True)
 
 
 def fleet_document(

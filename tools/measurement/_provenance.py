@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import platform
-import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from narwhal.testing.provenance import git
 
 __all__ = ["git_commit", "versions"]
 
@@ -16,22 +17,9 @@ HERE = Path(__file__).resolve().parent
 
 def git_commit(path: Path = HERE) -> dict[str, Any]:
     """The commit of the checkout holding ``path`` and whether the tree differs from it."""
-    try:
-        sha = subprocess.run(
-            ["git", "-C", str(path), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        status = subprocess.run(
-            ["git", "-C", str(path), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
+    sha = git(path, "rev-parse", "HEAD")
+    status = git(path, "status", "--porcelain", "--untracked-files=no")
+    if sha is None or status is None:
         return {"commit": None, "dirty": None}
     return {"commit": sha or None, "dirty": bool(status)}
 

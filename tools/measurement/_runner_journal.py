@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _trial_stats import ClientRecord
-
 from narwhal.journal import journal_files
+from tools.measurement._trial_stats import ClientRecord
 
 __all__ = [
     "JournalRead",

@@ -13,8 +13,9 @@ from typing import Any
 
 import httpx
 import orjson
-from _trial_stats import ClientRecord
-from _trial_workload import WorkloadRequest
+
+from tools.measurement._trial_stats import ClientRecord
+from tools.measurement._trial_workload import WorkloadRequest
 
 __all__ = ["DONE_GRACE_S", "TrialConfig", "TrialRun", "poisson_schedule", "run_trial"]
 

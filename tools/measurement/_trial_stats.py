@@ -11,7 +11,8 @@ Definitions (``vllm bench serve``, ``vllm/benchmarks/serve.py``, where they over
 - Duration: first measured request sent -> last measured request finished, so it includes the
   drain after the last arrival. Completed rate, output throughput and total token throughput
   divide by it ("including drain").
-- Percentiles: ``numpy.percentile`` with linear interpolation, as vLLM.
+- Percentiles: ``numpy.percentile`` with linear interpolation, as vLLM
+  (``narwhal.testing.stats.percentile``).
 
 Narwhal's own: a request is *within limits* when it completed (HTTP 200, ``[DONE]``, no error
 event, exactly the requested output tokens) with TTFT <= the TTFT budget and TPOT <= the TPOT
@@ -27,6 +28,8 @@ from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
+
+from narwhal.testing.stats import percentile
 
 __all__ = [
     "CLIENT_OUTCOMES",
@@ -116,16 +119,14 @@ class Distribution(BaseModel):
 def distribution(values: Sequence[float]) -> Distribution:
     if not values:
         return Distribution(count=0, mean=None, p50=None, p95=None, p99=None, min=None, max=None)
-    arr = np.asarray(values, dtype=float)
-    p50, p95, p99 = (float(v) for v in np.percentile(arr, [50, 95, 99]))
     return Distribution(
         count=len(values),
-        mean=float(arr.mean()),
-        p50=p50,
-        p95=p95,
-        p99=p99,
-        min=float(arr.min()),
-        max=float(arr.max()),
+        mean=float(np.mean(values)),
+        p50=percentile(values, 50),
+        p95=percentile(values, 95),
+        p99=percentile(values, 99),
+        min=float(min(values)),
+        max=float(max(values)),
     )
 
 

@@ -39,8 +39,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _runner_journal import read_journal
-from sim_tokenizer import DEFAULT_NAME, install
+if __package__ in (None, ""):  # run by path: the repository root for `tools` (tools/__init__.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from narwhal.testing import procs
+from tools.measurement._runner_journal import read_journal
+from tools.measurement.sim_tokenizer import DEFAULT_NAME, install
 
 __all__ = ["main"]
 
@@ -190,11 +194,13 @@ def xcheck(args: argparse.Namespace) -> int:
     tag = f"aiperf-{int(time.time() * 1000):x}"
     aip = run_aiperf(args, tag, out, hf_home)
     # The router writes each request.end just after its response; give the last one a moment.
-    deadline = time.monotonic() + 10
-    jr = journal_side(Path(args.journal), tag)
-    while jr["ends"] < (aip["request_count"] or 0) + 1 and time.monotonic() < deadline:
-        time.sleep(0.2)
-        jr = journal_side(Path(args.journal), tag)
+    jr: dict[str, Any] = {}
+
+    def all_ended() -> bool:
+        jr.update(journal_side(Path(args.journal), tag))
+        return jr["ends"] >= (aip["request_count"] or 0) + 1
+
+    procs.wait_until(all_ended, 10, 0.2)
     checks: dict[str, Any] = {
         "request_count": {
             "aiperf": aip["request_count"],

@@ -33,9 +33,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+if __package__ in (None, ""):  # run by path: the repository root for `tools` (tools/__init__.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 import httpx
-from _provenance import git_commit, versions
-from _runner_collect import (
+
+from narwhal.contract import ContractError, LoadedFleet, load_fleet
+from narwhal.testing import procs
+from tools.measurement._provenance import git_commit, versions
+from tools.measurement._runner_collect import (
     ENGINE_EXPECTED_COUNTERS,
     Collector,
     Sample,
@@ -46,13 +52,11 @@ from _runner_collect import (
     router_expected_counters,
     scrape_once,
 )
-from _runner_journal import journal_slice, read_journal, reconcile, state_timeline
-from _runner_report import csv_name, write_csv, write_markdown
-from _trial_stats import ClientRecord
-from _trial_workload import WorkloadError, load_workload
-from benchmark_plan import LoadedPlan, PlanError, PlanPoint, load_plan
-
-from narwhal.contract import ContractError, LoadedFleet, load_fleet
+from tools.measurement._runner_journal import journal_slice, read_journal, reconcile, state_timeline
+from tools.measurement._runner_report import csv_name, write_csv, write_markdown
+from tools.measurement._trial_stats import ClientRecord
+from tools.measurement._trial_workload import WorkloadError, load_workload
+from tools.measurement.benchmark_plan import LoadedPlan, PlanError, PlanPoint, load_plan
 
 __all__ = ["RunnerConfig", "main", "run_plan"]
 
@@ -125,13 +129,16 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def _poll(predicate: Any, timeout_s: float, interval_s: float = 0.2) -> Any:
-    """Call ``predicate`` until it returns a truthy first element or the time is up."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = predicate()
-        if result[0] or time.monotonic() >= deadline:
-            return result
-        time.sleep(interval_s)
+    """Call ``predicate`` until it returns a truthy first element or the time is up; its last
+    result."""
+    last: list[Any] = []
+
+    def done() -> bool:
+        last[:] = [predicate()]
+        return bool(last[0][0])
+
+    procs.wait_until(done, timeout_s, interval_s)
+    return last[0]
 
 
 # --- gates -------------------------------------------------------------------------------
@@ -262,18 +269,13 @@ def _run_client(
     if ctx.loaded.plan.seed is not None:
         cmd += ["--seed", str(ctx.loaded.plan.seed)]
     bound = _client_bound_s(point)
-    with (pdir / "client.log").open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            rc = proc.wait(bound)
-        except subprocess.TimeoutExpired:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-            return Gate("client_finished", False, f"load_trial.py exceeded {bound:.0f} s"), cmd
+    # In this process's group: a Ctrl-C that stops the runner stops its client too.
+    proc = procs.start(cmd, pdir / "client.log", append=False, new_session=False)
+    try:
+        rc = proc.wait(bound)
+    except subprocess.TimeoutExpired:
+        procs.stop(proc, 10)
+        return Gate("client_finished", False, f"load_trial.py exceeded {bound:.0f} s"), cmd
     summary = pdir / "client" / "summary.json"
     ok = rc in (0, 1) and summary.exists()
     tail = (pdir / "client.log").read_text(errors="replace").strip().splitlines()[-3:]

@@ -27,11 +27,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+if __package__ in (None, ""):  # run by path: the repository root for `tools` (tools/__init__.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 import httpx
-from _provenance import versions
-from _trial_client import TrialConfig, poisson_schedule, run_trial
-from _trial_stats import Budgets, TrialSummary, summarize
-from _trial_workload import (
+
+from tools.measurement._provenance import versions
+from tools.measurement._trial_client import TrialConfig, poisson_schedule, run_trial
+from tools.measurement._trial_stats import Budgets, TrialSummary, summarize
+from tools.measurement._trial_workload import (
     DEFAULT_SEED_PROMPT,
     PoolAttempt,
     SeedError,

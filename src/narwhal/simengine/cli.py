@@ -1,17 +1,17 @@
-"""``narwhal-sim``: run one simulated vLLM engine, or every engine of a fleet file.
+"""The simulated engine's command line: ``narwhal-sim engine`` runs one simulated vLLM engine.
 
 narwhal-sim engine --fleet configs/fleet/local-sim.json --engine-id e0
 narwhal-sim engine --port 8100 --nixl-port 8200 --model m --time-scale 10
-narwhal-sim fleet --fleet configs/fleet/local-sim.json
+
+``narwhal-sim`` itself (``narwhal.testing.sim_cli``) adds ``fleet``, the local fleet launcher;
+``python -m narwhal.simengine.cli engine ...`` runs an engine without it.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import time
 from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -21,7 +21,7 @@ from narwhal.simengine.engine import EngineConfig
 from narwhal.simengine.faults import FaultSettings
 from narwhal.simengine.timing import sim_models
 
-__all__ = ["main"]
+__all__ = ["UsageError", "add_engine_parser", "main", "run_engine"]
 
 log = logging.getLogger("narwhal.simengine")
 
@@ -29,10 +29,11 @@ _SIM_FIELDS = tuple(SimulatedEngineSettings.model_fields)
 
 
 class UsageError(Exception):
-    pass
+    """A command line that cannot run (exit code 2)."""
 
 
-def _engine_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_engine_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``engine`` subcommand's arguments."""
     p = sub.add_parser("engine", help="run one simulated engine")
     p.add_argument("--fleet", help="take this engine's settings from a fleet file")
     p.add_argument("--engine-id", help="engine id (with --fleet: which engine to run)")
@@ -68,15 +69,6 @@ def _engine_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     faults.add_argument("--fault-drop-stream-after-tokens", type=int)
     faults.add_argument("--fault-metrics", choices=["ok", "lie", "stop", "hang"], default="ok")
     p.add_argument("--log-level", default="warning")
-
-
-def _fleet_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("fleet", help="run every engine of a fleet file until Ctrl-C or SIGTERM")
-    p.add_argument("--fleet", required=True)
-    p.add_argument("--engines", help="comma-separated engine ids (default: all)")
-    p.add_argument("--admin-token")
-    p.add_argument("--log-dir", help="write each engine's log here (default: inherit the terminal)")
-    p.add_argument("--startup-timeout", type=float, default=60.0)
 
 
 def _resolve_engine(args: argparse.Namespace) -> tuple[Any, str, int]:
@@ -187,59 +179,23 @@ def _run_engine(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_fleet(args: argparse.Namespace) -> int:
-    from narwhal.simengine.fleet import SimFleet, SimFleetError
-
-    ids = [e.strip() for e in args.engines.split(",")] if args.engines else None
-    fleet = SimFleet(args.fleet, admin_token=args.admin_token, log_dir=args.log_dir, engine_ids=ids)
-    stop = {"now": False}
-
-    def on_signal(signum: int, frame: object) -> None:
-        stop["now"] = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+def run_engine(args: argparse.Namespace) -> int:
+    """Run the ``engine`` subcommand; bad settings are a one-line message and exit code 2."""
     try:
-        fleet.start(timeout=args.startup_timeout)
-        for engine in fleet.engines.values():
-            pid = engine.process.pid if engine.process else "?"
-            print(f"{engine.engine_id} ready at {engine.url} (pid {pid})", flush=True)
-        print("fleet running; Ctrl-C stops it", flush=True)
-        reported: set[str] = set()
-        while not stop["now"]:
-            for engine in fleet.engines.values():
-                if not engine.alive and engine.engine_id not in reported:
-                    code = engine.process.returncode if engine.process else None
-                    print(
-                        f"{engine.engine_id} exited with code {code}", file=sys.stderr, flush=True
-                    )
-                    reported.add(engine.engine_id)
-            time.sleep(0.2)
-    except SimFleetError as exc:
-        print(f"narwhal-sim: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        fleet.stop()
-    print("fleet stopped", flush=True)
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="narwhal-sim", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    _engine_parser(sub)
-    _fleet_parser(sub)
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "engine":
-            return _run_engine(args)
-        return _run_fleet(args)
+        return _run_engine(args)
     except (ContractError, UsageError) as exc:
         print(f"narwhal-sim: {exc}", file=sys.stderr)
         return 2
     except ValueError as exc:  # pydantic errors from overrides
         print(f"narwhal-sim: invalid engine settings: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="narwhal-sim", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_engine_parser(sub)
+    return run_engine(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

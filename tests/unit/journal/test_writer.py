@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from narwhal.journal.file import JournalFile
-from tests.helpers import wait_until
+from narwhal.testing.procs import wait_until
 from tests.unit.journal.support import OpenJournal, records
 
 

@@ -1,0 +1,90 @@
+"""``narwhal-sim``: run one simulated vLLM engine, or every engine of a fleet file.
+
+narwhal-sim engine --fleet configs/fleet/local-sim.json --engine-id e0
+narwhal-sim engine --port 8100 --nixl-port 8200 --model m --time-scale 10
+narwhal-sim fleet --fleet configs/fleet/local-sim.json
+
+``engine`` is the simulated engine's own command (``narwhal.simengine.cli``); ``fleet`` is the
+local launcher (``narwhal.testing.fleet``), which starts one ``engine`` process per engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+from narwhal.contract import ContractError
+from narwhal.simengine.cli import add_engine_parser, run_engine
+from narwhal.testing.fleet import SimFleet, SimFleetError
+
+__all__ = ["main"]
+
+# How often the launcher looks for an engine that exited while the fleet runs.
+_WATCH_INTERVAL_S = 0.2
+
+
+def _add_fleet_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("fleet", help="run every engine of a fleet file until Ctrl-C or SIGTERM")
+    p.add_argument("--fleet", required=True)
+    p.add_argument("--engines", help="comma-separated engine ids (default: all)")
+    p.add_argument("--admin-token")
+    p.add_argument("--log-dir", help="write each engine's log here (default: inherit the terminal)")
+    p.add_argument("--startup-timeout", type=float, default=60.0)
+
+
+def _run_fleet(args: argparse.Namespace) -> int:
+    ids = [e.strip() for e in args.engines.split(",")] if args.engines else None
+    try:
+        fleet = SimFleet(
+            args.fleet, admin_token=args.admin_token, log_dir=args.log_dir, engine_ids=ids
+        )
+    except ContractError as exc:
+        print(f"narwhal-sim: {exc}", file=sys.stderr)
+        return 2
+    stop = {"now": False}
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        fleet.start(timeout=args.startup_timeout)
+        for engine in fleet.engines.values():
+            pid = engine.process.pid if engine.process else "?"
+            print(f"{engine.engine_id} ready at {engine.url} (pid {pid})", flush=True)
+        print("fleet running; Ctrl-C stops it", flush=True)
+        reported: set[str] = set()
+        while not stop["now"]:
+            for engine in fleet.engines.values():
+                if not engine.alive and engine.engine_id not in reported:
+                    code = engine.process.returncode if engine.process else None
+                    print(
+                        f"{engine.engine_id} exited with code {code}", file=sys.stderr, flush=True
+                    )
+                    reported.add(engine.engine_id)
+            time.sleep(_WATCH_INTERVAL_S)
+    except SimFleetError as exc:
+        print(f"narwhal-sim: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        fleet.stop()
+    print("fleet stopped", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="narwhal-sim", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_engine_parser(sub)
+    _add_fleet_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command == "engine":
+        return run_engine(args)
+    return _run_fleet(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,2 @@
+"""Qualification runs with evidence: load trials, benchmark plans and the runner
+(docs/measurement.md)."""
