@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from narwhal.contract import Budgets
 from tools.measurement._runner_collect import (
     Sample,
     counter_missing,
@@ -22,7 +23,7 @@ from tools.measurement._runner_collect import (
 from tools.measurement._runner_journal import journal_slice, reconcile, state_timeline
 from tools.measurement._runner_report import MAD_CORE_COLUMNS, csv_name, write_csv
 from tools.measurement._trial_client import poisson_schedule
-from tools.measurement._trial_stats import Budgets, ClientRecord, summarize
+from tools.measurement._trial_stats import ClientRecord, summarize
 from tools.measurement._trial_workload import (
     SeedError,
     TokenPool,
@@ -191,7 +192,8 @@ def test_summary_follows_vllm_definitions() -> None:
     ]
     s = summarize(
         records,
-        budgets=Budgets(ttft_s=1.5, tpot_s=0.3, attainment=0.5, timeout_s=10),
+        budgets=Budgets(ttft_s=1.5, tpot_s=0.3, attainment=0.5),
+        timeout_s=10,
         offered_rate_rps=1.0,
         run_id="run",
         base="b",

@@ -17,7 +17,8 @@ Definitions (``vllm bench serve``, ``vllm/benchmarks/serve.py``, where they over
 Narwhal's own: a request is *within limits* when it completed (HTTP 200, ``[DONE]``, no error
 event, exactly the requested output tokens) with TTFT <= the TTFT budget and TPOT <= the TPOT
 budget; attainment = within limits / measured requests (failures count against it); the verdict
-passes when attainment >= the target.
+passes when attainment >= the target. The budgets are the fleet contract's type
+(``narwhal.contract.Budgets``); the client's per-request bound is the summary's ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from narwhal.contract import Budgets
 from narwhal.testing.stats import percentile
 
 __all__ = [
@@ -130,13 +132,6 @@ def distribution(values: Sequence[float]) -> Distribution:
     )
 
 
-class Budgets(BaseModel):
-    ttft_s: float
-    tpot_s: float
-    attainment: float
-    timeout_s: float
-
-
 class TrialSummary(BaseModel):
     """``summary.json``: seconds throughout (the CSV converts to MAD's milliseconds)."""
 
@@ -149,6 +144,7 @@ class TrialSummary(BaseModel):
     workload: dict[str, Any]
     arrivals: dict[str, Any]
     budgets: Budgets
+    timeout_s: float  # the client's bound on each request (load_trial.py run --timeout)
     t0_wall: float
     started_wall: float
     ended_wall: float

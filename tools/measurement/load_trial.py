@@ -32,9 +32,10 @@ if __package__ in (None, ""):  # run by path: the repository root for `tools` (t
 
 import httpx
 
+from narwhal.contract import Budgets
 from tools.measurement._provenance import versions
 from tools.measurement._trial_client import TrialConfig, poisson_schedule, run_trial
-from tools.measurement._trial_stats import Budgets, TrialSummary, summarize
+from tools.measurement._trial_stats import TrialSummary, summarize
 from tools.measurement._trial_workload import (
     DEFAULT_SEED_PROMPT,
     PoolAttempt,
@@ -205,9 +206,8 @@ def run(args: argparse.Namespace) -> int:
             fh.write(rec.model_dump_json() + "\n")
     summary: TrialSummary = summarize(
         trial.records,
-        budgets=Budgets(
-            ttft_s=args.ttft, tpot_s=args.tpot, attainment=args.attainment, timeout_s=args.timeout
-        ),
+        budgets=Budgets(ttft_s=args.ttft, tpot_s=args.tpot, attainment=args.attainment),
+        timeout_s=args.timeout,
         offered_rate_rps=offered,
         run_id=run_id,
         base=args.base,
