@@ -60,6 +60,7 @@ from typing import Any
 
 import orjson
 
+from narwhal.engines.legs import prefill_leg_body
 from narwhal.serve.cli import serve_command
 from narwhal.simengine.fleet import local_fleet_document
 from narwhal.testing import aio, procfs, procs
@@ -215,19 +216,7 @@ async def one_request(pool: Pool, ep: Endpoints, target: str, stream: bool, inde
     rid = f"bench-{target}-{index}"
     t0 = time.perf_counter()
     if target == "direct":
-        prefill = {k: v for k, v in body.items() if k != "stream_options"}
-        prefill.update(
-            max_tokens=1,
-            stream=False,
-            kv_transfer_params={
-                "do_remote_decode": True,
-                "do_remote_prefill": False,
-                "remote_engine_id": None,
-                "remote_block_ids": None,
-                "remote_host": None,
-                "remote_port": None,
-            },
-        )
+        prefill = prefill_leg_body(body, chat=False)
         status, content = await pool.post(
             ep.prefill_port, "/v1/completions", orjson.dumps(prefill), rid, False
         )

@@ -72,30 +72,6 @@ def admin(
     )
 
 
-def prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
-    """The prefill leg as vLLM's proxy builds it."""
-    out = {
-        k: v
-        for k, v in body.items()
-        if k not in ("stream_options", "min_tokens", "min_completion_tokens")
-    }
-    out.update(
-        max_tokens=1,
-        stream=False,
-        kv_transfer_params={
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        },
-    )
-    if chat:
-        out["max_completion_tokens"] = 1
-    return out
-
-
 def sse_events(response: httpx.Response) -> list[Any]:
     events = []
     for line in response.iter_lines():

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from narwhal.engines.legs import prefill_leg_body
 from narwhal.testing.fleet import SimFleet
 from narwhal.testing.procs import wait_until
 from tests.helpers import (
@@ -27,7 +28,6 @@ from tests.helpers import (
     TEST_TIME_SCALE,
     admin,
     metric,
-    prefill_body,
     running_fleet,
     write_fleet,
 )
@@ -180,7 +180,7 @@ def whole_text(client: httpx.Client, url: str, request: dict[str, Any]) -> str:
 
 
 def split_params(client: httpx.Client, prefill_url: str, request: dict[str, Any]) -> Any:
-    r = client.post(prefill_url + "/v1/completions", json=prefill_body(request, False))
+    r = client.post(prefill_url + "/v1/completions", json=prefill_leg_body(request, False))
     assert r.status_code == 200, r.text
     params = r.json()["kv_transfer_params"]
     assert params["do_remote_prefill"] is True

@@ -9,8 +9,9 @@ from typing import Any
 import httpx
 import pytest
 
+from narwhal.engines.legs import prefill_leg_body
 from narwhal.testing.fleet import SimFleet
-from tests.helpers import MODEL, admin, metric, prefill_body, running_fleet, sse_events
+from tests.helpers import MODEL, admin, metric, running_fleet, sse_events
 
 LONG_TEXT = " ".join(f"word{i} about disaggregated serving" for i in range(60))
 TOKEN_PROMPT = [300 + (i * 37) % 9000 for i in range(333)]  # 333 ids: 21 blocks of 16
@@ -89,7 +90,7 @@ def test_split_equals_whole(pd_fleet: SimFleet, chat: bool, stream: bool, prompt
         rid = f"split-{chat}-{stream}-{prompt_kind}"
         first = client.post(
             prefill_url + ("/v1/chat/completions" if chat else "/v1/completions"),
-            json=prefill_body(body, chat),
+            json=prefill_leg_body(body, chat),
             headers={"X-Request-Id": rid},
         )
         assert first.status_code == 200, first.text
@@ -118,7 +119,7 @@ def test_nixl_read_moves_exactly_the_prompt_blocks(pd_fleet: SimFleet) -> None:
     with httpx.Client(timeout=30) as client:
         before = client.get(decode_url + "/metrics").text
         params = client.post(
-            prefill_url + "/v1/completions", json=prefill_body(body, False)
+            prefill_url + "/v1/completions", json=prefill_leg_body(body, False)
         ).json()["kv_transfer_params"]
         (group,) = params["remote_block_ids"]  # one list per KV cache group, as vLLM 0.32
         blocks = len(group)
@@ -198,7 +199,7 @@ def test_kill_prefill_before_pull_fails_decode_fast(tmp_path) -> None:
         body = {"model": MODEL, "prompt": TOKEN_PROMPT, "max_tokens": 8}
         with httpx.Client(timeout=30) as client:
             params = client.post(
-                prefill_url + "/v1/completions", json=prefill_body(body, False)
+                prefill_url + "/v1/completions", json=prefill_leg_body(body, False)
             ).json()["kv_transfer_params"]
             fleet.kill("e0")
             t0 = time.monotonic()
@@ -223,7 +224,7 @@ def test_unpulled_hold_expires_at_its_lease(tmp_path) -> None:
         with httpx.Client(timeout=30) as client:
             t0 = time.monotonic()
             params = client.post(
-                prefill_url + "/v1/completions", json=prefill_body(body, False)
+                prefill_url + "/v1/completions", json=prefill_leg_body(body, False)
             ).json()["kv_transfer_params"]
             state = admin(prefill_url, "GET", path="/sim/state").json()
             if time.monotonic() - t0 < lease * 0.8:

@@ -49,6 +49,7 @@ from typing import Any
 import httpx
 import pytest
 
+from narwhal.engines.legs import prefill_leg_body
 from narwhal.testing.fleet import SimFleet
 from narwhal.testing.procs import wait_until
 from tests.helpers import (
@@ -57,7 +58,6 @@ from tests.helpers import (
     RouterProcess,
     admin,
     metric,
-    prefill_body,
     running_fleet,
     running_router,
     stop_router,
@@ -152,7 +152,7 @@ def warm_pairs(fleet: SimFleet) -> None:
             for _ in range(2):
                 kv = httpx.post(
                     fleet.engines[p].url + "/v1/completions",
-                    json=prefill_body(body(1), chat=False),
+                    json=prefill_leg_body(body(1), chat=False),
                     timeout=10,
                 ).json()["kv_transfer_params"]
                 r = httpx.post(
