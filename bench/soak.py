@@ -52,6 +52,7 @@ from typing import Any
 
 import httpx
 
+from narwhal.engines.scrape import metric_sum
 from narwhal.journal import journal_files
 from narwhal.serve.cli import serve_command
 from narwhal.simengine.fleet import local_fleet_document
@@ -499,15 +500,6 @@ def journal_report(path: Path, sent: list[Sent]) -> dict[str, Any]:
     }
 
 
-def metric_sum(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and (line[len(name)] in "{ "):
-            with contextlib.suppress(ValueError):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def rss_report(rss: list[tuple[float, int]], warmup_s: float) -> dict[str, Any]:
     if not rss:
         return {}
@@ -617,7 +609,11 @@ def main(argv: list[str] | None = None) -> int:
             if state["in_flight_requests"] == 0:
                 break
             time.sleep(0.2)
-        metrics = httpx.get(stack.url + "/metrics", timeout=10).text
+        metrics = httpx.get(stack.url + "/metrics", timeout=10).content
+
+        def counter(name: str) -> float:
+            return metric_sum(metrics, name) or 0.0
+
         stop_samples.set()
         sampler.join(10)
         code = stack.stop_router()
@@ -638,12 +634,10 @@ def main(argv: list[str] | None = None) -> int:
             "client_kinds": dict(Counter(s.kind for s in sent_copy)),
             "journal": journal,
             "lost_journal_records": journal["lost_records"],
-            "stranded_handoffs_metric": metric_sum(metrics, "narwhal_stranded_handoffs_total"),
-            "retries_metric": metric_sum(metrics, "narwhal_retries_total"),
-            "journal_dropped_metric": metric_sum(metrics, "narwhal_journal_dropped_total"),
-            "journal_write_errors_metric": metric_sum(
-                metrics, "narwhal_journal_write_errors_total"
-            ),
+            "stranded_handoffs_metric": counter("narwhal_stranded_handoffs_total"),
+            "retries_metric": counter("narwhal_retries_total"),
+            "journal_dropped_metric": counter("narwhal_journal_dropped_total"),
+            "journal_write_errors_metric": counter("narwhal_journal_write_errors_total"),
             "faults": dict(chaos.faults.most_common()),
             "engine_restarts": chaos.restarts,
             "flips": {"done": chaos.flips_ok, "refused": chaos.flips_refused},

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import sys
 import tempfile
@@ -21,15 +20,16 @@ from typing import Any
 
 import httpx
 
+from narwhal.engines.scrape import metric_sum
 from narwhal.serve.cli import serve_command
 from narwhal.testing import procs
 from narwhal.testing.fleet import SimFleet
 from narwhal.testing.routers import router_ready
 
 
-def _metric_sum(text: str, name: str) -> float:
-    pattern = rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$"
-    return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
+def _fleet_total(urls: list[str], metric: str) -> float:
+    """A metric's sum over the engines at ``urls`` (0 where an engine has none)."""
+    return sum(metric_sum(httpx.get(u + "/metrics").content, metric) or 0.0 for u in urls)
 
 
 def _summary(record: dict[str, Any]) -> str:
@@ -72,10 +72,7 @@ def run(fleet_path: str, port: int, once: bool) -> int:
             print(f"narwhal-serve ready at {url}\n", flush=True)
             model = fleet.fleet.model.id
             decode_urls = [e.url for e in fleet.fleet.engines if e.initial_role == "decode"]
-            before = sum(
-                _metric_sum(httpx.get(u + "/metrics").text, "vllm:nixl_bytes_transferred_sum")
-                for u in decode_urls
-            )
+            before = _fleet_total(decode_urls, "vllm:nixl_bytes_transferred_sum")
             with httpx.Client(timeout=60) as client:
                 print("streamed chat through the router:", flush=True)
                 body = {
@@ -105,14 +102,8 @@ def run(fleet_path: str, port: int, once: bool) -> int:
                 ).json()
                 print(f"completion: {completion['choices'][0]['text']!r}")
                 print(f"  usage: {completion['usage']}\n")
-            moved = sum(
-                _metric_sum(httpx.get(u + "/metrics").text, "vllm:nixl_bytes_transferred_sum")
-                for u in decode_urls
-            )
-            failures = sum(
-                _metric_sum(httpx.get(u + "/metrics").text, "narwhal_sim:kv_verify_failures_total")
-                for u in decode_urls
-            )
+            moved = _fleet_total(decode_urls, "vllm:nixl_bytes_transferred_sum")
+            failures = _fleet_total(decode_urls, "narwhal_sim:kv_verify_failures_total")
             print(
                 f"NIXL moved {int(moved - before):,} bytes of KV between engines; checksum: "
                 f"{'every pulled block verified' if failures == 0 else 'FAILED'}"

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from narwhal.profiler.runner import (
+from narwhal.engines.probes import (
     DECODE_PROBE_ATTEMPTS,
     DecodeProbe,
-    EngineProfilingError,
     NoDecodeOverlapError,
+    ProbeError,
     sample_decode,
 )
 
@@ -107,7 +107,7 @@ async def test_a_lump_long_after_the_other_stream_ended_is_no_batch() -> None:
 
 async def test_too_few_tokens_is_not_retried() -> None:
     probe = Probe([[0.0, 0.01], [0.0, 0.01]], OVERLAPPING)
-    with pytest.raises(EngineProfilingError, match="too few tokens") as failed:
+    with pytest.raises(ProbeError, match="too few tokens") as failed:
         await sample_decode(probe, 64, 2, 64)
     assert not isinstance(failed.value, NoDecodeOverlapError)
     assert probe.calls == 1

@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import random
-import re
 import secrets
-import statistics
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -38,30 +35,23 @@ from narwhal.check.settings import GENERATION_TEXT, CheckSettings
 from narwhal.clock import Clock
 from narwhal.contract import EngineSpec, FleetContract
 from narwhal.engines.legs import decode_leg_body, prefill_leg_body
-from narwhal.engines.probes import SEED_TEXT, check_idle
+from narwhal.engines.probes import (
+    SEED_TEXT,
+    DecodeProbe,
+    ProbeError,
+    check_idle,
+    engine_itl_totals,
+    error_message,
+    sample_decode,
+    stream_arrivals,
+)
+from narwhal.engines.scrape import metric_sum
 from narwhal.engines.sse import iter_sse_events
 
-__all__ = ["Collector", "metric_sum"]
+__all__ = ["PACE_WARMUP_PROBES", "Collector"]
 
 T = TypeVar("T")
 Progress = Callable[[str], None]
-
-_METRIC_LINE = re.compile(rb"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})? ([^ \n]+)", re.M)
-
-
-def metric_sum(text: bytes, name: str) -> float | None:
-    """Sum of a metric's samples over its label sets; None if the page has no such sample."""
-    total: float | None = None
-    wanted = name.encode()
-    for match in _METRIC_LINE.finditer(text):
-        if match.group(1) != wanted:
-            continue
-        try:
-            value = float(match.group(2))
-        except ValueError:
-            continue
-        total = (total or 0.0) + value
-    return total
 
 
 def _why(exc: BaseException) -> str:
@@ -70,17 +60,8 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-def _error_message(response: httpx.Response) -> str:
-    try:
-        body = response.json()
-        message = body["error"]["message"] if isinstance(body.get("error"), dict) else body
-    except (ValueError, KeyError, TypeError, AttributeError):
-        message = response.text[:200]
-    return f"HTTP {response.status_code}: {str(message)[:200]}"
-
-
-class ProbeError(Exception):
-    pass
+# Prefill probes sent to each engine before the pace gate times any.
+PACE_WARMUP_PROBES = 1
 
 
 class Collector:
@@ -207,7 +188,7 @@ class Collector:
                     self.settings.probe_timeout_s,
                 )
                 if r.status_code != 200:
-                    raise ProbeError(_error_message(r))
+                    raise ProbeError(error_message(r))
                 data = r.json()
                 choice = data["choices"][0]
                 ids = choice.get("token_ids")
@@ -235,7 +216,7 @@ class Collector:
                     self._clients[spec.id].get("/v1/models"), self.settings.health_timeout_s
                 )
                 if r.status_code != 200:
-                    return ModelsResult(spec.id, error=_error_message(r))
+                    return ModelsResult(spec.id, error=error_message(r))
                 data = r.json()["data"]
                 ids = [str(m["id"]) for m in data]
                 lens = [m.get("max_model_len") for m in data if m["id"] == self.fleet.model.id]
@@ -259,7 +240,7 @@ class Collector:
         except (httpx.HTTPError, TimeoutError) as exc:
             raise ProbeError(_why(exc)) from None
         if r.status_code != 200:
-            raise ProbeError(_error_message(r))
+            raise ProbeError(error_message(r))
         try:
             tokens = r.json()["tokens"]
         except (ValueError, KeyError, TypeError):
@@ -304,29 +285,9 @@ class Collector:
         self, engine_id: str, body: dict[str, Any]
     ) -> tuple[float, list[float]]:
         """A streamed completion: (send time, arrival time of each chunk with text)."""
-        client = self._clients[engine_id]
-        sent = self.clock.now()
-        times: list[float] = []
-
-        async def run() -> None:
-            async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-                if r.status_code != 200:
-                    await r.aread()
-                    raise ProbeError(_error_message(r))
-                async for data in iter_sse_events(r.aiter_bytes()):
-                    if data == b"[DONE]":
-                        return
-                    obj = orjson.loads(data)
-                    if "error" in obj:
-                        raise ProbeError(f"engine error: {obj['error']}")
-                    if any(c.get("text") for c in obj.get("choices") or ()):
-                        times.append(self.clock.now())
-
-        try:
-            await self._bounded(run(), self.settings.probe_timeout_s)
-        except (httpx.HTTPError, TimeoutError, orjson.JSONDecodeError) as exc:
-            raise ProbeError(f"probe failed: {_why(exc)}") from None
-        return sent, times
+        return await stream_arrivals(
+            self._clients[engine_id], body, self.settings.probe_timeout_s, self.clock.now
+        )
 
     async def pace(self, plan: PaceProbePlan, live: dict[str, str | None]) -> list[PaceResult]:
         repeats = self.settings.pace_repeats
@@ -344,6 +305,10 @@ class Collector:
                 if idle is not None:
                     return dataclasses.replace(base, idle_problem=idle)
                 pool = await self._pool(spec.id)
+                # Unmeasured: an engine's first prefill after a pause ran 1.8 s where the next
+                # ran 0.08 s (a CPU engine here); the profile's probes had no such pause.
+                for _ in range(PACE_WARMUP_PROBES):
+                    await self._stream_times(spec.id, self._body(pool, plan.prefill_tokens, 1))
                 prefill: list[float] = []
                 for _ in range(repeats):
                     sent, times = await self._stream_times(
@@ -352,14 +317,25 @@ class Collector:
                     if not times:
                         raise ProbeError("the prefill probe produced no token")
                     prefill.append(times[0] - sent)
-                _, times = await self._stream_times(
-                    spec.id, self._body(pool, plan.decode_input_tokens, plan.decode_tokens)
+                client = self._clients[spec.id]
+
+                async def decode_probe() -> DecodeProbe:
+                    before = await engine_itl_totals(client)
+                    body = self._body(pool, plan.decode_input_tokens, plan.decode_tokens)
+                    sent, times = await self._stream_times(spec.id, body)
+                    after = await engine_itl_totals(client) if before is not None else None
+                    itl = None
+                    if before is not None and after is not None:
+                        itl = (after[0] - before[0], after[1] - before[1])
+                    return DecodeProbe([times], itl, sent)
+
+                # Read as the profiler read its own decode samples (a median of single token
+                # gaps reads chunks that arrive coalesced as 0 s/token).
+                sample = await sample_decode(
+                    decode_probe, plan.decode_input_tokens, 1, plan.decode_tokens
                 )
-                if len(times) < 3:
-                    raise ProbeError("the decode probe returned too few tokens")
-                gaps = [b - a for a, b in itertools.pairwise(times)]
                 return dataclasses.replace(
-                    base, prefill_s=prefill, decode_s_per_token=statistics.median(gaps)
+                    base, prefill_s=prefill, decode_s_per_token=sample.seconds_per_token
                 )
             except ProbeError as exc:
                 return dataclasses.replace(base, error=str(exc))
@@ -400,7 +376,7 @@ class Collector:
             return HandoffProbe(error=f"prefill leg on {prefill}: {_why(exc)}")
         prefill_s = self.clock.now() - start
         if r.status_code != 200:
-            return HandoffProbe(prefill_s, error=f"prefill leg on {prefill}: {_error_message(r)}")
+            return HandoffProbe(prefill_s, error=f"prefill leg on {prefill}: {error_message(r)}")
         try:
             params = r.json().get("kv_transfer_params")
         except (ValueError, AttributeError):
@@ -425,7 +401,7 @@ class Collector:
             ) as resp:
                 if resp.status_code != 200:
                     await resp.aread()
-                    raise ProbeError(f"decode leg on {decode}: {_error_message(resp)}")
+                    raise ProbeError(f"decode leg on {decode}: {error_message(resp)}")
                 async for data in iter_sse_events(resp.aiter_bytes()):
                     if data == b"[DONE]":
                         return

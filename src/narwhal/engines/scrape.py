@@ -1,17 +1,38 @@
-"""Reading the load an engine reports on /metrics (vLLM's metric names)."""
+"""Reading what an engine reports on /metrics: its load (vLLM's gauge names) and the sum of
+any metric's samples over its label sets."""
 
 from __future__ import annotations
 
 import math
 import re
 
-__all__ = ["parse_engine_load"]
+__all__ = ["metric_sum", "parse_engine_load"]
 
 _LINE = re.compile(
     rb"^vllm:(num_requests_running|num_requests_waiting|kv_cache_usage_perc)(?:\{[^}]*\})?"
     rb" ([^ \n]+)",
     re.M,
 )
+
+
+_METRIC_LINE = re.compile(rb"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})? ([^ \n]+)", re.M)
+
+
+def metric_sum(text: bytes | str, name: str) -> float | None:
+    """Sum of a metric's samples over its label sets (data-parallel ranks, label values add
+    up); None if the page has no such sample."""
+    page = text.encode() if isinstance(text, str) else text
+    total: float | None = None
+    wanted = name.encode()
+    for match in _METRIC_LINE.finditer(page):
+        if match.group(1) != wanted:
+            continue
+        try:
+            value = float(match.group(2))
+        except ValueError:
+            continue
+        total = (total or 0.0) + value
+    return total
 
 
 def parse_engine_load(text: bytes) -> dict[str, float] | None:
