@@ -1,25 +1,34 @@
-"""The virtual-time simulator against the live simulated fleet on the same workload: attainment
-and TTFT/TPOT medians agree within 10%. The larger version is ``bench/des_agreement.py``; both
-use ``narwhal.fleetsim.agreement``."""
+"""The virtual-time simulator against the live simulated fleet on the same workloads: attainment
+and TTFT/TPOT medians agree within 10%, on a light load and on a saturated one (the prefill pool
+85% busy with 4,096-token prompts: prefill queues form and decode engines' KV caches fill). The
+simulator is given one calibration of the live stack, measured before either workload. The
+larger version, with p90s and repeats, is ``bench/des_agreement.py``; both use
+``narwhal.fleetsim.agreement``."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from narwhal.contract import load_fleet
-from narwhal.fleetsim.agreement import compare, leg_overhead_s, replay, run_des_like_live
+from narwhal.fleetsim.agreement import calibrate, compare, replay, run_des_like_live
 from narwhal.fleetsim.workloads import poisson_requests, timings_of
 from narwhal.profiles.store import ProfileStore, engine_models
 from narwhal.testing.procs import wait_until
-from tests.helpers import MODEL, running_fleet, running_router
+from tests.helpers import MODEL, RouterProcess, running_fleet, running_router
 from tests.integration.test_profile_v1 import profile, write_limits
 
 pytestmark = pytest.mark.slow
 
 SCALE = 2.0
+
+
+def _ends(router: RouterProcess, count: int) -> list[dict[str, Any]]:
+    wait_until(lambda: len(router.ends()) >= count, 15)
+    return list(router.ends().values())
 
 
 def test_des_agrees_with_the_live_fleet(tmp_path: Path) -> None:
@@ -42,15 +51,57 @@ def test_des_agrees_with_the_live_fleet(tmp_path: Path) -> None:
             decode_tokens="16",
         )
         assert r.returncode == 0, r.stderr
-        specs = poisson_requests(rate=2.4, count=60, prompt_tokens=1024, output_tokens=32, seed=7)
+        contract = load_fleet(fleet.fleet_path).contract
+        timings = timings_of(contract)
+        engines = {e.id: e.url for e in contract.engines}
+        prefill_engines = sum(1 for e in contract.engines if e.initial_role == "prefill")
+        # The saturated rate: the prefill pool 85% busy with 4,096-token prompts.
+        engine_s = timings["e0"].wall(timings["e0"].prefill.chunk_seconds(0, 4096))
+        workloads = {
+            "light": poisson_requests(
+                rate=2.4, count=60, prompt_tokens=1024, output_tokens=32, seed=7
+            ),
+            "saturated": poisson_requests(
+                rate=0.85 * prefill_engines / engine_s,
+                count=80,
+                prompt_tokens=4096,
+                output_tokens=16,
+                seed=9,
+            ),
+        }
         with running_router(tmp_path, fleet.fleet_path, "--profiles", str(store_path)) as router:
-            live = asyncio.run(replay(router.url, specs, MODEL))
-            assert wait_until(lambda: len(router.ends()) == len(specs), 10)
-            ends = list(router.ends().values())
+            calibration = asyncio.run(
+                calibrate(
+                    router.url,
+                    engines,
+                    timings,
+                    prefill_engines,
+                    MODEL,
+                    lambda n: _ends(router, n),
+                    isolated=9,
+                    loaded_per_engine=12,
+                )
+            )
+        lives = {}
+        for name, specs in workloads.items():
+            # A fresh router per workload: the online corrections start from the profile, as
+            # the simulator's do.
+            directory = tmp_path / name
+            directory.mkdir()
+            with running_router(
+                directory, fleet.fleet_path, "--profiles", str(store_path)
+            ) as router:
+                lives[name] = asyncio.run(replay(router.url, specs, MODEL))
+                assert len(_ends(router, len(specs))) == len(specs)
     models = engine_models(ProfileStore.model_validate_json(store_path.read_text()))
-    fleet_contract = load_fleet(fleet.fleet_path).contract
-    # The simulator is told what one HTTP leg costs on this live stack, measured in this run.
-    overhead = leg_overhead_s(ends, timings_of(fleet_contract), 1024)
-    result = run_des_like_live(fleet_contract, models, specs, overhead)
-    agreement = compare(live, result, fleet_contract.budgets, overhead)
-    assert agreement.within(0.10), agreement.report()
+    reports = []
+    for name, specs in workloads.items():
+        result = run_des_like_live(contract, models, specs, calibration)
+        agreement = compare(lives[name], result, contract.budgets)
+        reports.append((name, agreement))
+    message = "\n".join([calibration.report()] + [f"{name}: {a.report()}" for name, a in reports])
+    for _, agreement in reports:
+        assert agreement.live_failed == 0, message
+        for quantity, _, _, diff in agreement.rows():
+            if quantity in ("attainment", "ttft_p50_s", "tpot_p50_s"):
+                assert abs(diff) <= 0.10, f"{quantity}: {diff:+.1%}\n{message}"

@@ -2,18 +2,43 @@
 
 Shared by the agreement test (``tests/integration/test_des_agreement.py``, small) and the
 agreement benchmark (``bench/des_agreement.py``, larger): an open-loop client that replays a
-list of ``RequestSpec`` through a running narwhal-serve and measures TTFT and TPOT itself, the
-per-leg HTTP overhead of the live stack measured from the router's journal, the simulator run
-on the same fleet, profiles and workload, and the comparison of attainment and TTFT/TPOT
-medians against a relative tolerance (10% in the issue).
+list of ``RequestSpec`` through a running narwhal-serve and measures TTFT and TPOT itself; a
+calibration of the live stack that does not depend on the workload that follows it; the
+simulator run on the same fleet, profiles, calibration and workload; and the comparison of
+attainment and TTFT/TPOT p50 and p90 against a relative tolerance (10% in the issue).
+
+What the calibration measures, each once per fleet and whatever workload follows:
+
+- **leg overhead**: what one HTTP leg costs beyond the engine's own steps (router, client and
+  engine servers on loopback): requests sent one at a time, each prefill leg's duration less
+  the wall seconds its prefill engine spent in steps meanwhile (the engine's
+  ``narwhal_sim:step_seconds_total``); the median, with its spread over those legs;
+- **host work per prefill**: what a prefill engine's host adds to its modelled steps for each
+  prompt (taking the request, writing the prompt's KV, serving its pull; late wake-ups while
+  other engine processes hold the two cores): the engine's measured step seconds less the
+  seconds its model planned for them (``narwhal_sim:step_seconds_total`` less
+  ``narwhal_sim:step_planned_seconds_total``), per prompt, under a steady open-loop load that
+  keeps the prefill pool ``load`` busy (Poisson), at two prompt lengths: a line over prompt
+  length. It is work per prompt, not a factor on the step (the same load measured 1.05-1.07
+  times the planned step seconds with 1,024-token prompts, 1.03-1.06 with 2,048 and 1.04-1.06
+  with 4,096), and it is larger under load than alone (contention for the cores);
+- **KV transfer**: each isolated request's pull time (``vllm:nixl_xfer_time_seconds``) against
+  its prompt length, fitted as a line: the transfer grows with the KV's bytes.
+
+The simulator also holds each engine's KV cache to its blocks (``KVBlocks``) as the live
+engines do: under saturation a decode engine full of long prompts makes the next decode leg
+wait for blocks, which is most of the live TTFT tail.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
+import random
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,18 +46,30 @@ import httpx
 import orjson
 
 from narwhal.contract import Budgets, FleetContract
+from narwhal.engines.scrape import metric_sum
 from narwhal.fleetsim.simulator import DesConfig, DesResult, RequestSpec, run_des
-from narwhal.fleetsim.workloads import timings_of
+from narwhal.fleetsim.workloads import kv_blocks_of, timings_of
 from narwhal.profiles.store import EngineModels
 
 __all__ = [
     "Agreement",
+    "Calibration",
     "LiveOutcome",
+    "calibrate",
     "compare",
-    "leg_overhead_s",
+    "engine_counters",
+    "host_seconds",
     "replay",
     "run_des_like_live",
+    "step_inflation",
 ]
+
+_COUNTERS = (
+    "narwhal_sim:step_seconds_total",
+    "narwhal_sim:step_planned_seconds_total",
+    "vllm:nixl_xfer_time_seconds_sum",
+    "vllm:nixl_xfer_time_seconds_count",
+)
 
 
 @dataclass(frozen=True)
@@ -48,15 +85,24 @@ async def replay(
     model: str,
     lead_s: float = 0.2,
     timeout_s: float = 120.0,
+    id_prefix: str | None = None,
 ) -> list[LiveOutcome]:
     """Open loop: each request at its arrival time (streamed, ``ignore_eos``, token-id
-    prompts), one outcome per spec in order."""
+    prompts), one outcome per spec in order. With ``id_prefix``, request i is sent with
+    ``X-Request-Id: <id_prefix>-<i>`` (the journal's ``client_request_id``)."""
 
     async def one(client: httpx.AsyncClient, i: int, spec: RequestSpec) -> LiveOutcome:
+        try:
+            return await send(client, i, spec)
+        except httpx.HTTPError:
+            return LiveOutcome(0)  # no answer (connection lost, timed out): failed
+
+    async def send(client: httpx.AsyncClient, i: int, spec: RequestSpec) -> LiveOutcome:
         await asyncio.sleep(max(0.0, t0 + spec.arrival - time.monotonic()))
         sent = time.monotonic()
         prompt = [300 + (i * 131 + k) % 9000 for k in range(spec.prompt_tokens)]
         times: list[float] = []
+        headers = {"X-Request-Id": f"{id_prefix}-{i}"} if id_prefix else None
         async with client.stream(
             "POST",
             url + "/v1/completions",
@@ -67,6 +113,7 @@ async def replay(
                 "ignore_eos": True,
                 "stream": True,
             },
+            headers=headers,
         ) as r:
             if r.status_code != 200:
                 return LiveOutcome(r.status_code)
@@ -81,68 +128,232 @@ async def replay(
         return LiveOutcome(200, times[0] - sent, tpot)
 
     limits = httpx.Limits(max_connections=max(200, len(specs)))
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits, trust_env=False) as client:
         t0 = time.monotonic() + lead_s
         return list(await asyncio.gather(*(one(client, i, s) for i, s in enumerate(specs))))
 
 
-def leg_overhead_s(
-    ends: Iterable[dict[str, Any]], timings: dict[str, EngineModels], default_prompt: int
-) -> float:
-    """What one HTTP leg costs on the live stack (router, client and engine servers on
-    loopback), from the router's journal: the median, over prefill legs that had their engine to
-    themselves (no other prefill leg on it overlapped), of the leg's duration less the time the
-    simulated engine takes to prefill its prompt (its step timing, which the simulator replays).
+async def engine_counters(engines: dict[str, str]) -> dict[str, dict[str, float]]:
+    """The step and KV-transfer counters of each engine (id -> URL), read from its /metrics."""
 
-    Legs that shared their engine carry queueing, which the simulator produces itself (under a
-    saturating load the median leg is mostly queue); all legs count only when fewer than five
-    ran alone. Not less the *profiled* prefill time: a profile measured through HTTP has the
-    overhead in its intercept already, and the difference would hide it."""
-    legs: list[tuple[str, float, float, float]] = []  # engine, start, end, engine seconds
-    for e in ends:
-        start, end, arrival = e.get("t_prefill_start"), e.get("t_prefill_end"), e.get("arrival")
-        engine = e.get("prefill_engine") or ""
-        timing = timings.get(engine)
-        if start is None or end is None or arrival is None or timing is None:
+    async def one(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+        page = (await client.get(url + "/metrics")).content
+        return {name: metric_sum(page, name) or 0.0 for name in _COUNTERS}
+
+    async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
+        values = await asyncio.gather(*(one(client, u) for u in engines.values()))
+    return dict(zip(engines, values, strict=True))
+
+
+def _delta(
+    after: dict[str, dict[str, float]], before: dict[str, dict[str, float]], name: str
+) -> dict[str, float]:
+    return {e: after[e][name] - before[e][name] for e in after}
+
+
+def step_inflation(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+) -> dict[str, float]:
+    """Each engine's measured step seconds over its planned ones between two readings (engines
+    that stepped for less than 50 ms of planned time are left out: too little to tell)."""
+    wall = _delta(after, before, "narwhal_sim:step_seconds_total")
+    planned = _delta(after, before, "narwhal_sim:step_planned_seconds_total")
+    return {e: wall[e] / planned[e] for e in wall if planned[e] >= 0.05}
+
+
+def host_seconds(
+    before: dict[str, dict[str, float]],
+    after: dict[str, dict[str, float]],
+    engine_ids: Iterable[str],
+) -> float:
+    """Measured less planned step seconds between two readings, summed over ``engine_ids``."""
+    wall = _delta(after, before, "narwhal_sim:step_seconds_total")
+    planned = _delta(after, before, "narwhal_sim:step_planned_seconds_total")
+    return sum(wall[e] - planned[e] for e in engine_ids)
+
+
+def _spread(values: Sequence[float]) -> tuple[float, float]:
+    ordered = sorted(values)
+    return ordered[0], ordered[-1]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the live stack adds to the engines' modelled steps, measured apart from any
+    workload (see the module docstring)."""
+
+    leg_overhead_s: float  # median over isolated prefill legs
+    leg_overhead_range_s: tuple[float, float]  # their min and max
+    legs: int
+    prefill_host_s: float  # host work per prompt under load ...
+    prefill_host_s_per_token: float  # ... and per prompt token
+    isolated_host: list[tuple[int, float]]  # (prompt tokens, host seconds) of isolated prompts
+    loaded_host: list[tuple[int, float]]  # (prompt tokens, host seconds per prompt) under load
+    transfer_s: float  # KV pull: intercept ...
+    transfer_s_per_token: float  # ... and seconds per prompt token
+    transfers: list[tuple[int, float]]  # (prompt tokens, pull seconds) of the isolated requests
+
+    def host_s(self, tokens: float) -> float:
+        """The host work the simulator adds for one prompt of ``tokens`` tokens."""
+        return self.prefill_host_s + self.prefill_host_s_per_token * tokens
+
+    def with_host_s(self, host_s: float, tokens: float) -> Calibration:
+        """This calibration with its host work per prompt moved (same slope) to ``host_s`` for
+        prompts of ``tokens`` tokens: how a run's own measurement is given to the simulator."""
+        base = max(0.0, host_s - self.prefill_host_s_per_token * tokens)
+        return dataclasses.replace(self, prefill_host_s=base)
+
+    def report(self) -> str:
+        lo, hi = self.leg_overhead_range_s
+        loaded = ", ".join(f"{n} tokens {h * 1000:.1f} ms" for n, h in self.loaded_host)
+        return (
+            f"leg overhead {self.leg_overhead_s * 1000:.1f} ms (median of {self.legs} isolated "
+            f"legs, range {lo * 1000:.1f}..{hi * 1000:.1f} ms); host work per prefill "
+            f"{self.prefill_host_s * 1000:.2f} ms + {self.prefill_host_s_per_token * 1e6:.3f} "
+            f"us/token (under load: {loaded}); KV transfer {self.transfer_s * 1000:.2f} ms + "
+            f"{self.transfer_s_per_token * 1e6:.3f} us/token ({len(self.transfers)} pulls)"
+        )
+
+
+def _fit_line(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares (intercept, slope), both at least 0; (median, 0) when x does not vary or
+    the fitted slope is negative (a first pull to a new peer sets up its side channel: on
+    loopback that, not the bytes, is what varies)."""
+    xs = [float(x) for x, _ in points]
+    ys = [y for _, y in points]
+    if not ys:
+        return 0.0, 0.0
+    if len(set(xs)) >= 2:
+        slope, intercept = statistics.linear_regression(xs, ys)
+        if slope >= 0:
+            return max(0.0, intercept), slope
+    return max(0.0, statistics.median(ys)), 0.0
+
+
+async def calibrate(
+    url: str,
+    engines: dict[str, str],
+    timings: dict[str, EngineModels],
+    prefill_engines: int,
+    model: str,
+    ends: Callable[[int], list[dict[str, Any]]],
+    sizes: Sequence[int] = (512, 2048, 4096),
+    isolated: int = 12,
+    load: float = 0.85,
+    loaded_sizes: Sequence[int] = (1024, 4096),
+    loaded_per_engine: int = 16,
+    seed: int = 0,
+) -> Calibration:
+    """Calibrate the live stack behind the router at ``url`` (its engines: id -> URL, and
+    their step timings).
+
+    ``ends(n)`` returns the router journal's request.end records once it holds ``n`` of them
+    (every request the router saw so far, calibration included). Isolated requests go one at
+    a time, cycling through ``sizes`` (2 output tokens); then, for each of ``loaded_sizes``,
+    ``loaded_per_engine`` requests per prefill engine (16 output tokens) arrive as a Poisson
+    stream that keeps the prefill pool ``load`` busy."""
+    transfers: list[tuple[int, float]] = []
+    # Request id -> (prompt tokens, each engine's step seconds and host seconds while it ran).
+    alone: dict[str, tuple[int, dict[str, float], dict[str, float]]] = {}
+    for i in range(isolated):
+        n = sizes[i % len(sizes)]
+        before = await engine_counters(engines)
+        out = await replay(url, [RequestSpec(0.0, n, 2)], model, lead_s=0.0, id_prefix=f"cal{i}")
+        if out[0].status != 200:
+            raise RuntimeError(f"calibration request answered HTTP {out[0].status}")
+        after = await engine_counters(engines)
+        alone[f"cal{i}-0"] = (
+            n,
+            _delta(after, before, "narwhal_sim:step_seconds_total"),
+            {e: host_seconds(before, after, [e]) for e in engines},
+        )
+        pulls = sum(_delta(after, before, "vllm:nixl_xfer_time_seconds_count").values())
+        seconds = sum(_delta(after, before, "vllm:nixl_xfer_time_seconds_sum").values())
+        if round(pulls) == 1:
+            transfers.append((n, seconds))
+    records = {r.get("client_request_id"): r for r in ends(isolated)}
+    overheads: list[float] = []
+    isolated_host: list[tuple[int, float]] = []
+    for rid, (n, steps, host) in alone.items():
+        record = records.get(rid)
+        if record is None or record.get("t_prefill_end") is None:
             continue
-        tokens = e.get("prompt_tokens") or default_prompt
-        engine_s = timing.wall(timing.prefill.chunk_seconds(0, tokens))
-        legs.append((engine, arrival + start, arrival + end, engine_s))
-    by_engine: dict[str, list[tuple[float, float]]] = {}
-    for engine, start, end, _ in legs:
-        by_engine.setdefault(engine, []).append((start, end))
-    alone = [
-        leg
-        for leg in legs
-        if sum(1 for s, e in by_engine[leg[0]] if s < leg[2] and e > leg[1]) == 1  # itself
-    ]
-    use = alone if len(alone) >= 5 else legs
-    extra = [end - start - engine_s for _, start, end, engine_s in use]
-    return max(0.0, statistics.median(extra)) if extra else 0.0
+        engine = str(record.get("prefill_engine"))
+        leg = record["t_prefill_end"] - record["t_prefill_start"]
+        overheads.append(leg - steps.get(engine, 0.0))
+        isolated_host.append((n, host.get(engine, 0.0)))
+    if not overheads:
+        raise RuntimeError("no isolated calibration leg reached the journal")
+    rng = random.Random(seed)
+    loaded_host: list[tuple[int, float]] = []
+    sent = isolated
+    for size in loaded_sizes:
+        engine_s = statistics.fmean(
+            t.wall(t.prefill.chunk_seconds(0, size)) for t in timings.values()
+        )
+        rate = load * prefill_engines / engine_s
+        arrivals = itertools.accumulate(
+            rng.expovariate(rate) for _ in range(loaded_per_engine * prefill_engines)
+        )
+        loaded = [RequestSpec(t, size, 16) for t in arrivals]
+        before = await engine_counters(engines)
+        out = await replay(url, loaded, model, id_prefix=f"calload{size}")
+        after = await engine_counters(engines)
+        if any(o.status != 200 for o in out):
+            raise RuntimeError("a calibration request under load failed")
+        sent += len(loaded)
+        prefill_ids = {str(r.get("prefill_engine")) for r in ends(sent) if r.get("prefill_engine")}
+        spent = host_seconds(before, after, prefill_ids & set(engines))
+        loaded_host.append((size, spent / len(loaded)))
+    prefill_host, per_token_host = _fit_line(loaded_host)
+    transfer_s, per_token = _fit_line(transfers)
+    return Calibration(
+        leg_overhead_s=max(0.0, statistics.median(overheads)),
+        leg_overhead_range_s=_spread(overheads),
+        legs=len(overheads),
+        prefill_host_s=prefill_host,
+        prefill_host_s_per_token=per_token_host,
+        isolated_host=isolated_host,
+        loaded_host=loaded_host,
+        transfer_s=transfer_s,
+        transfer_s_per_token=per_token,
+        transfers=transfers,
+    )
 
 
 def run_des_like_live(
     fleet: FleetContract,
     models: dict[str, EngineModels],
     specs: list[RequestSpec],
-    leg_overhead: float,
-    transfer_s: float = 0.004,
+    calibration: Calibration,
 ) -> DesResult:
-    """The simulator on the live run's fleet, profiles (the router's own models) and
-    workload: scheduler v1 scoring every engine, as narwhal-serve does, flipping off."""
+    """The simulator on the live run's fleet, profiles (the router's own models), calibration
+    and workload: scheduler v1 scoring every engine, as narwhal-serve does, flipping off, each
+    engine's KV cache held to its blocks."""
     return run_des(
         DesConfig(
             fleet,
             timings_of(fleet),
             scheduler="v1",
             flipping=False,
-            transfer_s=transfer_s,
-            leg_overhead_s=leg_overhead,
+            transfer_s=calibration.transfer_s,
+            transfer_s_per_token=calibration.transfer_s_per_token,
+            leg_overhead_s=calibration.leg_overhead_s,
+            prefill_host_s=calibration.prefill_host_s,
+            prefill_host_s_per_token=calibration.prefill_host_s_per_token,
             candidates=None,
+            kv_blocks=kv_blocks_of(fleet),
         ),
         specs,
         models,
     )
+
+
+def _p90(values: Iterable[float]) -> float:
+    ordered = sorted(values)
+    if len(ordered) < 2:
+        return ordered[0] if ordered else float("nan")
+    return statistics.quantiles(ordered, n=10, method="inclusive")[8]
 
 
 @dataclass(frozen=True)
@@ -150,12 +361,11 @@ class Agreement:
     offered: int
     live_attainment: float
     des_attainment: float
-    live_ttft_p50: float
-    des_ttft_p50: float
-    live_tpot_p50: float
-    des_tpot_p50: float
+    live_ttft: tuple[float, float]  # p50, p90
+    des_ttft: tuple[float, float]
+    live_tpot: tuple[float, float]
+    des_tpot: tuple[float, float]
     live_failed: int
-    leg_overhead_s: float
 
     @staticmethod
     def rel(des: float, live: float) -> float:
@@ -166,51 +376,37 @@ class Agreement:
 
     def rows(self) -> list[tuple[str, float, float, float]]:
         """(quantity, live, des, relative difference)."""
-        return [
-            (
-                "attainment",
-                self.live_attainment,
-                self.des_attainment,
-                self.rel(self.des_attainment, self.live_attainment),
-            ),
-            (
-                "ttft_p50_s",
-                self.live_ttft_p50,
-                self.des_ttft_p50,
-                self.rel(self.des_ttft_p50, self.live_ttft_p50),
-            ),
-            (
-                "tpot_p50_s",
-                self.live_tpot_p50,
-                self.des_tpot_p50,
-                self.rel(self.des_tpot_p50, self.live_tpot_p50),
-            ),
+        pairs = [
+            ("attainment", self.live_attainment, self.des_attainment),
+            ("ttft_p50_s", self.live_ttft[0], self.des_ttft[0]),
+            ("ttft_p90_s", self.live_ttft[1], self.des_ttft[1]),
+            ("tpot_p50_s", self.live_tpot[0], self.des_tpot[0]),
+            ("tpot_p90_s", self.live_tpot[1], self.des_tpot[1]),
         ]
+        return [(name, live, des, self.rel(des, live)) for name, live, des in pairs]
 
     def within(self, tolerance: float) -> bool:
         return all(abs(r) <= tolerance for _, _, _, r in self.rows())
 
     def report(self) -> str:
-        parts = [f"leg overhead {self.leg_overhead_s:.4f} s"]
-        for name, live, des, r in self.rows():
-            parts.append(f"{name} live {live:.4f} des {des:.4f} ({r:+.1%})")
-        return "; ".join(parts)
+        return "; ".join(
+            f"{name} live {live:.4f} des {des:.4f} ({r:+.1%})" for name, live, des, r in self.rows()
+        )
 
 
-def compare(
-    live: list[LiveOutcome], des: DesResult, budgets: Budgets, leg_overhead: float
-) -> Agreement:
-    """Attainment (met both budgets / offered) and medians of answered requests, both sides."""
-    ttfts = [(o.ttft, o.tpot) for o in live if o.status == 200 and o.ttft is not None]
-    met = sum(1 for t1, t2 in ttfts if t1 <= budgets.ttft_s and (t2 or 0.0) <= budgets.tpot_s)
+def compare(live: list[LiveOutcome], des: DesResult, budgets: Budgets) -> Agreement:
+    """Attainment (met both budgets / offered) and p50/p90 of answered requests, both sides."""
+    answered = [(o.ttft, o.tpot) for o in live if o.status == 200 and o.ttft is not None]
+    met = sum(1 for t1, t2 in answered if t1 <= budgets.ttft_s and (t2 or 0.0) <= budgets.tpot_s)
+    ttft = [t1 for t1, _ in answered]
+    tpot = [t2 for _, t2 in answered if t2 is not None]
     return Agreement(
         offered=len(live),
         live_attainment=met / len(live) if live else 0.0,
         des_attainment=des.attainment,
-        live_ttft_p50=statistics.median(t1 for t1, _ in ttfts),
-        des_ttft_p50=statistics.median(des.ttft),
-        live_tpot_p50=statistics.median(t2 for _, t2 in ttfts if t2 is not None),
-        des_tpot_p50=statistics.median(des.tpot),
-        live_failed=len(live) - len(ttfts),
-        leg_overhead_s=leg_overhead,
+        live_ttft=(statistics.median(ttft), _p90(ttft)),
+        des_ttft=(statistics.median(des.ttft), _p90(des.ttft)),
+        live_tpot=(statistics.median(tpot), _p90(tpot)),
+        des_tpot=(statistics.median(des.tpot), _p90(des.tpot)),
+        live_failed=len(live) - len(answered),
     )

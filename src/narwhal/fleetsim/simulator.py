@@ -40,7 +40,7 @@ from narwhal.routing.predictor import LatencyPredictor
 from narwhal.routing.roles import DemandTracker, RoleController
 from narwhal.routing.scheduler import SchedulerV0, SchedulerV1
 
-__all__ = ["DesConfig", "DesResult", "RequestSpec", "run_des"]
+__all__ = ["DesConfig", "DesResult", "KVBlocks", "RequestSpec", "run_des"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,21 @@ class RequestSpec:
     arrival: float
     prompt_tokens: int
     output_tokens: int
+
+
+@dataclass(frozen=True)
+class KVBlocks:
+    """An engine's KV cache: ``num_blocks`` blocks of ``block_size`` tokens each. A prefill leg
+    holds its prompt's blocks from the step that starts it until its decode engine has pulled
+    them; a decode leg (or a local prefill) holds its prompt's and output's blocks from its
+    admission to its last token, as vLLM and the live simulated engine allocate them."""
+
+    num_blocks: int
+    block_size: int
+
+    def blocks(self, tokens: int) -> int:
+        # A request larger than the whole cache would wait forever: it takes all of it.
+        return min(self.num_blocks, -(-tokens // self.block_size))
 
 
 @dataclass
@@ -59,6 +74,8 @@ class _Request:
     last_token: float | None = None
     outcome: str = "pending"
     deadline_missed: bool = False
+    prefill_blocks: int = 0  # held on its prefill engine until its KV is pulled
+    decode_blocks: int = 0  # held on its decode engine until its last token
 
     @property
     def prefill(self) -> str:
@@ -87,6 +104,10 @@ class _Engine:
     timing: EngineModels
     max_num_seqs: int
     max_num_batched_tokens: int
+    kv: KVBlocks | None = None  # None: KV capacity never binds
+    free_blocks: int = 0
+    kv_waiting: deque[_Request] = field(default_factory=deque)  # prefills waiting for blocks
+    kv_blocked: int = 0  # decode legs the last step boundary left waiting for blocks
     prefill_queue: deque[list[Any]] = field(default_factory=deque)  # [request, done tokens]
     decoding: list[tuple[int, int, _Sequence]] = field(default_factory=list)  # heap by end_step
     # A decode leg waits for a step boundary to be admitted (as in vLLM and the live
@@ -115,12 +136,21 @@ class DesConfig:
     scheduler: str = "v1"  # "v0" or "v1"
     flipping: bool = True
     transfer_s: float = 0.002  # KV pull, wall seconds (measured on loopback: a few ms)
+    transfer_s_per_token: float = 0.0  # and this much more per prompt token (its KV's bytes)
+    # Host work a prefill engine does per prompt beyond its modelled steps (taking the request,
+    # writing its KV, serving the pull; longer while other engine processes hold the cores),
+    # wall seconds: added to the step that prefills it.
+    prefill_host_s: float = 0.0
+    prefill_host_s_per_token: float = 0.0
     leg_overhead_s: float = 0.0  # router and HTTP time added to each leg
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
     scrape_interval_s: float = 1.0
     seed: int = 0
     candidates: int | None = 32  # scheduler v1 samples this many engines per role in big pools
+    # Each engine's KV cache (``narwhal.fleetsim.workloads.kv_blocks_of``); engines not in it
+    # (and all of them when None) have room for every request they admit.
+    kv_blocks: dict[str, KVBlocks] | None = None
 
 
 @dataclass
@@ -213,9 +243,15 @@ class _Simulation:
             if config.flipping and fleet.roles.enabled and config.scheduler == "v1"
             else None
         )
+        kv = config.kv_blocks or {}
         self.engines = {
             e.id: _Engine(
-                e.id, config.timings[e.id], config.max_num_seqs, config.max_num_batched_tokens
+                e.id,
+                config.timings[e.id],
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                kv.get(e.id),
+                kv[e.id].num_blocks if e.id in kv else 0,
             )
             for e in fleet.engines
         }
@@ -274,9 +310,7 @@ class _Simulation:
             elif kind == "finished":
                 self.decode_finished(payload)
             elif kind == "local_leg":
-                engine = self.engines[payload.decode]
-                engine.prefill_queue.append([payload, 0])
-                self.new_work(engine)
+                self.enqueue_prefill(self.engines[payload.decode], payload)
             elif kind == "decode_leg":
                 engine = self.engines[payload.decode]
                 engine.pending.append(_Sequence(payload, 0, 0))
@@ -286,6 +320,10 @@ class _Simulation:
                 engine.loading -= 1
                 engine.joining.append(payload)
                 self.new_work(engine)
+                # The prefill engine frees the pulled blocks when the reader says it is done.
+                request = payload.request
+                self.release(self.engines[request.prefill], request.prefill_blocks)
+                request.prefill_blocks = 0
             elif kind == "roles":
                 self.tick_roles()
                 if pending or self.busy():
@@ -299,7 +337,12 @@ class _Simulation:
 
     def busy(self) -> bool:
         return any(
-            e.busy_until is not None or e.joining or e.pending or e.loading or e.prefill_queue
+            e.busy_until is not None
+            or e.joining
+            or e.pending
+            or e.loading
+            or e.prefill_queue
+            or e.kv_waiting
             for e in self.engines.values()
         ) or bool(self.lifecycle.queued)
 
@@ -328,9 +371,7 @@ class _Simulation:
             # queues for that engine's prefill budget like any other, stalling its decode steps.
             self.at(now + self.config.leg_overhead_s, "local_leg", request)
             return
-        engine = self.engines[verdict.pair.prefill]
-        engine.prefill_queue.append([request, 0])
-        self.new_work(engine)
+        self.enqueue_prefill(self.engines[verdict.pair.prefill], request)
 
     def drain_queue(self) -> None:
         for ticket, verdict in self.lifecycle.drain():
@@ -348,6 +389,8 @@ class _Simulation:
         n = request.spec.output_tokens
         if n <= 1:
             self.at(step_end + hop, "finished", request)
+            self.release(engine, request.decode_blocks)
+            request.decode_blocks = 0
             return
         sequence = _Sequence(request, engine.steps + n - 1, engine.steps)
         heapq.heappush(engine.decoding, (sequence.end_step, request.index, sequence))
@@ -382,7 +425,10 @@ class _Simulation:
         """What the router's scrape loop reads from each engine's /metrics, at once."""
         now = self.clock.now()
         loads = {
-            engine_id: (engine.batch + len(engine.prefill_queue), len(engine.joining))
+            engine_id: (
+                engine.batch + len(engine.prefill_queue),
+                len(engine.joining) + len(engine.kv_waiting) + engine.kv_blocked,
+            )
             for engine_id, engine in self.engines.items()
         }
         if self.trace is not None:
@@ -418,9 +464,69 @@ class _Simulation:
     def kick(self, engine: _Engine) -> None:
         """Start a segment if the engine is idle and has work."""
         if engine.busy_until is None and (
-            engine.prefill_queue or engine.joining or engine.pending or engine.decoding
+            engine.prefill_queue
+            or engine.joining
+            or engine.pending
+            or engine.decoding
+            or engine.kv_waiting
         ):
             self.start_segment(engine)
+
+    def enqueue_prefill(self, engine: _Engine, request: _Request) -> None:
+        if engine.kv is None:
+            engine.prefill_queue.append([request, 0])
+        else:
+            engine.kv_waiting.append(request)
+        self.new_work(engine)
+
+    def release(self, engine: _Engine, blocks: int) -> None:
+        """``blocks`` of the engine's KV cache are free again: what waited for them may start."""
+        if not blocks:
+            return
+        engine.free_blocks += blocks
+        self.kick(engine)
+
+    def admit_kv(self, engine: _Engine) -> None:
+        """At a step boundary, as the engine's scheduler admits its waiting queue: prompts in
+        arrival order while their blocks fit (the first that does not fit holds the rest)."""
+        kv = engine.kv
+        assert kv is not None
+        while engine.kv_waiting:
+            request = engine.kv_waiting[0]
+            # A local prefill is also its own decode: it holds its output's blocks too.
+            tokens = request.spec.prompt_tokens + (
+                request.spec.output_tokens if request.local else 0
+            )
+            need = kv.blocks(tokens)
+            if need > engine.free_blocks:
+                break
+            engine.free_blocks -= need
+            engine.kv_waiting.popleft()
+            if request.local:
+                request.decode_blocks = need
+            else:
+                request.prefill_blocks = need
+            engine.prefill_queue.append([request, 0])
+
+    def admit_decode_legs(self, engine: _Engine, room: int) -> list[_Sequence]:
+        """The decode legs admitted at this boundary: up to ``room``, in arrival order, while
+        their prompt's and output's blocks fit."""
+        kv = engine.kv
+        if kv is None:
+            admitted, engine.pending = engine.pending[:room], engine.pending[room:]
+            return admitted
+        taken = 0
+        for sequence in engine.pending[:room]:
+            spec = sequence.request.spec
+            need = kv.blocks(spec.prompt_tokens + spec.output_tokens)
+            if need > engine.free_blocks:
+                break
+            engine.free_blocks -= need
+            sequence.request.decode_blocks = need
+            taken += 1
+        admitted, engine.pending = engine.pending[:taken], engine.pending[taken:]
+        engine.kv_blocked = len(engine.pending)
+        return admitted
 
     def new_work(self, engine: _Engine) -> None:
         if engine.busy_until is not None:
@@ -432,10 +538,14 @@ class _Simulation:
         now = self.clock.now()
         # Admit decode legs at the boundary: their KV pull runs while the engine steps on.
         room = max(0, engine.max_num_seqs - engine.batch - engine.loading - len(engine.joining))
-        admitted, engine.pending = engine.pending[:room], engine.pending[room:]
+        admitted = self.admit_decode_legs(engine, room)
+        if engine.kv_waiting:
+            self.admit_kv(engine)
         for sequence in admitted:
             engine.loading += 1
-            self.at(now + self.config.transfer_s, "loaded", sequence)
+            tokens = sequence.request.spec.prompt_tokens
+            transfer = self.config.transfer_s + self.config.transfer_s_per_token * tokens
+            self.at(now + transfer, "loaded", sequence)
         if not (engine.prefill_queue or engine.joining or engine.decoding):
             engine.segment = None
             engine.busy_until = None
@@ -452,6 +562,7 @@ class _Simulation:
         budget = engine.max_num_batched_tokens - engine.batch
         chunks: list[tuple[_Request, int]] = []
         model_s = 0.0
+        host_s = 0.0
         for job in engine.prefill_queue:
             if budget <= 0:
                 break
@@ -459,6 +570,9 @@ class _Simulation:
             n = min(request.spec.prompt_tokens - done, budget)
             chunks.append((request, n))
             model_s += timing.prefill.chunk_seconds(done, n) - timing.prefill.a
+            host_s += self.config.prefill_host_s_per_token * n
+            if done + n >= request.spec.prompt_tokens:
+                host_s += self.config.prefill_host_s
             budget -= n
         if chunks:
             model_s += timing.prefill.a
@@ -471,6 +585,8 @@ class _Simulation:
                 steps = max(1, engine.decoding[0][0] - engine.steps)
             model_s += step_s
         wall = timing.wall(model_s)
+        if host_s:
+            wall += host_s  # (a prefill step: segments with chunks are one step long)
         duration = wall * steps
         # Sequences join only at a segment's start, so their first tokens come with its first
         # step (which an interrupted segment still completes), plus the hop to the router.
@@ -510,6 +626,8 @@ class _Simulation:
                 engine.context_sum -= (
                     seq.request.spec.prompt_tokens + seq.request.spec.output_tokens
                 )
+                engine.free_blocks += seq.request.decode_blocks
+                seq.request.decode_blocks = 0
                 # The last token, like the first, crosses the hop to the router.
                 self.at(now + self.config.leg_overhead_s, "finished", seq.request)
         # Prefill chunks (only ever in single-step segments).

@@ -10,12 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from narwhal.contract import FleetContract, parse_fleet
-from narwhal.fleetsim.simulator import RequestSpec
+from narwhal.fleetsim.simulator import KVBlocks, RequestSpec
 from narwhal.profiles.models import EngineModels
 from narwhal.simengine.fleet import local_fleet_document
 from narwhal.simengine.timing import sim_models
 
 __all__ = [
+    "kv_blocks_of",
     "poisson_requests",
     "read_azure_trace",
     "synthetic_fleet",
@@ -103,3 +104,8 @@ def synthetic_fleet(
 def timings_of(fleet: FleetContract) -> dict[str, EngineModels]:
     """Each engine's step timing, from its ``sim`` block (the calibration without one)."""
     return {e.id: sim_models(e.sim) for e in fleet.engines}
+
+
+def kv_blocks_of(fleet: FleetContract) -> dict[str, KVBlocks]:
+    """Each simulated engine's KV cache, from its ``sim`` block (engines without one: none)."""
+    return {e.id: KVBlocks(e.sim.num_blocks, e.sim.block_size) for e in fleet.engines if e.sim}

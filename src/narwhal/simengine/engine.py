@@ -274,6 +274,7 @@ class EngineCore:
     async def _step_loop(self) -> None:
         timing = self.config.timing
         while not self._closed:
+            started = time.monotonic()
             self._admit()
             decodes = list(self.running)
             budget = self.config.max_num_batched_tokens - len(decodes)
@@ -300,7 +301,8 @@ class EngineCore:
                     timing.prefill.chunk_seconds(r.computed, n) - timing.prefill.a
                     for r, n in chunks
                 )
-            await asyncio.sleep(timing.wall(model_s) * self.faults.slowdown)
+            planned = timing.wall(model_s) * self.faults.slowdown
+            await asyncio.sleep(planned)
             now = time.monotonic()
             for request in decodes:
                 if not request.aborted and not request.finished:
@@ -314,6 +316,8 @@ class EngineCore:
                     self.prefilling.remove(request)
                     self._prefill_done(request, now)
             self._refresh_gauges()
+            self.metrics.get(self.metrics.step_planned_seconds).inc(planned)
+            self.metrics.get(self.metrics.step_seconds).inc(time.monotonic() - started)
 
     def _admit(self) -> None:
         while self.waiting:

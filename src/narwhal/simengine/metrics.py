@@ -129,6 +129,16 @@ class EngineMetrics:
             "narwhal_sim:kv_verify_failures",
             "Pulled KV blocks whose bytes did not match the prompt (never decoded).",
         )
+        # What the host adds to the engine's modelled steps (the work between sleeps, a
+        # late wake-up on a busy host): wall seconds of working steps against the seconds the
+        # model planned for them (both counters; their ratio is the step inflation).
+        self.step_seconds = counter(
+            "narwhal_sim:step_seconds", "Wall seconds of working engine steps, measured."
+        )
+        self.step_planned_seconds = counter(
+            "narwhal_sim:step_planned_seconds",
+            "Wall seconds the latency model planned for the same steps.",
+        )
         self.kv_holds = gauge(
             "narwhal_sim:kv_holds", "Prefilled requests whose KV blocks wait to be pulled."
         )
