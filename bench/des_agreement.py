@@ -48,9 +48,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
+
 from narwhal.contract import load_fleet
 from narwhal.fleetsim.agreement import (
     Agreement,
+    LiveOutcome,
     calibrate,
     compare,
     engine_counters,
@@ -165,6 +168,33 @@ def journal_ends(journal: Path, expected: int, timeout: float = 15.0) -> list[di
         time.sleep(0.2)
 
 
+async def replay_sampling_scrapes(
+    url: str, specs: list[RequestSpec], engines: dict[str, str]
+) -> tuple[list[LiveOutcome], list[float]]:
+    """The workload through the router, and meanwhile, once a second, how long each engine's
+    /metrics takes to answer: the lag of what the router's scrape reads (the simulator reads
+    its engines' load instantly)."""
+    done = asyncio.Event()
+    latencies: list[float] = []
+
+    async def sample() -> None:
+        async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
+            while not done.is_set():
+                for engine_url in engines.values():
+                    t = time.perf_counter()
+                    await client.get(engine_url + "/metrics")
+                    latencies.append(time.perf_counter() - t)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(done.wait(), 1.0)
+
+    sampler = asyncio.create_task(sample())
+    try:
+        return await replay(url, specs, MODEL), latencies
+    finally:
+        done.set()
+        await sampler
+
+
 def workload_specs(
     name: str, requests: int, seed: int, repeat: int, scale: float
 ) -> list[RequestSpec]:
@@ -271,7 +301,7 @@ def main() -> int:
                     )
                     before = asyncio.run(engine_counters(engines))
                     t = time.perf_counter()
-                    live = asyncio.run(replay(url, specs, MODEL))
+                    live, scrapes = asyncio.run(replay_sampling_scrapes(url, specs, engines))
                     live_wall = time.perf_counter() - t
                     after = asyncio.run(engine_counters(engines))
                 # The host work per prefill this run's engines reported, against what the
@@ -302,7 +332,9 @@ def main() -> int:
                     f" simulator wall {des_wall:.2f} s; host work per prefill measured"
                     f" {run_host * 1000:.1f} ms, calibration"
                     f" {calibration.host_s(mean_prompt) * 1000:.1f} ms; decode engines' step"
-                    f" inflation {inflation}"
+                    f" inflation {inflation}; an engine's /metrics answered in"
+                    f" {statistics.median(scrapes) * 1000:.1f} ms p50,"
+                    f" {max(scrapes) * 1000:.1f} ms max ({len(scrapes)} reads)"
                 )
     finally:
         if fleet is not None:
