@@ -8,7 +8,10 @@ first token comes at the end of the step that finishes its prefill; a decode leg
 engine's batch after the KV transfer and emits its first token at the end of the next step.
 While an engine only decodes and nothing joins, its steps are uniform, so the simulator jumps
 from event to event (the next sequence to finish, the next join) instead of stepping: a fleet
-of a thousand engines replays a million requests in minutes.
+of a thousand engines replays a million requests in minutes. Given ``KVBlocks`` per engine,
+prompts and decode legs wait at a step boundary until their KV blocks fit, as in the live
+engine; given measured costs, legs cross a per-leg overhead, KV pulls take a time that grows
+with the prompt, and prefill steps carry the host's work per prompt.
 
 The routing side is the router's code, unchanged: ``FleetState``, ``SchedulerV0``/``V1``,
 ``admit``, ``LatencyPredictor`` with its online correction, ``DemandTracker`` and
