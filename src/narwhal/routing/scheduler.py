@@ -233,16 +233,22 @@ class SchedulerV1:
         predictor = self.predictor
         models = predictor.models
         raw_prefill: dict[int, float] = {}
-        ready: list[tuple[float, str, float]] = []
+        # (when its queue and this prompt's prefill would be done, engine id, predicted prefill
+        # seconds, load), soonest first: ids are unique, so the load never takes part in the
+        # order. The load is read once here rather than per decode engine below.
+        ready: list[tuple[float, str, float, float]] = []
         for p in prefills:
             model = models[p.id].prefill
             raw = raw_prefill.get(id(model))
             if raw is None:
                 raw = raw_prefill[id(model)] = model.predict(n).seconds
             predicted = raw * predictor.ratio(p.id, "prefill")
-            ready.append((p.queued_prefill_s(now) + predicted, p.id, predicted))
+            ready.append(
+                (p.queued_prefill_s(now) + predicted, p.id, predicted, prefill_load(state, p))
+            )
         ready.sort()
         open_pairs = state.fleet.kv_transfer_pairs == "all"
+        ready_ids = {item[1] for item in ready}
         context = n + shape.max_tokens / 2
         ttft_budget = self.budgets.ttft_s - shape.elapsed_s
         tpot_budget = self.budgets.tpot_s
@@ -252,8 +258,31 @@ class SchedulerV1:
         # herding onto whichever engine's ratio happens to read lowest.
         margin = self.margin
         ttft_window = margin * self.budgets.ttft_s
+
+        def best_prefill(decode_id: str | None) -> tuple[float, str, float, float] | None:
+            """The prefill engine for ``decode_id`` (None: any decode engine, when every
+            pair is permitted and none is the same engine): the soonest ready, or within
+            ``ttft_window`` of it, the less loaded."""
+            choice = None
+            for item in ready:
+                if decode_id is not None and (
+                    item[1] == decode_id
+                    or not (open_pairs or state.is_permitted(item[1], decode_id))
+                ):
+                    continue
+                if choice is None:
+                    choice = item
+                elif item[0] > choice[0] + ttft_window:
+                    break
+                elif item[3] < choice[3]:
+                    choice = item
+            return choice
+
+        # With every pair permitted, the choice is the same for every decode engine but one
+        # that is also a prefill candidate: found once, not once per decode engine.
+        shared = best_prefill(None) if open_pairs else None
         candidates: list[
-            tuple[float, float, EngineState, tuple[float, str, float], float, float]
+            tuple[float, float, EngineState, tuple[float, str, float, float], float, float]
         ] = []
         local: list[tuple[float, float, EngineState, float, float, float]] = []
         for d in decodes:
@@ -279,25 +308,14 @@ class SchedulerV1:
                 if local_on:
                     local.append(self._local(state, d, n, shape, batch, tpot, stalls, now))
                 tpot += stalls / horizon
-            choice = None
-            for item in ready:
-                if item[1] == d.id or not (open_pairs or state.is_permitted(item[1], d.id)):
-                    continue
-                if choice is None:
-                    choice = item
-                elif item[0] > choice[0] + ttft_window:
-                    break
-                elif prefill_load(state, state.engines[item[1]]) < prefill_load(
-                    state, state.engines[choice[1]]
-                ):
-                    choice = item
+            choice = shared if open_pairs and d.id not in ready_ids else best_prefill(d.id)
             if choice is None:
                 continue
             ttft = choice[0] + predictor.transfer_s(d.id) + step
             slack = min(
                 (ttft_budget - ttft) / self.budgets.ttft_s, (tpot_budget - tpot) / tpot_budget
             )
-            load = prefill_load(state, state.engines[choice[1]]) + decode_load(state, d)
+            load = choice[3] + decode_load(state, d)
             candidates.append((slack, load, d, choice, ttft, tpot))
         if local:
             fastest = min((c[4] for c in candidates), default=float("inf"))
@@ -325,7 +343,7 @@ class SchedulerV1:
         floor = top - margin
         if top >= 0:
             floor = max(floor, 0.0)
-        slack, _, d, (_, p_id, prefill_s), ttft, tpot = min(
+        slack, _, d, (_, p_id, prefill_s, _), ttft, tpot = min(
             (c for c in candidates if c[0] >= floor), key=lambda c: (c[1], -c[0], c[2].id)
         )
         pair = Pair(p_id, d.id, slack, ttft, tpot, prefill_s)
