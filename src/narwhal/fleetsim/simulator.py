@@ -19,6 +19,7 @@ would have missed it is counted, not retried), and scrape lag (engines report at
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 import math
@@ -202,7 +203,7 @@ class _Simulation:
         self.lifecycle = Lifecycle(
             self.state, self.scheduler, predictor=self.predictor if v1 else None, demand=self.demand
         )
-        self.by_ticket: dict[Ticket, _Request] = {}
+        self.by_ticket: dict[Ticket, _Request] = {}  # the requests in the admission queue
         self.queue_timer: int | None = None  # the pending queue recheck's id
         # When set, every event that moves a request or the fleet's scraped load is appended
         # as (time, kind, request index or the scraped loads): what a replay of this run
@@ -231,6 +232,18 @@ class _Simulation:
         heapq.heappush(self.events, (t, next(self.seq), kind, payload))
 
     def run(self, specs: Iterable[RequestSpec]) -> None:
+        # The run makes no reference cycles to speak of (a few dozen objects in a run of
+        # 20,000 requests), but it keeps every request, and the cyclic collector's passes
+        # over that growing heap took about a tenth of the run: off while it runs.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self._run(specs)
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _run(self, specs: Iterable[RequestSpec]) -> None:
         arrivals: Iterator[RequestSpec] = iter(specs)
         index = itertools.count()
         nxt = next(arrivals, None)
@@ -254,7 +267,6 @@ class _Simulation:
                     arrival=payload.arrival,
                 )
                 request = _Request(payload, i, ticket)
-                self.by_ticket[ticket] = request
                 self.requests.append(request)
                 self.route(request)
                 nxt = next(arrivals, None)
@@ -309,7 +321,9 @@ class _Simulation:
         verdict = self.lifecycle.admit(request.ticket)
         if not isinstance(verdict, Queue):
             self.admitted(request, verdict)
-        elif self.queue_timer is None:
+            return
+        self.by_ticket[request.ticket] = request
+        if self.queue_timer is None:
             self.recheck_queue_later()
 
     def recheck_queue_later(self) -> None:
@@ -334,7 +348,7 @@ class _Simulation:
 
     def drain_queue(self) -> None:
         for ticket, verdict in self.lifecycle.drain():
-            self.admitted(self.by_ticket[ticket], verdict)
+            self.admitted(self.by_ticket.pop(ticket), verdict)
         if self.lifecycle.queued:
             self.recheck_queue_later()
         else:
