@@ -253,9 +253,10 @@ class _Simulation:
         self.at(tick, "roles", None)
         self.at(self.config.scrape_interval_s, "scrape", None)
         pending = 1 if nxt is not None else 0
-        while self.events:
-            t, _, kind, payload = heapq.heappop(self.events)
-            self.clock.set(max(t, self.clock.now()))
+        events, clock, pop = self.events, self.clock, heapq.heappop
+        while events:
+            t, _, kind, payload = pop(events)
+            clock.set(max(t, clock.now()))
             if self.trace is not None and kind in _TRACED:
                 self.trace.append((self.clock.now(), kind, _traced(kind, payload)))
             if kind == "arrive":
@@ -444,26 +445,34 @@ class _Simulation:
 
     def start_segment(self, engine: _Engine) -> None:
         now = self.clock.now()
+        decoding = engine.decoding
         # Admit decode legs at the boundary: their KV pull runs while the engine steps on.
-        room = max(0, engine.max_num_seqs - engine.batch - engine.loading - len(engine.joining))
-        admitted, engine.pending = engine.pending[:room], engine.pending[room:]
-        for sequence in admitted:
-            engine.loading += 1
-            self.at(now + self.config.transfer_s, "loaded", sequence)
-        if not (engine.prefill_queue or engine.joining or engine.decoding):
+        if engine.pending:
+            room = max(
+                0, engine.max_num_seqs - len(decoding) - engine.loading - len(engine.joining)
+            )
+            admitted, engine.pending = engine.pending[:room], engine.pending[room:]
+            for sequence in admitted:
+                engine.loading += 1
+                self.at(now + self.config.transfer_s, "loaded", sequence)
+        if not (engine.prefill_queue or engine.joining or decoding):
             engine.segment = None
             engine.busy_until = None
             return
         # Joins take effect at a step boundary, as in the live engine's step loop.
-        room = max(0, engine.max_num_seqs - engine.batch)
-        engine.new_joins, engine.joining = engine.joining[:room], engine.joining[room:]
-        for sequence in engine.new_joins:
-            sequence.joined_step = engine.steps
-            sequence.end_step = engine.steps + sequence.request.spec.output_tokens
-            heapq.heappush(engine.decoding, (sequence.end_step, sequence.request.index, sequence))
-            engine.context_sum += sequence.request.spec.prompt_tokens
+        if engine.joining:
+            room = max(0, engine.max_num_seqs - len(decoding))
+            engine.new_joins, engine.joining = engine.joining[:room], engine.joining[room:]
+            for sequence in engine.new_joins:
+                sequence.joined_step = engine.steps
+                sequence.end_step = engine.steps + sequence.request.spec.output_tokens
+                heapq.heappush(decoding, (sequence.end_step, sequence.request.index, sequence))
+                engine.context_sum += sequence.request.spec.prompt_tokens
+        else:
+            engine.new_joins = []
+        batch = len(decoding)
         timing = engine.timing
-        budget = engine.max_num_batched_tokens - engine.batch
+        budget = engine.max_num_batched_tokens - batch
         chunks: list[tuple[_Request, int]] = []
         model_s = 0.0
         for job in engine.prefill_queue:
@@ -477,12 +486,12 @@ class _Simulation:
         if chunks:
             model_s += timing.prefill.a
         steps = 1
-        if engine.decoding:
-            mean_ctx = engine.context_sum / engine.batch
-            step_s = timing.decode.seconds_per_token(engine.batch, mean_ctx)
+        if decoding:
+            mean_ctx = engine.context_sum / batch
+            step_s = timing.decode.seconds_per_token(batch, mean_ctx)
             if not chunks and not engine.joining and not engine.pending:
                 # Only decoding, nothing waiting to join: jump to the next sequence to finish.
-                steps = max(1, engine.decoding[0][0] - engine.steps)
+                steps = max(1, decoding[0][0] - engine.steps)
             model_s += step_s
         wall = timing.wall(model_s)
         duration = wall * steps

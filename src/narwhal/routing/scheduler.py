@@ -122,6 +122,43 @@ def _load(engine: EngineState, own: int, now: float, stale_s: float) -> float:
     return own
 
 
+def sample(rng: random.Random, population: list[EngineState], k: int) -> list[EngineState]:
+    """``rng.sample(population, k)`` for ``0 <= k <= len(population)``: the same draws from
+    ``rng`` in the same order, so the same engines, without two Python calls per draw (it
+    runs twice per request). CPython's ``Random.sample`` with ``_randbelow_with_getrandbits``
+    (what ``random.Random`` itself uses), written out; any other generator gets its own
+    ``sample``. tests/unit/test_routing.py holds the two to each other."""
+    if type(rng) is not random.Random:
+        return rng.sample(population, k)
+    getrandbits = rng.getrandbits
+    n = len(population)
+    result: list[EngineState] = []
+    setsize = 21  # as Random.sample: a list of n beats a set of k below this
+    if k > 5:
+        setsize += 4 ** math.ceil(math.log(k * 3, 4))
+    if n <= setsize:
+        pool = list(population)
+        for i in range(k):
+            m = n - i
+            bits = m.bit_length()
+            j = getrandbits(bits)
+            while j >= m:
+                j = getrandbits(bits)
+            result.append(pool[j])
+            pool[j] = pool[m - 1]
+        return result
+    bits = n.bit_length()
+    selected: set[int] = set()
+    for _ in range(k):
+        # randbelow(n) until it is not yet selected: draws until one is < n and new
+        j = getrandbits(bits)
+        while j >= n or j in selected:
+            j = getrandbits(bits)
+        selected.add(j)
+        result.append(population[j])
+    return result
+
+
 class SchedulerV0:
     """Least outstanding work."""
 
@@ -202,7 +239,7 @@ class SchedulerV1:
     def _pool(self, state: FleetState, role: Role) -> list[EngineState]:
         pool = state._by_role[role]
         if self.candidates is not None and len(pool) > self.candidates:
-            return self.rng.sample(pool, self.candidates)
+            return sample(self.rng, pool, self.candidates)
         return pool
 
     def _eligible(
@@ -253,7 +290,9 @@ class SchedulerV1:
             return NoPair("no available engine in the decode role")
         predictor = self.predictor
         models = predictor.models
-        ratios = predictor.ratios  # as predictor.ratio(): 1 for an engine with no samples
+        # As predictor.ratio(): 1 for an engine with no samples, else RatioEwma.value (its
+        # observed / predicted), read inline here.
+        ratios = predictor.ratios
         # (when its queue and this prompt's prefill would be done, engine id, predicted prefill
         # seconds, load), soonest first: ids are unique, so the load never takes part in the
         # order. The load is read once here rather than per decode engine below.
@@ -267,7 +306,7 @@ class SchedulerV1:
                 prefill_model = model
                 raw = model.predict(n).seconds
             ewma = ratios.get((p_id, "prefill"))
-            predicted = raw * ewma.value if ewma is not None else raw * 1.0
+            predicted = raw * (ewma.observed / ewma.predicted) if ewma is not None else raw * 1.0
             scraped = p.scraped
             at = scraped.at
             own = p.in_flight_prefill
@@ -348,7 +387,7 @@ class SchedulerV1:
             else:
                 raw = cached
             ewma = ratios.get((d_id, "decode"))
-            tpot = step = raw * ewma.value if ewma is not None else raw * 1.0
+            tpot = step = raw * (ewma.observed / ewma.predicted) if ewma is not None else raw * 1.0
             if local_cfg.enabled:
                 # Local prefills stall every sequence here, this request's too, however it
                 # gets here: at the rate recently sent, spread over its output tokens.
