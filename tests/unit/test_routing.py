@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ from narwhal.engines.scrape import parse_engine_load
 from narwhal.engines.sse import SseSplitter, iter_sse_events
 from narwhal.routing.breaker import BreakerState, CircuitBreaker
 from narwhal.routing.fleet_state import FleetState
-from narwhal.routing.scheduler import NoPair, Pair, SchedulerV0
+from narwhal.routing.scheduler import NoPair, Pair, SchedulerV0, sample
 from narwhal.simengine.fleet import local_fleet_document
 
 
@@ -235,3 +236,18 @@ def test_sse_splitter_returns_every_event_a_chunk_completes_in_order() -> None:
     assert splitter.finish() == []
     with pytest.raises(ValueError, match="size limit"):
         splitter.feed(b"data: " + b"x" * 100)
+
+
+def test_the_schedulers_sample_draws_as_random_sample_does() -> None:
+    """Scheduler v1 samples candidates with ``scheduler.sample``, ``Random.sample`` written
+    out: it must pick the same engines and leave the generator in the same state (should a
+    Python release change ``Random.sample``, this fails rather than the simulator's results
+    silently moving)."""
+    for n in (1, 5, 6, 30, 125, 277, 278, 875, 2000):
+        population: list[Any] = [object() for _ in range(n)]
+        for k in sorted({0, 1, min(n, 5), min(n, 8), min(n, 32), n}):
+            for seed in range(5):
+                ours, theirs = random.Random(seed), random.Random(seed)
+                for _ in range(3):
+                    assert sample(ours, population, k) == theirs.sample(population, k)
+                assert ours.getstate() == theirs.getstate()

@@ -14,7 +14,7 @@ from typing import Literal
 
 from narwhal.clock import Clock
 from narwhal.contract import FleetContract
-from narwhal.routing.breaker import CircuitBreaker
+from narwhal.routing.breaker import BreakerState, CircuitBreaker
 
 __all__ = ["EngineState", "FleetState", "Role", "ScrapedLoad"]
 
@@ -79,10 +79,18 @@ class EngineState:
         wiped out queues whose oldest leg had itself waited behind legs since finished, and
         the online correction then read the wait as a slow engine.
         """
-        if not self.prefill_work:
+        work = self.prefill_work
+        if not work:
             return 0.0
-        total = sum(predicted for predicted, _ in self.prefill_work.values())
-        head, since = min(self.prefill_work.values(), key=lambda work: work[1])
+        if len(work) == 1:  # the usual case, without the generator: the same arithmetic
+            for head, since in work.values():
+                return (0 + head) - min(head, max(0.0, now - since))  # 0 +: as sum() adds
+        total = sum(predicted for predicted, _ in work.values())
+        # The oldest leg (the first of the oldest on a tie), as min(key=dispatch time) finds it.
+        head, since = next(iter(work.values()))
+        for predicted, at in work.values():
+            if at < since:
+                head, since = predicted, at
         return total - min(head, max(0.0, now - since))
 
     def can(self, role: Role) -> bool:
@@ -108,6 +116,16 @@ class EngineState:
     def available(self) -> bool:
         """Healthy (or not yet probed) and its breaker lets a request through."""
         return self.healthy is not False and self.breaker.allows_request()
+
+    def takes(self, role: Role) -> bool:
+        """``accepts(role) and available()``, in one call (the scheduler asks it of every
+        engine it considers, for every request)."""
+        if role != self.role or (self.draining_from == "prefill" and self.in_flight_prefill > 0):
+            return False
+        if self.healthy is False:
+            return False
+        breaker = self.breaker
+        return breaker.state is BreakerState.CLOSED or breaker.allows_request()
 
 
 class FleetState:

@@ -179,14 +179,28 @@ class RoleController:
         expected = demand.rate() * demand.mean_output_tokens() * spt
         batch = max(decoding, expected) / n
         budget = self.budgets.tpot_s
+        at_batch = max(1, round(batch))
         worst = 0.0
+        # predictor.decode_floor() and predictor.decode(): each model's raw values once (a
+        # fleet's engines mostly share one), times each engine's own correction.
+        models = self.predictor.models
+        raw: dict[int, tuple[float, float]] = {}
         for e in engines:
-            if not self.predictor.has(e.id):
+            engine_models = models.get(e.id)
+            if engine_models is None:
                 continue
-            floor = self.predictor.decode_floor(e.id, context)
+            model = engine_models.decode
+            raw_floor_tpot = raw.get(id(model))
+            if raw_floor_tpot is None:
+                raw_floor_tpot = raw[id(model)] = (
+                    model.seconds_per_token(0, context),
+                    model.predict(at_batch, context).seconds,
+                )
+            ratio = self.predictor.ratio(e.id, "decode")
+            floor = raw_floor_tpot[0] * ratio
             if floor >= budget:
                 return float("inf")  # not even a lone sequence meets the budget here
-            tpot = self.predictor.decode(e.id, max(1, round(batch)), context).seconds
+            tpot = raw_floor_tpot[1] * ratio
             worst = max(worst, (tpot - floor) / (budget - floor))
         return max(0.0, worst)
 

@@ -11,12 +11,15 @@ leaves admission (what to do when no pair meets the budgets) to its caller.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Protocol
 
 from narwhal.contract import Budgets
+from narwhal.profiles.models import DecodeLatencyModel
+from narwhal.routing.breaker import BreakerState
 from narwhal.routing.fleet_state import EngineState, FleetState, Role
 from narwhal.routing.predictor import LatencyPredictor
 
@@ -102,17 +105,58 @@ FILTERS: tuple[tuple[str, PairFilter], ...] = (
 
 
 def prefill_load(state: FleetState, engine: EngineState) -> float:
-    own = engine.in_flight_prefill
-    if state.scraped_fresh(engine):
-        return max(own, engine.scraped.running + engine.scraped.waiting)
-    return own
+    return _load(engine, engine.in_flight_prefill, state.clock.now(), state.scrape_stale_s)
 
 
 def decode_load(state: FleetState, engine: EngineState) -> float:
-    own = engine.in_flight_decode
-    if state.scraped_fresh(engine):
-        return max(own, engine.scraped.running + engine.scraped.waiting)
+    return _load(engine, engine.in_flight_decode, state.clock.now(), state.scrape_stale_s)
+
+
+def _load(engine: EngineState, own: int, now: float, stale_s: float) -> float:
+    """The larger of the router's own count of legs on ``engine`` and what the engine last
+    reported (when that report is at most ``stale_s`` old)."""
+    scraped = engine.scraped
+    at = scraped.at
+    if at is not None and now - at <= stale_s:
+        return max(own, scraped.running + scraped.waiting)
     return own
+
+
+def sample(rng: random.Random, population: list[EngineState], k: int) -> list[EngineState]:
+    """``rng.sample(population, k)`` for ``0 <= k <= len(population)``: the same draws from
+    ``rng`` in the same order, so the same engines, without two Python calls per draw (it
+    runs twice per request). CPython's ``Random.sample`` with ``_randbelow_with_getrandbits``
+    (what ``random.Random`` itself uses), written out; any other generator gets its own
+    ``sample``. tests/unit/test_routing.py holds the two to each other."""
+    if type(rng) is not random.Random:
+        return rng.sample(population, k)
+    getrandbits = rng.getrandbits
+    n = len(population)
+    result: list[EngineState] = []
+    setsize = 21  # as Random.sample: a list of n beats a set of k below this
+    if k > 5:
+        setsize += 4 ** math.ceil(math.log(k * 3, 4))
+    if n <= setsize:
+        pool = list(population)
+        for i in range(k):
+            m = n - i
+            bits = m.bit_length()
+            j = getrandbits(bits)
+            while j >= m:
+                j = getrandbits(bits)
+            result.append(pool[j])
+            pool[j] = pool[m - 1]
+        return result
+    bits = n.bit_length()
+    selected: set[int] = set()
+    for _ in range(k):
+        # randbelow(n) until it is not yet selected: draws until one is < n and new
+        j = getrandbits(bits)
+        while j >= n or j in selected:
+            j = getrandbits(bits)
+        selected.add(j)
+        result.append(population[j])
+    return result
 
 
 class SchedulerV0:
@@ -195,8 +239,33 @@ class SchedulerV1:
     def _pool(self, state: FleetState, role: Role) -> list[EngineState]:
         pool = state._by_role[role]
         if self.candidates is not None and len(pool) > self.candidates:
-            return self.rng.sample(pool, self.candidates)
+            return sample(self.rng, pool, self.candidates)
         return pool
+
+    def _eligible(
+        self, state: FleetState, role: Role, exclude: Collection[str], now: float, stale: float
+    ) -> list[EngineState]:
+        """The engines of ``role``'s pool (or its sample) that may take a leg now: not
+        excluded, with KV room (when the engine's report is fresh), accepting ``role``,
+        healthy and let through by their breaker."""
+        out: list[EngineState] = []
+        for e in self._pool(state, role):
+            scraped = e.scraped
+            at = scraped.at
+            if at is not None and now - at <= stale and scraped.kv_cache_usage >= KV_FULL:
+                continue
+            if e.id in exclude:
+                continue
+            # What takes(role) answers, without the call, for the usual engine: in the role,
+            # not draining, healthy (or not yet probed), its breaker closed.
+            if (
+                e.role == role
+                and e.draining_from is None
+                and e.healthy is not False
+                and e.breaker.state is BreakerState.CLOSED
+            ) or e.takes(role):
+                out.append(e)
+        return out
 
     def pick(
         self,
@@ -210,19 +279,8 @@ class SchedulerV1:
         shape = shape or RequestShape()
         now = state.clock.now()
         stale = state.scrape_stale_s
-        prefills: list[EngineState] = []
-        decodes: list[EngineState] = []
-        sides: tuple[tuple[Role, list[EngineState], Collection[str]], ...] = (
-            ("prefill", prefills, exclude_prefill),
-            ("decode", decodes, exclude_decode),
-        )
-        for role, out, exclude in sides:
-            for e in self._pool(state, role):
-                at = e.scraped.at
-                if at is not None and now - at <= stale and e.scraped.kv_cache_usage >= KV_FULL:
-                    continue
-                if e.id not in exclude and e.accepts(role) and e.available():
-                    out.append(e)
+        prefills = self._eligible(state, "prefill", exclude_prefill, now, stale)
+        decodes = self._eligible(state, "decode", exclude_decode, now, stale)
         n = shape.prompt_tokens
         local_cfg = state.fleet.routing.local_prefill
         local_on = local_cfg.enabled and shape.local_ok and n <= local_cfg.max_prompt_tokens
@@ -232,45 +290,104 @@ class SchedulerV1:
             return NoPair("no available engine in the decode role")
         predictor = self.predictor
         models = predictor.models
-        raw_prefill: dict[int, float] = {}
-        ready: list[tuple[float, str, float]] = []
+        # As predictor.ratio(): 1 for an engine with no samples, else RatioEwma.value (its
+        # observed / predicted), read inline here.
+        ratios = predictor.ratios
+        # (when its queue and this prompt's prefill would be done, engine id, predicted prefill
+        # seconds, load), soonest first: ids are unique, so the load never takes part in the
+        # order. The load is read once here rather than per decode engine below.
+        ready: list[tuple[float, str, float, float]] = []
+        prefill_model = None
+        raw = 0.0
         for p in prefills:
-            model = models[p.id].prefill
-            raw = raw_prefill.get(id(model))
-            if raw is None:
-                raw = raw_prefill[id(model)] = model.predict(n).seconds
-            predicted = raw * predictor.ratio(p.id, "prefill")
-            ready.append((p.queued_prefill_s(now) + predicted, p.id, predicted))
+            p_id = p.id
+            model = models[p_id].prefill
+            if model is not prefill_model:  # engines mostly share one: predicted once
+                prefill_model = model
+                raw = model.predict(n).seconds
+            ewma = ratios.get((p_id, "prefill"))
+            predicted = raw * (ewma.observed / ewma.predicted) if ewma is not None else raw * 1.0
+            scraped = p.scraped
+            at = scraped.at
+            own = p.in_flight_prefill
+            ready.append(
+                (
+                    (p.queued_prefill_s(now) if p.prefill_work else 0.0) + predicted,
+                    p_id,
+                    predicted,
+                    # _load(p, own, now, stale), inline: this loop runs for every request
+                    max(own, scraped.running + scraped.waiting)
+                    if at is not None and now - at <= stale
+                    else own,
+                )
+            )
         ready.sort()
         open_pairs = state.fleet.kv_transfer_pairs == "all"
+        ready_ids = {item[1] for item in ready}
         context = n + shape.max_tokens / 2
         ttft_budget = self.budgets.ttft_s - shape.elapsed_s
+        ttft_scale = self.budgets.ttft_s
         tpot_budget = self.budgets.tpot_s
-        raw_decode: dict[tuple[int, int], float] = {}
+        transfers = predictor.transfer  # as predictor.transfer_s()
+        default_transfer_s = predictor.default_transfer_s
+        raw_decode: dict[int, dict[int, float]] = {}  # decode model -> batch -> seconds/token
+        decode_model: DecodeLatencyModel | None = None
+        raw_by_batch: dict[int, float] = {}
         # Within ``margin`` of the best, predictions cannot tell candidates apart (corrections
         # are noisy, engines alike): the less loaded one wins, so work spreads instead of
         # herding onto whichever engine's ratio happens to read lowest.
         margin = self.margin
         ttft_window = margin * self.budgets.ttft_s
+
+        def best_prefill(decode_id: str | None) -> tuple[float, str, float, float] | None:
+            """The prefill engine for ``decode_id`` (None: any decode engine, when every
+            pair is permitted and none is the same engine): the soonest ready, or within
+            ``ttft_window`` of it, the less loaded."""
+            choice = None
+            for item in ready:
+                if decode_id is not None and (
+                    item[1] == decode_id
+                    or not (open_pairs or state.is_permitted(item[1], decode_id))
+                ):
+                    continue
+                if choice is None:
+                    choice = item
+                elif item[0] > choice[0] + ttft_window:
+                    break
+                elif item[3] < choice[3]:
+                    choice = item
+            return choice
+
+        # With every pair permitted, the choice is the same for every decode engine but one
+        # that is also a prefill candidate: found once, not once per decode engine.
+        shared = best_prefill(None) if open_pairs else None
         candidates: list[
-            tuple[float, float, EngineState, tuple[float, str, float], float, float]
+            tuple[float, float, EngineState, tuple[float, str, float, float], float, float]
         ] = []
         local: list[tuple[float, float, EngineState, float, float, float]] = []
+        top = -math.inf  # the best slack
         for d in decodes:
-            at = d.scraped.at
-            batch = d.in_flight_decode + d.pending_decode
-            if (
-                at is not None
-                and now - at <= stale
-                and d.scraped.running + d.pending_decode > batch
-            ):
-                batch = int(d.scraped.running) + d.pending_decode
-            decode_model = models[d.id].decode
-            key = (id(decode_model), batch + 1)
-            raw = raw_decode.get(key)
-            if raw is None:
-                raw = raw_decode[key] = decode_model.predict(batch + 1, context).seconds
-            tpot = step = raw * predictor.ratio(d.id, "decode")
+            d_id = d.id
+            scraped = d.scraped
+            at = scraped.at
+            fresh = at is not None and now - at <= stale
+            own = d.in_flight_decode
+            pending = d.pending_decode
+            batch = own + pending
+            if fresh and scraped.running + pending > batch:
+                batch = int(scraped.running) + pending
+            d_model = models[d_id].decode
+            if d_model is not decode_model:
+                decode_model = d_model
+                raw_by_batch = raw_decode.setdefault(id(d_model), {})
+            cached = raw_by_batch.get(batch)
+            if cached is None:
+                # predict(batch + 1, context).seconds, without its flags
+                raw = raw_by_batch[batch] = d_model.seconds_per_token(batch + 1, context)
+            else:
+                raw = cached
+            ewma = ratios.get((d_id, "decode"))
+            tpot = step = raw * (ewma.observed / ewma.predicted) if ewma is not None else raw * 1.0
             if local_cfg.enabled:
                 # Local prefills stall every sequence here, this request's too, however it
                 # gets here: at the rate recently sent, spread over its output tokens.
@@ -279,26 +396,20 @@ class SchedulerV1:
                 if local_on:
                     local.append(self._local(state, d, n, shape, batch, tpot, stalls, now))
                 tpot += stalls / horizon
-            choice = None
-            for item in ready:
-                if item[1] == d.id or not (open_pairs or state.is_permitted(item[1], d.id)):
-                    continue
-                if choice is None:
-                    choice = item
-                elif item[0] > choice[0] + ttft_window:
-                    break
-                elif prefill_load(state, state.engines[item[1]]) < prefill_load(
-                    state, state.engines[choice[1]]
-                ):
-                    choice = item
+            choice = shared if open_pairs and d_id not in ready_ids else best_prefill(d_id)
             if choice is None:
                 continue
-            ttft = choice[0] + predictor.transfer_s(d.id) + step
-            slack = min(
-                (ttft_budget - ttft) / self.budgets.ttft_s, (tpot_budget - tpot) / tpot_budget
-            )
-            load = prefill_load(state, state.engines[choice[1]]) + decode_load(state, d)
+            handoff = transfers.get(d_id)
+            ttft = choice[0] + (handoff.value if handoff is not None else default_transfer_s) + step
+            # min() of the two, the first on a tie
+            ttft_slack = (ttft_budget - ttft) / ttft_scale
+            tpot_slack = (tpot_budget - tpot) / tpot_budget
+            slack = tpot_slack if tpot_slack < ttft_slack else ttft_slack
+            # _load(d, own, now, stale), inline
+            load = choice[3] + (max(own, scraped.running + scraped.waiting) if fresh else own)
             candidates.append((slack, load, d, choice, ttft, tpot))
+            if slack > top:
+                top = slack
         if local:
             fastest = min((c[4] for c in candidates), default=float("inf"))
             # Faster is not enough: a local prefill spends its batch's TPOT headroom, which
@@ -321,13 +432,23 @@ class SchedulerV1:
             return NoPair("no available engine in the prefill role")
         if not candidates:
             return NoPair("no permitted KV transfer pair between available engines")
-        top = max(c[0] for c in candidates)
         floor = top - margin
         if top >= 0:
             floor = max(floor, 0.0)
-        slack, _, d, (_, p_id, prefill_s), ttft, tpot = min(
-            (c for c in candidates if c[0] >= floor), key=lambda c: (c[1], -c[0], c[2].id)
-        )
+        # Of those within ``margin`` of the best: the least loaded, then the most slack, then
+        # the first engine id (the first such candidate on a full tie, as min() with that key).
+        best_c = None
+        for c in candidates:
+            if not c[0] >= floor:
+                continue
+            if (
+                best_c is None
+                or c[1] < best_c[1]
+                or (c[1] == best_c[1] and (-c[0], c[2].id) < (-best_c[0], best_c[2].id))
+            ):
+                best_c = c
+        assert best_c is not None
+        slack, _, d, (_, p_id, prefill_s, _), ttft, tpot = best_c
         pair = Pair(p_id, d.id, slack, ttft, tpot, prefill_s)
         if slack < 0:
             return NoPair(
