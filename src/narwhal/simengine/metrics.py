@@ -164,6 +164,8 @@ class EngineMetrics:
             self.kv_verify_failures,
             self.kv_holds,
             self.local_prefill_fallbacks,
+            self.step_seconds,
+            self.step_planned_seconds,
         ):
             metric.labels(**self._values)
         for reason in ("stop", "length", "abort", "error"):
