@@ -405,6 +405,7 @@ def test_api_keys_and_sigterm_drain(tmp_path: Path) -> None:
         assert "sk-test" not in router.journal.read_text()
 
 
+@pytest.mark.slow  # (the longest of the fast subset: make test runs it)
 def test_one_health_probe_timeout_is_tolerated_two_in_a_row_mark_unhealthy(
     tmp_path: Path,
 ) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from narwhal.journal import recover
 from narwhal.testing.procs import wait_until
@@ -237,6 +238,7 @@ def assert_one_end_per_start(starts: dict[str, Any], ends: dict[str, Any]) -> No
 # 1. Random requests under random faults
 
 
+@pytest.mark.slow  # (the longest of the fast subset: make test runs it)
 def test_every_request_ends_once_under_random_faults_and_disconnects(tmp_path: Path) -> None:
     n = 60
     plans = make_plans(random.Random(20240611), n)
@@ -329,6 +331,7 @@ def test_every_request_ends_once_under_random_faults_and_disconnects(tmp_path: P
 # 2. SIGKILL mid-stream, restart on the same journal
 
 
+@pytest.mark.slow  # (the longest of the fast subset: make test runs it)
 def test_sigkill_mid_stream_then_restart_closes_each_cut_off_request_once(
     tmp_path: Path,
 ) -> None:
