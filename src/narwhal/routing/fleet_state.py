@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from narwhal.clock import Clock
 from narwhal.contract import FleetContract
@@ -33,6 +33,68 @@ class ScrapedLoad:
     at: float | None = None  # clock time of the last successful scrape
 
 
+class PrefillWork(dict[str, tuple[float, float]]):
+    """An engine's prefill legs in flight: request id -> (predicted seconds, dispatched at).
+
+    A dict that keeps its total and its oldest leg until it next changes: the scheduler asks
+    ``queued_prefill_s`` of every prefill candidate for every request, and legs come and go
+    far less often than that. Computed as before, in the same order (``sum`` over the values;
+    the first of the oldest on a tie, as ``min(key=dispatch time)`` finds it), so the same
+    floats."""
+
+    __slots__ = ("_summary",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._summary: tuple[float, float, float] | None = None
+
+    def summary(self) -> tuple[float, float, float]:
+        """(total predicted seconds, the oldest leg's predicted seconds, its dispatch time);
+        not for an empty dict."""
+        summary = self._summary
+        if summary is None:
+            total = sum(predicted for predicted, _ in self.values())
+            head, since = next(iter(self.values()))
+            for predicted, at in self.values():
+                if at < since:
+                    head, since = predicted, at
+            summary = self._summary = (total, head, since)
+        return summary
+
+    # Every way to change a dict forgets the summary.
+    def __setitem__(self, key: str, value: tuple[float, float]) -> None:
+        self._summary = None
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        self._summary = None
+        super().__delitem__(key)
+
+    def pop(self, *args: Any) -> Any:
+        self._summary = None
+        return super().pop(*args)
+
+    def popitem(self) -> tuple[str, tuple[float, float]]:
+        self._summary = None
+        return super().popitem()
+
+    def clear(self) -> None:
+        self._summary = None
+        super().clear()
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        self._summary = None
+        super().update(*args, **kwargs)
+
+    def setdefault(self, *args: Any) -> Any:
+        self._summary = None
+        return super().setdefault(*args)
+
+    def __ior__(self, other: Any) -> PrefillWork:  # type: ignore[override,misc]
+        self._summary = None
+        return super().__ior__(other)
+
+
 @dataclass
 class EngineState:
     id: str
@@ -51,10 +113,14 @@ class EngineState:
     draining_from: Role | None = None
     role_since: float = 0.0
     # Prefill legs in flight here: request id -> (predicted seconds, dispatched at).
-    prefill_work: dict[str, tuple[float, float]] = field(default_factory=dict)
+    prefill_work: PrefillWork = field(default_factory=PrefillWork)
     # Local prefills sent to this (decode) engine: (dispatched at, predicted seconds), oldest
     # first, the last LOCAL_HISTORY_S seconds: each one stalled its decode batch that long.
     local_prefills: deque[tuple[float, float]] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        if type(self.prefill_work) is not PrefillWork:
+            self.prefill_work = PrefillWork(self.prefill_work)
 
     def note_local_prefill(self, now: float, predicted_s: float) -> None:
         self.local_prefills.append((now, predicted_s))
@@ -82,15 +148,7 @@ class EngineState:
         work = self.prefill_work
         if not work:
             return 0.0
-        if len(work) == 1:  # the usual case, without the generator: the same arithmetic
-            for head, since in work.values():
-                return (0 + head) - min(head, max(0.0, now - since))  # 0 +: as sum() adds
-        total = sum(predicted for predicted, _ in work.values())
-        # The oldest leg (the first of the oldest on a tie), as min(key=dispatch time) finds it.
-        head, since = next(iter(work.values()))
-        for predicted, at in work.values():
-            if at < since:
-                head, since = predicted, at
+        total, head, since = work.summary()
         return total - min(head, max(0.0, now - since))
 
     def can(self, role: Role) -> bool:
