@@ -274,7 +274,7 @@ def main() -> int:
                     url,
                     engines,
                     timings_of(contract),
-                    4,
+                    PREFILL_IDS,
                     MODEL,
                     functools.partial(journal_ends, journal),
                     seed=args.seed,

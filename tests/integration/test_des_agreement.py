@@ -54,7 +54,7 @@ def test_des_agrees_with_the_live_fleet(tmp_path: Path) -> None:
         contract = load_fleet(fleet.fleet_path).contract
         timings = timings_of(contract)
         engines = {e.id: e.url for e in contract.engines}
-        prefill_engines = sum(1 for e in contract.engines if e.initial_role == "prefill")
+        prefill_ids = [e.id for e in contract.engines if e.initial_role == "prefill"]
         # The saturated rate: the prefill pool 85% busy with 4,096-token prompts.
         engine_s = timings["e0"].wall(timings["e0"].prefill.chunk_seconds(0, 4096))
         workloads = {
@@ -62,7 +62,7 @@ def test_des_agrees_with_the_live_fleet(tmp_path: Path) -> None:
                 rate=2.4, count=60, prompt_tokens=1024, output_tokens=32, seed=7
             ),
             "saturated": poisson_requests(
-                rate=0.85 * prefill_engines / engine_s,
+                rate=0.85 * len(prefill_ids) / engine_s,
                 count=80,
                 prompt_tokens=4096,
                 output_tokens=16,
@@ -75,7 +75,7 @@ def test_des_agrees_with_the_live_fleet(tmp_path: Path) -> None:
                     router.url,
                     engines,
                     timings,
-                    prefill_engines,
+                    prefill_ids,
                     MODEL,
                     lambda n: _ends(router, n),
                     isolated=9,

@@ -40,8 +40,8 @@ from narwhal.engines.probes import (
     DecodeProbe,
     ProbeError,
     check_idle,
-    engine_itl_totals,
     error_message,
+    probe_decode,
     sample_decode,
     stream_arrivals,
 )
@@ -320,14 +320,10 @@ class Collector:
                 client = self._clients[spec.id]
 
                 async def decode_probe() -> DecodeProbe:
-                    before = await engine_itl_totals(client)
                     body = self._body(pool, plan.decode_input_tokens, plan.decode_tokens)
-                    sent, times = await self._stream_times(spec.id, body)
-                    after = await engine_itl_totals(client) if before is not None else None
-                    itl = None
-                    if before is not None and after is not None:
-                        itl = (after[0] - before[0], after[1] - before[1])
-                    return DecodeProbe([times], itl, sent)
+                    return await probe_decode(
+                        client, [body], self.settings.probe_timeout_s, self.clock.now
+                    )
 
                 # Read as the profiler read its own decode samples (a median of single token
                 # gaps reads chunks that arrive coalesced as 0 s/token).

@@ -27,6 +27,7 @@ __all__ = [
     "check_idle",
     "engine_itl_totals",
     "error_message",
+    "probe_decode",
     "sample_decode",
     "stream_arrivals",
 ]
@@ -117,6 +118,24 @@ async def engine_itl_totals(client: httpx.AsyncClient) -> tuple[float, float] | 
     if total is None and count is None:
         return None
     return (total or 0.0, count or 0.0)
+
+
+async def probe_decode(
+    client: httpx.AsyncClient,
+    bodies: list[dict],
+    timeout_s: float,
+    now: Callable[[], float] = time.monotonic,
+) -> DecodeProbe:
+    """Send ``bodies`` as streamed completions at once; what they saw, with the engine's own
+    inter-token latency totals across them (the raw material of ``sample_decode``)."""
+    before = await engine_itl_totals(client)
+    sent = now()
+    runs = await asyncio.gather(*(stream_arrivals(client, b, timeout_s, now) for b in bodies))
+    after = await engine_itl_totals(client) if before is not None else None
+    itl = None
+    if before is not None and after is not None:
+        itl = (after[0] - before[0], after[1] - before[1])
+    return DecodeProbe([times for _, times in runs], itl, sent)
 
 
 # A decode probe whose sequences never all decoded at once (one finished before another had

@@ -234,7 +234,7 @@ async def calibrate(
     url: str,
     engines: dict[str, str],
     timings: dict[str, EngineModels],
-    prefill_engines: int,
+    prefill_ids: Sequence[str],
     model: str,
     ends: Callable[[int], list[dict[str, Any]]],
     sizes: Sequence[int] = (512, 2048, 4096),
@@ -244,8 +244,8 @@ async def calibrate(
     loaded_per_engine: int = 16,
     seed: int = 0,
 ) -> Calibration:
-    """Calibrate the live stack behind the router at ``url`` (its engines: id -> URL, and
-    their step timings).
+    """Calibrate the live stack behind the router at ``url`` (its engines: id -> URL, their
+    step timings, and which of them prefill).
 
     ``ends(n)`` returns the router journal's request.end records once it holds ``n`` of them
     (every request the router saw so far, calibration included). Isolated requests go one at
@@ -286,14 +286,13 @@ async def calibrate(
         raise RuntimeError("no isolated calibration leg reached the journal")
     rng = random.Random(seed)
     loaded_host: list[tuple[int, float]] = []
-    sent = isolated
     for size in loaded_sizes:
         engine_s = statistics.fmean(
             t.wall(t.prefill.chunk_seconds(0, size)) for t in timings.values()
         )
-        rate = load * prefill_engines / engine_s
+        rate = load * len(prefill_ids) / engine_s
         arrivals = itertools.accumulate(
-            rng.expovariate(rate) for _ in range(loaded_per_engine * prefill_engines)
+            rng.expovariate(rate) for _ in range(loaded_per_engine * len(prefill_ids))
         )
         loaded = [RequestSpec(t, size, 16) for t in arrivals]
         before = await engine_counters(engines)
@@ -301,9 +300,7 @@ async def calibrate(
         after = await engine_counters(engines)
         if any(o.status != 200 for o in out):
             raise RuntimeError("a calibration request under load failed")
-        sent += len(loaded)
-        prefill_ids = {str(r.get("prefill_engine")) for r in ends(sent) if r.get("prefill_engine")}
-        spent = host_seconds(before, after, prefill_ids & set(engines))
+        spent = host_seconds(before, after, prefill_ids)
         loaded_host.append((size, spent / len(loaded)))
     prefill_host, per_token_host = _fit_line(loaded_host)
     transfer_s, per_token = _fit_line(transfers)

@@ -23,7 +23,7 @@ from narwhal.engines.probes import (
     DecodeProbe,
     ProbeError,
     check_idle,
-    engine_itl_totals,
+    probe_decode,
     sample_decode,
     stream_arrivals,
 )
@@ -155,21 +155,8 @@ async def profile_engine(
 
                 async def run(n: int = n, c: int = c) -> DecodeProbe:
                     budget.spend((n + plan.decode_tokens) * c)
-                    before = await engine_itl_totals(client)
-                    sent = time.monotonic()
-                    runs = await asyncio.gather(
-                        *(
-                            stream_arrivals(
-                                client, body(n, plan.decode_tokens), limits.probe_timeout_s
-                            )
-                            for _ in range(c)
-                        )
-                    )
-                    after = await engine_itl_totals(client) if before is not None else None
-                    itl = None
-                    if before is not None and after is not None:
-                        itl = (after[0] - before[0], after[1] - before[1])
-                    return DecodeProbe([times for _, times in runs], itl, sent)
+                    bodies = [body(n, plan.decode_tokens) for _ in range(c)]
+                    return await probe_decode(client, bodies, limits.probe_timeout_s)
 
                 decode.append(
                     await sample_decode(
