@@ -249,6 +249,7 @@ class SchedulerV1:
         excluded, with KV room (when the engine's report is fresh), accepting ``role``,
         healthy and let through by their breaker."""
         out: list[EngineState] = []
+        closed = BreakerState.CLOSED  # read once: an enum member is a slow global lookup
         for e in self._pool(state, role):
             scraped = e.scraped
             at = scraped.at
@@ -262,7 +263,7 @@ class SchedulerV1:
                 e.role == role
                 and e.draining_from is None
                 and e.healthy is not False
-                and e.breaker.state is BreakerState.CLOSED
+                and e.breaker.state is closed
             ) or e.takes(role):
                 out.append(e)
         return out
@@ -307,20 +308,25 @@ class SchedulerV1:
                 raw = model.predict(n).seconds
             ewma = ratios.get((p_id, "prefill"))
             predicted = raw * (ewma.observed / ewma.predicted) if ewma is not None else raw * 1.0
+            work = p.prefill_work
+            if work:
+                # p.queued_prefill_s(now), inline
+                total, head, since = work.summary()
+                waited = now - since
+                if waited < 0.0:
+                    waited = 0.0
+                predicted_ready = total - (head if head < waited else waited) + predicted
+            else:
+                predicted_ready = predicted
+            # _load(p, own, now, stale), inline: this loop runs for every request
+            load = p.in_flight_prefill
             scraped = p.scraped
             at = scraped.at
-            own = p.in_flight_prefill
-            ready.append(
-                (
-                    (p.queued_prefill_s(now) if p.prefill_work else 0.0) + predicted,
-                    p_id,
-                    predicted,
-                    # _load(p, own, now, stale), inline: this loop runs for every request
-                    max(own, scraped.running + scraped.waiting)
-                    if at is not None and now - at <= stale
-                    else own,
-                )
-            )
+            if at is not None and now - at <= stale:
+                reported = scraped.running + scraped.waiting
+                if reported > load:
+                    load = reported
+            ready.append((predicted_ready, p_id, predicted, load))
         ready.sort()
         open_pairs = state.fleet.kv_transfer_pairs == "all"
         ready_ids = {item[1] for item in ready}
@@ -366,6 +372,7 @@ class SchedulerV1:
         ] = []
         local: list[tuple[float, float, EngineState, float, float, float]] = []
         top = -math.inf  # the best slack
+        local_enabled = local_cfg.enabled
         for d in decodes:
             d_id = d.id
             scraped = d.scraped
@@ -388,7 +395,7 @@ class SchedulerV1:
                 raw = cached
             ewma = ratios.get((d_id, "decode"))
             tpot = step = raw * (ewma.observed / ewma.predicted) if ewma is not None else raw * 1.0
-            if local_cfg.enabled:
+            if local_enabled:
                 # Local prefills stall every sequence here, this request's too, however it
                 # gets here: at the rate recently sent, spread over its output tokens.
                 horizon = max(1, shape.max_tokens - 1)
@@ -406,7 +413,11 @@ class SchedulerV1:
             tpot_slack = (tpot_budget - tpot) / tpot_budget
             slack = tpot_slack if tpot_slack < ttft_slack else ttft_slack
             # _load(d, own, now, stale), inline
-            load = choice[3] + (max(own, scraped.running + scraped.waiting) if fresh else own)
+            if fresh:
+                reported = scraped.running + scraped.waiting
+                load = choice[3] + (reported if reported > own else own)
+            else:
+                load = choice[3] + own
             candidates.append((slack, load, d, choice, ttft, tpot))
             if slack > top:
                 top = slack
