@@ -328,7 +328,7 @@ def main() -> int:
                     f"run_{label}: {len(specs)} requests over {specs[-1].arrival:.1f} s wall,"
                     f" prompts mean {statistics.fmean(s.prompt_tokens for s in specs):.0f},"
                     f" outputs mean {statistics.fmean(s.output_tokens for s in specs):.1f};"
-                    f" live wall {live_wall:.1f} s, live failed {agreement.live_failed},"
+                    f" live wall {live_wall:.1f} s, {agreement.failures()},"
                     f" simulator wall {des_wall:.2f} s; host work per prefill measured"
                     f" {run_host * 1000:.1f} ms, calibration"
                     f" {calibration.host_s(mean_prompt) * 1000:.1f} ms; decode engines' step"

@@ -38,8 +38,9 @@ import itertools
 import random
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -363,6 +364,23 @@ class Agreement:
     live_tpot: tuple[float, float]
     des_tpot: tuple[float, float]
     live_failed: int
+    # Why: the HTTP status of each failed live request (0: no answer) -> how many; and how
+    # many the simulator rejected at admission or aborted at the first-token deadline.
+    live_failures: dict[int, int] = field(default_factory=dict)
+    des_rejected: int = 0
+    des_deadline_missed: int = 0
+
+    def failures(self) -> str:
+        """The live failures by status and the simulator's rejections, for a report."""
+        names = {0: "no answer", 200: "no token"}
+        live = ", ".join(
+            f"{n} x {names.get(status, status)}" for status, n in sorted(self.live_failures.items())
+        )
+        return (
+            f"live failed {self.live_failed}{f' ({live})' if live else ''},"
+            f" simulator rejected {self.des_rejected},"
+            f" first-token deadline missed {self.des_deadline_missed}"
+        )
 
     @staticmethod
     def rel(des: float, live: float) -> float:
@@ -406,4 +424,9 @@ def compare(live: list[LiveOutcome], des: DesResult, budgets: Budgets) -> Agreem
         live_tpot=(statistics.median(tpot), _p90(tpot)),
         des_tpot=(statistics.median(des.tpot), _p90(des.tpot)),
         live_failed=len(live) - len(answered),
+        live_failures=dict(
+            Counter(o.status for o in live if not (o.status == 200 and o.ttft is not None))
+        ),
+        des_rejected=des.rejected,
+        des_deadline_missed=des.deadline_missed,
     )

@@ -169,7 +169,7 @@ class RoleController:
         if n <= 0:
             return float("inf")
         engines = state.in_role("decode")
-        decoding = sum(state.decode_batch(e) for e in engines)
+        decoding = sum(map(state.decode_batch, engines))
         context = demand.mean_context() or 1.0
         # Little's law: arrivals x tokens each x seconds per token = sequences in flight.
         ref = next((e.id for e in engines if self.predictor.has(e.id)), None)
@@ -184,6 +184,7 @@ class RoleController:
         # predictor.decode_floor() and predictor.decode(): each model's raw values once (a
         # fleet's engines mostly share one), times each engine's own correction.
         models = self.predictor.models
+        ratios = self.predictor.ratios  # as predictor.ratio(), inline: a tick reads every engine
         raw: dict[int, tuple[float, float]] = {}
         for e in engines:
             engine_models = models.get(e.id)
@@ -196,12 +197,15 @@ class RoleController:
                     model.seconds_per_token(0, context),
                     model.predict(at_batch, context).seconds,
                 )
-            ratio = self.predictor.ratio(e.id, "decode")
+            ewma = ratios.get((e.id, "decode"))
+            ratio = ewma.value if ewma is not None else 1.0
             floor = raw_floor_tpot[0] * ratio
             if floor >= budget:
                 return float("inf")  # not even a lone sequence meets the budget here
             tpot = raw_floor_tpot[1] * ratio
-            worst = max(worst, (tpot - floor) / (budget - floor))
+            pressure = (tpot - floor) / (budget - floor)
+            if pressure > worst:
+                worst = pressure
         return max(0.0, worst)
 
     def pressures(self, state: FleetState, demand: DemandTracker) -> Pressures:

@@ -329,7 +329,6 @@ class SchedulerV1:
             ready.append((predicted_ready, p_id, predicted, load))
         ready.sort()
         open_pairs = state.fleet.kv_transfer_pairs == "all"
-        ready_ids = {item[1] for item in ready}
         context = n + shape.max_tokens / 2
         ttft_budget = self.budgets.ttft_s - shape.elapsed_s
         ttft_scale = self.budgets.ttft_s
@@ -364,8 +363,8 @@ class SchedulerV1:
                     choice = item
             return choice
 
-        # With every pair permitted, the choice is the same for every decode engine but one
-        # that is also a prefill candidate: found once, not once per decode engine.
+        # With every pair permitted, the choice is the same for every decode engine (none is
+        # also a prefill candidate: an engine is in one role's pool): found once.
         shared = best_prefill(None) if open_pairs else None
         candidates: list[
             tuple[float, float, EngineState, tuple[float, str, float, float], float, float]
@@ -403,7 +402,7 @@ class SchedulerV1:
                 if local_on:
                     local.append(self._local(state, d, n, shape, batch, tpot, stalls, now))
                 tpot += stalls / horizon
-            choice = shared if open_pairs and d_id not in ready_ids else best_prefill(d_id)
+            choice = shared if open_pairs else best_prefill(d_id)
             if choice is None:
                 continue
             handoff = transfers.get(d_id)
