@@ -1,0 +1,70 @@
+"""The live side of the simulator's agreement check: each request's outcome as the router's
+journal records it (``narwhal.fleetsim.agreement.router_outcomes``), and the comparison's
+account of failures."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from narwhal.contract.models import Budgets
+from narwhal.fleetsim.agreement import LiveOutcome, compare, router_outcomes
+from narwhal.fleetsim.simulator import DesResult
+
+
+def _end(i: int, **fields: Any) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "type": "request.end",
+        "id": f"r{i}",
+        "client_request_id": f"run-{i}",
+        "outcome": "ok",
+        "status": 200,
+        "completion_tokens": 5,
+        "t_first_token": 0.5,
+        "t_last_token": 0.9,
+    }
+    record.update(fields)
+    return record
+
+
+def test_outcomes_are_the_routers_timestamps_in_request_order() -> None:
+    records = [
+        _end(2, t_first_token=1.25, t_last_token=1.25, completion_tokens=1),
+        _end(0),
+        _end(1, outcome="error", status=503, t_first_token=None, t_last_token=None),
+        _end(7, client_request_id="other-3"),  # another run's request: not ours
+    ]
+    out = router_outcomes(records, 4, "run")
+    assert out[0] == LiveOutcome(200, 0.5, pytest.approx(0.1))
+    assert out[1] == LiveOutcome(503)
+    assert out[2] == LiveOutcome(200, 1.25, None)  # one token: no TPOT
+    assert out[3] == LiveOutcome(0)  # never reached the journal
+
+
+def test_an_ok_record_without_a_first_token_is_a_failure() -> None:
+    assert router_outcomes([_end(0, t_first_token=None)], 1, "run") == [LiveOutcome(0)]
+
+
+def test_compare_names_the_failures_on_both_sides() -> None:
+    live = [LiveOutcome(200, 0.5, 0.1), LiveOutcome(503), LiveOutcome(0), LiveOutcome(503)]
+    des = DesResult(
+        offered=4,
+        completed=3,
+        rejected=1,
+        met_slo=3,
+        deadline_missed=0,
+        duration_s=1.0,
+        flips=[],
+        ttft=[0.5, 0.6, 0.7],
+        tpot=[0.1, 0.1, 0.1],
+        utilisation={},
+        wall_s=0.0,
+    )
+    agreement = compare(live, des, Budgets(ttft_s=1.0, tpot_s=0.2, attainment=0.9))
+    assert agreement.live_failed == 3
+    assert agreement.live_attainment == 0.25
+    assert agreement.failures() == (
+        "live failed 3 (1 x no answer, 2 x 503), simulator rejected 1,"
+        " first-token deadline missed 0"
+    )
