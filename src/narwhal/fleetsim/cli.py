@@ -15,6 +15,7 @@ from narwhal.fleetsim.workloads import (
     timings_of,
     trace_requests,
 )
+from narwhal.routing.baselines import BASELINES
 
 __all__ = ["main"]
 
@@ -32,7 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--prompt-tokens", type=int, default=8192)
     parser.add_argument("--output-tokens", type=int, default=128)
-    parser.add_argument("--scheduler", choices=["v0", "v1"], default="v1")
+    parser.add_argument(
+        "--scheduler",
+        choices=["v1", "v0", *BASELINES],
+        default="v1",
+        help="Narwhal's scheduler (v1, v0) or a baseline policy of the routers it replaces",
+    )
     parser.add_argument("--no-flipping", action="store_true")
     parser.add_argument("--ttft", type=float, default=10.0)
     parser.add_argument("--tpot", type=float, default=0.3)

@@ -38,11 +38,12 @@ from narwhal.clock import VirtualClock
 from narwhal.contract import Budgets, FleetContract
 from narwhal.profiles.store import EngineModels
 from narwhal.routing.admission import Admit, Queue, Verdict
+from narwhal.routing.baselines import BASELINES
 from narwhal.routing.fleet_state import FleetState
 from narwhal.routing.lifecycle import QUEUE_RECHECK_S, Lifecycle, Ticket
 from narwhal.routing.predictor import LatencyPredictor
 from narwhal.routing.roles import DemandTracker, RoleController
-from narwhal.routing.scheduler import SchedulerV0, SchedulerV1
+from narwhal.routing.scheduler import Scheduler, SchedulerV0, SchedulerV1
 
 __all__ = ["DesConfig", "DesResult", "KVBlocks", "RequestSpec", "run_des"]
 
@@ -137,7 +138,8 @@ class _Engine:
 class DesConfig:
     fleet: FleetContract
     timings: dict[str, EngineModels]  # each engine's step timing (narwhal.simengine.timing)
-    scheduler: str = "v1"  # "v0" or "v1"
+    # "v1", "v0", or a baseline policy (``narwhal.routing.baselines.BASELINES``)
+    scheduler: str = "v1"
     flipping: bool = True
     transfer_s: float = 0.002  # KV pull, wall seconds (measured on loopback: a few ms)
     transfer_s_per_token: float = 0.0  # and this much more per prompt token (its KV's bytes)
@@ -224,13 +226,19 @@ class _Simulation:
             engine.healthy = True
         self.predictor = LatencyPredictor(models)
         v1 = config.scheduler == "v1"
-        self.scheduler: SchedulerV0 | SchedulerV1 = (
-            SchedulerV1(
+        self.scheduler: Scheduler
+        if v1:
+            self.scheduler = SchedulerV1(
                 self.predictor, fleet.budgets, config.candidates, random.Random(config.seed)
             )
-            if v1
-            else SchedulerV0()
-        )
+        elif config.scheduler == "v0":
+            self.scheduler = SchedulerV0()
+        elif config.scheduler in BASELINES:
+            self.scheduler = BASELINES[config.scheduler](random.Random(config.seed))
+        else:
+            raise ValueError(
+                f"unknown scheduler {config.scheduler!r}: v1, v0 or one of {', '.join(BASELINES)}"
+            )
         self.demand = DemandTracker(self.clock, window_s=max(10.0, 6 * fleet.roles.tick_s))
         # As the router builds it: scheduler v0 predicts nothing, so nothing is corrected.
         self.lifecycle = Lifecycle(
