@@ -23,7 +23,10 @@ Workloads (rates for 8 engines, in model seconds):
   first slice's burst sat at the router's admission threshold, where the live fleet itself
   swung between 6 and 19 rejections of 240 from one run of the same requests to the next.
 
-The live figures are the router's own (its journal: from each request's arrival to its first
+TTFT percentiles run over the offered requests (one never answered, rejected at admission or
+failed, counts as infinitely late), TPOT percentiles over the answered ones: over answered
+requests alone, the side that rejected a few more in a burst showed the shorter tail. The live
+figures are the router's own (its journal: from each request's arrival to its first
 and last token), as the simulator's are; the client's figures for the same requests are printed
 beside them (``client_side_<run>``) with the client's lag (its TTFT less the router's): on two
 cores shared with the fleet, the load generator falls behind in bursts.

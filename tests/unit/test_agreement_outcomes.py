@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from narwhal.contract.models import Budgets
-from narwhal.fleetsim.agreement import LiveOutcome, compare, router_outcomes
+from narwhal.fleetsim.agreement import Agreement, LiveOutcome, compare, router_outcomes
 from narwhal.fleetsim.simulator import DesResult
 
 
@@ -68,3 +68,32 @@ def test_compare_names_the_failures_on_both_sides() -> None:
         "live failed 3 (1 x no answer, 2 x 503), simulator rejected 1,"
         " first-token deadline missed 0"
     )
+
+
+def test_a_request_never_answered_has_an_infinite_ttft_in_the_percentiles() -> None:
+    """TTFT percentiles run over the offered requests: rejecting the ones that would have
+    waited longest must not shorten a side's tail."""
+    budgets = Budgets(ttft_s=10.0, tpot_s=1.0, attainment=0.9)
+    answered = [LiveOutcome(200, float(t), 0.1) for t in range(1, 9)]
+    live = [*answered, LiveOutcome(429), LiveOutcome(429)]
+    des = DesResult(
+        offered=10,
+        completed=10,
+        rejected=0,
+        met_slo=10,
+        deadline_missed=0,
+        duration_s=1.0,
+        flips=[],
+        ttft=[float(t) for t in range(1, 11)],
+        tpot=[0.1] * 10,
+        utilisation={},
+        wall_s=0.0,
+    )
+    agreement = compare(live, des, budgets)
+    assert agreement.live_ttft == (5.5, float("inf"))  # 2 of 10 never answered: p90 is one
+    assert agreement.des_ttft == (5.5, pytest.approx(9.1))
+    rows = {name: diff for name, _, _, diff in agreement.rows()}
+    assert rows["ttft_p90_s"] == float("inf") and not agreement.within(0.1)
+    assert rows["ttft_p50_s"] == 0.0
+    # Both sides as late as can be: they agree.
+    assert Agreement.rel(float("inf"), float("inf")) == 0.0

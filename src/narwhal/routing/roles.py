@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from narwhal.clock import Clock
 from narwhal.contract import Budgets, RoleControl
+from narwhal.profiles.models import DecodeLatencyModel
 from narwhal.routing.fleet_state import EngineState, FleetState, Role
 from narwhal.routing.predictor import LatencyPredictor
 from narwhal.routing.scheduler import NoPair, Pair, RequestShape
@@ -141,6 +142,14 @@ class FlipDecision:
     pressures: Pressures
 
 
+@dataclass(frozen=True)
+class _DecodeLoad:
+    sequences: float  # in flight on the pool: decoding now, or by Little's law if more
+    context: float  # the traffic's mean context, tokens
+    # Per decode model: (model, the smallest and the largest correction among its engines)
+    ratios: list[tuple[DecodeLatencyModel, float, float]]
+
+
 @dataclass
 class RoleController:
     predictor: LatencyPredictor
@@ -154,67 +163,84 @@ class RoleController:
 
     # --- pressure -------------------------------------------------------------------------
 
-    def _prefill_pressure(self, state: FleetState, demand: DemandTracker, n: int) -> float:
+    def _prefill_pressure(self, work_rate: float, queued_s: float, n: int) -> float:
+        """``work_rate``: predicted prefill seconds arriving per second; ``queued_s``: the
+        prefill work queued on the pool now; ``n``: the pool's engines."""
         if n <= 0:
             return float("inf")
-        now = self.clock.now()
-        utilisation = demand.prefill_work_rate() / n
-        engines = state.in_role("prefill")
-        waits = [e.queued_prefill_s(now) for e in engines]
         # The queue that exists now spreads over the engines that would remain.
-        wait = (sum(waits) / n) if waits else 0.0
-        return max(utilisation, wait / (0.5 * self.budgets.ttft_s))
+        return max(work_rate / n, (queued_s / n) / (0.5 * self.budgets.ttft_s))
 
-    def _decode_pressure(self, state: FleetState, demand: DemandTracker, n: int) -> float:
-        if n <= 0:
-            return float("inf")
+    def _decode_load(self, state: FleetState, demand: DemandTracker) -> _DecodeLoad | None:
+        """What decode pressure is computed from, read once per tick (None: no decode engine
+        has a profile)."""
         engines = state.in_role("decode")
-        decoding = sum(map(state.decode_batch, engines))
+        predictor = self.predictor
+        ref = next((e.id for e in engines if predictor.has(e.id)), None)
+        if ref is None:
+            return None
         context = demand.mean_context() or 1.0
         # Little's law: arrivals x tokens each x seconds per token = sequences in flight.
-        ref = next((e.id for e in engines if self.predictor.has(e.id)), None)
-        if ref is None:
-            return 0.0
-        spt = self.predictor.decode(ref, 1, context).seconds
+        spt = predictor.decode(ref, 1, context).seconds
         expected = demand.rate() * demand.mean_output_tokens() * spt
-        batch = max(decoding, expected) / n
-        budget = self.budgets.tpot_s
-        at_batch = max(1, round(batch))
-        worst = 0.0
-        # predictor.decode_floor() and predictor.decode(): each model's raw values once (a
-        # fleet's engines mostly share one), times each engine's own correction.
-        models = self.predictor.models
-        ratios = self.predictor.ratios  # as predictor.ratio(), inline: a tick reads every engine
-        raw: dict[int, tuple[float, float]] = {}
+        # Per decode model (a fleet's engines mostly share one): the smallest and the largest
+        # correction among its engines. Pressure is monotonic in the correction, so the worst
+        # engine is one of those two; reading every engine once per tick, not once per pool
+        # size asked about, is what a tick over a thousand engines costs.
+        models = predictor.models
+        ratios = predictor.ratios  # as predictor.ratio(), inline
+        spread: dict[int, tuple[DecodeLatencyModel, float, float]] = {}
         for e in engines:
             engine_models = models.get(e.id)
             if engine_models is None:
                 continue
             model = engine_models.decode
-            raw_floor_tpot = raw.get(id(model))
-            if raw_floor_tpot is None:
-                raw_floor_tpot = raw[id(model)] = (
-                    model.seconds_per_token(0, context),
-                    model.predict(at_batch, context).seconds,
-                )
             ewma = ratios.get((e.id, "decode"))
             ratio = ewma.value if ewma is not None else 1.0
-            floor = raw_floor_tpot[0] * ratio
-            if floor >= budget:
-                return float("inf")  # not even a lone sequence meets the budget here
-            tpot = raw_floor_tpot[1] * ratio
-            pressure = (tpot - floor) / (budget - floor)
-            if pressure > worst:
-                worst = pressure
+            known = spread.get(id(model))
+            if known is None:
+                spread[id(model)] = (model, ratio, ratio)
+            elif ratio < known[1]:
+                spread[id(model)] = (model, ratio, known[2])
+            elif ratio > known[2]:
+                spread[id(model)] = (model, known[1], ratio)
+        decoding = sum(map(state.decode_batch, engines))
+        return _DecodeLoad(max(decoding, expected), context, list(spread.values()))
+
+    def _decode_pressure(self, load: _DecodeLoad | None, n: int) -> float:
+        if n <= 0:
+            return float("inf")
+        if load is None:
+            return 0.0
+        budget = self.budgets.tpot_s
+        context = load.context
+        at_batch = max(1, round(load.sequences / n))
+        worst = 0.0
+        for model, low, high in load.ratios:
+            raw_floor = model.seconds_per_token(0, context)
+            raw_tpot = model.predict(at_batch, context).seconds
+            for ratio in (low, high):
+                floor = raw_floor * ratio
+                if floor >= budget:
+                    return float("inf")  # not even a lone sequence meets the budget here
+                pressure = (raw_tpot * ratio - floor) / (budget - floor)
+                if pressure > worst:
+                    worst = pressure
         return max(0.0, worst)
 
     def pressures(self, state: FleetState, demand: DemandTracker) -> Pressures:
         n_p, n_d = len(state.in_role("prefill")), len(state.in_role("decode"))
+        now = self.clock.now()
+        work_rate = demand.prefill_work_rate()
+        queued_s = sum(e.queued_prefill_s(now) for e in state.in_role("prefill"))
+        load = self._decode_load(state, demand)
         return Pressures(
-            prefill=self._prefill_pressure(state, demand, n_p),
-            decode=self._decode_pressure(state, demand, n_d),
-            prefill_if_fewer=self._prefill_pressure(state, demand, n_p - 1) if n_p > 1 else None,
-            decode_if_fewer=self._decode_pressure(state, demand, n_d - 1) if n_d > 1 else None,
+            prefill=self._prefill_pressure(work_rate, queued_s, n_p),
+            decode=self._decode_pressure(load, n_d),
+            prefill_if_fewer=self._prefill_pressure(work_rate, queued_s, n_p - 1)
+            if n_p > 1
+            else None,
+            decode_if_fewer=self._decode_pressure(load, n_d - 1) if n_d > 1 else None,
             n_prefill=n_p,
             n_decode=n_d,
         )
