@@ -87,6 +87,14 @@ class VirtualClock:
         self._t = t
         self._wake_due()
 
+    def advance_to(self, t: float) -> None:
+        """Move to ``t`` if that is later; stay otherwise. One call per event of a
+        discrete-event loop, which runs millions of them."""
+        if t > self._t:
+            self._t = t
+            if self._sleepers:
+                self._wake_due()
+
     def _wake_due(self) -> None:
         while self._sleepers and self._sleepers[0][0] <= self._t:
             _, _, future = heapq.heappop(self._sleepers)

@@ -131,3 +131,16 @@ async def test_both_clocks_are_clocks() -> None:
         before = clock.now()
         await clock.sleep(0)  # yields once; the monotonic clock does not go back
         assert clock.now() >= before
+
+
+async def test_advance_to_moves_only_forward_and_wakes_sleepers() -> None:
+    clock = VirtualClock(10.0)
+    clock.advance_to(9.0)  # an event scheduled in the past: the clock stays
+    assert clock.now() == 10.0
+    tasks, woke = await _sleepers(clock, {"soon": 1.0, "later": 3.0})
+    clock.advance_to(11.5)
+    await asyncio.sleep(0)
+    assert clock.now() == 11.5 and woke == ["soon"]
+    clock.advance_to(13.0)
+    await asyncio.gather(*tasks)
+    assert woke == ["soon", "later"]

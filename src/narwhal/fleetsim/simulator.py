@@ -300,12 +300,17 @@ class _Simulation:
         self.at(tick, "roles", None)
         self.at(self.config.scrape_interval_s, "scrape", None)
         pending = 1 if nxt is not None else 0
-        events, clock, pop = self.events, self.clock, heapq.heappop
+        events, advance_to, pop, trace = (
+            self.events,
+            self.clock.advance_to,
+            heapq.heappop,
+            self.trace,
+        )
         while events:
             t, _, kind, payload = pop(events)
-            clock.set(max(t, clock.now()))
-            if self.trace is not None and kind in _TRACED:
-                self.trace.append((self.clock.now(), kind, _traced(kind, payload)))
+            advance_to(t)
+            if trace is not None and kind in _TRACED:
+                trace.append((self.clock.now(), kind, _traced(kind, payload)))
             if kind == "arrive":
                 i = next(index)
                 ticket = self.lifecycle.arrive(
