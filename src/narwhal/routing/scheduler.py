@@ -319,7 +319,7 @@ class SchedulerV1:
             else:
                 predicted_ready = predicted
             # _load(p, own, now, stale), inline: this loop runs for every request
-            load = p.in_flight_prefill
+            load: float = p.in_flight_prefill
             scraped = p.scraped
             at = scraped.at
             if at is not None and now - at <= stale:
