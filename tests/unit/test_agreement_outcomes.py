@@ -28,6 +28,23 @@ def _end(i: int, **fields: Any) -> dict[str, Any]:
     return record
 
 
+def _simulated(ttft: list[float], rejected: int = 0) -> DesResult:
+    """A simulator result whose answered requests all met their budgets (TPOT 0.1 s)."""
+    return DesResult(
+        offered=len(ttft) + rejected,
+        completed=len(ttft),
+        rejected=rejected,
+        met_slo=len(ttft),
+        deadline_missed=0,
+        duration_s=1.0,
+        flips=[],
+        ttft=ttft,
+        tpot=[0.1] * len(ttft),
+        utilisation={},
+        wall_s=0.0,
+    )
+
+
 def test_outcomes_are_the_routers_timestamps_in_request_order() -> None:
     records = [
         _end(2, t_first_token=1.25, t_last_token=1.25, completion_tokens=1),
@@ -48,19 +65,7 @@ def test_an_ok_record_without_a_first_token_is_a_failure() -> None:
 
 def test_compare_names_the_failures_on_both_sides() -> None:
     live = [LiveOutcome(200, 0.5, 0.1), LiveOutcome(503), LiveOutcome(0), LiveOutcome(503)]
-    des = DesResult(
-        offered=4,
-        completed=3,
-        rejected=1,
-        met_slo=3,
-        deadline_missed=0,
-        duration_s=1.0,
-        flips=[],
-        ttft=[0.5, 0.6, 0.7],
-        tpot=[0.1, 0.1, 0.1],
-        utilisation={},
-        wall_s=0.0,
-    )
+    des = _simulated([0.5, 0.6, 0.7], rejected=1)
     agreement = compare(live, des, Budgets(ttft_s=1.0, tpot_s=0.2, attainment=0.9))
     assert agreement.live_failed == 3
     assert agreement.live_attainment == 0.25
@@ -76,19 +81,7 @@ def test_a_request_never_answered_has_an_infinite_ttft_in_the_percentiles() -> N
     budgets = Budgets(ttft_s=10.0, tpot_s=1.0, attainment=0.9)
     answered = [LiveOutcome(200, float(t), 0.1) for t in range(1, 9)]
     live = [*answered, LiveOutcome(429), LiveOutcome(429)]
-    des = DesResult(
-        offered=10,
-        completed=10,
-        rejected=0,
-        met_slo=10,
-        deadline_missed=0,
-        duration_s=1.0,
-        flips=[],
-        ttft=[float(t) for t in range(1, 11)],
-        tpot=[0.1] * 10,
-        utilisation={},
-        wall_s=0.0,
-    )
+    des = _simulated([float(t) for t in range(1, 11)])
     agreement = compare(live, des, budgets)
     assert agreement.live_ttft == (5.5, float("inf"))  # 2 of 10 never answered: p90 is one
     assert agreement.des_ttft == (5.5, pytest.approx(9.1))

@@ -61,6 +61,19 @@ class PrefillWork(dict[str, tuple[float, float]]):
             summary = self._summary = (total, head, since)
         return summary
 
+    def ahead(self, now: float) -> float:
+        """Predicted prefill seconds still ahead of a new prompt (see
+        ``EngineState.queued_prefill_s``): the total less what the oldest leg can have done
+        since its dispatch, at most its own predicted time."""
+        if not self:
+            return 0.0
+        total, head, since = self.summary()
+        waited = now - since
+        if waited < 0.0:
+            waited = 0.0
+        # (min() and max() written out: the scheduler asks this of every candidate)
+        return total - (head if head < waited else waited)
+
     # Every way to change a dict forgets the summary.
     def __setitem__(self, key: str, value: tuple[float, float]) -> None:
         self._summary = None
@@ -145,11 +158,7 @@ class EngineState:
         wiped out queues whose oldest leg had itself waited behind legs since finished, and
         the online correction then read the wait as a slow engine.
         """
-        work = self.prefill_work
-        if not work:
-            return 0.0
-        total, head, since = work.summary()
-        return total - min(head, max(0.0, now - since))
+        return self.prefill_work.ahead(now)
 
     def can(self, role: Role) -> bool:
         return role in self.roles

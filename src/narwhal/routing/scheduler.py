@@ -308,16 +308,8 @@ class SchedulerV1:
                 raw = model.predict(n).seconds
             ewma = ratios.get((p_id, "prefill"))
             predicted = raw * (ewma.observed / ewma.predicted) if ewma is not None else raw * 1.0
-            work = p.prefill_work
-            if work:
-                # p.queued_prefill_s(now), inline
-                total, head, since = work.summary()
-                waited = now - since
-                if waited < 0.0:
-                    waited = 0.0
-                predicted_ready = total - (head if head < waited else waited) + predicted
-            else:
-                predicted_ready = predicted
+            work = p.prefill_work  # p.queued_prefill_s(now), one call fewer
+            predicted_ready = work.ahead(now) + predicted if work else predicted
             # _load(p, own, now, stale), inline: this loop runs for every request
             load: float = p.in_flight_prefill
             scraped = p.scraped
