@@ -135,6 +135,31 @@ def test_a_pd_request_is_counted_on_its_engines_leg_by_leg_and_released() -> Non
     assert lifecycle.demand is not None and lifecycle.demand.rate() > 0
 
 
+def test_a_decoding_leg_is_counted_until_its_predicted_end_and_forgotten_when_it_ends() -> None:
+    lifecycle, clock, _ = build()
+    ticket = lifecycle.arrive("r", max_tokens=11, prompt_tokens=1000)
+    pair = admitted(lifecycle, ticket)
+    d = lifecycle.state.engines[pair.decode]
+    assert d.decode_ends == []  # in its prefill leg: not yet
+    lifecycle.prefill_done(ticket, "ok", prompt_tokens=1000)
+    clock.advance(0.05)
+    lifecycle.first_token(ticket)
+    assert pair.predicted_tpot_s is not None
+    assert d.decode_ends == [pytest.approx(clock.now() + 10 * pair.predicted_tpot_s)]
+    assert d.decode_batch_at(clock.now(), clock.now() + 1.0) == 0  # gone within the second
+    assert d.decode_batch_at(clock.now(), clock.now() + 0.01) == 1
+    lifecycle.finished(ticket, completion_tokens=11, complete=True)
+    assert d.decode_ends == [] and ticket.decode_end is None
+    # A leg cancelled while it streams is forgotten too.
+    other = lifecycle.arrive("s", max_tokens=50, prompt_tokens=100)
+    second = admitted(lifecycle, other)
+    lifecycle.prefill_done(other, "ok", prompt_tokens=100)
+    lifecycle.first_token(other)
+    assert len(lifecycle.state.engines[second.decode].decode_ends) == 1
+    lifecycle.cancel(other)
+    assert all(e.decode_ends == [] for e in lifecycle.state.engines.values())
+
+
 def test_the_prefill_correction_compares_its_leg_with_the_queue_it_waited_behind() -> None:
     lifecycle, clock, _ = build(n_prefill=1)
     first = lifecycle.arrive("a", max_tokens=2, prompt_tokens=4000)

@@ -21,13 +21,13 @@ from narwhal.simengine.fleet import local_fleet_document
 from narwhal.simengine.timing import CALIBRATION
 
 
-def test_the_queue_counts_the_legs_that_cannot_have_started() -> None:
-    """First come, first served: of the legs in flight only the oldest can have progressed,
-    and by at most its own predicted time. Three 1 s legs sent at once; 1.5 s later the first
-    has finished. The router credits the second (now the oldest) with up to its whole second
-    since it was sent, but the third cannot have started: 1.0 s of work left. (The engine's
-    truth is 1.5 s, the second having waited behind the first, which the router does not see;
-    crediting the whole queue with the time since the oldest was sent said 0.5 s.)"""
+def test_the_queue_progresses_from_the_last_leg_that_ended() -> None:
+    """First come, first served, packed into steps: the engine works on the legs in line from
+    the later of the last leg's end and the oldest leg's dispatch. Three 1 s legs sent at once;
+    the first ends 1.5 s later (it ran slow): the two left have not yet progressed (2.0 s),
+    then the time since counts against both (a step works on several prompts at once), never
+    below nothing. (Crediting the whole queue since the oldest dispatch said 0.5 s at the
+    first end; crediting only the oldest leg overcounted a packed queue by up to a step.)"""
     clock = VirtualClock(10.0)
     doc = local_fleet_document([1, 2], [3, 4], initial_roles=["prefill", "decode"])
     state = FleetState(parse_fleet(doc, "f").contract, clock)
@@ -35,11 +35,23 @@ def test_the_queue_counts_the_legs_that_cannot_have_started() -> None:
     for leg in ("a", "b", "c"):
         e0.prefill_work[leg] = (1.0, clock.now())
     assert e0.queued_prefill_s(clock.now()) == pytest.approx(3.0)
-    clock.advance(1.5)
-    e0.prefill_work.pop("a")
-    assert e0.queued_prefill_s(clock.now()) == pytest.approx(1.0)  # the leg not started
+    clock.advance(0.5)
+    assert e0.queued_prefill_s(clock.now()) == pytest.approx(2.5)
+    assert e0.queued_prefill_s(clock.now(), scale=2.0) == pytest.approx(5.5)  # raw legs, 2x
+    clock.advance(1.0)
+    e0.prefill_work.done("a", clock.now())
+    assert e0.queued_prefill_s(clock.now()) == pytest.approx(2.0)
+    clock.advance(0.5)
+    assert e0.queued_prefill_s(clock.now()) == pytest.approx(1.5)
     clock.advance(10.0)
-    assert e0.queued_prefill_s(clock.now()) == pytest.approx(1.0)  # late: never below that
+    assert e0.queued_prefill_s(clock.now()) == 0.0  # late: never below nothing
+    # An idle engine starts a leg when it is sent, not at the last end long before.
+    e0.prefill_work.done("b", clock.now())
+    e0.prefill_work.done("c", clock.now())
+    clock.advance(5.0)
+    e0.prefill_work["d"] = (1.0, clock.now())
+    clock.advance(0.25)
+    assert e0.queued_prefill_s(clock.now()) == pytest.approx(0.75)
 
 
 def test_an_uncorrected_prediction_is_not_rescaled_by_a_later_ratio() -> None:

@@ -15,7 +15,7 @@ from narwhal.profiles.models import (
 )
 from narwhal.profiles.store import EngineModels
 from narwhal.routing.fleet_state import FleetState
-from narwhal.routing.predictor import LatencyPredictor
+from narwhal.routing.predictor import LatencyPredictor, RatioEwma
 from narwhal.routing.prompt_length import PromptLengthEstimator
 from narwhal.routing.scheduler import NoPair, Pair, RequestShape, SchedulerV1
 from narwhal.simengine.fleet import local_fleet_document
@@ -109,6 +109,33 @@ def test_online_correction_converges_and_flags_drift() -> None:
     assert p.drifted("e0", "prefill") and not p.drifted("e0", "decode")
 
 
+def test_the_learnt_line_separates_a_fixed_wait_from_a_scale() -> None:
+    """Legs that each wait 0.3 s for a step boundary and then run at 0.9x the model: one ratio
+    reads a short leg as 4x slow and a long one as 0.93x; the line is exact for both."""
+    ewma = RatioEwma(0.2)
+    for predicted in [0.1, 2.0, 0.5, 8.0, 1.0, 4.0] * 4:
+        ewma.update(0.3 + 0.9 * predicted, predicted)
+    offset, scale = ewma.line
+    assert offset == pytest.approx(0.3, rel=1e-6) and scale == pytest.approx(0.9, rel=1e-6)
+    # The ratio itself (drift, metrics) is unchanged: observed over predicted.
+    assert ewma.value == pytest.approx(ewma.observed / ewma.predicted)
+
+
+def test_the_line_falls_back_to_the_ratio_without_spread_or_with_a_negative_offset() -> None:
+    same = RatioEwma(0.2)
+    for _ in range(10):
+        same.update(1.5, 1.0)  # every leg alike: a slope cannot be told from an offset
+    assert same.line == (0.0, pytest.approx(1.5))
+    few = RatioEwma(0.2)
+    for predicted in (0.1, 8.0, 1.0):
+        few.update(2 * predicted, predicted)
+    assert few.line == (0.0, pytest.approx(2.0))  # too few samples
+    negative = RatioEwma(0.2)
+    for predicted in [0.5, 2.0, 4.0, 8.0] * 3:
+        negative.update(max(0.01, 1.2 * predicted - 0.4), predicted)
+    assert negative.line[0] == 0.0 and negative.line[1] == pytest.approx(negative.value)
+
+
 def test_correction_ignores_absurd_samples() -> None:
     p = LatencyPredictor({"e0": models()}, alpha=1.0, ratio_bounds=(0.25, 8.0))
     p.observe("e0", "decode", 0.05, 500.0)
@@ -185,6 +212,43 @@ def test_batch_growth_moves_work_to_the_slower_engine_only_when_it_pays() -> Non
     # e2 at batch 11 predicts 0.04 + 0.002*12 = 0.064 > e3's 0.062 at batch 1.
     state.engines["e2"].in_flight_decode = 11
     assert sched.pick(state, shape).decode == "e3"  # type: ignore[union-attr]
+
+
+def test_sequences_predicted_to_end_before_the_request_joins_leave_room() -> None:
+    """Forty short answers decoding on each decode engine put TPOT over budget now (0.04 +
+    0.002 x 41 = 0.122), but a 7,000-token prompt behind a 1 s prefill queue joins in about
+    1.75 s, when thirty of them are predicted to be done: it is admitted, at batch 11. One
+    past its predicted end still decodes and stays counted."""
+    clock = VirtualClock(0.0)
+    state = fleet_state(clock)
+    sched = scheduler()
+    for engine in ("e0", "e1"):
+        state.engines[engine].prefill_work["q"] = (1.0, 0.0)
+    shape = RequestShape(prompt_tokens=7000, max_tokens=10)
+    for engine in ("e2", "e3"):
+        d = state.engines[engine]
+        d.in_flight_decode = 40
+        for i in range(40):
+            d.foresee_decode_end(0.5 + (i % 4) * 0.4 if i < 30 else 60.0)
+    pick = sched.pick(state, shape)
+    assert isinstance(pick, Pair)
+    # prefill 1.0 queued + 0.71; handoff 0.02; first step at batch 10 + 1
+    assert pick.predicted_tpot_s == pytest.approx(0.04 + 0.002 * 11)
+    assert state.engines["e2"].decode_batch_at(0.0, 0.6) == 40 - 8
+    clock.advance(2.0)  # all thirty overdue: still decoding, so still counted
+    assert state.engines["e2"].decode_batch_at(2.0, 5.0) == 40
+    over = sched.pick(state, shape)
+    assert isinstance(over, NoPair) and over.over_budget is not None
+
+
+def test_the_less_loaded_decode_engine_counts_requests_still_in_their_prefill_leg() -> None:
+    clock = VirtualClock(0.0)
+    state = fleet_state(clock)
+    sched = scheduler()
+    state.engines["e2"].in_flight_decode = 1
+    state.engines["e3"].pending_decode = 3  # three on their way to e3's batch
+    pick = sched.pick(state, RequestShape(prompt_tokens=500, max_tokens=50))
+    assert isinstance(pick, Pair) and pick.decode == "e2"
 
 
 def test_over_budget_is_reported_for_admission() -> None:

@@ -52,7 +52,13 @@ __all__ = ["DesConfig", "DesResult", "KVBlocks", "RequestSpec", "run_des"]
 class RequestSpec:
     arrival: float
     prompt_tokens: int
-    output_tokens: int
+    output_tokens: int  # what the request generates
+    # What its client asks for (the router's only knowledge of the output's length; the
+    # request still ends after ``output_tokens``): None asks for exactly ``output_tokens``.
+    max_tokens: int | None = None
+    # The prompt's KV blocks as content hashes, in order (as the Mooncake traces give them):
+    # what prefix-aware routing matches. Empty: unknown, no prefix shared with any other.
+    prefix: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -315,9 +321,10 @@ class _Simulation:
                 i = next(index)
                 ticket = self.lifecycle.arrive(
                     str(i),
-                    max_tokens=payload.output_tokens,
+                    max_tokens=payload.max_tokens or payload.output_tokens,
                     prompt_tokens=payload.prompt_tokens,
                     arrival=payload.arrival,
+                    prefix=payload.prefix,
                 )
                 request = _Request(payload, i, ticket)
                 self.requests.append(request)

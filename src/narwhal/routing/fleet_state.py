@@ -8,6 +8,8 @@ the engine's (or the reverse) routes on a number that lies.
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_right, insort
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -36,43 +38,51 @@ class ScrapedLoad:
 class PrefillWork(dict[str, tuple[float, float]]):
     """An engine's prefill legs in flight: request id -> (predicted seconds, dispatched at).
 
-    A dict that keeps its total and its oldest leg until it next changes: the scheduler asks
-    ``queued_prefill_s`` of every prefill candidate for every request, and legs come and go
-    far less often than that. Computed as before, in the same order (``sum`` over the values;
-    the first of the oldest on a tie, as ``min(key=dispatch time)`` finds it), so the same
-    floats."""
+    A dict that keeps its total and its oldest leg's dispatch time until it next changes: the
+    scheduler asks ``queued_prefill_s`` of every prefill candidate for every request, and legs
+    come and go far less often than that. ``done`` removes a leg that ended and remembers when,
+    from which the legs left have progressed."""
 
-    __slots__ = ("_summary",)
+    __slots__ = ("_summary", "last_done")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._summary: tuple[float, float, float] | None = None
+        self._summary: tuple[float, float] | None = None
+        self.last_done = -math.inf  # when a leg last ended here
 
-    def summary(self) -> tuple[float, float, float]:
-        """(total predicted seconds, the oldest leg's predicted seconds, its dispatch time);
-        not for an empty dict."""
+    def done(self, key: str, now: float) -> None:
+        """The leg ``key`` ended at ``now`` (a no-op for a leg not here)."""
+        if key in self:
+            self.pop(key)
+            self.last_done = now
+
+    def summary(self) -> tuple[float, float]:
+        """(total predicted seconds, the oldest leg's dispatch time); not for an empty dict."""
         summary = self._summary
         if summary is None:
-            total = sum(predicted for predicted, _ in self.values())
-            head, since = next(iter(self.values()))
+            total = 0.0
+            since = math.inf
             for predicted, at in self.values():
+                total += predicted
                 if at < since:
-                    head, since = predicted, at
-            summary = self._summary = (total, head, since)
+                    since = at
+            summary = self._summary = (total, since)
         return summary
 
-    def ahead(self, now: float) -> float:
+    def ahead(self, now: float, scale: float = 1.0) -> float:
         """Predicted prefill seconds still ahead of a new prompt (see
-        ``EngineState.queued_prefill_s``): the total less what the oldest leg can have done
-        since its dispatch, at most its own predicted time."""
+        ``EngineState.queued_prefill_s``), the legs' seconds times ``scale`` (the engine's
+        correction now, for legs kept as the raw model's seconds)."""
         if not self:
             return 0.0
-        total, head, since = self.summary()
-        waited = now - since
+        total, since = self.summary()
+        last = self.last_done
+        waited = now - (since if since > last else last)
         if waited < 0.0:
             waited = 0.0
+        total *= scale
         # (min() and max() written out: the scheduler asks this of every candidate)
-        return total - (head if head < waited else waited)
+        return total - (total if total < waited else waited)
 
     # Every way to change a dict forgets the summary.
     def __setitem__(self, key: str, value: tuple[float, float]) -> None:
@@ -122,10 +132,18 @@ class EngineState:
     # Requests admitted with this engine as their decode engine, still in their prefill leg:
     # they will join its batch, so predictions count them now.
     pending_decode: int = 0
+    # When each sequence decoding here (first token sent) is predicted to end, ascending: a
+    # request admitted now joins the batch only after its prefill leg, when the short answers
+    # decoding now may be gone. Sequences without predictions (a scheduler that makes none)
+    # are counted in the two counters above only.
+    decode_ends: list[float] = field(default_factory=list)
     scraped: ScrapedLoad = field(default_factory=ScrapedLoad)
     draining_from: Role | None = None
     role_since: float = 0.0
-    # Prefill legs in flight here: request id -> (predicted seconds, dispatched at).
+    # Prefill legs in flight here: request id -> (predicted seconds, dispatched at). A prefill
+    # engine's legs in the raw model's seconds (the correction in force when each was sent
+    # would go stale while it waits: the current one scales them); a decode engine's local
+    # prefills in corrected seconds.
     prefill_work: PrefillWork = field(default_factory=PrefillWork)
     # Local prefills sent to this (decode) engine: (dispatched at, predicted seconds), oldest
     # first, the last LOCAL_HISTORY_S seconds: each one stalled its decode batch that long.
@@ -134,6 +152,24 @@ class EngineState:
     def __post_init__(self) -> None:
         if type(self.prefill_work) is not PrefillWork:
             self.prefill_work = PrefillWork(self.prefill_work)
+
+    def foresee_decode_end(self, at: float) -> None:
+        insort(self.decode_ends, at)
+
+    def forget_decode_end(self, at: float) -> None:
+        ends = self.decode_ends
+        i = bisect_right(ends, at) - 1
+        if i >= 0 and ends[i] == at:
+            del ends[i]
+
+    def decode_batch_at(self, now: float, at: float) -> int:
+        """The router's own sequences here (pending or in flight) still predicted to decode at
+        ``at``: all but those decoding now and predicted to end between ``now`` and ``at``.
+        One past its predicted end still decodes (slower than predicted): it stays, as do
+        those without a predicted end."""
+        ends = self.decode_ends
+        leaving = bisect_right(ends, at) - bisect_right(ends, now)
+        return self.in_flight_decode + self.pending_decode - leaving
 
     def note_local_prefill(self, now: float, predicted_s: float) -> None:
         self.local_prefills.append((now, predicted_s))
@@ -149,16 +185,20 @@ class EngineState:
             total += seconds
         return total
 
-    def queued_prefill_s(self, now: float) -> float:
-        """Predicted prefill work still ahead of a new prompt on this engine.
+    def queued_prefill_s(self, now: float, scale: float = 1.0) -> float:
+        """Predicted prefill work still ahead of a new prompt on this engine: the legs' total
+        less the time the engine has worked on them, since the later of the last leg's end
+        and the oldest leg's dispatch (at least nothing).
 
-        The engine prefills first come, first served: only the oldest leg in flight can have
-        made progress, and at most its own predicted time. Counting the time since its
-        dispatch against the whole queue (as if every leg had run since the oldest was sent)
-        wiped out queues whose oldest leg had itself waited behind legs since finished, and
-        the online correction then read the wait as a slow engine.
+        The engine prefills first come, first served, packing the prompts in line into each
+        step's token budget: a step works on several of them at once, so the time since the
+        last end counts against the whole queue. Crediting only the oldest leg (at most its
+        own predicted time) overcounted a packed queue by up to a step; crediting the whole
+        queue since the oldest leg's dispatch wiped out queues whose oldest leg had itself
+        waited behind legs since finished. ``scale``: the engine's prefill correction, for a
+        prefill engine (whose legs are kept uncorrected).
         """
-        return self.prefill_work.ahead(now)
+        return self.prefill_work.ahead(now, scale)
 
     def can(self, role: Role) -> bool:
         return role in self.roles

@@ -77,6 +77,7 @@ class Ticket:
     prompt_tokens: int | None = None
     prompt_bytes: int = 0  # a text prompt's size, from which its length is estimated
     local_ok: bool = True  # False when the request needs what only a prefill leg returns
+    prefix: tuple[int, ...] = ()  # the prompt's KV block hashes (RequestShape.prefix)
     phase: Phase = "new"
     pair: Pair | None = None
     queued_at: float | None = None
@@ -94,6 +95,8 @@ class Ticket:
     local_predicted_s: float | None = None  # likewise, a local leg's first token
     first_token_at: float | None = None
     batch_at_start: int = 0  # the decode engine's batch when this request joined it
+    # When its decode leg is predicted to end, as counted in its decode engine's decode_ends.
+    decode_end: float | None = None
 
     @property
     def local(self) -> bool:
@@ -160,6 +163,7 @@ class Lifecycle:
         prompt_bytes: int = 0,
         local_ok: bool = True,
         arrival: float | None = None,
+        prefix: tuple[int, ...] = (),
     ) -> Ticket:
         return Ticket(
             request_id,
@@ -168,6 +172,7 @@ class Lifecycle:
             prompt_tokens,
             prompt_bytes,
             local_ok,
+            prefix,
         )
 
     @property
@@ -180,7 +185,11 @@ class Lifecycle:
         if tokens is None:
             tokens = self.lengths.estimate(ticket.prompt_bytes)
         return RequestShape(
-            tokens, ticket.max_tokens, self.clock.now() - ticket.arrival, ticket.local_ok
+            tokens,
+            ticket.max_tokens,
+            self.clock.now() - ticket.arrival,
+            ticket.local_ok,
+            ticket.prefix,
         )
 
     def admit(self, ticket: Ticket) -> Verdict:
@@ -288,12 +297,14 @@ class Lifecycle:
         ticket.prefill_started = now
         ticket.prefill_predicted_s = None
         if pair.predicted_prefill_s is not None:
-            # Queue and prefill, without the correction in force now (see prefill_done).
-            predicted = p.queued_prefill_s(now) + pair.predicted_prefill_s
-            if self.predictor is not None:
-                predicted = self.predictor.uncorrected(p.id, "prefill", predicted)
-            ticket.prefill_predicted_s = predicted
-            p.prefill_work[ticket.id] = (pair.predicted_prefill_s, now)
+            # Queue and prefill, without the correction in force now (see prefill_done); the
+            # leg waits in the queue as the raw model's seconds.
+            _, scale = (
+                self.predictor.line(p.id, "prefill") if self.predictor is not None else (0.0, 1.0)
+            )
+            prefill_raw = pair.predicted_prefill_s / scale
+            ticket.prefill_predicted_s = p.queued_prefill_s(now, scale) / scale + prefill_raw
+            p.prefill_work[ticket.id] = (prefill_raw, now)
 
     # --- the prefill leg ----------------------------------------------------------------
 
@@ -334,7 +345,7 @@ class Lifecycle:
         p = self.state.engines[ticket.pair.prefill]
         self.state.engines[ticket.pair.decode].pending_decode -= 1
         p.in_flight_prefill -= 1
-        p.prefill_work.pop(ticket.id, None)
+        p.prefill_work.done(ticket.id, self.clock.now())
         self.observer.in_flight(p.id, "prefill", -1)
         self.observer.capacity_freed()
         return p
@@ -372,7 +383,7 @@ class Lifecycle:
         now = self.clock.now()
         d = self.state.engines[ticket.pair.decode]
         if ticket.local:
-            d.prefill_work.pop(ticket.id, None)
+            d.prefill_work.done(ticket.id, now)
         self._verdict(d, ok=True)
         ticket.phase = "streaming"
         ticket.first_token_at = now
@@ -388,6 +399,8 @@ class Lifecycle:
                 # What is left after the predicted first step is the KV transfer.
                 predictor.observe_handoff(d.id, after, ticket.pair.predicted_tpot_s)
         ticket.batch_at_start = self.state.decode_batch(d)
+        if ticket.pair.predicted_tpot_s is not None:
+            self._foresee_end(ticket, d, now)
 
     def decode_failed(self, ticket: Ticket, outcome: LegOutcome) -> None:
         """The decode leg ended before its first token: ``failed`` or ``deadline`` (the
@@ -435,8 +448,9 @@ class Lifecycle:
         assert ticket.pair is not None
         d = self.state.engines[ticket.pair.decode]
         d.in_flight_decode -= 1
+        self._forget_end(ticket)
         if ticket.local:
-            d.prefill_work.pop(ticket.id, None)
+            d.prefill_work.done(ticket.id, self.clock.now())
         self.observer.in_flight(d.id, "decode", -1)
         self.observer.capacity_freed()
         return d
@@ -457,6 +471,24 @@ class Lifecycle:
             self._end_decode(ticket).breaker.on_abandon()
 
     # --- helpers ------------------------------------------------------------------------
+
+    def _foresee_end(self, ticket: Ticket, d: EngineState, first_token_at: float) -> None:
+        """Count on ``d`` when the ticket's decode leg, which sent its first token at
+        ``first_token_at``, is predicted to end: after the rest of its ``max_tokens`` (an upper
+        bound: answers may stop sooner) at the predicted TPOT. Only for a leg that decodes:
+        one still in its prefill leg joins and leaves when its prefill's queue lets it, too
+        uncertain to count it gone (counting it as leaving put too many on engines that
+        had many in prefill)."""
+        assert ticket.pair is not None
+        tpot = ticket.pair.predicted_tpot_s or 0.0
+        end = first_token_at + max(0, ticket.max_tokens - 1) * tpot
+        d.foresee_decode_end(end)
+        ticket.decode_end = end
+
+    def _forget_end(self, ticket: Ticket) -> None:
+        if ticket.decode_end is not None and ticket.pair is not None:
+            self.state.engines[ticket.pair.decode].forget_decode_end(ticket.decode_end)
+            ticket.decode_end = None
 
     def _verdict(
         self, engine: EngineState, ok: bool, leg: Literal["prefill", "decode"] = "decode"

@@ -47,6 +47,12 @@ class RatioEwma:
     observed: float = 1.0
     predicted: float = 1.0
     samples: int = 0
+    # EWMAs of predicted^2 and predicted x observed: with the two above, the moments of a
+    # least-squares line observed = offset + scale x predicted (see ``line``).
+    predicted_sq: float = 1.0
+    product: float = 1.0
+    # The line, refitted on every update: (offset seconds, scale); (0, value) until it fits.
+    line: tuple[float, float] = (0.0, 1.0)
 
     @property
     def value(self) -> float:
@@ -55,11 +61,37 @@ class RatioEwma:
     def update(self, observed: float, predicted: float) -> float:
         if self.samples == 0:
             self.observed, self.predicted = observed, predicted
+            self.predicted_sq, self.product = predicted * predicted, predicted * observed
         else:
-            self.observed = self.alpha * observed + (1 - self.alpha) * self.observed
-            self.predicted = self.alpha * predicted + (1 - self.alpha) * self.predicted
+            a, b = self.alpha, 1 - self.alpha
+            self.observed = a * observed + b * self.observed
+            self.predicted = a * predicted + b * self.predicted
+            self.predicted_sq = a * predicted * predicted + b * self.predicted_sq
+            self.product = a * predicted * observed + b * self.product
         self.samples += 1
+        self.line = self._fit()
         return self.value
+
+    def _fit(self) -> tuple[float, float]:
+        """observed = offset + scale x predicted, by least squares over the EWMA moments, when
+        the predictions spread enough to tell a slope from an offset (an offset of at least 0
+        and a scale within a quarter and four times the ratio); else the ratio alone.
+
+        A queue of prefill legs errs both ways at once: a leg on a busy engine waits for the
+        step in progress and ends with the step its last chunk shares with the prompts behind
+        it (a fixed part, large against a short leg), while a long queue packs prompts into
+        full steps that share one step overhead (a fraction, below 1). One ratio learnt from
+        both read short queues as long and long ones as short."""
+        mean_x, mean_y = self.predicted, self.observed
+        ratio = mean_y / mean_x
+        variance = self.predicted_sq - mean_x * mean_x
+        if self.samples < 5 or variance <= (0.25 * mean_x) ** 2:
+            return 0.0, ratio
+        scale = (self.product - mean_x * mean_y) / variance
+        offset = mean_y - scale * mean_x
+        if offset < 0 or not 0.25 * ratio <= scale <= 4 * ratio:
+            return 0.0, ratio
+        return offset, scale
 
 
 @dataclass
@@ -78,6 +110,12 @@ class LatencyPredictor:
     def ratio(self, engine: str, phase: str) -> float:
         ewma = self.ratios.get((engine, phase))
         return ewma.value if ewma is not None else 1.0
+
+    def line(self, engine: str, phase: str) -> tuple[float, float]:
+        """(offset seconds, scale): the learnt line from a prediction to what is observed
+        (``RatioEwma.line``); (0, 1) with no samples."""
+        ewma = self.ratios.get((engine, phase))
+        return ewma.line if ewma is not None else (0.0, 1.0)
 
     def drifted(self, engine: str, phase: str) -> bool:
         lo, hi = self.drift_band

@@ -232,7 +232,10 @@ class RoleController:
         n_p, n_d = len(state.in_role("prefill")), len(state.in_role("decode"))
         now = self.clock.now()
         work_rate = demand.prefill_work_rate()
-        queued_s = sum(e.queued_prefill_s(now) for e in state.in_role("prefill"))
+        ratio = self.predictor.ratio
+        queued_s = sum(
+            e.queued_prefill_s(now, ratio(e.id, "prefill")) for e in state.in_role("prefill")
+        )
         load = self._decode_load(state, demand)
         return Pressures(
             prefill=self._prefill_pressure(work_rate, queued_s, n_p),

@@ -37,6 +37,9 @@ class RequestShape:
     elapsed_s: float = 0.0  # already spent (queueing, earlier attempts) against the TTFT budget
     # False when the request needs what only a prefill leg gives (the prompt's token ids).
     local_ok: bool = True
+    # The prompt's KV blocks as content hashes, in order: equal hashes, equal prefixes (what
+    # prefix-aware policies match). Empty when unknown.
+    prefix: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -307,9 +310,11 @@ class SchedulerV1:
                 prefill_model = model
                 raw = model.predict(n).seconds
             ewma = ratios.get((p_id, "prefill"))
-            predicted = raw * (ewma.observed / ewma.predicted) if ewma is not None else raw * 1.0
-            work = p.prefill_work  # p.queued_prefill_s(now), one call fewer
-            predicted_ready = work.ahead(now) + predicted if work else predicted
+            # The leg's wait and prefill, as the learnt line through its observed durations.
+            offset, correction = ewma.line if ewma is not None else (0.0, 1.0)
+            predicted = raw * correction
+            work = p.prefill_work  # p.queued_prefill_s(now, correction), one call fewer
+            predicted_ready = offset + (work.ahead(now, correction) if work else 0.0) + predicted
             # _load(p, own, now, stale), inline: this loop runs for every request
             load: float = p.in_flight_prefill
             scraped = p.scraped
@@ -370,10 +375,20 @@ class SchedulerV1:
             at = scraped.at
             fresh = at is not None and now - at <= stale
             own = d.in_flight_decode
-            pending = d.pending_decode
-            batch = own + pending
-            if fresh and scraped.running + pending > batch:
-                batch = int(scraped.running) + pending
+            choice = shared if open_pairs else best_prefill(d_id)
+            handoff_s = 0.0
+            if choice is not None:
+                handoff = transfers.get(d_id)
+                handoff_s = handoff.value if handoff is not None else default_transfer_s
+            # The batch it joins: the sequences predicted to still decode when its first token
+            # comes (short answers decoding now may be gone by then), and what the engine
+            # reports beyond the router's own. A local prefill starts now: the batch as it is.
+            extra = int(scraped.running) - own if fresh and scraped.running > own else 0
+            batch_now = own + d.pending_decode + extra
+            if d.decode_ends and choice is not None:
+                batch = d.decode_batch_at(now, now + choice[0] + handoff_s) + extra
+            else:
+                batch = batch_now
             d_model = models[d_id].decode
             if d_model is not decode_model:
                 decode_model = d_model
@@ -392,23 +407,27 @@ class SchedulerV1:
                 horizon = max(1, shape.max_tokens - 1)
                 stalls = d.recent_local_prefill_s(now - horizon * tpot)
                 if local_on:
-                    local.append(self._local(state, d, n, shape, batch, tpot, stalls, now))
+                    tpot_now = tpot
+                    if batch_now != batch:
+                        tpot_now = d_model.seconds_per_token(batch_now + 1, context) * (
+                            ewma.observed / ewma.predicted if ewma is not None else 1.0
+                        )
+                    local.append(self._local(state, d, n, shape, batch_now, tpot_now, stalls, now))
                 tpot += stalls / horizon
-            choice = shared if open_pairs else best_prefill(d_id)
             if choice is None:
                 continue
-            handoff = transfers.get(d_id)
-            ttft = choice[0] + (handoff.value if handoff is not None else default_transfer_s) + step
+            ttft = choice[0] + handoff_s + step
             # min() of the two, the first on a tie
             ttft_slack = (ttft_budget - ttft) / ttft_scale
             tpot_slack = (tpot_budget - tpot) / tpot_budget
             slack = tpot_slack if tpot_slack < ttft_slack else ttft_slack
-            # _load(d, own, now, stale), inline
+            # _load(d, own, now, stale), inline, and the requests still in their prefill leg
+            # that will join this batch: in a burst most of what an engine is about to carry.
             if fresh:
                 reported = scraped.running + scraped.waiting
-                load = choice[3] + (reported if reported > own else own)
+                load = choice[3] + (reported if reported > own else own) + d.pending_decode
             else:
-                load = choice[3] + own
+                load = choice[3] + own + d.pending_decode
             candidates.append((slack, load, d, choice, ttft, tpot))
             if slack > top:
                 top = slack
