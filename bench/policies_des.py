@@ -1,46 +1,75 @@
-"""Goodput of Narwhal's schedulers against the baseline policies, in virtual time.
+"""Goodput of Narwhal's scheduler against the baseline policies, in virtual time, with its
+uncertainty.
 
-Each system (``--systems``: Narwhal ``v1`` and ``v0``, and the baselines of
-``narwhal.routing.baselines``: ``round_robin``, ``power_of_two``, ``least_outstanding``) routes
-the same workloads through the virtual-time simulator (``narwhal.fleetsim``) on synthetic fleets
-of each ``--sizes`` engines (half prefill, half decode, static: no role flipping, so every
-system gets the same split), on the simulator's calibration (``narwhal.simengine.timing``),
-budgets TTFT 10 s and TPOT 0.3 s, attainment target 95%.
+Each system routes the same workloads through the virtual-time simulator (``narwhal.fleetsim``)
+on synthetic fleets of each ``--sizes`` engines (half prefill, half decode, static: no role
+flipping, so every system gets the same split), on the simulator's calibration
+(``narwhal.simengine.timing``), budgets TTFT 10 s and TPOT 0.3 s, attainment target 95%.
 
-Workloads (``--workloads``), each run over ``--windows`` different stretches of its source,
-``--requests-per-engine`` requests per engine each:
+Systems (``--systems``):
 
-- ``code`` / ``conv``: consecutive requests of the Azure LLM inference traces (2023-11-16; code:
-  long prompts, short answers; conversation: the opposite), prompts capped at 8,192 tokens,
-  their recorded arrival pattern compressed or stretched to the offered rate; window k starts
-  k x ``--window-stride`` requests into the trace;
-- ``fixed``: 8,192-token prompts and 128-token answers, Poisson arrivals (a seed per window).
+- ``v1``: Narwhal's scheduler and admission as deployed; clients ask for exactly the tokens
+  they get (``max_tokens`` = the output's length, as ``bench/goodput.py`` sends them to the
+  live fleet), and the router expects a decoding answer to end at the lesser of that and the
+  90th percentile of the answers recently completed (``narwhal.routing.output_length``);
+- ``v1_oracle``: the same, told each output's length and trusting it (it expects every answer
+  to run to its ``max_tokens``);
+- ``v1_max1024``: ``v1`` with clients that do not say: each asks for ``max_tokens`` 1,024 (or
+  its output's length, when longer);
+- ``v0`` (opt-in: it scores every pair, minutes per search at 64 engines): least outstanding
+  work;
+- the baselines of ``narwhal.routing.baselines`` (round robin, power of two, least outstanding
+  requests, and any other registered there): what operators would otherwise deploy.
 
-Goodput is the highest offered rate (requests/s) at which the requests of all windows together
-meet both budgets at least 95% of the time (met / offered): found by doubling or halving from a
-capacity estimate until the target is bracketed, then bisection to ``--precision`` (relative),
-then linear interpolation of attainment between the bracket's ends. The simulator is
-deterministic, so there is no trial noise to repeat away; what varies is the workload, which is
-why each point pools several windows, and the table prints each window's own attainment at the
-goodput found.
+Workloads (``--workloads``): ``code`` / ``conv``, the Azure LLM inference traces (2023-11-16;
+code: long prompts, short answers; conversation: the opposite), prompts capped at 8,192
+tokens, each window's recorded arrival pattern compressed or stretched to the offered rate;
+``fixed``: 8,192-token prompts and 128-token answers, Poisson arrivals (a seed per window).
+A window is ``--requests-per-engine`` x engines consecutive requests; ``--windows`` of them,
+spread evenly over the trace without overlap (as many as fit: the code trace holds 8,818
+requests, so 3 windows at 64 engines and one, the whole trace, at 512).
 
-Printed (stdout): per fleet size and workload, each system's goodput, attainment at that rate
-per window, its misses (rejected, TTFT late, TPOT late) and the ratio of v1 to the best baseline
-(round robin, power of two, least outstanding).
+Goodput is the highest offered rate (requests/s) at which the requests of all windows
+together meet both budgets at least 95% of the time (met / offered): found by doubling or
+halving from a capacity estimate until the target is bracketed, bisection to ``--precision``
+(relative), then linear interpolation of attainment between the bracket's ends.
+
+Uncertainty. The simulator is deterministic: what varies is the workload. Every request's
+outcome is kept at every rate measured (the search's and four more around the goodput found,
+at 0.8, 0.9, 1.1 and 1.25 times it), and the requests are cut into blocks of ``--block``
+consecutive arrivals (blocks carry queues across their edges: a block bootstrap). A
+bootstrap resample draws blocks with replacement; its goodput is where its attainment, read
+upwards over the rates measured, first falls below the target (interpolated). The 95%
+interval is the 2.5th to 97.5th percentile over ``--resamples`` resamples; a ratio's interval
+is paired (both systems on the same resample; the best baseline is the best on that
+resample). A ratio is called a gain or a loss only when its interval excludes 1.
+
+The capacity bound is the rate no policy can serve at 95% attainment: the busier pool's
+capacity (prefill: the prompts' prefill work packed into full steps; decode: sequences at the
+largest batch whose TPOT meets the budget) over 0.95, for the workload's mean request. It is
+loose (bursts are served below it), and it is a ceiling.
+
+Printed (stdout): per fleet size and workload, each system's goodput with its interval, its
+attainment per window at the rate measured just below its goodput, that point's misses
+(rejected, TTFT late, TPOT late, failed) and the pools' utilisation there, the capacity bound,
+and the ratio lines ``ratio_goodput_v1_over_best_baseline_<workload>_<size>``.
 
     .venv/bin/python bench/policies_des.py [--sizes 8,64] [--workloads code,conv,fixed]
-        [--systems v1,round_robin,power_of_two,least_outstanding] [--windows 3]
+        [--systems v1,v1_oracle,round_robin,...] [--windows 8] [--quick]
 
-Contacts nothing; one process. About two minutes at 8 and 64 engines (``v0``, which scores
-every pair, takes five more per search at 64); 512 takes far longer.
+Contacts nothing; one process. About ten minutes at 8 and 64 engines; ``--sizes 512`` adds
+about as much again (one window per workload). ``--quick``: 8 engines, 3 windows, 200
+resamples, v1 and the baselines.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import random
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,125 +84,216 @@ DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "azure-llm-
 TRACES = {"code": "AzureLLMInferenceTrace_code.csv", "conv": "AzureLLMInferenceTrace_conv.csv"}
 TTFT_S, TPOT_S, TARGET = 10.0, 0.3, 0.95
 MAX_PROMPT = 8192
-SYSTEMS = ["v1", "v0", *BASELINES]
+FIXED_REQUESTS = 20_000  # per seed: more than any window asks for
+BLIND_MAX_TOKENS = 1024
+V1_SYSTEMS = ("v1", "v1_oracle", "v1_max1024")
+SYSTEMS = [*V1_SYSTEMS, "v0", *BASELINES]
+OUTCOMES = ("rejected", "ttft_late", "tpot_late", "failed")
+
+Rows = list[tuple[float, int, int]]  # (arrival in its source's seconds, prompt, output)
 
 
 @dataclass(frozen=True)
 class Point:
+    """One system at one offered rate, over all windows."""
+
     rate: float
-    attainment: float  # met / offered over all windows
-    per_window: tuple[float, ...]
-    rejected: int
-    ttft_late: int  # answered, first token after the TTFT budget
-    tpot_late: int  # answered in time, but TPOT over budget or the first-token deadline missed
+    met: tuple[int, ...]  # met requests per block
+    sizes: tuple[int, ...]  # requests per block
+    per_window: tuple[float, ...]  # attainment per window
+    misses: dict[str, int]
+    utilisation: tuple[float, float]  # the prefill and the decode pool's mean busy fraction
+
+    @property
+    def attainment(self) -> float:
+        return sum(self.met) / sum(self.sizes)
 
 
-def windows(
-    workload: str, count: int, n_windows: int, stride: int, seed: int
-) -> list[list[tuple[float, int, int]]]:
-    """Each window's (arrival in its source's seconds, prompt, output) rows."""
+def windows(workload: str, count: int, n_windows: int, seed: int) -> list[Rows]:
+    """Up to ``n_windows`` windows of ``count`` requests each, spread evenly over the source
+    without overlap (the whole trace when it holds fewer than ``count``)."""
     if workload == "fixed":
         return [
-            [(s.arrival, s.prompt_tokens, s.output_tokens) for s in
-             poisson_requests(1.0, count, MAX_PROMPT, 128, seed + k)]
+            [(s.arrival, s.prompt_tokens, s.output_tokens)
+             for s in poisson_requests(1.0, count, MAX_PROMPT, 128, seed + k)]
             for k in range(n_windows)
         ]  # fmt: skip
-    rows = read_azure_trace(
-        DATA_DIR / TRACES[workload], (n_windows - 1) * stride + count, MAX_PROMPT
-    )
+    rows = read_azure_trace(DATA_DIR / TRACES[workload], None, MAX_PROMPT)
+    fit = max(1, min(n_windows, len(rows) // count))
+    count = min(count, len(rows))
+    stride = (len(rows) - count) // (fit - 1) if fit > 1 else 0
     out = []
-    for k in range(n_windows):
+    for k in range(fit):
         window = rows[k * stride : k * stride + count]
         t0 = window[0][0]
         out.append([(t - t0, p, g) for t, p, g in window])
     return out
 
 
-def at_rate(rows: list[tuple[float, int, int]], rate: float) -> list[RequestSpec]:
-    """The window's arrival pattern scaled to a mean of ``rate`` requests/s."""
+def at_rate(rows: Rows, rate: float, max_tokens: int | None = None) -> list[RequestSpec]:
+    """The window's arrival pattern scaled to a mean of ``rate`` requests/s; with
+    ``max_tokens``, each client asks for that many tokens (or its output's length, if more)."""
     span = rows[-1][0] or 1.0
     scale = (len(rows) / span) / rate  # new time = old time x scale
-    return [RequestSpec(t * scale, p, g) for t, p, g in rows]
+    return [
+        RequestSpec(t * scale, p, g, max(max_tokens, g) if max_tokens else None) for t, p, g in rows
+    ]
 
 
 def measure(
     fleet: FleetContract,
     timings: dict[str, EngineModels],
     system: str,
-    all_rows: list[list[tuple[float, int, int]]],
+    all_rows: list[Rows],
     rate: float,
+    block: int,
     seed: int,
 ) -> Point:
-    met = offered = rejected = ttft_late = tpot_late = 0
-    per_window = []
+    met: list[int] = []
+    sizes: list[int] = []
+    per_window: list[float] = []
+    misses: Counter[str] = Counter()
+    busy = {"prefill": [0.0, 0], "decode": [0.0, 0]}
+    roles = {e.id: e.initial_role for e in fleet.engines}
+    scheduler = "v1" if system in V1_SYSTEMS else system
     for rows in all_rows:
-        config = DesConfig(fleet, timings, scheduler=system, flipping=False, seed=seed)
-        result = run_des(config, at_rate(rows, rate))
-        met += result.met_slo
-        offered += result.offered
-        rejected += result.rejected
-        # Answered but missed: its first token after the TTFT budget, or else its TPOT over
-        # budget or its first-token deadline missed.
-        late_ttft = sum(1 for t in result.ttft if t > TTFT_S)
-        ttft_late += late_ttft
-        tpot_late += result.completed - result.met_slo - late_ttft
+        config = DesConfig(
+            fleet,
+            timings,
+            scheduler=scheduler,
+            flipping=False,
+            seed=seed,
+            output_oracle=system == "v1_oracle",
+        )
+        specs = at_rate(rows, rate, BLIND_MAX_TOKENS if system == "v1_max1024" else None)
+        result = run_des(config, specs)
+        outcomes = result.outcomes
+        for i in range(0, len(outcomes), block):
+            part = outcomes[i : i + block]
+            met.append(part.count("met"))
+            sizes.append(len(part))
+        misses.update(o for o in outcomes if o != "met")
         per_window.append(result.attainment)
-    return Point(rate, met / offered, tuple(per_window), rejected, ttft_late, tpot_late)
+        for engine, fraction in result.utilisation.items():
+            pool = busy[roles[engine]]
+            pool[0] += fraction
+            pool[1] += 1
+    utilisation = (
+        busy["prefill"][0] / max(1, busy["prefill"][1]),
+        busy["decode"][0] / max(1, busy["decode"][1]),
+    )
+    return Point(rate, tuple(met), tuple(sizes), tuple(per_window), dict(misses), utilisation)
 
 
-def goodput(
+def crossing(points: list[Point], weights: list[int] | None = None) -> float:
+    """Where attainment, read upwards over ``points`` (sorted by rate), first falls below the
+    target, interpolated between that rate and the one before; with ``weights``, each block
+    counted that many times (a bootstrap resample). 0 when even the lowest misses; the
+    highest rate when none does."""
+
+    def attainment(point: Point) -> float:
+        if weights is None:
+            return point.attainment
+        met = sum(w * m for w, m in zip(weights, point.met, strict=True))
+        offered = sum(w * n for w, n in zip(weights, point.sizes, strict=True))
+        return met / offered
+
+    previous: tuple[float, float] | None = None
+    for point in points:
+        value = attainment(point)
+        if value < TARGET:
+            if previous is None:
+                return 0.0
+            low_rate, low_value = previous
+            fraction = (low_value - TARGET) / (low_value - value)
+            return low_rate + fraction * (point.rate - low_rate)
+        previous = (point.rate, value)
+    return points[-1].rate
+
+
+def search(
     fleet: FleetContract,
     timings: dict[str, EngineModels],
     system: str,
-    all_rows: list[list[tuple[float, int, int]]],
+    all_rows: list[Rows],
     start: float,
     precision: float,
+    block: int,
     seed: int,
-) -> tuple[float, Point | None, int]:
-    """(goodput in requests/s, the point measured nearest below it, runs spent)."""
-    runs = 0
+) -> tuple[float, list[Point]]:
+    """(goodput, every point measured, sorted by rate)."""
+    points: dict[float, Point] = {}
 
     def at(rate: float) -> Point:
-        nonlocal runs
-        runs += 1
-        return measure(fleet, timings, system, all_rows, rate, seed)
+        if rate not in points:
+            points[rate] = measure(fleet, timings, system, all_rows, rate, block, seed)
+        return points[rate]
 
     first = at(start)
     low: Point | None = None
     high: Point | None = None
     if first.attainment >= TARGET:
         low = first
-        while high is None:
+        while high is None and low.rate < start * 1e3:
             point = at(low.rate * 2)
             if point.attainment >= TARGET:
                 low = point
             else:
                 high = point
-            if low.rate > start * 1e3:
-                return low.rate, low, runs  # never misses: as good as it gets here
     else:
         high = first
-        while low is None:
+        while low is None and high.rate > start * 1e-3:
             point = at(high.rate / 2)
             if point.attainment >= TARGET:
                 low = point
             else:
                 high = point
-            if high.rate < start * 1e-3:
-                return 0.0, None, runs
-    while high.rate / low.rate > 1 + precision:
-        point = at(math.sqrt(low.rate * high.rate))
-        if point.attainment >= TARGET:
-            low = point
-        else:
-            high = point
-    # Between the bracket's ends, where attainment crosses the target.
-    drop = low.attainment - high.attainment
-    fraction = (low.attainment - TARGET) / drop if drop > 0 else 0.0
-    return low.rate + fraction * (high.rate - low.rate), low, runs
+    if low is not None and high is not None:
+        while high.rate / low.rate > 1 + precision:
+            point = at(math.sqrt(low.rate * high.rate))
+            if point.attainment >= TARGET:
+                low = point
+            else:
+                high = point
+    ordered = sorted(points.values(), key=lambda p: p.rate)
+    found = crossing(ordered)
+    if found > 0:
+        # Support for the resamples, whose goodput lies around this one.
+        for factor in (0.8, 0.9, 1.1, 1.25):
+            at(found * factor)
+        ordered = sorted(points.values(), key=lambda p: p.rate)
+    return found, ordered
 
 
-def capacity(n_prefill: int, all_rows: list[list[tuple[float, int, int]]]) -> float:
+def interval(values: list[float]) -> tuple[float, float]:
+    ordered = sorted(values)
+    n = len(ordered)
+    return ordered[int(0.025 * (n - 1))], ordered[math.ceil(0.975 * (n - 1))]
+
+
+def capacity_bound(n_prefill: int, n_decode: int, all_rows: list[Rows]) -> float:
+    """Requests/s no policy serves at 95% attainment, for these requests' mean: the busier
+    pool's capacity over 0.95. Prefill: prompts packed into full 8,192-token steps (one step
+    overhead per step); decode: the largest batch whose TPOT (at the mean context) meets the
+    budget, each request holding a place for its output at that TPOT."""
+    prefill, decode = CALIBRATION.prefill, CALIBRATION.decode
+    requests = [(p, g) for rows in all_rows for _, p, g in rows]
+    n = len(requests)
+    tokens = sum(p for p, _ in requests)
+    prefill_s = (
+        sum(prefill.b * p + prefill.c * p * p for p, _ in requests)
+        + prefill.a * math.ceil(tokens / 8192)
+    ) / n
+    context = sum(p + g / 2 for p, g in requests) / n
+    batch = 1
+    while batch < 64 and decode.seconds_per_token(batch + 1, context) <= TPOT_S:
+        batch += 1
+    tpot = decode.seconds_per_token(batch, context)
+    hold_s = sum(g for _, g in requests) / n * tpot
+    return min(n_prefill / prefill_s, n_decode * batch / hold_s) / TARGET
+
+
+def capacity(n_prefill: int, all_rows: list[Rows]) -> float:
     """Requests/s the prefill pool can take on these prompts (a search's starting point)."""
     prompts = [p for rows in all_rows for _, p, _ in rows]
     mean_s = sum(CALIBRATION.prefill.chunk_seconds(0, p) for p in prompts) / len(prompts)
@@ -184,14 +304,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="8,64")
     parser.add_argument("--workloads", default="code,conv,fixed")
-    # v0 scores every (prefill, decode) pair: minutes per search at 64 engines, so opt-in.
     parser.add_argument("--systems", default=",".join(s for s in SYSTEMS if s != "v0"))
-    parser.add_argument("--windows", type=int, default=3)
+    parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--requests-per-engine", type=int, default=40)
-    parser.add_argument("--window-stride", type=int, default=2000)
+    parser.add_argument("--block", type=int, default=80)
+    parser.add_argument("--resamples", type=int, default=1000)
     parser.add_argument("--precision", type=float, default=0.02)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
+    if args.quick:
+        args.sizes, args.windows, args.resamples = "8", 3, 200
+        if "--systems" not in sys.argv:
+            args.systems = ",".join(["v1", *BASELINES])
     systems = [s for s in args.systems.split(",") if s]
     for s in systems:
         if s not in SYSTEMS:
@@ -203,60 +328,91 @@ def main() -> int:
         if w in TRACES and not (DATA_DIR / TRACES[w]).exists():
             parser.error(f"the {w} workload needs {DATA_DIR / TRACES[w]}")
     started = time.perf_counter()
-    lines = [
+    header = [
         f"command: {' '.join(sys.argv)}",
         f"budgets: TTFT {TTFT_S} s, TPOT {TPOT_S} s, attainment target {TARGET}",
         "fleets: half prefill, half decode, static; simulator calibration timing",
+        f"uncertainty: block bootstrap, blocks of {args.block} requests, "
+        f"{args.resamples} resamples, 95% intervals",
     ]
-    table = [("engines", "workload", "system", "goodput_rps", "attainment per window",
-              "rejected", "ttft_late", "tpot_or_deadline_late", "runs")]  # fmt: skip
-    ratios = []
+    table = [("engines", "workload", "system", "goodput_rps", "95%_interval", "windows",
+              "attainment_per_window", "rejected", "ttft_late", "tpot_late", "failed",
+              "util_prefill", "util_decode", "runs")]  # fmt: skip
+    bounds: list[str] = []
+    ratios: list[str] = []
     for size in (int(s) for s in args.sizes.split(",") if s):
         n_prefill = size // 2
         fleet, timings = synthetic_fleet(
             n_prefill, size - n_prefill, {"ttft_s": TTFT_S, "tpot_s": TPOT_S}
         )
         for workload in workloads:
-            all_rows = windows(
-                workload,
-                args.requests_per_engine * size,
-                args.windows,
-                args.window_stride,
-                args.seed,
-            )
+            all_rows = windows(workload, args.requests_per_engine * size, args.windows, args.seed)
             start = 0.5 * capacity(n_prefill, all_rows)
-            found: dict[str, float] = {}
+            rng = random.Random(args.seed)
+            found: dict[str, tuple[float, list[Point]]] = {}
             for system in systems:
                 t = time.perf_counter()
-                rate, point, runs = goodput(
-                    fleet, timings, system, all_rows, start, args.precision, args.seed
-                )
-                found[system] = rate
+                found[system] = search(
+                    fleet, timings, system, all_rows, start, args.precision, args.block,
+                    args.seed,
+                )  # fmt: skip
                 print(
-                    f"[{size} engines, {workload}] {system}: {rate:.3f} req/s"
-                    f" ({runs} runs, {time.perf_counter() - t:.1f} s)",
+                    f"[{size} engines, {workload}] {system}: {found[system][0]:.3f} req/s"
+                    f" ({len(found[system][1])} runs, {time.perf_counter() - t:.1f} s)",
                     file=sys.stderr,
                     flush=True,
                 )
-                cells = ("-", "-", "-", "-") if point is None else (
-                    " ".join(f"{a:.3f}" for a in point.per_window),
-                    str(point.rejected), str(point.ttft_late), str(point.tpot_late),
-                )  # fmt: skip
-                table.append((str(size), workload, system, f"{rate:.3f}", *cells, str(runs)))
-            baselines = {s: r for s, r in found.items() if s in BASELINES}
-            if "v1" in found and baselines:
-                best = max(baselines, key=lambda s: baselines[s])
-                ratio = found["v1"] / baselines[best] if baselines[best] else float("inf")
+            blocks = len(next(iter(found.values()))[1][0].met)
+            draws = []
+            for _ in range(args.resamples):
+                weights = [0] * blocks
+                for _ in range(blocks):
+                    weights[rng.randrange(blocks)] += 1
+                draws.append(weights)
+            resampled = {
+                s: [crossing(points, w) for w in draws] for s, (_, points) in found.items()
+            }
+            for system, (rate, points) in found.items():
+                lo, hi = interval(resampled[system])
+                below = [p for p in points if p.rate <= rate] or points[:1]
+                point = below[-1]
+                table.append((
+                    str(size), workload, system, f"{rate:.3f}", f"{lo:.3f}-{hi:.3f}",
+                    str(len(all_rows)), " ".join(f"{a:.3f}" for a in point.per_window),
+                    *(str(point.misses.get(o, 0)) for o in OUTCOMES),
+                    f"{point.utilisation[0]:.2f}", f"{point.utilisation[1]:.2f}",
+                    str(len(points)),
+                ))  # fmt: skip
+            bound = capacity_bound(n_prefill, size - n_prefill, all_rows)
+            bounds.append(f"capacity_bound_{workload}_{size}: {bound:.3f} req/s")
+            baselines = [s for s in found if s in BASELINES]
+            for name in (s for s in V1_SYSTEMS if s in found):
+                if not baselines:
+                    continue
+                best = max(baselines, key=lambda s: found[s][0])
+                ratio = found[name][0] / found[best][0] if found[best][0] else math.inf
+                paired = [
+                    resampled[name][i] / top if (top := max(resampled[s][i] for s in baselines))
+                    else math.inf
+                    for i in range(args.resamples)
+                ]  # fmt: skip
+                lo, hi = interval(paired)
+                verdict = "gain" if lo > 1 else "loss" if hi < 1 else "within the uncertainty"
+                suffix = "" if name == "v1" else f"_{name.removeprefix('v1_')}"
                 ratios.append(
-                    f"ratio_goodput_v1_over_best_baseline_{workload}_{size}: {ratio:.2f}"
-                    f" (best baseline {best}, {baselines[best]:.3f} req/s)"
+                    f"ratio_goodput_v1{suffix}_over_best_baseline_{workload}_{size}: "
+                    f"{ratio:.2f} [{lo:.2f}, {hi:.2f}] {verdict} (best baseline {best}, "
+                    f"{found[best][0]:.3f} req/s; of the capacity bound: "
+                    f"{found[name][0] / bound:.2f})"
                 )
-    lines.append(f"bench_wall_s: {time.perf_counter() - started:.0f}")
-    print("\n".join(lines))
+    header.append(f"bench_wall_s: {time.perf_counter() - started:.0f}")
+    print("\n".join(header))
     print()
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     for row in table:
         print("  ".join(c.ljust(widths[i]) for i, c in enumerate(row)).rstrip())
+    print()
+    print("\n".join(bounds))
     print()
     print("\n".join(ratios))
     return 0

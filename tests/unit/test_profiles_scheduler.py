@@ -251,6 +251,35 @@ def test_the_less_loaded_decode_engine_counts_requests_still_in_their_prefill_le
     assert isinstance(pick, Pair) and pick.decode == "e2"
 
 
+def test_the_prefill_choice_stays_within_the_window_of_the_soonest() -> None:
+    """Of the prefill engines ready within 5% of the TTFT budget (0.1 s here) of the soonest,
+    the less loaded: e1 (0.08 s behind e0, fewer legs), never e2 (0.16 s behind e0, though
+    within 0.1 s of e1, and the least loaded): the window is the soonest's."""
+    clock = VirtualClock(0.0)
+    doc = local_fleet_document(
+        list(range(9000, 9006)),
+        list(range(9100, 9106)),
+        initial_roles=["prefill"] * 3 + ["decode"] * 3,
+        ttft_s=2.0,
+        tpot_s=0.1,
+        first_token_timeout_s=1.0,
+    )
+    state = FleetState(parse_fleet(doc, "t").contract, clock)
+    for e in state.engines.values():
+        e.healthy = True
+    sched = SchedulerV1(
+        LatencyPredictor({f"e{i}": models() for i in range(6)}, default_transfer_s=0.02),
+        Budgets(ttft_s=2.0, tpot_s=0.1, attainment=0.95),
+    )
+    for engine, queued, legs in (("e0", 0.0, 3), ("e1", 0.08, 2), ("e2", 0.16, 1)):
+        e = state.engines[engine]
+        e.in_flight_prefill = legs
+        if queued:
+            e.prefill_work["q"] = (queued, 0.0)
+    pick = sched.pick(state, RequestShape(prompt_tokens=1000, max_tokens=10))
+    assert isinstance(pick, Pair) and pick.prefill == "e1"
+
+
 def test_over_budget_is_reported_for_admission() -> None:
     clock = VirtualClock(0.0)
     state = fleet_state(clock)

@@ -28,6 +28,7 @@ import itertools
 import math
 import random
 import statistics
+import sys
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -41,6 +42,7 @@ from narwhal.routing.admission import Admit, Queue, Verdict
 from narwhal.routing.baselines import BASELINES
 from narwhal.routing.fleet_state import FleetState
 from narwhal.routing.lifecycle import QUEUE_RECHECK_S, Lifecycle, Ticket
+from narwhal.routing.output_length import OutputLengthEstimator
 from narwhal.routing.predictor import LatencyPredictor
 from narwhal.routing.roles import DemandTracker, RoleController
 from narwhal.routing.scheduler import Scheduler, SchedulerV0, SchedulerV1
@@ -163,6 +165,10 @@ class DesConfig:
     # Each engine's KV cache (``narwhal.fleetsim.workloads.kv_blocks_of``); engines not in it
     # (and all of them when None) have room for every request they admit.
     kv_blocks: dict[str, KVBlocks] | None = None
+    # An oracle for the output's length: the router expects each request to generate its
+    # whole max_tokens (the exact length when clients ask for exactly what they get) instead
+    # of estimating it from the answers completed (narwhal.routing.output_length).
+    output_oracle: bool = False
 
 
 @dataclass
@@ -178,6 +184,10 @@ class DesResult:
     tpot: list[float]
     utilisation: dict[str, float]
     wall_s: float
+    # Each request's outcome, in arrival order: "met" (both budgets), "rejected", "ttft_late"
+    # (answered, first token after the TTFT budget), "tpot_late" (answered in time, but its
+    # TPOT over budget or its first-token deadline missed) or "failed" (no answer).
+    outcomes: list[str] = field(default_factory=list)
 
     @property
     def attainment(self) -> float:
@@ -250,6 +260,8 @@ class _Simulation:
         self.lifecycle = Lifecycle(
             self.state, self.scheduler, predictor=self.predictor if v1 else None, demand=self.demand
         )
+        if config.output_oracle:
+            self.lifecycle.outputs = OutputLengthEstimator(min_samples=sys.maxsize)
         self.by_ticket: dict[Ticket, _Request] = {}  # the requests in the admission queue
         self.queue_timer: int | None = None  # the pending queue recheck's id
         # When set, every event that moves a request or the fleet's scraped load is appended
@@ -707,8 +719,10 @@ def run_des(
     sim.run(specs)
     budgets: Budgets = config.fleet.budgets
     ttft, tpot, met = [], [], 0
+    outcomes: list[str] = []
     for r in sim.requests:
         if r.outcome != "ok" or r.first_token is None or r.last_token is None:
+            outcomes.append("rejected" if r.outcome == "rejected" else "failed")
             continue
         t1 = r.first_token - r.spec.arrival
         ttft.append(t1)
@@ -716,7 +730,12 @@ def run_des(
         t2 = (r.last_token - r.first_token) / (n - 1) if n > 1 else 0.0
         if n > 1:
             tpot.append(t2)
-        if t1 <= budgets.ttft_s and t2 <= budgets.tpot_s and not r.deadline_missed:
+        if t1 > budgets.ttft_s:
+            outcomes.append("ttft_late")
+        elif t2 > budgets.tpot_s or r.deadline_missed:
+            outcomes.append("tpot_late")
+        else:
+            outcomes.append("met")
             met += 1
     arrivals = [r.spec.arrival for r in sim.requests]
     ends = [r.last_token for r in sim.requests if r.last_token is not None]
@@ -735,4 +754,5 @@ def run_des(
             e.id: (e.busy_time / duration if duration else 0.0) for e in sim.engines.values()
         },
         wall_s=time.monotonic() - started,
+        outcomes=outcomes,
     )

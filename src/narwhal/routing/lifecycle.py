@@ -29,6 +29,7 @@ from typing import Literal
 from narwhal.routing.admission import Admit, Queue, Reject, Verdict, admit
 from narwhal.routing.breaker import BreakerState
 from narwhal.routing.fleet_state import EngineState, FleetState, Role
+from narwhal.routing.output_length import OutputLengthEstimator
 from narwhal.routing.predictor import LatencyPredictor
 from narwhal.routing.prompt_length import PromptLengthEstimator
 from narwhal.routing.roles import DemandTracker
@@ -149,6 +150,7 @@ class Lifecycle:
         self.observer = observer or LifecycleObserver()
         self.policy = state.fleet.routing
         self.lengths = PromptLengthEstimator()
+        self.outputs = OutputLengthEstimator()
         # The admission queue in arrival order (a dict: ordered, O(1) removal).
         self._queue: dict[Ticket, None] = {}
 
@@ -431,6 +433,8 @@ class Lifecycle:
         ticket.phase = "done"
         predictor = self.predictor
         n = completion_tokens or 0
+        if complete and n > 0:
+            self.outputs.observe(n)
         first = ticket.first_token_at
         if not complete or predictor is None or n < 2 or first is None or not predictor.has(d.id):
             return
@@ -474,14 +478,15 @@ class Lifecycle:
 
     def _foresee_end(self, ticket: Ticket, d: EngineState, first_token_at: float) -> None:
         """Count on ``d`` when the ticket's decode leg, which sent its first token at
-        ``first_token_at``, is predicted to end: after the rest of its ``max_tokens`` (an upper
-        bound: answers may stop sooner) at the predicted TPOT. Only for a leg that decodes:
-        one still in its prefill leg joins and leaves when its prefill's queue lets it, too
-        uncertain to count it gone (counting it as leaving put too many on engines that
-        had many in prefill)."""
+        ``first_token_at``, is predicted to end: after the rest of the tokens it is expected
+        to generate (``narwhal.routing.output_length``) at the predicted TPOT. Only for a leg
+        that decodes: one still in its prefill leg joins and leaves when its prefill's queue
+        lets it, too uncertain to count it gone (counting it as leaving put too many on
+        engines that had many in prefill)."""
         assert ticket.pair is not None
         tpot = ticket.pair.predicted_tpot_s or 0.0
-        end = first_token_at + max(0, ticket.max_tokens - 1) * tpot
+        tokens = self.outputs.expected(ticket.max_tokens)
+        end = first_token_at + max(0, tokens - 1) * tpot
         d.foresee_decode_end(end)
         ticket.decode_end = end
 

@@ -346,6 +346,7 @@ class SchedulerV1:
             pair is permitted and none is the same engine): the soonest ready, or within
             ``ttft_window`` of it, the less loaded."""
             choice = None
+            until = 0.0
             for item in ready:
                 if decode_id is not None and (
                     item[1] == decode_id
@@ -354,7 +355,11 @@ class SchedulerV1:
                     continue
                 if choice is None:
                     choice = item
-                elif item[0] > choice[0] + ttft_window:
+                    # The window is the soonest's: measured from the choice as it moved, it
+                    # crept from one engine to the next, each within the window of the one
+                    # before, as far as seconds behind the soonest in a burst.
+                    until = item[0] + ttft_window
+                elif item[0] > until:
                     break
                 elif item[3] < choice[3]:
                     choice = item
