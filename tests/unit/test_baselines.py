@@ -1,9 +1,10 @@
 """The baseline routing policies (``narwhal.routing.baselines``): each role's engine chosen on
-its own by round robin, power of two choices or least outstanding legs, every request admitted;
-and the simulator running them."""
+its own by round robin, power of two choices, least outstanding legs or vllm-router's
+cache_aware, every request admitted; and the simulator running them."""
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
 
@@ -11,16 +12,19 @@ import pytest
 
 from narwhal.clock import VirtualClock
 from narwhal.contract import parse_fleet
-from narwhal.fleetsim.simulator import DesConfig, run_des
+from narwhal.fleetsim.cli import main as fleetsim_main
+from narwhal.fleetsim.simulator import DesConfig, RequestSpec, run_des
 from narwhal.fleetsim.workloads import poisson_requests, synthetic_fleet
 from narwhal.routing.baselines import (
     BASELINES,
+    CacheAwareParams,
+    CacheAwareScheduler,
     LeastOutstandingScheduler,
     PowerOfTwoScheduler,
     RoundRobinScheduler,
 )
 from narwhal.routing.fleet_state import FleetState
-from narwhal.routing.scheduler import NoPair, Pair
+from narwhal.routing.scheduler import NoPair, Pair, RequestShape
 from narwhal.simengine.fleet import local_fleet_document
 
 
@@ -35,10 +39,12 @@ def fleet_state(prefill: int = 2, decode: int = 3, **kwargs: Any) -> FleetState:
     return FleetState(parse_fleet(doc, "test").contract, VirtualClock(100.0))
 
 
-def pairs(scheduler: Any, state: FleetState, n: int) -> list[tuple[str, str]]:
+def pairs(
+    scheduler: Any, state: FleetState, n: int, shape: RequestShape | None = None
+) -> list[tuple[str, str]]:
     out = []
     for _ in range(n):
-        pick = scheduler.pick(state)
+        pick = scheduler.pick(state, shape)
         assert isinstance(pick, Pair)
         out.append((pick.prefill, pick.decode))
     return out
@@ -125,3 +131,205 @@ def test_an_unknown_scheduler_is_named() -> None:
     fleet, timings = synthetic_fleet(1, 1, {"ttft_s": 10.0, "tpot_s": 0.3})
     with pytest.raises(ValueError, match=r"unknown scheduler 'cache'.*round_robin"):
         run_des(DesConfig(fleet, timings, scheduler="cache"), [])
+
+
+# --- cache_aware (vllm-router) -------------------------------------------------------------
+
+
+def ask(prompt_tokens: int, *prefix: int) -> RequestShape:
+    return RequestShape(prompt_tokens=prompt_tokens, prefix=prefix)
+
+
+def cache_aware(**params: Any) -> CacheAwareScheduler:
+    """vllm-router's defaults (threshold 0.3, imbalance when max - min > 64 and max > 1.5 x
+    min), on 100-token blocks so that the sums by hand stay short."""
+    return CacheAwareScheduler(CacheAwareParams(block_tokens=100, **params))
+
+
+def test_cache_aware_takes_the_least_loaded_engine_while_the_load_is_imbalanced() -> None:
+    state = fleet_state(3, 1)  # prefill e0 e1 e2, decode e3
+    e = state.engines
+    s = cache_aware()
+    doc = ask(300, 1, 2, 3)
+    assert pairs(s, state, 1, doc) == [("e0", "e3")]  # nothing held, no load: the first
+    # 67 - 3 = 64 is not above 64: balanced, so to e0, which holds the whole prompt.
+    e["e0"].in_flight_prefill, e["e1"].in_flight_prefill, e["e2"].in_flight_prefill = 67, 5, 3
+    assert pairs(s, state, 1, doc) == [("e0", "e3")]
+    # 70 - 3 > 64 and 70 > 1.5 x 3: the least loaded, and the prompt is inserted for it.
+    e["e0"].in_flight_prefill = 70
+    assert pairs(s, state, 1, doc) == [("e2", "e3")]
+    assert s.trees["prefill"].size == {"e0": 300, "e2": 300}
+    # 200 - 134 > 64 but 200 <= 1.5 x 134: balanced; of the two holders, the first to insert.
+    e["e0"].in_flight_prefill, e["e1"].in_flight_prefill, e["e2"].in_flight_prefill = 200, 134, 134
+    assert pairs(s, state, 1, doc) == [("e0", "e3")]
+    # The loads compared are all the role's engines', an unhealthy one's too (as the router
+    # lists its workers): 66 - 0 > 64, so the least loaded of the healthy ones.
+    e["e0"].in_flight_prefill, e["e1"].in_flight_prefill, e["e2"].in_flight_prefill = 66, 0, 60
+    e["e1"].healthy = False
+    assert pairs(s, state, 1, doc) == [("e2", "e3")]
+
+
+def test_cache_aware_sends_a_match_above_the_threshold_to_the_engine_holding_it() -> None:
+    state = fleet_state(2, 2)  # prefill e0 e1, decode e2 e3
+    e = state.engines
+    s = cache_aware()
+    assert pairs(s, state, 1, ask(400, 1, 2, 3, 4)) == [("e0", "e2")]
+    e["e0"].in_flight_prefill, e["e2"].in_flight_decode = 1, 1  # least load says e1, e3
+    # Two of four blocks held: 200 / 400 = 0.5 > 0.3, on each role's tree.
+    assert pairs(s, state, 1, ask(400, 1, 2, 8, 9)) == [("e0", "e2")]
+    # A match ends at the first block that differs: 100 / 400 = 0.25.
+    assert pairs(s, state, 1, ask(400, 1, 5, 2, 3)) == [("e1", "e3")]
+    # At the threshold is not above it: 300 / 1,000 = 0.3.
+    assert pairs(s, state, 1, ask(1000, 1, 2, 3)) == [("e1", "e3")]
+
+
+def test_cache_aware_below_the_threshold_takes_the_least_loaded_engine() -> None:
+    """What vllm-router does (src/policies/cache_aware.rs), whatever the trees' sizes."""
+    state = fleet_state(3, 1)
+    state.engines["e1"].in_flight_prefill, state.engines["e2"].in_flight_prefill = 2, 1
+    s = cache_aware()
+    chosen = [pairs(s, state, 1, ask(500, 10 * i, 10 * i + 1))[0][0] for i in range(1, 4)]
+    assert chosen == ["e0", "e0", "e0"]
+    assert s.trees["prefill"].size == {"e0": 1500}
+
+
+def test_cache_aware_documented_low_match_rule_takes_the_smallest_tree() -> None:
+    """What vllm-router's docs say (and SGLang's router did): the most room, load aside."""
+    state = fleet_state(3, 1)
+    state.engines["e1"].in_flight_prefill = 10  # balanced still (10 - 0 <= 64)
+    s = cache_aware(low_match="smallest_tree")
+    prompts = [(500, (10, 11, 12, 13, 14)), (100, (20,)), (200, (30, 31)), (100, (40,))]
+    chosen = [pairs(s, state, 1, ask(n, *blocks))[0][0] for n, blocks in prompts]
+    # Trees before each: none; e0 500; e0 500, e1 100; e0 500, e1 100, e2 200.
+    assert chosen == ["e0", "e1", "e2", "e1"]
+    assert s.trees["prefill"].size == {"e0": 500, "e1": 200, "e2": 200}
+
+
+def test_cache_aware_evicts_least_recently_used_blocks_at_each_interval() -> None:
+    state = fleet_state(2, 1)  # prefill e0 e1, decode e2
+    clock, e = state.clock, state.engines
+    assert isinstance(clock, VirtualClock)  # at 100 s
+    s = cache_aware(max_tree_tokens=250, eviction_interval_s=120.0, cache_threshold=0.7)
+    doc = ask(300, 1, 2, 3)
+    pairs(s, state, 1, doc)  # e0; the first pick starts the intervals: evictions at 220, 340
+    clock.set(150.0)
+    pairs(s, state, 1, ask(100, 7))  # e0 (least loaded, the first on the tie): 400 tokens
+    clock.set(219.0)
+    e["e0"].in_flight_prefill = 1
+    assert pairs(s, state, 1, doc) == [("e0", "e2")]  # all held: 1.0 > 0.7
+    assert s.trees["prefill"].size == {"e0": 400}  # over 250, but not evicted before 220
+    # At 220 e0 evicts, least recently used first: the block of (7), then (1, 2, 3)'s last.
+    clock.set(220.0)
+    assert pairs(s, state, 1, ask(100, 8)) == [("e1", "e2")]
+    assert s.trees["prefill"].size == {"e0": 200, "e1": 100}
+    # (1, 2) is left: 200 / 300 is no longer above 0.7, so the least loaded engine.
+    assert pairs(s, state, 1, doc) == [("e1", "e2")]
+    assert s.trees["prefill"].size == {"e0": 200, "e1": 400}
+    clock.set(339.0)
+    pairs(s, state, 1, ask(100, 9))  # e1
+    assert s.trees["prefill"].size == {"e0": 200, "e1": 500}
+    clock.set(340.0)
+    pairs(s, state, 1, ask(100, 6))  # e1, once it evicted (8) and (1, 2, 3)'s last two
+    assert s.trees["prefill"].size == {"e0": 200, "e1": 300}
+    assert s.trees["decode"].size == {"e2": 300}  # the decode tree on its own
+
+
+def test_cache_aware_evicts_unique_content_exactly_down_to_the_limit() -> None:
+    state = fleet_state(1, 1)
+    clock = state.clock
+    assert isinstance(clock, VirtualClock)
+    s = cache_aware(max_tree_tokens=250)
+    pairs(s, state, 2, ask(400))  # 800 tokens that no one can match (one entry)
+    clock.advance(120.0)
+    pairs(s, state, 1, ask(100, 1))
+    assert s.trees["prefill"].size == {"e0": 250 + 100}  # evicted in part, then the block
+
+
+def test_cache_aware_a_prompt_without_a_prefix_matches_nothing_but_grows_the_tree() -> None:
+    state = fleet_state(2, 1)
+    e = state.engines
+    s = cache_aware(cache_threshold=0.0)  # any token held would be a match
+    assert pairs(s, state, 1, ask(1000)) == [("e0", "e2")]
+    e["e0"].in_flight_prefill = 1
+    assert pairs(s, state, 1, ask(1000)) == [("e1", "e2")]  # the same length, nothing shared
+    e["e1"].in_flight_prefill = 2
+    assert pairs(s, state, 1, ask(500)) == [("e0", "e2")]
+    assert s.trees["prefill"].size == {"e0": 1500, "e1": 1000}
+    assert s.trees["decode"].size == {"e2": 2500}
+    assert not s.trees["prefill"].holders  # nothing that anyone could match
+
+
+def test_cache_aware_in_pd_chooses_each_role_on_its_own_tree_and_load() -> None:
+    """As vllm-router's P/D router: one policy instance per role, each given the same request;
+    a decode engine's load is its decode legs, not the requests still in their prefill leg."""
+    state = fleet_state(2, 2)  # prefill e0 e1, decode e2 e3
+    e = state.engines
+    s = cache_aware()
+    doc = ask(200, 1, 2)
+    assert pairs(s, state, 1, doc) == [("e0", "e2")]
+    assert s.trees["prefill"].size == {"e0": 200} and s.trees["decode"].size == {"e2": 200}
+    # Prefill imbalanced (70 - 0 > 64): the least loaded there; decode balanced: the match.
+    e["e0"].in_flight_prefill = 70
+    assert pairs(s, state, 1, doc) == [("e1", "e2")]
+    e["e0"].in_flight_prefill = 0
+    # e3's 100 requests in their prefill leg do not count (least_outstanding's count would
+    # make it the busier one): 1 against 0, the least loaded of a novel prompt is e3.
+    e["e3"].pending_decode, e["e2"].in_flight_decode = 100, 1
+    assert pairs(s, state, 1, ask(200, 5, 6)) == [("e0", "e3")]
+    # Decode legs counted: 100 - 0 > 64, so e3 despite e2's match.
+    e["e2"].in_flight_decode = 100
+    assert pairs(s, state, 1, doc) == [("e0", "e3")]
+    # Streaming requests leave vllm-router's decode count when the response starts: none
+    # counted, balanced, the match.
+    streaming = cache_aware(streaming=True)
+    assert pairs(streaming, state, 2, doc) == [("e0", "e2"), ("e0", "e2")]
+
+
+def test_cache_aware_drops_the_tree_of_a_matched_engine_gone_unhealthy() -> None:
+    state = fleet_state(3, 1)  # prefill e0 e1 e2, decode e3
+    e = state.engines
+    s = cache_aware()
+    doc = ask(200, 1, 2)
+    assert pairs(s, state, 1, doc) == [("e0", "e3")]
+    # Excluded (say it failed this request) but healthy: the first other engine, tree kept.
+    pick = s.pick(state, doc, exclude_prefill={"e0"})
+    assert isinstance(pick, Pair) and pick.prefill == "e1"
+    assert s.trees["prefill"].size == {"e0": 200}  # nothing inserted on the fallback
+    # Unhealthy: its tree goes; the first healthy engine, not the least loaded.
+    e["e0"].healthy = False
+    e["e1"].in_flight_prefill = 1
+    assert pairs(s, state, 1, doc) == [("e1", "e3")]
+    assert s.trees["prefill"].size == {}
+    assert pairs(s, state, 1, doc) == [("e2", "e3")]  # nothing to match now: least load
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"cache_threshold": 1.5}, {"balance_abs_threshold": -1}, {"block_tokens": 0}],
+    ids=["threshold", "abs", "block"],
+)
+def test_cache_aware_params_are_checked(params: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        CacheAwareParams(**params)
+
+
+def test_the_simulator_runs_cache_aware_and_it_follows_shared_prefixes() -> None:
+    fleet, timings = synthetic_fleet(2, 2, {"ttft_s": 10.0, "tpot_s": 0.3})
+    base = poisson_requests(rate=2.0, count=60, prompt_tokens=2048, output_tokens=16, seed=2)
+    # Every prompt opens with the same two 512-token blocks: half of it, a match of 0.5.
+    specs = [
+        RequestSpec(r.arrival, r.prompt_tokens, r.output_tokens, prefix=(7, 8, 100 + i, 200 + i))
+        for i, r in enumerate(base)
+    ]
+    result = run_des(DesConfig(fleet, timings, scheduler="cache_aware", flipping=False), specs)
+    assert result.rejected == 0 and result.completed == len(specs)
+    # Never 64 legs apart: every request goes where the shared blocks are (e0, then e2).
+    busy = result.utilisation
+    assert busy["e0"] > 0 and busy["e2"] > 0 and busy["e1"] == 0 and busy["e3"] == 0
+
+
+def test_narwhal_fleetsim_takes_cache_aware(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--engines", "1:1", "--requests", "5", "--prompt-tokens", "512"]
+    argv += ["--output-tokens", "4", "--scheduler", "cache_aware", "--no-flipping"]
+    assert fleetsim_main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["completed"] == 5
