@@ -14,12 +14,14 @@ Workloads:
   Public Dataset, CC-BY 4.0). A trial at offered rate r sends the first r x D requests from
   ``--trace-start``, their TIMESTAMPs compressed or stretched so that they arrive within D
   model seconds (D per workload, ``--durations``): the recorded arrival pattern at mean rate
-  r. Each sends ``ContextTokens`` token ids (clipped to max_model_len) and asks for exactly
+  r; each window starts ``--window-stride`` rows after the one before. Each sends
+  ``ContextTokens`` token ids (clipped to max_model_len) and asks for exactly
   ``GeneratedTokens`` tokens (``ignore_eos``, streamed);
 - ``fixed``: the qualification run's shape, 8,192 tokens in and 128 out, Poisson arrivals.
 
-Systems: ``narwhal_v1`` (narwhal-serve with a profile store that narwhal-profile makes once on
-this fleet; admission control as the fleet's routing policy says, ``reject`` by default),
+Systems (default: ``narwhal_v1`` and the three vllm-router policies): ``narwhal_v1``
+(narwhal-serve with a profile store that narwhal-profile makes once on this fleet; admission
+control as the fleet's routing policy says, ``reject`` by default),
 ``narwhal_v1_local`` ("narwhal v1 + local prefill": the same, on a copy of the fleet file with
 ``routing.local_prefill`` on for prompts of at most ``--local-max-prompt`` tokens, so a decode
 engine may prefill a short prompt itself when that is predicted faster than a handoff),
@@ -40,13 +42,24 @@ request joins a batch, so batches only shrink: the projection is the slowest it 
 such verdicts are counted as ``ok_projected`` / ``tpot_projected``), and cancelled. This
 keeps a trial to duration + TTFT budget instead of waiting for the longest outputs.
 
-Goodput is the highest tested rate with attainment >= 0.95, searched on a geometric grid
-(``--grid-step``) from a capacity estimate (or the best point an earlier system reached): up
-two steps at a time until a miss, down until a pass, then the point between. After
-``--budget-s`` wall seconds every remaining search stops at two trials.
+Goodput is where attainment (met / offered, over every window's requests at that rate) crosses
+95%: from a start (a capacity estimate, or the goodput an earlier system reached on the
+workload) up or down by ``--bracket-step`` until it is bracketed, then bisection to
+``--precision``, at most ``--max-points`` rates, then linear interpolation between the rates
+either side of the crossing. Every rate runs each of ``--windows`` windows once: trace
+windows ``--window-stride`` rows apart from ``--trace-start`` (fixed: one seed each), so a
+search sees several stretches of the trace and every rate is a new trial. Its 95% interval is
+a block bootstrap of every request's verdict at every rate measured (blocks of ``--block``
+consecutive requests, ``narwhal.testing.goodput``); ratios are printed with a paired interval
+(the same resample for both systems; the best other system on that resample) and called a
+gain or a loss only when it excludes 1. For every rate: each kind of miss (``rejected`` 429,
+``ttft`` late or abandoned, ``tpot`` over budget, ``error``/``short`` failed) and the prefill
+and decode engines' utilisation (their working-step seconds over the trial's wall time).
+After ``--budget-s`` wall seconds every remaining search stops at its bracket. ``--quick``:
+code and fixed, v1 and vllm-router power_of_two, one window, three rates, shorter trials.
 
     .venv/bin/python bench/goodput.py [--time-scale 4] [--durations code=20,...] [--workloads ...]
-        [--systems ...] [--max-trials 4] [--keep-dir]
+        [--systems ...] [--windows 2] [--max-points 5] [--quick] [--keep-dir]
 
 Only 127.0.0.1 is contacted. Progress goes to stderr; ``name: value`` rows, a table and the
 ratio lines ``ratio_goodput_v1_over_best_other_<workload>`` (other: v0 and vllm-router) and
@@ -62,11 +75,13 @@ import asyncio
 import csv
 import datetime as dt
 import json
+import math
 import os
 import random
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -79,16 +94,25 @@ import httpx
 import numpy as np
 import orjson
 
+from narwhal.engines.scrape import metric_sum
 from narwhal.serve.cli import serve_command
 from narwhal.simengine.timing import CALIBRATION
 from narwhal.testing import aio, procfs, procs
 from narwhal.testing.fleet import SimFleet, fleet_load, start_local_fleet, wait_idle
+from narwhal.testing.goodput import (
+    RatePoint,
+    bootstrap_draws,
+    crossing,
+    interval,
+    to_blocks,
+    verdict,
+)
 from narwhal.testing.ports import free_ports
 from narwhal.testing.profiling import profile_fleet
 from narwhal.testing.provenance import git
 from narwhal.testing.rawhttp import TRANSPORT_ERRORS, post_stream
 from narwhal.testing.routers import peer_router_command, router_ready
-from narwhal.testing.stats import median
+from narwhal.testing.stats import percentile
 
 MODEL = "moonshotai/Kimi-K3"
 REAL_TTFT_S = 10.0
@@ -108,6 +132,9 @@ SYSTEMS = (
     "vllm_power_of_two",
     "vllm_default",
 )
+# The default set: Narwhal's scheduler and vllm-router's policies (about 15 minutes); v0 and
+# local prefill on request.
+DEFAULT_SYSTEMS = ("narwhal_v1", "vllm_round_robin", "vllm_power_of_two", "vllm_default")
 V1_SYSTEMS = ("narwhal_v1", "narwhal_v1_local")  # routed with the profile store
 VLLM_POLICY = {"vllm_round_robin": "round_robin", "vllm_power_of_two": "power_of_two"}
 FIXED_IN, FIXED_OUT = 8192, 128
@@ -461,41 +488,88 @@ class Router:
 
 @dataclass
 class Trial:
-    rate: float
+    """One window's requests at one rate."""
+
     requests: int
-    attainment: float
+    met: list[bool]  # per request, in arrival order
     counts: dict[str, int]
-    ttft_p50: float | None
-    tpot_p50: float | None
+    ttfts: list[float]  # real seconds
+    tpots: list[float]
     wall_s: float
     cpu_util: float
     foreign_util: float
     router_cpu_ms: float  # the router's process tree, per request
+    utilisation: tuple[float, float]  # the prefill and the decode engines' busy fraction
+
+
+@dataclass
+class Point:
+    """Every window's trial at one offered rate."""
+
+    rate: float
+    trials: list[Trial]
+    block: int
+
+    @property
+    def rate_point(self) -> RatePoint:
+        met: list[int] = []
+        sizes: list[int] = []
+        for t in self.trials:
+            counts, lengths = to_blocks(t.met, self.block)
+            met += counts
+            sizes += lengths
+        return RatePoint(self.rate, tuple(met), tuple(sizes))
+
+    @property
+    def attainment(self) -> float:
+        return self.rate_point.attainment
+
+    @property
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for t in self.trials:
+            for kind, n in t.counts.items():
+                out[kind] = out.get(kind, 0) + n
+        return out
+
+    @property
+    def requests(self) -> int:
+        return sum(t.requests for t in self.trials)
 
 
 @dataclass
 class Search:
-    trials: dict[int, Trial] = field(default_factory=dict)
+    points: dict[float, Point] = field(default_factory=dict)
     truncated: bool = False  # stopped early by the run's time budget
 
-    def goodput(self) -> float:
-        passing = [t.rate for t in self.trials.values() if t.attainment >= ATTAINMENT]
-        return max(passing) if passing else 0.0
+    def ordered(self) -> list[Point]:
+        return [self.points[r] for r in sorted(self.points)]
 
-    def best_k(self) -> int | None:
-        passing = [k for k, t in self.trials.items() if t.attainment >= ATTAINMENT]
-        return max(passing) if passing else None
+    def goodput(self) -> float:
+        return crossing([p.rate_point for p in self.ordered()], ATTAINMENT)
+
+
+def engine_busy_seconds(urls: list[str]) -> list[float]:
+    """Each engine's wall seconds of working steps so far (its step counter)."""
+    out = []
+    for url in urls:
+        try:
+            page = httpx.get(url + "/metrics", timeout=5, trust_env=False).content
+            out.append(metric_sum(page, "narwhal_sim:step_seconds_total") or 0.0)
+        except httpx.HTTPError:
+            out.append(0.0)
+    return out
 
 
 def run_point(
     router: Router,
     w: Workload,
-    k: int,
     rate: float,
     args: argparse.Namespace,
     budgets: tuple[float, float],
     engine_urls: list[str],
     tag: str,
+    seed: int,
 ) -> Trial:
     if not wait_idle(engine_urls, 60):
         log(f"warning: fleet not idle before {tag} (load {fleet_load(engine_urls)})")
@@ -503,17 +577,19 @@ def run_point(
     time.sleep(args.settle_s)
     duration = args.durations[w.name]
     n, offsets = w.trial(rate, duration)
-    bodies = build_bodies(w, n, args.seed * 100_003 + w.index * 1009 + k)
+    bodies = build_bodies(w, n, seed)
     coro = run_trial(
         router.port, bodies, w.gen_lens[:n], offsets, duration, args.time_scale, budgets, tag
     )
     assert router.proc is not None
     router0 = procfs.tree_cpu_seconds(router.proc.pid)
+    busy0 = engine_busy_seconds(engine_urls)
     cpu0, own0, t0 = procfs.machine_cpu_seconds(), own_cpu_seconds(), time.perf_counter()
     outcomes = aio.run(coro)
     wall = time.perf_counter() - t0
     total, own = procfs.machine_cpu_seconds() - cpu0, own_cpu_seconds() - own0
     router_cpu = procfs.tree_cpu_seconds(router.proc.pid) - router0
+    busy = [b - a for a, b in zip(busy0, engine_busy_seconds(engine_urls), strict=True)]
     if args.keep_dir:  # the client's view of every request, for analysis next to the journals
         with open(args.directory / "client.jsonl", "ab") as f:
             for i, o in enumerate(outcomes):
@@ -537,84 +613,96 @@ def run_point(
     counts: dict[str, int] = {}
     for o in outcomes:
         counts[o.kind] = counts.get(o.kind, 0) + 1
-    met = sum(counts.get(kind, 0) for kind in MET)
     scale = args.time_scale
-    ttfts = [o.ttft * scale for o in outcomes if o.ttft is not None]
-    tpots = [o.tpot * scale for o in outcomes if o.tpot is not None]
+    p = args.prefill
     return Trial(
-        rate=rate,
         requests=n,
-        attainment=met / n,
+        met=[o.kind in MET for o in outcomes],
         counts=counts,
-        ttft_p50=median(ttfts),
-        tpot_p50=median(tpots),
+        ttfts=[o.ttft * scale for o in outcomes if o.ttft is not None],
+        tpots=[o.tpot * scale for o in outcomes if o.tpot is not None],
         wall_s=wall,
         cpu_util=total / wall / cpus,
         foreign_util=max(0.0, total - own) / wall / cpus,
         router_cpu_ms=router_cpu / n * 1000,
+        utilisation=(sum(busy[:p]) / p / wall, sum(busy[p:]) / max(1, len(busy) - p) / wall),
     )
 
 
 def search_goodput(
     router: Router,
-    w: Workload,
-    base: float,
-    start_k: int,
+    windows: list[Workload],
+    start: float,
     args: argparse.Namespace,
     budgets: tuple[float, float],
     engine_urls: list[str],
     deadline: float,
 ) -> Search:
-    """Rates base * step**k: up two steps at a time until a miss, down until a pass, then
-    the point between the highest pass and the lowest miss above it."""
+    """From ``start``, up (or down) by ``--bracket-step`` until attainment crosses the target,
+    then bisection (geometric) to ``--precision``, at most ``--max-points`` rates; every rate
+    runs every window once."""
     s = Search()
+    name = windows[0].name
 
-    def rate(k: int) -> float:
-        return base * args.grid_step**k
-
-    def test(k: int) -> bool:
-        tag = f"{router.system}-{w.name}-k{k}"
-        t = run_point(router, w, k, rate(k), args, budgets, engine_urls, tag)
-        s.trials[k] = t
-        c = " ".join(f"{n}={v}" for n, v in sorted(t.counts.items()))
+    def test(rate: float) -> Point:
+        point = Point(rate, [], args.block)
+        for k, w in enumerate(windows):
+            tag = f"{router.system}-{name}-w{k}-r{rate:.4f}"
+            seed = args.seed * 100_003 + w.index * 1009 + k * 7919 + len(s.points)
+            point.trials.append(run_point(router, w, rate, args, budgets, engine_urls, tag, seed))
+        s.points[rate] = point
+        c = " ".join(f"{kind}={v}" for kind, v in sorted(point.counts.items()))
+        t = point.trials
         log(
-            f"{router.system} {w.name} rate {t.rate:.3f}/s ({t.requests} requests):"
-            f" attainment {t.attainment:.3f}"
-            f" [{c}] ttft_p50 {t.ttft_p50 or float('nan'):.2f}s"
-            f" tpot_p50 {t.tpot_p50 or float('nan'):.3f}s wall {t.wall_s:.1f}s"
-            f" cpu {t.cpu_util:.0%} (other processes {t.foreign_util:.0%})"
-            f" router {t.router_cpu_ms:.1f} ms cpu/request"
+            f"{router.system} {name} rate {rate:.3f}/s ({point.requests} requests in"
+            f" {len(t)} windows): attainment {point.attainment:.3f} [{c}]"
+            f" util prefill {statistics.fmean(x.utilisation[0] for x in t):.0%}"
+            f" decode {statistics.fmean(x.utilisation[1] for x in t):.0%}"
+            f" cpu {statistics.fmean(x.cpu_util for x in t):.0%}"
+            f" (other processes {statistics.fmean(x.foreign_util for x in t):.0%})"
         )
-        return t.attainment >= ATTAINMENT
+        return point
 
     def more() -> bool:
-        """Another trial? Always a second one; beyond that within --max-trials and the
-        run's time budget."""
-        if len(s.trials) < 2:
+        """Another rate? Always a second one; beyond that within --max-points and the run's
+        time budget (after which a search stops at its bracket)."""
+        if len(s.points) < 2:
             return True
-        if len(s.trials) >= args.max_trials:
+        if len(s.points) >= args.max_points:
             return False
         if time.perf_counter() > deadline:
             s.truncated = True
             return False
         return True
 
-    k = start_k
-    if test(k):
-        while more():
-            k += 2
-            if not test(k):
-                break
+    step = args.bracket_step
+    low: Point | None = None
+    high: Point | None = None
+    first = test(start)
+    if first.attainment >= ATTAINMENT:
+        low = first
+        while high is None and more():
+            point = test(low.rate * step)
+            if point.attainment >= ATTAINMENT:
+                low = point
+            else:
+                high = point
     else:
-        while more() and k > args.min_k:
-            k -= 2
-            if test(k):
-                break
-    hi_pass = s.best_k()
-    if hi_pass is not None and more():
-        fails_above = [j for j in s.trials if j > hi_pass]
-        if fails_above and min(fails_above) - hi_pass == 2:
-            test(hi_pass + 1)
+        high = first
+        while low is None and more() and high.rate > start * 1e-2:
+            point = test(high.rate / step)
+            if point.attainment >= ATTAINMENT:
+                low = point
+            else:
+                high = point
+    while low is not None and high is not None and high.rate / low.rate > 1 + args.precision:
+        if not more():
+            break
+        point = test(math.sqrt(low.rate * high.rate))
+        if point.attainment >= ATTAINMENT:
+            low = point
+        else:
+            high = point
     return s
 
 
@@ -657,23 +745,41 @@ def main() -> int:
     )
     parser.add_argument("--trace-start", type=int, default=0, help="first trace row used")
     parser.add_argument(
+        "--windows",
+        type=int,
+        default=2,
+        help="trace windows (fixed: seeds) per rate, each one trial, from --trace-start on",
+    )
+    parser.add_argument(
+        "--window-stride", type=int, default=2000, help="trace rows between windows' starts"
+    )
+    parser.add_argument(
         "--budget-s",
         type=float,
-        default=700.0,
-        help="wall seconds after which searches stop at two trials each",
+        default=900.0,
+        help="wall seconds after which searches stop at their bracket",
     )
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS))
     parser.add_argument("--prefill", type=int, default=4, help="engines in the prefill role")
     parser.add_argument("--engines", type=int, default=8)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--num-blocks", type=int, default=65536)
     parser.add_argument("--block-bytes", type=int, default=1024)
-    parser.add_argument("--grid-step", type=float, default=1.2)
+    parser.add_argument("--bracket-step", type=float, default=1.25)
+    parser.add_argument("--precision", type=float, default=0.06, help="bisection's relative end")
     parser.add_argument("--start-fraction", type=float, default=0.8)
-    parser.add_argument("--max-trials", type=int, default=4)
-    parser.add_argument("--min-k", type=int, default=-12)
-    parser.add_argument("--start-k", type=int, default=0, help="first grid point tried")
+    parser.add_argument("--max-points", type=int, default=5, help="rates per search at most")
+    parser.add_argument(
+        "--block", type=int, default=20, help="consecutive requests per bootstrap block"
+    )
+    parser.add_argument("--resamples", type=int, default=1000)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="iteration: code and fixed, v1 and vllm-router power_of_two, one window, three"
+        " rates, shorter trials",
+    )
     parser.add_argument(
         "--profile-concurrency", default="1,2,4", help="as the qualification run profiles"
     )
@@ -688,6 +794,15 @@ def main() -> int:
     )
     parser.add_argument("--keep-dir", action="store_true")
     args = parser.parse_args()
+    if args.quick:
+        given = " ".join(sys.argv)
+        if "--workloads" not in given:
+            args.workloads = "code,fixed"
+        if "--systems" not in given:
+            args.systems = "narwhal_v1,vllm_power_of_two"
+        args.windows, args.max_points = 1, 3
+        if "--durations" not in given:
+            args.durations = "code=12,conv=40,fixed=30"
     workloads = [x for x in args.workloads.split(",") if x]
     systems = [x for x in args.systems.split(",") if x]
     for x in workloads:
@@ -729,11 +844,16 @@ def main() -> int:
         rows.append((name, value if isinstance(value, str) else fmt(value)))
 
     # Workloads first: a bad trace path fails before any process starts.
-    loaded: dict[str, Workload] = {}
+    loaded: dict[str, list[Workload]] = {}
     for i, name in enumerate(workloads):
-        w = fixed_workload(args.seed) if name == "fixed" else load_trace(name, args.trace_start)
-        w.index = i
-        loaded[name] = w
+        loaded[name] = []
+        for k in range(args.windows):
+            if name == "fixed":
+                w = fixed_workload(args.seed + k)
+            else:
+                w = load_trace(name, args.trace_start + k * args.window_stride)
+            w.index = i
+            loaded[name].append(w)
     decode_n = args.engines - args.prefill
 
     directory = Path(tempfile.mkdtemp(prefix="goodput-"))
@@ -810,8 +930,8 @@ def main() -> int:
 
         bases = {
             name: args.start_fraction
-            * capacity_estimate(w, args.prefill, decode_n, args.max_num_seqs)
-            for name, w in loaded.items()
+            * capacity_estimate(ws[0], args.prefill, decode_n, args.max_num_seqs)
+            for name, ws in loaded.items()
         }
         results: dict[tuple[str, str], Search] = {}
         metrics: dict[tuple[str, str], dict[str, float]] = {}
@@ -839,16 +959,15 @@ def main() -> int:
             f" whole machine {(procfs.machine_cpu_seconds() - all0) / idle_wall / cpus:.0%}"
             f" of {cpus} cpus (fleet and routers idle)",
         )
-        for name, w in loaded.items():
+        for name, ws in loaded.items():
             for system in systems:
                 router = routers[system]
-                # Start at the best point an earlier system reached on this workload.
-                prior = [s.best_k() for (sy, wl), s in results.items() if wl == name]
-                prior_k = [k for k in prior if k is not None]
-                start_k = max(prior_k) if prior_k else args.start_k
+                # Start at the best an earlier system reached on this workload.
+                prior = [s.goodput() for (sy, wl), s in results.items() if wl == name]
+                start = max([g for g in prior if g > 0], default=bases[name])
                 metrics_before = router.narwhal_metrics()
                 results[(system, name)] = search_goodput(
-                    router, w, bases[name], start_k, args, budgets, urls, started + args.budget_s
+                    router, ws, start, args, budgets, urls, started + args.budget_s
                 )
                 metrics[(system, name)] = router.narwhal_metrics(metrics_before)
                 log(
@@ -889,12 +1008,18 @@ def main() -> int:
         add(
             "trials",
             ", ".join(f"{w} {args.durations[w]:g}" for w in loaded)
-            + " model s of arrivals per trial; a request"
+            + f" model s of arrivals per trial, {args.windows} windows per rate (one trial"
+            f" each), at most {args.max_points} rates per search (bracketing by"
+            f" x{args.bracket_step:g}, then bisection to {args.precision:.0%}; goodput"
+            f" interpolated where attainment crosses {ATTAINMENT});"
+            f" 95% intervals from a block bootstrap ({args.block} consecutive requests a block,"
+            f" {args.resamples} resamples, paired for ratios)" + "; a request"
             " with no first token within the TTFT budget is abandoned by the client; streams"
             " still running when the trial ends (last arrival + TTFT budget + 8 steps) are"
             " judged by projecting their remaining tokens at their recent pace (*_projected)",
         )
-        for name, w in loaded.items():
+        for name, ws in loaded.items():
+            w = ws[0]
             m = min(1000, len(w.offsets))
             desc = (
                 f"first {m} requests: prompt mean {sum(w.prompt_lens[:m]) / m:.0f}"
@@ -902,55 +1027,107 @@ def main() -> int:
                 f" max {max(w.gen_lens[:m])}"
             )
             if name == "fixed":
-                desc += "; Poisson arrivals"
+                desc += f"; Poisson arrivals, seeds {args.seed}..{args.seed + len(ws) - 1}"
             else:
-                desc += f"; trace rows from {w.start_row}, timestamps rescaled to the offered rate"
-            if w.clipped:
-                desc += f"; {w.clipped} prompts clipped to max_model_len"
+                starts = ", ".join(str(x.start_row) for x in ws)
+                desc += f"; windows from trace rows {starts}, timestamps rescaled to the rate"
+            if any(x.clipped for x in ws):
+                desc += f"; {sum(x.clipped for x in ws)} prompts clipped to max_model_len"
             add(f"workload_{name}", desc)
         for (system, name), s in results.items():
-            for k in sorted(s.trials):
-                t = s.trials[k]
-                c = " ".join(f"{kind}={v}" for kind, v in sorted(t.counts.items()))
+            for point in s.ordered():
+                kinds = " ".join(f"{kind}={v}" for kind, v in sorted(point.counts.items()))
+                trials = point.trials
+                ttfts = [x for trial in trials for x in trial.ttfts]
+                tpots = [x for trial in trials for x in trial.tpots]
                 add(
-                    f"attainment_{system}_{name}_at_{t.rate:.3f}",
-                    f"{t.attainment:.3f} of {t.requests} [{c}]"
-                    f" ttft_p50 {t.ttft_p50 or float('nan'):.2f}s"
-                    f" tpot_p50 {t.tpot_p50 or float('nan'):.3f}s (real);"
-                    f" cpu {t.cpu_util:.0%}, other processes {t.foreign_util:.0%},"
-                    f" router {t.router_cpu_ms:.1f} ms cpu/request",
+                    f"attainment_{system}_{name}_at_{point.rate:.3f}",
+                    f"{point.attainment:.3f} of {point.requests}"
+                    f" (windows {' '.join(f'{sum(x.met) / x.requests:.3f}' for x in trials)})"
+                    f" [{kinds}] ttft_p50 {percentile(ttfts, 50):.2f}s"
+                    f" tpot_p50 {percentile(tpots, 50):.3f}s (real);"
+                    f" utilisation prefill {statistics.fmean(x.utilisation[0] for x in trials):.0%}"
+                    f" decode {statistics.fmean(x.utilisation[1] for x in trials):.0%};"
+                    f" cpu {statistics.fmean(x.cpu_util for x in trials):.0%}, other processes"
+                    f" {statistics.fmean(x.foreign_util for x in trials):.0%}, router"
+                    f" {statistics.fmean(x.router_cpu_ms for x in trials):.1f} ms cpu/request",
                 )
-        for (system, name), m in metrics.items():
-            for key, value in sorted(m.items()):
+        for (system, name), found in metrics.items():
+            for key, value in sorted(found.items()):
                 add(f"{system}_{name}_{key}", f"{value:.3f}")
+        # The uncertainty: a block bootstrap over every request's verdict at every rate
+        # (narwhal.testing.goodput), the same draws for every system on a workload.
+        rng = random.Random(args.seed)
+        resampled: dict[tuple[str, str], list[float]] = {}
+        for name in loaded:
+            searches = {sy: results[(sy, name)] for sy in systems}
+            blocks = {len(s.ordered()[0].rate_point.met) for s in searches.values()}
+            if len(blocks) != 1:
+                continue  # (trials of different lengths: no shared draws)
+            draws = bootstrap_draws(blocks.pop(), args.resamples, rng)
+            for sy, s in searches.items():
+                points = [p.rate_point for p in s.ordered()]
+                resampled[(sy, name)] = [crossing(points, ATTAINMENT, d) for d in draws]
         for (system, name), s in results.items():
             note = " (search cut short by --budget-s)" if s.truncated else ""
-            add(f"goodput_{system}_{name}", f"{s.goodput():.3f}{note}")
+            spread = ""
+            if (system, name) in resampled:
+                lo, hi = interval(resampled[(system, name)])
+                spread = f" [{lo:.3f}, {hi:.3f}]"
+            add(f"goodput_{system}_{name}", f"{s.goodput():.3f}{spread}{note}")
         add("bench_wall_s", elapsed)
         for row_name, value in rows:
             print(f"{row_name}: {value}")
 
-        # Table: goodput per system (rows) and workload (columns).
+        # Table: per workload and system, goodput with its 95% interval, and the misses and
+        # utilisation at the highest rate measured at or below it.
         print()
-        head = ["system"] + [f"{w} req/s" for w in loaded]
-        table = [head]
-        for system in systems:
-            table.append([system] + [f"{results[(system, w)].goodput():.3f}" for w in loaded])
-        widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+        table = [["workload", "system", "goodput_rps", "95%_interval", "rates", "at_rate",
+                  "attainment", "rejected", "ttft", "tpot", "failed", "util_prefill",
+                  "util_decode"]]  # fmt: skip
+        for name in loaded:
+            for system in systems:
+                s = results[(system, name)]
+                g = s.goodput()
+                pts = s.ordered()
+                point = ([p for p in pts if p.rate <= g] or pts[:1])[-1]
+                misses = point.counts
+                lo_hi = "-"
+                if (system, name) in resampled:
+                    lo, hi = interval(resampled[(system, name)])
+                    lo_hi = f"{lo:.3f}-{hi:.3f}"
+                table.append([
+                    name, system, f"{g:.3f}", lo_hi, str(len(pts)), f"{point.rate:.3f}",
+                    f"{point.attainment:.3f}", str(misses.get("rejected", 0)),
+                    str(misses.get("ttft", 0)),
+                    str(misses.get("tpot", 0) + misses.get("tpot_projected", 0)),
+                    str(misses.get("error", 0) + misses.get("short", 0)),
+                    f"{statistics.fmean(x.utilisation[0] for x in point.trials):.2f}",
+                    f"{statistics.fmean(x.utilisation[1] for x in point.trials):.2f}",
+                ])  # fmt: skip
+        widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
         for r in table:
             print("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip())
         print()
         if "narwhal_v1" in systems and len(systems) > 1:
             for name in loaded:
                 v1 = results[("narwhal_v1", name)].goodput()
-                others = {s: results[(s, name)].goodput() for s in systems if s not in V1_SYSTEMS}
+                others = [sy for sy in systems if sy not in V1_SYSTEMS]
                 if not others:
                     continue
-                best_sys = max(others, key=lambda s: others[s])
-                best = others[best_sys]
+                best_sys = max(others, key=lambda sy: results[(sy, name)].goodput())
+                best = results[(best_sys, name)].goodput()
                 ratio = f"{v1 / best:.2f}" if best > 0 else ("inf" if v1 > 0 else "n/a")
+                spread = ""
+                if all((sy, name) in resampled for sy in (*others, "narwhal_v1")):
+                    paired = []
+                    for i, mine in enumerate(resampled[("narwhal_v1", name)]):
+                        top = max(resampled[(sy, name)][i] for sy in others)
+                        paired.append(mine / top if top > 0 else math.inf)
+                    lo, hi = interval(paired)
+                    spread = f" [{lo:.2f}, {hi:.2f}] {verdict(lo, hi)}"
                 print(
-                    f"ratio_goodput_v1_over_best_other_{name}: {ratio}"
+                    f"ratio_goodput_v1_over_best_other_{name}: {ratio}{spread}"
                     f" (v1 {v1:.3f} vs {best_sys} {best:.3f})"
                 )
         if "narwhal_v1" in systems and "narwhal_v1_local" in systems:

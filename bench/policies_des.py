@@ -70,7 +70,7 @@ import random
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from narwhal.contract import FleetContract
@@ -79,6 +79,14 @@ from narwhal.fleetsim.workloads import poisson_requests, read_azure_trace, synth
 from narwhal.profiles.models import EngineModels
 from narwhal.routing.baselines import BASELINES
 from narwhal.simengine.timing import CALIBRATION
+from narwhal.testing.goodput import (
+    RatePoint,
+    bootstrap_draws,
+    crossing,
+    interval,
+    to_blocks,
+    verdict,
+)
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "azure-llm-2023"
 TRACES = {"code": "AzureLLMInferenceTrace_code.csv", "conv": "AzureLLMInferenceTrace_conv.csv"}
@@ -94,19 +102,12 @@ Rows = list[tuple[float, int, int]]  # (arrival in its source's seconds, prompt,
 
 
 @dataclass(frozen=True)
-class Point:
+class Point(RatePoint):
     """One system at one offered rate, over all windows."""
 
-    rate: float
-    met: tuple[int, ...]  # met requests per block
-    sizes: tuple[int, ...]  # requests per block
-    per_window: tuple[float, ...]  # attainment per window
-    misses: dict[str, int]
-    utilisation: tuple[float, float]  # the prefill and the decode pool's mean busy fraction
-
-    @property
-    def attainment(self) -> float:
-        return sum(self.met) / sum(self.sizes)
+    per_window: tuple[float, ...] = ()  # attainment per window
+    misses: dict[str, int] = field(default_factory=dict)
+    utilisation: tuple[float, float] = (0.0, 0.0)  # prefill and decode pools' busy fraction
 
 
 def windows(workload: str, count: int, n_windows: int, seed: int) -> list[Rows]:
@@ -168,10 +169,9 @@ def measure(
         specs = at_rate(rows, rate, BLIND_MAX_TOKENS if system == "v1_max1024" else None)
         result = run_des(config, specs)
         outcomes = result.outcomes
-        for i in range(0, len(outcomes), block):
-            part = outcomes[i : i + block]
-            met.append(part.count("met"))
-            sizes.append(len(part))
+        counts, lengths = to_blocks([o == "met" for o in outcomes], block)
+        met += counts
+        sizes += lengths
         misses.update(o for o in outcomes if o != "met")
         per_window.append(result.attainment)
         for engine, fraction in result.utilisation.items():
@@ -183,32 +183,6 @@ def measure(
         busy["decode"][0] / max(1, busy["decode"][1]),
     )
     return Point(rate, tuple(met), tuple(sizes), tuple(per_window), dict(misses), utilisation)
-
-
-def crossing(points: list[Point], weights: list[int] | None = None) -> float:
-    """Where attainment, read upwards over ``points`` (sorted by rate), first falls below the
-    target, interpolated between that rate and the one before; with ``weights``, each block
-    counted that many times (a bootstrap resample). 0 when even the lowest misses; the
-    highest rate when none does."""
-
-    def attainment(point: Point) -> float:
-        if weights is None:
-            return point.attainment
-        met = sum(w * m for w, m in zip(weights, point.met, strict=True))
-        offered = sum(w * n for w, n in zip(weights, point.sizes, strict=True))
-        return met / offered
-
-    previous: tuple[float, float] | None = None
-    for point in points:
-        value = attainment(point)
-        if value < TARGET:
-            if previous is None:
-                return 0.0
-            low_rate, low_value = previous
-            fraction = (low_value - TARGET) / (low_value - value)
-            return low_rate + fraction * (point.rate - low_rate)
-        previous = (point.rate, value)
-    return points[-1].rate
 
 
 def search(
@@ -256,19 +230,13 @@ def search(
             else:
                 high = point
     ordered = sorted(points.values(), key=lambda p: p.rate)
-    found = crossing(ordered)
+    found = crossing(ordered, TARGET)
     if found > 0:
         # Support for the resamples, whose goodput lies around this one.
         for factor in (0.8, 0.9, 1.1, 1.25):
             at(found * factor)
         ordered = sorted(points.values(), key=lambda p: p.rate)
     return found, ordered
-
-
-def interval(values: list[float]) -> tuple[float, float]:
-    ordered = sorted(values)
-    n = len(ordered)
-    return ordered[int(0.025 * (n - 1))], ordered[math.ceil(0.975 * (n - 1))]
 
 
 def capacity_bound(n_prefill: int, n_decode: int, all_rows: list[Rows]) -> float:
@@ -363,14 +331,9 @@ def main() -> int:
                     flush=True,
                 )
             blocks = len(next(iter(found.values()))[1][0].met)
-            draws = []
-            for _ in range(args.resamples):
-                weights = [0] * blocks
-                for _ in range(blocks):
-                    weights[rng.randrange(blocks)] += 1
-                draws.append(weights)
+            draws = bootstrap_draws(blocks, args.resamples, rng)
             resampled = {
-                s: [crossing(points, w) for w in draws] for s, (_, points) in found.items()
+                s: [crossing(points, TARGET, w) for w in draws] for s, (_, points) in found.items()
             }
             for system, (rate, points) in found.items():
                 lo, hi = interval(resampled[system])
@@ -397,11 +360,10 @@ def main() -> int:
                     for i in range(args.resamples)
                 ]  # fmt: skip
                 lo, hi = interval(paired)
-                verdict = "gain" if lo > 1 else "loss" if hi < 1 else "within the uncertainty"
                 suffix = "" if name == "v1" else f"_{name.removeprefix('v1_')}"
                 ratios.append(
                     f"ratio_goodput_v1{suffix}_over_best_baseline_{workload}_{size}: "
-                    f"{ratio:.2f} [{lo:.2f}, {hi:.2f}] {verdict} (best baseline {best}, "
+                    f"{ratio:.2f} [{lo:.2f}, {hi:.2f}] {verdict(lo, hi)} (best baseline {best}, "
                     f"{found[best][0]:.3f} req/s; of the capacity bound: "
                     f"{found[name][0] / bound:.2f})"
                 )

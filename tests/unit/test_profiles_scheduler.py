@@ -239,6 +239,13 @@ def test_sequences_predicted_to_end_before_the_request_joins_leave_room() -> Non
     assert state.engines["e2"].decode_batch_at(2.0, 5.0) == 40
     over = sched.pick(state, shape)
     assert isinstance(over, NoPair) and over.over_budget is not None
+    # The pick dropped the overdue ends from the search (they stay counted): forgetting one
+    # of them when its sequence ends is a no-op, the others' still work.
+    d = state.engines["e2"]
+    assert d.decode_ends == [60.0] * 10 and d.decode_batch_at(2.0, 5.0) == 40
+    d.forget_decode_end(0.5)
+    d.forget_decode_end(60.0)
+    assert d.decode_ends == [60.0] * 9
 
 
 def test_the_less_loaded_decode_engine_counts_requests_still_in_their_prefill_leg() -> None:

@@ -137,6 +137,9 @@ class EngineState:
     # decoding now may be gone. Sequences without predictions (a scheduler that makes none)
     # are counted in the two counters above only.
     decode_ends: list[float] = field(default_factory=list)
+    # Ends up to this time were dropped from decode_ends (prune_decode_ends): those sequences
+    # are past their predicted end, still decoding, counted in the counters alone.
+    decode_ends_pruned_to: float = -math.inf
     scraped: ScrapedLoad = field(default_factory=ScrapedLoad)
     draining_from: Role | None = None
     role_since: float = 0.0
@@ -157,10 +160,19 @@ class EngineState:
         insort(self.decode_ends, at)
 
     def forget_decode_end(self, at: float) -> None:
+        if at <= self.decode_ends_pruned_to:
+            return  # pruned already
         ends = self.decode_ends
         i = bisect_right(ends, at) - 1
         if i >= 0 and ends[i] == at:
             del ends[i]
+
+    def prune_decode_ends(self, now: float) -> None:
+        """Drop the ends predicted at or before ``now``: the sequences still decode (past their
+        predicted end they stay counted), so the scheduler need not search past them."""
+        ends = self.decode_ends
+        del ends[: bisect_right(ends, now)]
+        self.decode_ends_pruned_to = now
 
     def decode_batch_at(self, now: float, at: float) -> int:
         """The router's own sequences here (pending or in flight) still predicted to decode at

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import random
+from bisect import bisect_right
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Protocol
@@ -381,19 +382,23 @@ class SchedulerV1:
             fresh = at is not None and now - at <= stale
             own = d.in_flight_decode
             choice = shared if open_pairs else best_prefill(d_id)
-            handoff_s = 0.0
-            if choice is not None:
-                handoff = transfers.get(d_id)
-                handoff_s = handoff.value if handoff is not None else default_transfer_s
+            handoff = transfers.get(d_id)
+            handoff_s = handoff.value if handoff is not None else default_transfer_s
             # The batch it joins: the sequences predicted to still decode when its first token
             # comes (short answers decoding now may be gone by then), and what the engine
             # reports beyond the router's own. A local prefill starts now: the batch as it is.
-            extra = int(scraped.running) - own if fresh and scraped.running > own else 0
-            batch_now = own + d.pending_decode + extra
-            if d.decode_ends and choice is not None:
-                batch = d.decode_batch_at(now, now + choice[0] + handoff_s) + extra
-            else:
-                batch = batch_now
+            # (EngineState.decode_batch_at, inline, with the overdue ends pruned first: this
+            # loop runs for every request.)
+            batch = batch_now = own + d.pending_decode
+            if fresh and scraped.running > own:
+                batch = batch_now = batch_now + int(scraped.running) - own
+            ends = d.decode_ends
+            if ends and choice is not None:
+                if ends[0] <= now:
+                    d.prune_decode_ends(now)
+                joins = now + choice[0] + handoff_s
+                if ends and ends[0] <= joins:
+                    batch -= bisect_right(ends, joins)
             d_model = models[d_id].decode
             if d_model is not decode_model:
                 decode_model = d_model

@@ -1,0 +1,99 @@
+"""Goodput and its uncertainty, one definition for the live and the virtual benchmarks.
+
+Goodput is the highest offered rate at which at least ``target`` of the requests meet both
+budgets. Every request's verdict is kept at every rate measured, cut into blocks of
+consecutive arrivals (``RatePoint``); a point's attainment is met over offered. Goodput is
+where attainment, read upwards over the rates measured, first falls below the target,
+interpolated linearly between that rate and the one before (``crossing``).
+
+Its uncertainty is a block bootstrap: a resample draws blocks with replacement (the same draw
+at every rate, so a resample is one alternative workload measured at every rate), and its
+goodput is the crossing of its attainment. Blocks of consecutive arrivals keep the queues a
+burst builds inside a block; what is left between blocks is why the blocks should not be
+small. A ratio between two systems is paired: both on the same resample.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["RatePoint", "bootstrap_draws", "crossing", "interval", "to_blocks", "verdict"]
+
+
+@dataclass(frozen=True)
+class RatePoint:
+    """Every request at one offered rate: met requests and requests per block."""
+
+    rate: float
+    met: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def attainment(self) -> float:
+        return sum(self.met) / sum(self.sizes)
+
+
+def to_blocks(met: Sequence[bool], size: int) -> tuple[list[int], list[int]]:
+    """Per-request verdicts in arrival order as (met per block, requests per block)."""
+    counts, sizes = [], []
+    for i in range(0, len(met), size):
+        part = met[i : i + size]
+        counts.append(sum(part))
+        sizes.append(len(part))
+    return counts, sizes
+
+
+def crossing(
+    points: Sequence[RatePoint], target: float, weights: Sequence[int] | None = None
+) -> float:
+    """Where attainment over ``points`` (sorted by rate), read upwards, first falls below
+    ``target``, interpolated between that rate and the one before; with ``weights``, each
+    block counted that many times. 0 when even the lowest rate misses; the highest rate
+    measured when none does (a lower bound, then)."""
+    previous: tuple[float, float] | None = None
+    for point in points:
+        if weights is None:
+            value = point.attainment
+        else:
+            met = sum(w * m for w, m in zip(weights, point.met, strict=True))
+            offered = sum(w * n for w, n in zip(weights, point.sizes, strict=True))
+            value = met / offered if offered else 0.0
+        if value < target:
+            if previous is None:
+                return 0.0
+            low_rate, low_value = previous
+            fraction = (low_value - target) / (low_value - value)
+            return low_rate + fraction * (point.rate - low_rate)
+        previous = (point.rate, value)
+    return points[-1].rate if points else 0.0
+
+
+def bootstrap_draws(blocks: int, resamples: int, rng: random.Random) -> list[list[int]]:
+    """``resamples`` draws of ``blocks`` blocks with replacement, as counts per block."""
+    draws = []
+    for _ in range(resamples):
+        weights = [0] * blocks
+        for _ in range(blocks):
+            weights[rng.randrange(blocks)] += 1
+        draws.append(weights)
+    return draws
+
+
+def interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float]:
+    """The central ``level`` of ``values`` (percentiles at the nearest ranks)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    tail = (1 - level) / 2
+    return ordered[int(tail * (n - 1))], ordered[math.ceil((1 - tail) * (n - 1))]
+
+
+def verdict(low: float, high: float) -> str:
+    """A ratio's interval read against 1: a gain or a loss only when it excludes 1."""
+    if low > 1:
+        return "gain"
+    if high < 1:
+        return "loss"
+    return "within the uncertainty"
