@@ -12,6 +12,7 @@ import pytest
 
 from narwhal.clock import VirtualClock
 from narwhal.contract import parse_fleet
+from narwhal.fleetsim.agreement import des_attainment
 from narwhal.fleetsim.cli import main as fleetsim_main
 from narwhal.fleetsim.simulator import DesConfig, RequestSpec, run_des
 from narwhal.fleetsim.workloads import poisson_requests, synthetic_fleet
@@ -26,6 +27,7 @@ from narwhal.routing.baselines import (
 from narwhal.routing.fleet_state import FleetState
 from narwhal.routing.scheduler import NoPair, Pair, RequestShape
 from narwhal.simengine.fleet import local_fleet_document
+from narwhal.testing.goodput import crossing_of
 
 
 def fleet_state(prefill: int = 2, decode: int = 3, **kwargs: Any) -> FleetState:
@@ -87,6 +89,21 @@ def test_power_of_two_takes_the_less_loaded_of_two_random_engines() -> None:
     state = fleet_state(2, 6)
     decodes = [d for _, d in pairs(PowerOfTwoScheduler(random.Random(3)), state, 60)]
     assert set(decodes) == {"e2", "e3", "e4", "e5", "e6", "e7"}
+
+
+def test_power_of_two_blind_is_vllm_routers_uniform_choice() -> None:
+    """vllm-router 0.1.17's power_of_two in P/D mode compares loads that never move: the first
+    drawn, whatever the engines carry."""
+    state = fleet_state(2, 2)
+    e = state.engines
+    e["e0"].in_flight_prefill = 9
+    e["e2"].in_flight_decode = 9
+    blind = BASELINES["vllm_power_of_two"](random.Random(3))
+    assert isinstance(blind, PowerOfTwoScheduler) and blind.blind
+    chosen = pairs(blind, state, 40)
+    assert {p for p, _ in chosen} == {"e0", "e1"} and {d for _, d in chosen} == {"e2", "e3"}
+    # Counting, the loaded engines are never taken.
+    assert set(pairs(PowerOfTwoScheduler(random.Random(3)), state, 20)) == {("e1", "e3")}
 
 
 @pytest.mark.parametrize("name", sorted(BASELINES))
@@ -261,7 +278,8 @@ def test_cache_aware_a_prompt_without_a_prefix_matches_nothing_but_grows_the_tre
 
 def test_cache_aware_in_pd_chooses_each_role_on_its_own_tree_and_load() -> None:
     """As vllm-router's P/D router: one policy instance per role, each given the same request;
-    a decode engine's load is its decode legs, not the requests still in their prefill leg."""
+    a decode engine's load counts its requests from the pick, still in their prefill leg, to
+    their last token (vllm-router 0.1.17, measured)."""
     state = fleet_state(2, 2)  # prefill e0 e1, decode e2 e3
     e = state.engines
     s = cache_aware()
@@ -272,17 +290,20 @@ def test_cache_aware_in_pd_chooses_each_role_on_its_own_tree_and_load() -> None:
     e["e0"].in_flight_prefill = 70
     assert pairs(s, state, 1, doc) == [("e1", "e2")]
     e["e0"].in_flight_prefill = 0
-    # e3's 100 requests in their prefill leg do not count (least_outstanding's count would
-    # make it the busier one): 1 against 0, the least loaded of a novel prompt is e3.
+    # e3's 100 requests in their prefill leg count: 100 - 1 > 64, imbalanced, so e2 (the
+    # least loaded) although a novel prompt.
     e["e3"].pending_decode, e["e2"].in_flight_decode = 100, 1
-    assert pairs(s, state, 1, ask(200, 5, 6)) == [("e0", "e3")]
-    # Decode legs counted: 100 - 0 > 64, so e3 despite e2's match.
-    e["e2"].in_flight_decode = 100
+    assert pairs(s, state, 1, ask(200, 5, 6)) == [("e0", "e2")]
+    # Counted from the end of the prefill leg only (what older sources suggest): 1 against 0,
+    # the least loaded of a novel prompt is e3.
+    legs = cache_aware(decode_load="decode_legs")
+    assert pairs(legs, state, 1, ask(200, 5, 6)) == [("e0", "e3")]
+    # Decode legs counted either way: 100 - 0 > 64, so e3 despite e2's match.
+    e["e3"].pending_decode, e["e2"].in_flight_decode = 0, 100
     assert pairs(s, state, 1, doc) == [("e0", "e3")]
-    # Streaming requests leave vllm-router's decode count when the response starts: none
-    # counted, balanced, the match.
-    streaming = cache_aware(streaming=True)
-    assert pairs(streaming, state, 2, doc) == [("e0", "e2"), ("e0", "e2")]
+    # No decode load counted at all: balanced, the match.
+    blind = cache_aware(decode_load="none")
+    assert pairs(blind, state, 2, doc) == [("e0", "e2"), ("e0", "e2")]
 
 
 def test_cache_aware_drops_the_tree_of_a_matched_engine_gone_unhealthy() -> None:
@@ -333,3 +354,38 @@ def test_narwhal_fleetsim_takes_cache_aware(capsys: pytest.CaptureFixture[str]) 
     argv += ["--output-tokens", "4", "--scheduler", "cache_aware", "--no-flipping"]
     assert fleetsim_main(argv) == 0
     assert json.loads(capsys.readouterr().out)["completed"] == 5
+
+
+# --- goodput from a few rates, as the baselines' live check measures it ----------------------
+
+
+@pytest.mark.parametrize(
+    ("points", "expected"),
+    [
+        ([(4.0, 1.0), (5.0, 0.97), (6.0, 0.72)], (5.08, "bracketed")),
+        ([(6.0, 0.72), (4.0, 0.95), (5.0, 0.90)], (4.0, "bracketed")),  # at the target: passes
+        ([(4.0, 1.0), (5.0, 0.96)], (5.0, "above")),
+        ([(4.0, 0.9), (5.0, 0.8)], (4.0, "below")),
+    ],
+    ids=["between", "unsorted-at-target", "all-pass", "all-miss"],
+)
+def test_crossing_interpolates_where_attainment_first_falls_below_the_target(
+    points: list[tuple[float, float]], expected: tuple[float, str]
+) -> None:
+    value, how = crossing_of(points, 0.95)
+    assert (round(value, 2), how) == expected
+
+
+def test_des_attainment_leaves_out_the_first_token_deadline() -> None:
+    """vllm-router has no first-token deadline: a request whose decode leg started late but
+    whose TTFT and TPOT are within budget has met them, though the simulator counts it
+    ``tpot_late`` (narwhal-serve would have aborted that leg)."""
+    fleet, timings = synthetic_fleet(
+        1, 1, {"ttft_s": 10.0, "tpot_s": 0.3}, first_token_timeout_s=0.1
+    )
+    specs = [RequestSpec(0.0, 8192, 4), RequestSpec(0.0, 8192, 4)]
+    result = run_des(DesConfig(fleet, timings, scheduler="round_robin", flipping=False), specs)
+    assert result.deadline_missed >= 1 and result.attainment < 1.0
+    assert des_attainment(result, specs, fleet.budgets) == 1.0
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        des_attainment(result, [RequestSpec(0.0, 10, 1)], fleet.budgets)

@@ -35,6 +35,13 @@ What the calibration measures, each once per fleet and whatever workload follows
 - **KV transfer**: each isolated request's pull time (``vllm:nixl_xfer_time_seconds``) against
   its prompt length, fitted as a line: the transfer grows with the KV's bytes.
 
+For a router without a journal (vllm-router, against the simulator's baseline policies:
+``bench/baselines_agreement.py``, ``tests/integration/test_baselines_agreement.py``) the live
+side is the client's own timing (``narwhal.testing.replay.replay_streams``), and goodput is
+compared: attainment at a few rates (``attainment``; ``des_attainment`` without Narwhal's
+first-token deadline), and the rate where it crosses the target interpolated between them
+(``narwhal.testing.goodput.crossing_of``).
+
 The simulator also holds each engine's KV cache to its blocks (``KVBlocks``) as the live
 engines do: under saturation a decode engine full of long prompts makes the next decode leg
 wait for blocks, which is most of the live TTFT tail.
@@ -67,8 +74,10 @@ __all__ = [
     "Agreement",
     "Calibration",
     "LiveOutcome",
+    "attainment",
     "calibrate",
     "compare",
+    "des_attainment",
     "engine_counters",
     "host_seconds",
     "replay",
@@ -358,18 +367,22 @@ async def calibrate(
 
 def run_des_like_live(
     fleet: FleetContract,
-    models: dict[str, EngineModels],
+    models: dict[str, EngineModels] | None,
     specs: list[RequestSpec],
     calibration: Calibration,
+    scheduler: str = "v1",
+    seed: int = 0,
 ) -> DesResult:
-    """The simulator on the live run's fleet, profiles (the router's own models), calibration
-    and workload: scheduler v1 scoring every engine, as narwhal-serve does, flipping off, each
-    engine's KV cache held to its blocks."""
+    """The simulator on the live run's fleet, profiles (the router's own models; None for a
+    baseline, which predicts nothing), calibration and workload: scheduler v1 scoring every
+    engine, as narwhal-serve does (or ``scheduler``, a baseline policy standing for another
+    router; ``seed`` its random generator), flipping off, each engine's KV cache held to its
+    blocks."""
     return run_des(
         DesConfig(
             fleet,
             timings_of(fleet),
-            scheduler="v1",
+            scheduler=scheduler,
             flipping=False,
             transfer_s=calibration.transfer_s,
             transfer_s_per_token=calibration.transfer_s_per_token,
@@ -378,6 +391,7 @@ def run_des_like_live(
             prefill_host_s_per_token=calibration.prefill_host_s_per_token,
             candidates=None,
             kv_blocks=kv_blocks_of(fleet),
+            seed=seed,
         ),
         specs,
         models,
@@ -489,3 +503,34 @@ def compare(live: list[LiveOutcome], des: DesResult, budgets: Budgets) -> Agreem
         des_rejected=des.rejected,
         des_deadline_missed=des.deadline_missed,
     )
+
+
+# --- Any router in front of the fleet: the client's own timing, attainment and goodput -------
+
+
+def attainment(outcomes: Sequence[LiveOutcome], budgets: Budgets) -> float:
+    """Met both budgets / offered."""
+    met = sum(
+        1
+        for o in outcomes
+        if o.status == 200
+        and o.ttft is not None
+        and o.ttft <= budgets.ttft_s
+        and (o.tpot or 0.0) <= budgets.tpot_s
+    )
+    return met / len(outcomes) if outcomes else 0.0
+
+
+def des_attainment(result: DesResult, specs: Sequence[RequestSpec], budgets: Budgets) -> float:
+    """The simulator's attainment without Narwhal's first-token deadline (which the simulator
+    counts against a request, as narwhal-serve would abort its decode leg): vllm-router has
+    none, it waits. Needs every request to ask for at least 2 tokens (then the simulator's
+    TTFT and TPOT lists are both one entry per answered request, in order)."""
+    if any(s.output_tokens < 2 for s in specs):
+        raise ValueError("des_attainment needs every request to generate at least 2 tokens")
+    met = sum(
+        1
+        for t1, t2 in zip(result.ttft, result.tpot, strict=True)
+        if t1 <= budgets.ttft_s and t2 <= budgets.tpot_s
+    )
+    return met / result.offered if result.offered else 0.0

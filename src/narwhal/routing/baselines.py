@@ -6,13 +6,13 @@ engines that take that role now (healthy, breaker closed, not draining); nothing
 and every request is admitted: these routers have no admission control. Load is what such a
 router counts itself: the legs it has in flight on an engine (a decode engine also counts the
 requests it was chosen for that are still in their prefill leg, as those routers count a
-request on both workers from the moment they pick the pair; ``cache_aware`` counts as
-vllm-router's P/D router does, below).
+request on both workers from the moment they pick the pair).
 
 - ``RoundRobinScheduler`` (``--policy round_robin``): each role's engines in fleet order, in
   turn.
 - ``PowerOfTwoScheduler`` (``--policy power_of_two``): two distinct engines drawn at random,
-  the less loaded (the first drawn on a tie).
+  the less loaded (the first drawn on a tie). vllm-router 0.1.17 in P/D mode compares loads
+  that never move (below): ``blind=True``, registered as ``vllm_power_of_two``.
 - ``LeastOutstandingScheduler`` (least outstanding requests): the least loaded engine, the
   first in fleet order on a tie.
 - ``CacheAwareScheduler`` (``--policy cache_aware``, vllm-router's default): prefix affinity
@@ -50,9 +50,30 @@ py_src/vllm_router/router_args.py, as installed here with vllm-router 0.1.17):
 - P/D (``--vllm-pd-disaggregation``): ``--policy`` builds two separate policy instances (two
   trees), one choosing among the prefill workers, one among the decode workers
   (``--prefill-policy``/``--decode-policy`` override either); both are given the same text,
-  the serialized request body. Loads: the router's own count, a prefill worker's from its
-  leg's dispatch until the prefill response is read, a decode worker's from then until the
-  decode response *starts* (its headers), so not while the request is in its prefill leg.
+  the serialized request body. Loads: the router's own count, a prefill worker's while its
+  prefill leg runs, a decode worker's from the pick (the request still in its prefill leg)
+  to the end of the decode response, streamed or not.
+
+What vllm-router 0.1.17 (the installed binary) does in P/D mode, measured on 2 prefill and 2
+decode simulated engines (a request sent while another was in its prefill leg, or decoding, 40
+tokens streamed or not; six times each), where the sources read (vllm_pd_router.rs, several
+versions; power_of_two.rs) leave it open:
+
+- ``round_robin``: one counter per role (prefill picks e0 e1 e0 e1 ..., decode e2 e3 e2 e3
+  ..., whatever the other role did), over the role's healthy workers (``count % healthy``,
+  src/policies/round_robin.rs): ``RoundRobinScheduler``.
+- ``cache_aware``: the second request always went to the other prefill engine while the first
+  was prefilling, and to the other decode engine both while the first was in its prefill leg
+  and while it was decoding, streamed or not (its Prometheus gauges
+  ``vllm_router_pd_pending_decode_requests`` and ``..._active_decode_requests`` show the same
+  count, the latter held until the stream ends); sequential requests with nothing in flight
+  all went to the first engine of each role (least load, first on a tie; not the smallest
+  tree). ``decode_load="outstanding"``.
+- ``power_of_two``: with two engines per role both are drawn every time, yet the second
+  request went to the busy engine about half the time in either role: the loads it compares do
+  not move (its ``/get_load`` poll of the workers fails: ``/get_loads`` reports "Failed to get
+  load" for every worker, vLLM's engines and the simulated ones serve no ``/get_load``), so it
+  takes the first drawn, a uniform random choice.
 
 Modelled in Narwhal's terms: the text is the prompt's KV blocks (``RequestShape.prefix``,
 content hashes in order, block i matching only where blocks 0..i match: a chain of hashes) of
@@ -73,9 +94,6 @@ differs from vllm-router:
   takes the tenant its node cached, in practice the first to insert it).
 - Eviction runs at the first pick at or after each interval's end (the trees change only at
   picks), intervals counted from the role's first pick.
-- A decode engine's load is its decode legs until they end: vllm-router's count for a request
-  that does not stream. A streaming request leaves vllm-router's count when its response
-  starts, before the first token; ``streaming=True`` models that as no decode load at all.
 - Engines excluded by Narwhal (a retry's failed engines, decode engines that are not KV
   transfer peers of the prefill engine) are passed over as unhealthy ones are, their trees
   kept.
@@ -163,14 +181,46 @@ class RoundRobinScheduler(_PerRolePolicy):
         return c.candidates[turn % len(c.candidates)]
 
 
+def _no_load(engine: EngineState) -> int:
+    return 0
+
+
+# How a router counts a decode engine's load: "outstanding", from the pick (its request still
+# in its prefill leg) to the last token; "decode_legs", from the end of the prefill leg to the
+# last token; "none".
+DecodeCount = Literal["outstanding", "decode_legs", "none"]
+
+
+def router_load(role: Role, decode: DecodeCount = "outstanding") -> Callable[[EngineState], int]:
+    """A router's own count of an engine's load in ``role``: a prefill engine's prefill legs;
+    a decode engine's as ``decode`` says."""
+    if role == "prefill":
+        return attrgetter("in_flight_prefill")
+    if decode == "outstanding":
+        return _outstanding_decode
+    return attrgetter("in_flight_decode") if decode == "decode_legs" else _no_load
+
+
+def _outstanding_decode(engine: EngineState) -> int:
+    return engine.in_flight_decode + engine.pending_decode
+
+
 class PowerOfTwoScheduler(_PerRolePolicy):
-    def __init__(self, rng: random.Random | None = None) -> None:
+    """Two distinct engines at random, the less loaded (``outstanding``), the first drawn on a
+    tie (vllm-router's src/policies/power_of_two.rs: ``load1 <= load2``). ``blind``: every
+    load reads 0, so the first drawn, a uniform random choice: vllm-router 0.1.17's
+    ``--policy power_of_two`` in P/D mode (see the module docstring)."""
+
+    def __init__(self, rng: random.Random | None = None, blind: bool = False) -> None:
         self.rng = rng or random.Random(0)
+        self.blind = blind
 
     def choose(self, c: _RoleChoice) -> EngineState:
         if len(c.candidates) == 1:
             return c.candidates[0]
         a, b = self.rng.sample(c.candidates, 2)
+        if self.blind:
+            return a
         return b if outstanding(b, c.role) < outstanding(a, c.role) else a
 
 
@@ -199,7 +249,9 @@ class CacheAwareParams:
     # At or below the threshold: the least loaded engine (what vllm-router does) or the one
     # with the smallest tree (what its docs say).
     low_match: Literal["min_load", "smallest_tree"] = "min_load"
-    streaming: bool = False  # count no decode load, as vllm-router does a streaming request
+    # A decode engine's load: vllm-router 0.1.17 counts a request from the pick to its last
+    # token, streamed or not (measured: see the module docstring).
+    decode_load: DecodeCount = "outstanding"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.cache_threshold <= 1.0:
@@ -343,10 +395,6 @@ class _RoleTrees:
             del self.holders[key]
 
 
-def _no_load(engine: EngineState) -> int:
-    return 0
-
-
 class CacheAwareScheduler(_PerRolePolicy):
     """vllm-router's ``cache_aware``, one tree per role (see the module's docstring)."""
 
@@ -358,11 +406,9 @@ class CacheAwareScheduler(_PerRolePolicy):
         }
 
     def load_of(self, role: Role) -> Callable[[EngineState], int]:
-        """vllm-router's count: a prefill engine's prefill legs, a decode engine's decode legs
-        (not those still in their prefill leg; none at all for streaming requests)."""
-        if role == "prefill":
-            return attrgetter("in_flight_prefill")
-        return _no_load if self.params.streaming else attrgetter("in_flight_decode")
+        """vllm-router's count: a prefill engine's prefill legs, a decode engine's as
+        ``params.decode_load`` says."""
+        return router_load(role, self.params.decode_load)
 
     def choose(self, c: _RoleChoice) -> EngineState:
         params, trees, load = self.params, self.trees[c.role], self.load_of(c.role)
@@ -395,9 +441,12 @@ class CacheAwareScheduler(_PerRolePolicy):
 
 # Name (as the simulator's ``DesConfig.scheduler`` and ``narwhal-fleetsim --scheduler`` take
 # it) -> a new scheduler, given the run's random generator.
+# ``vllm_power_of_two`` is vllm-router 0.1.17's ``--policy power_of_two`` in P/D mode (blind to
+# load); ``power_of_two`` counts outstanding legs, as the policy means to.
 BASELINES: dict[str, Callable[[random.Random], _PerRolePolicy]] = {
     "round_robin": lambda rng: RoundRobinScheduler(),
     "power_of_two": PowerOfTwoScheduler,
+    "vllm_power_of_two": lambda rng: PowerOfTwoScheduler(rng, blind=True),
     "least_outstanding": lambda rng: LeastOutstandingScheduler(),
     "cache_aware": lambda rng: CacheAwareScheduler(),
 }

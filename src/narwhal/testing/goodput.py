@@ -4,7 +4,7 @@ Goodput is the highest offered rate at which at least ``target`` of the requests
 budgets. Every request's verdict is kept at every rate measured, cut into blocks of
 consecutive arrivals (``RatePoint``); a point's attainment is met over offered. Goodput is
 where attainment, read upwards over the rates measured, first falls below the target,
-interpolated linearly between that rate and the one before (``crossing``).
+interpolated linearly between that rate and the one before (``crossing``, ``crossing_of``).
 
 Its uncertainty is a block bootstrap: a resample draws blocks with replacement (the same draw
 at every rate, so a resample is one alternative workload measured at every rate), and its
@@ -15,12 +15,21 @@ small. A ratio between two systems is paired: both on the same resample.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["RatePoint", "bootstrap_draws", "crossing", "interval", "to_blocks", "verdict"]
+__all__ = [
+    "RatePoint",
+    "bootstrap_draws",
+    "crossing",
+    "crossing_of",
+    "interval",
+    "to_blocks",
+    "verdict",
+]
 
 
 @dataclass(frozen=True)
@@ -46,29 +55,36 @@ def to_blocks(met: Sequence[bool], size: int) -> tuple[list[int], list[int]]:
     return counts, sizes
 
 
+def crossing_of(points: Iterable[tuple[float, float]], target: float) -> tuple[float, str]:
+    """Goodput from (rate, attainment) points: where attainment, read upwards over the rates,
+    first falls below ``target``, interpolated linearly between that rate and the one before;
+    and how it was found: ``bracketed``, or ``above`` (every rate passed: at least the
+    highest, returned) or ``below`` (every rate missed: at most the lowest, returned)."""
+    ordered = sorted(points)
+    if not ordered:
+        raise ValueError("no points")
+    if ordered[0][1] < target:
+        return ordered[0][0], "below"
+    for (r0, a0), (r1, a1) in itertools.pairwise(ordered):
+        if a1 < target:
+            return r0 + (a0 - target) / (a0 - a1) * (r1 - r0), "bracketed"
+    return ordered[-1][0], "above"
+
+
 def crossing(
     points: Sequence[RatePoint], target: float, weights: Sequence[int] | None = None
 ) -> float:
-    """Where attainment over ``points`` (sorted by rate), read upwards, first falls below
-    ``target``, interpolated between that rate and the one before; with ``weights``, each
-    block counted that many times. 0 when even the lowest rate misses; the highest rate
-    measured when none does (a lower bound, then)."""
-    previous: tuple[float, float] | None = None
-    for point in points:
+    """``crossing_of`` the points' attainments; with ``weights``, each block counted that
+    many times (a bootstrap resample)."""
+
+    def attainment(point: RatePoint) -> float:
         if weights is None:
-            value = point.attainment
-        else:
-            met = sum(w * m for w, m in zip(weights, point.met, strict=True))
-            offered = sum(w * n for w, n in zip(weights, point.sizes, strict=True))
-            value = met / offered if offered else 0.0
-        if value < target:
-            if previous is None:
-                return 0.0
-            low_rate, low_value = previous
-            fraction = (low_value - target) / (low_value - value)
-            return low_rate + fraction * (point.rate - low_rate)
-        previous = (point.rate, value)
-    return points[-1].rate if points else 0.0
+            return point.attainment
+        met = sum(w * m for w, m in zip(weights, point.met, strict=True))
+        offered = sum(w * n for w, n in zip(weights, point.sizes, strict=True))
+        return met / offered if offered else 0.0
+
+    return crossing_of(((p.rate, attainment(p)) for p in points), target)[0]
 
 
 def bootstrap_draws(blocks: int, resamples: int, rng: random.Random) -> list[list[int]]:
