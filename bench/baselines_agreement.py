@@ -47,7 +47,6 @@ import asyncio
 import contextlib
 import functools
 import itertools
-import json
 import math
 import os
 import shutil
@@ -75,6 +74,7 @@ from narwhal.serve.cli import serve_command
 from narwhal.testing import procs
 from narwhal.testing.fleet import SimFleet, start_local_fleet, wait_idle
 from narwhal.testing.goodput import crossing_of
+from narwhal.testing.journals import journal_ends
 from narwhal.testing.ports import free_ports
 from narwhal.testing.replay import replay_streams
 from narwhal.testing.routers import peer_router_command, router_ready
@@ -119,21 +119,6 @@ def start_fleet(directory: Path, scale: float) -> tuple[SimFleet, Path]:
         name="baselines-agreement",
     )
     return fleet, path
-
-
-def journal_ends(journal: Path, expected: int, timeout: float = 15.0) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    while True:
-        ends = []
-        if journal.exists():
-            for line in journal.read_text().splitlines():
-                with contextlib.suppress(ValueError):
-                    rec = json.loads(line)
-                    if rec.get("type") == "request.end":
-                        ends.append(rec)
-        if len(ends) >= expected or time.monotonic() > deadline:
-            return ends
-        time.sleep(0.2)
 
 
 def calibrate_stack(directory: Path, fleet_path: Path, contract: FleetContract) -> Calibration:

@@ -49,7 +49,6 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import json
 import os
 import shutil
 import statistics
@@ -86,6 +85,7 @@ from narwhal.serve.cli import serve_command
 from narwhal.simengine.timing import CALIBRATION
 from narwhal.testing import procs
 from narwhal.testing.fleet import SimFleet, start_local_fleet
+from narwhal.testing.journals import journal_ends
 from narwhal.testing.ports import free_ports
 from narwhal.testing.profiling import profile_fleet
 from narwhal.testing.routers import router_ready
@@ -163,21 +163,6 @@ def running_router(
     ready = functools.partial(router_ready, url)
     with procs.running(cmd, log_path, ready=ready, name="router", stop_timeout=30):
         yield url, journal
-
-
-def journal_ends(journal: Path, expected: int, timeout: float = 15.0) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    while True:
-        ends = []
-        if journal.exists():
-            for line in journal.read_text().splitlines():
-                with contextlib.suppress(ValueError):
-                    rec = json.loads(line)
-                    if rec.get("type") == "request.end":
-                        ends.append(rec)
-        if len(ends) >= expected or time.monotonic() > deadline:
-            return ends
-        time.sleep(0.2)
 
 
 async def replay_sampling_scrapes(
