@@ -49,8 +49,9 @@ workload) up or down by ``--bracket-step`` until it is bracketed, then bisection
 either side of the crossing. Every rate runs each of ``--windows`` windows once: trace
 windows ``--window-stride`` rows apart from ``--trace-start`` (fixed: one seed each), so a
 search sees several stretches of the trace and every rate is a new trial. Its 95% interval is
-a block bootstrap of every request's verdict at every rate measured (blocks of ``--block``
-consecutive requests, ``narwhal.testing.goodput``); ratios are printed with a paired interval
+a block bootstrap of every request's verdict at every rate measured (each window's trial cut
+into ``--blocks`` consecutive shares, the same stretch of the trace at every rate;
+``narwhal.testing.goodput``); ratios are printed with a paired interval
 (the same resample for both systems; the best other system on that resample) and called a
 gain or a loss only when it excludes 1. For every rate: each kind of miss (``rejected`` 429,
 ``ttft`` late or abandoned, ``tpot`` over budget, ``error``/``short`` failed) and the prefill
@@ -104,7 +105,6 @@ from narwhal.testing.goodput import (
     bootstrap_draws,
     crossing,
     interval,
-    to_blocks,
     verdict,
 )
 from narwhal.testing.ports import free_ports
@@ -508,16 +508,21 @@ class Point:
 
     rate: float
     trials: list[Trial]
-    block: int
+    blocks: int  # per window
 
     @property
     def rate_point(self) -> RatePoint:
+        """Each window's requests cut into ``blocks`` consecutive parts: a trial at a higher
+        rate sends more of the trace's rows in the same time, so blocks are shares of a
+        trial (the same stretch of its time at every rate), not counts of requests."""
         met: list[int] = []
         sizes: list[int] = []
         for t in self.trials:
-            counts, lengths = to_blocks(t.met, self.block)
-            met += counts
-            sizes += lengths
+            n = len(t.met)
+            for k in range(self.blocks):
+                part = t.met[k * n // self.blocks : (k + 1) * n // self.blocks]
+                met.append(sum(part))
+                sizes.append(len(part))
         return RatePoint(self.rate, tuple(met), tuple(sizes))
 
     @property
@@ -645,7 +650,7 @@ def search_goodput(
     name = windows[0].name
 
     def test(rate: float) -> Point:
-        point = Point(rate, [], args.block)
+        point = Point(rate, [], args.blocks)
         for k, w in enumerate(windows):
             tag = f"{router.system}-{name}-w{k}-r{rate:.4f}"
             seed = args.seed * 100_003 + w.index * 1009 + k * 7919 + len(s.points)
@@ -771,7 +776,10 @@ def main() -> int:
     parser.add_argument("--start-fraction", type=float, default=0.8)
     parser.add_argument("--max-points", type=int, default=5, help="rates per search at most")
     parser.add_argument(
-        "--block", type=int, default=20, help="consecutive requests per bootstrap block"
+        "--blocks",
+        type=int,
+        default=10,
+        help="bootstrap blocks per window's trial (consecutive shares of its requests)",
     )
     parser.add_argument("--resamples", type=int, default=1000)
     parser.add_argument(
@@ -1012,7 +1020,8 @@ def main() -> int:
             f" each), at most {args.max_points} rates per search (bracketing by"
             f" x{args.bracket_step:g}, then bisection to {args.precision:.0%}; goodput"
             f" interpolated where attainment crosses {ATTAINMENT});"
-            f" 95% intervals from a block bootstrap ({args.block} consecutive requests a block,"
+            f" 95% intervals from a block bootstrap ({args.blocks} blocks of consecutive requests"
+            " a window,"
             f" {args.resamples} resamples, paired for ratios)" + "; a request"
             " with no first token within the TTFT budget is abandoned by the client; streams"
             " still running when the trial ends (last arrival + TTFT budget + 8 steps) are"
