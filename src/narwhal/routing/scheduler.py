@@ -197,9 +197,12 @@ class SchedulerV0:
 class SchedulerV1:
     """Profile-based: predicted TTFT and TPOT per pair, the most slack against both budgets.
 
-    Predicted TTFT = queued prefill work on the prefill engine + prefill(n) + KV transfer to
-    the decode engine + its first step at batch + 1; predicted TPOT = the decode model at that
-    engine's batch + 1 and the request's mean context. Slack is the smaller of the two budgets'
+    Predicted TTFT = the prefill engine's queued work and prefill(n) through its learnt line
+    (``RatioEwma.line``) + KV transfer to the decode engine + its first step at batch + 1;
+    predicted TPOT = the decode model at batch + 1 and the request's mean context, where batch
+    is the one the request joins: the decode engine's sequences (and those on their way to
+    it) less the ones decoding now that are predicted to end before its first token
+    (``EngineState.decode_ends``). Slack is the smaller of the two budgets'
     remaining fractions; ties go to the less loaded pair. TTFT depends on the prefill engine only
     through its predicted time, so for each decode engine the best permitted prefill engine is
     the first one in order of predicted time: O(P log P + D), not O(P x D), for open fleets.
