@@ -1,8 +1,12 @@
 """The simulator's baseline policies against the live vllm-router (0.1.17, P/D mode) on the
 8-engine simulated fleet (4 prefill, 4 decode, static): for each of its policies
 (round_robin, power_of_two, cache_aware) the goodput (the rate where attainment crosses 95%)
-live and in the simulator agree within 10%, both interpolated from attainment at the same two
-rates, 15% either side of the simulator's crossing (a live crossing outside them fails). The
+live and in the simulator agree within 10%, both interpolated from attainment at the same
+rates, 15% either side of the simulator's crossing (a further rate is tried when the live
+crossing lies outside them). vllm-router's ``power_of_two`` draws at random (see
+``narwhal.routing.baselines``): one live run is one draw, whose goodput spreads about 15% either
+side of the expected one (the simulator's seeds: 3.6 to 6.4 requests/s about 5.0 here), so
+there the live goodput must lie within 10% of the range the simulator's seeds reach. The
 workload is prefill-bound (8,192-token prompts, 32 output tokens) to keep the test near two
 and a half minutes on two cores; the larger version, decode-bound with three rates and
 repeats, is ``bench/baselines_agreement.py``; both use ``narwhal.fleetsim.agreement``."""
@@ -14,7 +18,7 @@ import contextlib
 import functools
 import statistics
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +59,9 @@ POLICIES = {
     "cache_aware": (None, "cache_aware"),
 }
 MULTIPLES = (0.85, 1.15)  # the trial rates, around the simulator's crossing
+STEP = 1.15  # a further live rate past the highest (or below the lowest), when not bracketed
+MAX_TRIALS = 4
+RANDOM_SEEDS = 20  # the simulator's draws of a policy that draws at random
 
 
 def _ends(router: RouterProcess, count: int) -> list[dict[str, Any]]:
@@ -83,17 +90,46 @@ def _des_attainment(
     )
 
 
-def _des_crossing(contract: FleetContract, calibration: Calibration, scheduler: str) -> float:
+def _des_crossing(
+    contract: FleetContract,
+    calibration: Calibration,
+    scheduler: str,
+    attainment_at: Callable[[list[RequestSpec]], float] | None = None,
+) -> float:
+    """The simulator's goodput on a 4% rate grid: of the expected curve, or of
+    ``attainment_at`` (one seed's)."""
     points: list[tuple[float, float]] = []
     rate = 0.5
     while rate < 12.0:
-        points.append((rate, _des_attainment(contract, calibration, _specs(rate, 5), scheduler)))
+        specs = _specs(rate, 5)
+        if attainment_at is None:
+            value = _des_attainment(contract, calibration, specs, scheduler)
+        else:
+            value = attainment_at(specs)
+        points.append((rate, value))
         if points[-1][1] < 0.75:
             break
         rate *= 1.04
     value, how = crossing_of(points, 0.95)
     assert how == "bracketed", points
     return value
+
+
+def _des_seed_crossings(
+    contract: FleetContract, calibration: Calibration, scheduler: str
+) -> list[float]:
+    """The goodput of each of the simulator's draws of a random policy."""
+
+    def one(seed: int) -> Callable[[list[RequestSpec]], float]:
+        def attainment_at(specs: list[RequestSpec]) -> float:
+            result = run_des_like_live(contract, None, specs, calibration, scheduler, seed=seed)
+            return des_attainment(result, specs, contract.budgets)
+
+        return attainment_at
+
+    return sorted(
+        _des_crossing(contract, calibration, scheduler, one(seed)) for seed in range(RANDOM_SEEDS)
+    )
 
 
 @contextlib.contextmanager
@@ -162,25 +198,41 @@ def test_baseline_goodput_agrees_with_the_live_vllm_router(stack: Stack, policy:
     base = _des_crossing(contract, stack.calibration, scheduler)
     live_points: list[tuple[float, float]] = []
     des_points: list[tuple[float, float]] = []
-    for k, multiple in enumerate(MULTIPLES):
+    rates = [base * multiple for multiple in MULTIPLES]
+    while rates:
+        rate = rates.pop(0)
         # Its own prompts (the engines keep their prefix caches from one trial to the next).
-        salt = 1000 * list(POLICIES).index(policy) + k
-        rate = base * multiple
+        salt = 1000 * list(POLICIES).index(policy) + len(live_points)
         specs = _specs(rate, 5)
         assert wait_idle([e.url for e in contract.engines], 60)
         with _vllm_router(stack.directory, contract, flag) as port:
             live = asyncio.run(replay_streams(port, specs, MODEL, salt=salt))
         live_points.append((rate, attainment(live, budgets)))
         des_points.append((rate, _des_attainment(contract, stack.calibration, specs, scheduler)))
+        if not rates and len(live_points) < MAX_TRIALS:
+            # Bracket the live crossing: one step past the rates tried, on its side.
+            how = crossing_of(live_points, 0.95)[1]
+            tried = [r for r, _ in live_points]
+            if how == "above":
+                rates.append(max(tried) * STEP)
+            elif how == "below":
+                rates.append(min(tried) / STEP)
     message = f"{policy}: live {live_points}, simulator {des_points}; {stack.calibration.report()}"
     live_g, live_how = crossing_of(live_points, 0.95)
     des_g, des_how = crossing_of(des_points, 0.95)
     # Shown with -rP: the figures behind a pass.
     print(f"goodput live {live_g:.3f} ({live_how}) des {des_g:.3f} ({des_how}); {message}")
-    assert des_how == "bracketed", message
-    # Outside the two rates the live goodput is only bounded, and the bound is more than 10%
-    # from the simulator's (the rates are 15% either side of its crossing).
     assert live_how == "bracketed", message
+    if scheduler == "vllm_power_of_two":
+        draws = _des_seed_crossings(contract, stack.calibration, scheduler)
+        low, high = 0.9 * draws[0], 1.1 * draws[-1]
+        print(f"{policy}: the simulator's {len(draws)} draws {draws[0]:.3f}..{draws[-1]:.3f}")
+        assert low <= live_g <= high, (
+            f"goodput live {live_g:.3f} outside 10% of the simulator's draws "
+            f"{draws[0]:.3f}..{draws[-1]:.3f}: {message}"
+        )
+        return
+    assert des_how == "bracketed", message
     assert abs(des_g - live_g) / live_g <= 0.10, (
         f"goodput live {live_g:.3f} des {des_g:.3f}: {message}"
     )
