@@ -144,12 +144,12 @@ def test_a_decoding_leg_is_counted_until_its_predicted_end_and_forgotten_when_it
     lifecycle.prefill_done(ticket, "ok", prompt_tokens=1000)
     clock.advance(0.05)
     lifecycle.first_token(ticket)
-    # Its other ten tokens at 1.1x the TPOT budget (0.11 s): its predicted TPOT is lower, but
-    # that assumed the batch would shrink as foreseen (see Lifecycle._foresee_end).
-    assert pair.predicted_tpot_s is not None and pair.predicted_tpot_s < 0.1
-    assert d.decode_ends == [pytest.approx(clock.now() + 10 * 0.11)]
-    assert d.decode_batch_at(clock.now(), clock.now() + 1.2) == 0  # gone by then
-    assert d.decode_batch_at(clock.now(), clock.now() + 1.0) == 1
+    # Its other ten tokens at the pace of the batch it decodes in now: itself alone.
+    assert lifecycle.predictor is not None
+    tpot = lifecycle.predictor.decode(d.id, 1, 1000 + 11 / 2).seconds
+    assert d.decode_ends == [pytest.approx(clock.now() + 10 * tpot)]
+    assert d.decode_batch_at(clock.now(), clock.now() + 10.1 * tpot) == 0  # gone by then
+    assert d.decode_batch_at(clock.now(), clock.now() + 9.9 * tpot) == 1
     lifecycle.finished(ticket, completion_tokens=11, complete=True)
     assert d.decode_ends == [] and ticket.decode_end is None
     # A leg cancelled while it streams is forgotten too.
@@ -160,6 +160,28 @@ def test_a_decoding_leg_is_counted_until_its_predicted_end_and_forgotten_when_it
     assert len(lifecycle.state.engines[second.decode].decode_ends) == 1
     lifecycle.cancel(other)
     assert all(e.decode_ends == [] for e in lifecycle.state.engines.values())
+
+
+def test_a_decoding_leg_is_foreseen_at_the_pace_of_the_batch_it_decodes_in() -> None:
+    # Not the TPOT predicted at its pick, which assumed the batch would shrink as foreseen:
+    # ends foreseen that early let later picks assume the same, and under overload the batch
+    # grew past the budget (tests/reliability/test_overload.py).
+    lifecycle, clock, _ = build(n_decode=1)
+    assert lifecycle.predictor is not None
+    first = lifecycle.arrive("a", max_tokens=101, prompt_tokens=1000)
+    admitted(lifecycle, first)
+    lifecycle.prefill_done(first, "ok", prompt_tokens=1000)
+    lifecycle.first_token(first)
+    second = lifecycle.arrive("b", max_tokens=101, prompt_tokens=1000)
+    pair = admitted(lifecycle, second)
+    lifecycle.prefill_done(second, "ok", prompt_tokens=1000)
+    lifecycle.first_token(second)
+    d = lifecycle.state.engines[pair.decode]
+    assert second.batch_at_start == 2
+    pace = lifecycle.predictor.decode(d.id, 2, 1000 + 101 / 2).seconds
+    assert second.decode_end == pytest.approx(clock.now() + 100 * pace)
+    alone = lifecycle.predictor.decode(d.id, 1, 1000 + 101 / 2).seconds
+    assert pace > alone
 
 
 def test_the_prefill_correction_compares_its_leg_with_the_queue_it_waited_behind() -> None:

@@ -484,14 +484,15 @@ class Lifecycle:
         lets it, too uncertain to count it gone (counting it as leaving put too many on
         engines that had many in prefill)."""
         assert ticket.pair is not None
-        # At 1.1x the TPOT budget at least. The TPOT predicted when it was picked assumed the
-        # batch would shrink as foreseen, and an end foreseen that early let the next requests
-        # assume the same, a loop: under sustained overload (tests/reliability/
-        # test_overload.py, 5x capacity) the batch reached 7 where the budget allows 4 and the
-        # admitted met their budgets 28% of the time. At the budget itself, still 25% (a batch
-        # one over the budget runs a little over it, so its ends come later still); at 1.1x,
-        # 100%. Erring late counts a sequence a little too long, never too short.
-        tpot = max(ticket.pair.predicted_tpot_s or 0.0, 1.1 * self.state.fleet.budgets.tpot_s)
+        # At the pace of the batch it decodes in now (``batch_at_start``, itself included),
+        # not the TPOT predicted at its pick: that assumed the batch would shrink as foreseen,
+        # and ends foreseen that early let the next requests assume the same, a loop (under
+        # sustained overload, tests/reliability/test_overload.py, the batch reached 7 where
+        # the budget allows 4). A batch over the budget foresees its ends late, as they come.
+        tpot = ticket.pair.predicted_tpot_s or 0.0
+        if self.predictor is not None and self.predictor.has(d.id):
+            context = (ticket.prompt_tokens or 0) + ticket.max_tokens / 2
+            tpot = self.predictor.decode(d.id, max(1, ticket.batch_at_start), context).seconds
         tokens = self.outputs.expected(ticket.max_tokens)
         end = first_token_at + max(0, tokens - 1) * tpot
         d.foresee_decode_end(end)
