@@ -141,7 +141,7 @@ class DecodeLatencyModel:
     def seconds_per_token(self, batch: float, context: float) -> float:
         return self.intercept + self.slope * batch + self.ctx_coef * context
 
-    def predict(self, batch: int, context: float) -> Prediction:
+    def predict(self, batch: float, context: float) -> Prediction:
         # Linear in both inputs, so its tangent is itself: far outside the range the value is
         # the same, only the flags say how little the profile covers it.
         clamped = (

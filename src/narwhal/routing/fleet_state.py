@@ -25,6 +25,9 @@ Role = Literal["prefill", "decode"]
 # How far back a decode engine's local prefills are remembered (longer than any horizon the
 # scheduler asks about: a request's output at the TPOT budget).
 LOCAL_HISTORY_S = 600.0
+# The time constant of a decode engine's join rate (DecodeJoins): several answers' lives, so
+# that a burst's peak is read against the rate the engine sustains.
+JOIN_RATE_S = 120.0
 
 
 @dataclass
@@ -33,6 +36,33 @@ class ScrapedLoad:
     waiting: float = 0.0
     kv_cache_usage: float = 0.0
     at: float | None = None  # clock time of the last successful scrape
+
+
+@dataclass
+class DecodeJoins:
+    """The rate at which requests join a decode engine's batch (picked with it as their decode
+    engine), exponentially decayed with time constant ``JOIN_RATE_S``: what will join a
+    batch while a request admitted now decodes in it."""
+
+    weight: float = 0.0  # the decayed count, as of ``at``
+    at: float = -math.inf
+    since: float | None = None  # the first join
+
+    def note(self, now: float) -> None:
+        if self.since is None:
+            self.since = now
+            self.weight = 1.0
+        else:
+            self.weight = self.weight * math.exp((self.at - now) / JOIN_RATE_S) + 1.0
+        self.at = now
+
+    def rate(self, now: float) -> float:
+        """Joins per second: the decayed count over the span it covers (the whole time
+        constant once the engine has been joined that long)."""
+        if self.since is None:
+            return 0.0
+        span = JOIN_RATE_S * -math.expm1(-max(now - self.since, 1.0) / JOIN_RATE_S)
+        return self.weight * math.exp((self.at - now) / JOIN_RATE_S) / span
 
 
 class PrefillWork(dict[str, tuple[float, float]]):
@@ -129,6 +159,10 @@ class EngineState:
     probe_timeouts: int = 0  # consecutive /health probes that timed out
     in_flight_prefill: int = 0
     in_flight_decode: int = 0
+    # The integral of in_flight_decode over time (sequence-seconds) up to ``_decode_area_at``:
+    # the batch a request shared is its change over the request's life divided by the life.
+    _decode_area: float = 0.0
+    _decode_area_at: float = 0.0
     # Requests admitted with this engine as their decode engine, still in their prefill leg:
     # they will join its batch, so predictions count them now.
     pending_decode: int = 0
@@ -140,6 +174,10 @@ class EngineState:
     # Ends up to this time were dropped from decode_ends (prune_decode_ends): those sequences
     # are past their predicted end, still decoding, counted in the counters alone.
     decode_ends_pruned_to: float = -math.inf
+    # The requests counted in pending_decode that were predicted: request id -> when it is
+    # predicted to join the batch (its first token) and to leave it.
+    pending_spans: dict[str, tuple[float, float]] = field(default_factory=dict)
+    joins: DecodeJoins = field(default_factory=DecodeJoins)
     scraped: ScrapedLoad = field(default_factory=ScrapedLoad)
     draining_from: Role | None = None
     role_since: float = 0.0
@@ -155,6 +193,16 @@ class EngineState:
     def __post_init__(self) -> None:
         if type(self.prefill_work) is not PrefillWork:
             self.prefill_work = PrefillWork(self.prefill_work)
+
+    def add_decode(self, now: float, delta: int) -> None:
+        """A decode leg starts (+1) or ends (-1) here at ``now``."""
+        self._decode_area = self.decode_area(now)
+        self._decode_area_at = now
+        self.in_flight_decode += delta
+
+    def decode_area(self, now: float) -> float:
+        """Sequence-seconds of decode legs in flight here, from the start to ``now``."""
+        return self._decode_area + self.in_flight_decode * (now - self._decode_area_at)
 
     def foresee_decode_end(self, at: float) -> None:
         insort(self.decode_ends, at)

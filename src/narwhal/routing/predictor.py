@@ -128,7 +128,7 @@ class LatencyPredictor:
             raw.seconds * self.ratio(engine, "prefill"), raw.extrapolated, raw.clamped
         )
 
-    def decode(self, engine: str, batch: int, context: float) -> Prediction:
+    def decode(self, engine: str, batch: float, context: float) -> Prediction:
         raw = self.models[engine].decode.predict(batch, context)
         return Prediction(raw.seconds * self.ratio(engine, "decode"), raw.extrapolated, raw.clamped)
 

@@ -41,6 +41,9 @@ class RequestShape:
     # The prompt's KV blocks as content hashes, in order: equal hashes, equal prefixes (what
     # prefix-aware policies match). Empty when unknown.
     prefix: tuple[int, ...] = ()
+    # The tokens it is expected to generate (``narwhal.routing.output_length``); None: all of
+    # ``max_tokens``.
+    expected_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -331,6 +334,7 @@ class SchedulerV1:
         ready.sort()
         open_pairs = state.fleet.kv_transfer_pairs == "all"
         context = n + shape.max_tokens / 2
+        tokens = shape.expected_tokens or shape.max_tokens
         ttft_budget = self.budgets.ttft_s - shape.elapsed_s
         ttft_scale = self.budgets.ttft_s
         tpot_budget = self.budgets.tpot_s
@@ -429,6 +433,15 @@ class SchedulerV1:
                 tpot += stalls / horizon
             if choice is None:
                 continue
+            if tpot > tpot_budget:
+                # Over the budget in the batch at its join: TPOT is a mean over its life, and
+                # a burst's short answers come and go within it (see _life_batch). Only here:
+                # this loop runs for every request.
+                life = _life_batch(d, batch, now + choice[0] + handoff_s, tpot, tokens, now)
+                if life < batch:
+                    tpot = d_model.seconds_per_token(life + 1, context) * (
+                        ewma.observed / ewma.predicted if ewma is not None else 1.0
+                    ) + (tpot - step)
             ttft = choice[0] + handoff_s + step
             # min() of the two, the first on a tie
             ttft_slack = (ttft_budget - ttft) / ttft_scale
@@ -527,3 +540,29 @@ class SchedulerV1:
             (self.budgets.tpot_s - tpot_local) / self.budgets.tpot_s,
         )
         return slack, decode_load(state, d), d, ttft, tpot_local, prefill_s
+
+
+def _life_batch(
+    d: EngineState, batch: int, joins: float, tpot: float, tokens: int, now: float
+) -> float:
+    """The others in the batch a request joining ``d`` at ``joins`` decodes in, on average
+    over its life of ``tokens`` at ``tpot``, where ``batch`` others are counted at its join:
+    a sequence decoding there counts for the share of that life until its foreseen end, one
+    in its prefill leg for the share between its foreseen join and end, the rest all of it;
+    what joins later (at the engine's sustained join rate, for half the life on average)
+    refills it, never past ``batch``."""
+    life = max(1, tokens - 1) * tpot
+    until = joins + life
+    ends = d.decode_ends
+    lo = bisect_right(ends, joins)
+    hi = bisect_right(ends, until)
+    decoding = len(ends) - lo
+    stay = (sum(ends[lo:hi]) - (hi - lo) * joins) + (len(ends) - hi) * life
+    pending = d.pending_spans
+    for start, end in pending.values():
+        overlap = (end if end < until else until) - (start if start > joins else joins)
+        if overlap > 0:
+            stay += overlap
+    rest = batch - decoding - len(pending)
+    shared = (rest if rest > 0 else 0) + stay / life + d.joins.rate(now) * life / 2
+    return shared if shared < batch else batch
