@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from narwhal.clock import VirtualClock
@@ -14,7 +16,7 @@ from narwhal.profiles.models import (
     nonnegative_least_squares,
 )
 from narwhal.profiles.store import EngineModels
-from narwhal.routing.fleet_state import FleetState
+from narwhal.routing.fleet_state import JOIN_RATE_S, DecodeJoins, FleetState
 from narwhal.routing.predictor import LatencyPredictor, RatioEwma
 from narwhal.routing.prompt_length import PromptLengthEstimator
 from narwhal.routing.scheduler import NoPair, Pair, RequestShape, SchedulerV1
@@ -246,6 +248,51 @@ def test_sequences_predicted_to_end_before_the_request_joins_leave_room() -> Non
     d.forget_decode_end(0.5)
     d.forget_decode_end(60.0)
     assert d.decode_ends == [60.0] * 9
+
+
+def test_over_budget_at_its_join_a_request_is_judged_on_the_batch_it_shares_over_its_life() -> None:
+    """Thirty short answers on their way to each decode engine (in their prefill legs, each
+    foreseen to decode from 0.5 s to 1.0 s) and five long ones decoding: 35 others at its join
+    put TPOT over budget (0.04 + 0.002 x 36 = 0.112), but over the request's own life of 99
+    tokens (about 10 s) the short ones share a twentieth of it. Were they long, it is over."""
+    clock = VirtualClock(0.0)
+    state = fleet_state(clock)
+    sched = scheduler()
+    shape = RequestShape(prompt_tokens=500, max_tokens=100)
+
+    def load(end: float) -> None:
+        for engine in ("e2", "e3"):
+            d = state.engines[engine]
+            d.in_flight_decode = 5
+            d.decode_ends = [100.0] * 5
+            d.pending_decode = 30
+            d.pending_spans = {f"r{i}": (0.5, end) for i in range(30)}
+
+    load(end=1.0)
+    pick = sched.pick(state, shape)
+    assert isinstance(pick, Pair)
+    # Joins at 0.05 + 0.02 + 0.112 = 0.18 s; 30 x 0.5 s of its 9.8-11 s life: under one more.
+    assert pick.predicted_tpot_s is not None
+    assert 0.04 + 0.002 * 6 < pick.predicted_tpot_s < 0.04 + 0.002 * 8
+    load(end=100.0)
+    over = sched.pick(state, shape)
+    assert isinstance(over, NoPair) and over.over_budget is not None
+    # They join 0.3 s after it does: shared for 97% of its life, still over the budget.
+    assert over.over_budget.predicted_tpot_s is not None
+    assert 0.1 < over.over_budget.predicted_tpot_s < 0.04 + 0.002 * 36
+
+
+def test_a_decode_engines_join_rate_is_what_it_sustains() -> None:
+    joins = DecodeJoins()
+    assert joins.rate(0.0) == 0.0
+    for i in range(10):  # ten in the first ten seconds: about one a second, not 10/120
+        joins.note(float(i))
+    assert joins.rate(10.0) == pytest.approx(1.0, rel=0.1)
+    for i in range(10, 1200):  # two a second for twenty minutes
+        joins.note(10.0 + (i - 10) / 2)
+    now = 10.0 + 1190 / 2
+    assert joins.rate(now) == pytest.approx(2.0, rel=0.05)
+    assert joins.rate(now + JOIN_RATE_S) == pytest.approx(2.0 / math.e, rel=0.05)  # decays
 
 
 def test_the_less_loaded_decode_engine_counts_requests_still_in_their_prefill_leg() -> None:
