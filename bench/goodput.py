@@ -104,6 +104,7 @@ from narwhal.testing.goodput import (
     RatePoint,
     bootstrap_draws,
     crossing,
+    crossing_of,
     interval,
     verdict,
 )
@@ -552,6 +553,11 @@ class Search:
 
     def goodput(self) -> float:
         return crossing([p.rate_point for p in self.ordered()], ATTAINMENT)
+
+    def found(self) -> str:
+        """``bracketed``, or ``above`` (every rate met the target: the goodput is a lower
+        bound) or ``below`` (none did: an upper bound)."""
+        return crossing_of(((p.rate, p.attainment) for p in self.ordered()), ATTAINMENT)[1]
 
 
 def engine_busy_seconds(urls: list[str]) -> list[float]:
@@ -1079,6 +1085,9 @@ def main() -> int:
                 resampled[(sy, name)] = [crossing(points, ATTAINMENT, d) for d in draws]
         for (system, name), s in results.items():
             note = " (search cut short by --budget-s)" if s.truncated else ""
+            if s.found() != "bracketed":
+                bound = "at least" if s.found() == "above" else "at most"
+                note += f" ({bound}: not bracketed)"
             spread = ""
             if (system, name) in resampled:
                 lo, hi = interval(resampled[(system, name)])
@@ -1134,7 +1143,22 @@ def main() -> int:
                         top = max(resampled[(sy, name)][i] for sy in others)
                         paired.append(mine / top if top > 0 else math.inf)
                     lo, hi = interval(paired)
-                    spread = f" [{lo:.2f}, {hi:.2f}] {verdict(lo, hi)}"
+                    called = verdict(lo, hi)
+                    # A search that ended on the target's side gives a bound, not a value: the
+                    # ratio is bounded the same way, and only the verdict that bound allows.
+                    v1_found, best_found = (
+                        results[("narwhal_v1", name)].found(),
+                        results[(best_sys, name)].found(),
+                    )
+                    # v1 above its target (a lower bound) or the best below its (an upper
+                    # bound) cannot show a loss; the converse cannot show a gain.
+                    bounded_up = v1_found == "above" or best_found == "below"
+                    bounded_down = v1_found == "below" or best_found == "above"
+                    if (called == "loss" and bounded_up) or (called == "gain" and bounded_down):
+                        called = "undecided (a search not bracketed)"
+                    elif v1_found != "bracketed" or best_found != "bracketed":
+                        called += " (a search not bracketed: a bound)"
+                    spread = f" [{lo:.2f}, {hi:.2f}] {called}"
                 print(
                     f"ratio_goodput_v1_over_best_other_{name}: {ratio}{spread}"
                     f" (v1 {v1:.3f} vs {best_sys} {best:.3f})"

@@ -514,10 +514,13 @@ class Lifecycle:
         # of the time). Under the budget's pace, the batch may grow to the budget before it
         # ends: its end is foreseen late rather than early. Over it, as late as it comes.
         tpot = max(ticket.pair.predicted_tpot_s or 0.0, self.state.fleet.budgets.tpot_s)
-        if self.predictor is not None and self.predictor.has(d.id):
+        predictor = self.predictor
+        if predictor is not None and predictor.has(d.id):
             context = (ticket.prompt_tokens or 0) + ticket.max_tokens / 2
-            pace = self.predictor.decode(d.id, max(1, ticket.batch_at_start), context).seconds
-            tpot = max(pace, self.state.fleet.budgets.tpot_s)
+            # predictor.decode(...).seconds, without its flags: this runs for every request
+            model = predictor.models[d.id].decode
+            pace = model.seconds_per_token(max(1, ticket.batch_at_start), context)
+            tpot = max(pace * predictor.ratio(d.id, "decode"), self.state.fleet.budgets.tpot_s)
         tokens = self.outputs.expected(ticket.max_tokens)
         end = first_token_at + max(0, tokens - 1) * tpot
         d.foresee_decode_end(end)
