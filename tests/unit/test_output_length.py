@@ -27,6 +27,20 @@ def test_the_window_forgets_the_oldest_answers() -> None:
     assert estimate.expected(4096) == 20
 
 
+def test_the_mean_length_over_the_window_capped_by_max_tokens() -> None:
+    estimate = OutputLengthEstimator(window=10, quantile=0.9, min_samples=4)
+    for tokens in (10, 10, 10):
+        estimate.observe(tokens)
+    assert estimate.mean(500) == 500  # three answers: not yet
+    estimate.observe(90)
+    assert estimate.mean(500) == 30  # (10 + 10 + 10 + 90) / 4: the tail's quantile is 90
+    assert estimate.expected(500) == 90
+    assert estimate.mean(20) == 20
+    for _ in range(10):  # the window forgets the first four
+        estimate.observe(4)
+    assert estimate.mean(500) == 4
+
+
 def test_the_simulator_reports_each_requests_outcome_and_the_oracle_switch() -> None:
     """Every request's outcome, in arrival order, adds up to the run's counts; the
     output-length oracle routes on max_tokens itself."""

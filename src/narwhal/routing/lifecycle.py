@@ -297,14 +297,17 @@ class Lifecycle:
         d.pending_decode += 1
         d.joins.note(now)
         if pair.predicted_ttft_s is not None and pair.predicted_tpot_s is not None:
-            # Its stay foreseen at the TPOT budget's pace at least: its predicted TPOT is a mean
-            # over a batch that those picked after it assume shrinks as foreseen; foreseeing
-            # it gone that early let them assume the same, and the batch grew past the budget
-            # under sustained overload (tests/reliability/test_overload.py).
+            # Its stay: the mean length of the answers recently completed (what it adds to a
+            # batch over time, on average: the tail's high quantile, which its end is foreseen
+            # by once it decodes, counted a burst of short answers as long ones, v1_max1024 in
+            # bench/policies_des.py), at the TPOT budget's pace at least: its predicted TPOT
+            # is a mean over a batch that those picked after it assume shrinks as foreseen;
+            # foreseeing it gone that early let them assume the same, and the batch grew past
+            # the budget under sustained overload (tests/reliability/test_overload.py).
             joins = now + pair.predicted_ttft_s
-            tokens = self.outputs.expected(ticket.max_tokens)
+            tokens = self.outputs.mean(ticket.max_tokens)
             pace = max(pair.predicted_tpot_s, self.state.fleet.budgets.tpot_s)
-            d.pending_spans[ticket.id] = (joins, joins + max(0, tokens - 1) * pace)
+            d.pending_spans[ticket.id] = (joins, joins + max(0.0, tokens - 1) * pace)
         p.breaker.on_dispatch()
         p.in_flight_prefill += 1
         self.observer.in_flight(p.id, "prefill", 1)

@@ -30,15 +30,28 @@ class OutputLengthEstimator:
     _recent: deque[int] = field(default_factory=deque)
     _sorted: list[int] = field(default_factory=list)
     _value: int | None = None
+    _total: int = 0  # the sum of _recent
+
+    def mean(self, max_tokens: int) -> float:
+        """The mean of the recent answers' lengths (``max_tokens`` until there are
+        ``min_samples``), capped by ``max_tokens``: a request's expected share of a batch over
+        time, where ``expected`` is what its end is foreseen by."""
+        n = len(self._recent)
+        if n < self.min_samples:
+            return max_tokens
+        value = self._total / n
+        return value if value < max_tokens else max_tokens
 
     def observe(self, tokens: int) -> None:
         """An answer completed with ``tokens`` output tokens."""
         if tokens <= 0:
             return
         self._recent.append(tokens)
+        self._total += tokens
         insort(self._sorted, tokens)
         if len(self._recent) > self.window:
             old = self._recent.popleft()
+            self._total -= old
             del self._sorted[bisect_left(self._sorted, old)]
         self._value = None
 
