@@ -1085,8 +1085,9 @@ def main() -> int:
                 resampled[(sy, name)] = [crossing(points, ATTAINMENT, d) for d in draws]
         for (system, name), s in results.items():
             note = " (search cut short by --budget-s)" if s.truncated else ""
-            if s.found() != "bracketed":
-                bound = "at least" if s.found() == "above" else "at most"
+            found = s.found()
+            if found != "bracketed":
+                bound = "at least" if found == "above" else "at most"
                 note += f" ({bound}: not bracketed)"
             spread = ""
             if (system, name) in resampled:

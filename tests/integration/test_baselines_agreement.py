@@ -90,23 +90,13 @@ def _des_attainment(
     )
 
 
-def _des_crossing(
-    contract: FleetContract,
-    calibration: Calibration,
-    scheduler: str,
-    attainment_at: Callable[[list[RequestSpec]], float] | None = None,
-) -> float:
-    """The simulator's goodput on a 4% rate grid: of the expected curve, or of
-    ``attainment_at`` (one seed's)."""
+def _des_crossing(attainment_at: Callable[[list[RequestSpec]], float]) -> float:
+    """The simulator's goodput on a 4% rate grid, attainment at each rate from
+    ``attainment_at``."""
     points: list[tuple[float, float]] = []
     rate = 0.5
     while rate < 12.0:
-        specs = _specs(rate, 5)
-        if attainment_at is None:
-            value = _des_attainment(contract, calibration, specs, scheduler)
-        else:
-            value = attainment_at(specs)
-        points.append((rate, value))
+        points.append((rate, attainment_at(_specs(rate, 5))))
         if points[-1][1] < 0.75:
             break
         rate *= 1.04
@@ -127,9 +117,7 @@ def _des_seed_crossings(
 
         return attainment_at
 
-    return sorted(
-        _des_crossing(contract, calibration, scheduler, one(seed)) for seed in range(RANDOM_SEEDS)
-    )
+    return sorted(_des_crossing(one(seed)) for seed in range(RANDOM_SEEDS))
 
 
 @contextlib.contextmanager
@@ -195,7 +183,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 def test_baseline_goodput_agrees_with_the_live_vllm_router(stack: Stack, policy: str) -> None:
     flag, scheduler = POLICIES[policy]
     contract, budgets = stack.contract, stack.contract.budgets
-    base = _des_crossing(contract, stack.calibration, scheduler)
+    base = _des_crossing(
+        functools.partial(_des_attainment, contract, stack.calibration, scheduler=scheduler)
+    )
     live_points: list[tuple[float, float]] = []
     des_points: list[tuple[float, float]] = []
     rates = [base * multiple for multiple in MULTIPLES]

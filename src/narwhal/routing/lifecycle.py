@@ -287,15 +287,15 @@ class Lifecycle:
 
     def _dispatch(self, ticket: Ticket, pair: Pair) -> None:
         ticket.pair = pair
+        now = self.clock.now()
+        d = self.state.engines[pair.decode]
+        d.joins.note(now)
         if pair.local:
-            self.state.engines[pair.decode].joins.note(self.clock.now())
             self._begin_decode(ticket)
             return
-        p, d = self.state.engines[pair.prefill], self.state.engines[pair.decode]
-        now = self.clock.now()
+        p = self.state.engines[pair.prefill]
         # The decode engine counts the request from now: it will join that batch.
         d.pending_decode += 1
-        d.joins.note(now)
         if pair.predicted_ttft_s is not None and pair.predicted_tpot_s is not None:
             # Its stay: the mean length of the answers recently completed (what it adds to a
             # batch over time, on average: the tail's high quantile, which its end is foreseen
@@ -504,10 +504,9 @@ class Lifecycle:
     def _foresee_end(self, ticket: Ticket, d: EngineState, first_token_at: float) -> None:
         """Count on ``d`` when the ticket's decode leg, which sent its first token at
         ``first_token_at``, is predicted to end: after the rest of the tokens it is expected
-        to generate (``narwhal.routing.output_length``) at the predicted TPOT. Only for a leg
-        that decodes: one still in its prefill leg joins and leaves when its prefill's queue
-        lets it, too uncertain to count it gone (counting it as leaving put too many on
-        engines that had many in prefill)."""
+        to generate (``narwhal.routing.output_length``) at the pace below. Only for a leg
+        that decodes: one still in its prefill leg is foreseen by a span
+        (``EngineState.pending_spans``), not an end the batch count leaves out."""
         assert ticket.pair is not None
         # At the pace of the batch it decodes in now (``batch_at_start``, itself included), or
         # the TPOT budget's if slower: the TPOT predicted at its pick assumed the batch would
@@ -516,14 +515,15 @@ class Lifecycle:
         # batch reached 7 where the budget allows 4, and the admitted met their budgets 23%
         # of the time). Under the budget's pace, the batch may grow to the budget before it
         # ends: its end is foreseen late rather than early. Over it, as late as it comes.
-        tpot = max(ticket.pair.predicted_tpot_s or 0.0, self.state.fleet.budgets.tpot_s)
+        pace = ticket.pair.predicted_tpot_s or 0.0
         predictor = self.predictor
         if predictor is not None and predictor.has(d.id):
             context = (ticket.prompt_tokens or 0) + ticket.max_tokens / 2
             # predictor.decode(...).seconds, without its flags: this runs for every request
             model = predictor.models[d.id].decode
             pace = model.seconds_per_token(max(1, ticket.batch_at_start), context)
-            tpot = max(pace * predictor.ratio(d.id, "decode"), self.state.fleet.budgets.tpot_s)
+            pace *= predictor.ratio(d.id, "decode")
+        tpot = max(pace, self.state.fleet.budgets.tpot_s)
         tokens = self.outputs.expected(ticket.max_tokens)
         end = first_token_at + max(0, tokens - 1) * tpot
         d.foresee_decode_end(end)

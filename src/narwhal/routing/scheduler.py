@@ -417,7 +417,8 @@ class SchedulerV1:
             else:
                 raw = cached
             ewma = ratios.get((d_id, "decode"))
-            tpot = step = raw * (ewma.observed / ewma.predicted) if ewma is not None else raw * 1.0
+            ratio = ewma.observed / ewma.predicted if ewma is not None else 1.0
+            tpot = step = raw * ratio
             if local_enabled:
                 # Local prefills stall every sequence here, this request's too, however it
                 # gets here: at the rate recently sent, spread over its output tokens.
@@ -426,9 +427,7 @@ class SchedulerV1:
                 if local_on:
                     tpot_now = tpot
                     if batch_now != batch:
-                        tpot_now = d_model.seconds_per_token(batch_now + 1, context) * (
-                            ewma.observed / ewma.predicted if ewma is not None else 1.0
-                        )
+                        tpot_now = d_model.seconds_per_token(batch_now + 1, context) * ratio
                     local.append(self._local(state, d, n, shape, batch_now, tpot_now, stalls, now))
                 tpot += stalls / horizon
             if choice is None:
@@ -439,9 +438,7 @@ class SchedulerV1:
                 # this loop runs for every request.
                 life = _life_batch(d, batch, now + choice[0] + handoff_s, tpot, tokens, now)
                 if life < batch:
-                    tpot = d_model.seconds_per_token(life + 1, context) * (
-                        ewma.observed / ewma.predicted if ewma is not None else 1.0
-                    ) + (tpot - step)
+                    tpot = d_model.seconds_per_token(life + 1, context) * ratio + (tpot - step)
             ttft = choice[0] + handoff_s + step
             # min() of the two, the first on a tie
             ttft_slack = (ttft_budget - ttft) / ttft_scale
