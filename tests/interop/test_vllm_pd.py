@@ -514,9 +514,14 @@ def test_profile_and_check_pass_on_real_engines(pd: PD) -> None:
         # The pace gate compares the engines' speed now with their profile. Two CPU engines on
         # two cores shared with the rest of the machine change speed by an order of magnitude
         # from one minute to the next (seen: 512-token prefills profiled at 0.05 s, then 0.75 s
-        # in three checks over half a minute; and 0.15 s against 1 s), so a pace failure alone
-        # is checked again after a pause, then met as an operator would (the gate says
-        # "re-profile"): profile again and check. Every other gate must pass the first time.
+        # in three checks over half a minute; decode at batch 1 profiled 0.0039 s/token, then
+        # 0.034 s/token, 8.8x, in two checks; CI: 4.7x after a fresh profile). The tolerance
+        # here is therefore 20 (a 21x slower probe fails): this test proves the gate measures
+        # both legs of each real engine and compares them with the store; its verdict at an
+        # operator's tolerance is proven on simulated engines (tests/check/test_check_live.py,
+        # tests/check/gates/test_pace.py). A pace failure alone is still checked again after a
+        # pause, then met as an operator would (the gate says "re-profile"): profile again and
+        # check. Every other gate must pass the first time.
         for attempt in range(3):
             if attempt == 2:
                 profile()
@@ -529,7 +534,7 @@ def test_profile_and_check_pass_on_real_engines(pd: PD) -> None:
                 "--report",
                 str(report),
                 "--pace-tolerance",
-                "2.0",
+                "20",
                 "--quiet",
             )
             result = json.loads(report.read_text()) if report.exists() else None
@@ -547,6 +552,10 @@ def test_profile_and_check_pass_on_real_engines(pd: PD) -> None:
         assert checked.returncode == 0, "\n".join([str(verdicts), *failures])
         assert result["verdict"] == "pass" and result["complete"] is True
         assert set(verdicts.values()) == {"pass"}, verdicts
+        pace = next(g for g in result["gates"] if g["name"] == "pace")["evidence"]["engines"]
+        for engine_id, row in pace.items():
+            for leg in ("prefill", "decode"):
+                assert row[leg]["measured_s"] > 0 and row[leg]["profiled_s"] > 0, (engine_id, row)
         kv_gate = next(g for g in result["gates"] if g["name"] == "kv_transfer")
         evidence = json.dumps(kv_gate["evidence"])
         assert "first_token" in evidence, kv_gate["evidence"]
