@@ -28,9 +28,13 @@ TIMER_SLACK_S = 0.005
 
 
 def write_fleet(directory: Path, num_engines: int, **kwargs: Any) -> Path:
-    ports = free_ports(2 * num_engines)
+    kv_events = kwargs.pop("kv_events", False)
+    ports = free_ports(4 * num_engines if kv_events else 2 * num_engines)
+    if kv_events:
+        events = ports[2 * num_engines :]
+        kwargs["kv_event_ports"] = list(zip(events[::2], events[1::2], strict=True))
     kwargs.setdefault("sim", {"time_scale": TEST_TIME_SCALE})
-    doc = local_fleet_document(ports[:num_engines], ports[num_engines:], **kwargs)
+    doc = local_fleet_document(ports[:num_engines], ports[num_engines : 2 * num_engines], **kwargs)
     path = directory / "fleet.json"
     path.write_text(json.dumps(doc, indent=2))
     return path

@@ -161,6 +161,39 @@ class RouterMetrics:
             ["engine"],
             registry=r,
         )
+        self.prefix_prompt_tokens = Counter(
+            "narwhal_prefix_prompt_tokens",
+            "Prompt tokens of finished requests, by the engine that prefilled them (the "
+            "denominator of its prefix hit rate).",
+            ["engine"],
+            registry=r,
+        )
+        self.prefix_cached_tokens = Counter(
+            "narwhal_prefix_cached_tokens",
+            "Prompt tokens found in the prefilling engine's prefix cache: as the router "
+            "predicted at its pick, and as the engine reported (usage.prompt_tokens_details).",
+            ["engine", "source"],
+            registry=r,
+        )
+        self.kv_event_batches = Counter(
+            "narwhal_kv_event_batches",
+            "KV event batches applied to the prefix index, per publishing engine.",
+            ["engine"],
+            registry=r,
+        )
+        self.kv_event_resets = Counter(
+            "narwhal_kv_event_resets",
+            "Times an engine's prefix index entries were dropped: events lost beyond replay, "
+            "an unreadable batch, or an engine restart.",
+            ["engine"],
+            registry=r,
+        )
+        self.prefix_index_blocks = Gauge(
+            "narwhal_prefix_index_blocks",
+            "KV blocks the router's prefix index holds for each engine.",
+            ["engine"],
+            registry=r,
+        )
         self.retries = Counter(
             "narwhal_retries", "Legs retried on another engine.", ["leg"], registry=r
         )
@@ -277,6 +310,12 @@ class RouterMetrics:
             self.handoff.labels(engine)
             self.deadline_exceeded.labels(engine)
             self.local_prefills.labels(engine)
+            self.prefix_prompt_tokens.labels(engine)
+            for source in ("predicted", "reported"):
+                self.prefix_cached_tokens.labels(engine, source)
+            self.kv_event_batches.labels(engine)
+            self.kv_event_resets.labels(engine)
+            self.prefix_index_blocks.labels(engine)
             self.engine_healthy.labels(engine)
             for reason in HEALTH_PROBE_FAILURES:
                 self.health_probe_failures.labels(engine, reason)

@@ -555,7 +555,8 @@ def test_client_timing_out_while_queued_behind_kv_holds_aborts_it(tmp_path: Path
             assert state(url)["free_blocks"] == 8 - len(params["remote_block_ids"][0])
             t0 = time.monotonic()
             with pytest.raises(httpx.TimeoutException):
-                client.post(url + "/v1/completions", json=body(), timeout=1.0)
+                # Salted: the same prompt unsalted would share the held blocks (a prefix hit).
+                client.post(url + "/v1/completions", json=body(cache_salt="x"), timeout=1.0)
             assert time.monotonic() - t0 < 5
             assert wait_until(lambda: state(url)["waiting"] == 0, 5), state(url)
             metrics = client.get(url + "/metrics").text

@@ -115,7 +115,9 @@ def test_split_equals_whole(pd_fleet: SimFleet, chat: bool, stream: bool, prompt
 
 def test_nixl_read_moves_exactly_the_prompt_blocks(pd_fleet: SimFleet) -> None:
     prefill_url, decode_url = urls(pd_fleet)
-    body = {"model": MODEL, "prompt": TOKEN_PROMPT, "max_tokens": 4}
+    # A salt of its own: the other tests' requests left this prompt in the decode engine's
+    # prefix cache, and cached blocks are not pulled again (test_sim_prefix_cache.py).
+    body = {"model": MODEL, "prompt": TOKEN_PROMPT, "max_tokens": 4, "cache_salt": "exact"}
     with httpx.Client(timeout=30) as client:
         before = client.get(decode_url + "/metrics").text
         params = client.post(

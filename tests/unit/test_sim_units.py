@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from narwhal.contract import SimulatedEngineSettings
 from narwhal.simengine.engine import RemoteKV, parse_kv_transfer_params
 from narwhal.simengine.generation import GenerationModel, KVLayout, prompt_digest
-from narwhal.simengine.kv_blocks import BlockAllocator
+from narwhal.simengine.kv_blocks import BlockPool
 from narwhal.simengine.protocol import ProtocolError, parse_generation
 from narwhal.simengine.timing import CALIBRATION, sim_models
 from narwhal.simengine.vocab import EOS, IM_END, IM_START, NUM_BYTE_TOKENS, Vocabulary
@@ -262,11 +262,11 @@ def test_the_engines_cost_is_never_clamped() -> None:
     assert p.chunk_seconds(0, n) == pytest.approx(p.a + p.b * n + p.c * n * n, rel=1e-12)
 
 
-# --- BlockAllocator ------------------------------------------------------------------------
+# --- BlockPool (allocation) ----------------------------------------------------------------
 
 
 def test_block_allocator() -> None:
-    alloc = BlockAllocator(10)
+    alloc = BlockPool(10, caching=False)
     assert (alloc.num_free, alloc.usage) == (10, 0.0)
     a = alloc.allocate(4)
     b = alloc.allocate(6)
@@ -283,7 +283,7 @@ def test_block_allocator() -> None:
     c = alloc.allocate(4)
     assert c is not None and sorted(c) == sorted(a)
     with pytest.raises(ValueError):
-        BlockAllocator(0)
+        BlockPool(0)
 
 
 # --- protocol.parse_generation -------------------------------------------------------------

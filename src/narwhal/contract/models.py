@@ -39,10 +39,13 @@ __all__ = [
     "EngineDefaults",
     "EngineSpec",
     "FleetContract",
+    "KVEventsEndpoint",
     "Loc",
     "LocalPrefill",
     "ModelIdentity",
     "NixlSideChannel",
+    "PrefixCaching",
+    "PrefixRouting",
     "ProfileStoreRef",
     "Role",
     "RoleControl",
@@ -134,6 +137,17 @@ class Budgets(_Model):
     attainment: float = Field(gt=0, le=1)
 
 
+class PrefixCaching(_Model):
+    """The engines' prefix cache (vLLM's ``--enable-prefix-caching``, on by default in vLLM),
+    as the router indexes it: ``block_size`` is the engines' ``--block-size`` (the index keys a
+    prompt's full blocks of it), ``capacity_blocks`` an engine's KV capacity in blocks (no
+    engine's index entries exceed it)."""
+
+    enabled: bool = True
+    block_size: int = Field(default=16, gt=0)
+    capacity_blocks: int = Field(default=65536, gt=0)
+
+
 class EngineDefaults(_Model):
     first_token_timeout_s: float = Field(gt=0)
     request_timeout_s: float = Field(default=600.0, gt=0)
@@ -144,11 +158,22 @@ class EngineDefaults(_Model):
     kv_connector: Literal["NixlConnector"] = "NixlConnector"
     kv_role: Literal["kv_both"] = "kv_both"
     kv_buffer_device: str = Field(default="cuda", min_length=1)
+    prefix_caching: PrefixCaching = Field(default_factory=PrefixCaching)
 
 
 class NixlSideChannel(_Model):
     host: str = Field(min_length=1)
     port: int = Field(ge=1, le=65535)
+
+
+class KVEventsEndpoint(_Model):
+    """Where an engine publishes its KV cache events (vLLM's ``--kv-events-config`` with the
+    zmq publisher): ``endpoint`` its PUB socket, ``replay_endpoint`` its ROUTER socket for
+    missed batches, as ``tcp://host:port`` addresses the router connects to."""
+
+    endpoint: str = Field(pattern=r"^tcp://[^:/\s]+:\d{1,5}$")
+    replay_endpoint: str | None = Field(default=None, pattern=r"^tcp://[^:/\s]+:\d{1,5}$")
+    topic: str = ""
 
 
 class SimulatedEngineSettings(_Model):
@@ -174,6 +199,8 @@ class SimulatedEngineSettings(_Model):
     kv_read_timeout_s: float = Field(default=10.0, gt=0)
     eos_prob: float = Field(default=0.0, ge=0, le=1)
     slowdown: float = Field(default=1.0, gt=0)
+    # vLLM's --enable-prompt-tokens-details: usage reports prompt_tokens_details.cached_tokens.
+    enable_prompt_tokens_details: bool = False
     extra_args: list[str] = Field(default_factory=list)
 
 
@@ -191,6 +218,7 @@ class EngineSpec(_Model):
     # Filled by finalize-fleet once the engine's build is known; profiles are keyed on it.
     generation: str | None = None
     sim: SimulatedEngineSettings | None = None
+    kv_events: KVEventsEndpoint | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -309,6 +337,15 @@ class LocalPrefill(_Model):
     max_prompt_tokens: int = Field(default=1024, ge=1)
 
 
+class PrefixRouting(_Model):
+    """Cache-aware routing (scheduler v1): score pairs with the prompt's prefix already cached
+    on each engine, from the engines' KV events where they publish them and else from what the
+    router sent them (entries of that kind live ``history_ttl_s``)."""
+
+    enabled: bool = True
+    history_ttl_s: float = Field(default=300.0, gt=0)
+
+
 class RoutingPolicy(_Model):
     fallback: Literal["retry", "fail"] = "retry"
     max_prefill_attempts: int = Field(default=2, ge=1)
@@ -317,6 +354,7 @@ class RoutingPolicy(_Model):
     queue_max: int = Field(default=256, ge=0)
     queue_timeout_s: float = Field(default=5.0, ge=0)
     local_prefill: LocalPrefill = Field(default_factory=LocalPrefill)
+    prefix: PrefixRouting = Field(default_factory=PrefixRouting)
 
 
 class ProfileStoreRef(_Model):
@@ -463,6 +501,16 @@ def consistency_issues(fleet: FleetContract) -> list[ConsistencyIssue]:
             add(("engines", i, "url"), f"duplicate URL {eng.url!r} (also engine {urls[eng.url]!r})")
         else:
             urls[eng.url] = eng.id
+        if (
+            eng.sim is not None
+            and e.prefix_caching.enabled
+            and eng.sim.block_size != e.prefix_caching.block_size
+        ):
+            add(
+                ("engines", i, "sim", "block_size"),
+                f"{eng.sim.block_size} differs from engine.prefix_caching.block_size "
+                f"({e.prefix_caching.block_size}): the router's prefix index would match nothing",
+            )
         channel = (eng.nixl.host, eng.nixl.port)
         if channel in side_channels:
             add(

@@ -2,7 +2,8 @@
 
 ``PrefillLatencyModel``: seconds to prefill ``n`` prompt tokens, ``a + b*n + c*n^2``; a chunk of
 ``n`` tokens at offset ``o`` costs ``a + b*n + c*((o+n)^2 - o^2)``, so a prompt's chunks add up to
-the whole.
+the whole, and a prompt whose first ``k`` tokens are in the prefix cache costs the chunk after
+them (``predict_cached``).
 ``DecodeLatencyModel``: seconds per output token for a batch of ``batch`` sequences whose mean
 context is ``context`` tokens, ``intercept + slope*batch + ctx_coef*context``.
 ``EngineModels``: one engine's pair of them, the generation they describe and the scaling from
@@ -126,6 +127,17 @@ class PrefillLatencyModel:
             )
         outside = n > self.max_tokens or n < self.min_tokens
         return Prediction(self.seconds(max(n, 0)), extrapolated=outside)
+
+    def predict_cached(self, n: int, cached: int) -> Prediction:
+        """An ``n``-token prompt whose first ``cached`` tokens are in the engine's prefix cache:
+        only the rest is computed, attending to the whole prefix (``predict(n)`` less what the
+        cached tokens would have cost, plus the per-request overhead ``a``)."""
+        if cached <= 0:
+            return self.predict(n)
+        cached = min(cached, n)
+        whole = self.predict(n)
+        seconds = whole.seconds - self.predict(cached).seconds + self.a
+        return Prediction(max(seconds, self.a), whole.extrapolated, whole.clamped)
 
 
 @dataclass(frozen=True)

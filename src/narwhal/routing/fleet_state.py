@@ -17,6 +17,7 @@ from typing import Any, Literal
 from narwhal.clock import Clock
 from narwhal.contract import FleetContract
 from narwhal.routing.breaker import BreakerState, CircuitBreaker
+from narwhal.routing.prefix import PrefixIndex
 
 __all__ = ["EngineState", "FleetState", "Role", "ScrapedLoad"]
 
@@ -321,10 +322,31 @@ class FleetState:
             )
             for spec in fleet.engines
         }
+        # Which engine holds which prompt prefix (routing.prefix); None when the engines cache
+        # no prefixes or the fleet routes without them.
+        self.prefix_index: PrefixIndex | None = None
+        caching = fleet.engine.prefix_caching
+        if caching.enabled and fleet.routing.prefix.enabled:
+            self.prefix_index = PrefixIndex(caching.block_size, fleet.routing.prefix.history_ttl_s)
+            for spec in fleet.engines:
+                capacity = spec.sim.num_blocks if spec.sim is not None else caching.capacity_blocks
+                self.prefix_index.add_engine(spec.id, capacity)
         # Kept per role so that schedulers sampling large fleets never scan all of it.
         self._by_role: dict[str, list[EngineState]] = {"prefill": [], "decode": []}
         for engine in self.engines.values():
             self._by_role[engine.role].append(engine)
+
+    def cached_tokens(self, keys: tuple[int, ...], prompt_tokens: int) -> dict[str, int]:
+        """Per engine holding the prompt's first block: its prompt tokens in the engine's prefix
+        cache (at most all but the last token, which an engine always computes)."""
+        index = self.prefix_index
+        if index is None or not keys:
+            return {}
+        size = index.block_size
+        cap = max(0, prompt_tokens - 1)
+        return {
+            e: min(blocks * size, cap) for e, blocks in index.match(keys, self.clock.now()).items()
+        }
 
     def in_role(self, role: Role) -> list[EngineState]:
         """Engines serving ``role`` now (a copy, in fleet order)."""

@@ -78,7 +78,8 @@ class Ticket:
     prompt_tokens: int | None = None
     prompt_bytes: int = 0  # a text prompt's size, from which its length is estimated
     local_ok: bool = True  # False when the request needs what only a prefill leg returns
-    prefix: tuple[int, ...] = ()  # the prompt's KV block hashes (RequestShape.prefix)
+    prefix: tuple[int, ...] = ()  # the prompt's prefix keys (RequestShape.prefix)
+    prefix_exact: bool = True  # keys of token ids (else of text: routing history only)
     phase: Phase = "new"
     pair: Pair | None = None
     queued_at: float | None = None
@@ -167,6 +168,7 @@ class Lifecycle:
         local_ok: bool = True,
         arrival: float | None = None,
         prefix: tuple[int, ...] = (),
+        prefix_exact: bool = True,
     ) -> Ticket:
         return Ticket(
             request_id,
@@ -176,6 +178,7 @@ class Lifecycle:
             prompt_bytes,
             local_ok,
             prefix,
+            prefix_exact,
         )
 
     @property
@@ -290,6 +293,13 @@ class Lifecycle:
         now = self.clock.now()
         d = self.state.engines[pair.decode]
         d.joins.note(now)
+        index = self.state.prefix_index
+        if index is not None and ticket.prefix:
+            # Both engines will hold the prompt's blocks: the prefill engine computed them, the
+            # decode engine pulled them (what engines that publish events say for themselves).
+            index.record_routed(d.id, ticket.prefix, now, ticket.prefix_exact)
+            if not pair.local:
+                index.record_routed(pair.prefill, ticket.prefix, now, ticket.prefix_exact)
         if pair.local:
             self._begin_decode(ticket)
             return

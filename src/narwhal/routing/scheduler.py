@@ -15,7 +15,7 @@ import math
 import random
 from bisect import bisect_right
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from narwhal.contract import Budgets
@@ -38,8 +38,9 @@ class RequestShape:
     elapsed_s: float = 0.0  # already spent (queueing, earlier attempts) against the TTFT budget
     # False when the request needs what only a prefill leg gives (the prompt's token ids).
     local_ok: bool = True
-    # The prompt's KV blocks as content hashes, in order: equal hashes, equal prefixes (what
-    # prefix-aware policies match). Empty when unknown.
+    # The prompt's full KV blocks as chain keys (``narwhal.routing.prefix``: block i's key stands
+    # for blocks 0..i, equal keys equal prefixes), what prefix-aware policies match, at the
+    # fleet's ``engine.prefix_caching.block_size``. Empty when unknown.
     prefix: tuple[int, ...] = ()
     # The tokens it is expected to generate (``narwhal.routing.output_length``); None: all of
     # ``max_tokens``.
@@ -57,6 +58,10 @@ class Pair:
     # The decode engine prefills the prompt itself (routing.local_prefill): no prefill leg,
     # no handoff; ``prefill`` and ``decode`` name the same engine.
     local: bool = False
+    # Prompt tokens predicted to be in the prefill (or local) engine's prefix cache, and in
+    # the decode engine's (blocks it will not pull).
+    cached_tokens: int = 0
+    decode_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -310,10 +315,21 @@ class SchedulerV1:
         ready: list[tuple[float, str, float, float]] = []
         prefill_model = None
         raw = 0.0
+        # Prompt tokens each engine holds in its prefix cache (only those holding some).
+        hits = state.cached_tokens(shape.prefix, n) if shape.prefix else None
+        raw_cached: dict[tuple[int, int], float] = {}
         for p in prefills:
             p_id = p.id
             model = models[p_id].prefill
-            if model is not prefill_model:  # engines mostly share one: predicted once
+            hit = hits.get(p_id, 0) if hits else 0
+            if hit:
+                key = (id(model), hit)
+                got = raw_cached.get(key)
+                if got is None:
+                    got = raw_cached[key] = model.predict_cached(n, hit).seconds
+                raw = got
+                prefill_model = None
+            elif model is not prefill_model:  # engines mostly share one: predicted once
                 prefill_model = model
                 raw = model.predict(n).seconds
             ewma = ratios.get((p_id, "prefill"))
@@ -391,6 +407,9 @@ class SchedulerV1:
             choice = shared if open_pairs else best_prefill(d_id)
             handoff = transfers.get(d_id)
             handoff_s = handoff.value if handoff is not None else default_transfer_s
+            if hits and d_id in hits:
+                # Blocks the decode engine holds are not pulled again: the rest moves.
+                handoff_s *= 1.0 - hits[d_id] / n
             # The batch it joins: the sequences predicted to still decode when its first token
             # comes (short answers decoding now may be gone by then), and what the engine
             # reports beyond the router's own. A local prefill starts now: the batch as it is.
@@ -428,7 +447,10 @@ class SchedulerV1:
                     tpot_now = tpot
                     if batch_now != batch:
                         tpot_now = d_model.seconds_per_token(batch_now + 1, context) * ratio
-                    local.append(self._local(state, d, n, shape, batch_now, tpot_now, stalls, now))
+                    hit = hits.get(d_id, 0) if hits else 0
+                    local.append(
+                        self._local(state, d, n, shape, batch_now, tpot_now, stalls, now, hit)
+                    )
                 tpot += stalls / horizon
             if choice is None:
                 continue
@@ -471,7 +493,8 @@ class SchedulerV1:
                 slack, _, d, ttft, tpot, prefill_s = min(
                     (c for c in fits if c[0] >= floor), key=lambda c: (c[1], -c[0], c[2].id)
                 )
-                return Pair(d.id, d.id, slack, ttft, tpot, prefill_s, local=True)
+                hit = hits.get(d.id, 0) if hits else 0
+                return Pair(d.id, d.id, slack, ttft, tpot, prefill_s, True, hit, hit)
         if not prefills:
             return NoPair("no available engine in the prefill role")
         if not candidates:
@@ -494,6 +517,10 @@ class SchedulerV1:
         assert best_c is not None
         slack, _, d, (_, p_id, prefill_s, _), ttft, tpot = best_c
         pair = Pair(p_id, d.id, slack, ttft, tpot, prefill_s)
+        if hits:
+            pair = replace(
+                pair, cached_tokens=hits.get(p_id, 0), decode_cached_tokens=hits.get(d.id, 0)
+            )
         if slack < 0:
             return NoPair(
                 f"no pair is predicted to meet the budgets (best {p_id}->{d.id}:"
@@ -512,6 +539,7 @@ class SchedulerV1:
         tpot: float,
         stalls: float,
         now: float,
+        hit: int = 0,
     ) -> tuple[float, float, EngineState, float, float, float]:
         """The candidate "``d`` prefills the prompt itself": (slack, load, engine, TTFT, TPOT,
         prefill seconds)."""
@@ -520,7 +548,7 @@ class SchedulerV1:
         # scale the whole of it, the prefill (and so the stall) included.
         correction = predictor.ratio(d.id, "local")
         prefill_s = (
-            predictor.models[d.id].prefill.predict(n).seconds
+            predictor.models[d.id].prefill.predict_cached(n, hit).seconds
             * predictor.ratio(d.id, "prefill")
             * correction
         )

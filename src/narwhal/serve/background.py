@@ -1,17 +1,21 @@
-"""The router's background loops: active health probes and engine /metrics scrapes."""
+"""The router's background loops: active health probes, engine /metrics scrapes, and the
+subscriptions to engines' KV cache events that keep the prefix index precise."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from narwhal.engines.client import EnginePool
+from narwhal.engines.kv_events import KVEventSubscriber, ReadEvent, RemovedBlocks, StoredBlocks
 from narwhal.engines.scrape import parse_engine_load
 from narwhal.engines.transport import EngineTransportError, fetch
 from narwhal.metrics import RouterMetrics
 from narwhal.routing.fleet_state import EngineState, FleetState
+from narwhal.routing.prefix import PrefixIndex
 
-__all__ = ["probe_all", "run_health_loop", "run_scrape_loop"]
+__all__ = ["kv_event_subscribers", "probe_all", "run_health_loop", "run_scrape_loop"]
 
 log = logging.getLogger(__name__)
 
@@ -98,3 +102,75 @@ async def run_scrape_loop(
     while True:
         await asyncio.gather(*(_scrape(e, state, pool, metrics) for e in state.engines.values()))
         await asyncio.sleep(interval_s)
+
+
+def kv_event_subscribers(state: FleetState, metrics: RouterMetrics) -> list[KVEventSubscriber]:
+    """One subscriber per engine that publishes KV events (``kv_events`` in the fleet), each
+    feeding the prefix index; none when the fleet routes without prefixes. An engine's entries
+    come from routing history until its first batch arrives, from its events after."""
+    index = state.prefix_index
+    if index is None:
+        return []
+    out = []
+    for spec in state.fleet.engines:
+        if spec.kv_events is None:
+            continue
+        out.append(
+            KVEventSubscriber(
+                spec.id,
+                spec.kv_events.endpoint,
+                spec.kv_events.replay_endpoint,
+                spec.kv_events.topic,
+                _applier(index, spec.id, metrics),
+                _resetter(index, spec.id, metrics),
+            )
+        )
+    return out
+
+
+def _applier(
+    index: PrefixIndex, engine_id: str, metrics: RouterMetrics
+) -> Callable[[list[ReadEvent]], None]:
+    batches = metrics.kv_event_batches.labels(engine_id)
+    blocks = metrics.prefix_index_blocks.labels(engine_id)
+    warned = False
+
+    def apply(events: list[ReadEvent]) -> None:
+        nonlocal warned
+        index.set_precise(engine_id, True)
+        for event in events:
+            if isinstance(event, StoredBlocks):
+                placed = index.stored(
+                    engine_id,
+                    event.block_hashes,
+                    event.parent_block_hash,
+                    event.token_ids,
+                    event.block_size,
+                    event.salt,
+                )
+                if not placed and event.block_size != index.block_size and not warned:
+                    warned = True
+                    log.warning(
+                        "engine %s publishes blocks of %d tokens; the fleet's "
+                        "engine.prefix_caching.block_size is %d: its events cannot be indexed",
+                        engine_id,
+                        event.block_size,
+                        index.block_size,
+                    )
+            elif isinstance(event, RemovedBlocks):
+                index.removed(engine_id, event.block_hashes)
+            else:
+                index.clear(engine_id)
+        batches.inc()
+        blocks.set(index.blocks_held(engine_id))
+
+    return apply
+
+
+def _resetter(index: PrefixIndex, engine_id: str, metrics: RouterMetrics) -> Callable[[], None]:
+    def reset() -> None:
+        index.clear(engine_id)
+        metrics.kv_event_resets.labels(engine_id).inc()
+        metrics.prefix_index_blocks.labels(engine_id).set(0)
+
+    return reset

@@ -56,6 +56,8 @@ class RequestLedger:
                 record.completion_tokens = tally.completion_tokens
             if record.prompt_tokens is None and isinstance(tally.prompt_tokens, int):
                 record.prompt_tokens = tally.prompt_tokens  # no prefill leg counted them
+            if tally.cached_tokens is not None:
+                record.cached_tokens_reported = tally.cached_tokens
             if tally.first_token_at is not None:
                 record.t_first_token = tally.first_token_at - record.arrival_mono
             if tally.last_token_at is not None:
@@ -77,6 +79,17 @@ class RequestLedger:
             m.e2e.observe(record.since_arrival())
             if tpot is not None:
                 m.tpot.observe(tpot)
+            engine = record.prefill_engine
+            if engine is not None and record.prompt_tokens is not None:
+                m.prefix_prompt_tokens.labels(engine).inc(record.prompt_tokens)
+                if record.cached_tokens_predicted is not None:
+                    m.prefix_cached_tokens.labels(engine, "predicted").inc(
+                        record.cached_tokens_predicted
+                    )
+                if record.cached_tokens_reported is not None:
+                    m.prefix_cached_tokens.labels(engine, "reported").inc(
+                        record.cached_tokens_reported
+                    )
         self.journal.request_end(record.id, outcome, **record.end_fields())
         self.active.discard(record.id)
 

@@ -28,6 +28,7 @@ from narwhal.routing.admission import Admit, Queue, Reject, Verdict
 from narwhal.routing.breaker import BreakerState
 from narwhal.routing.fleet_state import Role
 from narwhal.routing.lifecycle import QUEUE_RECHECK_S, Lifecycle, LifecycleObserver, Ticket
+from narwhal.routing.prefix import prompt_keys
 from narwhal.routing.scheduler import NoPair, Pair
 from narwhal.serve.errors import (
     AdmissionRejected,
@@ -143,6 +144,8 @@ class PDRouter:
 
     def ticket(self, request: ClientRequest, record: RequestRecord) -> Ticket:
         default_max = 16 if not request.chat else DEFAULT_CHAT_MAX_TOKENS
+        index = self.state.prefix_index
+        keys = prompt_keys(request.body, request.chat, index.block_size) if index else ()
         return self.lifecycle.arrive(
             record.id,
             max_tokens=request.max_tokens or default_max,
@@ -151,6 +154,8 @@ class PDRouter:
             # The prompt's token ids come back from a prefill leg only.
             local_ok=not request.body.get("return_token_ids"),
             arrival=record.arrival_mono,
+            prefix=keys,
+            prefix_exact=request.prompt_tokens_exact is not None,
         )
 
     async def open(self, request: ClientRequest, record: RequestRecord) -> DecodeStream:
@@ -400,6 +405,13 @@ class PDRouter:
         client = self.engines.client(engine)
         record.decode_engine = engine
         record.t_decode_start = record.since_arrival()
+        index = self.state.prefix_index
+        if index is not None and ticket.prefix:
+            record.cached_tokens_predicted = pair.cached_tokens
+            counted = prompt_tokens if prompt_tokens is not None else ticket.prompt_tokens
+            if not pair.local and counted is not None:
+                blocks = -(-counted // index.block_size)
+                record.kv_blocks_predicted = blocks - pair.decode_cached_tokens // index.block_size
         if pair.local:
             # The engine that decodes prefills: journaled as both, with no handoff.
             record.prefill_engine = engine

@@ -39,6 +39,11 @@ class RequestRecord:
     t_first_token: float | None = None
     t_last_token: float | None = None
     handoff_first_token_s: float | None = None
+    # Prompt tokens in the prefilling engine's prefix cache: predicted at the pick, and as the
+    # engine reported them; the prompt's KV blocks the decode engine was predicted to pull.
+    cached_tokens_predicted: int | None = None
+    cached_tokens_reported: int | None = None
+    kv_blocks_predicted: int | None = None
     outcome: str | None = None
     status: int | None = None
     error: str | None = None
@@ -91,6 +96,12 @@ class RequestRecord:
             "status": self.status,
             "error": self.error,
         }
+        if self.cached_tokens_predicted is not None:
+            fields["cached_tokens_predicted"] = self.cached_tokens_predicted
+        if self.cached_tokens_reported is not None:
+            fields["cached_tokens_reported"] = self.cached_tokens_reported
+        if self.kv_blocks_predicted is not None:
+            fields["kv_blocks_predicted"] = self.kv_blocks_predicted
         if self.attempts:
             fields["attempts"] = self.attempts
         return fields

@@ -49,11 +49,20 @@ class StreamTally:
 
     completion_tokens: int | None = None
     prompt_tokens: int | None = None  # as the decode engine's usage counts them
+    # usage.prompt_tokens_details.cached_tokens (engines with --enable-prompt-tokens-details):
+    # the prefill engine's prefix hit, which a decode leg reports for it (vLLM).
+    cached_tokens: int | None = None
     token_events: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
     finish_reason: str | None = None
     done: bool = False
+
+
+def _cached_tokens(usage: dict[str, Any]) -> int | None:
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
 
 
 def _usage(usage: dict[str, Any], prompt_tokens: int | None) -> dict[str, Any]:
@@ -134,6 +143,7 @@ class EventRenderer:
             if isinstance(obj, dict) and obj.get("usage") and not obj.get("choices"):
                 tally.completion_tokens = obj["usage"].get("completion_tokens")
                 tally.prompt_tokens = obj["usage"].get("prompt_tokens")
+                tally.cached_tokens = _cached_tokens(obj["usage"])
                 if self.include_usage:
                     obj["usage"] = _usage(obj["usage"], self.prefill_prompt_tokens)
                     out += (b"data: ", orjson.dumps(obj), b"\n\n")
@@ -342,6 +352,7 @@ async def aggregate(
     if usage is not None:
         tally.completion_tokens = usage.get("completion_tokens")
         tally.prompt_tokens = usage.get("prompt_tokens")
+        tally.cached_tokens = _cached_tokens(usage)
         usage = _usage(usage, stream.prefill_prompt_tokens)
     head = head or {}
     text = "".join(texts)

@@ -21,7 +21,12 @@ from narwhal.routing.predictor import LatencyPredictor
 from narwhal.routing.roles import DemandTracker, RoleController
 from narwhal.routing.scheduler import SchedulerV0, SchedulerV1
 from narwhal.serve.auth import Auth
-from narwhal.serve.background import probe_all, run_health_loop, run_scrape_loop
+from narwhal.serve.background import (
+    kv_event_subscribers,
+    probe_all,
+    run_health_loop,
+    run_scrape_loop,
+)
 from narwhal.serve.ledger import RequestLedger
 from narwhal.serve.pd import MetricsObserver, PDRouter
 from narwhal.serve.roles import RoleService
@@ -143,6 +148,10 @@ class Services:
                 run_scrape_loop(self.state, self.engines, self.metrics, settings.scrape_interval_s)
             ),
             asyncio.create_task(self.roles.run(fleet.roles.tick_s)),
+            *(
+                asyncio.create_task(subscriber.run())
+                for subscriber in kv_event_subscribers(self.state, self.metrics)
+            ),
         ]
 
     async def stop(self) -> None:

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from narwhal.contract import ContractError, SimulatedEngineSettings, load_fleet
 from narwhal.simengine.engine import EngineConfig
 from narwhal.simengine.faults import FaultSettings
+from narwhal.simengine.kv_events import KVEventsSettings
 from narwhal.simengine.timing import sim_models
 
 __all__ = ["UsageError", "add_engine_parser", "main", "run_engine"]
@@ -56,7 +57,23 @@ def add_engine_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         if name == "extra_args":
             continue
         kind = SimulatedEngineSettings.model_fields[name].annotation
-        p.add_argument(f"--{name.replace('_', '-')}", type=int if kind is int else float, dest=name)
+        flag = f"--{name.replace('_', '-')}"
+        if kind is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, dest=name)
+        else:
+            p.add_argument(flag, type=int if kind is int else float, dest=name)
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        help="prefix caching, as vLLM's flag (default: the fleet's "
+        "engine.prefix_caching.enabled, else on)",
+    )
+    p.add_argument(
+        "--kv-events-config",
+        help="vLLM's KV event publisher settings (JSON), e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"}\' (default: the fleet engine\'s kv_events)',
+    )
     faults = p.add_argument_group("fault injection (also settable at run time via /sim/faults)")
     faults.add_argument(
         "--fault-fail-next", type=int, default=0, help="answer the next N requests 503"
@@ -81,6 +98,8 @@ def _resolve_engine(args: argparse.Namespace) -> tuple[Any, str, int]:
     model, revision, max_model_len, tp = "sim-model", "sim", 16384, 1
     gpu_arch, accelerator = "sim", "simulated"
     config_sha, shard_sha = None, None
+    prefix_caching = True
+    kv_events: KVEventsSettings | None = None
     if args.fleet:
         if not args.engine_id:
             raise UsageError("--fleet needs --engine-id")
@@ -100,6 +119,20 @@ def _resolve_engine(args: argparse.Namespace) -> tuple[Any, str, int]:
         tp, gpu_arch, accelerator = fleet.engine.tp, fleet.engine.gpu_arch, fleet.engine.accelerator
         config_sha, shard_sha = fleet.model.config_sha256, fleet.model.shard_manifest_sha256
         sim = spec.sim or sim
+        prefix_caching = fleet.engine.prefix_caching.enabled
+        if spec.kv_events is not None:
+            kv_events = KVEventsSettings(
+                endpoint=spec.kv_events.endpoint,
+                replay_endpoint=spec.kv_events.replay_endpoint,
+                topic=spec.kv_events.topic,
+            )
+    if args.enable_prefix_caching is not None:
+        prefix_caching = args.enable_prefix_caching
+    if args.kv_events_config is not None:
+        try:
+            kv_events = KVEventsSettings.parse(args.kv_events_config)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     values = sim.model_dump()
     for name in _SIM_FIELDS:
         if getattr(args, name, None) is not None:
@@ -126,6 +159,7 @@ def _resolve_engine(args: argparse.Namespace) -> tuple[Any, str, int]:
         max_num_batched_tokens=sim.max_num_batched_tokens,
         model_seed=sim.model_seed,
         eos_prob=sim.eos_prob,
+        enable_prefix_caching=prefix_caching,
         kv_lease_s=sim.kv_lease_s,
         kv_read_timeout_s=sim.kv_read_timeout_s,
         tp_size=args.tp or tp,
@@ -154,6 +188,8 @@ def _resolve_engine(args: argparse.Namespace) -> tuple[Any, str, int]:
         accelerator=args.accelerator or accelerator,
         admin_token=args.admin_token,
         faults=faults,
+        prompt_tokens_details=sim.enable_prompt_tokens_details,
+        kv_events=kv_events,
     )
     return settings, host, port
 

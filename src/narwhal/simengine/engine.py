@@ -26,9 +26,11 @@ from typing import Any
 import numpy as np
 
 from narwhal.profiles.models import EngineModels
+from narwhal.routing.prefix import chain_keys, chain_root, extend_chain
 from narwhal.simengine.faults import FaultSettings
 from narwhal.simengine.generation import GenerationModel, KVLayout, prompt_digest
-from narwhal.simengine.kv_blocks import BlockAllocator
+from narwhal.simengine.kv_blocks import BlockPool
+from narwhal.simengine.kv_events import KVEventPublisher
 from narwhal.simengine.kv_transfer import KVTransferAgent, KVTransferError
 from narwhal.simengine.metrics import EngineMetrics
 from narwhal.simengine.side_channel import PeerDirectory
@@ -104,6 +106,19 @@ class SimRequest:
     last_token_at: float | None = None
     aborted: bool = False
     finished: bool = False
+    cache_salt: str | None = None
+    keys: list[int] = field(default_factory=list)  # the prompt's full blocks' chain keys
+    num_cached_tokens: int = 0  # prompt tokens found in this engine's prefix cache
+    # A decode leg's kv_transfer_params.remote_prefill_cached_tokens: its prefill engine's hits.
+    remote_cached_tokens: int | None = None
+
+    @property
+    def reported_cached_tokens(self) -> int:
+        """What usage reports as cached: a decode leg reports its prefill engine's hits, as vLLM
+        does (not its own near-total hit from the transfer)."""
+        if self.remote_cached_tokens is not None:
+            return self.remote_cached_tokens
+        return self.num_cached_tokens
 
 
 @dataclass(frozen=True)
@@ -118,6 +133,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     model_seed: int = 0
     eos_prob: float = 0.0
+    enable_prefix_caching: bool = True
     kv_lease_s: float = 30.0
     kv_read_timeout_s: float = 10.0
     tp_size: int = 1
@@ -174,6 +190,7 @@ class EngineCore:
         faults: FaultSettings,
         kv_agent: KVTransferAgent,
         peers: PeerDirectory,
+        publisher: KVEventPublisher | None = None,
     ) -> None:
         self.config = config
         self.generation = generation
@@ -183,7 +200,12 @@ class EngineCore:
         self.pool = kv_agent.pool
         self.peers = peers
         self.layout = KVLayout(generation.model_seed, config.block_size, config.block_bytes)
-        self.allocator = BlockAllocator(config.num_blocks)
+        self.publisher = publisher
+        self.allocator = BlockPool(
+            config.num_blocks,
+            caching=config.enable_prefix_caching,
+            record_events=publisher is not None,
+        )
         self.waiting: deque[SimRequest] = deque()
         self.loading: set[SimRequest] = set()
         self.prefilling: list[SimRequest] = []
@@ -208,6 +230,8 @@ class EngineCore:
     def submit(self, request: SimRequest) -> None:
         request.arrival = time.monotonic()
         request.digest = prompt_digest(self.generation.model_seed, request.prompt)
+        if self.allocator.caching:
+            request.keys = chain_keys(request.prompt, self.config.block_size, request.cache_salt)
         self.waiting.append(request)
         self._refresh_gauges()
         self._wake.set()
@@ -285,6 +309,7 @@ class EngineCore:
                 n = min(len(request.prompt) - request.computed, budget)
                 chunks.append((request, n))
                 budget -= n
+            self._publish_events()
             if not decodes and not chunks:
                 self._wake.clear()
                 await self._wake.wait()
@@ -328,11 +353,21 @@ class EngineCore:
             active = len(self.running) + len(self.prefilling) + len(self.loading)
             if active >= self.config.max_num_seqs:
                 break
-            blocks = self.allocator.allocate(self.blocks_needed(request))
+            # vLLM leaves at least the prompt's last token to compute (it needs its logits).
+            hit = self.allocator.cached_prefix(
+                request.keys[: (len(request.prompt) - 1) // self.config.block_size]
+            )
+            blocks = self.allocator.allocate(self.blocks_needed(request) - len(hit), hit)
             if blocks is None:
                 break
             self.waiting.popleft()
             request.blocks = blocks
+            cached = len(hit) * self.config.block_size
+            request.num_cached_tokens = request.computed = cached
+            if self.allocator.caching:
+                self.allocator.record_lookup(len(request.prompt), cached)
+                self.metrics.get(self.metrics.prefix_cache_queries).inc(len(request.prompt))
+                self.metrics.get(self.metrics.prefix_cache_hits).inc(cached)
             if request.kind is RequestKind.CONSUMER:
                 self.loading.add(request)
                 self._spawn(self._load_remote(request))
@@ -341,9 +376,11 @@ class EngineCore:
         self._refresh_gauges()
 
     def _prefill_done(self, request: SimRequest, now: float) -> None:
-        if request.kind is RequestKind.PRODUCER:
+        if request.kind is RequestKind.PRODUCER or self.allocator.caching:
+            # The prompt's KV, for a reader to pull or a later request to hit.
             n = self.layout.num_blocks(len(request.prompt))
             self.pool[request.blocks[:n]] = self.layout.block_contents(request.prompt)
+            self._cache_blocks(request, request.prompt, request.keys)
         self.running.append(request)
         self._emit_token(request, now)
 
@@ -377,6 +414,7 @@ class EngineCore:
         if request in self.running:
             self.running.remove(request)
         params = None
+        self._cache_output(request)
         if request.kind is RequestKind.PRODUCER and reason == "length" and request.blocks:
             n = self.layout.num_blocks(len(request.prompt))
             held, rest = request.blocks[:n], request.blocks[n:]
@@ -400,7 +438,7 @@ class EngineCore:
                 "pp_size": 1,
                 "remote_num_tokens": len(request.prompt),
                 "remote_blocks_expiry_time": None,
-                "remote_prefill_cached_tokens": 0,
+                "remote_prefill_cached_tokens": request.num_cached_tokens,
                 "transfer_mode": "pull",
             }
         else:
@@ -409,6 +447,35 @@ class EngineCore:
         self.metrics.get(self.metrics.e2e).observe(time.monotonic() - request.arrival)
         self._wake.set()
         return params
+
+    def _cache_blocks(self, request: SimRequest, tokens: list[int], keys: list[int]) -> None:
+        self.allocator.cache(
+            request.blocks, keys, tokens, self.config.block_size, request.cache_salt
+        )
+
+    def _cache_output(self, request: SimRequest) -> None:
+        """Cache the full blocks the answer completed (vLLM caches every full block of
+        computed tokens: the last sampled token has no KV yet)."""
+        if (
+            not self.allocator.caching
+            or not request.blocks
+            or request.computed < len(request.prompt)
+        ):
+            return
+        tokens = request.prompt + request.output[:-1]
+        size = self.config.block_size
+        full = len(tokens) // size
+        if full <= len(request.keys):
+            return
+        keys = list(request.keys)
+        key = keys[-1] if keys else chain_root(request.cache_salt)
+        for i in range(len(keys), full):
+            key = extend_chain(key, tokens[i * size : (i + 1) * size])
+            keys.append(key)
+        contents = self.layout.block_contents(tokens)
+        start = len(request.keys)
+        self.pool[request.blocks[start:full]] = contents[start:full]
+        self._cache_blocks(request, tokens, keys)
 
     def _free(self, request: SimRequest) -> None:
         if request.blocks:
@@ -423,7 +490,7 @@ class EngineCore:
         assert remote is not None
         metrics = self.metrics
         try:
-            result_bytes, seconds = await self._pull(request, remote)
+            result_bytes, seconds, descriptors = await self._pull(request, remote)
         except KVTransferError as exc:
             metrics.get(metrics.nixl_failed_transfers).inc()
             self.peers.invalidate(remote.host, remote.port)
@@ -438,18 +505,20 @@ class EngineCore:
             return
         metrics.get(metrics.nixl_xfer_time).observe(seconds)
         metrics.get(metrics.nixl_bytes).observe(result_bytes)
-        metrics.get(metrics.nixl_descriptors).observe(len(remote.block_ids))
+        metrics.get(metrics.nixl_descriptors).observe(descriptors)
         self.loading.discard(request)
         if request.aborted:
             self._free(request)
             self._refresh_gauges()
             return
         request.computed = len(request.prompt)
+        self._cache_blocks(request, request.prompt, request.keys)
         self.running.append(request)
         self._refresh_gauges()
         self._wake.set()
 
-    async def _pull(self, request: SimRequest, remote: RemoteKV) -> tuple[int, float]:
+    async def _pull(self, request: SimRequest, remote: RemoteKV) -> tuple[int, float, int]:
+        """Pull the prompt's blocks this engine lacks: (bytes, seconds, blocks moved)."""
         timeout = self.config.kv_read_timeout_s
         if self.faults.crash_on_kv_read:
             log.warning("fault injection: crashing on KV read")
@@ -478,9 +547,12 @@ class EngineCore:
                 f"side channel {remote.host}:{remote.port} is engine {peer.engine_id!r},"
                 f" not {remote.engine_id!r}"
             )
+        # As vLLM's NixlConnector: blocks this engine already had cached are not pulled again;
+        # the remote list is end-trimmed to the blocks still missing.
+        hit = request.num_cached_tokens // self.config.block_size
         local = request.blocks[:n]
         result = await self.kv_agent.read(
-            peer, remote.block_ids, local, remote.request_id.encode(), timeout
+            peer, list(remote.block_ids[hit:]), local[hit:], remote.request_id.encode(), timeout
         )
         expected = self.layout.block_contents(request.prompt)
         if not np.array_equal(self.pool[local], expected):
@@ -489,7 +561,7 @@ class EngineCore:
                 f"pulled KV from {remote.engine_id} does not match the prompt"
                 " (blocks freed or overwritten before the read)"
             )
-        return result.num_bytes, result.seconds
+        return result.num_bytes, result.seconds, n - hit
 
     # --- holds -------------------------------------------------------------------------
 
@@ -501,15 +573,30 @@ class EngineCore:
             expired = [rid for rid, hold in self.holds.items() if hold.expires_at <= now]
             for rid in expired:
                 hold = self.holds.pop(rid)
-                # Zero them: a reader that comes late must fail verification, not decode garbage.
-                self.pool[hold.blocks] = 0
                 self.allocator.free(hold.blocks)
+                # Zero them: a reader that comes late must fail verification, not decode garbage.
+                # Blocks another request also holds (a prefix it hit) keep their content.
+                unused = [b for b in hold.blocks if self.allocator.refs(b) == 0]
+                self.allocator.uncache(unused)
+                self.pool[unused] = 0
                 self.metrics.get(self.metrics.nixl_kv_expired).inc()
                 log.warning("KV hold %s expired after %.1f s unpulled", rid, self.config.kv_lease_s)
             if expired:
+                self._publish_events()
                 self._holds_changed()
                 self._refresh_gauges()
                 self._wake.set()
+
+    def _publish_events(self) -> None:
+        """Publish what the prefix cache stored and evicted since the last batch (one batch
+        per step, as vLLM)."""
+        if self.publisher is not None and self.allocator.events:
+            self.publisher.publish(self.allocator.take_events())
+
+    def reset_prefix_cache(self) -> bool:
+        cleared = self.allocator.clear()
+        self._publish_events()
+        return cleared
 
     def _holds_changed(self) -> None:
         self.kv_agent.set_outstanding_holds(len(self.holds))

@@ -23,6 +23,7 @@ def local_fleet_document(
     name: str = "local-sim",
     model_id: str = "moonshotai/Kimi-K3",
     role_control: dict[str, Any] | None = None,
+    kv_event_ports: list[tuple[int, int]] | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """A fleet document for simulated engines on 127.0.0.1 (tests and benchmarks use free ports)."""
@@ -44,6 +45,12 @@ def local_fleet_document(
                 "sim": sims[i],
             }
         )
+        if kv_event_ports is not None:
+            pub, replay = kv_event_ports[i]
+            engines[-1]["kv_events"] = {
+                "endpoint": f"tcp://127.0.0.1:{pub}",
+                "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+            }
     doc: dict[str, Any] = {
         "schema": "narwhal.fleet/v1",
         "name": name,

@@ -80,6 +80,13 @@ class EngineMetrics:
             "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
         )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+        )
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
         self.generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
         )

@@ -49,6 +49,7 @@ class GenerationParams:
     continuous_usage: bool
     return_token_ids: bool
     kv_transfer_params: Any
+    cache_salt: str | None = None
 
 
 def _int_field(body: dict[str, Any], name: str, minimum: int) -> int | None:
@@ -142,6 +143,11 @@ def parse_generation(
         raise ProtocolError(
             "Stream options can only be defined when `stream=True`.", param="stream_options"
         )
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ProtocolError(
+            "Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt"
+        )
     return GenerationParams(
         chat=chat,
         prompt=prompt,
@@ -153,15 +159,20 @@ def parse_generation(
         continuous_usage=bool(options.get("continuous_usage_stats")),
         return_token_ids=_bool_field(body, "return_token_ids"),
         kv_transfer_params=body.get("kv_transfer_params"),
+        cache_salt=salt,
     )
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def _usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None,
+        "prompt_tokens_details": None
+        if cached_tokens is None
+        else {"cached_tokens": cached_tokens},
     }
 
 
@@ -173,6 +184,10 @@ class ResponseBuilder:
     request_id: str
     model: str
     created: int = 0
+    # vLLM's --enable-prompt-tokens-details: usage carries prompt_tokens_details.cached_tokens
+    # (set by the engine once the prompt's cache lookup is done).
+    prompt_tokens_details: bool = False
+    cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.created = int(time.time())
@@ -225,7 +240,7 @@ class ResponseBuilder:
             choices=[choice],
             service_tier=None,
             system_fingerprint=None,
-            usage=_usage(len(p.prompt), len(tokens)),
+            usage=_usage(len(p.prompt), len(tokens), self._cached()),
             prompt_logprobs=None,
             prompt_token_ids=p.prompt if (p.chat and p.return_token_ids) else None,
             kv_transfer_params=kv_transfer_params,
@@ -276,13 +291,17 @@ class ResponseBuilder:
         if p.return_token_ids:
             choice["token_ids"] = tokens
         usage = (
-            _usage(len(p.prompt), completion_tokens)
+            _usage(len(p.prompt), completion_tokens, self._cached())
             if (p.include_usage and p.continuous_usage)
             else None
         )
         return self._chunk([choice], usage)
 
     def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
-        usage = _usage(len(self.params.prompt), completion_tokens)
-        del usage["prompt_tokens_details"]  # vLLM drops None fields from the usage chunk
+        usage = _usage(len(self.params.prompt), completion_tokens, self._cached())
+        if usage["prompt_tokens_details"] is None:
+            del usage["prompt_tokens_details"]  # vLLM drops None fields from the usage chunk
         return self._chunk([], usage)
+
+    def _cached(self) -> int | None:
+        return self.cached_tokens if self.prompt_tokens_details else None

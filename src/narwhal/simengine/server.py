@@ -38,6 +38,7 @@ from narwhal.simengine.engine import (
 )
 from narwhal.simengine.faults import FaultSettings, FaultUpdate
 from narwhal.simengine.generation import GenerationModel
+from narwhal.simengine.kv_events import KVEventPublisher, KVEventsSettings
 from narwhal.simengine.kv_transfer import KVTransferAgent
 from narwhal.simengine.metrics import EngineMetrics
 from narwhal.simengine.protocol import (
@@ -74,6 +75,9 @@ class SimEngineSettings:
     accelerator: str = "simulated"
     admin_token: str | None = None
     faults: FaultSettings = field(default_factory=FaultSettings)
+    # vLLM's --enable-prompt-tokens-details and --kv-events-config.
+    prompt_tokens_details: bool = False
+    kv_events: KVEventsSettings | None = None
 
     def declared_config_sha256(self) -> str:
         if self.config_sha256:
@@ -149,6 +153,10 @@ def build_app(settings: SimEngineSettings) -> Starlette:
         )
         await loop.run_in_executor(None, agent.start, loop)
         state.kv_agent = agent
+        publisher = None
+        if settings.kv_events is not None:
+            publisher = KVEventPublisher(settings.kv_events)
+            publisher.start()
         state.core = EngineCore(
             cfg,
             GenerationModel(vocab, cfg.model_seed, cfg.eos_prob),
@@ -156,6 +164,7 @@ def build_app(settings: SimEngineSettings) -> Starlette:
             faults,
             agent,
             PeerDirectory(timeout=min(5.0, cfg.kv_read_timeout_s)),
+            publisher,
         )
         state.side_channel = await serve_side_channel(
             cfg.nixl_host,
@@ -170,6 +179,8 @@ def build_app(settings: SimEngineSettings) -> Starlette:
             state.side_channel.close()
             await state.core.close()
             agent.close()
+            if publisher is not None:
+                await publisher.close()
 
     def core() -> EngineCore:
         assert state.core is not None
@@ -339,6 +350,14 @@ def build_app(settings: SimEngineSettings) -> Starlette:
             }
         )
 
+    async def reset_prefix_cache(request: Request) -> Response:
+        # vLLM's (dev-mode) endpoint: refused while any block is in use.
+        if not core().reset_prefix_cache():
+            return _error(
+                "Failed to reset prefix cache: blocks are in use", "ServiceUnavailable", 503
+            )
+        return Response(status_code=200)
+
     async def completions(request: Request) -> Response:
         return await generate(request, chat=False)
 
@@ -364,7 +383,12 @@ def build_app(settings: SimEngineSettings) -> Starlette:
             return _error(
                 "request needs more KV blocks than the engine has", "BadRequestError", 400
             )
-        builder = ResponseBuilder(params, base_id, cfg.served_model_name)
+        builder = ResponseBuilder(
+            params,
+            base_id,
+            cfg.served_model_name,
+            prompt_tokens_details=settings.prompt_tokens_details,
+        )
         core().submit(sim_request)
         if params.stream:
             return DisconnectAwareStreamingResponse(
@@ -398,6 +422,7 @@ def build_app(settings: SimEngineSettings) -> Starlette:
         Route("/sim/faults", set_faults, methods=["POST"]),
         Route("/sim/faults", clear_faults, methods=["DELETE"]),
         Route("/sim/state", sim_state, methods=["GET"]),
+        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.sim = state
@@ -437,8 +462,11 @@ def _new_request(
             kind = RequestKind.CONSUMER
     elif kv is not None and not isinstance(kv, dict):
         log.warning("request %s: kv_transfer_params is not an object; ignored", base_id)
+    remote_cached = kv.get("remote_prefill_cached_tokens") if remote is not None else None
     return SimRequest(
         request_id=core.new_request_id(base_id),
+        cache_salt=params.cache_salt,
+        remote_cached_tokens=remote_cached if isinstance(remote_cached, int) else None,
         prompt=params.prompt,
         max_tokens=params.max_tokens,
         min_tokens=params.min_tokens,
@@ -477,6 +505,7 @@ async def _collect(
         if isinstance(event, ErrorEvent):
             return _error(event.message, event.type, event.status)
         tokens.append(event.token)
+        builder.cached_tokens = request.reported_cached_tokens
         if faults.crash_after_tokens is not None and len(tokens) >= faults.crash_after_tokens:
             os._exit(CRASH_EXIT_CODE)
         if event.finish_reason is not None:
@@ -504,6 +533,7 @@ async def _stream(
                 role_sent = True
                 yield _sse(builder.role_chunk())
             sent += 1
+            builder.cached_tokens = request.reported_cached_tokens
             yield _sse(
                 builder.token_chunk(
                     vocab.token_text(event.token), [event.token], event.finish_reason, sent

@@ -173,8 +173,12 @@ class SimFleet:
 
 def write_local_fleet(path: Path, engines: int, **document: Any) -> dict[str, Any]:
     """``local_fleet_document`` for ``engines`` engines on free ports, written to ``path``."""
-    ports = free_ports(2 * engines)
-    doc = local_fleet_document(ports[:engines], ports[engines:], **document)
+    kv_events = document.pop("kv_events", False)
+    ports = free_ports(4 * engines if kv_events else 2 * engines)
+    if kv_events:
+        events = ports[2 * engines :]
+        document["kv_event_ports"] = list(zip(events[::2], events[1::2], strict=True))
+    doc = local_fleet_document(ports[:engines], ports[engines : 2 * engines], **document)
     path.write_text(json.dumps(doc, indent=2))
     return doc
 

@@ -1,0 +1,291 @@
+"""vLLM's KV cache events on the wire, and the router's subscription to one engine's stream.
+
+vLLM (``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", ...}'``,
+``vllm/distributed/kv_events.py``) publishes one ``KVEventBatch`` per engine step on a ZMQ PUB
+socket as three frames: topic, an 8-byte big-endian sequence number, and the msgpack body
+(msgspec: the batch an array ``[ts, events, data_parallel_rank]``, each event a map tagged
+``"type": "BlockStored" | "BlockRemoved" | "AllBlocksCleared"``). Its ROUTER replay socket
+answers a start sequence number (8 bytes, big-endian) with every buffered batch from it as
+``(topic, seq, payload)`` and then an end marker (sequence -1, empty payload).
+
+``KVEventBatch`` and its events below are vLLM 0.32's structs field for field (what the
+simulated engine publishes); ``decode_batch`` reads any vLLM's batches leniently (a field this
+version lacks or adds is no reason to drop an engine's events). ``KVEventSubscriber`` keeps an
+engine's stream in order: a gap in the sequence is replayed from the engine's buffer; what
+cannot be replayed, and an engine whose sequence starts over (a restart), reset the engine's
+entries (``on_reset``), so the index under-reports rather than claims blocks an engine lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+__all__ = [
+    "END_SEQ",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "KVEventBatch",
+    "KVEventSubscriber",
+    "RemovedBlocks",
+    "StoredBlocks",
+    "decode_batch",
+    "encode_batch",
+]
+
+log = logging.getLogger(__name__)
+
+END_SEQ = -1
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of the KV cache events (msgspec tags each with its class name)."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode_batch(batch: KVEventBatch) -> bytes:
+    return _ENCODER.encode(batch)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBlocks:
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    salt: str | None  # the cache_salt of block 0 (vLLM: in its extra keys)
+
+
+@dataclass(frozen=True, slots=True)
+class RemovedBlocks:
+    block_hashes: list[bytes | int]
+
+
+ReadEvent = StoredBlocks | RemovedBlocks | None  # None: AllBlocksCleared
+
+
+def decode_batch(payload: bytes) -> tuple[float, list[ReadEvent]]:
+    """A batch's time stamp and events in order; raises ValueError for a body that is not a KV event batch.
+    Events of other media than the GPU's (CPU offload tiers) or kinds it does not know are
+    skipped: the index is of what an engine can hit without a load."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"not msgpack: {exc}") from None
+    if (
+        not isinstance(raw, list)
+        or len(raw) < 2
+        or not isinstance(raw[0], int | float)
+        or not isinstance(raw[1], list)
+    ):
+        raise ValueError("not a KVEventBatch ([ts, events, ...])")
+    out: list[ReadEvent] = []
+    for event in raw[1]:
+        if not isinstance(event, dict):
+            raise ValueError("a KV event is not a map")
+        kind = event.get("type")
+        medium = event.get("medium")
+        if medium not in (None, "GPU"):
+            continue
+        if kind == "BlockStored":
+            extra = event.get("extra_keys") or []
+            salt = None
+            if extra and isinstance(extra[0], list | tuple):
+                strings = [k for k in extra[0] if isinstance(k, str)]
+                salt = strings[-1] if strings else None
+            out.append(
+                StoredBlocks(
+                    list(event["block_hashes"]),
+                    event.get("parent_block_hash"),
+                    list(event["token_ids"]),
+                    int(event["block_size"]),
+                    salt,
+                )
+            )
+        elif kind == "BlockRemoved":
+            out.append(RemovedBlocks(list(event["block_hashes"])))
+        elif kind == "AllBlocksCleared":
+            out.append(None)
+    return float(raw[0]), out
+
+
+class KVEventSubscriber:
+    """One engine's KV event stream, delivered in sequence order to ``on_events``.
+
+    ``on_reset`` is called when the engine's past entries can no longer be trusted: a gap that
+    the replay socket cannot fill (or no replay socket), or a sequence that starts again from 0
+    (the engine restarted). ``on_events`` gets each batch's events in order."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        endpoint: str,
+        replay_endpoint: str | None,
+        topic: str,
+        on_events: Callable[[list[ReadEvent]], None],
+        on_reset: Callable[[], None],
+        replay_timeout_s: float = 2.0,
+    ) -> None:
+        self.engine_id = engine_id
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic.encode()
+        self.on_events = on_events
+        self.on_reset = on_reset
+        self.replay_timeout_s = replay_timeout_s
+        self.next_seq: int | None = None
+        self.last_ts = float("-inf")  # the last delivered batch's time stamp
+        self.batches = 0
+        self.gaps = 0
+        self.resets = 0
+        self.bad_payloads = 0
+        self._ctx = zmq.asyncio.Context.instance()
+
+    async def run(self) -> None:
+        """Subscribe and deliver until cancelled."""
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.connect(self.endpoint)
+        try:
+            while True:
+                frames = await sub.recv_multipart()
+                if len(frames) != 3:
+                    self.bad_payloads += 1
+                    continue
+                _, seq_bytes, payload = frames
+                await self._receive(int.from_bytes(seq_bytes, "big", signed=True), payload)
+        finally:
+            sub.close(linger=0)
+
+    async def _receive(self, seq: int, payload: bytes) -> None:
+        expected = self.next_seq
+        if expected is not None and seq < expected:
+            # Either already delivered (a replay overlapped the live stream) or a new sequence
+            # from a restarted engine: a batch stamped after the last one delivered.
+            try:
+                ts, _ = decode_batch(payload)
+            except ValueError:
+                return
+            if ts <= self.last_ts:
+                return
+            self._reset("its event sequence started over (an engine restart)")
+            expected = self.next_seq = None
+        if expected is None:
+            # The first batch of a stream: what the engine published before it (a slow
+            # joiner, a router started after the engine) comes from the replay buffer.
+            if seq > 0:
+                await self._replay_from(0, seq, complete_required=False)
+        elif seq > expected:
+            self.gaps += 1
+            await self._replay_from(expected, seq, complete_required=True)
+        self._deliver(seq, payload)
+
+    def _deliver(self, seq: int, payload: bytes) -> None:
+        if self.next_seq is not None and seq < self.next_seq:
+            return
+        try:
+            ts, events = decode_batch(payload)
+        except ValueError as exc:
+            self.bad_payloads += 1
+            log.warning("engine %s: KV event batch %d unreadable: %s", self.engine_id, seq, exc)
+            self._reset("a batch could not be read")
+            self.next_seq = seq + 1
+            return
+        self.next_seq = seq + 1
+        self.last_ts = max(self.last_ts, ts)
+        self.batches += 1
+        self.on_events(events)
+
+    def _reset(self, why: str) -> None:
+        self.resets += 1
+        log.warning("engine %s: KV event index reset: %s", self.engine_id, why)
+        self.on_reset()
+
+    async def _replay_from(self, start: int, live_seq: int, complete_required: bool) -> None:
+        """Deliver the batches ``start .. live_seq-1`` from the engine's replay buffer. When
+        the engine's earlier entries were relied on (``complete_required``) and the buffer
+        cannot supply them all, reset instead: the stream counts again from ``live_seq``."""
+        got = await self._fetch_replay(start) if self.replay_endpoint else None
+        wanted = sorted((s, p) for s, p in (got or []) if start <= s < live_seq)
+        complete = [s for s, _ in wanted] == list(range(start, live_seq))
+        if complete or not complete_required:
+            for s, p in wanted:
+                self._deliver(s, p)
+        else:
+            self._reset(f"events {start}..{live_seq - 1} lost and not replayable")
+            self.next_seq = None
+
+    async def _fetch_replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        assert self.replay_endpoint is not None
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.replay_endpoint)
+        out: list[tuple[int, bytes]] = []
+        try:
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            async with asyncio.timeout(self.replay_timeout_s):
+                while True:
+                    frames = await dealer.recv_multipart()
+                    if len(frames) != 4:  # b"", topic, seq, payload
+                        return None
+                    seq = int.from_bytes(frames[2], "big", signed=True)
+                    if seq == END_SEQ:
+                        return out
+                    out.append((seq, frames[3]))
+        except TimeoutError:
+            log.warning("engine %s: KV event replay timed out", self.engine_id)
+            return None
+        finally:
+            with contextlib.suppress(zmq.ZMQError):
+                dealer.close(linger=0)

@@ -1,0 +1,159 @@
+"""Prefix keys, the router's prefix index and the simulated engine's block pool (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from narwhal.routing.prefix import PrefixIndex, chain_keys, chain_root, extend_chain
+from narwhal.simengine.kv_blocks import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored
+
+BS = 4
+
+
+def test_chain_keys_are_prefix_keys() -> None:
+    a = chain_keys(list(range(10)), BS)
+    b = chain_keys([*range(8), 99, 98, 97, 96], BS)
+    assert len(a) == 2 and len(b) == 3  # the partial last block is not keyed
+    assert a == b[:2]
+    assert chain_keys([*range(4), 7, *range(5, 8)], BS)[0] == a[0]
+    assert chain_keys([*range(4), 7, *range(5, 8)], BS)[1] != a[1]
+    # Block i's key depends on every block before it, not only on its own tokens.
+    assert chain_keys([9, 9, 9, 9, 4, 5, 6, 7], BS)[1] != a[1]
+    # A salt changes every key.
+    assert chain_keys(list(range(8)), BS, salt="s")[0] != a[0]
+    assert extend_chain(chain_root("s"), [0, 1, 2, 3]) == chain_keys(list(range(8)), BS, "s")[0]
+    with pytest.raises(ValueError):
+        chain_keys([1], 0)
+
+
+def index(ttl: float = 10.0) -> PrefixIndex:
+    idx = PrefixIndex(BS, history_ttl_s=ttl)
+    for e in ("p0", "p1", "d0"):
+        idx.add_engine(e, capacity_blocks=100)
+    return idx
+
+
+def test_match_counts_leading_blocks_per_engine() -> None:
+    idx = index()
+    keys = chain_keys(list(range(20)), BS)  # 5 blocks
+    idx.record_routed("p0", keys[:3], now=0.0)
+    idx.record_routed("p1", keys, now=0.0)
+    idx.record_routed("d0", keys[1:], now=0.0)  # holds no block 0: matches nothing
+    assert idx.match(keys, now=1.0) == {"p0": 3, "p1": 5}
+    assert idx.match(chain_keys([7, *range(1, 20)], BS), now=1.0) == {}
+    assert idx.match([], now=1.0) == {}
+
+
+def test_history_entries_expire_and_are_bounded_by_capacity() -> None:
+    idx = index(ttl=10.0)
+    keys = chain_keys(list(range(40)), BS)  # 10 blocks
+    idx.record_routed("p0", keys, now=0.0)
+    assert idx.match(keys, now=9.9) == {"p0": 10}
+    assert idx.match(keys, now=10.0) == {}
+    idx.record_routed("p0", keys[:2], now=20.0)  # expired entries are dropped on write
+    assert idx.blocks_held("p0") == 2
+    idx.add_engine("p0", capacity_blocks=3)
+    idx.record_routed("p0", keys[:6], now=21.0)
+    # Least recently used first out: the deepest blocks of the last prompt stay.
+    assert idx.blocks_held("p0") == 3
+    assert idx.match(keys, now=22.0) == {}
+
+
+def test_published_events_place_blocks_by_their_tokens() -> None:
+    idx = index()
+    tokens = list(range(12))
+    keys = chain_keys(tokens, BS)
+    idx.set_precise("p0", True)
+    # The engine's own hashes are opaque (bytes here, as vLLM's sha256 default).
+    assert idx.stored("p0", [b"h0", b"h1"], None, tokens[:8], BS)
+    assert idx.stored("p0", [b"h2"], b"h1", tokens[8:12], BS)
+    assert idx.match(keys, now=1e9) == {"p0": 3}  # published entries do not expire
+    idx.record_routed("p0", chain_keys(list(range(100, 120)), BS), now=0.0)  # ignored
+    assert idx.blocks_held("p0") == 3
+    idx.removed("p0", [b"h1"])
+    assert idx.match(keys, now=0.0) == {"p0": 1}
+    idx.removed("p0", [b"unknown"])
+    # A parent never seen stored (a lost event) cannot be placed.
+    assert not idx.stored("p0", [b"h9"], b"lost", tokens[:4], BS)
+    # Another block size cannot be placed either.
+    assert not idx.stored("p0", [b"h8"], None, tokens[:8], 8)
+    idx.clear("p0")
+    assert idx.match(keys, now=0.0) == {}
+    assert idx.blocks_held("p0") == 0
+
+
+def test_salted_prompts_match_only_their_salt() -> None:
+    idx = index()
+    tokens = list(range(8))
+    idx.set_precise("p0", True)
+    assert idx.stored("p0", [1, 2], None, tokens, BS, salt="tenant-a")
+    assert idx.match(chain_keys(tokens, BS, salt="tenant-a"), 0.0) == {"p0": 2}
+    assert idx.match(chain_keys(tokens, BS), 0.0) == {}
+
+
+def test_switching_an_engine_to_events_forgets_its_history() -> None:
+    idx = index()
+    keys = chain_keys(list(range(8)), BS)
+    idx.record_routed("p0", keys, now=0.0)
+    idx.set_precise("p0", True)
+    assert idx.match(keys, now=1.0) == {}
+    assert idx.is_precise("p0") and not idx.is_precise("p1")
+    with pytest.raises(KeyError):
+        idx.record_routed("nope", keys, now=0.0)
+
+
+# --- BlockPool ------------------------------------------------------------------------------
+
+
+def test_block_pool_hits_evicts_and_reports_events() -> None:
+    pool = BlockPool(3, caching=True, record_events=True)
+    tokens = list(range(8))
+    keys = chain_keys(tokens, BS)
+    a = pool.allocate(2)
+    assert a is not None
+    assert pool.cache(a, keys, tokens, BS) == [0, 1]
+    (stored,) = pool.take_events()
+    assert isinstance(stored, BlockStored)
+    assert stored.block_hashes == keys and stored.parent_block_hash is None
+    assert stored.token_ids == tokens and stored.block_size == BS
+    pool.free(a)
+    assert pool.num_free == 3 and pool.num_cached == 2  # free, yet still cached
+    hit = pool.cached_prefix(keys)
+    assert hit == a
+    b = pool.allocate(1, hit)
+    assert b is not None and b[:2] == a and pool.num_free == 0
+    pool.free(b)
+    # Two new blocks: the free queue's head goes first. b was freed last block first, so
+    # b[2] (uncached) and then a[1] (block 1 of the prompt) are taken: block 0 stays.
+    c = pool.allocate(2)
+    assert c is not None and set(c) == {b[2], a[1]}
+    events = pool.take_events()
+    assert events == [BlockRemoved([keys[1]])]
+    assert pool.cached_prefix(keys) == [a[0]]
+    pool.free(c)
+    assert pool.clear() and pool.take_events() == [AllBlocksCleared()]
+    assert pool.cached_prefix(keys) == []
+
+
+def test_block_pool_all_or_nothing_counts_reclaimed_hits() -> None:
+    pool = BlockPool(3, caching=True)
+    keys = chain_keys(list(range(8)), BS)
+    a = pool.allocate(2)
+    assert a is not None
+    pool.cache(a, keys, list(range(8)), BS)
+    pool.free(a)
+    # Taking the two cached blocks back leaves one free block: two more do not fit.
+    assert pool.allocate(2, a) is None and pool.num_free == 3
+    assert pool.allocate(1, a) is not None and pool.num_free == 0
+    assert pool.events == []  # nothing recorded without a publisher
+    with pytest.raises(ValueError):
+        pool.free([0, 0, 0, 0])
+
+
+def test_block_pool_without_caching_never_hits() -> None:
+    pool = BlockPool(4, caching=False)
+    keys = chain_keys(list(range(8)), BS)
+    a = pool.allocate(2)
+    assert a is not None and pool.cache(a, keys, list(range(8)), BS) == []
+    pool.free(a)
+    assert pool.cached_prefix(keys) == []
