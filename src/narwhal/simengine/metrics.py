@@ -159,6 +159,8 @@ class EngineMetrics:
             self.num_requests_waiting,
             self.kv_cache_usage_perc,
             self.prompt_tokens,
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
             self.generation_tokens,
             self.ttft,
             self.itl,
