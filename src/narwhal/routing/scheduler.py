@@ -502,18 +502,24 @@ class SchedulerV1:
         floor = top - margin
         if top >= 0:
             floor = max(floor, 0.0)
-        # Of those within ``margin`` of the best: the least loaded, then the most slack, then
-        # the first engine id (the first such candidate on a full tie, as min() with that key).
+        # Of those within ``margin`` of the best: the least loaded, then (with a prefix) the
+        # one holding more of it (fewer blocks to move), then the most slack, then the first
+        # engine id (the first such candidate on a full tie, as min() with that key).
         best_c = None
         for c in candidates:
             if not c[0] >= floor:
                 continue
-            if (
-                best_c is None
-                or c[1] < best_c[1]
-                or (c[1] == best_c[1] and (-c[0], c[2].id) < (-best_c[0], best_c[2].id))
-            ):
+            if best_c is None or c[1] < best_c[1]:
                 best_c = c
+            elif c[1] == best_c[1]:
+                if hits:
+                    held, best_held = hits.get(c[2].id, 0), hits.get(best_c[2].id, 0)
+                    if held != best_held:
+                        if held > best_held:
+                            best_c = c
+                        continue
+                if (-c[0], c[2].id) < (-best_c[0], best_c[2].id):
+                    best_c = c
         assert best_c is not None
         slack, _, d, (_, p_id, prefill_s, _), ttft, tpot = best_c
         pair = Pair(p_id, d.id, slack, ttft, tpot, prefill_s)

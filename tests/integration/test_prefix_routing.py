@@ -1,0 +1,165 @@
+"""KV-cache-aware routing through narwhal-serve on a live simulated fleet (issue 19): a request
+sharing a long prefix with an earlier one goes to the engines holding it, whether the index
+learns from the engines' KV events or from the router's own routing history, and an engine
+that publishes nothing leaves routing correct. The journal and metrics carry predicted and
+engine-reported cached tokens."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from narwhal.testing.fleet import SimFleet
+from narwhal.testing.ports import free_ports
+from narwhal.testing.procs import wait_until
+from tests.helpers import MODEL, RouterProcess, admin, metric, running_fleet, running_router
+from tests.integration.test_profile_v1 import profile, write_limits
+
+pytestmark = pytest.mark.slow
+
+PREFIX_TOKENS = 2048  # 128 blocks of 16
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SimFleet, Path]]:
+    """Four engines (e0, e1 prefill; e2, e3 decode) publishing KV events, and their profile."""
+    directory = tmp_path_factory.mktemp("prefix-routing")
+    sim = {"time_scale": 10.0, "enable_prompt_tokens_details": True}
+    with running_fleet(directory, 4, sim=sim, kv_events=True) as fleet:
+        store = directory / "store.json"
+        r = profile(
+            fleet.fleet_path,
+            write_limits(directory),
+            store,
+            prefill_lens="256,1024,4096",
+            decode_lens="512",
+        )
+        assert r.returncode == 0, r.stderr
+        yield fleet, store
+
+
+def prompt(base: int, tail: int) -> list[int]:
+    """A shared prefix (by ``base``) and a tail of its own (by ``tail``)."""
+    head = [300 + (base * 7919 + i * 37) % 9000 for i in range(PREFIX_TOKENS)]
+    return head + [9400 + (tail * 13 + i) % 500 for i in range(40)]
+
+
+def post(router: RouterProcess, ids: list[int], stream: bool = False) -> dict[str, Any]:
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 4, "ignore_eos": True, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    r = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    rid = r.headers["x-request-id"]
+    assert wait_until(lambda: rid in router.ends(), 10)
+    return router.ends()[rid]
+
+
+def routed_by_prefix(router: RouterProcess, fleet: SimFleet, base: int) -> list[dict[str, Any]]:
+    """Two prefixes sent at once, their prefill legs held open for a moment (so the second
+    sees the first's engine busy and takes the other), then a request sharing each prefix, one
+    after the other on an idle fleet: a cache-blind pick sends both of these to the same
+    engine, whichever its profile reads faster."""
+    for engine in ("e0", "e1"):
+        admin(fleet.engines[engine].url, body={"stall_first_token_s": 0.5})
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(post, router, prompt(base, 0))
+            time.sleep(0.2)
+            firsts = [first.result(), post(router, prompt(base + 1, 0))]
+    finally:
+        for engine in ("e0", "e1"):
+            admin(fleet.engines[engine].url, "DELETE")
+    assert {e["prefill_engine"] for e in firsts} == {"e0", "e1"}, firsts
+    seconds = [post(router, prompt(b, 1), stream=b % 2 == 0) for b in (base, base + 1)]
+    engines = [(e["prefill_engine"], e["decode_engine"]) for e in firsts]
+    assert [(e["prefill_engine"], e["decode_engine"]) for e in seconds] == engines, seconds
+    for second in seconds:
+        assert second["outcome"] == "ok", second
+        # The engine's own report: the whole prefix came from its cache, as predicted.
+        assert second["cached_tokens_reported"] == PREFIX_TOKENS
+        assert second["cached_tokens_predicted"] == PREFIX_TOKENS
+        # The decode engine held the prefix too: only the tail's blocks move.
+        assert second["kv_blocks_predicted"] == -(-(PREFIX_TOKENS + 40) // 16) - 128
+    return firsts + seconds
+
+
+def test_requests_follow_their_prefix_learnt_from_kv_events(stack: tuple[SimFleet, Path]) -> None:
+    fleet, store = stack
+    directory = fleet.fleet_path.parent / "events"
+    directory.mkdir()
+    with running_router(directory, fleet.fleet_path, "--profiles", str(store)) as router:
+        routed_by_prefix(router, fleet, base=10)
+        metrics = router.metrics()
+    for engine in ("e0", "e1"):
+        assert metric(metrics, "narwhal_kv_event_batches_total", engine=engine) > 0
+        assert metric(metrics, "narwhal_prefix_index_blocks", engine=engine) >= 128
+        assert metric(metrics, "narwhal_kv_event_resets_total", engine=engine) == 0
+        reported = metric(
+            metrics, "narwhal_prefix_cached_tokens_total", engine=engine, source="reported"
+        )
+        predicted = metric(
+            metrics, "narwhal_prefix_cached_tokens_total", engine=engine, source="predicted"
+        )
+        assert reported == predicted == PREFIX_TOKENS
+        assert metric(metrics, "narwhal_prefix_prompt_tokens_total", engine=engine) == 2 * (
+            PREFIX_TOKENS + 40
+        )
+
+
+def _fleet_copy(fleet: SimFleet, directory: Path, events: dict[str, Any] | None) -> Path:
+    """The fleet file with the engines' ``kv_events`` replaced (None: removed)."""
+    doc = json.loads(fleet.fleet_path.read_text())
+    for engine in doc["engines"]:
+        engine.pop("kv_events", None)
+        if events is not None and engine["id"] in events:
+            engine["kv_events"] = events[engine["id"]]
+    path = directory / "fleet.json"
+    path.write_text(json.dumps(doc, indent=2))
+    return path
+
+
+def test_without_events_routing_history_serves(stack: tuple[SimFleet, Path]) -> None:
+    fleet, store = stack
+    directory = fleet.fleet_path.parent / "history"
+    directory.mkdir()
+    path = _fleet_copy(fleet, directory, None)
+    with running_router(
+        directory, path, "--profiles", str(store), "--skip-qualification"
+    ) as router:
+        routed_by_prefix(router, fleet, base=20)
+        metrics = router.metrics()
+    assert metric(metrics, "narwhal_kv_event_batches_total") == 0
+
+
+def test_an_engine_that_publishes_nothing_leaves_routing_correct(
+    stack: tuple[SimFleet, Path],
+) -> None:
+    """e0's events go to a port nobody publishes on: its entries come from routing history;
+    e1's from its events. Both prefixes still find their engines, nothing fails."""
+    fleet, store = stack
+    directory = fleet.fleet_path.parent / "silent"
+    directory.mkdir()
+    original = json.loads(fleet.fleet_path.read_text())
+    events = {e["id"]: e["kv_events"] for e in original["engines"]}
+    dead, dead_replay = free_ports(2)
+    events["e0"] = {
+        "endpoint": f"tcp://127.0.0.1:{dead}",
+        "replay_endpoint": f"tcp://127.0.0.1:{dead_replay}",
+    }
+    path = _fleet_copy(fleet, directory, events)
+    with running_router(
+        directory, path, "--profiles", str(store), "--skip-qualification"
+    ) as router:
+        ends = routed_by_prefix(router, fleet, base=30)
+        metrics = router.metrics()
+    assert all(e["outcome"] == "ok" for e in ends)
+    assert metric(metrics, "narwhal_kv_event_batches_total", engine="e0") == 0
+    assert metric(metrics, "narwhal_kv_event_batches_total", engine="e1") > 0

@@ -1,0 +1,137 @@
+"""Cache-aware scheduling (scheduler v1 with the prefix index): a cached prefix is predicted
+as the prefill it saves and the blocks it spares the handoff, and it competes against queueing
+honestly; the lifecycle records where it sent each prompt."""
+
+from __future__ import annotations
+
+import pytest
+
+from narwhal.clock import VirtualClock
+from narwhal.contract import Budgets, parse_fleet
+from narwhal.profiles.models import DecodeLatencyModel, PrefillLatencyModel
+from narwhal.profiles.store import EngineModels
+from narwhal.routing.admission import Admit
+from narwhal.routing.fleet_state import FleetState
+from narwhal.routing.lifecycle import Lifecycle
+from narwhal.routing.predictor import LatencyPredictor
+from narwhal.routing.prefix import chain_keys, prompt_keys, text_keys
+from narwhal.routing.scheduler import Pair, RequestShape, SchedulerV1
+from narwhal.simengine.fleet import local_fleet_document
+
+PROMPT = 4000
+KEYS = tuple(chain_keys(list(range(PROMPT)), 16))  # 250 full blocks
+
+
+def models() -> EngineModels:
+    return EngineModels(
+        prefill=PrefillLatencyModel(0.01, 1e-4, 0.0, 128, 8192),
+        decode=DecodeLatencyModel(0.04, 0.002, 0.0, 8, 8192),
+        generation="g",
+    )
+
+
+def state(clock: VirtualClock, **routing: object) -> FleetState:
+    doc = local_fleet_document(
+        list(range(9000, 9004)),
+        list(range(9100, 9104)),
+        ttft_s=2.0,
+        tpot_s=0.1,
+        first_token_timeout_s=1.0,
+    )
+    if routing:
+        doc["routing"] = routing
+    fleet = FleetState(parse_fleet(doc, "t").contract, clock)
+    for e in fleet.engines.values():
+        e.healthy = True
+    return fleet
+
+
+def scheduler() -> SchedulerV1:
+    return SchedulerV1(
+        LatencyPredictor({f"e{i}": models() for i in range(4)}, default_transfer_s=0.02),
+        Budgets(ttft_s=2.0, tpot_s=0.1, attainment=0.95),
+    )
+
+
+def test_a_cached_prefix_is_the_prefill_it_saves_and_the_blocks_it_spares() -> None:
+    clock = VirtualClock(0.0)
+    fleet = state(clock)
+    index = fleet.prefix_index
+    assert index is not None
+    index.record_routed("e1", KEYS[:200], 0.0)  # 3,200 tokens of the prompt on e1
+    index.record_routed("e3", KEYS, 0.0)  # the whole prompt on e3
+    pick = scheduler().pick(fleet, RequestShape(prompt_tokens=PROMPT, max_tokens=10, prefix=KEYS))
+    assert isinstance(pick, Pair)
+    assert (pick.prefill, pick.decode) == ("e1", "e3")
+    assert pick.cached_tokens == 3200
+    assert pick.decode_cached_tokens == PROMPT - 1  # an engine always computes the last token
+    # 800 tokens computed instead of 4,000: 0.01 + 1e-4 * 800.
+    assert pick.predicted_prefill_s == pytest.approx(0.09)
+    # The handoff moves what e3 lacks: 1 token's worth of the learnt 0.02 s.
+    assert pick.predicted_ttft_s == pytest.approx(0.09 + 0.02 / PROMPT + 0.042)
+    blind = scheduler().pick(fleet, RequestShape(prompt_tokens=PROMPT, max_tokens=10))
+    assert isinstance(blind, Pair)
+    assert blind.predicted_prefill_s == pytest.approx(0.41) and blind.cached_tokens == 0
+
+
+def test_affinity_loses_to_a_less_loaded_engine_when_the_queue_costs_more() -> None:
+    clock = VirtualClock(0.0)
+    fleet = state(clock)
+    assert fleet.prefix_index is not None
+    fleet.prefix_index.record_routed("e1", KEYS, 0.0)
+    shape = RequestShape(prompt_tokens=PROMPT, max_tokens=10, prefix=KEYS)
+    # e1's queue (0.3 s) is less than the 0.4 s its cache saves: e1.
+    fleet.engines["e1"].prefill_work["q"] = (0.3, 0.0)
+    pick = scheduler().pick(fleet, shape)
+    assert isinstance(pick, Pair) and pick.prefill == "e1"
+    # 0.6 s queued there is more than it saves: e0, cold and idle.
+    fleet.engines["e1"].prefill_work["q"] = (0.6, 0.0)
+    pick = scheduler().pick(fleet, shape)
+    assert isinstance(pick, Pair) and (pick.prefill, pick.cached_tokens) == ("e0", 0)
+
+
+def test_routing_prefix_off_or_caching_off_is_cache_blind() -> None:
+    clock = VirtualClock(0.0)
+    assert state(clock, prefix={"enabled": False}).prefix_index is None
+    doc = local_fleet_document([9000, 9001], [9100, 9101])
+    doc["engine"]["prefix_caching"] = {"enabled": False}
+    assert FleetState(parse_fleet(doc, "t").contract, clock).prefix_index is None
+
+
+def test_the_lifecycle_records_both_engines_of_a_handoff() -> None:
+    clock = VirtualClock(0.0)
+    fleet = state(clock)
+    lifecycle = Lifecycle(fleet, scheduler())
+    ticket = lifecycle.arrive("r1", max_tokens=10, prompt_tokens=PROMPT, prefix=KEYS)
+    verdict = lifecycle.admit(ticket)
+    assert isinstance(verdict, Admit)
+    assert fleet.prefix_index is not None
+    held = fleet.prefix_index.match(KEYS, clock.now())
+    assert held == {verdict.pair.prefill: 250, verdict.pair.decode: 250}
+    # Once it is done, the next request with that prefix is predicted as a hit on both.
+    clock.advance(0.5)
+    lifecycle.prefill_done(ticket, "ok", prompt_tokens=PROMPT)
+    lifecycle.first_token(ticket)
+    clock.advance(0.5)
+    lifecycle.finished(ticket, completion_tokens=10, complete=True)
+    second = lifecycle.arrive("r2", max_tokens=10, prompt_tokens=PROMPT, prefix=KEYS)
+    again = lifecycle.admit(second)
+    assert isinstance(again, Admit) and again.pair.cached_tokens == PROMPT - 1
+
+
+def test_prompt_keys_of_client_requests() -> None:
+    ids = list(range(100))
+    assert prompt_keys({"prompt": ids}, False, 16) == tuple(chain_keys(ids, 16))
+    assert prompt_keys({"prompt": ids, "cache_salt": "t"}, False, 16) == tuple(
+        chain_keys(ids, 16, "t")
+    )
+    text = "x" * 200  # 3 blocks of 64 bytes
+    assert len(prompt_keys({"prompt": text}, False, 16)) == 3
+    assert prompt_keys({"prompt": [ids, ids]}, False, 16) == ()  # a batch: no one prefix
+    system = {"role": "system", "content": "s" * 100}
+    chat = {"messages": [system, {"role": "user", "content": "u"}]}
+    longer = {"messages": [*chat["messages"], {"role": "user", "content": "more" * 40}]}
+    a, b = prompt_keys(chat, True, 16), prompt_keys(longer, True, 16)
+    assert a and b[: len(a)] == a  # a conversation's next turn extends its prefix
+    # Text keys never match token keys, whatever the bytes.
+    assert not set(text_keys([text], 16)) & set(chain_keys(list(text.encode()), 16))
