@@ -116,8 +116,8 @@ ReadEvent = StoredBlocks | RemovedBlocks | None  # None: AllBlocksCleared
 
 def decode_batch(payload: bytes) -> tuple[float, list[ReadEvent]]:
     """A batch's time stamp and events in order; raises ValueError for a body that is not a KV
-    event batch. Events of other media than the GPU's (CPU offload tiers) or kinds it does not know are
-    skipped: the index is of what an engine can hit without a load."""
+    event batch. Events of other media than the GPU's (CPU offload tiers) and kinds it does not
+    know are skipped: the index is of what an engine can hit without a load."""
     try:
         raw = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as exc:
