@@ -81,6 +81,7 @@ from narwhal.testing.goodput import (
     bootstrap_draws,
     crossing,
     interval,
+    search_crossing,
     to_blocks,
     verdict,
 )
@@ -204,47 +205,12 @@ def search(
     seed: int,
 ) -> tuple[float, list[Point]]:
     """(goodput, every point measured, sorted by rate)."""
-    points: dict[float, Point] = {}
-
-    def at(rate: float) -> Point:
-        if rate not in points:
-            points[rate] = measure(fleet, timings, system, all_rows, rate, block, seed)
-        return points[rate]
-
-    first = at(start)
-    low: Point | None = None
-    high: Point | None = None
-    if first.attainment >= TARGET:
-        low = first
-        while high is None and low.rate < start * 1e3:
-            point = at(low.rate * 2)
-            if point.attainment >= TARGET:
-                low = point
-            else:
-                high = point
-    else:
-        high = first
-        while low is None and high.rate > start * 1e-3:
-            point = at(high.rate / 2)
-            if point.attainment >= TARGET:
-                low = point
-            else:
-                high = point
-    if low is not None and high is not None:
-        while high.rate / low.rate > 1 + precision:
-            point = at(math.sqrt(low.rate * high.rate))
-            if point.attainment >= TARGET:
-                low = point
-            else:
-                high = point
-    ordered = sorted(points.values(), key=lambda p: p.rate)
-    found = crossing(ordered, TARGET)
-    if found > 0:
-        # Support for the resamples, whose goodput lies around this one.
-        for factor in (0.8, 0.9, 1.1, 1.25):
-            at(found * factor)
-        ordered = sorted(points.values(), key=lambda p: p.rate)
-    return found, ordered
+    return search_crossing(
+        lambda rate: measure(fleet, timings, system, all_rows, rate, block, seed),
+        start,
+        precision,
+        TARGET,
+    )
 
 
 def capacity(n_prefill: int, all_rows: list[Rows]) -> float:

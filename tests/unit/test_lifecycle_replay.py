@@ -31,6 +31,7 @@ from narwhal.routing.admission import Admit, Queue, Reject, Unavailable, Verdict
 from narwhal.routing.fleet_state import FleetState
 from narwhal.routing.lifecycle import Lifecycle, LifecycleObserver, Ticket
 from narwhal.routing.predictor import LatencyPredictor
+from narwhal.routing.prefix import chain_keys
 from narwhal.routing.roles import DemandTracker
 from narwhal.routing.scheduler import NoPair, Pair, SchedulerV1
 from narwhal.serve.errors import RouterError
@@ -104,7 +105,11 @@ def workload(n: int = 160) -> list[RequestSpec]:
     specs, t = [], 0.0
     for i in range(n):
         t += 0.002 if i % 7 else 0.02
-        specs.append(RequestSpec(t, 200 + (i * 733) % 5800, 1 + (i * 17) % 40))
+        prompt = 200 + (i * 733) % 5800
+        # The router keys the prompt it is sent ([7] * prompt) for its prefix index: so must
+        # the simulator (every prompt shares its leading blocks with every longer one).
+        keys = tuple(chain_keys([7] * prompt, 16))
+        specs.append(RequestSpec(t, prompt, 1 + (i * 17) % 40, None, keys))
     return specs
 
 

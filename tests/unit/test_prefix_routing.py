@@ -74,18 +74,25 @@ def test_a_cached_prefix_is_the_prefill_it_saves_and_the_blocks_it_spares() -> N
     assert blind.predicted_prefill_s == pytest.approx(0.41) and blind.cached_tokens == 0
 
 
-def test_affinity_loses_to_a_less_loaded_engine_when_the_queue_costs_more() -> None:
+def test_affinity_loses_to_a_cold_engine_only_when_its_queue_costs_too_much() -> None:
+    """The engine holding the prefix is taken while it is ready within the prefix window (a
+    quarter of the TTFT budget, 0.5 s) of the soonest and within half the budget (1 s); past
+    either, the cold idle engine."""
     clock = VirtualClock(0.0)
     fleet = state(clock)
     assert fleet.prefix_index is not None
     fleet.prefix_index.record_routed("e1", KEYS, 0.0)
     shape = RequestShape(prompt_tokens=PROMPT, max_tokens=10, prefix=KEYS)
-    # e1's queue (0.3 s) is less than the 0.4 s its cache saves: e1.
+    # e1's queue (0.3 s) is less than the 0.4 s its cache saves: e1 is the soonest.
     fleet.engines["e1"].prefill_work["q"] = (0.3, 0.0)
     pick = scheduler().pick(fleet, shape)
     assert isinstance(pick, Pair) and pick.prefill == "e1"
-    # 0.6 s queued there is more than it saves: e0, cold and idle.
-    fleet.engines["e1"].prefill_work["q"] = (0.6, 0.0)
+    # Ready at 0.81 s, 0.4 s after cold e0 (0.41 s): within the window, e1 still.
+    fleet.engines["e1"].prefill_work["q"] = (0.8, 0.0)
+    pick = scheduler().pick(fleet, shape)
+    assert isinstance(pick, Pair) and (pick.prefill, pick.cached_tokens) == ("e1", PROMPT - 1)
+    # Ready at 1.01 s: past half the budget (and 0.6 s after e0): e0, cold and idle.
+    fleet.engines["e1"].prefill_work["q"] = (1.0, 0.0)
     pick = scheduler().pick(fleet, shape)
     assert isinstance(pick, Pair) and (pick.prefill, pick.cached_tokens) == ("e0", 0)
 

@@ -30,7 +30,7 @@ import random
 import statistics
 import sys
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,8 +58,10 @@ class RequestSpec:
     # What its client asks for (the router's only knowledge of the output's length; the
     # request still ends after ``output_tokens``): None asks for exactly ``output_tokens``.
     max_tokens: int | None = None
-    # The prompt's KV blocks as content hashes, in order (as the Mooncake traces give them):
-    # what prefix-aware routing matches. Empty: unknown, no prefix shared with any other.
+    # The prompt's full KV blocks as chain keys (``narwhal.routing.prefix``; block i's key
+    # stands for blocks 0..i) of the fleet's ``engine.prefix_caching.block_size`` tokens: what
+    # the engines' prefix caches hold and prefix-aware routing matches. Empty: unknown, no
+    # prefix shared with any other.
     prefix: tuple[int, ...] = ()
 
 
@@ -89,6 +91,8 @@ class _Request:
     deadline_missed: bool = False
     prefill_blocks: int = 0  # held on its prefill engine until its KV is pulled
     decode_blocks: int = 0  # held on its decode engine until its last token
+    cached_tokens: int = 0  # of its prompt, found in its prefill (or local) engine's cache
+    pulled_tokens: int = 0  # of its prompt, whose KV its decode engine pulled
 
     @property
     def prefill(self) -> str:
@@ -119,6 +123,10 @@ class _Engine:
     max_num_batched_tokens: int
     kv: KVBlocks | None = None  # None: KV capacity never binds
     free_blocks: int = 0
+    # The engine's prefix cache: chain keys it holds, least recently used first (None: it
+    # caches nothing), at most ``cache_blocks`` of them.
+    cache: OrderedDict[int, None] | None = None
+    cache_blocks: int = 0
     kv_waiting: deque[_Request] = field(default_factory=deque)  # prefills waiting for blocks
     kv_blocked: int = 0  # decode legs the last step boundary left waiting for blocks
     prefill_queue: deque[list[Any]] = field(default_factory=deque)  # [request, done tokens]
@@ -169,6 +177,10 @@ class DesConfig:
     # whole max_tokens (the exact length when clients ask for exactly what they get) instead
     # of estimating it from the answers completed (narwhal.routing.output_length).
     output_oracle: bool = False
+    # Each engine's prefix cache, in prompt tokens (0: the engines cache no prefixes; also
+    # when the fleet's engine.prefix_caching is off). Requests' ``prefix`` keys are matched in
+    # blocks of engine.prefix_caching.block_size tokens.
+    prefix_cache_tokens: int = 0
 
 
 @dataclass
@@ -188,6 +200,15 @@ class DesResult:
     # (answered, first token after the TTFT budget), "tpot_late" (answered in time, but its
     # TPOT over budget or its first-token deadline missed) or "failed" (no answer).
     outcomes: list[str] = field(default_factory=list)
+    # Prompt tokens prefilled (by answered requests' prefill or local engines), the share of
+    # them found in that engine's prefix cache, and the prompt tokens whose KV was pulled.
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    pulled_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def attainment(self) -> float:
@@ -221,6 +242,7 @@ class DesResult:
             "mean_utilisation": round(statistics.fmean(self.utilisation.values()), 4)
             if self.utilisation
             else None,
+            "hit_rate": round(self.hit_rate, 4),
             "wall_s": round(self.wall_s, 2),
         }
 
@@ -285,6 +307,12 @@ class _Simulation:
             )
             for e in fleet.engines
         }
+        caching = fleet.engine.prefix_caching
+        self.block = caching.block_size
+        if caching.enabled and config.prefix_cache_tokens > 0:
+            for simulated in self.engines.values():
+                simulated.cache = OrderedDict()
+                simulated.cache_blocks = config.prefix_cache_tokens // self.block
         self.events: list[tuple[float, int, str, Any]] = []
         self.seq = itertools.count()
         self.flips: list[dict[str, Any]] = []
@@ -366,6 +394,7 @@ class _Simulation:
             elif kind == "loaded":
                 engine = self.engines[payload.request.decode]
                 engine.loading -= 1
+                self.store(engine, payload.request)
                 engine.joining.append(payload)
                 self.new_work(engine)
                 # The prefill engine frees the pulled blocks when the reader says it is done.
@@ -511,6 +540,36 @@ class _Simulation:
 
     # --- engines ------------------------------------------------------------------------
 
+    def cached(self, engine: _Engine, request: _Request) -> int:
+        """Prompt tokens the engine finds in its prefix cache for ``request`` (all but the last
+        token at most, as vLLM), those blocks touched as vLLM touches them: the prompt's head
+        last, so that its tail is evicted first."""
+        cache = engine.cache
+        keys = request.spec.prefix
+        if cache is None or not keys:
+            return 0
+        limit = (request.spec.prompt_tokens - 1) // self.block
+        hit = 0
+        for key in keys[:limit]:
+            if key not in cache:
+                break
+            hit += 1
+        for key in reversed(keys[:hit]):
+            cache.move_to_end(key)
+        return hit * self.block
+
+    def store(self, engine: _Engine, request: _Request) -> None:
+        """The engine's prefix cache now holds the prompt's full blocks (least recent out)."""
+        cache = engine.cache
+        if cache is None or not request.spec.prefix:
+            return
+        full = request.spec.prompt_tokens // self.block
+        for key in reversed(request.spec.prefix[:full]):
+            cache[key] = None
+            cache.move_to_end(key)
+        while len(cache) > engine.cache_blocks:
+            cache.popitem(last=False)
+
     def kick(self, engine: _Engine) -> None:
         """Start a segment if the engine is idle and has work."""
         if engine.busy_until is None and (
@@ -524,7 +583,8 @@ class _Simulation:
 
     def enqueue_prefill(self, engine: _Engine, request: _Request) -> None:
         if engine.kv is None:
-            engine.prefill_queue.append([request, 0])
+            request.cached_tokens = self.cached(engine, request)
+            engine.prefill_queue.append([request, request.cached_tokens])
         else:
             engine.kv_waiting.append(request)
         self.new_work(engine)
@@ -556,7 +616,8 @@ class _Simulation:
                 request.decode_blocks = need
             else:
                 request.prefill_blocks = need
-            engine.prefill_queue.append([request, 0])
+            request.cached_tokens = self.cached(engine, request)
+            engine.prefill_queue.append([request, request.cached_tokens])
 
     def admit_decode_legs(self, engine: _Engine, room: int) -> list[_Sequence]:
         """The decode legs admitted at this boundary: up to ``room``, in arrival order, while
@@ -594,7 +655,10 @@ class _Simulation:
             )
             for sequence in self.admit_decode_legs(engine, room):
                 engine.loading += 1
-                tokens = sequence.request.spec.prompt_tokens
+                # Blocks the decode engine holds are not pulled again (vLLM's NixlConnector).
+                request = sequence.request
+                tokens = request.spec.prompt_tokens - self.cached(engine, request)
+                request.pulled_tokens = tokens
                 transfer = self.config.transfer_s + self.config.transfer_s_per_token * tokens
                 self.at(now + transfer, "loaded", sequence)
         if engine.kv_waiting:
@@ -698,6 +762,7 @@ class _Simulation:
             job[1] += n
             if job[1] >= request.spec.prompt_tokens:
                 engine.prefill_queue.remove(job)
+                self.store(engine, request)
                 if request.local:
                     self.local_prefilled(engine, request, first_step_end)
                 else:
@@ -737,6 +802,7 @@ def run_des(
         else:
             outcomes.append("met")
             met += 1
+    answered = [r for r in sim.requests if r.outcome == "ok"]
     arrivals = [r.spec.arrival for r in sim.requests]
     ends = [r.last_token for r in sim.requests if r.last_token is not None]
     duration = (max(ends + arrivals) - min(arrivals)) if arrivals else 0.0
@@ -755,4 +821,7 @@ def run_des(
         },
         wall_s=time.monotonic() - started,
         outcomes=outcomes,
+        prompt_tokens=sum(r.spec.prompt_tokens for r in answered),
+        cached_tokens=sum(r.cached_tokens for r in answered),
+        pulled_tokens=sum(r.pulled_tokens for r in answered),
     )

@@ -1,10 +1,14 @@
-"""Workloads for the virtual-time simulator: Azure-format traces, Poisson arrivals, synthetic
-fleets of any size, and the timing (latency model) of a fleet file's simulated engines."""
+"""Workloads for the virtual-time simulator: Azure-format traces, the Mooncake traces (with
+their prompts' shared prefixes), Poisson arrivals, synthetic fleets of any size, and the timing
+(latency model) of a fleet file's simulated engines."""
 
 from __future__ import annotations
 
 import csv
+import json
 import random
+from collections import OrderedDict
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -12,13 +16,19 @@ from typing import Any
 from narwhal.contract import FleetContract, parse_fleet
 from narwhal.fleetsim.simulator import KVBlocks, RequestSpec
 from narwhal.profiles.models import EngineModels
+from narwhal.routing.prefix import chain_root, extend_chain
 from narwhal.simengine.fleet import local_fleet_document
 from narwhal.simengine.timing import sim_models
 
 __all__ = [
+    "MOONCAKE_BLOCK_TOKENS",
+    "PrefixTrace",
+    "ideal_hit_rate",
     "kv_blocks_of",
+    "mooncake_requests",
     "poisson_requests",
     "read_azure_trace",
+    "read_mooncake_trace",
     "synthetic_fleet",
     "timings_of",
     "trace_requests",
@@ -109,3 +119,90 @@ def timings_of(fleet: FleetContract) -> dict[str, EngineModels]:
 def kv_blocks_of(fleet: FleetContract) -> dict[str, KVBlocks]:
     """Each simulated engine's KV cache, from its ``sim`` block (engines without one: none)."""
     return {e.id: KVBlocks(e.sim.num_blocks, e.sim.block_size) for e in fleet.engines if e.sim}
+
+
+# The Mooncake traces key prompts by blocks of this many tokens.
+MOONCAKE_BLOCK_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class PrefixTrace:
+    """A trace whose prompts share prefixes: per request (seconds since the first, prompt
+    tokens, output tokens, the chain keys of its prompt's full blocks), and how many prompts
+    were clipped to fit the model's context."""
+
+    rows: list[tuple[float, int, int, tuple[int, ...]]]
+    clipped: int
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS
+
+
+def read_mooncake_trace(
+    path: str | Path, max_model_len: int | None = None, limit: int | None = None
+) -> PrefixTrace:
+    """A Mooncake trace (``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids`` of
+    its 512-token prompt blocks). Each prompt's full blocks become chain keys (block i's key
+    stands for hash ids 0..i: equal keys, equal prefixes); a prompt that with its output would
+    exceed ``max_model_len`` is clipped to fit (its blocks past the cut dropped)."""
+    rows: list[tuple[float, int, int, tuple[int, ...]]] = []
+    clipped = 0
+    root = chain_root()
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            raw = json.loads(line)
+            prompt = max(1, int(raw["input_length"]))
+            output = max(1, int(raw["output_length"]))
+            if max_model_len is not None and prompt + output > max_model_len:
+                prompt = max(1, max_model_len - output)
+                clipped += 1
+            keys: list[int] = []
+            key = root
+            for h in raw["hash_ids"][: prompt // MOONCAKE_BLOCK_TOKENS]:
+                key = extend_chain(key, (int(h),))
+                keys.append(key)
+            rows.append((float(raw["timestamp"]) / 1000.0, prompt, output, tuple(keys)))
+            if limit is not None and len(rows) >= limit:
+                break
+    return PrefixTrace(rows, clipped)
+
+
+def mooncake_requests(
+    rows: list[tuple[float, int, int, tuple[int, ...]]], rate: float
+) -> list[RequestSpec]:
+    """The rows' recorded arrival pattern compressed (or stretched) to a mean of ``rate``
+    requests/s, from time 0; each client asks for exactly its output's length."""
+    t0 = rows[0][0]
+    span = (rows[-1][0] - t0) or 1.0
+    scale = (len(rows) / span) / rate
+    return [RequestSpec((t - t0) * scale, p, g, None, keys) for t, p, g, keys in rows]
+
+
+def ideal_hit_rate(
+    rows: list[tuple[float, int, int, tuple[int, ...]]],
+    capacity_tokens: int | None,
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+) -> float:
+    """The share of prompt tokens an earlier request already computed, as one prefix cache of
+    ``capacity_tokens`` (None: unbounded) would find them, least recently used out: what a
+    fleet whose caches added up to one could at best reach (vLLM's rule kept: the prompt's
+    last token is always computed)."""
+    cache: OrderedDict[int, None] = OrderedDict()
+    limit = None if capacity_tokens is None else capacity_tokens // block_tokens
+    hit = total = 0
+    for _, prompt, _, keys in rows:
+        usable = keys[: (prompt - 1) // block_tokens]
+        n = 0
+        for key in usable:
+            if key not in cache:
+                break
+            n += 1
+        hit += n * block_tokens
+        total += prompt
+        for key in reversed(keys):
+            cache[key] = None
+            cache.move_to_end(key)
+        if limit is not None:
+            while len(cache) > limit:
+                cache.popitem(last=False)
+    return hit / total if total else 0.0

@@ -239,17 +239,27 @@ class SchedulerV1:
         candidates: int | None = None,
         rng: random.Random | None = None,
         margin: float = 0.05,
+        prefix_window: float = 0.25,
+        prefix_limit: float = 0.5,
     ) -> None:
         """``candidates``: in a pool larger than this, score a random sample of this many
         engines per role instead of all of them (power of k choices: near-optimal balance at
         O(k) per request, for fleets of hundreds or thousands of engines). ``margin``: slack
         (a fraction of the budgets) within which candidates count as equally good and the
-        less loaded one is taken."""
+        less loaded one is taken. ``prefix_window``: a prefill engine holding more of the
+        prompt's prefix than the soonest ready one is taken if it is ready within this
+        fraction of the TTFT budget of it, and within ``prefix_limit`` of the request's TTFT
+        budget left: the sooner engine's gain is only this request's TTFT, which the budget
+        allows, where the cached one saves the compute the cold one would spend again, and
+        keeps the prefix's next requests (a conversation's next turns) where it is cached
+        instead of spreading copies that crowd each other out of the caches."""
         self.predictor = predictor
         self.budgets = budgets
         self.candidates = candidates
         self.rng = rng or random.Random(0)
         self.margin = margin
+        self.prefix_window = prefix_window
+        self.prefix_limit = prefix_limit
 
     def _pool(self, state: FleetState, role: Role) -> list[EngineState]:
         pool = state._by_role[role]
@@ -364,13 +374,18 @@ class SchedulerV1:
         # herding onto whichever engine's ratio happens to read lowest.
         margin = self.margin
         ttft_window = margin * self.budgets.ttft_s
+        prefix_window = self.prefix_window * self.budgets.ttft_s
+        prefix_limit = self.prefix_limit * ttft_budget
 
         def best_prefill(decode_id: str | None) -> tuple[float, str, float, float] | None:
             """The prefill engine for ``decode_id`` (None: any decode engine, when every
             pair is permitted and none is the same engine): the soonest ready, or within
-            ``ttft_window`` of it, the less loaded."""
+            ``ttft_window`` of it, the one holding more of the prompt's prefix (a fact, not a
+            noisy prediction: it saves its compute, and keeps the prefix's next requests where
+            it is), then the less loaded."""
             choice = None
-            until = 0.0
+            until = until_cached = 0.0
+            held = 0
             for item in ready:
                 if decode_id is not None and (
                     item[1] == decode_id
@@ -379,12 +394,22 @@ class SchedulerV1:
                     continue
                 if choice is None:
                     choice = item
+                    held = hits.get(item[1], 0) if hits else 0
                     # The window is the soonest's: measured from the choice as it moved, it
                     # crept from one engine to the next, each within the window of the one
                     # before, as far as seconds behind the soonest in a burst.
                     until = item[0] + ttft_window
-                elif item[0] > until:
+                    until_cached = max(until, min(item[0] + prefix_window, prefix_limit))
+                elif item[0] > (until_cached if hits else until):
                     break
+                elif hits:
+                    other = hits.get(item[1], 0)
+                    if item[0] > until:
+                        # Past the load window, only for more of the prefix (see __init__).
+                        if other > held:
+                            choice, held = item, other
+                    elif other > held or (other == held and item[3] < choice[3]):
+                        choice, held = item, other
                 elif item[3] < choice[3]:
                     choice = item
             return choice

@@ -18,8 +18,9 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 __all__ = [
     "RatePoint",
@@ -27,6 +28,7 @@ __all__ = [
     "crossing",
     "crossing_of",
     "interval",
+    "search_crossing",
     "to_blocks",
     "verdict",
 ]
@@ -85,6 +87,59 @@ def crossing(
         return met / offered if offered else 0.0
 
     return crossing_of(((p.rate, attainment(p)) for p in points), target)[0]
+
+
+P = TypeVar("P", bound=RatePoint)
+
+
+def search_crossing(
+    measure: Callable[[float], P], start: float, precision: float, target: float
+) -> tuple[float, list[P]]:
+    """Goodput by search: from ``start``, doubling or halving until ``target`` attainment is
+    bracketed, bisection (geometric) to ``precision`` (relative), then ``crossing``; then four
+    more rates around it (0.8, 0.9, 1.1, 1.25 times) as support for bootstrap resamples, whose
+    goodput lies near it. Returns (goodput, every point measured, by rate); ``measure`` runs
+    once per rate."""
+    points: dict[float, P] = {}
+
+    def at(rate: float) -> P:
+        if rate not in points:
+            points[rate] = measure(rate)
+        return points[rate]
+
+    first = at(start)
+    low: P | None = None
+    high: P | None = None
+    if first.attainment >= target:
+        low = first
+        while high is None and low.rate < start * 1e3:
+            point = at(low.rate * 2)
+            if point.attainment >= target:
+                low = point
+            else:
+                high = point
+    else:
+        high = first
+        while low is None and high.rate > start * 1e-3:
+            point = at(high.rate / 2)
+            if point.attainment >= target:
+                low = point
+            else:
+                high = point
+    if low is not None and high is not None:
+        while high.rate / low.rate > 1 + precision:
+            point = at(math.sqrt(low.rate * high.rate))
+            if point.attainment >= target:
+                low = point
+            else:
+                high = point
+    ordered = sorted(points.values(), key=lambda p: p.rate)
+    found = crossing(ordered, target)
+    if found > 0:
+        for factor in (0.8, 0.9, 1.1, 1.25):
+            at(found * factor)
+        ordered = sorted(points.values(), key=lambda p: p.rate)
+    return found, ordered
 
 
 def bootstrap_draws(blocks: int, resamples: int, rng: random.Random) -> list[list[int]]:
