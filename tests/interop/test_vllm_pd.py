@@ -150,14 +150,21 @@ def pd(
     tmp_path_factory: pytest.TempPathFactory, vllm_python: Path, tiny_model: Path
 ) -> Iterator[PD]:
     directory = tmp_path_factory.mktemp("vllm-interop")
-    http_p, http_d, side_p, side_d = free_ports(4)
+    http_p, http_d, side_p, side_d, *events = free_ports(8)
     engines: list[EngineProcess] = []
     router: RouterProcess | None = None
     run: dict[str, Any] = {}
     try:
         t0 = time.monotonic()
-        engines.append(start_engine("p0", directory, tiny_model, http_p, side_p, "0", vllm_python))
-        engines.append(start_engine("d0", directory, tiny_model, http_d, side_d, "1", vllm_python))
+        # Both publish KV cache events and report cached tokens (the router's prefix index).
+        for name, http, side, cpu, pub, replay in (
+            ("p0", http_p, side_p, "0", events[0], events[1]),
+            ("d0", http_d, side_d, "1", events[2], events[3]),
+        ):
+            ports = (pub, replay)
+            engines.append(
+                start_engine(name, directory, tiny_model, http, side, cpu, vllm_python, ports)
+            )
         try:
             wait_healthy(engines)
         except EngineStartError as exc:
@@ -186,7 +193,8 @@ def pd(
         assert leg.status_code == 200, leg.text
         run["first_handoff_s"] = round(time.monotonic() - t1, 2)
         fleet_path = directory / "fleet.json"
-        fleet_path.write_text(json.dumps(fleet_document(prefill, decode), indent=2))
+        doc = fleet_document(prefill, decode, block_size=kv.block_size)
+        fleet_path.write_text(json.dumps(doc, indent=2))
         router = start_router(directory, fleet_path)
         harness = PD(directory, tiny_model, prefill, decode, router, fleet_path, kv, run)
         routed = generate(router.url, harness.request_body(False, f"warm-up 2 {BODY_TEXT}"), False)
@@ -378,6 +386,54 @@ def test_routed_output_equals_one_engine(pd: PD, chat: bool, mode: str) -> None:
         ("prefill", "p0", "ok"),
         ("decode", "d0", "first_token"),
     ]
+
+
+def test_prefix_cache_on_real_engines(pd: PD) -> None:
+    """vLLM's prefix cache through narwhal-serve: the router's index, fed by the engines' KV
+    events, holds what they cached; a request sharing a long prefix with an earlier one is
+    predicted as the hit the engine then reports, and the decode engine pulls only the blocks
+    it lacks (its own NIXL counters)."""
+    block = pd.kv.block_size
+    ids = [100 + (i * 37) % 900 for i in range(4 * block + 20)]  # 4 full blocks and a tail
+    body: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": 4, "temperature": 0}
+    before = nixl_counters(pd.decode.url)
+    first = pd.routed({**body, "prompt": ids}, False)
+    assert first.status == 200, first.body
+    pd.wait_nixl(before, 1)
+    first_end = pd.end_record(first.request_id)
+    assert first_end["cached_tokens_reported"] == 0, first_end
+    text = ""
+
+    def indexed() -> bool:
+        nonlocal text
+        text = pd.router.metrics()
+        return all(metric(text, "narwhal_prefix_index_blocks", engine=e) >= 4 for e in ("p0", "d0"))
+
+    # Both engines published the prompt's blocks (the decode engine caches what it pulled).
+    assert wait_until(indexed, 30, interval=0.2), text
+    assert metric(text, "narwhal_kv_event_resets_total") == 0
+    # The same first three blocks, another tail.
+    second_ids = ids[: 3 * block] + [950 + i % 40 for i in range(block + 20)]
+    before = nixl_counters(pd.decode.url)
+    second = pd.routed({**body, "prompt": second_ids}, False)
+    assert second.status == 200, second.body
+    moved = pd.wait_nixl(before, 1)
+    end = pd.end_record(second.request_id)
+    assert end["outcome"] == "ok", end
+    # The engine's own report, and the index's prediction: three blocks.
+    assert end["cached_tokens_reported"] == 3 * block, end
+    assert end["cached_tokens_predicted"] == 3 * block, end
+    # 4 blocks and a partial one; the decode engine held three: two pulled.
+    assert end["kv_blocks_predicted"] == 2, end
+    assert moved.transfers == 1 and moved.failed == 0, moved
+    assert moved.bytes == 2 * pd.kv.block_bytes, (moved, pd.kv)
+    pd.run["prefix_cache"] = {
+        "cached_tokens": end["cached_tokens_reported"],
+        "pulled_bytes": moved.bytes,
+        "kv_event_batches": {
+            e: metric(text, "narwhal_kv_event_batches_total", engine=e) for e in ("p0", "d0")
+        },
+    }
 
 
 def test_concurrent_routed_requests(pd: PD) -> None:

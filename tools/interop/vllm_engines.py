@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,8 @@ class EngineProcess:
     log_path: Path
     # Threads lowered to nice 19 once the engine was healthy (quiet_busy_threads).
     quieted_threads: list[int] = field(default_factory=list)
+    # Where it publishes KV cache events (the fleet's ``kv_events``), when it does.
+    kv_events: dict[str, str] | None = None
 
     @property
     def url(self) -> str:
@@ -107,9 +110,10 @@ def engine_command(
     served_name: str = MODEL_NAME,
     max_model_len: int = MAX_MODEL_LEN,
     max_num_seqs: int = 8,
+    extra_args: Sequence[str] = (),
 ) -> list[str]:
     """The verified command line: float16 (bfloat16 crashes the decode worker's AMX attention
-    kernel here), no torch.compile, NixlConnector with a CPU KV buffer."""
+    kernel here), no torch.compile, NixlConnector with a CPU KV buffer; ``extra_args`` after."""
     return [
         str(python),
         "-m",
@@ -134,7 +138,27 @@ def engine_command(
         json.dumps({"mode": 0}),
         "--kv-transfer-config",
         json.dumps(KV_TRANSFER_CONFIG),
+        *extra_args,
     ]
+
+
+def kv_events_args(pub_port: int, replay_port: int) -> tuple[list[str], dict[str, str]]:
+    """vLLM's flags to publish KV cache events on ``pub_port`` (ZMQ PUB) with a replay socket
+    on ``replay_port``, and report cached tokens in usage; and the fleet's ``kv_events``."""
+    # vLLM binds its PUB socket only for an endpoint with a wildcard (it connects to any other
+    # address, for a subscriber that binds); the replay socket it always binds.
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{pub_port}",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+    }
+    flags = ["--kv-events-config", json.dumps(config), "--enable-prompt-tokens-details"]
+    endpoints = {
+        "endpoint": f"tcp://127.0.0.1:{pub_port}",
+        "replay_endpoint": config["replay_endpoint"],
+    }
+    return flags, endpoints
 
 
 def engine_env(
@@ -182,8 +206,10 @@ def start_engine(
     side_channel_port: int,
     cpu_bind: str,
     python: Path | None = None,
+    kv_event_ports: tuple[int, int] | None = None,
 ) -> EngineProcess:
-    """Start one engine in its own session; its log goes to ``workdir/NAME/engine.log``."""
+    """Start one engine in its own session; its log goes to ``workdir/NAME/engine.log``. With
+    ``kv_event_ports`` (PUB, replay) it publishes KV cache events (``kv_events_args``)."""
     # Absolute paths: the engine runs in its own folder. abspath, not resolve(): resolving the
     # venv's python symlink would leave the venv.
     python = Path(os.path.abspath(python or default_vllm_python()))
@@ -191,13 +217,19 @@ def start_engine(
     home = Path(os.path.abspath(workdir / name))
     home.mkdir(parents=True, exist_ok=True)
     log_path = home / "engine.log"
+    flags: list[str] = []
+    events = None
+    if kv_event_ports is not None:
+        flags, events = kv_events_args(*kv_event_ports)
     process = procs.start(
-        engine_command(python, model_dir, port),
+        engine_command(python, model_dir, port, extra_args=flags),
         log_path,
         env=engine_env(home, side_channel_port, cpu_bind),
         cwd=home,
     )
-    return EngineProcess(name, port, side_channel_port, cpu_bind, process, log_path)
+    return EngineProcess(
+        name, port, side_channel_port, cpu_bind, process, log_path, kv_events=events
+    )
 
 
 def wait_healthy(engines: list[EngineProcess], timeout: float = ENGINE_READY_TIMEOUT_S) -> float:
@@ -275,6 +307,7 @@ def fleet_document(
     # judges results, not speed.
     first_token_timeout_s: float = 60.0,
     fallback: str = "retry",
+    block_size: int | None = None,
 ) -> dict[str, Any]:
     """A fleet of one prefill and one decode engine (fixed roles: two engines leave no room to
     flip). No ``sim`` block: these are real engines."""
@@ -290,6 +323,7 @@ def fleet_document(
             "nixl": {"host": "127.0.0.1", "port": engine.side_channel_port},
             "attestation_url": urls.get(engine.name),
             "generation": None,
+            **({"kv_events": engine.kv_events} if engine.kv_events else {}),
         }
 
     return {
@@ -313,6 +347,8 @@ def fleet_document(
             "kv_connector": "NixlConnector",
             "kv_role": "kv_both",
             "kv_buffer_device": "cpu",
+            # The engines' --block-size (vLLM's CPU default is 128), for the prefix index.
+            **({"prefix_caching": {"block_size": block_size}} if block_size else {}),
         },
         "engines": [spec(prefill, "prefill"), spec(decode, "decode")],
         "kv_transfer_pairs": [{"prefill": prefill.name, "decode": decode.name}],

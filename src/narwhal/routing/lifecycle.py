@@ -23,7 +23,7 @@ what the router's metrics want to hear goes to an injected :class:`LifecycleObse
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from narwhal.routing.admission import Admit, Queue, Reject, Verdict, admit
@@ -295,6 +295,18 @@ class Lifecycle:
         d.joins.note(now)
         index = self.state.prefix_index
         if index is not None and ticket.prefix:
+            if not (pair.cached_tokens or pair.decode_cached_tokens):
+                # A scheduler that routes without the index (v0, a baseline) or found nothing:
+                # what the engines hold all the same, for the journal and the metrics.
+                hits = self.state.cached_tokens(
+                    ticket.prefix, ticket.prompt_tokens or index.block_size * len(ticket.prefix)
+                )
+                if hits:
+                    pair = ticket.pair = replace(
+                        pair,
+                        cached_tokens=hits.get(pair.prefill, 0),
+                        decode_cached_tokens=hits.get(pair.decode, 0),
+                    )
             # Both engines will hold the prompt's blocks: the prefill engine computed them, the
             # decode engine pulled them (what engines that publish events say for themselves).
             index.record_routed(d.id, ticket.prefix, now, ticket.prefix_exact)

@@ -407,11 +407,14 @@ class PDRouter:
         record.t_decode_start = record.since_arrival()
         index = self.state.prefix_index
         if index is not None and ticket.prefix:
-            record.cached_tokens_predicted = pair.cached_tokens
+            # The lifecycle's copy: it adds what the index holds when the scheduler did not look.
+            picked = ticket.pair or pair
+            record.cached_tokens_predicted = picked.cached_tokens
             counted = prompt_tokens if prompt_tokens is not None else ticket.prompt_tokens
-            if not pair.local and counted is not None:
+            if not picked.local and counted is not None:
                 blocks = -(-counted // index.block_size)
-                record.kv_blocks_predicted = blocks - pair.decode_cached_tokens // index.block_size
+                held = picked.decode_cached_tokens // index.block_size
+                record.kv_blocks_predicted = blocks - held
         if pair.local:
             # The engine that decodes prefills: journaled as both, with no handoff.
             record.prefill_engine = engine

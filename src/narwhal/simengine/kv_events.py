@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -46,6 +47,9 @@ class KVEventsSettings:
     buffer_steps: int = 10_000
     hwm: int = 100_000
     topic: str = ""
+    # As vLLM: the PUB socket binds an endpoint with a wildcard (or ipc/inproc) and connects to
+    # any other (a subscriber that binds); the replay socket always binds.
+    bind: bool = True
 
     @staticmethod
     def parse(text: str) -> KVEventsSettings | None:
@@ -79,6 +83,12 @@ class KVEventsSettings:
             hwm=raw.get("hwm", 100_000),
             topic=raw.get("topic", ""),
         )
+        endpoint = settings.endpoint
+        if isinstance(endpoint, str):
+            settings = dataclasses.replace(
+                settings,
+                bind="*" in endpoint or endpoint.startswith(("ipc://", "inproc://")),
+            )
         for name in ("endpoint", "replay_endpoint"):
             value = getattr(settings, name)
             if value is not None and (not isinstance(value, str) or "://" not in value):
@@ -128,7 +138,10 @@ class KVEventPublisher:
         pub = self._sync_ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.set_hwm(self.settings.hwm)
-        pub.bind(self.settings.endpoint)
+        if self.settings.bind:
+            pub.bind(self.settings.endpoint)
+        else:
+            pub.connect(self.settings.endpoint)
         self._pub = pub
         if self.settings.replay_endpoint is not None:
             replay = self._ctx.socket(zmq.ROUTER)
