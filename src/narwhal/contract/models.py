@@ -343,7 +343,7 @@ class PrefixRouting(_Model):
     router sent them (entries of that kind live ``history_ttl_s``)."""
 
     enabled: bool = True
-    history_ttl_s: float = Field(default=300.0, gt=0)
+    history_ttl_s: float = Field(default=1800.0, gt=0)
 
 
 class RoutingPolicy(_Model):

@@ -134,7 +134,7 @@ class _EngineEntries:
 class PrefixIndex:
     """Which engine holds which block chain, for ``match``ing a prompt's keys against all."""
 
-    def __init__(self, block_size: int, history_ttl_s: float = 300.0) -> None:
+    def __init__(self, block_size: int, history_ttl_s: float = 1800.0) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         if history_ttl_s <= 0:
