@@ -142,7 +142,13 @@ def read_mooncake_trace(
     """A Mooncake trace (``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids`` of
     its 512-token prompt blocks). Each prompt's full blocks become chain keys (block i's key
     stands for hash ids 0..i: equal keys, equal prefixes); a prompt that with its output would
-    exceed ``max_model_len`` is clipped to fit (its blocks past the cut dropped)."""
+    exceed ``max_model_len`` is clipped to fit (its blocks past the cut dropped).
+
+    The conversation trace's timestamps are whole seconds (12,031 requests on 1,180 distinct
+    stamps, up to 28 on one): replayed as recorded, each second's requests would arrive at one
+    instant, a burst no rate could absorb (compressing or stretching the trace keeps it one
+    instant). The requests sharing a stamp are spread evenly over the stamp's resolution (the
+    gap to the next distinct stamp, at most a second), in their recorded order."""
     rows: list[tuple[float, int, int, tuple[int, ...]]] = []
     clipped = 0
     root = chain_root()
@@ -164,7 +170,24 @@ def read_mooncake_trace(
             rows.append((float(raw["timestamp"]) / 1000.0, prompt, output, tuple(keys)))
             if limit is not None and len(rows) >= limit:
                 break
-    return PrefixTrace(rows, clipped)
+    return PrefixTrace(_spread_ties(rows), clipped)
+
+
+def _spread_ties(
+    rows: list[tuple[float, int, int, tuple[int, ...]]],
+) -> list[tuple[float, int, int, tuple[int, ...]]]:
+    out = []
+    i = 0
+    while i < len(rows):
+        j = i
+        while j < len(rows) and rows[j][0] == rows[i][0]:
+            j += 1
+        span = min(1.0, rows[j][0] - rows[i][0]) if j < len(rows) else 1.0
+        for k in range(i, j):
+            t, p, g, keys = rows[k]
+            out.append((t + span * (k - i) / (j - i), p, g, keys))
+        i = j
+    return out
 
 
 def mooncake_requests(

@@ -120,7 +120,9 @@ def search_crossing(
                 high = point
     else:
         high = first
-        while low is None and high.rate > start * 1e-3:
+        # Not below a hundredth of the start: a workload that misses the target at every rate
+        # (a burst no rate absorbs) would otherwise run ever longer at ever lower rates.
+        while low is None and high.rate > start * 1e-2:
             point = at(high.rate / 2)
             if point.attainment >= target:
                 low = point

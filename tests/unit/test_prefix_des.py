@@ -1,0 +1,92 @@
+"""Prefix caches in the virtual-time simulator and the Mooncake trace reader."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from narwhal.contract import parse_fleet
+from narwhal.fleetsim.simulator import DesConfig, RequestSpec, run_des
+from narwhal.fleetsim.workloads import (
+    ideal_hit_rate,
+    mooncake_requests,
+    read_mooncake_trace,
+    timings_of,
+)
+from narwhal.routing.prefix import chain_root, extend_chain
+from narwhal.simengine.fleet import local_fleet_document
+
+
+def _trace(path: Path, rows: list[dict[str, object]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_mooncake_rows_keys_clipping_and_ties(tmp_path: Path) -> None:
+    path = _trace(
+        tmp_path / "t.jsonl",
+        [
+            {"timestamp": 0, "input_length": 1100, "output_length": 10, "hash_ids": [1, 2, 3]},
+            {"timestamp": 0, "input_length": 600, "output_length": 10, "hash_ids": [1, 9]},
+            {
+                "timestamp": 3000,
+                "input_length": 5000,
+                "output_length": 100,
+                "hash_ids": list(range(10)),
+            },
+        ],
+    )
+    trace = read_mooncake_trace(path, max_model_len=2048)
+    (t0, _, g0, k0), (t1, _, _, k1), (t2, p2, _, k2) = trace.rows
+    # Two requests on one whole-second stamp are spread over that second, in order.
+    assert (t0, t1, t2) == (0.0, 0.5, 3.0)
+    # Full 512-token blocks only; equal first hash ids, equal first keys.
+    assert len(k0) == 2 and len(k1) == 1 and k0[0] == k1[0]
+    assert k0[1] == extend_chain(extend_chain(chain_root(), (1,)), (2,))
+    # Clipped to fit the model with its output: 1,948 tokens, 3 full blocks.
+    assert (p2, len(k2), trace.clipped) == (1948, 3, 1)
+    # 3 requests over 3 s is 1 request/s: at half that rate, twice as far apart.
+    specs = mooncake_requests(trace.rows, rate=0.5)
+    assert [s.arrival for s in specs] == pytest.approx([0.0, 1.0, 6.0])
+    assert specs[0].prefix == k0 and specs[0].max_tokens is None and g0 == 10
+
+
+def test_ideal_hit_rate_counts_earlier_prefixes_within_capacity() -> None:
+    a, b = (11, 12), (11, 13)
+    rows = [(0.0, 1100, 1, a), (1.0, 1100, 1, a), (2.0, 1100, 1, b)]
+    # Unbounded: the second hits 2 blocks (1,024 of 1,100), the third 1 block.
+    assert ideal_hit_rate(rows, None) == pytest.approx((1024 + 512) / 3300)
+    # Room for one block: the head survives (a prompt's tail is evicted first).
+    assert ideal_hit_rate(rows, 512) == pytest.approx((512 + 512) / 3300)
+
+
+def _fleet(prefix: bool):  # one prefill and one decode engine, 512-token blocks
+    doc = local_fleet_document(
+        [20000, 20001], [40000, 40001], sim={"block_size": 512}, ttft_s=10.0, tpot_s=0.3
+    )
+    doc["engine"]["prefix_caching"] = {"block_size": 512, "capacity_blocks": 1000}
+    doc["routing"] = {"prefix": {"enabled": prefix}}
+    return parse_fleet(doc, "t").contract
+
+
+def test_the_simulators_engines_hit_their_caches_and_pull_only_what_they_lack() -> None:
+    chain = []  # 8 blocks of one chain
+    key = chain_root()
+    for h in range(8):
+        key = extend_chain(key, (h,))
+        chain.append(key)
+    specs = [RequestSpec(10.0 * i, 4096 + 100, 4, None, tuple(chain)) for i in range(3)]
+    fleet = _fleet(True)
+    cached = run_des(
+        DesConfig(fleet, timings_of(fleet), flipping=False, prefix_cache_tokens=1_000_000),
+        specs,
+    )
+    cold = run_des(DesConfig(fleet, timings_of(fleet), flipping=False), specs)
+    assert cold.cached_tokens == 0 and cold.pulled_tokens == 3 * 4196
+    # The 2nd and 3rd find the 8 blocks on both engines: prefill of 100 tokens, 100 pulled.
+    assert cached.cached_tokens == 2 * 4096
+    assert cached.pulled_tokens == 4196 + 2 * 100
+    assert cached.hit_rate == pytest.approx(2 * 4096 / (3 * 4196))
+    assert sorted(cached.ttft)[0] < sorted(cold.ttft)[0]
