@@ -63,6 +63,7 @@ import orjson
 from narwhal.engines.legs import prefill_leg_body
 from narwhal.serve.cli import serve_command
 from narwhal.simengine.fleet import local_fleet_document
+from narwhal.simengine.vocab import Vocabulary
 from narwhal.testing import aio, procfs, procs
 from narwhal.testing.fleet import SimFleet
 from narwhal.testing.ports import free_ports
@@ -89,6 +90,7 @@ PROMPT = (
     "pods that may number in the hundreds during the summer migration."
 )
 TARGETS = ("direct", "narwhal", "vllm_router", "sglang_router")
+VOCABULARY = Vocabulary(0)  # the simulated engines' (their default vocab_seed)
 ROUTERS = ("narwhal", "vllm_router", "sglang_router")
 PEERS = ("vllm_router", "sglang_router")
 STALL_MS = 35.0
@@ -169,10 +171,19 @@ class Pool:
                 await writer.wait_closed()
 
 
-def client_body(index: int, stream: bool) -> dict[str, Any]:
+def client_body(index: int, stream: bool, prompt_tokens: int = 0) -> dict[str, Any]:
+    """The request: the short text prompt, or (``prompt_tokens``) token ids whose first 90%
+    every request shares (a long common prefix, as agentic traffic has: the router's prefix
+    index finds it on the engines) and whose tail is the request's own."""
+    prompt: str | list[int] = f"[{index}] {PROMPT}"
+    if prompt_tokens:
+        shared = prompt_tokens * 9 // 10
+        prompt = [300 + (k * 37) % 9000 for k in range(shared)] + [
+            300 + (index * 7919 + k * 13) % 9000 for k in range(prompt_tokens - shared)
+        ]
     body: dict[str, Any] = {
         "model": MODEL,
-        "prompt": f"[{index}] {PROMPT}",
+        "prompt": prompt,
         "max_tokens": TOKENS,
         "ignore_eos": True,
         "stream": stream,
@@ -208,11 +219,16 @@ class Endpoints:
     prefill_port: int
     decode_port: int
     ports: dict[str, int]  # router target -> port
+    prompt_tokens: int = 0  # > 0: token-id prompts of this many tokens (--prompt-tokens)
 
 
 async def one_request(pool: Pool, ep: Endpoints, target: str, stream: bool, index: int) -> float:
     """One client request end to end; returns its latency in seconds."""
-    body = client_body(index, stream)
+    body = client_body(index, stream, ep.prompt_tokens)
+    if target == "sglang_router" and ep.prompt_tokens:
+        # sglang-router 0.3.2 refuses token-id prompts (422: "prompt: data did not match any
+        # variant of untagged enum StringOrArray"): the same ids as the engines' words.
+        body["prompt"] = VOCABULARY.decode(body["prompt"])
     rid = f"bench-{target}-{index}"
     t0 = time.perf_counter()
     if target == "direct":
@@ -395,6 +411,12 @@ def report(
     add("requests_per_target_mode_phase", str(args.requests))
     add("warmup_per_target_mode", f"{args.warmup} at c1 + {2 * c} at c{c}")
     add("throughput_concurrency", str(c))
+    prompt = (
+        f"{args.prompt_tokens} token ids, 90% shared (to sglang_router as words: it refuses ids)"
+        if args.prompt_tokens
+        else "short text"
+    )
+    add("prompt", prompt)
     add("engines", f"e0 prefill {info['prefill_url']}, e1 decode {info['decode_url']}, steps 0 s")
     client = "raw asyncio streams" + (" + uvloop" if aio.UVLOOP else "")
     add("client", f"{client}, keep-alive HTTP/1.1, TCP_NODELAY, orjson")
@@ -483,6 +505,12 @@ def main() -> int:
     )
     parser.add_argument(
         "--warmup", type=int, default=30, help="warmup requests per target and mode"
+    )
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=0,
+        help="token-id prompts of this many tokens, 90%% shared (default: a short text prompt)",
     )
     parser.add_argument("--keep-dir", action="store_true", help="keep the logs and journal")
     parser.add_argument(
@@ -581,7 +609,10 @@ def main() -> int:
             pids_info[target] = f"{router_pids[target]} listener {describe(listener)}"
 
         ep = Endpoints(
-            int(prefill_url.rsplit(":", 1)[1]), int(decode_url.rsplit(":", 1)[1]), ports_of
+            int(prefill_url.rsplit(":", 1)[1]),
+            int(decode_url.rsplit(":", 1)[1]),
+            ports_of,
+            args.prompt_tokens,
         )
         meter = Meter(router_pids, engine_pids)
 
