@@ -1,6 +1,7 @@
 """The virtual-time simulator against the live simulated fleet on the same workloads: attainment
-and TTFT/TPOT medians agree within 10%, on a light load and on a saturated one (the prefill pool
-85% busy with 4,096-token prompts: prefill queues form and decode engines' KV caches fill). The
+and TTFT/TPOT medians agree within 10%, on a light load, on a saturated one (the prefill pool
+85% busy with 4,096-token prompts: prefill queues form and decode engines' KV caches fill), and
+on conversations sharing prefixes (the engines' prefix caches: the hit rate agrees too). The
 simulator is given one calibration of the live stack, measured before either workload. The
 larger version, with p90s and repeats, is ``bench/des_agreement.py``; both use
 ``narwhal.fleetsim.agreement``."""
@@ -17,12 +18,15 @@ from narwhal.contract import load_fleet
 from narwhal.fleetsim.agreement import (
     calibrate,
     compare,
+    live_hit_rate,
     replay,
     router_outcomes,
     run_des_like_live,
 )
+from narwhal.fleetsim.simulator import RequestSpec
 from narwhal.fleetsim.workloads import poisson_requests, timings_of
 from narwhal.profiles.store import ProfileStore, engine_models
+from narwhal.routing.prefix import chain_keys
 from narwhal.testing.procs import wait_until
 from tests.helpers import MODEL, RouterProcess, running_fleet, running_router
 from tests.integration.test_profile_v1 import profile, write_limits
@@ -37,11 +41,36 @@ def _ends(router: RouterProcess, count: int) -> list[dict[str, Any]]:
     return list(router.ends().values())
 
 
+def conversations(
+    count: int, turns: int, rate: float, seed: int
+) -> tuple[list[RequestSpec], list[list[int]]]:
+    """``count`` conversations of ``turns`` turns, Poisson arrivals at ``rate``, interleaved:
+    every prompt opens with one 1,024-token system prompt, then its conversation's history
+    (a turn adds 320 tokens of its own), so a turn shares all but its last turn with the one
+    before it and the system prompt with every other conversation. Returns the specs (prefix
+    keys at the engines' 16-token blocks) and each request's token ids."""
+    system = [300 + (k * 37) % 9000 for k in range(1024)]
+    specs = poisson_requests(rate, count * turns, 1, 16, seed)
+    prompts: list[list[int]] = []
+    out: list[RequestSpec] = []
+    for i, spec in enumerate(specs):
+        conversation, turn = i % count, i // count
+        history = [
+            300 + (conversation * 7919 + t * 104729 + k * 13) % 9000
+            for t in range(turn + 1)
+            for k in range(320)
+        ]
+        ids = system + history
+        prompts.append(ids)
+        out.append(RequestSpec(spec.arrival, len(ids), 16, None, tuple(chain_keys(ids, 16))))
+    return out, prompts
+
+
 def test_des_agrees_with_the_live_fleet(tmp_path: Path) -> None:
     with running_fleet(
         tmp_path,
         4,
-        sim={"time_scale": SCALE},
+        sim={"time_scale": SCALE, "enable_prompt_tokens_details": True},
         ttft_s=10 / SCALE,
         tpot_s=0.3 / SCALE,
         first_token_timeout_s=8.5 / SCALE,
@@ -88,7 +117,10 @@ def test_des_agrees_with_the_live_fleet(tmp_path: Path) -> None:
                     loaded_per_engine=12,
                 )
             )
+        shared, prompts = conversations(count=8, turns=6, rate=2.0, seed=11)
+        workloads["prefixes"] = shared
         lives = {}
+        hit_rate = 0.0
         for name, specs in workloads.items():
             # A fresh router per workload: the online corrections start from the profile, as
             # the simulator's do.
@@ -97,18 +129,44 @@ def test_des_agrees_with_the_live_fleet(tmp_path: Path) -> None:
             with running_router(
                 directory, fleet.fleet_path, "--profiles", str(store_path)
             ) as router:
-                client = asyncio.run(replay(router.url, specs, MODEL, id_prefix=name))
+                client = asyncio.run(
+                    replay(
+                        router.url,
+                        specs,
+                        MODEL,
+                        id_prefix=name,
+                        prompts=prompts if name == "prefixes" else None,
+                    )
+                )
                 assert sum(o.status == 200 for o in client) == len(specs), client
                 # The router's own figures, as the simulator's are (the client shares the
                 # cores with the fleet and lags in bursts).
-                lives[name] = router_outcomes(_ends(router, len(specs)), len(specs), name)
+                ends = _ends(router, len(specs))
+                lives[name] = router_outcomes(ends, len(specs), name)
+                if name == "prefixes":
+                    hit_rate = live_hit_rate(ends, name)
     models = engine_models(ProfileStore.model_validate_json(store_path.read_text()))
     reports = []
+    des_hit_rate = 0.0
     for name, specs in workloads.items():
-        result = run_des_like_live(contract, models, specs, calibration)
+        # Each engine's prefix cache: its KV blocks (the live engines' cache is what of them no
+        # request is using).
+        sim = contract.engines[0].sim
+        assert sim is not None
+        cache = sim.num_blocks * sim.block_size if name == "prefixes" else 0
+        result = run_des_like_live(contract, models, specs, calibration, prefix_cache_tokens=cache)
+        if name == "prefixes":
+            des_hit_rate = result.hit_rate
         agreement = compare(lives[name], result, contract.budgets)
         reports.append((name, agreement))
-    message = "\n".join([calibration.report()] + [f"{name}: {a.report()}" for name, a in reports])
+    message = "\n".join(
+        [calibration.report()]
+        + [f"{name}: {a.report()}" for name, a in reports]
+        + [f"prefixes hit rate: live {hit_rate:.3f}, simulated {des_hit_rate:.3f}"]
+    )
+    # Every turn after a conversation's first finds its history; the first the system prompt.
+    assert hit_rate > 0.5, message
+    assert abs(des_hit_rate - hit_rate) <= 0.10 * hit_rate, message
     for _, agreement in reports:
         assert agreement.live_failed == 0, message
         for quantity, _, _, diff in agreement.rows():

@@ -80,6 +80,7 @@ __all__ = [
     "des_attainment",
     "engine_counters",
     "host_seconds",
+    "live_hit_rate",
     "replay",
     "router_outcomes",
     "run_des_like_live",
@@ -108,10 +109,12 @@ async def replay(
     lead_s: float = 0.2,
     timeout_s: float = 120.0,
     id_prefix: str | None = None,
+    prompts: Sequence[Sequence[int]] | None = None,
 ) -> list[LiveOutcome]:
     """Open loop: each request at its arrival time (streamed, ``ignore_eos``, token-id
-    prompts), one outcome per spec in order. With ``id_prefix``, request i is sent with
-    ``X-Request-Id: <id_prefix>-<i>`` (the journal's ``client_request_id``)."""
+    prompts: ``prompts[i]`` when given, else ids of its own), one outcome per spec in order.
+    With ``id_prefix``, request i is sent with ``X-Request-Id: <id_prefix>-<i>`` (the
+    journal's ``client_request_id``)."""
 
     async def one(client: httpx.AsyncClient, i: int, spec: RequestSpec) -> LiveOutcome:
         try:
@@ -122,7 +125,10 @@ async def replay(
     async def send(client: httpx.AsyncClient, i: int, spec: RequestSpec) -> LiveOutcome:
         await asyncio.sleep(max(0.0, t0 + spec.arrival - time.monotonic()))
         sent = time.monotonic()
-        prompt = [300 + (i * 131 + k) % 9000 for k in range(spec.prompt_tokens)]
+        if prompts is not None:
+            prompt = list(prompts[i])
+        else:
+            prompt = [300 + (i * 131 + k) % 9000 for k in range(spec.prompt_tokens)]
         times: list[float] = []
         headers = {"X-Request-Id": f"{id_prefix}-{i}"} if id_prefix else None
         async with client.stream(
@@ -153,6 +159,19 @@ async def replay(
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits, trust_env=False) as client:
         t0 = time.monotonic() + lead_s
         return list(await asyncio.gather(*(one(client, i, s) for i, s in enumerate(specs))))
+
+
+def live_hit_rate(records: Iterable[dict[str, Any]], id_prefix: str) -> float:
+    """Prompt tokens the engines reported cached (``cached_tokens_reported``: engines with
+    prompt-tokens details) over prompt tokens, of the answered requests sent as ``id_prefix``."""
+    cached = total = 0
+    for r in records:
+        if str(r.get("client_request_id", "")).startswith(f"{id_prefix}-") and (
+            r.get("outcome") == "ok"
+        ):
+            cached += int(r.get("cached_tokens_reported") or 0)
+            total += int(r.get("prompt_tokens") or 0)
+    return cached / total if total else 0.0
 
 
 def router_outcomes(
@@ -372,6 +391,7 @@ def run_des_like_live(
     calibration: Calibration,
     scheduler: str = "v1",
     seed: int = 0,
+    prefix_cache_tokens: int = 0,
 ) -> DesResult:
     """The simulator on the live run's fleet, profiles (the router's own models; None for a
     baseline, which predicts nothing), calibration and workload: scheduler v1 scoring every
@@ -392,6 +412,7 @@ def run_des_like_live(
             candidates=None,
             kv_blocks=kv_blocks_of(fleet),
             seed=seed,
+            prefix_cache_tokens=prefix_cache_tokens,
         ),
         specs,
         models,
