@@ -106,7 +106,11 @@ def fleet_of(size: int, prefill_share: float, cache_tokens: int, system: str, tt
         [20000 + i for i in range(size)],
         [40000 + i for i in range(size)],
         initial_roles=["prefill"] * n_prefill + ["decode"] * (size - n_prefill),
-        sim={"block_size": MOONCAKE_BLOCK_TOKENS},
+        # num_blocks: the engine's KV capacity, which the router's index holds it to.
+        sim={
+            "block_size": MOONCAKE_BLOCK_TOKENS,
+            "num_blocks": max(1, cache_tokens // MOONCAKE_BLOCK_TOKENS),
+        },
         ttft_s=TTFT_S,
         tpot_s=TPOT_S,
         first_token_timeout_s=0.85 * TTFT_S,
