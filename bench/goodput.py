@@ -214,7 +214,8 @@ def fixed_workload(seed: int, n: int = 20_000) -> Workload:
 
 def build_bodies(w: Workload, n: int, seed: int) -> list[bytes]:
     """Request bodies with fresh random prompts: no two trials on one router share a prompt
-    (vllm-router's default policy routes by prefix, and the simulator caches none)."""
+    (vllm-router's default policy routes by prefix, and the simulated engines' prefix caches
+    would serve a repeated one)."""
     rng = np.random.default_rng(seed)
     lo, hi = WORD_IDS
     return [

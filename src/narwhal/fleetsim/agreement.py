@@ -56,6 +56,7 @@ import math
 import random
 import statistics
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -125,24 +126,22 @@ async def replay(
     async def send(client: httpx.AsyncClient, i: int, spec: RequestSpec) -> LiveOutcome:
         await asyncio.sleep(max(0.0, t0 + spec.arrival - time.monotonic()))
         sent = time.monotonic()
+        body: dict[str, Any] = {
+            "model": model,
+            "max_tokens": spec.output_tokens,
+            "ignore_eos": True,
+            "stream": True,
+        }
         if prompts is not None:
-            prompt = list(prompts[i])
+            body["prompt"] = list(prompts[i])
         else:
-            prompt = [300 + (i * 131 + k) % 9000 for k in range(spec.prompt_tokens)]
+            body["prompt"] = [300 + (i * 131 + k) % 9000 for k in range(spec.prompt_tokens)]
+            # Requests of their own: without a salt, every call's request 0 (each calibration
+            # probe among them) sent the same ids, and the engines' prefix caches served them.
+            body["cache_salt"] = f"{id_prefix or 'replay'}-{i}-{salt}"
         times: list[float] = []
         headers = {"X-Request-Id": f"{id_prefix}-{i}"} if id_prefix else None
-        async with client.stream(
-            "POST",
-            url + "/v1/completions",
-            json={
-                "model": model,
-                "prompt": prompt,
-                "max_tokens": spec.output_tokens,
-                "ignore_eos": True,
-                "stream": True,
-            },
-            headers=headers,
-        ) as r:
+        async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
             if r.status_code != 200:
                 return LiveOutcome(r.status_code)
             async for line in r.aiter_lines():
@@ -155,6 +154,7 @@ async def replay(
         tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
         return LiveOutcome(200, times[0] - sent, tpot)
 
+    salt = uuid.uuid4().hex[:12]  # one per call: calls reuse request numbers and prefixes
     limits = httpx.Limits(max_connections=max(200, len(specs)))
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits, trust_env=False) as client:
         t0 = time.monotonic() + lead_s
