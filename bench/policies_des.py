@@ -62,7 +62,6 @@ resamples, v1 and the baselines.
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import sys
 import time
@@ -81,9 +80,9 @@ from narwhal.testing.goodput import (
     bootstrap_draws,
     crossing,
     interval,
+    paired_ratio,
     search_crossing,
     to_blocks,
-    verdict,
 )
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "azure-llm-2023"
@@ -298,22 +297,16 @@ def main() -> int:
                     str(len(points)),
                 ))  # fmt: skip
             baselines = [s for s in found if s in BASELINES]
+            goodputs = {s: g for s, (g, _) in found.items()}
             for name in (s for s in V1_SYSTEMS if s in found):
-                if not baselines:
+                r = paired_ratio(goodputs, resampled, name, baselines)
+                if r is None:
                     continue
-                best = max(baselines, key=lambda s: found[s][0])
-                ratio = found[name][0] / found[best][0] if found[best][0] else math.inf
-                paired = [
-                    resampled[name][i] / top if (top := max(resampled[s][i] for s in baselines))
-                    else math.inf
-                    for i in range(args.resamples)
-                ]  # fmt: skip
-                lo, hi = interval(paired)
                 suffix = "" if name == "v1" else f"_{name.removeprefix('v1_')}"
                 ratios.append(
                     f"ratio_goodput_v1{suffix}_over_best_baseline_{workload}_{size}: "
-                    f"{ratio:.2f} [{lo:.2f}, {hi:.2f}] {verdict(lo, hi)} (best baseline {best}, "
-                    f"{found[best][0]:.3f} req/s)"
+                    f"{r.ratio:.2f} [{r.low:.2f}, {r.high:.2f}] {r.verdict} (best baseline "
+                    f"{r.best}, {r.best_goodput:.3f} req/s)"
                 )
     header.append(f"bench_wall_s: {time.perf_counter() - started:.0f}")
     print("\n".join(header))

@@ -47,7 +47,6 @@ Contacts nothing; one process. ``--quick``: 8 engines, conversation only, 200 re
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import sys
 import time
@@ -73,9 +72,9 @@ from narwhal.testing.goodput import (
     bootstrap_draws,
     crossing,
     interval,
+    paired_ratio,
     search_crossing,
     to_blocks,
-    verdict,
 )
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake-fast25"
@@ -176,19 +175,12 @@ def ratio_line(
 ) -> str:
     """``name``'s goodput over the best of ``others``, with its paired bootstrap interval
     (empty when either is not measured)."""
-    others = [o for o in others if o in found]
-    if name not in found or not others:
+    r = paired_ratio({s: g for s, (g, _) in found.items()}, resampled, name, others)
+    if r is None:
         return ""
-    best = max(others, key=lambda s: found[s][0])
-    ratio = found[name][0] / found[best][0] if found[best][0] else math.inf
-    paired = [
-        resampled[name][i] / top if (top := max(resampled[s][i] for s in others)) else math.inf
-        for i in range(len(resampled[name]))
-    ]
-    lo, hi = interval(paired)
     return (
-        f"ratio_goodput_{name}_over_{label}_{tag}: {ratio:.2f} [{lo:.2f}, {hi:.2f}] "
-        f"{verdict(lo, hi)} ({best}, {found[best][0]:.3f} req/s)"
+        f"ratio_goodput_{name}_over_{label}_{tag}: {r.ratio:.2f} [{r.low:.2f}, {r.high:.2f}] "
+        f"{r.verdict} ({r.best}, {r.best_goodput:.3f} req/s)"
     )
 
 

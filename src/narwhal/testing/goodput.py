@@ -18,16 +18,18 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 __all__ = [
+    "PairedRatio",
     "RatePoint",
     "bootstrap_draws",
     "crossing",
     "crossing_of",
     "interval",
+    "paired_ratio",
     "search_crossing",
     "to_blocks",
     "verdict",
@@ -170,3 +172,43 @@ def verdict(low: float, high: float) -> str:
     if high < 1:
         return "loss"
     return "within the uncertainty"
+
+
+@dataclass(frozen=True)
+class PairedRatio:
+    """One system's goodput over the best of others: the point ratio (over the others' best
+    point estimate, ``best``) and its paired interval (on each resample, over the best of the
+    others on that resample)."""
+
+    ratio: float
+    low: float
+    high: float
+    best: str
+    best_goodput: float
+
+    @property
+    def verdict(self) -> str:
+        return verdict(self.low, self.high)
+
+
+def paired_ratio(
+    goodputs: Mapping[str, float],
+    resampled: Mapping[str, Sequence[float]],
+    name: str,
+    others: Iterable[str],
+) -> PairedRatio | None:
+    """``name``'s goodput over the best of ``others`` (those measured), paired on the same
+    bootstrap resamples (``resampled``: each system's goodput per resample, in the same draw
+    order); None when ``name`` or every other is unmeasured."""
+    measured = [o for o in others if o in goodputs and o in resampled and o != name]
+    if name not in goodputs or name not in resampled or not measured:
+        return None
+    best = max(measured, key=lambda s: goodputs[s])
+    top = goodputs[best]
+    ratio = goodputs[name] / top if top else math.inf
+    paired = [
+        mine / peak if (peak := max(resampled[s][i] for s in measured)) else math.inf
+        for i, mine in enumerate(resampled[name])
+    ]
+    low, high = interval(paired)
+    return PairedRatio(ratio, low, high, best, top)
