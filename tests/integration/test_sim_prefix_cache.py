@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from narwhal.contract import load_fleet
-from narwhal.engines.kv_events import KVEventSubscriber, RemovedBlocks, StoredBlocks
+from narwhal.engines.kv_events import KVEventSubscriber, ReadEvent, apply_kv_events
 from narwhal.engines.legs import prefill_leg_body
 from narwhal.routing.prefix import PrefixIndex, chain_keys
 from narwhal.testing.fleet import SimFleet
@@ -100,21 +100,8 @@ def test_events_rebuild_the_engines_caches(fleet: SimFleet) -> None:
             index.add_engine(spec.id, 4096)
             index.set_precise(spec.id, True)
 
-            def apply(events: list[Any], engine: str = spec.id) -> None:
-                for event in events:
-                    if isinstance(event, StoredBlocks):
-                        index.stored(
-                            engine,
-                            event.block_hashes,
-                            event.parent_block_hash,
-                            event.token_ids,
-                            event.block_size,
-                            event.salt,
-                        )
-                    elif isinstance(event, RemovedBlocks):
-                        index.removed(engine, event.block_hashes)
-                    else:
-                        index.clear(engine)
+            def apply(events: list[ReadEvent], engine: str = spec.id) -> None:
+                apply_kv_events(index, engine, events)  # as the router applies them
 
             subscribers[spec.id] = KVEventSubscriber(
                 spec.id,

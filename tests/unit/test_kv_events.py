@@ -17,9 +17,11 @@ from narwhal.engines.kv_events import (
     KVEventSubscriber,
     RemovedBlocks,
     StoredBlocks,
+    apply_kv_events,
     decode_batch,
     encode_batch,
 )
+from narwhal.routing.prefix import PrefixIndex, chain_keys
 from narwhal.simengine import kv_blocks
 from narwhal.simengine.kv_events import KVEventPublisher, KVEventsSettings
 from narwhal.testing.ports import free_ports
@@ -72,6 +74,25 @@ def test_the_wire_format_is_vllms() -> None:
         decode_batch(b"\x93")
     with pytest.raises(ValueError):
         decode_batch(msgspec.msgpack.encode({"ts": 1}))
+
+
+def test_applied_events_make_the_engines_entries_precise() -> None:
+    index = PrefixIndex(4)
+    index.add_engine("e0", 64)
+    routed = chain_keys(list(range(100, 108)), 4)
+    index.record_routed("e0", routed, 0.0)
+    tokens = list(range(12))
+    stored = StoredBlocks([b"h0", b"h1"], None, tokens[:8], 4, None)
+    # The first batch replaces routing history with the engine's own word.
+    assert apply_kv_events(index, "e0", [stored]) is None
+    assert index.is_precise("e0") and index.match(routed, 0.0) == {}
+    assert index.match(chain_keys(tokens, 4), 0.0) == {"e0": 2}
+    more = StoredBlocks([b"h2"], b"h1", tokens[8:], 4, None)
+    foreign = StoredBlocks([b"x"], None, tokens[:8], 8, None)
+    assert apply_kv_events(index, "e0", [more, foreign, RemovedBlocks([b"h1"])]) == 8
+    assert index.match(chain_keys(tokens, 4), 0.0) == {"e0": 1}
+    assert apply_kv_events(index, "e0", [None]) is None  # AllBlocksCleared
+    assert index.blocks_held("e0") == 0
 
 
 def _batch(ts: float, *hashes: int) -> bytes:

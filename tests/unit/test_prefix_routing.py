@@ -4,6 +4,8 @@ honestly; the lifecycle records where it sent each prompt."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 from narwhal.clock import VirtualClock
@@ -15,7 +17,7 @@ from narwhal.routing.fleet_state import FleetState
 from narwhal.routing.lifecycle import Lifecycle
 from narwhal.routing.predictor import LatencyPredictor
 from narwhal.routing.prefix import chain_keys, prompt_keys, text_keys
-from narwhal.routing.scheduler import Pair, RequestShape, SchedulerV1
+from narwhal.routing.scheduler import Pair, RequestShape, SchedulerV0, SchedulerV1
 from narwhal.simengine.fleet import local_fleet_document
 
 PROMPT = 4000
@@ -124,6 +126,40 @@ def test_the_lifecycle_records_both_engines_of_a_handoff() -> None:
     second = lifecycle.arrive("r2", max_tokens=10, prompt_tokens=PROMPT, prefix=KEYS)
     again = lifecycle.admit(second)
     assert isinstance(again, Admit) and again.pair.cached_tokens == PROMPT - 1
+
+
+def test_the_lifecycle_matches_the_prefix_only_for_a_scheduler_that_did_not() -> None:
+    """v1 matched the prompt against the index and found nothing on either engine: the pick
+    says it looked, and the lifecycle does not match it again. v0 never looks: the lifecycle
+    matches for it, and records what its engines hold."""
+    clock = VirtualClock(0.0)
+    fleet = state(clock)
+    index = fleet.prefix_index
+    assert index is not None
+    lookups: list[tuple[int, ...]] = []
+    match = index.match
+
+    def counted(keys: Sequence[int], now: float) -> dict[str, int]:
+        lookups.append(tuple(keys))
+        return match(keys, now)
+
+    index.match = counted  # type: ignore[method-assign]
+    cold = Lifecycle(fleet, scheduler())
+    verdict = cold.admit(cold.arrive("r1", max_tokens=10, prompt_tokens=PROMPT, prefix=KEYS))
+    assert isinstance(verdict, Admit)
+    assert verdict.pair.prefix_looked
+    assert (verdict.pair.cached_tokens, verdict.pair.decode_cached_tokens) == (0, 0)
+    assert lookups == [KEYS]  # the scheduler's, and no other
+    lookups.clear()
+    for engine in fleet.engines:
+        index.record_routed(engine, KEYS, 0.0)
+    blind = Lifecycle(fleet, SchedulerV0())
+    ticket = blind.arrive("r2", max_tokens=10, prompt_tokens=PROMPT, prefix=KEYS)
+    verdict = blind.admit(ticket)
+    assert isinstance(verdict, Admit) and not verdict.pair.prefix_looked
+    assert lookups == [KEYS]  # the lifecycle's
+    assert ticket.pair is not None
+    assert (ticket.pair.cached_tokens, ticket.pair.decode_cached_tokens) == (PROMPT - 1,) * 2
 
 
 def test_prompt_keys_of_client_requests() -> None:

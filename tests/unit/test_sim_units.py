@@ -3,8 +3,10 @@ step timing, block accounting, request parsing and kv_transfer_params parsing.""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import socket
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -13,10 +15,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from narwhal.contract import SimulatedEngineSettings
-from narwhal.simengine.engine import RemoteKV, parse_kv_transfer_params
+from narwhal.routing.prefix import chain_keys
+from narwhal.simengine.engine import (
+    EngineConfig,
+    EngineCore,
+    RemoteKV,
+    RequestKind,
+    SimRequest,
+    TokenEvent,
+    parse_kv_transfer_params,
+)
+from narwhal.simengine.faults import FaultSettings
 from narwhal.simengine.generation import GenerationModel, KVLayout, prompt_digest
 from narwhal.simengine.kv_blocks import BlockPool
+from narwhal.simengine.kv_transfer import KVTransferAgent
+from narwhal.simengine.metrics import EngineMetrics
 from narwhal.simengine.protocol import ProtocolError, parse_generation
+from narwhal.simengine.side_channel import PeerDirectory
 from narwhal.simengine.timing import CALIBRATION, sim_models
 from narwhal.simengine.vocab import EOS, IM_END, IM_START, NUM_BYTE_TOKENS, Vocabulary
 from narwhal.testing.ports import ephemeral_range_start, free_ports
@@ -183,6 +198,80 @@ def test_model_seed_changes_kv() -> None:
     other = KVLayout(model_seed=1, block_size=16, block_bytes=1024)
     a, b = LAYOUT.block_contents(tokens), other.block_contents(tokens)
     assert all(not np.array_equal(a[i], b[i]) for i in range(len(a)))
+
+
+def test_chains_extend_a_parent_and_write_tiles_what_block_contents_gives() -> None:
+    tokens = list(range(300, 383))  # 6 blocks, the last one partial
+    chains = LAYOUT.chains(tokens)
+    assert len(chains) == 6 and LAYOUT.chains(tokens, 2, 4) == chains[2:4]
+    assert LAYOUT.chains(tokens, 2, parent=chains[1]) == chains[2:]  # no hashing from block 0
+    full = LAYOUT.block_contents(tokens)
+    pool = np.zeros((9, 1024), np.uint8)
+    LAYOUT.write(pool, [7, 1], [chains[4], chains[0]])
+    assert np.array_equal(pool[7], full[4]) and np.array_equal(pool[1], full[0])
+    assert not pool[[0, 2, 3, 4, 5, 6, 8]].any()
+    with pytest.raises(ValueError, match="C-contiguous"):
+        LAYOUT.write(np.zeros((1024, 9), np.uint8).T, [0], chains[:1])
+
+
+# --- EngineCore: the KV it writes ------------------------------------------------------------
+
+
+def _core() -> EngineCore:
+    config = EngineConfig(
+        "e0", "m", num_blocks=64, block_bytes=1024, timing=replace(CALIBRATION, time_scale=1e6)
+    )
+    pool = np.zeros((config.num_blocks, config.block_bytes), np.uint8)
+    agent = KVTransferAgent("a", pool, lambda message: None)
+    generation = GenerationModel(VOCAB, config.model_seed)
+    metrics = EngineMetrics("m", "0")
+    return EngineCore(config, generation, metrics, FaultSettings(), agent, PeerDirectory())
+
+
+async def _served(core: EngineCore, prompt: list[int], kind: RequestKind, max_tokens: int) -> Any:
+    """Run a request to its end: (the request, its last token event)."""
+    request = SimRequest(core.new_request_id("r"), prompt, max_tokens, ignore_eos=True, kind=kind)
+    core.submit(request)
+    while True:
+        event = await asyncio.wait_for(request.events.get(), 10)
+        assert isinstance(event, TokenEvent)
+        if event.finish_reason is not None:
+            return request, event
+
+
+async def test_the_kv_written_is_the_prompts_whether_its_prefix_was_cached_or_not() -> None:
+    """Only the blocks that need it are written (those cached, and a prefill leg's every block
+    it did not hit), each on from the chain of the block before: the bytes a reader pulls, and
+    those a later prompt hits, are the prompt's KV all the same."""
+    warm, cold = _core(), _core()
+    warm.start()
+    cold.start()
+    try:
+        shared = [300 + (i * 37) % 9000 for i in range(160)]  # 10 blocks
+        first = [*shared, 7000, 7001, 7002, 7003, 7004]
+        answered, _ = await _served(warm, first, RequestKind.LOCAL, 40)
+        # The answer completed 2 more blocks (204 tokens with KV), cached with their contents.
+        tokens = first + answered.output[:-1]
+        blocks = warm.allocator.cached_prefix(chain_keys(tokens, 16))
+        assert len(blocks) == 12
+        assert np.array_equal(warm.pool[blocks], LAYOUT.block_contents(tokens)[:12])
+        # A conversation's next turn, as a prefill leg: it hits all 12, a cold engine none.
+        turn = tokens + list(range(8000, 8020))
+        expected = LAYOUT.block_contents(turn)
+        for core, hit in ((warm, 192), (cold, 0)):
+            request, last = await _served(core, turn, RequestKind.PRODUCER, 1)
+            assert request.num_cached_tokens == hit
+            held = last.kv_transfer_params["remote_block_ids"][0]
+            assert np.array_equal(core.pool[held], expected)
+        # Another tail on the shared prefix: it hits the 10 blocks the first prompt cached.
+        other = shared + list(range(9000, 9033))
+        request, last = await _served(warm, other, RequestKind.PRODUCER, 1)
+        assert request.num_cached_tokens == 160
+        held = last.kv_transfer_params["remote_block_ids"][0]
+        assert np.array_equal(warm.pool[held], LAYOUT.block_contents(other))
+    finally:
+        await warm.close()
+        await cold.close()
 
 
 # --- Step timing (the latency model) --------------------------------------------------------

@@ -14,6 +14,7 @@ version lacks or adds is no reason to drop an engine's events). ``KVEventSubscri
 engine's stream in order: a gap in the sequence is replayed from the engine's buffer; what
 cannot be replayed, and an engine whose sequence starts over (a restart), reset the engine's
 entries (``on_reset``), so the index under-reports rather than claims blocks an engine lost.
+``apply_kv_events`` applies a delivered batch to the prefix index (``narwhal.routing.prefix``).
 """
 
 from __future__ import annotations
@@ -21,13 +22,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
+
+from narwhal.routing.prefix import PrefixIndex
 
 __all__ = [
     "END_SEQ",
@@ -38,6 +41,7 @@ __all__ = [
     "KVEventSubscriber",
     "RemovedBlocks",
     "StoredBlocks",
+    "apply_kv_events",
     "decode_batch",
     "encode_batch",
 ]
@@ -112,6 +116,32 @@ class RemovedBlocks:
 
 
 ReadEvent = StoredBlocks | RemovedBlocks | None  # None: AllBlocksCleared
+
+
+def apply_kv_events(index: PrefixIndex, engine_id: str, events: Iterable[ReadEvent]) -> int | None:
+    """Apply a batch of ``engine_id``'s events, in order, to the prefix index, whose entries for
+    the engine come from its events from now on (``PrefixIndex.set_precise``). Returns the
+    first block size other than the index's that a ``BlockStored`` carried (its blocks cannot
+    be indexed), else None."""
+    index.set_precise(engine_id, True)
+    foreign: int | None = None
+    for event in events:
+        if isinstance(event, StoredBlocks):
+            placed = index.stored(
+                engine_id,
+                event.block_hashes,
+                event.parent_block_hash,
+                event.token_ids,
+                event.block_size,
+                event.salt,
+            )
+            if not placed and event.block_size != index.block_size and foreign is None:
+                foreign = event.block_size
+        elif isinstance(event, RemovedBlocks):
+            index.removed(engine_id, event.block_hashes)
+        else:
+            index.clear(engine_id)
+    return foreign
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[ReadEvent]]:

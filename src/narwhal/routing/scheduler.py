@@ -62,6 +62,10 @@ class Pair:
     # the decode engine's (blocks it will not pull).
     cached_tokens: int = 0
     decode_cached_tokens: int = 0
+    # The scheduler matched the prompt's prefix against the fleet's prefix index (v1 does):
+    # the two counts above are what it found, zeros included. False: it never looked (v0, the
+    # baselines), and the lifecycle looks for it.
+    prefix_looked: bool = False
 
 
 @dataclass(frozen=True)
@@ -519,7 +523,9 @@ class SchedulerV1:
                     (c for c in fits if c[0] >= floor), key=lambda c: (c[1], -c[0], c[2].id)
                 )
                 hit = hits.get(d.id, 0) if hits else 0
-                return Pair(d.id, d.id, slack, ttft, tpot, prefill_s, True, hit, hit)
+                return Pair(
+                    d.id, d.id, slack, ttft, tpot, prefill_s, True, hit, hit, hits is not None
+                )
         if not prefills:
             return NoPair("no available engine in the prefill role")
         if not candidates:
@@ -547,7 +553,7 @@ class SchedulerV1:
                     best_c = c
         assert best_c is not None
         slack, _, d, (_, p_id, prefill_s, _), ttft, tpot = best_c
-        pair = Pair(p_id, d.id, slack, ttft, tpot, prefill_s)
+        pair = Pair(p_id, d.id, slack, ttft, tpot, prefill_s, prefix_looked=hits is not None)
         if hits:
             pair = replace(
                 pair, cached_tokens=hits.get(p_id, 0), decode_cached_tokens=hits.get(d.id, 0)

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 
 from narwhal.engines.client import EnginePool
-from narwhal.engines.kv_events import KVEventSubscriber, ReadEvent, RemovedBlocks, StoredBlocks
+from narwhal.engines.kv_events import KVEventSubscriber, ReadEvent, apply_kv_events
 from narwhal.engines.scrape import parse_engine_load
 from narwhal.engines.transport import EngineTransportError, fetch
 from narwhal.metrics import RouterMetrics
@@ -137,30 +137,16 @@ def _applier(
 
     def apply(events: list[ReadEvent]) -> None:
         nonlocal warned
-        index.set_precise(engine_id, True)
-        for event in events:
-            if isinstance(event, StoredBlocks):
-                placed = index.stored(
-                    engine_id,
-                    event.block_hashes,
-                    event.parent_block_hash,
-                    event.token_ids,
-                    event.block_size,
-                    event.salt,
-                )
-                if not placed and event.block_size != index.block_size and not warned:
-                    warned = True
-                    log.warning(
-                        "engine %s publishes blocks of %d tokens; the fleet's "
-                        "engine.prefix_caching.block_size is %d: its events cannot be indexed",
-                        engine_id,
-                        event.block_size,
-                        index.block_size,
-                    )
-            elif isinstance(event, RemovedBlocks):
-                index.removed(engine_id, event.block_hashes)
-            else:
-                index.clear(engine_id)
+        foreign = apply_kv_events(index, engine_id, events)
+        if foreign is not None and not warned:
+            warned = True
+            log.warning(
+                "engine %s publishes blocks of %d tokens; the fleet's "
+                "engine.prefix_caching.block_size is %d: its events cannot be indexed",
+                engine_id,
+                foreign,
+                index.block_size,
+            )
         batches.inc()
         blocks.set(index.blocks_held(engine_id))
 

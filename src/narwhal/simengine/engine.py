@@ -211,6 +211,10 @@ class EngineCore:
         self.prefilling: list[SimRequest] = []
         self.running: list[SimRequest] = []
         self.holds: dict[str, _Hold] = {}
+        # Each block's content chain (KVLayout.chains) while its bytes are the KV the chain
+        # stands for, else None: a prompt's blocks are written on from the chain of the block
+        # before, a block it hit included, instead of hashing the prompt from block 0.
+        self._chains: list[bytes | None] = [None] * config.num_blocks
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -362,6 +366,8 @@ class EngineCore:
                 break
             self.waiting.popleft()
             request.blocks = blocks
+            for block in blocks[len(hit) :]:
+                self._chains[block] = None  # what it held is not this prompt's
             cached = len(hit) * self.config.block_size
             request.num_cached_tokens = request.computed = cached
             if self.allocator.caching:
@@ -377,10 +383,14 @@ class EngineCore:
 
     def _prefill_done(self, request: SimRequest, now: float) -> None:
         if request.kind is RequestKind.PRODUCER or self.allocator.caching:
-            # The prompt's KV, for a reader to pull or a later request to hit.
-            n = self.layout.num_blocks(len(request.prompt))
-            self.pool[request.blocks[:n]] = self.layout.block_contents(request.prompt)
-            self._cache_blocks(request, request.prompt, request.keys)
+            # The prompt's KV where it is read: every block of a prefill leg's (a reader pulls
+            # them all), else the blocks cached now (a later request hits them). The blocks
+            # it hit hold it already (a cached block's bytes are always its prefix's KV).
+            rows = self._cache_blocks(request, request.prompt, request.keys)
+            if request.kind is RequestKind.PRODUCER:
+                hit = request.num_cached_tokens // self.config.block_size
+                rows = list(range(hit, self.layout.num_blocks(len(request.prompt))))
+            self._write_kv(request.blocks, request.prompt, rows)
         self.running.append(request)
         self._emit_token(request, now)
 
@@ -448,10 +458,28 @@ class EngineCore:
         self._wake.set()
         return params
 
-    def _cache_blocks(self, request: SimRequest, tokens: list[int], keys: list[int]) -> None:
-        self.allocator.cache(
+    def _cache_blocks(self, request: SimRequest, tokens: list[int], keys: list[int]) -> list[int]:
+        """Key the request's full blocks; the indices of those newly cached, whose KV the
+        caller writes."""
+        return self.allocator.cache(
             request.blocks, keys, tokens, self.config.block_size, request.cache_salt
         )
+
+    def _write_kv(self, blocks: list[int], tokens: list[int], rows: list[int]) -> None:
+        """Write the KV of ``tokens``' blocks ``rows`` (ascending indices) into ``blocks``,
+        extending the content chain of the block before the first when it is known (a block
+        the prompt hit, or one written for it) instead of hashing from block 0."""
+        if not rows:
+            return
+        first = rows[0]
+        parent = self._chains[blocks[first - 1]] if first > 0 else None
+        chains = self.layout.chains(tokens, first, rows[-1] + 1, parent)
+        if len(rows) < len(chains):
+            chains = [chains[i - first] for i in rows]
+        targets = [blocks[i] for i in rows]
+        self.layout.write(self.pool, targets, chains)
+        for block, chain in zip(targets, chains, strict=True):
+            self._chains[block] = chain
 
     def _cache_output(self, request: SimRequest) -> None:
         """Cache the full blocks the answer completed (vLLM caches every full block of
@@ -472,10 +500,8 @@ class EngineCore:
         for i in range(len(keys), full):
             key = extend_chain(key, tokens[i * size : (i + 1) * size])
             keys.append(key)
-        contents = self.layout.block_contents(tokens)
-        start = len(request.keys)
-        self.pool[request.blocks[start:full]] = contents[start:full]
-        self._cache_blocks(request, tokens, keys)
+        # The blocks newly cached (the answer's, mostly): written on from the prompt's last.
+        self._write_kv(request.blocks, tokens, self._cache_blocks(request, tokens, keys))
 
     def _free(self, request: SimRequest) -> None:
         if request.blocks:
@@ -554,13 +580,15 @@ class EngineCore:
         result = await self.kv_agent.read(
             peer, list(remote.block_ids[hit:]), local[hit:], remote.request_id.encode(), timeout
         )
-        expected = self.layout.block_contents(request.prompt)
-        if not np.array_equal(self.pool[local], expected):
+        chains = self.layout.chains(request.prompt)
+        if not np.array_equal(self.pool[local], self.layout.contents(chains)):
             self.metrics.get(self.metrics.kv_verify_failures).inc()
             raise KVTransferError(
                 f"pulled KV from {remote.engine_id} does not match the prompt"
                 " (blocks freed or overwritten before the read)"
             )
+        for block, chain in zip(local, chains, strict=True):
+            self._chains[block] = chain
         return result.num_bytes, result.seconds, n - hit
 
     # --- holds -------------------------------------------------------------------------
@@ -579,6 +607,8 @@ class EngineCore:
                 unused = [b for b in hold.blocks if self.allocator.refs(b) == 0]
                 self.allocator.uncache(unused)
                 self.pool[unused] = 0
+                for block in unused:
+                    self._chains[block] = None
                 self.metrics.get(self.metrics.nixl_kv_expired).inc()
                 log.warning("KV hold %s expired after %.1f s unpulled", rid, self.config.kv_lease_s)
             if expired:

@@ -60,14 +60,54 @@ class KVLayout:
 
     def block_contents(self, tokens: Sequence[int]) -> np.ndarray:
         """The prompt's KV as an array of shape (num_blocks, block_bytes), dtype uint8."""
-        arr = np.asarray(tokens, dtype=np.int64)
-        n = self.num_blocks(len(arr))
-        out = np.empty((n, self.block_bytes), dtype=np.uint8)
-        chain = self.model_seed.to_bytes(8, "little", signed=True)
-        reps = self.block_bytes // _FILL_UNIT
-        for i in range(n):
-            chunk = arr[i * self.block_size : (i + 1) * self.block_size].tobytes()
-            chain = hashlib.blake2b(chain + chunk, digest_size=32, person=b"narwhal-kv").digest()
-            unit = np.frombuffer(hashlib.blake2b(chain, digest_size=_FILL_UNIT).digest(), np.uint8)
-            out[i] = np.tile(unit, reps)
+        return self.contents(self.chains(tokens))
+
+    def contents(self, chains: Sequence[bytes]) -> np.ndarray:
+        """The KV of the blocks whose content chains are ``chains`` (:meth:`chains`), as
+        :meth:`block_contents` gives it."""
+        out = np.empty((len(chains), self.block_bytes), dtype=np.uint8)
+        self.write(out, range(len(chains)), chains)
         return out
+
+    def chains(
+        self,
+        tokens: Sequence[int],
+        start: int = 0,
+        stop: int | None = None,
+        parent: bytes | None = None,
+    ) -> list[bytes]:
+        """The content chains of blocks ``start`` to ``stop - 1`` (default: the last, partial
+        or not) of ``tokens``' KV: block i's chain is a hash of block i-1's and block i's
+        tokens, and its content a function of its chain alone (:meth:`write`). ``parent``:
+        block ``start - 1``'s chain, to extend it without hashing the blocks before (None:
+        from block 0)."""
+        arr = np.asarray(tokens, dtype=np.int64)
+        if stop is None:
+            stop = self.num_blocks(len(arr))
+        if parent is None:
+            chain = self.model_seed.to_bytes(8, "little", signed=True)
+            first = 0
+        else:
+            chain, first = parent, start
+        data = arr.tobytes()
+        step = 8 * self.block_size
+        out: list[bytes] = []
+        for i in range(first, stop):
+            chain = hashlib.blake2b(
+                chain + data[i * step : (i + 1) * step], digest_size=32, person=b"narwhal-kv"
+            ).digest()
+            if i >= start:
+                out.append(chain)
+        return out
+
+    def write(self, pool: np.ndarray, rows: Sequence[int], chains: Sequence[bytes]) -> None:
+        """Write into ``pool`` (C-contiguous uint8, ``block_bytes`` per row) at ``rows[i]``
+        the content of the block whose chain is ``chains[i]``: its blake2b-512 digest, tiled
+        (in place, in one assignment)."""
+        if not chains:
+            return
+        if not pool.flags.c_contiguous:
+            raise ValueError("pool must be C-contiguous (written through a reshaped view)")
+        units = b"".join(hashlib.blake2b(c, digest_size=_FILL_UNIT).digest() for c in chains)
+        tiled = pool.reshape(pool.shape[0], self.block_bytes // _FILL_UNIT, _FILL_UNIT)
+        tiled[rows] = np.frombuffer(units, np.uint8).reshape(len(chains), 1, _FILL_UNIT)
