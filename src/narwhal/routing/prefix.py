@@ -256,23 +256,48 @@ class PrefixIndex:
             if parent is None:
                 return False
             key = parent
-        ids = tuple(int(t) for t in token_ids)
-        for i, engine_hash in enumerate(block_hashes):
-            key = hash((key, ids[i * block_size : (i + 1) * block_size]))
-            entries.by_engine_hash[engine_hash] = key
-            entries.engine_hash_of[key] = engine_hash
-            self._put(engine_id, entries, key, float("inf"))
+        # The event's token ids are ints already (msgpack); anything unhashable in them is a
+        # malformed event, dropped whole.
+        ids = tuple(token_ids)
+        try:
+            chain = []
+            for start in range(0, len(ids), block_size):
+                key = hash((key, ids[start : start + block_size]))
+                chain.append(key)
+        except TypeError:
+            return False
+        # Hot with long prompts (every engine's every new block): the loop body is _put's,
+        # inlined.
+        by_engine_hash, engine_hash_of = entries.by_engine_hash, entries.engine_hash_of
+        held, holders, inf = entries.keys, self._holders, float("inf")
+        for engine_hash, key in zip(block_hashes, chain, strict=True):
+            by_engine_hash[engine_hash] = key
+            engine_hash_of[key] = engine_hash
+            if key in held:
+                held.move_to_end(key)
+            else:
+                engines = holders.get(key)
+                if engines is None:
+                    holders[key] = {engine_id}
+                else:
+                    engines.add(engine_id)
+            held[key] = inf
         self._trim(engine_id, entries)
         return True
 
     def removed(self, engine_id: str, block_hashes: Sequence[EngineHash]) -> None:
         """A ``BlockRemoved`` event (hashes the index does not know are ignored)."""
         entries = self._entry(engine_id)
+        by_engine_hash, engine_hash_of, held = (
+            entries.by_engine_hash,
+            entries.engine_hash_of,
+            entries.keys,
+        )
         for engine_hash in block_hashes:
-            key = entries.by_engine_hash.pop(engine_hash, None)
+            key = by_engine_hash.pop(engine_hash, None)
             if key is not None:
-                entries.engine_hash_of.pop(key, None)
-                if entries.keys.pop(key, None) is not None:
+                engine_hash_of.pop(key, None)
+                if held.pop(key, None) is not None:
                     self._unhold(engine_id, key)
 
     def clear(self, engine_id: str) -> None:
@@ -317,9 +342,25 @@ class PrefixIndex:
                 del self._holders[key]
 
     def _trim(self, engine_id: str, entries: _EngineEntries) -> None:
-        while len(entries.keys) > entries.capacity_blocks:
-            key, _ = entries.keys.popitem(last=False)
-            self._drop(engine_id, entries, key)
+        held = entries.keys
+        excess = len(held) - entries.capacity_blocks
+        if excess <= 0:
+            return
+        engine_hash_of, by_engine_hash, holders = (
+            entries.engine_hash_of,
+            entries.by_engine_hash,
+            self._holders,
+        )
+        for _ in range(excess):
+            key, _ = held.popitem(last=False)
+            engine_hash = engine_hash_of.pop(key, None)
+            if engine_hash is not None:
+                by_engine_hash.pop(engine_hash, None)
+            engines = holders.get(key)
+            if engines is not None:
+                engines.discard(engine_id)
+                if not engines:
+                    del holders[key]
 
     def _expire(self, engine_id: str, entries: _EngineEntries, now: float) -> None:
         # Approximate entries are refreshed in time order with one TTL: the oldest are first.
