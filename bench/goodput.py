@@ -87,6 +87,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,8 +97,10 @@ import numpy as np
 import orjson
 
 from narwhal.engines.scrape import metric_sum
+from narwhal.fleetsim.workloads import MOONCAKE_BLOCK_TOKENS, ideal_hit_rate, read_mooncake_trace
 from narwhal.serve.cli import serve_command
 from narwhal.simengine.timing import CALIBRATION
+from narwhal.simengine.vocab import Vocabulary
 from narwhal.testing import aio, procfs, procs
 from narwhal.testing.fleet import SimFleet, fleet_load, start_local_fleet, wait_idle
 from narwhal.testing.goodput import (
@@ -106,7 +109,7 @@ from narwhal.testing.goodput import (
     crossing,
     crossing_of,
     interval,
-    verdict,
+    paired_ratio,
 )
 from narwhal.testing.ports import free_ports
 from narwhal.testing.profiling import profile_fleet
@@ -124,23 +127,30 @@ TRACES = {
     "code": "AzureLLMInferenceTrace_code.csv",
     "conv": "AzureLLMInferenceTrace_conv.csv",
 }
-WORKLOADS = ("code", "conv", "fixed")
+MOONCAKE_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake-fast25"
+MOONCAKE = {"mooncake_conv": "conversation_trace.jsonl", "mooncake_syn": "synthetic_trace.jsonl"}
+WORKLOADS = ("code", "conv", "fixed", *MOONCAKE)
+DEFAULT_WORKLOADS = ("code", "conv", "fixed")
 SYSTEMS = (
     "narwhal_v1",
     "narwhal_v1_local",
+    "narwhal_v1_blind",
     "narwhal_v0",
     "vllm_round_robin",
     "vllm_power_of_two",
     "vllm_default",
+    "sglang_cache_aware",
 )
 # The default set: Narwhal's scheduler and vllm-router's policies (about 15 minutes); v0 and
 # local prefill on request.
 DEFAULT_SYSTEMS = ("narwhal_v1", "vllm_round_robin", "vllm_power_of_two", "vllm_default")
-V1_SYSTEMS = ("narwhal_v1", "narwhal_v1_local")  # routed with the profile store
+V1_SYSTEMS = ("narwhal_v1", "narwhal_v1_local", "narwhal_v1_blind")  # with the profile store
+VLLM_SYSTEMS = ("vllm_round_robin", "vllm_power_of_two", "vllm_default")
 VLLM_POLICY = {"vllm_round_robin": "round_robin", "vllm_power_of_two": "power_of_two"}
 FIXED_IN, FIXED_OUT = 8192, 128
 WORD_IDS = (256, 10256)  # the simulator's word tokens (byte tokens below, specials above)
-MAX_MODEL_LEN = 16384
+MAX_MODEL_LEN = 16384  # --max-model-len
+VOCABULARY = Vocabulary(0)  # the simulated engines' (their default vocab_seed)
 # The simulator's calibration (model seconds), for the starting guesses only.
 PREFILL, DECODE = CALIBRATION.prefill, CALIBRATION.decode
 
@@ -164,6 +174,9 @@ class Workload:
     index: int = 0
     clipped: int = 0
     start_row: int = 0
+    # Mooncake: per request the chain keys of its prompt's 512-token blocks (equal keys, equal
+    # prefixes); None: every prompt its own.
+    keys: list[tuple[int, ...]] | None = None
 
     def trial(self, rate: float, duration: float) -> tuple[int, list[float]]:
         """The first ``n = rate * duration`` requests, their timeline compressed or stretched
@@ -177,7 +190,7 @@ class Workload:
         return n, [(o - self.offsets[0]) * k for o in self.offsets[:n]]
 
 
-def load_trace(name: str, start: int) -> Workload:
+def load_trace(name: str, start: int, max_model_len: int) -> Workload:
     path = DATA_DIR / TRACES[name]
     offsets: list[float] = []
     prompts: list[int] = []
@@ -192,15 +205,37 @@ def load_trace(name: str, start: int) -> Workload:
             t0 = t0 or stamp
             gen = max(1, int(row["GeneratedTokens"]))
             ctx = max(1, int(row["ContextTokens"]))
-            if ctx + gen > MAX_MODEL_LEN:
+            if ctx + gen > max_model_len:
                 clipped += 1
-                ctx = MAX_MODEL_LEN - gen
+                ctx = max_model_len - gen
             offsets.append((stamp - t0).total_seconds())
             prompts.append(ctx)
             gens.append(gen)
     if len(offsets) < 100:
         raise SystemExit(f"{path}: fewer than 100 requests from row {start}")
     return Workload(name, offsets, prompts, gens, clipped=clipped, start_row=start)
+
+
+def load_mooncake(name: str, start: int, max_model_len: int) -> Workload:
+    """A Mooncake FAST'25 trace from row ``start``: its arrival pattern (ties spread over their
+    second, ``read_mooncake_trace``), prompt and output lengths, prompts clipped to fit
+    ``max_model_len``, and each prompt's block chain keys."""
+    trace = read_mooncake_trace(MOONCAKE_DIR / MOONCAKE[name], max_model_len)
+    rows = trace.rows[start:]
+    if len(rows) < 100:
+        raise SystemExit(f"{MOONCAKE[name]}: fewer than 100 requests from row {start}")
+    t0 = rows[0][0]
+    return Workload(
+        name,
+        [t - t0 for t, _, _, _ in rows],
+        [p for _, p, _, _ in rows],
+        [g for _, _, g, _ in rows],
+        clipped=sum(
+            1 for _, p, g, _ in rows if p + g == max_model_len
+        ),  # (clipped ones fill it exactly)
+        start_row=start,
+        keys=[k for _, _, _, k in rows],
+    )
 
 
 def fixed_workload(seed: int, n: int = 20_000) -> Workload:
@@ -212,24 +247,52 @@ def fixed_workload(seed: int, n: int = 20_000) -> Workload:
     return Workload("fixed", offsets, [FIXED_IN] * n, [FIXED_OUT] * n)
 
 
-def build_bodies(w: Workload, n: int, seed: int) -> list[bytes]:
-    """Request bodies with fresh random prompts: no two trials on one router share a prompt
-    (vllm-router's default policy routes by prefix, and the simulated engines' prefix caches
-    would serve a repeated one)."""
+def build_prompts(w: Workload, n: int, seed: int) -> list[np.ndarray]:
+    """Fresh prompts for a trial's ``n`` requests: no two trials on one router share a prompt
+    (the cache-aware routers and the simulated engines' prefix caches would serve a repeated
+    one). With the trace's block keys (Mooncake), within the trial the same key is always the
+    same 512 token ids, so requests share exactly the prefixes the trace says they share; the
+    rest of a prompt (its last, partial block) is its own."""
     rng = np.random.default_rng(seed)
     lo, hi = WORD_IDS
+    if w.keys is None:
+        return [rng.integers(lo, hi, size=p, dtype=np.int64) for p in w.prompt_lens[:n]]
+    blocks: dict[int, np.ndarray] = {}
+    prompts = []
+    for p, keys in zip(w.prompt_lens[:n], w.keys[:n], strict=True):
+        parts = []
+        for key in keys:
+            block = blocks.get(key)
+            if block is None:
+                block = np.random.default_rng((key % 2**64, seed)).integers(
+                    lo, hi, size=MOONCAKE_BLOCK_TOKENS, dtype=np.int64
+                )
+                blocks[key] = block
+            parts.append(block)
+        parts.append(rng.integers(lo, hi, size=p - len(keys) * MOONCAKE_BLOCK_TOKENS))
+        prompts.append(np.concatenate(parts))
+    return prompts
+
+
+def build_bodies(w: Workload, n: int, seed: int, text: bool = False) -> list[bytes]:
+    """Streamed completion bodies for a trial (``build_prompts``), asking for exactly each
+    request's output length. ``text``: each prompt as the text the engines tokenize to the same
+    ids (their words), for a router that refuses token-id prompts (sglang-router 0.3.2: 422)."""
+    prompts: list[np.ndarray] | list[str] = build_prompts(w, n, seed)
+    if text:
+        prompts = [VOCABULARY.decode(p.tolist()) for p in prompts]
     return [
         orjson.dumps(
             {
                 "model": MODEL,
-                "prompt": rng.integers(lo, hi, size=p, dtype=np.int64),
+                "prompt": prompt,
                 "max_tokens": g,
                 "ignore_eos": True,
                 "stream": True,
             },
             option=orjson.OPT_SERIALIZE_NUMPY,
         )
-        for p, g in zip(w.prompt_lens[:n], w.gen_lens[:n], strict=True)
+        for prompt, g in zip(prompts, w.gen_lens[:n], strict=True)
     ]
 
 
@@ -404,6 +467,7 @@ class Router:
         prefill_urls: list[str],
         decode_urls: list[str],
         router_bin: Path,
+        sglang_bin: Path | None = None,
     ) -> None:
         self.system = system
         ports = free_ports(2)
@@ -424,6 +488,18 @@ class Router:
                 args += ["--profiles", str(store), "--scheduler", "v1"]
             else:
                 args += ["--scheduler", "v0"]
+        elif system == "sglang_cache_aware":
+            assert sglang_bin is not None
+            args = peer_router_command(
+                sglang_bin,
+                prefill_urls,
+                decode_urls,
+                self.port,
+                ports[1],
+                policy="cache_aware",
+                sglang=True,
+                log_level="warn",  # (smg's name for it)
+            )
         else:
             args = peer_router_command(
                 router_bin,
@@ -502,6 +578,12 @@ class Trial:
     foreign_util: float
     router_cpu_ms: float  # the router's process tree, per request
     utilisation: tuple[float, float]  # the prefill and the decode engines' busy fraction
+    # The prefill engines' prefix caches: tokens found cached and tokens looked up
+    # (vllm:prefix_cache_hits / _queries); tokens the decode engines pulled over NIXL.
+    cached_tokens: float = 0.0
+    queried_tokens: float = 0.0
+    pulled_tokens: float = 0.0
+    ideal_hit_rate: float | None = None  # the trace's, for the prefill pool's capacity
 
 
 @dataclass
@@ -543,6 +625,20 @@ class Point:
     def requests(self) -> int:
         return sum(t.requests for t in self.trials)
 
+    @property
+    def hit_rate(self) -> float | None:
+        queried = sum(t.queried_tokens for t in self.trials)
+        return sum(t.cached_tokens for t in self.trials) / queried if queried else None
+
+    @property
+    def ideal_hit_rate(self) -> float | None:
+        ideals = [t.ideal_hit_rate for t in self.trials if t.ideal_hit_rate is not None]
+        return statistics.fmean(ideals) if ideals else None
+
+    @property
+    def pulled_per_request(self) -> float:
+        return sum(t.pulled_tokens for t in self.trials) / max(1, self.requests)
+
 
 @dataclass
 class Search:
@@ -561,15 +657,23 @@ class Search:
         return crossing_of(((p.rate, p.attainment) for p in self.ordered()), ATTAINMENT)[1]
 
 
-def engine_busy_seconds(urls: list[str]) -> list[float]:
-    """Each engine's wall seconds of working steps so far (its step counter)."""
+ENGINE_COUNTERS = (
+    "narwhal_sim:step_seconds_total",  # wall seconds of working steps
+    "vllm:prefix_cache_hits_total",  # tokens found in the prefix cache
+    "vllm:prefix_cache_queries_total",  # tokens looked up there
+    "vllm:nixl_bytes_transferred_sum",  # KV bytes pulled (decode side)
+)
+
+
+def engine_counters(urls: list[str]) -> list[dict[str, float]]:
+    """Each engine's ``ENGINE_COUNTERS`` so far (0 where its page lacks one or it is down)."""
     out = []
     for url in urls:
         try:
             page = httpx.get(url + "/metrics", timeout=5, trust_env=False).content
-            out.append(metric_sum(page, "narwhal_sim:step_seconds_total") or 0.0)
         except httpx.HTTPError:
-            out.append(0.0)
+            page = b""
+        out.append({name: metric_sum(page, name) or 0.0 for name in ENGINE_COUNTERS})
     return out
 
 
@@ -589,19 +693,32 @@ def run_point(
     time.sleep(args.settle_s)
     duration = args.durations[w.name]
     n, offsets = w.trial(rate, duration)
-    bodies = build_bodies(w, n, seed)
+    bodies = build_bodies(w, n, seed, text=router.system == "sglang_cache_aware")
     coro = run_trial(
         router.port, bodies, w.gen_lens[:n], offsets, duration, args.time_scale, budgets, tag
     )
     assert router.proc is not None
     router0 = procfs.tree_cpu_seconds(router.proc.pid)
-    busy0 = engine_busy_seconds(engine_urls)
+    before = engine_counters(engine_urls)
     cpu0, own0, t0 = procfs.machine_cpu_seconds(), own_cpu_seconds(), time.perf_counter()
     outcomes = aio.run(coro)
     wall = time.perf_counter() - t0
     total, own = procfs.machine_cpu_seconds() - cpu0, own_cpu_seconds() - own0
     router_cpu = procfs.tree_cpu_seconds(router.proc.pid) - router0
-    busy = [b - a for a, b in zip(busy0, engine_busy_seconds(engine_urls), strict=True)]
+    counted = [
+        {k: after[k] - earlier[k] for k in ENGINE_COUNTERS}
+        for earlier, after in zip(before, engine_counters(engine_urls), strict=True)
+    ]
+    busy = [c["narwhal_sim:step_seconds_total"] for c in counted]
+    p = args.prefill
+    prefill_side, decode_side = counted[:p], counted[p:]
+    ideal = None
+    if w.keys is not None:
+        rows = [
+            (0.0, pl, g, k)
+            for pl, g, k in zip(w.prompt_lens[:n], w.gen_lens[:n], w.keys[:n], strict=True)
+        ]
+        ideal = ideal_hit_rate(rows, p * args.num_blocks * args.block_size)
     if args.keep_dir:  # the client's view of every request, for analysis next to the journals
         with open(args.directory / "client.jsonl", "ab") as f:
             for i, o in enumerate(outcomes):
@@ -626,7 +743,6 @@ def run_point(
     for o in outcomes:
         counts[o.kind] = counts.get(o.kind, 0) + 1
     scale = args.time_scale
-    p = args.prefill
     return Trial(
         requests=n,
         met=[o.kind in MET for o in outcomes],
@@ -638,6 +754,12 @@ def run_point(
         foreign_util=max(0.0, total - own) / wall / cpus,
         router_cpu_ms=router_cpu / n * 1000,
         utilisation=(sum(busy[:p]) / p / wall, sum(busy[p:]) / max(1, len(busy) - p) / wall),
+        cached_tokens=sum(c["vllm:prefix_cache_hits_total"] for c in prefill_side),
+        queried_tokens=sum(c["vllm:prefix_cache_queries_total"] for c in prefill_side),
+        pulled_tokens=sum(c["vllm:nixl_bytes_transferred_sum"] for c in decode_side)
+        / args.block_bytes
+        * args.block_size,
+        ideal_hit_rate=ideal,
     )
 
 
@@ -660,7 +782,9 @@ def search_goodput(
         point = Point(rate, [], args.blocks)
         for k, w in enumerate(windows):
             tag = f"{router.system}-{name}-w{k}-r{rate:.4f}"
-            seed = args.seed * 100_003 + w.index * 1009 + k * 7919 + len(s.points)
+            # Every trial of the run its own prompts (the tag names system, workload, window
+            # and rate): a trial that repeated an earlier one's would find them cached.
+            seed = args.seed * 100_003 + zlib.crc32(tag.encode())
             point.trials.append(run_point(router, w, rate, args, budgets, engine_urls, tag, seed))
         s.points[rate] = point
         c = " ".join(f"{kind}={v}" for kind, v in sorted(point.counts.items()))
@@ -722,6 +846,20 @@ def search_goodput(
 # Main
 
 
+def cache_note(point: Point) -> str:
+    """The prefill pool's prefix-cache hit rate beside the trace's ideal, and what the
+    decode engines pulled (tokens per request; Kimi's MLA KV is 70,272 bytes a
+    token)."""
+    if point.hit_rate is None:
+        return ""
+    ideal = point.ideal_hit_rate
+    return (
+        f"; prefix hit rate {point.hit_rate:.3f}"
+        + (f" (ideal {ideal:.3f})" if ideal is not None else "")
+        + f", KV pulled {point.pulled_per_request:.0f} tokens/request"
+    )
+
+
 def profile(directory: Path, fleet_path: Path, args: argparse.Namespace) -> Path:
     return profile_fleet(
         directory,
@@ -751,7 +889,7 @@ def main() -> int:
     parser.add_argument("--time-scale", type=float, default=4.0)
     parser.add_argument(
         "--durations",
-        default="code=20,conv=70,fixed=45",
+        default="code=20,conv=70,fixed=45,mooncake_conv=300,mooncake_syn=150",
         help="model seconds of arrivals per trial, per workload (about one request's service"
         " time at capacity or more, so decode batches fill as in steady state)",
     )
@@ -771,13 +909,26 @@ def main() -> int:
         default=900.0,
         help="wall seconds after which searches stop at their bracket",
     )
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument(
+        "--workloads",
+        default=",".join(DEFAULT_WORKLOADS),
+        help=f"of {', '.join(WORKLOADS)} (mooncake_*: bench/prefix_goodput.py --live)",
+    )
     parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS))
     parser.add_argument("--prefill", type=int, default=4, help="engines in the prefill role")
     parser.add_argument("--engines", type=int, default=8)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--num-blocks", type=int, default=65536)
     parser.add_argument("--block-bytes", type=int, default=1024)
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
+    parser.add_argument(
+        "--kv-events",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="engines publish KV events (vLLM's --kv-events-config) and narwhal-serve's prefix"
+        " index follows them; default: on with a mooncake workload",
+    )
     parser.add_argument("--bracket-step", type=float, default=1.25)
     parser.add_argument("--precision", type=float, default=0.06, help="bisection's relative end")
     parser.add_argument("--start-fraction", type=float, default=0.8)
@@ -837,13 +988,21 @@ def main() -> int:
             parser.error(f"--durations: no positive duration for {x}")
     if not 0 < args.prefill < args.engines:
         parser.error("--prefill must leave at least one decode engine")
-    router_bin = Path(sys.executable).parent / "vllm-router"
-    if not router_bin.exists():
-        found = shutil.which("vllm-router")
-        if not found and any(s.startswith("vllm") for s in systems):
-            print("vllm-router is not installed", file=sys.stderr)
-            return 2
-        router_bin = Path(found or "vllm-router")
+    bins: dict[str, Path] = {}
+    for binary, needed in (
+        ("vllm-router", any(s in VLLM_SYSTEMS for s in systems)),
+        ("smg", "sglang_cache_aware" in systems),
+    ):
+        path = Path(sys.executable).parent / binary
+        if not path.exists():
+            found = shutil.which(binary)
+            if not found and needed:
+                print(f"{binary} is not installed (pip install -e '.[dev]')", file=sys.stderr)
+                return 2
+            path = Path(found or binary)
+        bins[binary] = path
+    if args.kv_events is None:
+        args.kv_events = any(x in MOONCAKE for x in workloads)
 
     def on_term(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)
@@ -863,10 +1022,13 @@ def main() -> int:
     for i, name in enumerate(workloads):
         loaded[name] = []
         for k in range(args.windows):
+            start = args.trace_start + k * args.window_stride
             if name == "fixed":
                 w = fixed_workload(args.seed + k)
+            elif name in MOONCAKE:
+                w = load_mooncake(name, start, args.max_model_len)
             else:
-                w = load_trace(name, args.trace_start + k * args.window_stride)
+                w = load_trace(name, start, args.max_model_len)
             w.index = i
             loaded[name].append(w)
     decode_n = args.engines - args.prefill
@@ -880,6 +1042,7 @@ def main() -> int:
             "time_scale": scale,
             "num_blocks": args.num_blocks,
             "block_bytes": args.block_bytes,
+            "block_size": args.block_size,
             "max_num_seqs": args.max_num_seqs,
         }
         n = args.engines
@@ -896,10 +1059,17 @@ def main() -> int:
             ttft_s=budgets[0],
             tpot_s=budgets[1],
             first_token_timeout_s=0.85 * budgets[0],
-            max_model_len=MAX_MODEL_LEN,
+            max_model_len=args.max_model_len,
             name="goodput-sim",
             role_control={"enabled": False},  # static split: no role controller
+            kv_events=args.kv_events,
         )
+        # The router's prefix index holds each engine to its KV capacity, in its blocks.
+        doc["engine"]["prefix_caching"] = {
+            "block_size": args.block_size,
+            "capacity_blocks": args.num_blocks,
+        }
+        fleet_path.write_text(json.dumps(doc, indent=2))
         ids = [e["id"] for e in doc["engines"]]
         urls = [fleet.engines[i].url for i in ids]
         prefill_urls, decode_urls = urls[: args.prefill], urls[args.prefill :]
@@ -912,6 +1082,10 @@ def main() -> int:
             },
         }
         local_fleet_path.write_text(json.dumps(local_doc, indent=2))
+        blind_fleet_path = directory / "fleet-blind.json"  # today's cache-blind v1
+        blind_doc = {**doc, "routing": {"prefix": {"enabled": False}}}
+        blind_fleet_path.write_text(json.dumps(blind_doc, indent=2))
+        fleet_paths = {"narwhal_v1_local": local_fleet_path, "narwhal_v1_blind": blind_fleet_path}
         store = None
         if any(s in V1_SYSTEMS for s in systems):
             log(f"profiling the fleet (decode concurrency {args.profile_concurrency})")
@@ -956,11 +1130,12 @@ def main() -> int:
             routers[system] = Router(
                 system,
                 directory,
-                local_fleet_path if system == "narwhal_v1_local" else fleet_path,
+                fleet_paths.get(system, fleet_path),
                 store,
                 prefill_urls,
                 decode_urls,
-                router_bin,
+                bins["vllm-router"],
+                bins["smg"],
             )
             log(f"starting {system}")
             routers[system].start()
@@ -1002,7 +1177,9 @@ def main() -> int:
             "fleet",
             f"{n} simulated engines, {args.prefill} prefill + {decode_n} decode (static;"
             f" role controller off), Kimi-K3 calibration, time_scale {scale:g},"
-            f" max_num_seqs {args.max_num_seqs}, {args.num_blocks} KV blocks x 16 tokens",
+            f" max_num_seqs {args.max_num_seqs}, {args.num_blocks} KV blocks x"
+            f" {args.block_size} tokens, prefix caching on (as vLLM), KV events"
+            f" {'published and followed by narwhal-serve' if args.kv_events else 'off'}",
         )
         add(
             "budgets",
@@ -1014,6 +1191,10 @@ def main() -> int:
             "vllm_router",
             "0.1.17 --vllm-pd-disaggregation; vllm_default = no --policy (cache_aware)",
         )
+        if "narwhal_v1_blind" in systems:
+            add("narwhal_v1_blind", "narwhal v1 with routing.prefix disabled (cache-blind)")
+        if "sglang_cache_aware" in systems:
+            add("sglang_cache_aware", "sglang-router 0.3.2 (smg launch --pd-disaggregation)")
         if "narwhal_v1_local" in systems:
             add(
                 "narwhal_v1_local",
@@ -1066,8 +1247,10 @@ def main() -> int:
                     f" decode {statistics.fmean(x.utilisation[1] for x in trials):.0%};"
                     f" cpu {statistics.fmean(x.cpu_util for x in trials):.0%}, other processes"
                     f" {statistics.fmean(x.foreign_util for x in trials):.0%}, router"
-                    f" {statistics.fmean(x.router_cpu_ms for x in trials):.1f} ms cpu/request",
+                    f" {statistics.fmean(x.router_cpu_ms for x in trials):.1f} ms cpu/request"
+                    + cache_note(point),
                 )
+
         for (system, name), found in metrics.items():
             for key, value in sorted(found.items()):
                 add(f"{system}_{name}_{key}", f"{value:.3f}")
@@ -1104,7 +1287,8 @@ def main() -> int:
         print()
         table = [["workload", "system", "goodput_rps", "95%_interval", "rates", "at_rate",
                   "attainment", "rejected", "ttft", "tpot", "failed", "util_prefill",
-                  "util_decode"]]  # fmt: skip
+                  "util_decode", "ttft_p50", "ttft_p90", "hit_rate", "ideal_hit",
+                  "kv_pulled_tok"]]  # fmt: skip
         for name in loaded:
             for system in systems:
                 s = results[(system, name)]
@@ -1124,47 +1308,62 @@ def main() -> int:
                     str(misses.get("error", 0) + misses.get("short", 0)),
                     f"{statistics.fmean(x.utilisation[0] for x in point.trials):.2f}",
                     f"{statistics.fmean(x.utilisation[1] for x in point.trials):.2f}",
+                    f"{percentile(ttfts, 50):.2f}" if (ttfts := [
+                        x for t in point.trials for x in t.ttfts]) else "-",
+                    f"{percentile(ttfts, 90):.2f}" if ttfts else "-",
+                    "-" if point.hit_rate is None else f"{point.hit_rate:.3f}",
+                    "-" if point.ideal_hit_rate is None else f"{point.ideal_hit_rate:.3f}",
+                    f"{point.pulled_per_request:.0f}",
                 ])  # fmt: skip
         widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
         for r in table:
             print("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip())
         print()
-        if "narwhal_v1" in systems and len(systems) > 1:
-            for name in loaded:
-                v1 = results[("narwhal_v1", name)].goodput()
-                others = [sy for sy in systems if sy not in V1_SYSTEMS]
-                if not others:
-                    continue
-                best_sys = max(others, key=lambda sy: results[(sy, name)].goodput())
-                best = results[(best_sys, name)].goodput()
-                ratio = f"{v1 / best:.2f}" if best > 0 else ("inf" if v1 > 0 else "n/a")
-                spread = ""
-                if all((sy, name) in resampled for sy in (*others, "narwhal_v1")):
-                    paired = []
-                    for i, mine in enumerate(resampled[("narwhal_v1", name)]):
-                        top = max(resampled[(sy, name)][i] for sy in others)
-                        paired.append(mine / top if top > 0 else math.inf)
-                    lo, hi = interval(paired)
-                    called = verdict(lo, hi)
-                    # A search that ended on the target's side gives a bound, not a value: the
-                    # ratio is bounded the same way, and only the verdict that bound allows.
-                    v1_found, best_found = (
-                        results[("narwhal_v1", name)].found(),
-                        results[(best_sys, name)].found(),
-                    )
-                    # v1 above its target (a lower bound) or the best below its (an upper
-                    # bound) cannot show a loss; the converse cannot show a gain.
-                    bounded_up = v1_found == "above" or best_found == "below"
-                    bounded_down = v1_found == "below" or best_found == "above"
-                    if (called == "loss" and bounded_up) or (called == "gain" and bounded_down):
-                        called = "undecided (a search not bracketed)"
-                    elif v1_found != "bracketed" or best_found != "bracketed":
-                        called += " (a search not bracketed: a bound)"
-                    spread = f" [{lo:.2f}, {hi:.2f}] {called}"
-                print(
-                    f"ratio_goodput_v1_over_best_other_{name}: {ratio}{spread}"
-                    f" (v1 {v1:.3f} vs {best_sys} {best:.3f})"
-                )
+
+        def ratio_line(name: str, others: list[str], label: str, workload: str) -> None:
+            """``name``'s goodput over the best of ``others`` on ``workload``, with its paired
+            interval and verdict (a search that ended on the target's side bounds it)."""
+            others = [sy for sy in others if sy in systems and sy != name]
+            if name not in systems or not others:
+                return
+            goodputs = {sy: results[(sy, workload)].goodput() for sy in (name, *others)}
+            best_sys = max(others, key=lambda sy: goodputs[sy])
+            mine, best = goodputs[name], goodputs[best_sys]
+            ratio = f"{mine / best:.2f}" if best > 0 else ("inf" if mine > 0 else "n/a")
+            spread = ""
+            draws = {
+                sy: resampled[(sy, workload)] for sy in goodputs if (sy, workload) in resampled
+            }
+            r = paired_ratio(goodputs, draws, name, others) if len(draws) == len(goodputs) else None
+            if r is not None:
+                called = r.verdict
+                # A search that ended on the target's side gives a bound, not a value: the
+                # ratio is bounded the same way, and only the verdict that bound allows.
+                mine_found = results[(name, workload)].found()
+                best_found = results[(r.best, workload)].found()
+                # Mine above its target (a lower bound) or the best below its (an upper
+                # bound) cannot show a loss; the converse cannot show a gain.
+                bounded_up = mine_found == "above" or best_found == "below"
+                bounded_down = mine_found == "below" or best_found == "above"
+                if (called == "loss" and bounded_up) or (called == "gain" and bounded_down):
+                    called = "undecided (a search not bracketed)"
+                elif mine_found != "bracketed" or best_found != "bracketed":
+                    called += " (a search not bracketed: a bound)"
+                spread = f" [{r.low:.2f}, {r.high:.2f}] {called}"
+            short = name.removeprefix("narwhal_")
+            print(
+                f"ratio_goodput_{short}_over_{label}_{workload}: {ratio}{spread}"
+                f" ({short} {mine:.3f} vs {best_sys} {best:.3f})"
+            )
+
+        for name in loaded:
+            others = [sy for sy in systems if sy not in V1_SYSTEMS]
+            ratio_line("narwhal_v1", others, "best_other", name)
+            if name in MOONCAKE:
+                ratio_line("narwhal_v1", list(VLLM_SYSTEMS), "best_vllm_router", name)
+                ratio_line("narwhal_v1", ["vllm_round_robin"], "round_robin", name)
+                ratio_line("narwhal_v1", ["narwhal_v1_blind"], "blind", name)
+                ratio_line("narwhal_v1", ["sglang_cache_aware"], "sglang_cache_aware", name)
         if "narwhal_v1" in systems and "narwhal_v1_local" in systems:
             for name in loaded:
                 v1 = results[("narwhal_v1", name)].goodput()

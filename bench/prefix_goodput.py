@@ -42,11 +42,22 @@ then the ratio lines ``ratio_goodput_<a>_over_<b>_<trace>_<size>`` with interval
         [--systems narwhal,narwhal_blind,cache_aware,...] [--quick]
 
 Contacts nothing; one process. ``--quick``: 8 engines, conversation only, 200 resamples.
+
+``--live``: the same traces against a live fleet of 8 simulated engines instead (with vLLM's
+prefix cache and KV events), through the real routers: narwhal-serve cache-aware (its index
+fed by the engines' KV events) and cache-blind, vllm-router 0.1.17 ``cache_aware``,
+``round_robin`` and ``power_of_two``, sglang-router 0.3.2 ``cache_aware``. That run is
+``bench/goodput.py`` with its ``mooncake_conv`` / ``mooncake_syn`` workloads (its docstring says
+how trials, budgets and the search work); every argument this script does not know is passed
+to it (``--time-scale``, ``--windows``, ``--durations``, ``--prefill``, ``--budget-s`` ...):
+
+    .venv/bin/python bench/prefix_goodput.py --live [--traces conversation] [--windows 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
@@ -184,6 +195,36 @@ def ratio_line(
     )
 
 
+LIVE_SYSTEMS = (
+    "narwhal_v1",
+    "narwhal_v1_blind",
+    "vllm_round_robin",
+    "vllm_power_of_two",
+    "vllm_default",
+    "sglang_cache_aware",
+)
+LIVE_WORKLOADS = {"conversation": "mooncake_conv", "synthetic": "mooncake_syn"}
+
+
+def live(args: argparse.Namespace, rest: list[str]) -> int:
+    """Replace this process with bench/goodput.py on the Mooncake workloads."""
+    given = " ".join(rest)
+    argv = [
+        sys.executable,
+        str(Path(__file__).with_name("goodput.py")),
+        "--workloads",
+        ",".join(LIVE_WORKLOADS[t] for t in args.traces.split(",") if t),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+    ]
+    systems = args.systems if "--systems" in sys.argv else ",".join(LIVE_SYSTEMS)
+    argv += ["--systems", systems]
+    if "--seed" not in given:
+        argv += ["--seed", str(args.seed)]
+    sys.stdout.flush()
+    os.execv(sys.executable, [*argv, *rest])
+
+
 def fmt(x: float | None, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
@@ -202,20 +243,30 @@ def main() -> int:
     parser.add_argument("--precision", type=float, default=0.03)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--live",
+        action="store_true",
+        help="the 8-engine live fleet through the real routers (bench/goodput.py); unknown"
+        " arguments go to it",
+    )
+    args, rest = parser.parse_known_args()
+    if rest and not args.live:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.quick:
         args.sizes, args.traces, args.resamples = "8", "conversation", 200
         args.splits = "0.25,0.5"
-    systems = [s for s in args.systems.split(",") if s]
-    for s in systems:
-        if s not in SYSTEMS:
-            parser.error(f"unknown system {s}: one of {', '.join(SYSTEMS)}")
     traces = [t for t in args.traces.split(",") if t]
     for t in traces:
         if t not in TRACES:
             parser.error(f"unknown trace {t}: one of {', '.join(TRACES)}")
         if not (DATA_DIR / TRACES[t]).exists():
             parser.error(f"the {t} trace needs {DATA_DIR / TRACES[t]}")
+    if args.live:
+        return live(args, rest)
+    systems = [s for s in args.systems.split(",") if s]
+    for s in systems:
+        if s not in SYSTEMS:
+            parser.error(f"unknown system {s}: one of {', '.join(SYSTEMS)}")
     started = time.perf_counter()
     header = [
         f"command: {' '.join(sys.argv)}",

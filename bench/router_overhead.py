@@ -171,13 +171,15 @@ class Pool:
                 await writer.wait_closed()
 
 
-def client_body(index: int, stream: bool, prompt_tokens: int = 0) -> dict[str, Any]:
-    """The request: the short text prompt, or (``prompt_tokens``) token ids whose first 90%
-    every request shares (a long common prefix, as agentic traffic has: the router's prefix
-    index finds it on the engines) and whose tail is the request's own."""
+def client_body(
+    index: int, stream: bool, prompt_tokens: int = 0, shared_fraction: float = 0.9
+) -> dict[str, Any]:
+    """The request: the short text prompt, or (``prompt_tokens``) token ids whose first
+    ``shared_fraction`` every request shares (a long common prefix, as agentic traffic has: the
+    router's prefix index finds it on the engines) and whose tail is the request's own."""
     prompt: str | list[int] = f"[{index}] {PROMPT}"
     if prompt_tokens:
-        shared = prompt_tokens * 9 // 10
+        shared = int(prompt_tokens * shared_fraction)
         prompt = [300 + (k * 37) % 9000 for k in range(shared)] + [
             300 + (index * 7919 + k * 13) % 9000 for k in range(prompt_tokens - shared)
         ]
@@ -220,11 +222,12 @@ class Endpoints:
     decode_port: int
     ports: dict[str, int]  # router target -> port
     prompt_tokens: int = 0  # > 0: token-id prompts of this many tokens (--prompt-tokens)
+    shared_fraction: float = 0.9  # of each prompt, the prefix every request shares
 
 
 async def one_request(pool: Pool, ep: Endpoints, target: str, stream: bool, index: int) -> float:
     """One client request end to end; returns its latency in seconds."""
-    body = client_body(index, stream, ep.prompt_tokens)
+    body = client_body(index, stream, ep.prompt_tokens, ep.shared_fraction)
     if target == "sglang_router" and ep.prompt_tokens:
         # sglang-router 0.3.2 refuses token-id prompts (422: "prompt: data did not match any
         # variant of untagged enum StringOrArray"): the same ids as the engines' words.
@@ -412,11 +415,16 @@ def report(
     add("warmup_per_target_mode", f"{args.warmup} at c1 + {2 * c} at c{c}")
     add("throughput_concurrency", str(c))
     prompt = (
-        f"{args.prompt_tokens} token ids, 90% shared (to sglang_router as words: it refuses ids)"
+        f"{args.prompt_tokens} token ids, {args.shared_fraction:.0%} shared (to sglang_router as"
+        " words: it refuses ids)"
         if args.prompt_tokens
         else "short text"
     )
     add("prompt", prompt)
+    add(
+        "narwhal_prefix_index",
+        "fed by the engines' KV events" if args.kv_events else "fed by its routing history",
+    )
     add("engines", f"e0 prefill {info['prefill_url']}, e1 decode {info['decode_url']}, steps 0 s")
     client = "raw asyncio streams" + (" + uvloop" if aio.UVLOOP else "")
     add("client", f"{client}, keep-alive HTTP/1.1, TCP_NODELAY, orjson")
@@ -510,9 +518,22 @@ def main() -> int:
         "--prompt-tokens",
         type=int,
         default=0,
-        help="token-id prompts of this many tokens, 90%% shared (default: a short text prompt)",
+        help="token-id prompts of this many tokens (default: a short text prompt)",
+    )
+    parser.add_argument(
+        "--shared-fraction",
+        type=float,
+        default=0.9,
+        help="of each token-id prompt, the prefix every request shares (the rest is its own:"
+        " new KV blocks, and with --kv-events new events, per request)",
     )
     parser.add_argument("--keep-dir", action="store_true", help="keep the logs and journal")
+    parser.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="the engines publish KV events (vLLM's --kv-events-config) and narwhal-serve's"
+        " prefix index follows them (otherwise it learns from its routing history)",
+    )
     parser.add_argument(
         "--narwhal-arg",
         action="append",
@@ -545,8 +566,16 @@ def main() -> int:
     sglang: subprocess.Popen[bytes] | None = None
     loadavg = " ".join(f"{x:.2f}" for x in os.getloadavg())
     try:
-        ports = free_ports(10)
-        doc = local_fleet_document(ports[0:2], ports[2:4], sim=dict(ZERO_LATENCY))
+        ports = free_ports(14)
+        doc = local_fleet_document(
+            ports[0:2],
+            ports[2:4],
+            sim=dict(ZERO_LATENCY),
+            # Both engines publish their KV events and narwhal-serve's index follows them.
+            kv_event_ports=[(ports[10], ports[11]), (ports[12], ports[13])]
+            if args.kv_events
+            else None,
+        )
         fleet_path = directory / "fleet.json"
         fleet_path.write_text(json.dumps(doc, indent=2))
         fleet = SimFleet(fleet_path, log_dir=directory / "logs")
@@ -613,6 +642,7 @@ def main() -> int:
             int(decode_url.rsplit(":", 1)[1]),
             ports_of,
             args.prompt_tokens,
+            args.shared_fraction,
         )
         meter = Meter(router_pids, engine_pids)
 
