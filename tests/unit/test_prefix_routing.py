@@ -4,6 +4,7 @@ honestly; the lifecycle records where it sent each prompt."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 import pytest
@@ -97,6 +98,29 @@ def test_affinity_loses_to_a_cold_engine_only_when_its_queue_costs_too_much() ->
     fleet.engines["e1"].prefill_work["q"] = (1.0, 0.0)
     pick = scheduler().pick(fleet, shape)
     assert isinstance(pick, Pair) and (pick.prefill, pick.cached_tokens) == ("e0", 0)
+
+
+def test_a_sampled_pool_still_scores_the_engines_holding_the_prefix() -> None:
+    """In a pool larger than ``candidates`` v1 scores a random sample; the engines holding the
+    prompt's prefix are scored whether the sample drew them or not."""
+    clock = VirtualClock(0.0)
+    fleet = state(clock)  # e0, e1 prefill; e2, e3 decode
+    index = fleet.prefix_index
+    assert index is not None
+    index.record_routed("e1", KEYS, 0.0)
+    index.record_routed("e3", KEYS, 0.0)
+    shape = RequestShape(prompt_tokens=PROMPT, max_tokens=10, prefix=KEYS)
+    for seed in range(8):  # samples of one engine a role: e0 or e2 drawn about half the time
+        sampled = SchedulerV1(
+            LatencyPredictor({f"e{i}": models() for i in range(4)}, default_transfer_s=0.02),
+            Budgets(ttft_s=2.0, tpot_s=0.1, attainment=0.95),
+            candidates=1,
+            rng=random.Random(seed),
+        )
+        pick = sampled.pick(fleet, shape)
+        assert isinstance(pick, Pair)
+        assert (pick.prefill, pick.decode) == ("e1", "e3"), seed
+        assert pick.cached_tokens == PROMPT - 1
 
 
 def test_routing_prefix_off_or_caching_off_is_cache_blind() -> None:

@@ -265,21 +265,39 @@ class SchedulerV1:
         self.prefix_window = prefix_window
         self.prefix_limit = prefix_limit
 
-    def _pool(self, state: FleetState, role: Role) -> list[EngineState]:
+    def _pool(
+        self, state: FleetState, role: Role, holders: Collection[str] = ()
+    ) -> list[EngineState]:
+        """``role``'s pool, or in a pool larger than ``candidates`` a random sample of it and
+        the engines of the role among ``holders`` (those holding some of the prompt's prefix:
+        a sample that left them out would score the prompt as cached nowhere)."""
         pool = state._by_role[role]
         if self.candidates is not None and len(pool) > self.candidates:
-            return sample(self.rng, pool, self.candidates)
+            picked = sample(self.rng, pool, self.candidates)
+            if holders:
+                have = {e.id for e in picked}
+                for engine_id in holders:
+                    e = state.engines.get(engine_id)
+                    if e is not None and e.role == role and engine_id not in have:
+                        picked.append(e)
+            return picked
         return pool
 
     def _eligible(
-        self, state: FleetState, role: Role, exclude: Collection[str], now: float, stale: float
+        self,
+        state: FleetState,
+        role: Role,
+        exclude: Collection[str],
+        now: float,
+        stale: float,
+        holders: Collection[str] = (),
     ) -> list[EngineState]:
         """The engines of ``role``'s pool (or its sample) that may take a leg now: not
         excluded, with KV room (when the engine's report is fresh), accepting ``role``,
         healthy and let through by their breaker."""
         out: list[EngineState] = []
         closed = BreakerState.CLOSED  # read once: an enum member is a slow global lookup
-        for e in self._pool(state, role):
+        for e in self._pool(state, role, holders):
             scraped = e.scraped
             at = scraped.at
             if at is not None and now - at <= stale and scraped.kv_cache_usage >= KV_FULL:
@@ -309,9 +327,12 @@ class SchedulerV1:
         shape = shape or RequestShape()
         now = state.clock.now()
         stale = state.scrape_stale_s
-        prefills = self._eligible(state, "prefill", exclude_prefill, now, stale)
-        decodes = self._eligible(state, "decode", exclude_decode, now, stale)
         n = shape.prompt_tokens
+        # Prompt tokens each engine holds in its prefix cache (only those holding some).
+        hits = state.cached_tokens(shape.prefix, n) if shape.prefix else None
+        holders = hits.keys() if hits else ()
+        prefills = self._eligible(state, "prefill", exclude_prefill, now, stale, holders)
+        decodes = self._eligible(state, "decode", exclude_decode, now, stale, holders)
         local_cfg = state.fleet.routing.local_prefill
         local_on = local_cfg.enabled and shape.local_ok and n <= local_cfg.max_prompt_tokens
         if not prefills and not (local_on and decodes):
@@ -329,8 +350,6 @@ class SchedulerV1:
         ready: list[tuple[float, str, float, float]] = []
         prefill_model = None
         raw = 0.0
-        # Prompt tokens each engine holds in its prefix cache (only those holding some).
-        hits = state.cached_tokens(shape.prefix, n) if shape.prefix else None
         raw_cached: dict[tuple[int, int], float] = {}
         for p in prefills:
             p_id = p.id
