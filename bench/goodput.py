@@ -17,7 +17,18 @@ Workloads:
   r; each window starts ``--window-stride`` rows after the one before. Each sends
   ``ContextTokens`` token ids (clipped to max_model_len) and asks for exactly
   ``GeneratedTokens`` tokens (``ignore_eos``, streamed);
-- ``fixed``: the qualification run's shape, 8,192 tokens in and 128 out, Poisson arrivals.
+- ``fixed``: the qualification run's shape, 8,192 tokens in and 128 out, Poisson arrivals;
+- ``mooncake_conv`` and ``mooncake_syn`` (not in the default set; ``bench/prefix_goodput.py
+  --live`` runs them with ``--max-model-len 32768``): the Mooncake FAST'25 conversation and
+  synthetic traces (``../shared/data/mooncake-fast25``), windowed and rescaled as the Azure
+  ones; each request's prompt is built from its 512-token block hash ids, the same hash id
+  the same 512 token ids within a trial (never across trials), so requests share exactly the
+  prefixes the trace says; prompts clipped to ``--max-model-len`` less their output. The
+  engines cache prefixes (as vLLM) and, with ``--kv-events`` (on by default with these
+  workloads), publish KV events that narwhal-serve's prefix index follows. Each point also
+  reports the prefill engines' prefix hit rate (``vllm:prefix_cache_hits / queries``) beside
+  the window's ideal for one LRU cache of the prefill pool's capacity, and the KV tokens the
+  decode engines pulled per request.
 
 Systems (default: ``narwhal_v1`` and the three vllm-router policies): ``narwhal_v1``
 (narwhal-serve with a profile store that narwhal-profile makes once on this fleet; admission
@@ -25,7 +36,10 @@ control as the fleet's routing policy says, ``reject`` by default),
 ``narwhal_v1_local`` ("narwhal v1 + local prefill": the same, on a copy of the fleet file with
 ``routing.local_prefill`` on for prompts of at most ``--local-max-prompt`` tokens, so a decode
 engine may prefill a short prompt itself when that is predicted faster than a handoff),
-``narwhal_v0`` (``--scheduler v0``: least outstanding work), and vllm-router 0.1.17
+``narwhal_v1_blind`` (v1 with ``routing.prefix`` off: cache-blind), ``narwhal_v0``
+(``--scheduler v0``: least outstanding work), ``sglang_cache_aware`` (sglang-router 0.3.2,
+``smg launch --pd-disaggregation --policy cache_aware``, sent each prompt as the words the
+engines tokenize to the same ids: it refuses token-id prompts), and vllm-router 0.1.17
 (``--vllm-pd-disaggregation``, every engine given as ``--prefill`` or ``--decode``) with
 ``--policy round_robin``, ``--policy power_of_two``, and no ``--policy`` (its default,
 cache_aware; one ``--policy`` sets both the prefill and the decode policy).
