@@ -208,7 +208,6 @@ LIVE_WORKLOADS = {"conversation": "mooncake_conv", "synthetic": "mooncake_syn"}
 
 def live(args: argparse.Namespace, rest: list[str]) -> int:
     """Replace this process with bench/goodput.py on the Mooncake workloads."""
-    given = " ".join(rest)
     argv = [
         sys.executable,
         str(Path(__file__).with_name("goodput.py")),
@@ -217,10 +216,8 @@ def live(args: argparse.Namespace, rest: list[str]) -> int:
         "--max-model-len",
         str(MAX_MODEL_LEN),
     ]
-    systems = args.systems if "--systems" in sys.argv else ",".join(LIVE_SYSTEMS)
-    argv += ["--systems", systems]
-    if "--seed" not in given:
-        argv += ["--seed", str(args.seed)]
+    # The virtual-time systems' names are not the live ones: the live set unless named.
+    argv += ["--systems", args.systems or ",".join(LIVE_SYSTEMS), "--seed", str(args.seed)]
     sys.stdout.flush()
     os.execv(sys.executable, [*argv, *rest])
 
@@ -233,7 +230,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="8,64")
     parser.add_argument("--traces", default="conversation,synthetic")
-    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument(
+        "--systems", help=f"default: {','.join(SYSTEMS)} (--live: {','.join(LIVE_SYSTEMS)})"
+    )
     parser.add_argument("--splits", default="0.25,0.375,0.5", help="prefill shares to try")
     parser.add_argument("--cache-tokens", type=int, default=4_000_000, help="per engine")
     parser.add_argument("--history-ttl-s", type=float, default=1800.0)
@@ -263,7 +262,7 @@ def main() -> int:
             parser.error(f"the {t} trace needs {DATA_DIR / TRACES[t]}")
     if args.live:
         return live(args, rest)
-    systems = [s for s in args.systems.split(",") if s]
+    systems = [s for s in (args.systems or ",".join(SYSTEMS)).split(",") if s]
     for s in systems:
         if s not in SYSTEMS:
             parser.error(f"unknown system {s}: one of {', '.join(SYSTEMS)}")

@@ -295,7 +295,7 @@ class Lifecycle:
         d.joins.note(now)
         index = self.state.prefix_index
         if index is not None and ticket.prefix:
-            if not (pair.prefix_looked or pair.cached_tokens or pair.decode_cached_tokens):
+            if not pair.prefix_looked:
                 # A scheduler that routes without the index (v0, a baseline): what the engines
                 # hold all the same, for the journal and the metrics. One that looked (v1) has
                 # said what they hold, nothing included: not matched again.
