@@ -33,8 +33,11 @@ def parse(body: object, chat: bool = False, max_len: int = 100):
         ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
         ({"model": MODEL, "prompt": "x", "best_of": 2}, 400, "best_of"),
         ({"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
-        ({"model": MODEL, "prompt": "x", "logprobs": True}, 400, "logprobs"),
-        ({"model": MODEL, "prompt": "x", "logprobs": 0}, 400, "logprobs"),
+        ({"model": MODEL, "prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+        ({"model": MODEL, "prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
+        ({"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix"),
+        ({"model": MODEL, "prompt": ["a b c", "d e f"]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [[1, 2], [3]]}, 400, "prompt"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
@@ -66,8 +69,16 @@ def test_refused(body: object, status: int, param: str | None) -> None:
         ({"model": MODEL, "messages": [{"content": "x"}]}, "messages[0]"),
         ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         (
-            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"x": 1}]},
-            "tools",
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "functions": [{}]},
+            "functions",
+        ),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "function_call": "auto",
+            },
+            "function_call",
         ),
         (
             {
@@ -112,3 +123,34 @@ def test_accepted_requests() -> None:
         chat=True,
     )
     assert r.max_tokens == 4 and r.chat
+
+
+def test_batched_prompts_get_the_batch_message() -> None:
+    with pytest.raises(RouterError) as info:
+        parse({"model": MODEL, "prompt": ["a b c", "d e f"]})
+    assert "batched prompts" in info.value.message
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"logprobs": True, "top_logprobs": 3},
+        {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
+        {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+        {
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "f"}},
+            "parallel_tool_calls": False,
+        },
+        {"response_format": {"type": "json_object"}},
+        {"structured_outputs": {"choice": ["a", "b"]}},
+        {"stop": ["x"], "stop_token_ids": [3], "seed": 5, "reasoning_effort": "low"},
+    ],
+)
+def test_the_decode_engines_fields_pass_through(fields: dict) -> None:
+    """The router checks none of these: the engines do (their 400s reach the client)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}
+    r = parse(body, chat=True)
+    assert r.body == body
+    r = parse({"model": MODEL, "prompt": "hi", **fields, "logprobs": 2})
+    assert r.body["logprobs"] == 2

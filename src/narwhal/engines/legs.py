@@ -1,9 +1,13 @@
 """The one place that builds the bodies of the two legs of a P/D request (vLLM's protocol).
 
 Prefill leg: the client's body with ``max_tokens: 1`` (chat: also ``max_completion_tokens: 1``),
-``stream: false``, no ``stream_options``, no ``min_tokens``/``min_completion_tokens`` (a
-one-token prefill cannot honour them), and ``kv_transfer_params`` asking the engine to keep the
-prompt's KV for a remote decode. Decode leg: the client's body plus the ``kv_transfer_params`` the
+``stream: false``, ``kv_transfer_params`` asking the engine to keep the prompt's KV for a remote
+decode, and without the fields that only shape the output (``_NOT_ON_PREFILL``): its one token
+is thrown away, and vLLM hands the KV over only when that token stops the request on its length
+cap, so a stop string or token, or ``min_tokens``, there could only cost the handoff; logprobs
+and output constraints would only cost time. Everything that renders into the prompt stays
+(``messages``, ``tools``, ``tool_choice``, the chat template's arguments), so both engines see
+the same prompt tokens. Decode leg: the client's body plus the ``kv_transfer_params`` the
 prefill engine returned, unchanged, streamed with usage so the router sees every token, the
 first-token deadline and the completion token count whatever the client asked for.
 """
@@ -23,7 +27,27 @@ PREFILL_KV_REQUEST: dict[str, Any] = {
     "remote_port": None,
 }
 
-_NOT_ON_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
+_NOT_ON_PREFILL = frozenset(
+    (
+        "stream_options",
+        "min_tokens",
+        "min_completion_tokens",
+        "stop",
+        "stop_token_ids",
+        "include_stop_str_in_output",
+        "logprobs",
+        "top_logprobs",
+        "logit_bias",
+        "response_format",
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "guided_decoding_backend",
+        "guided_whitespace_pattern",
+    )
+)
 
 
 def prefill_leg_body(client_body: dict[str, Any], chat: bool) -> dict[str, Any]:

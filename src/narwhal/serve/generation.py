@@ -361,7 +361,7 @@ class GenerationEndpoint:
         result = None
         try:
             ids = stream.prompt_token_ids if body.get("return_token_ids") else None
-            result = await aggregate(stream, self.chat, tally, record, ids)
+            result = await aggregate(stream, self.chat, tally, record, ids, body)
             outcome, status, error = "ok", 200, None
         except RouterError as exc:
             outcome, status, error = exc.outcome, exc.status, exc.message

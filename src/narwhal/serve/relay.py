@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import orjson
@@ -82,7 +82,12 @@ def _is_token_chunk(obj: dict[str, Any]) -> tuple[bool, str | None]:
             continue
         delta = choice.get("delta")
         if isinstance(delta, dict):
-            if delta.get("content") or delta.get("reasoning") or delta.get("reasoning_content"):
+            if (
+                delta.get("content")
+                or delta.get("reasoning")
+                or delta.get("reasoning_content")
+                or delta.get("tool_calls")
+            ):
                 has_token = True
         elif choice.get("text"):
             has_token = True
@@ -292,20 +297,107 @@ class ClientWriter(Protocol):
     async def drain(self) -> None: ...
 
 
+@dataclass
+class _ChoiceParts:
+    """One choice's deltas, as the engine streamed them, to be joined into the message the
+    engine would have answered unstreamed (vLLM's ``chat_completion_full_generator``)."""
+
+    texts: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    # Tool calls by their index: id, type and name from the first delta that has them, the
+    # arguments concatenated in order.
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    logprobs: dict[str, list[Any]] | None = None
+    token_ids: list[int] | None = None
+    finish_reason: str | None = None
+    stop_reason: Any = None
+
+    def add(self, choice: dict[str, Any], chat: bool) -> None:
+        if chat:
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                self.texts.append(delta["content"])
+            more = delta.get("reasoning") or delta.get("reasoning_content")
+            if more:
+                self.reasoning.append(more)
+            for call in delta.get("tool_calls") or ():
+                self._tool_call(call)
+        elif choice.get("text"):
+            self.texts.append(choice["text"])
+        logprobs = choice.get("logprobs")
+        if isinstance(logprobs, dict):
+            self.logprobs = self.logprobs or {}
+            for key, value in logprobs.items():
+                if isinstance(value, list):
+                    self.logprobs.setdefault(key, []).extend(value)
+        if isinstance(choice.get("token_ids"), list):
+            self.token_ids = self.token_ids or []
+            self.token_ids.extend(choice["token_ids"])
+        if choice.get("finish_reason"):
+            self.finish_reason = choice["finish_reason"]
+        if choice.get("stop_reason") is not None:
+            self.stop_reason = choice["stop_reason"]
+
+    def _tool_call(self, call: Any) -> None:
+        if not isinstance(call, dict):
+            return
+        index = call.get("index")
+        index = index if isinstance(index, int) else len(self.tool_calls)
+        joined = self.tool_calls.setdefault(
+            index, {"id": None, "type": "function", "function": {"name": None, "arguments": ""}}
+        )
+        if call.get("id") and not joined["id"]:
+            joined["id"] = call["id"]
+        if call.get("type"):
+            joined["type"] = call["type"]
+        function = call.get("function")
+        if isinstance(function, dict):
+            if function.get("name") and not joined["function"]["name"]:
+                joined["function"]["name"] = function["name"]
+            if isinstance(function.get("arguments"), str):
+                joined["function"]["arguments"] += function["arguments"]
+
+    def message(self, forced_tool: bool) -> dict[str, Any]:
+        calls = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+        if self.texts:
+            content: str | None = "".join(self.texts)
+        elif forced_tool:
+            content = ""  # vLLM: a named or required tool choice answers ``content or ""``
+        elif calls or self.reasoning:
+            content = None  # the parsers' content when everything went to tools or reasoning
+        else:
+            content = ""
+        return {
+            "role": "assistant",
+            "content": content,
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+            "tool_calls": calls,
+            "reasoning": "".join(self.reasoning) if self.reasoning else None,
+        }
+
+
+def _forced_tool(body: dict[str, Any]) -> bool:
+    choice = body.get("tool_choice")
+    return choice == "required" or isinstance(choice, dict)
+
+
 async def aggregate(
     stream: DecodeStream,
     chat: bool,
     tally: StreamTally,
     record: RequestRecord,
     prompt_token_ids: list[int] | None = None,
+    body: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Collect a decode stream into one non-streamed OpenAI response."""
-    texts: list[str] = []
-    reasoning: list[str] = []
-    token_ids: list[int] | None = None
+    """Collect a decode stream into the non-streamed OpenAI response the engine would have
+    given: each choice's content, reasoning, tool calls (assembled by index from their deltas),
+    logprobs and token ids concatenated in order; ``usage`` as the relay counts it."""
+    choices: dict[int, _ChoiceParts] = {}
     usage: dict[str, Any] | None = None
     head: dict[str, Any] | None = None
-    stop_reason = None
     batch, i = stream.first_events, 0
     try:
         while True:
@@ -330,21 +422,13 @@ async def aggregate(
                 usage = obj["usage"]
             _note(tally, obj, time.monotonic())
             for choice in obj.get("choices") or ():
-                if chat:
-                    delta = choice.get("delta") or {}
-                    if delta.get("content"):
-                        texts.append(delta["content"])
-                    more = delta.get("reasoning") or delta.get("reasoning_content")
-                    if more:
-                        reasoning.append(more)
-                elif choice.get("text"):
-                    texts.append(choice["text"])
-                if isinstance(choice.get("token_ids"), list):
-                    token_ids = token_ids or []
-                    token_ids.extend(choice["token_ids"])
-                if choice.get("stop_reason") is not None:
-                    stop_reason = choice["stop_reason"]
-    except (EngineTransportError, ValueError) as exc:
+                if isinstance(choice, dict):
+                    index = choice.get("index")
+                    parts = choices.setdefault(
+                        index if isinstance(index, int) else 0, _ChoiceParts()
+                    )
+                    parts.add(choice, chat)
+    except (EngineTransportError, ValueError, AttributeError, TypeError) as exc:
         raise UpstreamFailed(
             "stream_error", f"decode stream broke: {type(exc).__name__}: {exc}"
         ) from None
@@ -355,50 +439,35 @@ async def aggregate(
         tally.cached_tokens = _cached_tokens(usage)
         usage = _usage(usage, stream.prefill_prompt_tokens)
     head = head or {}
-    text = "".join(texts)
-    if chat:
-        message: dict[str, Any] = {
-            "role": "assistant",
-            "content": text,
-            "refusal": None,
-            "tool_calls": [],
-        }
-        if reasoning:
-            message["reasoning"] = "".join(reasoning)
-        choice_out: dict[str, Any] = {
-            "index": 0,
-            "message": message,
-            "logprobs": None,
-            "finish_reason": tally.finish_reason,
-            "stop_reason": stop_reason,
-        }
-        obj_type = "chat.completion"
-    else:
-        choice_out = {
-            "index": 0,
-            "text": text,
-            "logprobs": None,
-            "finish_reason": tally.finish_reason,
-            "stop_reason": stop_reason,
-        }
-        obj_type = "text_completion"
-    if token_ids is not None:
-        choice_out["token_ids"] = token_ids
-    if prompt_token_ids is not None:
+    forced_tool = chat and body is not None and _forced_tool(body)
+    out: list[dict[str, Any]] = []
+    for index in sorted(choices) or [0]:
+        parts = choices.get(index) or _ChoiceParts()
+        choice_out: dict[str, Any] = {"index": index}
         if chat:
-            extra = {"prompt_token_ids": prompt_token_ids}
+            choice_out["message"] = parts.message(forced_tool)
         else:
+            choice_out["text"] = "".join(parts.texts)
+        choice_out.update(
+            logprobs=parts.logprobs,
+            finish_reason=parts.finish_reason,
+            stop_reason=parts.stop_reason,
+            token_ids=parts.token_ids,
+        )
+        if not chat:
+            choice_out["prompt_logprobs"] = None
             choice_out["prompt_token_ids"] = prompt_token_ids
-            extra = {}
-    else:
-        extra = {}
+        out.append(choice_out)
     return {
         "id": head.get("id"),
-        "object": obj_type,
+        "object": "chat.completion" if chat else "text_completion",
         "created": head.get("created"),
         "model": head.get("model"),
-        "choices": [choice_out],
-        "usage": usage,
+        "choices": out,
+        "service_tier": None,
         "system_fingerprint": None,
-        **extra,
+        "usage": usage,
+        "prompt_logprobs": None,
+        "prompt_token_ids": prompt_token_ids if chat else None,
+        "kv_transfer_params": None,
     }

@@ -14,20 +14,24 @@ from narwhal.serve.errors import InvalidRequest, NotFound
 
 __all__ = ["ClientRequest", "parse_client_request"]
 
-# Fields the router refuses, with why: each would need the router to merge or fan out
-# per-choice or per-position data from two engines, which P/D serving cannot do faithfully.
+# Fields the router refuses, with why. Everything else (tools, tool_choice, response_format,
+# structured outputs, logprobs, stop, seed, ...) passes through: the decode engine produces the
+# whole answer, first token included, so it samples, constrains and parses as a lone engine
+# would (docs/router.md lists every field).
 _UNSUPPORTED: dict[str, str] = {
-    "best_of": "best_of is not supported by the P/D router",
-    "echo": "echo is not supported by the P/D router",
-    "logprobs": "logprobs are not supported by the P/D router",
-    "top_logprobs": "top_logprobs are not supported by the P/D router",
-    "prompt_logprobs": "prompt_logprobs are not supported by the P/D router",
-    "use_beam_search": "beam search is not supported by the P/D router",
-    "suffix": "suffix is not supported by the P/D router",
-    "tools": "tool calling is not supported by the P/D router yet",
-    "tool_choice": "tool calling is not supported by the P/D router yet",
-    "functions": "function calling is not supported by the P/D router",
-    "function_call": "function calling is not supported by the P/D router",
+    "best_of": "best_of is not supported by the P/D router: it ranks candidates by their "
+    "cumulative logprob on one engine, and each P/D candidate decodes on its own",
+    "echo": "echo is not supported by the P/D router: an echo with logprobs needs the prompt's "
+    "logprobs, which only the prefill engine computes and vLLM's KV handoff does not return",
+    "prompt_logprobs": "prompt_logprobs are not supported by the P/D router: only the prefill "
+    "engine computes the prompt, and vLLM's KV handoff returns no logprobs from it",
+    "use_beam_search": "beam search is not supported by the P/D router: its beams fork and "
+    "prune KV blocks on one engine",
+    "suffix": "suffix is not supported by vLLM",
+    "functions": "'functions' is the deprecated form of 'tools', which vLLM does not accept: "
+    "send 'tools'",
+    "function_call": "'function_call' is the deprecated form of 'tool_choice', which vLLM does "
+    "not accept: send 'tool_choice'",
     "kv_transfer_params": "kv_transfer_params is set by the router, not by clients",
 }
 
@@ -38,8 +42,6 @@ def _is_off(name: str, value: Any) -> bool:
         return True
     if name == "best_of":
         return type(value) is int and value == 1
-    if name == "tool_choice":
-        return value == "none"
     return isinstance(value, list) and not value
 
 
@@ -101,15 +103,15 @@ def _prompt_length(body: dict[str, Any], chat: bool) -> tuple[int | None, int]:
         if not prompt:
             raise InvalidRequest("'prompt' must not be empty", "prompt")
         return None, len(prompt.encode("utf-8", "surrogatepass"))
+    if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list):
+        raise InvalidRequest(
+            "batched prompts are not supported: send one prompt per request", "prompt"
+        )
     if isinstance(prompt, list) and prompt:
         for token in prompt:
             if not isinstance(token, int) or isinstance(token, bool) or token < 0:
                 raise InvalidRequest("'prompt' token ids must be non-negative integers", "prompt")
         return len(prompt), 0
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise InvalidRequest(
-            "batched prompts are not supported: send one prompt per request", "prompt"
-        )
     raise InvalidRequest("'prompt' must be a string or a non-empty list of token ids", "prompt")
 
 
