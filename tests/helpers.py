@@ -43,9 +43,14 @@ def write_fleet(directory: Path, num_engines: int, **kwargs: Any) -> Path:
 @contextlib.contextmanager
 def running_fleet(directory: Path, num_engines: int = 2, **kwargs: Any) -> Iterator[SimFleet]:
     engine_args = kwargs.pop("engine_args", None)
+    engine_api_key = kwargs.pop("engine_api_key", None)
     path = write_fleet(directory, num_engines, **kwargs)
     fleet = SimFleet(
-        path, admin_token=ADMIN_TOKEN, log_dir=directory / "logs", engine_args=engine_args
+        path,
+        admin_token=ADMIN_TOKEN,
+        log_dir=directory / "logs",
+        engine_args=engine_args,
+        engine_api_key=engine_api_key,
     )
     try:
         fleet.start(timeout=60)

@@ -673,3 +673,53 @@ def test_fleet_contract_validates_when_built_directly() -> None:
     doc["engines"][1]["id"] = "e0"
     with pytest.raises(ValueError, match="duplicate engine id 'e0'"):
         FleetContract.model_validate(doc)
+
+
+def _fleet_with_key_file(directory: Path, key_file: str) -> Path:
+    doc = minimal_doc()
+    doc["engine"]["api_key_file"] = key_file
+    path = directory / "fleet.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_engine_api_key_file_is_read_relative_to_the_fleet_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "secrets").mkdir()
+    (tmp_path / "secrets" / "engine.key").write_text("  k-123 \n")
+    path = _fleet_with_key_file(tmp_path, "secrets/engine.key")
+    monkeypatch.chdir(REPO)  # not the fleet's directory: the path is the fleet file's
+    loaded = load_fleet(path)
+    assert loaded.engine_api_key == "k-123"
+    assert loaded.contract.engine.api_key_file == "secrets/engine.key"
+    assert "k-123" not in repr(loaded)
+    # The pure parser reads no file: no key, and the document's hash does not depend on it.
+    parsed = parse_fleet(json.loads(path.read_text()), str(path))
+    assert parsed.engine_api_key is None
+    assert parsed.sha256 == loaded.sha256
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [(None, "cannot read"), ("  \n", "is empty"), ("a\nb\n", "one line")],
+    ids=["missing", "empty", "two-lines"],
+)
+def test_a_bad_engine_api_key_file_is_a_one_line_error_naming_the_field(
+    tmp_path: Path, content: str | None, reason: str
+) -> None:
+    if content is not None:
+        (tmp_path / "engine.key").write_text(content)
+    path = _fleet_with_key_file(tmp_path, "engine.key")
+    with pytest.raises(ContractError) as caught:
+        load_fleet(path)
+    message = str(caught.value)
+    assert caught.value.path == "engine.api_key_file"
+    assert reason in message and str(tmp_path / "engine.key") in message
+    assert "\n" not in message and "a\\nb" not in message
+
+
+def test_engine_api_key_file_must_not_be_empty_in_the_document() -> None:
+    doc = minimal_doc()
+    doc["engine"]["api_key_file"] = ""
+    assert parse_error(doc) == "fleet.json: engine.api_key_file: must not be empty"

@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
+from narwhal.contract import parse_fleet
+from narwhal.engines.client import EnginePool
 from narwhal.engines.sse import SseEventStream
 from narwhal.engines.transport import (
     ENGINE_TRANSPORTS,
@@ -21,6 +23,7 @@ from narwhal.engines.transport import (
     make_engine_client,
     read_prefix,
 )
+from narwhal.simengine.fleet import local_fleet_document
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -227,3 +230,37 @@ async def test_fetch_gets_a_whole_answer(transport: str) -> None:
 
     async with server(handler) as (base, _), engine_client(transport, base) as c:
         assert await fetch(c, "/metrics") == (503, b"busy")
+
+
+async def test_the_engine_pool_sends_the_engine_api_key_on_every_request(transport: str) -> None:
+    """The fleet's engine key goes on prefill legs, decode streams, probes and scrapes alike,
+    and only when one is configured."""
+    heads: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async for head, _ in each_request(reader):
+            heads.append(head.lower())
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async with server(handler) as (base0, _), server(handler) as (base1, _):
+        ports = [int(base.rsplit(":", 1)[1]) for base in (base0, base1)]
+        fleet = parse_fleet(local_fleet_document(ports, [1, 2]), "f").contract
+        for key in ("s3cret-key", None):
+            heads.clear()
+            pool = EnginePool(fleet, transport=transport, api_key=key)  # type: ignore[arg-type]
+            try:
+                for answer in (
+                    await pool.client("e0").post("/v1/completions", b"{}", {}),
+                    await pool.client("e1").stream("/v1/completions", b"{}", {}),
+                    await pool.probe("e0").get("/health"),
+                    await pool.probe("e1").get("/metrics"),
+                ):
+                    assert await answer.read() == b"ok"
+                    await answer.aclose()
+            finally:
+                await pool.aclose()
+            assert len(heads) == 4
+            for head in heads:
+                assert (b"authorization: bearer s3cret-key\r\n" in head) == (key is not None)
+                assert head.count(b"authorization:") == (1 if key else 0)

@@ -403,7 +403,7 @@ def test_parse_generation_valid() -> None:
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
-        ({"prompt": "x", "n": 2}, "n", "n > 1"),
+        ({"prompt": "x", "n": 2, "temperature": 0}, None, "greedy sampling"),
         ({"prompt": "x", "best_of": 2}, "best_of", "best_of"),
         ({"prompt": "x", "echo": True}, "echo", "echo"),
         ({"prompt": [300, VOCAB.size]}, "prompt", f"Token id {VOCAB.size} is out of vocabulary"),
@@ -416,7 +416,7 @@ def test_parse_generation_valid() -> None:
         ({"prompt": []}, "prompt", "prompt"),
     ],
 )
-def test_parse_generation_errors(body: dict[str, Any], param: str, words: str) -> None:
+def test_parse_generation_errors(body: dict[str, Any], param: str | None, words: str) -> None:
     err = parse_error(body)
     assert err.param == param
     assert words in err.message

@@ -27,17 +27,18 @@ def parse(body: object, chat: bool = False, max_len: int = 100):
         ({"model": 3, "prompt": "x"}, 400, "model"),
         ({"model": MODEL}, 400, "prompt"),
         ({"model": MODEL, "prompt": ""}, 400, "prompt"),
-        ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
         ({"model": MODEL, "prompt": [1, -2]}, 400, "prompt"),
         ({"model": MODEL, "prompt": [1, True]}, 400, "prompt"),
-        ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+        ({"model": MODEL, "prompt": "x", "n": 65}, 400, "n"),
+        ({"model": MODEL, "prompt": "x", "n": "2"}, 400, "n"),
+        ({"model": MODEL, "prompt": "x", "n": 2, "temperature": 0}, 400, "n"),
         ({"model": MODEL, "prompt": "x", "best_of": 2}, 400, "best_of"),
         ({"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
         ({"model": MODEL, "prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
         ({"model": MODEL, "prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
         ({"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix"),
-        ({"model": MODEL, "prompt": ["a b c", "d e f"]}, 400, "prompt"),
-        ({"model": MODEL, "prompt": [[1, 2], [3]]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": ["a b c", ""]}, 400, "prompt[1]"),
+        ({"model": MODEL, "prompt": [[1, 2], [-3]]}, 400, "prompt[1]"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
@@ -125,12 +126,6 @@ def test_accepted_requests() -> None:
     assert r.max_tokens == 4 and r.chat
 
 
-def test_batched_prompts_get_the_batch_message() -> None:
-    with pytest.raises(RouterError) as info:
-        parse({"model": MODEL, "prompt": ["a b c", "d e f"]})
-    assert "batched prompts" in info.value.message
-
-
 @pytest.mark.parametrize(
     "fields",
     [
@@ -154,3 +149,22 @@ def test_the_decode_engines_fields_pass_through(fields: dict) -> None:
     assert r.body == body
     r = parse({"model": MODEL, "prompt": "hi", **fields, "logprobs": 2})
     assert r.body["logprobs"] == 2
+
+
+def test_n_and_batches_fan_out_one_request_per_choice() -> None:
+    r = parse({"model": MODEL, "prompt": ["a b", [5, 6, 7]], "n": 2, "max_tokens": 3, "seed": 9})
+    assert r.choices_per_prompt == 2 and len(r.choices) == 4
+    assert [c.body["prompt"] for c in r.choices] == ["a b", "a b", [5, 6, 7], [5, 6, 7]]
+    assert all("n" not in c.body for c in r.choices)
+    # vLLM's seeds for a seeded request's choices: seed + j
+    assert [c.body["seed"] for c in r.choices] == [9, 10, 9, 10]
+    assert r.choices[2].prompt_tokens_exact == 3
+    r = parse({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3}, chat=True)
+    assert len(r.choices) == 3 and r.choices[0].chat
+    assert not parse({"model": MODEL, "prompt": "x", "n": 1}).choices
+    with pytest.raises(RouterError) as info:
+        parse({"model": MODEL, "prompt": ["ok", [1, -1]]})
+    assert info.value.param == "prompt[1]"
+    with pytest.raises(RouterError) as info:
+        parse({"model": MODEL, "prompt": "x", "n": 0})
+    assert info.value.param == "n"

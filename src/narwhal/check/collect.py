@@ -67,16 +67,28 @@ PACE_WARMUP_PROBES = 1
 class Collector:
     """Per-engine HTTP clients and the evidence-gathering calls of every live gate."""
 
-    def __init__(self, fleet: FleetContract, settings: CheckSettings, clock: Clock) -> None:
+    def __init__(
+        self,
+        fleet: FleetContract,
+        settings: CheckSettings,
+        clock: Clock,
+        engine_api_key: str | None = None,
+    ) -> None:
         self.fleet = fleet
         self.settings = settings
         self.clock = clock
         timeout = httpx.Timeout(
             settings.probe_timeout_s, connect=min(5.0, settings.probe_timeout_s)
         )
+        # The engines' API key (the fleet's engine.api_key_file) goes to the engines only, not
+        # to an attestation service elsewhere.
+        self._auth = {"Authorization": f"Bearer {engine_api_key}"} if engine_api_key else {}
+        self._engine_urls = {e.url for e in fleet.engines}
         # Engines are only ever the fleet's URLs: no proxies from the environment.
         self._clients = {
-            e.id: httpx.AsyncClient(base_url=e.url, timeout=timeout, trust_env=False)
+            e.id: httpx.AsyncClient(
+                base_url=e.url, timeout=timeout, trust_env=False, headers=self._auth
+            )
             for e in fleet.engines
         }
         self._short = httpx.AsyncClient(
@@ -107,7 +119,11 @@ class Collector:
     async def _get(self, url: str) -> tuple[Call, httpx.Response | None]:
         start = self.clock.now()
         try:
-            r = await self._bounded(self._short.get(url), self.settings.health_timeout_s)
+            on_engine = any(url.startswith(base + "/") for base in self._engine_urls)
+            headers = self._auth if on_engine else None
+            r = await self._bounded(
+                self._short.get(url, headers=headers), self.settings.health_timeout_s
+            )
         except (httpx.HTTPError, TimeoutError) as exc:
             why = _why(exc)
             if why == "timed out":

@@ -195,7 +195,8 @@ async def run_check(
     fleet = inputs.fleet.contract
     created = wall()
     start = clock.now()
-    collector = collector if collector is not None else Collector(fleet, settings, clock)
+    if collector is None:
+        collector = Collector(fleet, settings, clock, inputs.fleet.engine_api_key)
     run = _Run(inputs, settings, collector, progress)
     gates: list[GateReport] = []
     try:

@@ -15,7 +15,7 @@ import json
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -95,17 +95,52 @@ class LoadedFleet:
     sha256: str
     path: Path
     raw: dict[str, Any]
+    # The engines' API key read from ``engine.api_key_file`` (by ``load_fleet`` only; None
+    # when the fleet names no key file). Kept out of repr so a logged LoadedFleet cannot show
+    # it.
+    engine_api_key: str | None = field(default=None, repr=False, compare=False)
+
+
+ENGINE_API_KEY_FIELD = "engine.api_key_file"
 
 
 def load_fleet(path: str | os.PathLike[str]) -> LoadedFleet:
-    """Read, parse and validate the fleet contract at ``path``; ContractError on any problem."""
+    """Read, parse and validate the fleet contract at ``path``, and read the engine API key
+    file it names; ContractError on any problem."""
     source = os.fspath(path)
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
         raise ContractError(source, "", f"cannot read: {exc.strerror or exc}") from None
     raw = _parse_json(data, source)
-    return parse_fleet(raw, source, path=Path(path))
+    loaded = parse_fleet(raw, source, path=Path(path))
+    key_file = loaded.contract.engine.api_key_file
+    if key_file is None:
+        return loaded
+    return replace(loaded, engine_api_key=_read_api_key(Path(path), key_file, source))
+
+
+def _read_api_key(fleet_path: Path, key_file: str, source: str) -> str:
+    """The key in ``key_file`` (relative to the fleet file's directory), surrounding
+    whitespace removed; the messages name the file, never its content."""
+    resolved = fleet_path.parent / Path(key_file).expanduser()
+    try:
+        text = resolved.read_text(encoding="utf-8")
+    except OSError as exc:
+        reason = f"cannot read {str(resolved)!r}: {exc.strerror or type(exc).__name__}"
+        raise ContractError(source, ENGINE_API_KEY_FIELD, reason) from None
+    except UnicodeDecodeError:
+        raise ContractError(
+            source, ENGINE_API_KEY_FIELD, f"{str(resolved)!r} is not UTF-8"
+        ) from None
+    key = text.strip()
+    if not key:
+        raise ContractError(source, ENGINE_API_KEY_FIELD, f"{str(resolved)!r} is empty")
+    if _CONTROL_CHARS.search(key) or not key.isascii():
+        # It goes into a header: one line of ASCII, no line break or control byte.
+        reason = f"{str(resolved)!r} must hold one key: one line of ASCII"
+        raise ContractError(source, ENGINE_API_KEY_FIELD, reason)
+    return key
 
 
 def parse_fleet(raw: object, source: str = "<fleet>", *, path: Path | None = None) -> LoadedFleet:

@@ -159,6 +159,11 @@ class EngineDefaults(_Model):
     kv_role: Literal["kv_both"] = "kv_both"
     kv_buffer_device: str = Field(default="cuda", min_length=1)
     prefix_caching: PrefixCaching = Field(default_factory=PrefixCaching)
+    # A file holding the engines' API key (vLLM's --api-key), sent by the router, narwhal-check
+    # and narwhal-profile as "Authorization: Bearer <key>" on every engine request. A path,
+    # relative to the fleet file, never the key itself: the fleet file is hashed, journaled
+    # and shared, and a secret in it would travel with it. ``load_fleet`` reads it.
+    api_key_file: str | None = Field(default=None, min_length=1)
 
 
 class NixlSideChannel(_Model):

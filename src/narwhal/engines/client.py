@@ -28,11 +28,15 @@ class EnginePool:
         fleet: FleetContract,
         max_connections: int = 2048,
         transport: EngineTransportName = "aiohttp",
+        api_key: str | None = None,
     ) -> None:
+        # vLLM's --api-key guards only its /v1 routes, but the key goes on every request
+        # (legs, probes, scrapes, /tokenize): a proxy in front of an engine may guard more.
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         timeouts = Timeouts(fleet.engine.connect_timeout_s, fleet.engine.request_timeout_s)
         self._clients: dict[str, EngineClient] = {
             spec.id: make_engine_client(
-                transport, spec.url, timeouts, max_connections, KEEPALIVE_EXPIRY_S
+                transport, spec.url, timeouts, max_connections, KEEPALIVE_EXPIRY_S, headers
             )
             for spec in fleet.engines
         }
@@ -40,7 +44,9 @@ class EnginePool:
         # its probe within seconds.
         probe_timeouts = Timeouts(PROBE_CONNECT_TIMEOUT_S, PROBE_READ_TIMEOUT_S)
         self._probes: dict[str, EngineClient] = {
-            spec.id: make_engine_client(transport, spec.url, probe_timeouts, 4, KEEPALIVE_EXPIRY_S)
+            spec.id: make_engine_client(
+                transport, spec.url, probe_timeouts, 4, KEEPALIVE_EXPIRY_S, headers
+            )
             for spec in fleet.engines
         }
 

@@ -24,6 +24,7 @@ import collections
 import logging
 import socket
 import ssl
+from collections.abc import Mapping
 from typing import Protocol, cast
 from urllib.parse import urlsplit
 
@@ -322,9 +323,19 @@ class EngineStreamPool:
     """Keep-alive connections to one engine for its decode legs."""
 
     def __init__(
-        self, base_url: str, timeouts: Timeouts, max_connections: int, keepalive_s: float
+        self,
+        base_url: str,
+        timeouts: Timeouts,
+        max_connections: int,
+        keepalive_s: float,
+        *,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         parts = urlsplit(base_url)
+        # Header lines sent with every request (the engine API key), encoded once.
+        self._default_headers = b"".join(
+            b"%s: %s\r\n" % (k.encode(), v.encode("latin-1")) for k, v in (headers or {}).items()
+        )
         self.timeouts = timeouts
         self._host = parts.hostname or "127.0.0.1"
         self._ssl: ssl.SSLContext | None = None
@@ -344,6 +355,7 @@ class EngineStreamPool:
 
     def _request(self, path: str, body: bytes, headers: dict[str, str]) -> bytes:
         lines = [b"POST %s HTTP/1.1\r\nHost: %s\r\n" % (path.encode(), self._authority)]
+        lines.append(self._default_headers)
         lines += [b"%s: %s\r\n" % (k.encode(), v.encode("latin-1")) for k, v in headers.items()]
         lines.append(b"Content-Length: %d\r\n\r\n" % len(body))
         lines.append(body)

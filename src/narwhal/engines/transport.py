@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Literal, Protocol
 
 import aiohttp
@@ -139,8 +139,18 @@ class AiohttpEngineClient:
     the running event loop, for the legs read whole; decode streams go over the router's own
     connections (``narwhal.engines.stream_client``), which can push events to the client."""
 
-    def __init__(self, base_url: str, timeouts: Timeouts, max_connections: int, keepalive_s: float):
-        self._streams = EngineStreamPool(base_url, timeouts, max_connections, keepalive_s)
+    def __init__(
+        self,
+        base_url: str,
+        timeouts: Timeouts,
+        max_connections: int,
+        keepalive_s: float,
+        headers: Mapping[str, str] | None = None,
+    ):
+        self._streams = EngineStreamPool(
+            base_url, timeouts, max_connections, keepalive_s, headers=headers
+        )
+        self._headers = dict(headers or {})
         self._base = base_url.rstrip("/")
         self._timeouts = timeouts
         self._max_connections = max_connections
@@ -163,6 +173,8 @@ class AiohttpEngineClient:
                 cookie_jar=aiohttp.DummyCookieJar(),
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent", "Accept-Encoding"),
+                # Sent on every request of the session (the engine API key's Authorization).
+                headers=self._headers,
                 trust_env=False,
                 timeout=aiohttp.ClientTimeout(
                     total=None,
@@ -241,7 +253,14 @@ class _HttpxResponse:
 
 
 class HttpxEngineClient:
-    def __init__(self, base_url: str, timeouts: Timeouts, max_connections: int, keepalive_s: float):
+    def __init__(
+        self,
+        base_url: str,
+        timeouts: Timeouts,
+        max_connections: int,
+        keepalive_s: float,
+        headers: Mapping[str, str] | None = None,
+    ):
         limits = httpx.Limits(
             max_connections=max_connections,
             max_keepalive_connections=256,
@@ -256,6 +275,7 @@ class HttpxEngineClient:
                 pool=timeouts.connect_s,
             ),
             limits=limits,
+            headers=dict(headers or {}),
             # Engines are only ever the fleet's URLs: no proxies from the environment, no
             # redirects to somewhere else.
             trust_env=False,
@@ -295,7 +315,9 @@ def make_engine_client(
     timeouts: Timeouts,
     max_connections: int,
     keepalive_s: float,
+    headers: Mapping[str, str] | None = None,
 ) -> EngineClient:
+    """An engine's client; ``headers`` go on every request it sends (legs, probes, scrapes)."""
     if transport == "aiohttp":
-        return AiohttpEngineClient(base_url, timeouts, max_connections, keepalive_s)
-    return HttpxEngineClient(base_url, timeouts, max_connections, keepalive_s)
+        return AiohttpEngineClient(base_url, timeouts, max_connections, keepalive_s, headers)
+    return HttpxEngineClient(base_url, timeouts, max_connections, keepalive_s, headers)

@@ -134,7 +134,11 @@ def run(args: argparse.Namespace) -> int:
         f"profiling {len(ids)} engine(s) of {fleet.name} ({plan.tokens_needed()} tokens each)",
         file=sys.stderr,
     )
-    profiles, failures = asyncio.run(profile_fleet(fleet, ids, plan, limits, args.force, progress))
+    profiles, failures = asyncio.run(
+        profile_fleet(
+            fleet, ids, plan, limits, args.force, progress, engine_api_key=loaded.engine_api_key
+        )
+    )
     store = ProfileStore.model_validate(
         {
             "schema": "narwhal.profiles/v1",

@@ -105,6 +105,7 @@ async def profile_engine(
     force: bool,
     progress: Progress,
     seed: int = 0,
+    engine_api_key: str | None = None,
 ) -> EngineProfile:
     started = time.monotonic()
     budget = _Budget(limits)
@@ -114,7 +115,11 @@ async def profile_engine(
             f"{limits.max_tokens_per_engine}"
         )
     timeout = httpx.Timeout(limits.probe_timeout_s, connect=5.0)
-    async with httpx.AsyncClient(base_url=spec.url, timeout=timeout, trust_env=False) as client:
+    # The engines' API key (the fleet's engine.api_key_file) on every request to the engine.
+    auth = {"Authorization": f"Bearer {engine_api_key}"} if engine_api_key else {}
+    async with httpx.AsyncClient(
+        base_url=spec.url, timeout=timeout, trust_env=False, headers=auth
+    ) as client:
         if not force and (why := await check_idle(client)) is not None:
             raise EngineProfilingError(f"refusing to profile: {why} (use --force)")
         generation = await _generation(spec)
@@ -192,6 +197,7 @@ async def profile_fleet(
     limits: ProfilingLimits,
     force: bool,
     progress: Progress,
+    engine_api_key: str | None = None,
 ) -> tuple[dict[str, EngineProfile], dict[str, str]]:
     """Profile engines in parallel; returns (profiles, failures by engine)."""
 
@@ -206,6 +212,7 @@ async def profile_fleet(
                 force,
                 progress,
                 seed=zlib.crc32(engine_id.encode()),
+                engine_api_key=engine_api_key,
             )
         except (EngineProfilingError, ProbeError) as exc:
             return engine_id, str(exc)

@@ -19,6 +19,7 @@ from narwhal.serve.errors import Unauthorized
 from narwhal.serve.generation import GenerationEndpoint
 from narwhal.serve.services import Services
 from narwhal.serve.settings import ServeSettings
+from narwhal.serve.tokenize import register_tokenize_routes
 
 __all__ = ["build_app"]
 
@@ -50,6 +51,7 @@ def build_app(settings: ServeSettings) -> FastAPI:
     register_hot_route(app, "/v1/completions", GenerationEndpoint(services, chat=False))
     register_hot_route(app, "/v1/chat/completions", GenerationEndpoint(services, chat=True))
     _register_info_routes(app, services)
+    register_tokenize_routes(app, services)
     register_admin_routes(app, services)
     return app
 

@@ -11,10 +11,14 @@ code}}``, each with its HTTP status and the outcome its journal record carries.
     │   ├── NotFound                404 not_found_error
     │   ├── Conflict                409 conflict
     │   ├── PayloadTooLarge         413 invalid_request_error
-    │   └── EngineRefused           the engine's own 4xx, its message passed through
+    │   └── EngineRefused           the engine's own 4xx, its message passed through; an
+    │                                   engine's 401/403 (the router's engine key) is a 502
+    │                                   upstream_error, outcome internal_error
     ├── AdmissionRejected           429 rate_limit_exceeded, outcome rejected (Retry-After)
     ├── NotAccepting                503 service_unavailable, outcome rejected (Retry-After)
     ├── NoEligiblePair              503 service_unavailable, outcome unavailable (Retry-After)
+    ├── NoEngineAvailable           503 service_unavailable, outcome unavailable (Retry-After):
+    │                                   no engine answered /tokenize or /detokenize
     ├── UpstreamFailed              502 upstream_error, outcome prefill_failed / decode_failed
     │                                   / stream_error
     ├── FirstTokenDeadlineExceeded  504 timeout, outcome deadline_exceeded
@@ -38,6 +42,7 @@ __all__ = [
     "InternalError",
     "InvalidRequest",
     "NoEligiblePair",
+    "NoEngineAvailable",
     "NotAccepting",
     "NotFound",
     "PayloadTooLarge",
@@ -132,8 +137,24 @@ class EngineRefused(ClientError):
                 message = error["message"]
             elif isinstance(parsed, dict) and isinstance(parsed.get("message"), str):
                 message = parsed["message"]
+            elif isinstance(error, str):
+                message = f"engine answered HTTP {status}: {error}"  # vLLM's 401 body
         except orjson.JSONDecodeError:
             pass
+        if status in (401, 403):
+            # The client's credentials never reach an engine (the router sends the fleet's
+            # engine key, or none), so an engine refusing them is the deployment's fault, not
+            # the client's: a 502 that says what to fix, recorded as the router's error.
+            super().__init__(
+                f"the engine refused the router's credentials ({message}): "
+                "engine.api_key_file in the fleet file must name a file holding the engines' "
+                "--api-key",
+                code="engine_unauthorized",
+            )
+            self.status = 502  # type: ignore[misc]
+            self.type = "upstream_error"  # type: ignore[misc]
+            self.outcome = "internal_error"  # type: ignore[misc]
+            return
         super().__init__(message)
         self.status = status  # type: ignore[misc]  # the engine's, per instance
 
@@ -169,6 +190,17 @@ class NoEligiblePair(RouterError):
 
     def __init__(self, reason: str) -> None:
         super().__init__(f"no engine pair can serve: {reason}", headers={"Retry-After": "1"})
+
+
+class NoEngineAvailable(RouterError):
+    """No engine could answer a request that any one engine can serve (/tokenize)."""
+
+    status = 503
+    type = "service_unavailable"
+    outcome = "unavailable"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"Retry-After": "1"})
 
 
 class UpstreamFailed(RouterError):

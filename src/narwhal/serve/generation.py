@@ -32,6 +32,7 @@ from narwhal.serve.errors import (
     RouterError,
     Unauthorized,
 )
+from narwhal.serve.fanout import ChoiceSet, ChoiceStreams, aggregate_choices, open_choices
 from narwhal.serve.pd import DecodeStream
 from narwhal.serve.record import RequestRecord
 from narwhal.serve.relay import EventRenderer, PushRelay, StreamTally, aggregate, relay_events
@@ -231,7 +232,10 @@ class GenerationEndpoint:
                 if creq.prompt_tokens_exact is not None:
                     record.prompt_tokens = creq.prompt_tokens_exact
                 watch = DisconnectWatch(receive)
-                stream = await services.router.open(creq, record)
+                if creq.choices:
+                    choices = await open_choices(services.router, creq, record)
+                else:
+                    stream = await services.router.open(creq, record)
             except RouterError as exc:
                 ledger.close(record, exc.outcome, exc.status, exc.message)
                 if watch is not None:
@@ -257,7 +261,9 @@ class GenerationEndpoint:
             # From here the open stream is released on every path (no await before the try).
             tally = StreamTally()
             try:
-                if creq.stream:
+                if creq.choices:
+                    await self._serve_choices(send, watch, choices, record)
+                elif creq.stream:
                     await self._relay(send, watch, stream, creq.include_usage, tally, record)
                 else:
                     await self._aggregate(send, watch, stream, tally, record, creq.body)
@@ -345,6 +351,57 @@ class GenerationEndpoint:
             raise
         finally:
             await self._release(stream, record, outcome, status, error, tally)
+
+    async def _serve_choices(
+        self, send: Send, watch: DisconnectWatch, choices: ChoiceSet, record: RequestRecord
+    ) -> None:
+        """A request of several choices (``serve.fanout``): one stream or one answer, one
+        record, every choice's leg released."""
+        error: str | None
+        outcome, status, error = "client_abort", None, "client disconnected mid-generation"
+        failure: RouterError | None = None
+        result = None
+        request_id = record.id.encode()
+        try:
+            if choices.request.stream:
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [_SSE_CONTENT_TYPE, (b"x-request-id", request_id)],
+                    }
+                )
+                merged = ChoiceStreams(choices, choices.request.include_usage)
+                await merged.run(send, watch.stop)
+                if merged.failure is not None:
+                    outcome, status, error = "stream_error", 200, merged.failure
+                else:
+                    outcome, status, error = "ok", 200, None
+            else:
+                result = await aggregate_choices(choices, self.chat)
+                outcome, status, error = "ok", 200, None
+        except RouterError as exc:
+            outcome, status, error = exc.outcome, exc.status, exc.message
+            failure = exc
+        except asyncio.CancelledError:
+            if not watch.absorb():
+                raise
+        except Exception as exc:
+            log.exception("request %s: choices failed", record.id)
+            outcome, status, error = "internal_error", 500, f"{type(exc).__name__}: {exc}"
+            failure = InternalError()
+        finally:
+            choices.merge_into(record)
+            self.ledger.close(record, outcome, status, error, choices.merged_tally())
+            await choices.release(outcome)
+        if choices.request.stream or watch.gone:
+            return
+        watch.stop()
+        if failure is not None:
+            await _send_error(send, failure, request_id)
+        elif result is not None:
+            headers = [_JSON_CONTENT_TYPE, (b"x-request-id", request_id)]
+            await _send_response(send, 200, orjson.dumps(result), headers)
 
     async def _aggregate(
         self,

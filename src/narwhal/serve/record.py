@@ -44,6 +44,9 @@ class RequestRecord:
     cached_tokens_predicted: int | None = None
     cached_tokens_reported: int | None = None
     kv_blocks_predicted: int | None = None
+    # Choices answered (n times the prompts of a batch): each ran as a P/D request of its own,
+    # whose legs are this record's attempts; the engines and times above are choice 0's.
+    choices: int = 1
     outcome: str | None = None
     status: int | None = None
     error: str | None = None
@@ -69,10 +72,12 @@ class RequestRecord:
             self.t_first_token is None
             or self.t_last_token is None
             or not self.completion_tokens
-            or self.completion_tokens < 2
+            or self.completion_tokens < 2 * self.choices
         ):
             return None
-        return (self.t_last_token - self.t_first_token) / (self.completion_tokens - 1)
+        # Choices decode side by side: a choice's tokens take the time, not their sum.
+        per_choice = self.completion_tokens / self.choices
+        return (self.t_last_token - self.t_first_token) / (per_choice - 1)
 
     def end_fields(self) -> dict[str, Any]:
         fields = {
@@ -102,6 +107,8 @@ class RequestRecord:
             fields["cached_tokens_reported"] = self.cached_tokens_reported
         if self.kv_blocks_predicted is not None:
             fields["kv_blocks_predicted"] = self.kv_blocks_predicted
+        if self.choices > 1:
+            fields["choices"] = self.choices
         if self.attempts:
             fields["attempts"] = self.attempts
         return fields

@@ -37,6 +37,7 @@ __all__ = [
     "PushRelay",
     "StreamTally",
     "aggregate",
+    "note_chunk",
     "relay_events",
 ]
 
@@ -96,7 +97,7 @@ def _is_token_chunk(obj: dict[str, Any]) -> tuple[bool, str | None]:
     return has_token, finish
 
 
-def _note(tally: StreamTally, obj: dict[str, Any], now: float) -> None:
+def note_chunk(tally: StreamTally, obj: dict[str, Any], now: float) -> None:
     has_token, finish = _is_token_chunk(obj)
     if has_token or finish:
         tally.token_events += 1
@@ -154,7 +155,7 @@ class EventRenderer:
                     out += (b"data: ", orjson.dumps(obj), b"\n\n")
             else:
                 if isinstance(obj, dict):
-                    _note(tally, obj, now)
+                    note_chunk(tally, obj, now)
                 out += (b"data: ", payload, b"\n\n")
         return b"".join(out)
 
@@ -420,7 +421,7 @@ async def aggregate(
             head = head or obj
             if obj.get("usage") and not obj.get("choices"):
                 usage = obj["usage"]
-            _note(tally, obj, time.monotonic())
+            note_chunk(tally, obj, time.monotonic())
             for choice in obj.get("choices") or ():
                 if isinstance(choice, dict):
                     index = choice.get("index")

@@ -110,7 +110,9 @@ class Services:
             demand=demand,
             observer=MetricsObserver(metrics, capacity),
         )
-        engines = EnginePool(fleet, transport=settings.engine_transport)
+        engines = EnginePool(
+            fleet, transport=settings.engine_transport, api_key=settings.fleet.engine_api_key
+        )
         prefill_timeout = settings.prefill_timeout_s or max(30.0, 3 * fleet.budgets.ttft_s)
         controller = None
         if predictor is not None and fleet.roles.enabled:

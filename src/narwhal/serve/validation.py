@@ -4,7 +4,7 @@ engines, which validate their own fields (their 4xx answers reach the client unc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -12,7 +12,11 @@ import orjson
 from narwhal.routing.prompt_length import MAX_BYTES_PER_TOKEN
 from narwhal.serve.errors import InvalidRequest, NotFound
 
-__all__ = ["ClientRequest", "parse_client_request"]
+__all__ = ["MAX_CHOICES", "ClientRequest", "parse_client_request"]
+
+# The most choices (``n`` times the prompts of a batch) one request fans out into: each is a
+# P/D request of its own, admitted and scheduled like any other.
+MAX_CHOICES = 64
 
 # Fields the router refuses, with why. Everything else (tools, tool_choice, response_format,
 # structured outputs, logprobs, stop, seed, ...) passes through: the decode engine produces the
@@ -55,6 +59,10 @@ class ClientRequest:
     max_tokens: int | None
     prompt_tokens_exact: int | None
     prompt_bytes: int = 0
+    # n > 1 or a batch of prompts: one request per choice (index i * n + j for prompt i's
+    # choice j, as vLLM numbers them), each with n = 1 and one prompt; empty otherwise.
+    choices: tuple[ClientRequest, ...] = ()
+    choices_per_prompt: int = 1
 
 
 def _check_int(body: dict[str, Any], name: str, minimum: int) -> int | None:
@@ -103,16 +111,82 @@ def _prompt_length(body: dict[str, Any], chat: bool) -> tuple[int | None, int]:
         if not prompt:
             raise InvalidRequest("'prompt' must not be empty", "prompt")
         return None, len(prompt.encode("utf-8", "surrogatepass"))
-    if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list):
-        raise InvalidRequest(
-            "batched prompts are not supported: send one prompt per request", "prompt"
-        )
     if isinstance(prompt, list) and prompt:
         for token in prompt:
             if not isinstance(token, int) or isinstance(token, bool) or token < 0:
                 raise InvalidRequest("'prompt' token ids must be non-negative integers", "prompt")
         return len(prompt), 0
     raise InvalidRequest("'prompt' must be a string or a non-empty list of token ids", "prompt")
+
+
+def _batch(body: dict[str, Any], chat: bool) -> list[Any]:
+    """A completion's batch of prompts (strings or token-id lists); ``[]`` when it is not one."""
+    prompt = body.get("prompt")
+    if chat or not isinstance(prompt, list) or len(prompt) < 2:
+        return []
+    if isinstance(prompt[0], str | list):
+        return prompt
+    return []
+
+
+def _fan_out(
+    body: dict[str, Any],
+    chat: bool,
+    served_model: str,
+    max_model_len: int,
+    n: int,
+    prompts: list[Any],
+    stream: bool,
+    include_usage: bool,
+) -> ClientRequest:
+    """One request per choice, each checked as if sent alone (an error names the prompt)."""
+    temperature = body.get("temperature")
+    if n > 1 and isinstance(temperature, int | float) and temperature < 1e-5:
+        # vLLM's own refusal (sampling_params.py): n greedy choices would be one choice n times.
+        raise InvalidRequest(f"n must be 1 when using greedy sampling, got {n}.", "n")
+    count = n * max(1, len(prompts))
+    if count > MAX_CHOICES:
+        raise InvalidRequest(
+            f"at most {MAX_CHOICES} choices per request (n times the prompts); this one asks"
+            f" for {count}",
+            "n" if len(prompts) < 2 else "prompt",
+        )
+    single = {k: v for k, v in body.items() if k != "n"}
+    choices: list[ClientRequest] = []
+    for i, prompt in enumerate(prompts or [None]):
+        if prompt is not None:
+            if not isinstance(prompt, str | list):
+                raise InvalidRequest(
+                    f"'prompt[{i}]' must be a string or a list of token ids", f"prompt[{i}]"
+                )
+            single = {**single, "prompt": prompt}
+        try:
+            one = parse_client_request(orjson.dumps(single), chat, served_model, max_model_len)
+        except InvalidRequest as exc:
+            if prompt is None:
+                raise
+            raise InvalidRequest(f"prompt {i}: {exc.message}", f"prompt[{i}]") from None
+        seed = single.get("seed")
+        if n > 1 and isinstance(seed, int) and not isinstance(seed, bool):
+            # vLLM seeds choice j of a seeded request with seed + j (parallel_sampling.py):
+            # the same seed on every choice would make them all one sample.
+            choices.append(one)
+            choices.extend(replace(one, body={**one.body, "seed": seed + j}) for j in range(1, n))
+        else:
+            choices.extend([one] * n)
+    first = choices[0]
+    return ClientRequest(
+        chat=chat,
+        body=body,
+        model=first.model,
+        stream=stream,
+        include_usage=include_usage,
+        max_tokens=first.max_tokens,
+        prompt_tokens_exact=None,
+        prompt_bytes=first.prompt_bytes,
+        choices=tuple(choices),
+        choices_per_prompt=n,
+    )
 
 
 def parse_client_request(
@@ -145,9 +219,7 @@ def parse_client_request(
             "model",
             code="model_not_found",
         )
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise InvalidRequest("'n' must be 1: the P/D router returns one choice per request", "n")
+    n = _check_int(body, "n", 1) or 1
     for name, why in _UNSUPPORTED.items():
         if name in body and (name == "kv_transfer_params" or not _is_off(name, body[name])):
             raise InvalidRequest(why, name)
@@ -170,6 +242,9 @@ def parse_client_request(
         cap = _check_int(body, "max_completion_tokens", 1)
         max_tokens = cap if cap is not None else max_tokens
     _check_int(body, "min_tokens", 0)
+    prompts = _batch(body, chat)
+    if n > 1 or len(prompts) > 1:
+        return _fan_out(body, chat, served_model, max_model_len, n, prompts, stream, include_usage)
     exact, size = _prompt_length(body, chat)
     if exact is not None:
         total = exact + (max_tokens or 0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from dataclasses import replace
 from typing import Any
@@ -52,6 +53,12 @@ def add_engine_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--shard-manifest-sha256")
     p.add_argument(
         "--admin-token", help="enables /sim/faults and /sim/state with this bearer token"
+    )
+    p.add_argument(
+        "--api-key",
+        nargs="+",
+        help="as vLLM's: /v1 routes require 'Authorization: Bearer KEY' with one of these keys "
+        "(default: the VLLM_API_KEY environment variable, if set)",
     )
     for name in _SIM_FIELDS:
         if name == "extra_args":
@@ -190,6 +197,8 @@ def _resolve_engine(args: argparse.Namespace) -> tuple[Any, str, int]:
         faults=faults,
         prompt_tokens_details=sim.enable_prompt_tokens_details,
         kv_events=kv_events,
+        # As vLLM: --api-key wins over VLLM_API_KEY; empty values guard nothing.
+        api_keys=tuple(k for k in (args.api_key or [os.environ.get("VLLM_API_KEY", "")]) if k),
     )
     return settings, host, port
 

@@ -28,7 +28,12 @@ import numpy as np
 from narwhal.profiles.models import EngineModels
 from narwhal.routing.prefix import chain_keys, chain_root, extend_chain
 from narwhal.simengine.faults import FaultSettings
-from narwhal.simengine.generation import GenerationModel, KVLayout, prompt_digest
+from narwhal.simengine.generation import (
+    GenerationModel,
+    KVLayout,
+    choice_digest,
+    prompt_digest,
+)
 from narwhal.simengine.kv_blocks import BlockPool
 from narwhal.simengine.kv_events import KVEventPublisher
 from narwhal.simengine.kv_transfer import KVTransferAgent, KVTransferError
@@ -111,6 +116,12 @@ class SimRequest:
     num_cached_tokens: int = 0  # prompt tokens found in this engine's prefix cache
     # A decode leg's kv_transfer_params.remote_prefill_cached_tokens: its prefill engine's hits.
     remote_cached_tokens: int | None = None
+    # Choice ``i`` of an ``n > 1`` request: its own sequence of the same prompt (choice 0 is
+    # what an ``n = 1`` request generates).
+    choice: int = 0
+    # What guided decoding (a forced tool call, response_format) makes the model write; EOS
+    # once it is written, as the grammar then allows nothing else.
+    forced: list[int] | None = None
 
     @property
     def reported_cached_tokens(self) -> int:
@@ -234,6 +245,8 @@ class EngineCore:
     def submit(self, request: SimRequest) -> None:
         request.arrival = time.monotonic()
         request.digest = prompt_digest(self.generation.model_seed, request.prompt)
+        if request.choice:
+            request.digest = choice_digest(request.digest, request.choice)
         if self.allocator.caching:
             request.keys = chain_keys(request.prompt, self.config.block_size, request.cache_salt)
         self.waiting.append(request)
@@ -397,8 +410,11 @@ class EngineCore:
     def _emit_token(self, request: SimRequest, now: float) -> None:
         position = len(request.output)
         token = self.generation.token_at(request.digest, position)
+        if request.forced is not None:
+            forced = request.forced
+            token = forced[position] if position < len(forced) else self.generation.vocab.eos_id
         eos = token == self.generation.vocab.eos_id
-        if eos and (request.ignore_eos or position < request.min_tokens):
+        if eos and request.forced is None and (request.ignore_eos or position < request.min_tokens):
             # As vLLM masks EOS below min_tokens (and ignore_eos never stops), pick a word.
             token = (
                 self.generation.vocab.first_word_id

@@ -17,7 +17,7 @@ import numpy as np
 
 from narwhal.simengine.vocab import Vocabulary
 
-__all__ = ["GenerationModel", "KVLayout", "prompt_digest"]
+__all__ = ["GenerationModel", "KVLayout", "choice_digest", "prompt_digest"]
 
 _FILL_UNIT = 64  # bytes of one blake2b-512 digest; blocks are tiled with it
 
@@ -26,6 +26,15 @@ def prompt_digest(model_seed: int, tokens: Sequence[int]) -> bytes:
     h = hashlib.blake2b(digest_size=32, person=b"narwhal-prompt")
     h.update(model_seed.to_bytes(8, "little", signed=True))
     h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+def choice_digest(digest: bytes, choice: int) -> bytes:
+    """The digest choice ``choice`` (> 0) of an ``n > 1`` request generates from: its own
+    deterministic sequence of the same prompt (choice 0 keeps the prompt's digest, so its text
+    is what the request with ``n = 1`` gets)."""
+    h = hashlib.blake2b(digest_size=32, person=b"narwhal-choice")
+    h.update(digest + choice.to_bytes(8, "little"))
     return h.digest()
 
 
@@ -41,6 +50,31 @@ class GenerationModel:
         if self.eos_prob > 0.0 and int.from_bytes(h[8:], "little") / 2.0**64 < self.eos_prob:
             return self.vocab.eos_id
         return self.vocab.first_word_id + value % self.vocab.num_words
+
+    def logprobs(self, digest: bytes, position: int, token: int, k: int) -> list[tuple[int, float]]:
+        """The sampled ``token`` and the model's ``k - 1`` next likeliest tokens at
+        ``position``, best first, as (id, logprob): what vLLM's logprobs dict holds when the
+        sampled token is the top-1 (a greedy-like simulated model's always is), so the sampled
+        token's logprob is the maximum. Deterministic in (digest, position, token); values are
+        rounded to 4 decimals so every serialization of them is the same text."""
+        h = hashlib.blake2b(
+            digest + position.to_bytes(8, "little") + token.to_bytes(8, "little", signed=True),
+            digest_size=32,
+            person=b"narwhal-logprob",
+        ).digest()
+        logprob = -round(0.001 + int.from_bytes(h[:4], "little") / 2.0**32 * 1.5, 4)
+        out = [(token, logprob)]
+        words = self.vocab.num_words
+        start = int.from_bytes(h[4:8], "little")
+        step = 0
+        while len(out) < max(k, 1):
+            step += 1
+            alt = self.vocab.first_word_id + (start + step) % words
+            if alt == token:
+                continue
+            gap = 0.05 + h[8 + len(out) % 24] / 255.0 * 2.0
+            out.append((alt, round(out[-1][1] - gap, 4)))
+        return out
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,17 @@
 """vLLM's OpenAI-compatible request fields and response shapes, as the simulator speaks them.
 
-Parsing is strict about what the simulator cannot do (``n > 1``, batched prompts, ``echo``) and
-lenient about sampling knobs that do not change a deterministic simulation (temperature, top_p,
-seed, ...), as an engine serving greedy requests would be.
+Parsing is strict about what the simulator cannot do (batched prompts, ``echo``, beam search)
+and validates the sampling knobs as vLLM does, though their values do not change a deterministic
+simulation; ``n``, logprobs, tools and response formats are in :mod:`openai_surface`.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from narwhal.simengine.openai_surface import Invalid, SurfaceOptions, parse_surface
 from narwhal.simengine.vocab import ChatTemplateError, Vocabulary, render_chat
 
 __all__ = ["GenerationParams", "ProtocolError", "ResponseBuilder", "error_body", "parse_generation"]
@@ -50,6 +51,8 @@ class GenerationParams:
     return_token_ids: bool
     kv_transfer_params: Any
     cache_salt: str | None = None
+    # n, logprobs and guided output; the default is a plain greedy request's.
+    surface: SurfaceOptions = field(default_factory=SurfaceOptions)
 
 
 def _int_field(body: dict[str, Any], name: str, minimum: int) -> int | None:
@@ -106,13 +109,14 @@ def parse_generation(
 ) -> GenerationParams:
     if not isinstance(body, dict):
         raise ProtocolError("request body must be a JSON object")
-    n = body.get("n", 1)
-    if n not in (None, 1):
-        raise ProtocolError("n > 1 is not supported", param="n")
     if body.get("best_of") not in (None, 1):
         raise ProtocolError("best_of is not supported", param="best_of")
     if body.get("echo"):
         raise ProtocolError("echo is not supported by the simulator", param="echo")
+    try:
+        surface = parse_surface(body, chat, vocab, body.get("kv_transfer_params"))
+    except Invalid as exc:
+        raise ProtocolError(exc.message, param=exc.param, type_=exc.type) from exc
     prompt = _prompt_tokens(body, vocab, chat)
     max_tokens = _int_field(body, "max_tokens", 1)
     if chat:
@@ -160,6 +164,7 @@ def parse_generation(
         return_token_ids=_bool_field(body, "return_token_ids"),
         kv_transfer_params=body.get("kv_transfer_params"),
         cache_salt=salt,
+        surface=surface,
     )
 
 
@@ -201,46 +206,73 @@ class ResponseBuilder:
         finish_reason: str,
         kv_transfer_params: dict[str, Any] | None,
     ) -> dict[str, Any]:
+        """The non-streamed response of a one-choice request without logprobs or tools."""
+        return self.full_choices(
+            [self.full_choice(0, text, tokens, finish_reason)], len(tokens), kv_transfer_params
+        )
+
+    def full_choice(
+        self,
+        index: int,
+        text: str,
+        tokens: list[int],
+        finish_reason: str,
+        logprobs: dict[str, Any] | None = None,
+        content: str | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """One choice of a non-streamed response; ``content`` / ``tool_calls``: the chat
+        message's when a tool call replaces the text (None: the text, no calls)."""
         p = self.params
         ids = tokens if p.return_token_ids else None
         if p.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
+            return {
+                "index": index,
                 "message": {
                     "role": "assistant",
-                    "content": text,
+                    "content": text if content is None else content,
                     "refusal": None,
                     "annotations": None,
                     "audio": None,
                     "function_call": None,
-                    "tool_calls": [],
+                    "tool_calls": tool_calls or [],
                     "reasoning": None,
                 },
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
                 "stop_reason": None,
                 "token_ids": ids,
             }
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": None,
+            "token_ids": ids,
+            "prompt_logprobs": None,
+            "prompt_token_ids": p.prompt if p.return_token_ids else None,
+        }
+
+    def full_choices(
+        self,
+        choices: list[dict[str, Any]],
+        completion_tokens: int,
+        kv_transfer_params: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        """The non-streamed response; usage counts every choice's tokens, as vLLM's does."""
+        p = self.params
+        if p.chat:
             body: dict[str, Any] = {"id": self.response_id, "object": "chat.completion"}
         else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": finish_reason,
-                "stop_reason": None,
-                "token_ids": ids,
-                "prompt_logprobs": None,
-                "prompt_token_ids": p.prompt if p.return_token_ids else None,
-            }
             body = {"id": self.response_id, "object": "text_completion"}
         body.update(
             created=self.created,
             model=self.model,
-            choices=[choice],
+            choices=choices,
             service_tier=None,
             system_fingerprint=None,
-            usage=_usage(len(p.prompt), len(tokens), self._cached()),
+            usage=_usage(len(p.prompt), completion_tokens, self._cached()),
             prompt_logprobs=None,
             prompt_token_ids=p.prompt if (p.chat and p.return_token_ids) else None,
             kv_transfer_params=kv_transfer_params,
@@ -262,11 +294,11 @@ class ResponseBuilder:
             chunk["usage"] = usage
         return chunk
 
-    def role_chunk(self) -> dict[str, Any]:
+    def role_chunk(self, index: int = 0) -> dict[str, Any]:
         return self._chunk(
             [
                 {
-                    "index": 0,
+                    "index": index,
                     "delta": {"role": "assistant", "content": ""},
                     "logprobs": None,
                     "finish_reason": None,
@@ -275,18 +307,33 @@ class ResponseBuilder:
         )
 
     def token_chunk(
-        self, text: str, tokens: list[int], finish_reason: str | None, completion_tokens: int
+        self,
+        text: str,
+        tokens: list[int],
+        finish_reason: str | None,
+        completion_tokens: int,
+        index: int = 0,
+        logprobs: dict[str, Any] | None = None,
+        delta: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        """A chunk of choice ``index``'s tokens; ``completion_tokens``: that choice's so far
+        (what vLLM's continuous usage counts); ``delta``: a chat delta other than the text
+        (tool-call deltas)."""
         p = self.params
         if p.chat:
             choice: dict[str, Any] = {
-                "index": 0,
-                "delta": {"content": text},
-                "logprobs": None,
+                "index": index,
+                "delta": {"content": text} if delta is None else delta,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {
+                "index": index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
         choice["stop_reason"] = None
         if p.return_token_ids:
             choice["token_ids"] = tokens

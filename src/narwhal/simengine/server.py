@@ -21,9 +21,11 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from narwhal.asgi import DisconnectAwareStreamingResponse
 from narwhal.simengine.engine import (
@@ -41,6 +43,7 @@ from narwhal.simengine.generation import GenerationModel
 from narwhal.simengine.kv_events import KVEventPublisher, KVEventsSettings
 from narwhal.simengine.kv_transfer import KVTransferAgent
 from narwhal.simengine.metrics import EngineMetrics
+from narwhal.simengine.openai_surface import ChoiceState
 from narwhal.simengine.protocol import (
     GenerationParams,
     ProtocolError,
@@ -49,7 +52,7 @@ from narwhal.simengine.protocol import (
     parse_generation,
 )
 from narwhal.simengine.side_channel import PeerDirectory, serve_side_channel
-from narwhal.simengine.vocab import Vocabulary
+from narwhal.simengine.vocab import EOS, IM_END, ChatTemplateError, Vocabulary, render_chat
 
 __all__ = ["SimEngineSettings", "build_app"]
 
@@ -78,6 +81,8 @@ class SimEngineSettings:
     # vLLM's --enable-prompt-tokens-details and --kv-events-config.
     prompt_tokens_details: bool = False
     kv_events: KVEventsSettings | None = None
+    # vLLM's --api-key (or VLLM_API_KEY): bearer keys its /v1 routes require; empty: none.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
 
     def declared_config_sha256(self) -> str:
         if self.config_sha256:
@@ -272,19 +277,45 @@ def build_app(settings: SimEngineSettings) -> Starlette:
                 type_="NotFoundError",
             )
 
+    def flag(body: dict[str, Any], name: str, default: bool) -> bool:
+        value = body.get(name, default)
+        if value is None and name == "return_token_strs":  # vLLM types it bool | None
+            return False
+        if not isinstance(value, bool):
+            raise ProtocolError(f"{name}: Input should be a valid boolean", param=name)
+        return value
+
     async def tokenize(request: Request) -> Response:
+        # vLLM 0.32's TokenizeCompletionRequest ({"prompt"}) or TokenizeChatRequest
+        # ({"messages"}) -> TokenizeResponse. The simulated vocabulary has no BOS token, so
+        # add_special_tokens changes nothing here.
         try:
             body = await read_json(request)
-            check_model(body)
             if not isinstance(body, dict):
                 raise ProtocolError("request body must be a JSON object")
+            check_model(body)
+            flag(body, "add_special_tokens", "messages" not in body)
+            token_strs = flag(body, "return_token_strs", False)
             if "messages" in body:
-                params = parse_generation({**body, "max_tokens": 1}, vocab, True, 1 << 62)
-                tokens = params.prompt
+                generation_prompt = flag(body, "add_generation_prompt", True)
+                continue_final = flag(body, "continue_final_message", False)
+                if generation_prompt and continue_final:
+                    raise ProtocolError(
+                        "Cannot set both `continue_final_message` and `add_generation_prompt` "
+                        "to True."
+                    )
+                try:
+                    text = render_chat(body["messages"], generation_prompt)
+                except ChatTemplateError as exc:
+                    raise ProtocolError(str(exc), param="messages") from exc
+                if continue_final:
+                    # The final message left open, as vLLM renders it: no end-of-turn token.
+                    text = text.removesuffix(f"{IM_END}\n")
+                tokens = vocab.encode(text)
             elif isinstance(body.get("prompt"), str):
                 tokens = vocab.encode(body["prompt"])
             else:
-                raise ProtocolError("prompt must be a string", param="prompt")
+                raise ProtocolError("prompt: Input should be a valid string", param="prompt")
         except ProtocolError as exc:
             return _error(exc.message, exc.type, exc.status, exc.param)
         return _json(
@@ -292,15 +323,20 @@ def build_app(settings: SimEngineSettings) -> Starlette:
                 "count": len(tokens),
                 "max_model_len": cfg.max_model_len,
                 "tokens": tokens,
-                "token_strs": None,
+                "token_strs": [EOS if t == vocab.eos_id else vocab.token_text(t) for t in tokens]
+                if token_strs
+                else None,
             }
         )
 
     async def detokenize(request: Request) -> Response:
+        # vLLM 0.32's DetokenizeRequest ({"tokens": [ids >= 0]}) -> DetokenizeResponse.
         try:
             body = await read_json(request)
+            if not isinstance(body, dict):
+                raise ProtocolError("request body must be a JSON object")
             check_model(body)
-            tokens = body.get("tokens") if isinstance(body, dict) else None
+            tokens = body.get("tokens")
             if not isinstance(tokens, list) or vocab.check_ids(tokens) is not None:
                 raise ProtocolError(
                     "tokens must be a list of token ids in the vocabulary", param="tokens"
@@ -378,7 +414,12 @@ def build_app(settings: SimEngineSettings) -> Starlette:
             _REQUEST_ID_RE.sub("", request.headers.get("x-request-id", ""))[:128]
             or uuid.uuid4().hex
         )
-        sim_request = _new_request(core(), params, base_id, state.metrics)
+        # One sequence per choice (vLLM fans n out into n child requests of the same prompt).
+        sim_requests = [
+            _new_request(core(), params, base_id, state.metrics, choice)
+            for choice in range(params.surface.n)
+        ]
+        sim_request = sim_requests[0]
         if core().blocks_needed(sim_request) > cfg.num_blocks:
             return _error(
                 "request needs more KV blocks than the engine has", "BadRequestError", 400
@@ -389,18 +430,21 @@ def build_app(settings: SimEngineSettings) -> Starlette:
             cfg.served_model_name,
             prompt_tokens_details=settings.prompt_tokens_details,
         )
-        core().submit(sim_request)
+        for each in sim_requests:
+            core().submit(each)
+        choices = _choice_states(params, sim_requests, builder, vocab, core())
         if params.stream:
             return DisconnectAwareStreamingResponse(
-                _stream(core(), sim_request, builder, vocab, faults),
+                _stream(core(), sim_requests, builder, choices, faults),
                 media_type="text/event-stream",
             )
-        collect = asyncio.ensure_future(_collect(sim_request, builder, vocab, faults))
+        collect = asyncio.ensure_future(_collect(sim_requests, builder, choices, vocab, faults))
         disconnect = asyncio.ensure_future(_wait_disconnect(request))
         await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
         if not collect.done():
             collect.cancel()
-            core().abort(sim_request)
+            for each in sim_requests:
+                core().abort(each)
             with contextlib.suppress(asyncio.CancelledError):
                 await collect
             return Response(status_code=499)
@@ -425,8 +469,46 @@ def build_app(settings: SimEngineSettings) -> Starlette:
         Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
+    if settings.api_keys:
+        app.add_middleware(ApiKeyMiddleware, tokens=settings.api_keys)
     app.state.sim = state
     return app
+
+
+# The path prefixes vLLM's AuthenticationMiddleware guards (vllm/entrypoints/serve/middleware/
+# authenticate.py, 0.32): /health, /metrics, /tokenize, /detokenize, /version stay open.
+API_KEY_GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+
+
+class ApiKeyMiddleware:
+    """vLLM's ``--api-key`` check, as vLLM 0.32 does it: a request to a guarded path without
+    ``Authorization: Bearer <one of the keys>`` gets 401 ``{"error": "Unauthorized"}`` (not
+    the OpenAI error shape: vLLM's own answer); OPTIONS and other paths pass."""
+
+    def __init__(self, app: ASGIApp, tokens: tuple[str, ...]) -> None:
+        self.app = app
+        self._hashes = [hashlib.sha256(t.encode("utf-8")).digest() for t in tokens]
+
+    def _allowed(self, headers: Headers) -> bool:
+        scheme, _, param = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        # vLLM hashes the value after the first space as it is (no strip): so does this.
+        digest = hashlib.sha256(param.encode("utf-8")).digest()
+        matched = False
+        for known in self._hashes:
+            matched |= hmac.compare_digest(digest, known)
+        return matched
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if path.startswith(API_KEY_GUARDED_PREFIXES) and not self._allowed(Headers(scope=scope)):
+            await _json({"error": "Unauthorized"}, 401)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def _check_admin(request: Request, token: str | None) -> Response | None:
@@ -443,7 +525,11 @@ def _check_admin(request: Request, token: str | None) -> Response | None:
 
 
 def _new_request(
-    core: EngineCore, params: GenerationParams, base_id: str, metrics: EngineMetrics
+    core: EngineCore,
+    params: GenerationParams,
+    base_id: str,
+    metrics: EngineMetrics,
+    choice: int = 0,
 ) -> SimRequest:
     kind = RequestKind.LOCAL
     remote = None
@@ -473,6 +559,8 @@ def _new_request(
         ignore_eos=params.ignore_eos,
         kind=kind,
         remote=remote,
+        choice=choice,
+        forced=None if params.surface.forced is None else list(params.surface.forced),
     )
 
 
@@ -497,48 +585,132 @@ async def _events(
             return
 
 
+def _choice_states(
+    params: GenerationParams,
+    requests: list[SimRequest],
+    builder: ResponseBuilder,
+    vocab: Vocabulary,
+    core: EngineCore,
+) -> list[ChoiceState]:
+    return [
+        ChoiceState(
+            i,
+            params.chat,
+            params.surface,
+            vocab,
+            core.generation,
+            request.digest,
+            builder.response_id,
+        )
+        for i, request in enumerate(requests)
+    ]
+
+
+async def _choice_events(
+    requests: list[SimRequest], faults: FaultSettings
+) -> AsyncIterator[tuple[int, TokenEvent | ErrorEvent]]:
+    """Every choice's events, tagged with its index, as the engine's steps produce them."""
+    if len(requests) == 1:
+        async for event in _events(requests[0], faults):
+            yield 0, event
+        return
+    merged: asyncio.Queue[tuple[int, TokenEvent | ErrorEvent | None]] = asyncio.Queue()
+
+    async def pump(index: int, request: SimRequest) -> None:
+        async for event in _events(request, faults):
+            merged.put_nowait((index, event))
+        merged.put_nowait((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(requests)]
+    try:
+        live = len(requests)
+        while live:
+            index, item = await merged.get()
+            if item is None:
+                live -= 1
+                continue
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 async def _collect(
-    request: SimRequest, builder: ResponseBuilder, vocab: Vocabulary, faults: FaultSettings
+    requests: list[SimRequest],
+    builder: ResponseBuilder,
+    choices: list[ChoiceState],
+    vocab: Vocabulary,
+    faults: FaultSettings,
 ) -> Response:
-    tokens: list[int] = []
-    async for event in _events(request, faults):
+    tokens: list[list[int]] = [[] for _ in requests]
+    finish: list[str | None] = [None] * len(requests)
+    kv_transfer_params = None
+    total = done = 0
+    async for index, event in _choice_events(requests, faults):
         if isinstance(event, ErrorEvent):
             return _error(event.message, event.type, event.status)
-        tokens.append(event.token)
-        builder.cached_tokens = request.reported_cached_tokens
-        if faults.crash_after_tokens is not None and len(tokens) >= faults.crash_after_tokens:
+        tokens[index].append(event.token)
+        total += 1
+        builder.cached_tokens = requests[0].reported_cached_tokens
+        if faults.crash_after_tokens is not None and total >= faults.crash_after_tokens:
             os._exit(CRASH_EXIT_CODE)
         if event.finish_reason is not None:
-            text = vocab.decode(tokens)
-            return _json(builder.full(text, tokens, event.finish_reason, event.kv_transfer_params))
-    raise AssertionError("event stream ended without a finish")
+            finish[index] = event.finish_reason
+            if index == 0:
+                kv_transfer_params = event.kv_transfer_params
+            done += 1
+            if done == len(requests):
+                break
+    else:
+        raise AssertionError("event stream ended without a finish")
+    built = []
+    logprobs = None
+    for state, ids, reason in zip(choices, tokens, finish, strict=True):
+        assert reason is not None
+        text = vocab.decode(ids)
+        if state.options.logprobs is not None:
+            logprobs = state.logprobs_for(ids, 0, 0)
+        content, calls, reason = state.message(text, reason)
+        built.append(builder.full_choice(state.index, text, ids, reason, logprobs, content, calls))
+    return _json(builder.full_choices(built, total, kv_transfer_params))
 
 
 async def _stream(
     core: EngineCore,
-    request: SimRequest,
+    requests: list[SimRequest],
     builder: ResponseBuilder,
-    vocab: Vocabulary,
+    choices: list[ChoiceState],
     faults: FaultSettings,
 ) -> AsyncIterator[bytes]:
-    sent = 0
+    sent = done = 0
     try:
         role_sent = not builder.params.chat
-        async for event in _events(request, faults):
+        async for index, event in _choice_events(requests, faults):
             if isinstance(event, ErrorEvent):
                 yield _sse(error_body(event.message, event.type, event.status))
                 break
             if not role_sent:
-                # vLLM sends the assistant role with its first output, not before it.
+                # vLLM sends the assistant role with its first output, not before it: one
+                # chunk per choice.
                 role_sent = True
-                yield _sse(builder.role_chunk())
+                for i in range(len(requests)):
+                    yield _sse(builder.role_chunk(i))
             sent += 1
-            builder.cached_tokens = request.reported_cached_tokens
-            yield _sse(
-                builder.token_chunk(
-                    vocab.token_text(event.token), [event.token], event.finish_reason, sent
+            builder.cached_tokens = requests[0].reported_cached_tokens
+            state = choices[index]
+            step = state.step(event.token, event.finish_reason)
+            if not step.skip:
+                yield _sse(
+                    builder.token_chunk(
+                        step.text,
+                        [event.token],
+                        step.finish_reason,
+                        len(state.tokens),
+                        index,
+                        step.logprobs,
+                        step.delta,
+                    )
                 )
-            )
             if faults.crash_after_tokens is not None and sent >= faults.crash_after_tokens:
                 await asyncio.sleep(0.05)  # let the chunk reach the client first
                 os._exit(CRASH_EXIT_CODE)
@@ -547,8 +719,11 @@ async def _stream(
                 and sent >= faults.drop_stream_after_tokens
             ):
                 raise _DroppedStream("fault injection: dropping the connection mid-stream")
-            if event.finish_reason is not None and builder.params.include_usage:
-                yield _sse(builder.usage_chunk(sent))
+            if event.finish_reason is not None:
+                done += 1
+                if done == len(requests) and builder.params.include_usage:
+                    yield _sse(builder.usage_chunk(sent))
         yield b"data: [DONE]\n\n"
     finally:
-        core.abort(request)
+        for request in requests:
+            core.abort(request)

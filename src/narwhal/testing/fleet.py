@@ -89,7 +89,10 @@ class SimFleet:
         log_dir: str | Path | None = None,
         engine_args: dict[str, list[str]] | None = None,
         engine_ids: list[str] | None = None,
+        engine_api_key: str | None = None,
     ) -> None:
+        """``engine_api_key`` starts every engine with ``--api-key`` (as vLLM's: its /v1
+        routes then require it; /health stays open, so readiness polling needs no key)."""
         self.fleet_path = Path(fleet_path)
         self.fleet = load_fleet(self.fleet_path).contract
         self.admin_token = admin_token
@@ -110,6 +113,8 @@ class SimFleet:
             ]
             if admin_token:
                 args += ["--admin-token", admin_token]
+            if engine_api_key:
+                args += ["--api-key", engine_api_key]
             args += (engine_args or {}).get(engine_id, [])
             log_path = self.log_dir / f"engine-{engine_id}.log" if self.log_dir else None
             self.engines[engine_id] = EngineProcess(engine_id, spec.url, args, log_path)
@@ -192,6 +197,7 @@ def start_local_fleet(
     attempts: int = 3,
     on_retry: Callable[[SimFleetError], None] | None = None,
     admin_token: str | None = None,
+    engine_api_key: str | None = None,
     **document: Any,
 ) -> tuple[SimFleet, dict[str, Any]]:
     """``write_local_fleet`` and start it; the fleet and its document. Engine logs go to
@@ -200,7 +206,12 @@ def start_local_fleet(
     all (``on_retry`` hears why)."""
     for attempt in range(attempts):
         doc = write_local_fleet(path, engines, **document)
-        fleet = SimFleet(path, admin_token=admin_token, log_dir=log_dir / f"logs-{attempt}")
+        fleet = SimFleet(
+            path,
+            admin_token=admin_token,
+            log_dir=log_dir / f"logs-{attempt}",
+            engine_api_key=engine_api_key,
+        )
         try:
             fleet.start(timeout=timeout)
         except SimFleetError as exc:

@@ -1,0 +1,291 @@
+"""The simulated engine's OpenAI surface over HTTP, against a real engine process: n choices,
+logprobs, forced tool calls and response formats, streamed and not, with a stream aggregating to
+exactly the non-streamed answer."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.helpers import MODEL, TEST_TIME_SCALE, running_fleet, sse_events
+
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+                "when": {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+            },
+            "required": ["city", "unit", "when"],
+        },
+    },
+}
+ARGS = '{"city": "", "unit": "celsius", "when": [0]}'
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    directory = tmp_path_factory.mktemp("surface")
+    with running_fleet(directory, 2, sim={"time_scale": TEST_TIME_SCALE}) as fleet:
+        yield fleet.engines["e0"].url
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=30) as c:
+        yield c
+
+
+def post(
+    client: httpx.Client,
+    url: str,
+    body: dict[str, Any],
+    chat: bool = True,
+    headers: dict[str, str] | None = None,
+) -> Any:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    r = client.post(url + path, json={"model": MODEL, **body}, headers=headers)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream(
+    client: httpx.Client,
+    url: str,
+    body: dict[str, Any],
+    chat: bool = True,
+    headers: dict[str, str] | None = None,
+) -> list[Any]:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    payload = {"model": MODEL, **body, "stream": True}
+    with client.stream("POST", url + path, json=payload, headers=headers) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    return events[:-1]
+
+
+def aggregate(events: list[Any], chat: bool) -> dict[int, dict[str, Any]]:
+    """Per choice index: text, tool-call arguments, logprobs and finish reason of a stream."""
+    out: dict[int, dict[str, Any]] = {}
+    for event in events:
+        for choice in event["choices"]:
+            agg = out.setdefault(
+                choice["index"], {"text": "", "calls": {}, "logprobs": None, "finish": None}
+            )
+            if chat:
+                delta = choice["delta"]
+                agg["text"] += delta.get("content") or ""
+                for call in delta.get("tool_calls", []):
+                    entry = agg["calls"].setdefault(call["index"], {"arguments": ""})
+                    for key in ("id", "type"):
+                        if key in call:
+                            entry[key] = call[key]
+                    if call["function"].get("name"):
+                        entry["name"] = call["function"]["name"]
+                    entry["arguments"] += call["function"]["arguments"]
+            else:
+                agg["text"] += choice["text"]
+            lp = choice["logprobs"]
+            if lp is not None:
+                if agg["logprobs"] is None:
+                    agg["logprobs"] = {k: [] for k in lp}
+                for key, values in lp.items():
+                    agg["logprobs"][key].extend(values)
+            agg["finish"] = choice["finish_reason"] or agg["finish"]
+    return out
+
+
+def test_n_choices(client: httpx.Client, url: str) -> None:
+    body = {"messages": MESSAGES, "max_tokens": 6, "ignore_eos": True}
+    one = post(client, url, body)
+    three = post(client, url, {**body, "n": 3, "temperature": 0.8, "seed": 1})
+    texts = [c["message"]["content"] for c in three["choices"]]
+    assert [c["index"] for c in three["choices"]] == [0, 1, 2]
+    assert texts[0] == one["choices"][0]["message"]["content"]  # choice 0 is the n=1 answer
+    assert len(set(texts)) == 3
+    assert three["usage"]["completion_tokens"] == 18
+    assert three["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]
+    events = stream(
+        client,
+        url,
+        {**body, "n": 3, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    )
+    roles = [e for e in events[:3]]
+    assert [r["choices"] for r in roles] == [
+        [
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ]
+        for i in range(3)
+    ]
+    token_chunks = events[3:-1]
+    assert all(len(e["choices"]) == 1 for e in token_chunks)
+    # Continuous usage counts the chunk's own choice.
+    seen = {0: 0, 1: 0, 2: 0}
+    for e in token_chunks:
+        i = e["choices"][0]["index"]
+        seen[i] += 1
+        assert e["usage"]["completion_tokens"] == seen[i]
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 18
+    agg = aggregate(events, chat=True)
+    assert [agg[i]["text"] for i in range(3)] == texts
+    assert all(agg[i]["finish"] == "length" for i in range(3))
+    completions = post(client, url, {"prompt": "hello", "max_tokens": 4, "n": 2}, chat=False)
+    assert [c["index"] for c in completions["choices"]] == [0, 1]
+    assert completions["usage"]["completion_tokens"] == 8
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_logprobs_stream_equals_whole(client: httpx.Client, url: str, chat: bool) -> None:
+    if chat:
+        body: dict[str, Any] = {"messages": MESSAGES, "logprobs": True, "top_logprobs": 4}
+    else:
+        body = {"prompt": "hello there", "logprobs": 4}
+    body.update(max_tokens=5, ignore_eos=True, n=2)
+    whole = post(client, url, body, chat)
+    agg = aggregate(stream(client, url, body, chat), chat)
+    for choice in whole["choices"]:
+        lp = choice["logprobs"]
+        assert agg[choice["index"]]["logprobs"] == lp
+        if chat:
+            assert len(lp["content"]) == 5
+            for entry in lp["content"]:
+                assert len(entry["top_logprobs"]) == 4
+                assert entry["top_logprobs"][0]["token"] == entry["token"]
+                assert entry["logprob"] == max(t["logprob"] for t in entry["top_logprobs"])
+            assert "".join(e["token"] for e in lp["content"]) == choice["message"]["content"]
+        else:
+            assert "".join(lp["tokens"]) == choice["text"]
+            assert lp["text_offset"][0] == 0
+            assert all(len(t) == 4 for t in lp["top_logprobs"])
+            assert lp["token_logprobs"] == [max(t.values()) for t in lp["top_logprobs"]]
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "finish", "arguments"),
+    [
+        (NAMED, "stop", ARGS),
+        ("required", "tool_calls", ARGS),
+    ],
+    ids=["named", "required"],
+)
+def test_forced_tool_calls(
+    client: httpx.Client, url: str, tool_choice: Any, finish: str, arguments: str
+) -> None:
+    body = {"messages": MESSAGES, "tools": [WEATHER], "tool_choice": tool_choice}
+    same_id = {"X-Request-Id": f"tools-{finish}"}
+    whole = post(client, url, body, headers=same_id)
+    choice = whole["choices"][0]
+    message = choice["message"]
+    assert message["content"] == ""
+    assert choice["finish_reason"] == finish
+    (call,) = message["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
+    assert call["function"] == {"name": "get_weather", "arguments": arguments}
+    # Every character of the arguments, the call's frame and EOS are completion tokens.
+    frame = 0 if tool_choice == NAMED else len('[{"name": "get_weather", "parameters": }]')
+    assert whole["usage"]["completion_tokens"] == len(arguments) + frame + 1
+    events = stream(client, url, body, headers=same_id)
+    agg = aggregate(events, chat=True)[0]
+    assert agg["text"] == ""
+    assert agg["finish"] == finish
+    assert agg["calls"] == {
+        0: {
+            "id": agg["calls"][0]["id"],
+            "type": "function",
+            "name": "get_weather",
+            "arguments": arguments,
+        }
+    }
+    # Ids are deterministic in the response id (vLLM's are random): a stream aggregates to
+    # exactly the non-streamed answer of the same request id.
+    assert agg["calls"][0]["id"] == call["id"]
+
+
+def test_truncated_tool_call_finishes_by_length(client: httpx.Client, url: str) -> None:
+    body = {"messages": MESSAGES, "tools": [WEATHER], "tool_choice": NAMED, "max_tokens": 5}
+    choice = post(client, url, body)["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["tool_calls"][0]["function"]["arguments"] == ARGS[:5]
+    required = post(client, url, {**body, "tool_choice": "required"})["choices"][0]
+    assert required["finish_reason"] == "length"
+    assert required["message"]["tool_calls"] == []
+
+
+def test_auto_and_none_answer_text(client: httpx.Client, url: str) -> None:
+    body = {"messages": MESSAGES, "max_tokens": 4, "ignore_eos": True}
+    plain = post(client, url, body)
+    for extra in ({"tools": [WEATHER]}, {"tools": [WEATHER], "tool_choice": "none"}):
+        got = post(client, url, {**body, **extra})
+        assert got["choices"] == plain["choices"]
+
+
+def test_response_formats(client: httpx.Client, url: str) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string"}, "score": {"type": "number", "minimum": 2}},
+        "required": ["answer", "score"],
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}}
+    chat = post(client, url, {"messages": MESSAGES, "response_format": fmt})
+    assert json.loads(chat["choices"][0]["message"]["content"]) == {"answer": "", "score": 2}
+    assert chat["choices"][0]["finish_reason"] == "stop"
+    text = post(
+        client, url, {"prompt": "x", "response_format": {"type": "json_object"}}, chat=False
+    )
+    assert json.loads(text["choices"][0]["text"]) == {}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"temperature": "hot"}, "body.temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"logprobs": True, "top_logprobs": 30}, "logprobs"),
+    ],
+)
+def test_bad_fields_are_400(
+    client: httpx.Client, url: str, body: dict[str, Any], param: str
+) -> None:
+    r = client.post(
+        url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, **body}
+    )
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["code"] == 400 and error["param"] == param and error["message"]
+
+
+def test_the_openai_sdk_reads_it(url: str) -> None:
+    sdk = openai.OpenAI(base_url=url + "/v1", api_key="x")
+    reply = sdk.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,  # type: ignore[arg-type]
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice=NAMED,  # type: ignore[arg-type]
+        logprobs=True,
+        top_logprobs=2,
+        n=2,
+    )
+    assert [c.index for c in reply.choices] == [0, 1]
+    calls = reply.choices[1].message.tool_calls
+    assert calls is not None and calls[0].function.arguments == ARGS  # type: ignore[union-attr]
+    assert reply.choices[0].logprobs is not None
+    assert reply.choices[0].logprobs.content is not None
+    assert len(reply.choices[0].logprobs.content[0].top_logprobs) == 2
