@@ -4,6 +4,7 @@ as the decode engine alone would give it, each request one journal record."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -119,3 +120,158 @@ def test_a_bad_prompt_in_a_batch_is_named(stack) -> None:
         timeout=10,
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                "days": {"type": "integer"},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+MESSAGES = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+def _without_ids(choice: dict[str, Any]) -> dict[str, Any]:
+    message = dict(choice["message"])
+    message["tool_calls"] = [{**c, "id": None} for c in message.get("tool_calls") or []]
+    return {**choice, "message": message}
+
+
+def _joined(stream) -> tuple[dict[int, dict[str, Any]], str | None, list[Any], str]:
+    """A chat stream's tool calls joined by index, its finish reason, logprobs and content."""
+    calls: dict[int, dict[str, Any]] = {}
+    finish, logprobs, content = None, [], []
+    for chunk in stream:
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or ():
+                joined = calls.setdefault(call.index, {"name": None, "arguments": ""})
+                if call.function and call.function.name:
+                    joined["name"] = call.function.name
+                if call.function and call.function.arguments:
+                    joined["arguments"] += call.function.arguments
+            if choice.delta.content:
+                content.append(choice.delta.content)
+            if choice.logprobs and choice.logprobs.content:
+                logprobs += [lp.model_dump() for lp in choice.logprobs.content]
+            finish = choice.finish_reason or finish
+    return calls, finish, logprobs, "".join(content)
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    [{"type": "function", "function": {"name": "get_weather"}}, "required", "auto", "none"],
+    ids=["named", "required", "auto", "none"],
+)
+def test_tool_calls_equal_the_decode_engines_own_answer(stack, clients, tool_choice) -> None:
+    fleet, router = stack
+    body = dict(model=MODEL, messages=MESSAGES, tools=[WEATHER], tool_choice=tool_choice)
+    engine, routed = clients(fleet.engines["e2"].url), clients(router.url)
+    expected = engine.chat.completions.create(max_tokens=160, **body).model_dump()
+    raw = routed.chat.completions.with_raw_response.create(max_tokens=160, **body)
+    got = raw.parse().model_dump()
+    assert _without_ids(got["choices"][0]) == _without_ids(expected["choices"][0])
+    assert got["usage"]["completion_tokens"] == expected["usage"]["completion_tokens"]
+    calls = got["choices"][0]["message"]["tool_calls"]
+    if tool_choice in ("auto", "none"):
+        assert not calls  # the simulated model never decides to call a tool
+    else:
+        (call,) = calls
+        assert call["function"]["name"] == "get_weather" and call["id"]
+        arguments = json.loads(call["function"]["arguments"])
+        assert set(arguments) >= {"city", "unit"} and arguments["unit"] == "celsius"
+    assert _end(router, raw.headers["x-request-id"])["outcome"] == "ok"
+    # Streamed: the deltas joined by index give the same calls, through the router and not.
+    direct = _joined(engine.chat.completions.create(max_tokens=160, stream=True, **body))
+    routed_stream = _joined(routed.chat.completions.create(max_tokens=160, stream=True, **body))
+    assert routed_stream == direct
+    if calls:
+        assert routed_stream[0][0]["arguments"] == calls[0]["function"]["arguments"]
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    [{"type": "function", "function": {"name": "get_weather"}}, "required"],
+    ids=["named", "required"],
+)
+def test_a_tool_call_cut_by_max_tokens_ends_as_the_engine_ends_it(
+    stack, clients, tool_choice
+) -> None:
+    """Named: the partial arguments; required: no call (vLLM cannot parse a cut array)."""
+    fleet, router = stack
+    body = dict(
+        model=MODEL, messages=MESSAGES, tools=[WEATHER], tool_choice=tool_choice, max_tokens=12
+    )
+    expected = clients(fleet.engines["e2"].url).chat.completions.create(**body).model_dump()
+    got = clients(router.url).chat.completions.create(**body).model_dump()
+    assert _without_ids(got["choices"][0]) == _without_ids(expected["choices"][0])
+    assert got["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_equal_the_decode_engines_own(stack, clients, stream) -> None:
+    fleet, router = stack
+    engine, routed = clients(fleet.engines["e2"].url), clients(router.url)
+    chat = dict(model=MODEL, messages=MESSAGES, max_tokens=8, logprobs=True, top_logprobs=3)
+    text = dict(model=MODEL, prompt="tell me about routers", max_tokens=8, logprobs=2)
+    if not stream:
+        expected = engine.chat.completions.create(**chat).model_dump()["choices"][0]
+        got = routed.chat.completions.create(**chat).model_dump()["choices"][0]
+        assert got == expected
+        assert len(got["logprobs"]["content"]) == 8
+        assert len(got["logprobs"]["content"][0]["top_logprobs"]) == 3
+        expected = engine.completions.create(**text).model_dump()["choices"][0]
+        got = routed.completions.create(**text).model_dump()["choices"][0]
+        assert got == expected and len(got["logprobs"]["tokens"]) == 8
+        return
+    assert _joined(routed.chat.completions.create(stream=True, **chat)) == _joined(
+        engine.chat.completions.create(stream=True, **chat)
+    )
+
+
+def test_structured_output_and_sampling_fields_pass_through(stack, clients) -> None:
+    fleet, router = stack
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string"}, "sure": {"type": "boolean"}},
+        "required": ["answer", "sure"],
+    }
+    body = dict(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=160,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+        seed=3,
+        stop=["never appears"],
+    )
+    expected = clients(fleet.engines["e2"].url).chat.completions.create(**body).model_dump()
+    got = clients(router.url).chat.completions.create(**body).model_dump()
+    assert got["choices"] == expected["choices"]
+    assert set(json.loads(got["choices"][0]["message"]["content"])) == {"answer", "sure"}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("temperature", "hot"), ("top_logprobs", 3), ("top_p", 0), ("tool_choice", "required")],
+)
+def test_the_engines_refusals_reach_the_client(stack, field, value) -> None:
+    """Bad values are the engine's to refuse (as vLLM refuses them), once, with its 400."""
+    _, router = stack
+    r = httpx.post(
+        router.url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": MESSAGES, field: value, "max_tokens": 4},
+        timeout=10,
+    )
+    assert r.status_code == 400, r.text
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    end = _end(router, r.headers["x-request-id"])
+    assert end["outcome"] == "client_error" and end["status"] == 400

@@ -16,6 +16,7 @@ docs/performance.md).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -358,8 +359,10 @@ class _ChoiceParts:
             if isinstance(function.get("arguments"), str):
                 joined["function"]["arguments"] += function["arguments"]
 
-    def message(self, forced_tool: bool) -> dict[str, Any]:
+    def message(self, forced_tool: str | None) -> dict[str, Any]:
         calls = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+        if forced_tool == "required":
+            calls = _required_calls(calls, self.finish_reason)
         if self.texts:
             content: str | None = "".join(self.texts)
         elif forced_tool:
@@ -380,9 +383,29 @@ class _ChoiceParts:
         }
 
 
-def _forced_tool(body: dict[str, Any]) -> bool:
+def _required_calls(calls: list[dict[str, Any]], finish_reason: str | None) -> list[dict[str, Any]]:
+    """A required tool choice's calls as vLLM answers them unstreamed: it parses the whole
+    output as a JSON array and re-serialises each call's parameters with ``json.dumps``, and a
+    truncated array (stopped on its length cap) parses to no calls at all."""
+    if finish_reason == "length":
+        return []
+    out = []
+    for call in calls:
+        try:
+            arguments = json.dumps(json.loads(call["function"]["arguments"] or "null"))
+        except ValueError:
+            return []
+        out.append({**call, "function": {**call["function"], "arguments": arguments}})
+    return out
+
+
+def _forced_tool(body: dict[str, Any]) -> str | None:
+    """ "named" or "required" when the tool choice forces a call (vLLM then answers content
+    "" beside the calls), else None."""
     choice = body.get("tool_choice")
-    return choice == "required" or isinstance(choice, dict)
+    if choice == "required":
+        return "required"
+    return "named" if isinstance(choice, dict) else None
 
 
 async def aggregate(
@@ -440,7 +463,7 @@ async def aggregate(
         tally.cached_tokens = _cached_tokens(usage)
         usage = _usage(usage, stream.prefill_prompt_tokens)
     head = head or {}
-    forced_tool = chat and body is not None and _forced_tool(body)
+    forced_tool = _forced_tool(body) if chat and body is not None else None
     out: list[dict[str, Any]] = []
     for index in sorted(choices) or [0]:
         parts = choices.get(index) or _ChoiceParts()
