@@ -105,6 +105,25 @@ def _token_ids() -> dict[str, Any]:
     return {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 300000}}
 
 
+TOOL = {
+    "type": "object",
+    "properties": {
+        "type": {"enum": ["function", "web_search"]},
+        "function": {
+            "type": "object",
+            "properties": {
+                "name": {"enum": ["get_weather", "", "f"]},
+                "parameters": {
+                    "enum": [
+                        {"type": "object", "properties": {"x": {"type": "integer"}}},
+                        {"type": "object", "required": ["y"], "properties": {"y": {"enum": [1]}}},
+                        {},
+                    ]
+                },
+            },
+        },
+    },
+}
 # Loose on purpose: types as OpenAI documents them, values anywhere in their range. Kept short
 # (max_tokens <= 8, no max_completion_tokens) so that valid examples cost a few engine steps.
 COMPLETION_BODY = {
@@ -125,8 +144,11 @@ COMPLETION_BODY = {
         "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
         "temperature": {"type": "number"},
         "top_p": {"type": "number"},
-        "n": {"type": "integer"},
+        "n": {"type": "integer", "minimum": -1, "maximum": 4},
         "seed": {"type": "integer"},
+        "logprobs": {
+            "anyOf": [{"type": "integer", "minimum": -1, "maximum": 25}, {"type": "boolean"}]
+        },
         "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
         "ignore_eos": {"type": "boolean"},
         "user": {"type": "string"},
@@ -168,8 +190,43 @@ CHAT_BODY = {
         "max_tokens": {"type": "integer", "minimum": -3, "maximum": 8},
         "stream": {"type": "boolean"},
         "temperature": {"type": "number"},
-        "tools": {"type": "array", "maxItems": 1},
-        "response_format": {"type": "object"},
+        "tools": {"type": "array", "maxItems": 2, "items": TOOL},
+        "tool_choice": {
+            "anyOf": [
+                {"enum": ["auto", "none", "required", "other"]},
+                {
+                    "type": "object",
+                    "properties": {
+                        "type": {"enum": ["function"]},
+                        "function": {"type": "object", "properties": {"name": {"type": "string"}}},
+                    },
+                },
+            ]
+        },
+        "parallel_tool_calls": {"type": "boolean"},
+        "logprobs": {"type": "boolean"},
+        "top_logprobs": {"type": "integer", "minimum": -1, "maximum": 25},
+        "n": {"type": "integer", "minimum": -1, "maximum": 3},
+        "response_format": {
+            "anyOf": [
+                {"type": "object"},
+                {"type": "object", "properties": {"type": {"enum": ["json_object", "text"]}}},
+                {
+                    "type": "object",
+                    "required": ["type", "json_schema"],
+                    "properties": {
+                        "type": {"enum": ["json_schema"]},
+                        "json_schema": {
+                            "type": "object",
+                            "properties": {
+                                "name": {"type": "string"},
+                                "schema": {"type": "object"},
+                            },
+                        },
+                    },
+                },
+            ]
+        },
     },
 }
 
@@ -297,6 +354,33 @@ MESSAGES = st.one_of(
     st.lists(st.dictionaries(st.text(max_size=8), JSON_VALUES, max_size=3), max_size=3),
     JSON_VALUES,
 )
+# The OpenAI surface's fields (issue 20), valid and not: the decode engine gets them.
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+SURFACE = st.fixed_dictionaries(
+    {},
+    optional={
+        "tools": st.one_of(st.just([_TOOL]), st.just([]), st.just([{"type": "x"}]), JSON_VALUES),
+        "tool_choice": st.one_of(
+            st.sampled_from(["auto", "none", "required", "sometimes"]),
+            st.just({"type": "function", "function": {"name": "f"}}),
+            st.just({"type": "function", "function": {"name": "missing"}}),
+            JSON_VALUES,
+        ),
+        "logprobs": st.one_of(st.booleans(), st.integers(min_value=-2, max_value=30), JSON_VALUES),
+        "top_logprobs": st.one_of(st.integers(min_value=-2, max_value=30), JSON_VALUES),
+        "n": st.one_of(st.integers(min_value=-1, max_value=3), st.just(65), JSON_VALUES),
+        "response_format": st.one_of(
+            st.just({"type": "json_object"}),
+            st.just({"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}),
+            st.just({"type": "json_schema"}),
+            JSON_VALUES,
+        ),
+        "temperature": st.one_of(st.floats(allow_nan=False), st.just("hot"), JSON_VALUES),
+        "seed": st.one_of(st.integers(), JSON_VALUES),
+        "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=2)),
+        "prompt_logprobs": st.one_of(st.integers(min_value=0, max_value=3), st.none()),
+    },
+)
 UNKNOWN = st.dictionaries(
     st.text(min_size=1, max_size=12).filter(
         lambda k: k not in ("max_completion_tokens", "min_tokens", "min_completion_tokens")
@@ -348,6 +432,8 @@ def bodies(draw: st.DrawFn) -> tuple[str, bytes]:
     else:
         body["prompt"] = draw(PROMPTS)
         body["max_tokens"] = draw(MAX_TOKENS)
+    if draw(st.booleans()):
+        body.update(draw(SURFACE))
     for name, value in draw(UNKNOWN).items():
         body.setdefault(name, value)
     if draw(st.booleans()):
