@@ -48,6 +48,7 @@ def parse(body: object, chat: bool = False, max_len: int = 100):
             "stream_options",
         ),
         ({"model": MODEL, "prompt": "x", "kv_transfer_params": None}, 400, "kv_transfer_params"),
+        ({"model": MODEL, "prompt": "x", "ec_transfer_params": {}}, 400, "ec_transfer_params"),
         ({"model": MODEL, "prompt": [5] * 100}, 400, "prompt"),
         ({"model": MODEL, "prompt": [5] * 90, "max_tokens": 20}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "y" * 1700}, 400, "prompt"),
@@ -159,6 +160,8 @@ def test_n_and_batches_fan_out_one_request_per_choice() -> None:
     # vLLM's seeds for a seeded request's choices: seed + j
     assert [c.body["seed"] for c in r.choices] == [9, 10, 9, 10]
     assert r.choices[2].prompt_tokens_exact == 3
+    r = parse({"model": MODEL, "prompt": "x", "n": 3, "request_id": "abc"})
+    assert [c.body["request_id"] for c in r.choices] == ["abc-0", "abc-1", "abc-2"]
     r = parse({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3}, chat=True)
     assert len(r.choices) == 3 and r.choices[0].chat
     assert not parse({"model": MODEL, "prompt": "x", "n": 1}).choices

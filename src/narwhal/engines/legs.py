@@ -37,6 +37,7 @@ _NOT_ON_PREFILL = frozenset(
         "include_stop_str_in_output",
         "logprobs",
         "top_logprobs",
+        "logprob_token_ids",
         "logit_bias",
         "response_format",
         "structured_outputs",

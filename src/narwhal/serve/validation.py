@@ -37,6 +37,8 @@ _UNSUPPORTED: dict[str, str] = {
     "function_call": "'function_call' is the deprecated form of 'tool_choice', which vLLM does "
     "not accept: send 'tool_choice'",
     "kv_transfer_params": "kv_transfer_params is set by the router, not by clients",
+    "ec_transfer_params": "ec_transfer_params is set by a disaggregating router, not by "
+    "clients: it would point an engine at another host's encoder cache",
 }
 
 
@@ -166,14 +168,17 @@ def _fan_out(
             if prompt is None:
                 raise
             raise InvalidRequest(f"prompt {i}: {exc.message}", f"prompt[{i}]") from None
-        seed = single.get("seed")
-        if n > 1 and isinstance(seed, int) and not isinstance(seed, bool):
-            # vLLM seeds choice j of a seeded request with seed + j (parallel_sampling.py):
-            # the same seed on every choice would make them all one sample.
-            choices.append(one)
-            choices.extend(replace(one, body={**one.body, "seed": seed + j}) for j in range(1, n))
-        else:
-            choices.extend([one] * n)
+        seed, request_id = single.get("seed"), single.get("request_id")
+        for j in range(n):
+            changes: dict[str, Any] = {}
+            if j and isinstance(seed, int) and not isinstance(seed, bool):
+                # vLLM seeds choice j of a seeded request with seed + j (parallel_sampling.py):
+                # the same seed on every choice would make them all one sample.
+                changes["seed"] = seed + j
+            if isinstance(request_id, str) and request_id:
+                # vLLM keys a request, and its KV handoff, by a client's request_id.
+                changes["request_id"] = f"{request_id}-{len(choices)}"
+            choices.append(replace(one, body={**one.body, **changes}) if changes else one)
     first = choices[0]
     return ClientRequest(
         chat=chat,
@@ -221,7 +226,7 @@ def parse_client_request(
         )
     n = _check_int(body, "n", 1) or 1
     for name, why in _UNSUPPORTED.items():
-        if name in body and (name == "kv_transfer_params" or not _is_off(name, body[name])):
+        if name in body and (name.endswith("_transfer_params") or not _is_off(name, body[name])):
             raise InvalidRequest(why, name)
     stream = body.get("stream", False)
     if stream is None:
