@@ -4,6 +4,7 @@ as the decode engine alone would give it, each request one journal record."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -275,3 +276,49 @@ def test_the_engines_refusals_reach_the_client(stack, field, value) -> None:
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     end = _end(router, r.headers["x-request-id"])
     assert end["outcome"] == "client_error" and end["status"] == 400
+
+
+def test_the_async_sdk_streams_a_named_tool_call_and_n_choices(stack) -> None:
+    fleet, router = stack
+    named = {"type": "function", "function": {"name": "get_weather"}}
+
+    async def run() -> tuple[Any, Any, Any]:
+        async with (
+            openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0) as routed,
+            openai.AsyncOpenAI(
+                base_url=fleet.engines["e3"].url + "/v1", api_key="x", max_retries=0
+            ) as engine,
+        ):
+            body = dict(model=MODEL, messages=MESSAGES, tools=[WEATHER], tool_choice=named)
+            expected = await engine.chat.completions.create(max_tokens=160, **body)
+            stream = await routed.chat.completions.create(max_tokens=160, stream=True, **body)
+            arguments = ""
+            async for chunk in stream:
+                for choice in chunk.choices:
+                    for call in choice.delta.tool_calls or ():
+                        arguments += call.function.arguments or ""
+            several = await routed.completions.create(
+                model=MODEL, prompt="two answers", n=2, max_tokens=3, temperature=0.7
+            )
+            return expected, arguments, several
+
+    expected, arguments, several = asyncio.run(run())
+    assert arguments == expected.choices[0].message.tool_calls[0].function.arguments
+    assert json.loads(arguments)["unit"] == "celsius"
+    assert [c.index for c in several.choices] == [0, 1]
+    assert several.usage.completion_tokens == 6
+
+
+def test_a_choice_the_engine_refuses_fails_the_request_once(stack) -> None:
+    _, router = stack
+    r = httpx.post(
+        router.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "x", "n": 3, "max_tokens": 3, "top_p": 7},
+        timeout=10,
+    )
+    assert r.status_code == 400, r.text
+    end = _end(router, r.headers["x-request-id"])
+    assert end["outcome"] == "client_error"
+    assert end["choices"] == 3
+    ids = [rec["id"] for rec in router.records() if rec["type"] == "request.end"]
+    assert ids.count(r.headers["x-request-id"]) == 1

@@ -145,6 +145,7 @@ async def open_choices(
     """Open every choice's decode stream, or raise the first choice's error with nothing left
     open on any engine (the others cancelled, their legs in ``record``)."""
     records = _child_records(record, len(request.choices))
+    record.choices = len(records)
     tasks = [
         asyncio.ensure_future(router.open(one, child))
         for one, child in zip(request.choices, records, strict=True)
