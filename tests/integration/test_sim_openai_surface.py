@@ -225,7 +225,7 @@ def test_truncated_tool_call_finishes_by_length(client: httpx.Client, url: str) 
     assert choice["message"]["tool_calls"][0]["function"]["arguments"] == ARGS[:5]
     required = post(client, url, {**body, "tool_choice": "required"})["choices"][0]
     assert required["finish_reason"] == "length"
-    assert required["message"]["tool_calls"] == []
+    assert "tool_calls" not in required["message"]  # vLLM drops an empty list
 
 
 def test_auto_and_none_answer_text(client: httpx.Client, url: str) -> None:

@@ -497,6 +497,241 @@ def test_client_disconnect_mid_stream_aborts(pd: PD) -> None:
     pd.run["disconnect"] = {"chunks_read": chunks, "tokens_generated_on_d0": generated}
 
 
+# --- vLLM's output-shaping fields through P/D: tools, logprobs, response_format -------------
+
+# One function whose arguments a random-weight model finishes at once under guided decoding:
+# one required boolean, nothing else, compact JSON (the engines' STRUCTURED_OUTPUTS_CONFIG).
+SWITCH_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "set_switch",
+        "description": "Turn the cache switch on or off.",
+        "parameters": {
+            "type": "object",
+            "properties": {"on": {"type": "boolean"}},
+            "required": ["on"],
+            "additionalProperties": False,
+        },
+    },
+}
+NAMED_TOOL_CHOICE = {"type": "function", "function": {"name": "set_switch"}}
+# The logprobs of a routed request come from the decode engine's forward pass over KV that the
+# prefill engine computed; the reference's, from one engine's own prefill. The same float16
+# kernels on the same CPU give the same numbers to within float noise: 1e-4 absolute on a
+# log-probability (measured differences are recorded in run.json as logprobs_max_abs_diff).
+LOGPROB_TOLERANCE = 1e-4
+
+
+def _direct_stream(pd: PD, body: dict[str, Any], chat: bool) -> Result:
+    """The same request streamed straight from the decode engine (salted, like reference)."""
+    direct = {**body, "stream": True, "cache_salt": f"reference-{tag()}"}
+    out = generate(pd.decode.url, direct, chat)
+    assert out.status == 200, out.body
+    return out
+
+
+def _joined(events: list[Any], chat: bool) -> dict[str, Any]:
+    """One streamed choice joined as a client would: content, tool calls by index (arguments
+    concatenated), logprobs lists concatenated, token ids, the finish reason."""
+    texts: list[str] = []
+    calls: dict[int, dict[str, Any]] = {}
+    logprobs: dict[str, list[Any]] | None = None
+    token_ids: list[int] = []
+    finish = None
+    for event in events:
+        if not isinstance(event, dict):
+            continue
+        for choice in event.get("choices") or ():
+            if chat:
+                delta = choice.get("delta") or {}
+                texts.append(delta.get("content") or "")
+                for call in delta.get("tool_calls") or ():
+                    joined = calls.setdefault(call["index"], {"name": None, "arguments": ""})
+                    function = call.get("function") or {}
+                    joined["name"] = joined["name"] or function.get("name")
+                    joined["arguments"] += function.get("arguments") or ""
+            else:
+                texts.append(choice.get("text") or "")
+            if isinstance(choice.get("logprobs"), dict):
+                logprobs = logprobs or {}
+                for key, value in choice["logprobs"].items():
+                    if isinstance(value, list):
+                        logprobs.setdefault(key, []).extend(value)
+            token_ids += choice.get("token_ids") or []
+            finish = choice.get("finish_reason") or finish
+    return {
+        "text": "".join(texts),
+        "tool_calls": [calls[i] for i in sorted(calls)],
+        "logprobs": logprobs,
+        "token_ids": token_ids,
+        "finish_reason": finish,
+    }
+
+
+def _same_choice(routed: dict[str, Any], reference: dict[str, Any]) -> float:
+    """Assert the router's aggregated ``choices[0]`` equals the engine's own non-streamed one,
+    but for tool call ids (random per answer), logprob values (within LOGPROB_TOLERANCE; the
+    largest difference is returned) and two known shape differences of the router's
+    aggregation (serve/relay.py ``aggregate``), tolerated here and reported: vLLM 0.32 answers
+    ``routed_experts: null`` in each choice and leaves out an empty ``message.tool_calls``."""
+    routed, reference = json.loads(json.dumps(routed)), json.loads(json.dumps(reference))
+    if "routed_experts" not in routed and reference.get("routed_experts", 0) is None:
+        routed["routed_experts"] = None
+    message = routed.get("message") or {}
+    if message.get("tool_calls") == [] and "tool_calls" not in (reference.get("message") or {}):
+        del message["tool_calls"]
+    for choice in (routed, reference):
+        for call in (choice.get("message") or {}).get("tool_calls") or ():
+            assert call.pop("id", None), f"a tool call without an id: {call}"
+    diff = _close(routed.pop("logprobs", None), reference.pop("logprobs", None))
+    assert routed == reference
+    return diff
+
+
+def _close(routed: Any, reference: Any, path: str = "logprobs") -> float:
+    """Assert two logprobs structures equal (numbers within LOGPROB_TOLERANCE); the largest
+    difference seen."""
+    if isinstance(reference, float) or isinstance(routed, float):
+        assert isinstance(routed, (int, float)) and isinstance(reference, (int, float)), path
+        diff = abs(routed - reference)
+        assert diff <= LOGPROB_TOLERANCE, f"{path}: {routed} != {reference}"
+        return diff
+    if isinstance(reference, dict):
+        assert isinstance(routed, dict) and routed.keys() == reference.keys(), (
+            f"{path}: keys {sorted(routed)} != {sorted(reference)}"
+        )
+        return max([_close(routed[k], reference[k], f"{path}.{k}") for k in reference] or [0.0])
+    if isinstance(reference, list):
+        assert isinstance(routed, list) and len(routed) == len(reference), f"{path}: length"
+        pairs = zip(routed, reference, strict=True)
+        return max([_close(a, b, f"{path}[{i}]") for i, (a, b) in enumerate(pairs)] or [0.0])
+    assert routed == reference, f"{path}: {routed!r} != {reference!r}"
+    return 0.0
+
+
+def _routed_pd(pd: PD, body: dict[str, Any], chat: bool) -> tuple[Result, Result]:
+    """The answer through the router and the decode engine's own (``PD.reference``), checked
+    to have handed the whole prompt's KV from p0 to d0 over NIXL: the journal names both
+    engines and the handoff, the prefill leg counted the prompt the reference did (it keeps
+    the fields that render into the prompt), and d0 pulled all of its blocks."""
+    before = nixl_counters(pd.decode.url)
+    routed = pd.routed(body, chat)
+    assert routed.status == 200, routed.body
+    moved = pd.wait_nixl(before, 1)
+    end = pd.end_record(routed.request_id)
+    assert end["outcome"] == "ok", end
+    assert end["prefill_engine"] == "p0" and end["decode_engine"] == "d0", end
+    assert end["handoff"] == "nixl", end
+    reference = pd.reference(body, chat)
+    prompt_tokens = reference.usage["prompt_tokens"]
+    assert end["prompt_tokens"] == prompt_tokens, (end, reference.usage)
+    assert moved.transfers == 1 and moved.failed == 0, moved
+    assert moved.bytes == pd.kv.blocks(prompt_tokens) * pd.kv.block_bytes, moved
+    return routed, reference
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_routed_named_tool_call_equals_one_engine(pd: PD, stream: bool) -> None:
+    """A named tool choice (guided by the function's schema on the decode engine) through P/D:
+    the same call, JSON arguments and finish reason as the decode engine's own answer."""
+    body = pd.request_body(
+        True,
+        f"{tag()} {BODY_TEXT} Switch the cache on.",
+        tools=[SWITCH_TOOL],
+        tool_choice=NAMED_TOOL_CHOICE,
+        **({"stream": True} if stream else {}),
+    )
+    routed, reference = _routed_pd(pd, body, True)
+    (ref_call,) = reference.body["choices"][0]["message"]["tool_calls"]
+    assert ref_call["function"]["name"] == "set_switch"
+    assert set(json.loads(ref_call["function"]["arguments"])) == {"on"}
+    assert reference.finish_reason == "stop"
+    if stream:
+        joined = _joined(routed.events, True)
+        direct = _joined(_direct_stream(pd, body, True).events, True)
+        assert joined == direct
+        assert joined["tool_calls"] == [
+            {"name": "set_switch", "arguments": ref_call["function"]["arguments"]}
+        ]
+        assert joined["finish_reason"] == reference.finish_reason
+        assert joined["token_ids"] == reference.token_ids
+        assert joined["text"] == ""
+        captured: Any = {"routed_events": routed.events, "joined": joined}
+    else:
+        _same_choice(routed.body["choices"][0], reference.body["choices"][0])
+        captured = {"routed": routed.body}
+    _save(
+        f"tool-call-{'stream' if stream else 'whole'}.json",
+        {"request": body, **captured, "reference": reference.body},
+    )
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_routed_logprobs_equal_one_engine(pd: PD, chat: bool, stream: bool) -> None:
+    """Logprobs through P/D (the prefill leg drops them; the decode engine computes them over
+    the pulled KV): the same tokens and top alternatives as one engine, values within float
+    noise."""
+    extra: dict[str, Any] = {"logprobs": True, "top_logprobs": 3} if chat else {"logprobs": 2}
+    if stream:
+        extra["stream"] = True
+    body = pd.request_body(chat, f"{tag()} {BODY_TEXT}", max_tokens=8, **extra)
+    routed, reference = _routed_pd(pd, body, chat)
+    ref_choice = reference.body["choices"][0]
+    assert ref_choice["logprobs"], ref_choice
+    if stream:
+        joined = _joined(routed.events, chat)
+        assert joined["token_ids"] == reference.token_ids
+        assert joined["text"] == reference.text
+        diff = _close(joined["logprobs"], ref_choice["logprobs"])
+    else:
+        diff = _same_choice(routed.body["choices"][0], ref_choice)
+    name = f"{'chat' if chat else 'completions'}-{'stream' if stream else 'whole'}"
+    pd.run.setdefault("logprobs_max_abs_diff", {})[name] = diff
+    _save(
+        f"logprobs-{name}.json",
+        {
+            "request": body,
+            "routed": routed.events if stream else routed.body,
+            "reference": reference.body,
+        },
+    )
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_routed_response_format_equals_one_engine(pd: PD, stream: bool) -> None:
+    """``response_format`` json_schema through P/D (guided on the decode engine only): the same
+    JSON as the decode engine's own answer."""
+    schema = {
+        "type": "object",
+        "properties": {"cached": {"type": "boolean"}},
+        "required": ["cached"],
+        "additionalProperties": False,
+    }
+    body = pd.request_body(
+        True,
+        f"{tag()} {BODY_TEXT} Was it cached?",
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+        **({"stream": True} if stream else {}),
+    )
+    routed, reference = _routed_pd(pd, body, True)
+    _save(
+        f"response-format-{'stream' if stream else 'whole'}.json",
+        {
+            "request": body,
+            "routed": routed.events if stream else routed.body,
+            "reference": reference.body,
+        },
+    )
+    assert set(json.loads(reference.text)) == {"cached"}
+    assert reference.finish_reason == "stop"
+    assert routed.text == reference.text
+    assert routed.token_ids == reference.token_ids
+    assert routed.finish_reason == reference.finish_reason
+    if not stream:
+        _same_choice(routed.body["choices"][0], reference.body["choices"][0])
+
+
 # --- narwhal-profile and narwhal-check against real engines -------------------------------
 
 

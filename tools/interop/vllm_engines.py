@@ -61,6 +61,17 @@ KV_TRANSFER_CONFIG = {
     "kv_buffer_device": "cpu",
 }
 
+# A named or "required" tool_choice needs a tool parser in vLLM 0.32 (without one the engine
+# answers 400, on the prefill leg too: both engines need it). "pythonic" constrains a named
+# call with the function's own JSON schema and answers the JSON as the call's arguments; the
+# structural-tag parsers (hermes, llama3_json) leave the arguments' whitespace free, where a
+# random-weight model emits spaces until its length cap. The tiny model's template ignores
+# tools either way.
+TOOL_CALL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
+# Compact JSON under guided decoding (xgrammar honours this only as an engine setting, and
+# only with the backend named): otherwise the same endless whitespace.
+STRUCTURED_OUTPUTS_CONFIG = {"backend": "xgrammar", "disable_any_whitespace": True}
+
 
 class EngineStartError(Exception):
     pass
@@ -113,7 +124,9 @@ def engine_command(
     extra_args: Sequence[str] = (),
 ) -> list[str]:
     """The verified command line: float16 (bfloat16 crashes the decode worker's AMX attention
-    kernel here), no torch.compile, NixlConnector with a CPU KV buffer; ``extra_args`` after."""
+    kernel here), no torch.compile, NixlConnector with a CPU KV buffer, a tool parser and
+    compact guided JSON (``TOOL_CALL_ARGS``, ``STRUCTURED_OUTPUTS_CONFIG``); ``extra_args``
+    after."""
     return [
         str(python),
         "-m",
@@ -138,6 +151,9 @@ def engine_command(
         json.dumps({"mode": 0}),
         "--kv-transfer-config",
         json.dumps(KV_TRANSFER_CONFIG),
+        *TOOL_CALL_ARGS,
+        "--structured-outputs-config",
+        json.dumps(STRUCTURED_OUTPUTS_CONFIG),
         *extra_args,
     ]
 

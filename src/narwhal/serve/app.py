@@ -17,6 +17,7 @@ from narwhal.asgi import register_hot_route
 from narwhal.serve.admin import json_response, register_admin_routes
 from narwhal.serve.errors import Unauthorized
 from narwhal.serve.generation import GenerationEndpoint
+from narwhal.serve.responses import ResponsesEndpoint
 from narwhal.serve.services import Services
 from narwhal.serve.settings import ServeSettings
 from narwhal.serve.tokenize import register_tokenize_routes
@@ -50,6 +51,7 @@ def build_app(settings: ServeSettings) -> FastAPI:
     # of the framework's middleware; their declaration here is their one registration.
     register_hot_route(app, "/v1/completions", GenerationEndpoint(services, chat=False))
     register_hot_route(app, "/v1/chat/completions", GenerationEndpoint(services, chat=True))
+    register_hot_route(app, "/v1/responses", ResponsesEndpoint(GenerationEndpoint(services, True)))
     _register_info_routes(app, services)
     register_tokenize_routes(app, services)
     register_admin_routes(app, services)

@@ -371,16 +371,18 @@ class _ChoiceParts:
             content = None  # the parsers' content when everything went to tools or reasoning
         else:
             content = ""
-        return {
+        message: dict[str, Any] = {
             "role": "assistant",
             "content": content,
             "refusal": None,
             "annotations": None,
             "audio": None,
             "function_call": None,
-            "tool_calls": calls,
-            "reasoning": "".join(self.reasoning) if self.reasoning else None,
         }
+        if calls:  # vLLM 0.32's ChatMessage drops an empty list when serialised
+            message["tool_calls"] = calls
+        message["reasoning"] = "".join(self.reasoning) if self.reasoning else None
+        return message
 
 
 def _required_calls(calls: list[dict[str, Any]], finish_reason: str | None) -> list[dict[str, Any]]:
@@ -477,6 +479,7 @@ async def aggregate(
             finish_reason=parts.finish_reason,
             stop_reason=parts.stop_reason,
             token_ids=parts.token_ids,
+            routed_experts=None,
         )
         if not chat:
             choice_out["prompt_logprobs"] = None

@@ -226,22 +226,25 @@ class ResponseBuilder:
         p = self.params
         ids = tokens if p.return_token_ids else None
         if p.chat:
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": text if content is None else content,
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+            }
+            if tool_calls:  # vLLM 0.32's ChatMessage drops an empty list when serialised
+                message["tool_calls"] = tool_calls
+            message["reasoning"] = None
             return {
                 "index": index,
-                "message": {
-                    "role": "assistant",
-                    "content": text if content is None else content,
-                    "refusal": None,
-                    "annotations": None,
-                    "audio": None,
-                    "function_call": None,
-                    "tool_calls": tool_calls or [],
-                    "reasoning": None,
-                },
+                "message": message,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
                 "stop_reason": None,
                 "token_ids": ids,
+                "routed_experts": None,
             }
         return {
             "index": index,
@@ -250,6 +253,7 @@ class ResponseBuilder:
             "finish_reason": finish_reason,
             "stop_reason": None,
             "token_ids": ids,
+            "routed_experts": None,
             "prompt_logprobs": None,
             "prompt_token_ids": p.prompt if p.return_token_ids else None,
         }
