@@ -63,6 +63,7 @@ def test_n_choices_are_fanned_out_and_numbered(stack, clients) -> None:
     assert got.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counted once
     assert got.usage.completion_tokens == 3 * one.usage.completion_tokens
     end = _end(router, raw.headers["x-request-id"])
+    assert got.id == f"chatcmpl-{raw.headers['x-request-id']}"  # as a lone request's id
     assert end["outcome"] == "ok" and end["choices"] == 3
     assert end["completion_tokens"] == 3 * one.usage.completion_tokens
     assert {a["choice"] for a in end["attempts"]} == {0, 1, 2}
@@ -91,7 +92,7 @@ def test_batched_prompts_with_n_stream_as_one(stack, clients) -> None:
             texts[choice.index] = texts.get(choice.index, "") + choice.text
             if choice.finish_reason:
                 finishes[choice.index] = choice.finish_reason
-    assert len(ids) == 1
+    assert len(ids) == 1 and next(iter(ids)).startswith("cmpl-") and not ids.pop().endswith("-0")
     # prompt i's choice j is index i * n + j, as vLLM numbers them
     assert texts == {
         0: lone[0].choices[0].text,

@@ -34,6 +34,9 @@ from tests.helpers import MODEL, RouterProcess, running_fleet, running_router
 from tests.reliability.support import ROUTER_ID_RE, count_journal, router_idle
 
 GENERATION = ("/v1/completions", "/v1/chat/completions")
+# Every route that journals its requests: the generation routes and the Responses API, which
+# runs on the chat route's path.
+JOURNALED = (*GENERATION, "/v1/responses")
 MAX_MODEL_LEN = 16384
 SETTINGS = settings(
     deadline=None,
@@ -70,7 +73,7 @@ class Tally:
         status = response.status_code
         self.statuses[status] = self.statuses.get(status, 0) + 1
         assert status < 500, (status, response.text[:500], repr(what)[:500])
-        if path in GENERATION:
+        if path in JOURNALED:
             self.sent += 1
             # Every answer names the router's id for the request: the journal's id.
             assert ROUTER_ID_RE.match(response.headers.get("x-request-id", "")), response.headers

@@ -47,6 +47,14 @@ class ChoiceSet:
     streams: list[DecodeStream]
     tallies: list[StreamTally]
 
+    def client_id(self, engine_id: Any) -> Any:
+        """The id the client sees: the engine's id for choice 0 with the choice's request id
+        replaced by the client request's (``chatcmpl-<id>``, as a lone request's)."""
+        child = self.records[0].id
+        if isinstance(engine_id, str) and engine_id.endswith(child):
+            return engine_id[: -len(child)] + child.rsplit("-", 1)[0]
+        return engine_id
+
     def merged_tally(self) -> StreamTally:
         """The client request's accounting: completions summed, the earliest first token and
         the latest last one."""
@@ -188,8 +196,8 @@ async def _abandon(
 async def aggregate_choices(choices: ChoiceSet, chat: bool) -> dict[str, Any]:
     """The one non-streamed answer: each choice aggregated as a lone answer, renumbered."""
     request = choices.request
-    results = await asyncio.gather(
-        *(
+    tasks = [
+        asyncio.ensure_future(
             aggregate(
                 stream,
                 chat,
@@ -198,12 +206,26 @@ async def aggregate_choices(choices: ChoiceSet, chat: bool) -> dict[str, Any]:
                 stream.prompt_token_ids if one.body.get("return_token_ids") else None,
                 one.body,
             )
-            for stream, tally, child, one in zip(
-                choices.streams, choices.tallies, choices.records, request.choices, strict=True
-            )
         )
-    )
+        for stream, tally, child, one in zip(
+            choices.streams, choices.tallies, choices.records, request.choices, strict=True
+        )
+    ]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        # One choice failed (or the client left): the others stop here, not as orphans
+        # reading streams that release() is about to close.
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for task in tasks:
+        failure = None if task.cancelled() else task.exception()
+        if failure is not None:
+            raise failure
+    results = [task.result() for task in tasks]
     out = dict(results[0])
+    out["id"] = choices.client_id(out.get("id"))
     merged: list[dict[str, Any]] = []
     for i, result in enumerate(results):
         for choice in result["choices"]:
@@ -247,7 +269,7 @@ class ChoiceStreams:
                 tally.completion_tokens = obj["usage"].get("completion_tokens")
                 continue
             note_chunk(tally, obj, now)
-            self._id = self._id or obj.get("id")
+            self._id = self._id or self.choices.client_id(obj.get("id"))
             obj["id"] = self._id
             for choice in obj.get("choices") or ():
                 if isinstance(choice, dict):
@@ -264,6 +286,8 @@ class ChoiceStreams:
 
         async def pump(i: int) -> None:
             await queue.put((i, streams[i].first_events))
+            if b"[DONE]" in streams[i].first_events:
+                return
             while True:
                 try:
                     batch = await streams[i].events.next_batch()
