@@ -14,9 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from narwhal.serve.errors import InvalidRequest
+from narwhal.serve.validation import parse_json_object
 
 __all__ = ["ResponsesRequest", "parse_responses_request", "to_chat_body"]
 
@@ -478,10 +477,4 @@ def to_chat_body(body: dict[str, Any]) -> ResponsesRequest:
 def parse_responses_request(raw: bytes) -> ResponsesRequest:
     """The request body as received, parsed and translated (errors as the chat path words
     them)."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    return to_chat_body(body)
+    return to_chat_body(parse_json_object(raw))

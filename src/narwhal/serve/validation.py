@@ -12,7 +12,7 @@ import orjson
 from narwhal.routing.prompt_length import MAX_BYTES_PER_TOKEN
 from narwhal.serve.errors import InvalidRequest, NotFound
 
-__all__ = ["MAX_CHOICES", "ClientRequest", "parse_client_request"]
+__all__ = ["MAX_CHOICES", "ClientRequest", "parse_client_request", "parse_json_object"]
 
 # The most choices (``n`` times the prompts of a batch) one request fans out into: each is a
 # P/D request of its own, admitted and scheduled like any other.
@@ -194,15 +194,21 @@ def _fan_out(
     )
 
 
-def parse_client_request(
-    raw: bytes, chat: bool, served_model: str, max_model_len: int
-) -> ClientRequest:
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """A request body that must be one JSON object, or the 400 that says why not."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
+    return body
+
+
+def parse_client_request(
+    raw: bytes, chat: bool, served_model: str, max_model_len: int
+) -> ClientRequest:
+    body = parse_json_object(raw)
     try:
         # The legs re-serialise the body, and orjson writes at most 254 levels of nesting
         # while it reads 1024: refuse here what could not be forwarded (else a 500 later).
