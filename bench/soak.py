@@ -26,6 +26,7 @@ At the end the router is drained (SIGTERM) and its journal, rotated files includ
   RSS over time (first, peak, last, slope after warm-up), lag percentiles.
 
     .venv/bin/python bench/soak.py --minutes 10 [--clients 12] [--seed 1] [--out soak.json]
+    .venv/bin/python bench/soak.py --minutes 5 --compare   # migration and hedging on vs off
 
 Only 127.0.0.1 is contacted. Progress goes to stderr; the report to stdout (and ``--out``).
 """
@@ -39,6 +40,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -88,16 +90,28 @@ def cpu_percent(cpu: list[tuple[float, float]]) -> float | None:
 
 
 class Stack:
-    def __init__(self, directory: Path, time_scale: float, journal_max_bytes: int) -> None:
+    def __init__(
+        self, directory: Path, time_scale: float, journal_max_bytes: int, resilience: bool
+    ) -> None:
         self.directory = directory
         n = 4
         ports = free_ports(2 * n + 1)
+        # Migration and hedging on (the fleet's defaults) or both off (the comparison run).
+        routing: dict[str, Any] = (
+            {}
+            if resilience
+            else {
+                "migration": {"limit": 0},
+                "hedge": {"enabled": False},
+            }
+        )
         doc = local_fleet_document(
             ports[:n],
             ports[n : 2 * n],
             sim={"time_scale": time_scale, "kv_read_timeout_s": 4.0},
             first_token_timeout_s=FIRST_TOKEN_TIMEOUT_S,
             role_control={"enabled": False, "min_prefill": 1, "min_decode": 1},
+            routing=routing,
         )
         self.fleet_path = directory / "fleet.json"
         self.fleet_path.write_text(json.dumps(doc, indent=2))
@@ -275,8 +289,10 @@ FAULTS: list[tuple[str, float]] = [
     ("hang_kv_read", 2),
     ("slowdown", 2),
     ("drop_stream", 2),
+    ("error_mid_stream", 2),
     ("metrics", 1),
     ("crash", 1.5),
+    ("sigstop", 1.5),  # a hung process: stopped for a few seconds, then continued
 ]
 
 
@@ -299,7 +315,7 @@ def chaos_loop(
 ) -> None:
     engines = list(stack.fleet.engines)
     active: dict[str, float] = {}  # engine -> when to clear its fault
-    down: dict[str, float] = {}  # crashed engine -> when to restart it
+    down: dict[str, float] = {}  # crashed or stopped engine -> when to restart or continue it
     next_fault = time.monotonic() + every_s
     while not stop.wait(0.2):
         now = time.monotonic()
@@ -307,6 +323,8 @@ def chaos_loop(
             for engine_id, at in list(down.items()):
                 proc = stack.fleet.engines[engine_id]
                 if now >= at or (not proc.alive and now >= at - 2):
+                    if proc.alive and proc.process is not None:
+                        os.kill(proc.process.pid, signal.SIGCONT)  # a stopped one, or a no-op
                     if not proc.alive:
                         stack.fleet.restart(engine_id, timeout=60)
                         chaos.restarts += 1
@@ -328,7 +346,7 @@ def chaos_loop(
             engine_id = rng.choice(candidates)
             names, weights = zip(*FAULTS, strict=True)
             fault = rng.choices(names, weights)[0]
-            if fault == "crash" and down:
+            if fault in ("crash", "sigstop") and down:
                 fault = "fail_next"  # one engine down at a time: the fleet keeps a pair
             body: dict[str, Any]
             if fault == "fail_next":
@@ -341,6 +359,16 @@ def chaos_loop(
                 body = {"slowdown": rng.uniform(3.0, 10.0)}
             elif fault == "drop_stream":
                 body = {"drop_stream_after_tokens": rng.randint(1, 8)}
+            elif fault == "error_mid_stream":
+                body = {"error_after_tokens": rng.randint(1, 8)}
+            elif fault == "sigstop":
+                process = stack.fleet.engines[engine_id].process
+                if process is not None and process.poll() is None:
+                    os.kill(process.pid, signal.SIGSTOP)
+                down[engine_id] = now + rng.uniform(2.0, 5.0)
+                chaos.faults[fault] += 1
+                chaos.event(f"{fault} on {engine_id}")
+                continue
             elif fault == "metrics":
                 body = {"metrics": rng.choice(["lie", "stop"])}
             else:
@@ -363,6 +391,9 @@ def chaos_loop(
             chaos.errors.append(f"{type(exc).__name__}: {exc}")
             log(f"chaos error: {exc}")
     for engine_id in engines:
+        proc = stack.fleet.engines[engine_id]
+        if proc.alive and proc.process is not None:
+            os.kill(proc.process.pid, signal.SIGCONT)
         if not stack.fleet.engines[engine_id].alive:
             stack.fleet.restart(engine_id, timeout=60)
             chaos.restarts += 1
@@ -473,6 +504,15 @@ def journal_report(path: Path, sent: list[Sent]) -> dict[str, Any]:
     stranded = sum(
         1 for e in ends.values() for a in e.get("attempts", ()) if a.get("outcome") == "stranded"
     )
+    ok = [e for e in ends.values() if e["outcome"] == "ok"]
+    ttft = [e["t_first_token"] for e in ok if e.get("t_first_token") is not None]
+    tpot = [
+        (e["t_last_token"] - e["t_first_token"]) / (e["completion_tokens"] - 1)
+        for e in ok
+        if e.get("t_last_token") is not None
+        and e.get("t_first_token") is not None
+        and (e.get("completion_tokens") or 0) > 1
+    ]
     return {
         "files": len(files),
         "request_starts": len(starts),
@@ -492,12 +532,32 @@ def journal_report(path: Path, sent: list[Sent]) -> dict[str, Any]:
         "longest_all_unavailable_s": longest,
         "seconds_with_requests": len(by_second),
         "stranded_handoffs_in_attempts": stranded,
+        "migrated_requests": sum(1 for e in ends.values() if e.get("migrations")),
+        "hedged_requests": sum(
+            1
+            for e in ends.values()
+            if any(a.get("outcome") == "hedged" for a in e.get("attempts", ()))
+        ),
+        "ttft_p99_s": round(rank_percentile(ttft, 99), 4) if ttft else None,
+        "tpot_p99_s": round(rank_percentile(tpot, 99), 4) if tpot else None,
         "lost_records": len(set(starts) - set(ends))
         + len(set(ends) - set(starts))
         + duplicate_starts
         + duplicate_ends
         + len(not_journaled),
     }
+
+
+# What a client counts as answered: a whole stream, a 200, or an admission refusal (429, a
+# load decision it was told to retry later). Everything else a plain request saw is a failure
+# the fleet's faults made visible.
+ANSWERED = ("ok", "http_200", "http_429")
+
+
+def client_failures(sent: list[Sent]) -> dict[str, Any]:
+    plain = [s for s in sent if s.kind == "plain"]
+    failed = Counter(s.result for s in plain if s.result not in ANSWERED)
+    return {"plain_requests": len(plain), "failed": sum(failed.values()), "by_result": dict(failed)}
 
 
 def rss_report(rss: list[tuple[float, int]], warmup_s: float) -> dict[str, Any]:
@@ -536,14 +596,55 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--flip-every", type=float, default=20.0, help="seconds between flips (0: none)")
     p.add_argument("--journal-max-bytes", type=int, default=8 * 1024 * 1024)
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="run twice with the same seed: migration and hedging on (the fleet's defaults), "
+        "then both off; report client-visible failures, TTFT p99 and TPOT p99 side by side",
+    )
     p.add_argument("--out", help="also write the report here (JSON)")
     p.add_argument("--keep-dir", action="store_true", help="keep the logs and the journal")
     args = p.parse_args(argv)
     if args.minutes <= 0 or args.clients <= 0:
         p.error("--minutes and --clients must be positive")
+    runs = [True, False] if args.compare else [True]
+    reports = {("on" if r else "off"): soak(args, r) for r in runs}
+    if args.compare:
+        report: dict[str, Any] = {
+            "comparison": {
+                name: {
+                    "client_visible_failures": r.get("client_failures", {}).get("failed"),
+                    "plain_requests": r.get("client_failures", {}).get("plain_requests"),
+                    "ttft_p99_s": r.get("journal", {}).get("ttft_p99_s"),
+                    "tpot_p99_s": r.get("journal", {}).get("tpot_p99_s"),
+                    "migrated_requests": r.get("journal", {}).get("migrated_requests"),
+                    "hedged_requests": r.get("journal", {}).get("hedged_requests"),
+                    "faults": r.get("faults"),
+                }
+                for name, r in reports.items()
+            },
+            "migration_and_hedging_on": reports["on"],
+            "migration_and_hedging_off": reports["off"],
+        }
+    else:
+        report = reports["on"]
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    ok = True
+    for name, r in reports.items():
+        lost = r.get("lost_journal_records")
+        code = r.get("router_exit_code")
+        log(f"{name}: lost journal records: {lost}; router exit code {code}")
+        ok = ok and lost == 0 and code == 0
+    return 0 if ok else 1
 
+
+def soak(args: argparse.Namespace, resilience: bool) -> dict[str, Any]:
+    """One soak run; its report."""
     directory = Path(tempfile.mkdtemp(prefix="narwhal-soak-"))
-    stack = Stack(directory, args.time_scale, args.journal_max_bytes)
+    stack = Stack(directory, args.time_scale, args.journal_max_bytes, resilience)
     sent: list[Sent] = []
     lock = threading.Lock()
     chaos = Chaos()
@@ -630,12 +731,16 @@ def main(argv: list[str] | None = None) -> int:
             "load_average_at_end": round(os.getloadavg()[0], 1),
             "requests_sent": len(sent_copy),
             "requests_per_second": round(len(sent_copy) / elapsed, 1),
+            "migration_and_hedging": resilience,
             "client_results": dict(Counter(s.result for s in sent_copy).most_common()),
+            "client_failures": client_failures(sent_copy),
             "client_kinds": dict(Counter(s.kind for s in sent_copy)),
             "journal": journal,
             "lost_journal_records": journal["lost_records"],
             "stranded_handoffs_metric": counter("narwhal_stranded_handoffs_total"),
             "retries_metric": counter("narwhal_retries_total"),
+            "migrations_metric": counter("narwhal_migrations_total"),
+            "hedges_metric": counter("narwhal_hedges_total"),
             "journal_dropped_metric": counter("narwhal_journal_dropped_total"),
             "journal_write_errors_metric": counter("narwhal_journal_write_errors_total"),
             "faults": dict(chaos.faults.most_common()),
@@ -679,14 +784,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"kept {directory}")
         else:
             shutil.rmtree(directory, ignore_errors=True)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    lost = report.get("lost_journal_records")
-    ok = lost == 0 and report.get("router_exit_code") == 0
-    log(f"lost journal records: {lost}; router exit code {report.get('router_exit_code')}")
-    return 0 if ok else 1
+    return report
 
 
 if __name__ == "__main__":

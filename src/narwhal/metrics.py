@@ -87,6 +87,12 @@ _TPOT = (
 _JOURNAL = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
 
+# What broke a stream that was migrated (serve.relay.EventRenderer.interrupt), and how a
+# hedged leg ended (serve.pd.PDRouter._race).
+MIGRATION_REASONS = ("connection", "engine_error", "malformed", "stall")
+HEDGE_OUTCOMES = ("hedge", "original", "failed", "refused")
+
+
 class RouterMetrics:
     def __init__(
         self, engines: Iterable[str], fleet_name: str, fleet_sha256: str, profile_sha256: str | None
@@ -197,6 +203,21 @@ class RouterMetrics:
         self.retries = Counter(
             "narwhal_retries", "Legs retried on another engine.", ["leg"], registry=r
         )
+        self.migrations = Counter(
+            "narwhal_migrations",
+            "Requests continued on another pair after their decode leg broke mid-answer, by the "
+            "engine whose leg broke and what broke it (engine_error, connection, malformed, "
+            "stall).",
+            ["engine", "reason"],
+            registry=r,
+        )
+        self.hedges = Counter(
+            "narwhal_hedges",
+            "Legs hedged on another engine after running past their predicted time, by which "
+            "leg answered first (hedge, original) or failed.",
+            ["leg", "outcome"],
+            registry=r,
+        )
         self.leg_failures = Counter(
             "narwhal_leg_failures", "Failed engine legs.", ["engine", "leg"], registry=r
         )
@@ -305,7 +326,11 @@ class RouterMetrics:
                     self.flips.labels(a, b)
         for leg in LEGS:
             self.retries.labels(leg)
+        for outcome in HEDGE_OUTCOMES:
+            self.hedges.labels("prefill", outcome)
         for engine in engines:
+            for reason in MIGRATION_REASONS:
+                self.migrations.labels(engine, reason)
             self.prefill.labels(engine)
             self.handoff.labels(engine)
             self.deadline_exceeded.labels(engine)

@@ -23,6 +23,7 @@ REQUIRED = {
     "profile drift": {"NarwhalProfileDrift"},
     "journal backlog or write errors": {"NarwhalJournalBacklog", "NarwhalJournalWriteErrors"},
     "no engine in a role": {"NarwhalNoEngineInRole"},
+    "a migration rate that says an engine is failing": {"NarwhalMigrationsRising"},
 }
 
 

@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from narwhal.serve.errors import UpstreamFailed
+from narwhal.serve.migration import Migrator
 from narwhal.serve.record import RequestRecord
 from narwhal.serve.relay import StreamTally, aggregate
 
@@ -32,7 +33,8 @@ def _run(chunks: list[dict[str, Any] | bytes], chat: bool = True, body: dict | N
     )
     record = RequestRecord(id="r", arrival=0.0, arrival_mono=0.0, endpoint="/v1/x")
     tally = StreamTally()
-    result = asyncio.run(aggregate(stream, chat, tally, record, None, body or {}))  # type: ignore[arg-type]
+    migrator = Migrator(None, None, record, stream, None)  # type: ignore[arg-type]
+    result = asyncio.run(aggregate(migrator, chat, tally, None, body or {}))
     return result, tally
 
 

@@ -381,3 +381,52 @@ def test_steps_out_of_order_are_refused() -> None:
         lifecycle.admit(ticket)
     with pytest.raises(ValueError):
         lifecycle.first_token(ticket)
+
+
+def test_a_stream_that_breaks_is_continued_on_a_pair_avoiding_its_engine() -> None:
+    lifecycle, clock, observer = build()
+    ticket = lifecycle.arrive("r", max_tokens=40, prompt_tokens=100)
+    pair = admitted(lifecycle, ticket)
+    lifecycle.prefill_done(ticket, "ok")
+    lifecycle.first_token(ticket)
+    clock.advance(0.1)
+    lifecycle.decode_broke(ticket)
+    assert ticket.phase == "done" and observer.failed == [(pair.decode, "decode")]
+    assert lifecycle.state.engines[pair.decode].breaker.consecutive_failures == 1
+    assert counts(lifecycle) == IDLE
+    follow, pick = lifecycle.migrate(ticket, "r-m1", prompt_tokens=120, max_tokens=20)
+    assert isinstance(pick, Pair) and pick.decode != pair.decode
+    assert follow.phase == "prefill" and follow.arrival == ticket.arrival
+    assert follow.prompt_tokens == 120 and follow.max_tokens == 20
+    lifecycle.cancel(follow)
+    assert counts(lifecycle) == IDLE
+    with pytest.raises(ValueError):
+        lifecycle.decode_broke(ticket)  # it is over already
+
+
+def test_a_slow_prefill_is_hedged_on_another_prefill_engine() -> None:
+    lifecycle, _, observer = build()
+    ticket = lifecycle.arrive("r", max_tokens=4, prompt_tokens=100)
+    first = admitted(lifecycle, ticket)
+    hedge = lifecycle.hedge_prefill(ticket, budget_left_s=1.5)
+    assert isinstance(hedge, Pair) and hedge.prefill != first.prefill and not hedge.local
+    # The slow leg counts as failed on its engine; the hedge's is the one counted now.
+    assert observer.failed == [(first.prefill, "prefill")]
+    assert ticket.phase == "prefill" and ticket.pair == hedge
+    assert counts(lifecycle)[first.prefill] == (0, 0, 0, 0)
+    assert counts(lifecycle)[hedge.prefill][0] == 1
+    lifecycle.cancel(ticket)
+    assert counts(lifecycle) == IDLE
+
+
+def test_no_hedge_without_another_prefill_engine_or_budget_left() -> None:
+    lifecycle, _, observer = build(n_prefill=1)
+    ticket = lifecycle.arrive("r", max_tokens=4, prompt_tokens=100)
+    first = admitted(lifecycle, ticket)
+    assert isinstance(lifecycle.hedge_prefill(ticket, budget_left_s=1.5), NoPair)
+    assert ticket.pair == first and ticket.phase == "prefill" and observer.failed == []
+    lifecycle, _, observer = build()
+    ticket = lifecycle.arrive("r", max_tokens=4, prompt_tokens=100)
+    first = admitted(lifecycle, ticket)
+    assert isinstance(lifecycle.hedge_prefill(ticket, budget_left_s=0.0), NoPair)
+    assert ticket.pair == first and observer.failed == []

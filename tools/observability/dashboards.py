@@ -419,6 +419,30 @@ def router_overview() -> db.Dashboard:
             ],
         )
     )
+    d = d.with_panel(
+        graph(
+            ids,
+            "Migrations and hedges",
+            "Streams continued on another pair after their decode engine broke them "
+            "mid-answer (narwhal_migrations_total), by engine and reason, and prefill legs "
+            "hedged on another engine after running past their predicted time "
+            "(narwhal_hedges_total), by which leg answered first. Clients see neither; a "
+            "steady rate off one engine says it is failing (alert NarwhalMigrationsRising).",
+            "ops",
+            [
+                _q(
+                    f"sum by (engine, reason) ({_rate('narwhal_migrations_total', engine=True)})",
+                    "migrated off {{engine}} ({{reason}})",
+                    "A",
+                ),
+                _q(
+                    f"sum by (leg, outcome) ({_rate('narwhal_hedges_total')})",
+                    "{{leg}} hedge: {{outcome}}",
+                    "B",
+                ),
+            ],
+        )
+    )
 
     d = d.with_row(db.Row("Latency against the budgets").id(ids.take()))
     d = d.with_panel(

@@ -42,8 +42,10 @@ __all__ = [
     "KVEventsEndpoint",
     "Loc",
     "LocalPrefill",
+    "Migration",
     "ModelIdentity",
     "NixlSideChannel",
+    "PrefillHedge",
     "PrefixCaching",
     "PrefixRouting",
     "ProfileStoreRef",
@@ -351,6 +353,36 @@ class PrefixRouting(_Model):
     history_ttl_s: float = Field(default=1800.0, gt=0)
 
 
+class Migration(_Model):
+    """Continue a request whose decode leg broke after its first token (the engine died, answered
+    an error, or stalled) on another pair, from the tokens the client already received: the
+    prompt's token ids plus the generated ids go to a new prefill leg, the new stream is
+    spliced into the client's. ``limit`` migrations per request (0: off); none once the
+    sequence would exceed ``max_sequence_tokens`` (default: the model's max_model_len). A
+    stream is stalled when no token arrived for ``stall_tpot_factor`` times its predicted time
+    per output token (the budget's when there is no prediction), and never sooner than
+    ``stall_floor_s``. On by default: an answer lost to one engine's failure costs the client
+    more than a continuation costs the fleet."""
+
+    limit: int = Field(default=2, ge=0)
+    max_sequence_tokens: int | None = Field(default=None, ge=1)
+    stall_tpot_factor: float = Field(default=20.0, gt=1)
+    stall_floor_s: float = Field(default=2.0, gt=0)
+
+
+class PrefillHedge(_Model):
+    """Hedge a prefill leg that runs past ``factor`` times its predicted queue wait plus
+    prefill (never sooner than ``floor_s``; half the TTFT budget when there is no latency
+    model, scheduler v0) on another prefill engine, while the TTFT budget can still be met; the
+    first leg to answer wins and the other is cancelled. The slow leg
+    counts against its engine's breaker, so a hung engine stops receiving work within a few
+    predicted prefill times instead of the prefill timeout."""
+
+    enabled: bool = True
+    factor: float = Field(default=4.0, gt=1)
+    floor_s: float = Field(default=0.5, gt=0)
+
+
 class RoutingPolicy(_Model):
     fallback: Literal["retry", "fail"] = "retry"
     max_prefill_attempts: int = Field(default=2, ge=1)
@@ -360,6 +392,8 @@ class RoutingPolicy(_Model):
     queue_timeout_s: float = Field(default=5.0, ge=0)
     local_prefill: LocalPrefill = Field(default_factory=LocalPrefill)
     prefix: PrefixRouting = Field(default_factory=PrefixRouting)
+    migration: Migration = Field(default_factory=Migration)
+    hedge: PrefillHedge = Field(default_factory=PrefillHedge)
 
 
 class ProfileStoreRef(_Model):

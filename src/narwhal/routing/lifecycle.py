@@ -288,6 +288,84 @@ class Lifecycle:
             ticket.phase = "done"
         return pick
 
+    def hedge_prefill(self, ticket: Ticket, budget_left_s: float) -> Pair | NoPair:
+        """The prefill leg runs past its predicted time: the best pair with another prefill
+        engine (never a local one: the hedge is a second prefill leg) whose predicted TTFT fits
+        in ``budget_left_s``. When there is one, the slow leg is ended as failed (its breaker
+        counts it; it keeps running outside the counts until one of the two answers) and the
+        pair dispatched; when there is none, nothing changes and the slow leg runs on."""
+        if ticket.phase != "prefill" or ticket.pair is None:
+            raise ValueError(f"request {ticket.id} has no prefill leg running ({ticket.phase})")
+        avoid = ticket.failed_prefill | {ticket.pair.prefill}
+        shape = replace(self.shape(ticket), local_ok=False)
+        pick = self.scheduler.pick(self.state, shape, avoid, ticket.failed_decode)
+        if isinstance(pick, NoPair) and pick.over_budget is not None:
+            pick = pick.over_budget
+        if isinstance(pick, NoPair) or pick.local:
+            return pick if isinstance(pick, NoPair) else NoPair("no prefill engine to hedge on")
+        if pick.predicted_ttft_s is not None and pick.predicted_ttft_s > budget_left_s:
+            return NoPair("no prefill engine meets the TTFT budget's remainder")
+        self.prefill_done(ticket, "failed")
+        self.observer.decided(ticket, pick)
+        self._dispatch(ticket, pick)
+        return pick
+
+    def migrate(
+        self,
+        ticket: Ticket,
+        request_id: str,
+        *,
+        prompt_tokens: int,
+        max_tokens: int,
+        prefix: tuple[int, ...] = (),
+    ) -> tuple[Ticket, Pair | NoPair]:
+        """A streaming request's decode leg broke (``decode_broke`` first): a new ticket for
+        its continuation (``prompt_tokens``: the prompt and what was generated), avoiding the
+        engines that failed it, dispatched on the best pair. Not admitted again: it was."""
+        if ticket.phase != "done":
+            raise ValueError(f"request {ticket.id} is still running ({ticket.phase})")
+        follow = self.arrive(
+            request_id,
+            max_tokens=max_tokens,
+            prompt_tokens=prompt_tokens,
+            local_ok=True,
+            arrival=ticket.arrival,
+            prefix=prefix,
+        )
+        follow.failed_prefill = ticket.failed_prefill
+        follow.failed_decode = ticket.failed_decode
+        pick = self.retry(follow)
+        if isinstance(pick, NoPair):
+            rescue = self._rescue(follow)
+            if rescue is not None:
+                follow.phase = "new"
+                self.observer.decided(follow, rescue)
+                self._dispatch(follow, rescue)
+                return follow, rescue
+        return follow, pick
+
+    def _rescue(self, ticket: Ticket) -> Pair | None:
+        """When no pair can continue a broken stream (every decode engine failed it, or none is
+        in the decode role): a local leg on the least loaded healthy engine its breaker lets
+        through, whatever its role, one permitted to decode first. Any vLLM engine can answer
+        a request whole, and an answer half sent is worth more than a role's purity for one
+        request."""
+
+        def rank(e: EngineState) -> tuple[bool, int]:
+            return ("decode" not in e.roles, e.in_flight_decode + e.in_flight_prefill)
+
+        candidates = [
+            e
+            for e in self.state.engines.values()
+            if e.id not in ticket.failed_decode
+            and e.healthy is not False
+            and e.breaker.allows_request()
+        ]
+        if not candidates:
+            return None
+        best = min(candidates, key=rank)
+        return Pair(best.id, best.id, 0.0, local=True)
+
     def _dispatch(self, ticket: Ticket, pair: Pair) -> None:
         ticket.pair = pair
         now = self.clock.now()
@@ -459,6 +537,16 @@ class Lifecycle:
         self._verdict(d, ok=False, leg="decode")
         ticket.failed_decode = ticket.failed_decode | {d.id}
         ticket.phase = "new"
+
+    def decode_broke(self, ticket: Ticket) -> None:
+        """The decode stream broke after its first token (the engine failed, closed it or
+        stalled): the leg ends, counted failed on its engine."""
+        if ticket.phase != "streaming" or ticket.pair is None:
+            raise ValueError(f"request {ticket.id} is not streaming ({ticket.phase})")
+        d = self._end_decode(ticket)
+        self._verdict(d, ok=False, leg="decode")
+        ticket.failed_decode = ticket.failed_decode | {d.id}
+        ticket.phase = "done"
 
     def finished(
         self, ticket: Ticket, *, completion_tokens: int | None = None, complete: bool = False

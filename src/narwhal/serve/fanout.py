@@ -29,6 +29,7 @@ import orjson
 from starlette.types import Send
 
 from narwhal.serve.errors import UpstreamFailed, error_body
+from narwhal.serve.migration import Migrator
 from narwhal.serve.pd import DecodeStream, PDRouter
 from narwhal.serve.record import RequestRecord
 from narwhal.serve.relay import DONE_EVENT, StreamTally, aggregate, note_chunk
@@ -199,10 +200,9 @@ async def aggregate_choices(choices: ChoiceSet, chat: bool) -> dict[str, Any]:
     tasks = [
         asyncio.ensure_future(
             aggregate(
-                stream,
+                Migrator(choices.router, one, child, stream, None),  # choices are not migrated
                 chat,
                 tally,
-                child,
                 stream.prompt_token_ids if one.body.get("return_token_ids") else None,
                 one.body,
             )

@@ -33,6 +33,7 @@ from narwhal.serve.errors import (
     Unauthorized,
 )
 from narwhal.serve.fanout import ChoiceSet, ChoiceStreams, aggregate_choices, open_choices
+from narwhal.serve.migration import MigrationTrace, Migrator, new_trace
 from narwhal.serve.pd import DecodeStream
 from narwhal.serve.record import RequestRecord
 from narwhal.serve.relay import EventRenderer, PushRelay, StreamTally, aggregate, relay_events
@@ -232,10 +233,12 @@ class GenerationEndpoint:
                 if creq.prompt_tokens_exact is not None:
                     record.prompt_tokens = creq.prompt_tokens_exact
                 watch = DisconnectWatch(receive)
+                trace: MigrationTrace | None = None
                 if creq.choices:
                     choices = await open_choices(services.router, creq, record)
                 else:
-                    stream = await services.router.open(creq, record)
+                    trace = new_trace(creq, fleet.routing.migration, fleet.model.max_model_len)
+                    stream = await services.router.open(creq, record, token_ids=trace is not None)
             except RouterError as exc:
                 ledger.close(record, exc.outcome, exc.status, exc.message)
                 if watch is not None:
@@ -263,10 +266,12 @@ class GenerationEndpoint:
             try:
                 if creq.choices:
                     await self._serve_choices(send, watch, choices, record)
-                elif creq.stream:
-                    await self._relay(send, watch, stream, creq.include_usage, tally, record)
                 else:
-                    await self._aggregate(send, watch, stream, tally, record, creq.body)
+                    migrator = Migrator(services.router, creq, record, stream, trace)
+                    if creq.stream:
+                        await self._relay(send, watch, migrator, creq.include_usage, tally)
+                    else:
+                        await self._aggregate(send, watch, migrator, tally, creq.body)
             except asyncio.CancelledError:
                 # The client left while the stream was being released (the record is written).
                 if not watch.absorb():
@@ -295,14 +300,15 @@ class GenerationEndpoint:
         self,
         send: Send,
         watch: DisconnectWatch,
-        stream: DecodeStream,
+        migrator: Migrator,
         include_usage: bool,
         tally: StreamTally,
-        record: RequestRecord,
     ) -> None:
         error: str | None
         outcome, status, error = "client_abort", None, "client disconnected mid-stream"
-        renderer = EventRenderer(tally, include_usage, stream.prefill_prompt_tokens)
+        record = migrator.record
+        stream = migrator.stream
+        renderer = EventRenderer(tally, include_usage, stream.prefill_prompt_tokens, migrator.trace)
         try:
             await send(
                 {
@@ -312,32 +318,49 @@ class GenerationEndpoint:
                 }
             )
             writer = _DirectWriter.of(send) if self.services.settings.relay == "push" else None
-            if writer is not None and isinstance(stream.response, EngineStreamConnection):
-                relay = PushRelay(renderer, stream.events.splitter, writer, stream.response)
-                relay.start(stream.first_events)
-                try:
-                    tail = await relay.run()
-                finally:
-                    if relay.pauses:
-                        pauses = self.services.metrics.slow_client_pauses
-                        pauses.labels(stream.engine).inc(relay.pauses)
-                # The last piece through the server: it completes the response, with the
-                # chunked terminator in the same write.
-                watch.stop()  # the server reports a completed response as a disconnect
+            while True:
+                stream = migrator.stream
+                if writer is not None and isinstance(stream.response, EngineStreamConnection):
+                    tail = await self._push(writer, stream, renderer, migrator.stall_s)
+                else:
+                    tail = b""
+                    async for chunk in relay_events(stream, renderer, migrator.stall_s):
+                        if renderer.interrupted:
+                            tail = chunk
+                            break
+                        # Every way the relay ends writes [DONE] last: that write completes
+                        # the response, in the same socket write as the chunked terminator.
+                        if renderer.finished:
+                            watch.stop()
+                        await send(
+                            {
+                                "type": "http.response.body",
+                                "body": chunk,
+                                "more_body": not renderer.finished,
+                            }
+                        )
+                    else:
+                        if not renderer.interrupted:
+                            break
+                if renderer.interrupted is None:
+                    if writer is not None and tail:
+                        # The last piece through the server: it completes the response, with
+                        # the chunked terminator in the same write.
+                        watch.stop()  # the server reports a completed response as a disconnect
+                        await send({"type": "http.response.body", "body": tail, "more_body": False})
+                    break
+                if tail:
+                    await send({"type": "http.response.body", "body": tail, "more_body": True})
+                reason, message = renderer.interrupted
+                if await migrator.resume(reason, message) is not None:
+                    renderer.resume()
+                    stream = migrator.stream
+                    continue
+                renderer.interrupted = None
+                tail = renderer.broken(f"{message} (and no pair could continue the request)")
+                watch.stop()
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
-            else:
-                async for chunk in relay_events(stream, renderer):
-                    # Every way the relay ends writes [DONE] last: that write completes the
-                    # response, in the same socket write as the chunked terminator.
-                    if renderer.finished:
-                        watch.stop()
-                    await send(
-                        {
-                            "type": "http.response.body",
-                            "body": chunk,
-                            "more_body": not renderer.finished,
-                        }
-                    )
+                break
             if renderer.failure is not None:
                 outcome, status, error = "stream_error", 200, renderer.failure
             else:
@@ -350,7 +373,26 @@ class GenerationEndpoint:
             outcome, status, error = "internal_error", 200, f"{type(exc).__name__}: {exc}"
             raise
         finally:
-            await self._release(stream, record, outcome, status, error, tally)
+            await self._release(migrator.stream, record, outcome, status, error, tally)
+
+    async def _push(
+        self,
+        writer: _DirectWriter,
+        stream: DecodeStream,
+        renderer: EventRenderer,
+        stall_s: float | None,
+    ) -> bytes:
+        """Relay ``stream`` from its engine connection's callbacks straight to the client; the
+        last piece, for the caller to send."""
+        assert isinstance(stream.response, EngineStreamConnection)
+        relay = PushRelay(renderer, stream.events.splitter, writer, stream.response)
+        relay.start(stream.first_events)
+        try:
+            return await relay.run(stall_s)
+        finally:
+            if relay.pauses:
+                pauses = self.services.metrics.slow_client_pauses
+                pauses.labels(stream.engine).inc(relay.pauses)
 
     async def _serve_choices(
         self, send: Send, watch: DisconnectWatch, choices: ChoiceSet, record: RequestRecord
@@ -407,18 +449,18 @@ class GenerationEndpoint:
         self,
         send: Send,
         watch: DisconnectWatch,
-        stream: DecodeStream,
+        migrator: Migrator,
         tally: StreamTally,
-        record: RequestRecord,
         body: dict[str, Any],
     ) -> None:
         error: str | None
         outcome, status, error = "client_abort", None, "cancelled mid-generation"
         failure: RouterError | None = None
         result = None
+        record = migrator.record
         try:
-            ids = stream.prompt_token_ids if body.get("return_token_ids") else None
-            result = await aggregate(stream, self.chat, tally, record, ids, body)
+            ids = migrator.stream.prompt_token_ids if body.get("return_token_ids") else None
+            result = await aggregate(migrator, self.chat, tally, ids, body)
             outcome, status, error = "ok", 200, None
         except RouterError as exc:
             outcome, status, error = exc.outcome, exc.status, exc.message
@@ -428,7 +470,7 @@ class GenerationEndpoint:
                 raise
             error = "client disconnected mid-generation"
         finally:
-            await self._release(stream, record, outcome, status, error, tally)
+            await self._release(migrator.stream, record, outcome, status, error, tally)
         if watch.gone:
             return
         watch.stop()

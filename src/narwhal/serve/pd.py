@@ -68,6 +68,14 @@ class _EngineClientError(Exception):
 
 
 @dataclass
+class _PrefillLeg:
+    """Whether a prefill leg reports its end to the lifecycle: a leg that was hedged no longer
+    does (the race between it and its hedge reports the winner)."""
+
+    counted: bool = True
+
+
+@dataclass
 class DecodeStream:
     engine: str
     response: EngineResponse
@@ -78,6 +86,8 @@ class DecodeStream:
     ticket: Ticket
     # The prompt's token ids as the prefill engine returned them (only a prefill leg has them).
     prompt_token_ids: list[int] | None = None
+    # A migration's continuation: the tokens the legs before it generated.
+    completion_offset: int = 0
 
     async def aclose(self, drain: bool = False) -> None:
         """Close the upstream response. After a complete stream, ``drain`` reads the closing
@@ -142,12 +152,14 @@ class PDRouter:
         self._waiters: dict[Ticket, asyncio.Future[Verdict]] = {}
         self._pump: asyncio.Task[None] | None = None
 
-    def ticket(self, request: ClientRequest, record: RequestRecord) -> Ticket:
+    def ticket(
+        self, request: ClientRequest, record: RequestRecord, ticket_id: str | None = None
+    ) -> Ticket:
         default_max = 16 if not request.chat else DEFAULT_CHAT_MAX_TOKENS
         index = self.state.prefix_index
         keys = prompt_keys(request.body, request.chat, index.block_size) if index else ()
         return self.lifecycle.arrive(
-            record.id,
+            ticket_id or record.id,
             max_tokens=request.max_tokens or default_max,
             prompt_tokens=request.prompt_tokens_exact,
             prompt_bytes=request.prompt_bytes,
@@ -158,26 +170,85 @@ class PDRouter:
             prefix_exact=request.prompt_tokens_exact is not None,
         )
 
-    async def open(self, request: ClientRequest, record: RequestRecord) -> DecodeStream:
+    async def open(
+        self, request: ClientRequest, record: RequestRecord, token_ids: bool = False
+    ) -> DecodeStream:
         """Run legs until a decode stream has produced its first event, or raise RouterError.
-        Whatever way this ends short of a stream, the request holds nothing on any engine."""
+        Whatever way this ends short of a stream, the request holds nothing on any engine.
+        ``token_ids``: the decode leg asks for them (``return_token_ids``), so that the request
+        can be migrated (``serve.migration``)."""
         ticket = self.ticket(request, record)
         try:
-            return await self._open(ticket, request, record)
+            return await self._open(ticket, request, record, token_ids=token_ids)
         except BaseException:
             self.lifecycle.cancel(ticket)  # a no-op once the lifecycle has ended it
             raise
 
     def finish(self, stream: DecodeStream, record: RequestRecord) -> None:
         """The stream is over (its record closed): its decode leg ends, and a completed
-        answer's time per token corrects the decode model."""
-        if record.prompt_tokens is not None:
+        answer's time per token corrects the decode model. A leg a failed migration already
+        ended is left as it is."""
+        if stream.ticket.phase != "streaming":
+            return
+        if record.prompt_tokens is not None and not stream.completion_offset:
             stream.ticket.prompt_tokens = record.prompt_tokens
+        completion = record.completion_tokens
+        if completion is not None:
+            completion -= stream.completion_offset
         self.lifecycle.finished(
-            stream.ticket,
-            completion_tokens=record.completion_tokens,
-            complete=record.outcome == "ok",
+            stream.ticket, completion_tokens=completion, complete=record.outcome == "ok"
         )
+
+    def stall_s(self, stream: DecodeStream) -> float:
+        """How long ``stream`` may go without a token before it counts as stalled: a multiple
+        of its predicted time per output token (the budget's without one), with a floor."""
+        migration = self.fleet.routing.migration
+        pair = stream.ticket.pair
+        tpot = pair.predicted_tpot_s if pair is not None else None
+        if tpot is None:
+            tpot = self.fleet.budgets.tpot_s
+        return max(migration.stall_floor_s, migration.stall_tpot_factor * tpot)
+
+    async def continue_on(
+        self,
+        stream: DecodeStream,
+        request: ClientRequest,
+        record: RequestRecord,
+        reason: str,
+        migration: int,
+        completion_offset: int,
+    ) -> DecodeStream:
+        """``stream`` broke after its first token: its leg ends as failed on its engine and
+        ``request`` (``serve.migration.continuation_request``) runs on another pair, without
+        admission (the request was admitted). The record keeps the first legs' engines and
+        times (the client's TTFT was theirs); the continuation's legs are its attempts. Raises
+        RouterError when no pair could continue it."""
+        self.lifecycle.decode_broke(stream.ticket)
+        await stream.aclose()
+        self.metrics.migrations.labels(stream.engine, reason).inc()
+        record.attempt(
+            "migration", stream.engine, reason, after_tokens=completion_offset, number=migration
+        )
+        index = self.state.prefix_index
+        ticket, pick = self.lifecycle.migrate(
+            stream.ticket,
+            f"{record.id}-m{migration}",
+            prompt_tokens=request.prompt_tokens_exact or 1,
+            max_tokens=request.max_tokens or 1,
+            prefix=prompt_keys(request.body, False, index.block_size) if index else (),
+        )
+        if isinstance(pick, NoPair):
+            raise UpstreamFailed("decode_failed", f"no pair to continue on: {pick.reason}")
+        kept = record.legs_snapshot()
+        try:
+            follow = await self._open(ticket, request, record, pair=pick, token_ids=True)
+        except BaseException:
+            self.lifecycle.cancel(ticket)
+            raise
+        finally:
+            record.restore_legs(kept)
+        follow.completion_offset = completion_offset
+        return follow
 
     # --- admission ----------------------------------------------------------------------
 
@@ -231,14 +302,20 @@ class PDRouter:
     # --- the legs -----------------------------------------------------------------------
 
     async def _open(
-        self, ticket: Ticket, request: ClientRequest, record: RequestRecord
+        self,
+        ticket: Ticket,
+        request: ClientRequest,
+        record: RequestRecord,
+        pair: Pair | None = None,
+        token_ids: bool = False,
     ) -> DecodeStream:
         routing = self.fleet.routing
         deadline_s = self.fleet.engine.first_token_timeout_s
         prefill_failures = decode_failures = 0
         last_error = "no attempt"
         deadline_hit = False
-        pair = await self._admit(ticket, record)
+        if pair is None:
+            pair = await self._admit(ticket, record)
         while True:
             record.role_generation = self.state.role_generation
             record.mode = "local" if pair.local else "pd"
@@ -247,7 +324,7 @@ class PDRouter:
             prompt_ids: list[int] | None = None
             if not pair.local:
                 try:
-                    params, prompt_tokens, prompt_ids = await self._prefill(
+                    params, prompt_tokens, prompt_ids, pair = await self._hedged_prefill(
                         ticket, pair, request, record
                     )
                 except _EngineClientError as exc:
@@ -265,7 +342,15 @@ class PDRouter:
             # Decode leg, under the first-token deadline.
             try:
                 return await self._decode(
-                    ticket, pair, request, record, params, prompt_tokens, prompt_ids, deadline_s
+                    ticket,
+                    pair,
+                    request,
+                    record,
+                    params,
+                    prompt_tokens,
+                    prompt_ids,
+                    deadline_s,
+                    token_ids,
                 )
             except _EngineClientError as exc:
                 if params is not None:
@@ -327,14 +412,105 @@ class PDRouter:
         record.attempt("handoff", prefill_id, "stranded", reason=reason)
         log.warning("request %s: KV prefilled on %s stranded (%s)", record.id, prefill_id, reason)
 
-    async def _prefill(
+    async def _hedged_prefill(
         self, ticket: Ticket, pair: Pair, request: ClientRequest, record: RequestRecord
+    ) -> tuple[Any, int | None, list[int] | None, Pair]:
+        """The prefill leg; one that runs past ``routing.hedge.factor`` times its predicted
+        queue wait and prefill is hedged on another prefill engine (``Lifecycle.hedge_prefill``)
+        and the first of the two to answer wins. Returns the leg's result and the pair the
+        request now holds (the hedge's, whichever leg won: its decode engine is dispatched)."""
+        hedge = self.fleet.routing.hedge
+        if not hedge.enabled:
+            return (*await self._prefill(ticket, pair, request, record), pair)
+        predicted = ticket.prefill_predicted_s
+        if predicted is not None:
+            after_s = max(hedge.floor_s, hedge.factor * predicted)
+        else:  # no latency model (scheduler v0): half the TTFT budget
+            after_s = max(hedge.floor_s, self.fleet.budgets.ttft_s / 2)
+        first_leg = _PrefillLeg()
+        first = asyncio.ensure_future(self._prefill(ticket, pair, request, record, first_leg))
+        try:
+            done, _ = await asyncio.wait((first,), timeout=after_s)
+            if done:
+                return (*first.result(), pair)
+            budget_left = self.fleet.budgets.ttft_s - record.since_arrival()
+            pick = self.lifecycle.hedge_prefill(ticket, budget_left)
+            if isinstance(pick, NoPair):
+                return (*await first, pair)  # nowhere to hedge: the slow leg runs on, counted
+            first_leg.counted = False
+            record.attempt(
+                "prefill",
+                pair.prefill,
+                "hedged",
+                after_s=round(after_s, 6),
+                predicted_s=None if predicted is None else round(predicted, 6),
+                hedge=pick.prefill,
+            )
+            second = asyncio.ensure_future(
+                self._prefill(ticket, pick, request, record, _PrefillLeg(counted=False))
+            )
+            try:
+                return (*await self._race(ticket, first, second), pick)
+            finally:
+                second.cancel()
+        finally:
+            first.cancel()
+
+    async def _race(
+        self,
+        ticket: Ticket,
+        first: asyncio.Future[tuple[Any, int | None, list[int] | None]],
+        second: asyncio.Future[tuple[Any, int | None, list[int] | None]],
+    ) -> tuple[Any, int | None, list[int] | None]:
+        """The slow prefill leg against its hedge, neither counted by the lifecycle: the first
+        to answer is reported as the ticket's prefill leg; both failing, as one failure."""
+        pending: set[asyncio.Future[Any]] = {first, second}
+        failure: BaseException | None = None
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                exc = task.exception()
+                if exc is None:
+                    result = task.result()
+                    self.lifecycle.prefill_done(ticket, "ok", prompt_tokens=result[1])
+                    won = "hedge" if task is second else "original"
+                    self.metrics.hedges.labels("prefill", won).inc()
+                    return result
+                if isinstance(exc, _EngineClientError):
+                    self.lifecycle.prefill_done(ticket, "refused")
+                    self.metrics.hedges.labels("prefill", "refused").inc()
+                    raise exc
+                failure = exc
+        self.lifecycle.prefill_done(ticket, "failed")
+        self.metrics.hedges.labels("prefill", "failed").inc()
+        assert failure is not None
+        raise failure
+
+    def _prefill_done(
+        self,
+        ticket: Ticket,
+        leg: _PrefillLeg | None,
+        outcome: Literal["ok", "refused", "failed"],
+        prompt_tokens: int | None = None,
+    ) -> None:
+        if leg is None or leg.counted:
+            self.lifecycle.prefill_done(ticket, outcome, prompt_tokens=prompt_tokens)
+
+    async def _prefill(
+        self,
+        ticket: Ticket,
+        pair: Pair,
+        request: ClientRequest,
+        record: RequestRecord,
+        leg: _PrefillLeg | None = None,
     ) -> tuple[Any, int | None, list[int] | None]:
         engine = pair.prefill
         path = "/v1/chat/completions" if request.chat else "/v1/completions"
         body = orjson.dumps(prefill_leg_body(request.body, request.chat))
-        record.prefill_engine = engine
-        record.t_prefill_start = record.since_arrival()
+        started = record.since_arrival()
+        if leg is None or leg.counted:
+            record.prefill_engine = engine
+            record.t_prefill_start = started
         client = self.engines.client(engine)
         headers = {"X-Request-Id": record.id, "Content-Type": "application/json"}
         response: EngineResponse | None = None
@@ -346,20 +522,20 @@ class PDRouter:
                 else:
                     content = await response.read()
         except (EngineTransportError, TimeoutError) as exc:
-            self.lifecycle.prefill_done(ticket, "failed")
+            self._prefill_done(ticket, leg, "failed")
             why = "timed out" if isinstance(exc, TimeoutError) else str(exc)
             record.attempt("prefill", engine, "failed", error=why)
             raise _LegFailure(why) from None
         finally:
             if response is not None:
                 await response.aclose()
-        record.t_prefill_end = record.since_arrival()
+        ended = record.since_arrival()
         if response.status >= 500:
-            self.lifecycle.prefill_done(ticket, "failed")
+            self._prefill_done(ticket, leg, "failed")
             record.attempt("prefill", engine, "failed", status=response.status)
             raise _LegFailure(f"HTTP {response.status}")
         if response.status >= 400:
-            self.lifecycle.prefill_done(ticket, "refused")  # the engine is fine; the request not
+            self._prefill_done(ticket, leg, "refused")  # the engine is fine; the request not
             raise _EngineClientError(response.status, content)
         try:
             data = orjson.loads(content)
@@ -371,13 +547,16 @@ class PDRouter:
             if ids is None:
                 ids = data.get("prompt_token_ids")
         except (orjson.JSONDecodeError, AttributeError):
-            self.lifecycle.prefill_done(ticket, "failed")
+            self._prefill_done(ticket, leg, "failed")
             record.attempt("prefill", engine, "failed", error="malformed response")
             raise _LegFailure("malformed prefill response") from None
         counted = prompt_tokens if isinstance(prompt_tokens, int) else None
         # The decode leg is counted on its engine from here.
-        self.lifecycle.prefill_done(ticket, "ok", prompt_tokens=counted)
-        self.metrics.prefill.labels(engine).observe(record.t_prefill_end - record.t_prefill_start)
+        self._prefill_done(ticket, leg, "ok", counted)
+        # The leg that answered is the request's prefill (a hedge's winner included).
+        record.prefill_engine = engine
+        record.t_prefill_start, record.t_prefill_end = started, ended
+        self.metrics.prefill.labels(engine).observe(ended - started)
         record.attempt("prefill", engine, "ok")
         if counted is not None:
             record.prompt_tokens = counted
@@ -397,11 +576,15 @@ class PDRouter:
         prompt_tokens: int | None,
         prompt_ids: list[int] | None,
         deadline_s: float,
+        token_ids: bool,
     ) -> DecodeStream:
         engine = pair.decode
         path = "/v1/chat/completions" if request.chat else "/v1/completions"
         # A local pick sends the client's request as it is: no kv_transfer_params at all.
-        body = orjson.dumps(decode_leg_body(request.body, params))
+        leg_body = decode_leg_body(request.body, params)
+        if token_ids:
+            leg_body["return_token_ids"] = True
+        body = orjson.dumps(leg_body)
         client = self.engines.client(engine)
         record.decode_engine = engine
         record.t_decode_start = record.since_arrival()

@@ -9,6 +9,22 @@ from typing import Any
 __all__ = ["RequestRecord"]
 
 
+_LEG_FIELDS = (
+    "prompt_tokens",
+    "prefill_engine",
+    "decode_engine",
+    "role_generation",
+    "handoff",
+    "mode",
+    "t_prefill_start",
+    "t_prefill_end",
+    "t_decode_start",
+    "handoff_first_token_s",
+    "cached_tokens_predicted",
+    "kv_blocks_predicted",
+)
+
+
 @dataclass
 class RequestRecord:
     """Mutable while the request runs; ``end_fields`` becomes its ``request.end`` record.
@@ -47,6 +63,8 @@ class RequestRecord:
     # Choices answered (n times the prompts of a batch): each ran as a P/D request of its own,
     # whose legs are this record's attempts; the engines and times above are choice 0's.
     choices: int = 1
+    # Times the request was continued on another pair after its decode leg broke mid-answer.
+    migrations: int = 0
     outcome: str | None = None
     status: int | None = None
     error: str | None = None
@@ -65,6 +83,15 @@ class RequestRecord:
                 **extra,
             }
         )
+
+    def legs_snapshot(self) -> tuple[Any, ...]:
+        """The first legs' engines, times and counts, which a migration's continuation legs
+        must not overwrite (the client's first token was theirs)."""
+        return tuple(getattr(self, name) for name in _LEG_FIELDS)
+
+    def restore_legs(self, snapshot: tuple[Any, ...]) -> None:
+        for name, value in zip(_LEG_FIELDS, snapshot, strict=True):
+            setattr(self, name, value)
 
     def tpot_s(self) -> float | None:
         """Mean time per output token after the first (vLLM's definition), if measurable."""
@@ -109,6 +136,8 @@ class RequestRecord:
             fields["kv_blocks_predicted"] = self.kv_blocks_predicted
         if self.choices > 1:
             fields["choices"] = self.choices
+        if self.migrations:
+            fields["migrations"] = self.migrations
         if self.attempts:
             fields["attempts"] = self.attempts
         return fields

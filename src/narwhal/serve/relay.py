@@ -28,8 +28,8 @@ from narwhal.engines.sse import SseSplitter
 from narwhal.engines.stream_client import EngineStreamConnection
 from narwhal.engines.transport import EngineTransportError
 from narwhal.serve.errors import UpstreamFailed, error_body
+from narwhal.serve.migration import MigrationTrace, Migrator
 from narwhal.serve.pd import DecodeStream
-from narwhal.serve.record import RequestRecord
 
 __all__ = [
     "DONE_EVENT",
@@ -113,18 +113,53 @@ class EventRenderer:
     """The client's SSE bytes for a decode stream's events, a batch at a time, keeping the
     stream's token accounting. ``finished`` once ``[DONE]`` has been rendered: the engine's own,
     or the one that follows an error event (then ``failure`` says what broke). Raises nothing:
-    a malformed event becomes an error event."""
+    a malformed event becomes an error event.
 
-    __slots__ = ("failure", "finished", "include_usage", "prefill_prompt_tokens", "tally")
+    With a ``trace`` (``serve.migration``) the stream can be continued elsewhere: a break that
+    the trace can continue from renders nothing and sets ``interrupted`` (why, and the detail)
+    with ``finished``; the caller migrates the request and calls :meth:`resume`, or renders the
+    break with :meth:`broken` when it cannot."""
+
+    __slots__ = (
+        "failure",
+        "finished",
+        "include_usage",
+        "interrupted",
+        "prefill_prompt_tokens",
+        "tally",
+        "trace",
+    )
 
     def __init__(
-        self, tally: StreamTally, include_usage: bool, prefill_prompt_tokens: int | None
+        self,
+        tally: StreamTally,
+        include_usage: bool,
+        prefill_prompt_tokens: int | None,
+        trace: MigrationTrace | None = None,
     ) -> None:
         self.tally = tally
         self.include_usage = include_usage
         self.prefill_prompt_tokens = prefill_prompt_tokens
         self.finished = False
         self.failure: str | None = None
+        self.trace = trace
+        self.interrupted: tuple[str, str] | None = None
+
+    def interrupt(self, reason: str, message: str) -> bool:
+        """The upstream broke (``reason``: engine_error, connection, stall): True, with
+        ``interrupted`` set, when the trace can continue the request elsewhere."""
+        trace = self.trace
+        if trace is None or trace.blocked(self.tally.token_events) is not None:
+            return False
+        self.interrupted = (reason, message)
+        self.finished = True
+        return True
+
+    def resume(self) -> None:
+        """A continuation's stream follows (``Migrator.resume``): render its events, translated
+        by the trace, from here."""
+        self.interrupted = None
+        self.finished = False
 
     def render(self, batch: list[bytes]) -> bytes:
         """Every event of one upstream read in one piece: a burst costs one client write."""
@@ -140,13 +175,22 @@ class EventRenderer:
             try:
                 obj = orjson.loads(payload)
             except ValueError as exc:
-                out.append(self.broken(f"decode stream broke: {type(exc).__name__}: {exc}"))
+                message = f"decode stream broke: {type(exc).__name__}: {exc}"
+                if not self.interrupt("malformed", message):
+                    out.append(self.broken(message))
                 break
             if isinstance(obj, dict) and "error" in obj:
+                message = str((obj.get("error") or {}).get("message", "engine error"))
+                if self.interrupt("engine_error", message):
+                    break
                 out += (b"data: ", payload, b"\n\n", DONE_EVENT)
-                self.failure = str((obj.get("error") or {}).get("message", "engine error"))
+                self.failure = message
                 self.finished = True
                 break
+            trace = self.trace
+            if trace is not None and trace.migrations and isinstance(obj, dict):
+                obj = trace.translate(obj)
+                payload = orjson.dumps(obj)
             if isinstance(obj, dict) and obj.get("usage") and not obj.get("choices"):
                 tally.completion_tokens = obj["usage"].get("completion_tokens")
                 tally.prompt_tokens = obj["usage"].get("prompt_tokens")
@@ -157,6 +201,9 @@ class EventRenderer:
             else:
                 if isinstance(obj, dict):
                     note_chunk(tally, obj, now)
+                    if trace is not None and not trace.migrations:
+                        trace.observe(obj)
+                        payload = trace.strip(payload)
                 out += (b"data: ", payload, b"\n\n")
         return b"".join(out)
 
@@ -169,26 +216,58 @@ class EventRenderer:
         return b"data: " + body + b"\n\n" + DONE_EVENT
 
     def ended(self, error: Exception | None) -> bytes:
-        """What closes a stream whose upstream ended without ``[DONE]``."""
+        """What closes a stream whose upstream ended without ``[DONE]`` (nothing when the
+        request can be continued elsewhere: ``interrupted``)."""
         if error is not None:
-            return self.broken(f"decode stream broke: {type(error).__name__}: {error}")
-        return self.broken("the decode engine closed the stream early")
+            message = f"decode stream broke: {type(error).__name__}: {error}"
+        else:
+            message = "the decode engine closed the stream early"
+        if self.interrupt("connection", message):
+            return b""
+        return self.broken(message)
+
+    def stalled(self, stall_s: float) -> bool:
+        """No token for ``stall_s``: True (``interrupted``) when the request can be continued
+        elsewhere; else the stream is left to run."""
+        return self.interrupt("stall", f"no token from the decode engine for {stall_s:.3g} s")
 
 
-async def relay_events(stream: DecodeStream, renderer: EventRenderer) -> AsyncIterator[bytes]:
+async def next_batch(
+    stream: DecodeStream, renderer: EventRenderer, stall_s: float | None
+) -> list[bytes] | None:
+    """The stream's next batch of events; None when the stream stalled for ``stall_s`` and the
+    renderer's trace can continue it elsewhere (``interrupted``). A stream that cannot be
+    continued is waited for as long as it takes (the engine's request timeout bounds it)."""
+    trace = renderer.trace
+    if stall_s is None or trace is None or trace.blocked(renderer.tally.token_events):
+        return await stream.events.next_batch()
+    try:
+        async with asyncio.timeout(stall_s):
+            return await stream.events.next_batch()
+    except TimeoutError:
+        renderer.stalled(stall_s)
+        return None
+
+
+async def relay_events(
+    stream: DecodeStream, renderer: EventRenderer, stall_s: float | None = None
+) -> AsyncIterator[bytes]:
     """Yield SSE bytes for the client, reading the stream a batch at a time. Every way it ends
-    yields ``[DONE]`` last; ``renderer.failure`` then says whether the stream broke."""
-    batch = stream.first_events
+    yields ``[DONE]`` last, unless the stream was ``interrupted`` to be continued elsewhere;
+    ``renderer.failure`` then says whether the stream broke."""
+    batch: list[bytes] | None = stream.first_events
     while True:
-        out = renderer.render(batch)
+        out = renderer.render(batch or [])
         if out:
             yield out
         if renderer.finished:
             return
         try:
-            batch = await stream.events.next_batch()
+            batch = await next_batch(stream, renderer, stall_s)
         except (EngineTransportError, ValueError) as exc:
             yield renderer.ended(exc)
+            return
+        if batch is None:
             return
         if not batch:
             yield renderer.ended(None)
@@ -206,7 +285,16 @@ class PushRelay:
     the client has drained).
     """
 
-    __slots__ = ("_connection", "_splitter", "_waiter", "_writer", "pauses", "renderer", "tail")
+    __slots__ = (
+        "_active_at",
+        "_connection",
+        "_splitter",
+        "_waiter",
+        "_writer",
+        "pauses",
+        "renderer",
+        "tail",
+    )
 
     def __init__(
         self,
@@ -222,6 +310,7 @@ class PushRelay:
         self._connection = connection
         self.tail: bytes | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._active_at = time.monotonic()  # since when a stall is counted (client pauses)
 
     def start(self, first_events: list[bytes]) -> None:
         out = self.renderer.render(first_events)
@@ -269,21 +358,33 @@ class PushRelay:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    async def run(self) -> bytes:
-        """Wait for the end, resuming the engine after back-pressure; the tail to send."""
+    async def run(self, stall_s: float | None = None) -> bytes:
+        """Wait for the end, resuming the engine after back-pressure; the tail to send (when
+        the renderer is ``interrupted``, the last piece before the break). A stream with no
+        token for ``stall_s`` is interrupted when its trace can continue it elsewhere."""
         loop = asyncio.get_running_loop()
         while self.tail is None:
             if self._writer.paused:
                 self.pauses += 1
                 await self._writer.drain()
                 self._connection.resume_reading()
+                self._active_at = time.monotonic()
                 continue
-            self._waiter = loop.create_future()
+            self._waiter = waiter = loop.create_future()
             try:
-                await self._waiter
+                if stall_s is None:
+                    await waiter
+                else:
+                    await asyncio.wait((waiter,), timeout=stall_s)
+                    if not waiter.done() and self._stalled(stall_s):
+                        self._finish(b"")
             finally:
                 self._waiter = None
         return self.tail
+
+    def _stalled(self, stall_s: float) -> bool:
+        last = max(self.renderer.tally.last_token_at or 0.0, self._active_at)
+        return time.monotonic() - last >= stall_s and self.renderer.stalled(stall_s)
 
 
 class ClientWriter(Protocol):
@@ -411,28 +512,45 @@ def _forced_tool(body: dict[str, Any]) -> str | None:
 
 
 async def aggregate(
-    stream: DecodeStream,
+    migrator: Migrator,
     chat: bool,
     tally: StreamTally,
-    record: RequestRecord,
     prompt_token_ids: list[int] | None = None,
     body: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Collect a decode stream into the non-streamed OpenAI response the engine would have
     given: each choice's content, reasoning, tool calls (assembled by index from their deltas),
-    logprobs and token ids concatenated in order; ``usage`` as the relay counts it."""
+    logprobs and token ids concatenated in order; ``usage`` as the relay counts it. A stream
+    that breaks is continued on another pair when the migrator's trace allows it."""
     choices: dict[int, _ChoiceParts] = {}
     usage: dict[str, Any] | None = None
     head: dict[str, Any] | None = None
-    batch, i = stream.first_events, 0
-    try:
-        while True:
+    trace = migrator.trace
+    stream = migrator.stream
+    # Renders nothing here: its trace observes the chunks and it says when a break can be
+    # continued elsewhere (``interrupted``).
+    renderer = EventRenderer(tally, False, None, trace)
+    prefill_prompt_tokens = stream.prefill_prompt_tokens  # the client's prompt, as counted
+    batch: list[bytes] | None = stream.first_events
+    i = 0
+    while True:
+        try:
+            if renderer.interrupted or batch is None:
+                reason, message = renderer.interrupted or ("stall", "the decode stream stalled")
+                resumed = await migrator.resume(reason, message)
+                if resumed is None:
+                    raise UpstreamFailed("stream_error", f"decode failed mid-generation: {message}")
+                renderer.resume()
+                stream = resumed
+                batch, i = stream.first_events, 0
+                continue
             if i == len(batch):
-                batch, i = await stream.events.next_batch(), 0
-                if not batch:
-                    raise UpstreamFailed(
-                        "stream_error", "the decode engine closed the stream early"
-                    )
+                batch, i = await next_batch(stream, renderer, migrator.stall_s), 0
+                if batch is not None and not batch:
+                    message = "the decode engine closed the stream early"
+                    if not renderer.interrupt("connection", message):
+                        raise UpstreamFailed("stream_error", message)
+                continue
             payload = batch[i]
             i += 1
             if payload == b"[DONE]":
@@ -442,7 +560,14 @@ async def aggregate(
                 raise UpstreamFailed("decode_failed", "malformed chunk from the decode engine")
             if "error" in obj:
                 detail = str((obj.get("error") or {}).get("message", "engine error"))
+                if renderer.interrupt("engine_error", detail):
+                    continue
                 raise UpstreamFailed("stream_error", f"decode failed mid-generation: {detail}")
+            if trace is not None:
+                if trace.migrations:
+                    obj = trace.translate(obj)
+                else:
+                    trace.observe(obj)
             head = head or obj
             if obj.get("usage") and not obj.get("choices"):
                 usage = obj["usage"]
@@ -454,16 +579,16 @@ async def aggregate(
                         index if isinstance(index, int) else 0, _ChoiceParts()
                     )
                     parts.add(choice, chat)
-    except (EngineTransportError, ValueError, AttributeError, TypeError) as exc:
-        raise UpstreamFailed(
-            "stream_error", f"decode stream broke: {type(exc).__name__}: {exc}"
-        ) from None
+        except (EngineTransportError, ValueError, AttributeError, TypeError) as exc:
+            message = f"decode stream broke: {type(exc).__name__}: {exc}"
+            if not renderer.interrupt("connection", message):
+                raise UpstreamFailed("stream_error", message) from None
     tally.done = True
     if usage is not None:
         tally.completion_tokens = usage.get("completion_tokens")
         tally.prompt_tokens = usage.get("prompt_tokens")
         tally.cached_tokens = _cached_tokens(usage)
-        usage = _usage(usage, stream.prefill_prompt_tokens)
+        usage = _usage(usage, prefill_prompt_tokens)
     head = head or {}
     forced_tool = _forced_tool(body) if chat and body is not None else None
     out: list[dict[str, Any]] = []
@@ -478,7 +603,8 @@ async def aggregate(
             logprobs=parts.logprobs,
             finish_reason=parts.finish_reason,
             stop_reason=parts.stop_reason,
-            token_ids=parts.token_ids,
+            # The ids the router asked for to migrate with are the client's only if it asked.
+            token_ids=parts.token_ids if trace is None or trace.client_ids else None,
             routed_experts=None,
         )
         if not chat:

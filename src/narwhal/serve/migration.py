@@ -1,0 +1,323 @@
+"""Request migration: a decode leg that breaks after its first token (the engine died, answered
+an error event, or stalled) is continued on another pair from the tokens the client already
+received, and the new stream is spliced into the client's.
+
+Continuing exactly needs token ids, not text: re-tokenising text is not always the same ids.
+So while migration is possible the decode leg asks the engine for ``return_token_ids`` (vLLM:
+the prompt's ids on the first chunk, each chunk's own ids beside its text), the trace keeps them,
+and the ids are blanked from what the client sees unless it asked for them. The continuation is
+a completions request whose prompt is those ids (the chat template already applied: the ids are
+what the engine decoded from), ``max_tokens`` reduced by what was generated, the sampling
+parameters unchanged; it goes through a prefill leg and a KV handoff like any request, and its
+chunks are rewritten into the client's shape (its id, object and choice format; usage counting
+the original prompt and everything the client received).
+
+What cannot be continued exactly, and so is not migrated (the stream ends with an error event
+as before): a chat request with tools the engine may call (its tool parser's state is in the
+broken engine), a structured output (``response_format``, guided decoding: the grammar would
+restart mid-answer), chat logprobs (the completions format they would come back in loses the
+order of equal-text alternatives), a choice of an ``n > 1`` or batched request (each choice is
+its own generation, seeded from the request: the continuation's is not), and any stream in
+which the engine sent reasoning or tool-call deltas. At temperature > 0 a continuation samples
+from the same distribution but not the same draw (a seed restarts with the continuation); stop
+strings are matched in the continuation's text only, so one straddling the splice is missed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from narwhal.contract import Migration
+from narwhal.serve.errors import RouterError
+from narwhal.serve.pd import DecodeStream, PDRouter
+from narwhal.serve.record import RequestRecord
+from narwhal.serve.validation import ClientRequest
+
+__all__ = ["MigrationTrace", "Migrator", "continuation_request", "new_trace", "not_migratable"]
+
+# Sampling and output fields a continuation carries unchanged (vLLM's names; both routes).
+_CARRIED = (
+    "model",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "priority",
+    "cache_salt",
+    "user",
+)
+_STRUCTURED = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+# A chunk's ids, blanked for a client that did not ask for them (vLLM then sends null).
+_IDS_RE = re.compile(rb'"(prompt_)?token_ids":\[[0-9, ]*\]')
+
+
+def not_migratable(request: ClientRequest) -> str | None:
+    """Why ``request`` cannot be continued exactly on another engine, or None when it can."""
+    body = request.body
+    if request.choices:
+        return "n > 1 or batched prompts"
+    if request.chat:
+        if body.get("tools") and body.get("tool_choice") != "none":
+            return "tools"
+        if body.get("logprobs"):
+            return "chat logprobs"
+    if any(body.get(name) is not None for name in _STRUCTURED):
+        return "structured output"
+    return None
+
+
+@dataclass(eq=False)
+class MigrationTrace:
+    """What the client of one request has received, kept as the stream goes so that the
+    request can be continued elsewhere; and, once it has been, the rewriting of the
+    continuation's chunks into the client's."""
+
+    chat: bool
+    settings: Migration
+    max_model_len: int
+    # The client's max_tokens (None: up to the model's length, a chat request's default).
+    max_tokens: int | None
+    client_ids: bool  # the client asked for token ids: they stay in its chunks
+    prompt_ids: list[int] | None = None
+    generated: list[int] = field(default_factory=list)
+    head: dict[str, Any] | None = None  # id, object, created, model of the client's chunks
+    exact: bool = True  # False once the engine sent what a continuation cannot reproduce
+    finished: bool = False  # a finish_reason arrived: the answer is whole
+    text_chars: int = 0  # completions: characters received (logprobs text_offset)
+    migrations: int = 0
+    completion_offset: int = 0  # tokens the earlier legs generated (the client's usage)
+
+    def observe(self, obj: dict[str, Any]) -> None:
+        """One chunk of the stream the client is receiving (already relayed as it came)."""
+        choices = obj.get("choices")
+        if not choices:
+            return
+        if self.head is None:
+            self.head = {k: obj.get(k) for k in ("id", "object", "created", "model")}
+            ids = obj.get("prompt_token_ids")
+            if ids is None and isinstance(choices[0], dict):
+                ids = choices[0].get("prompt_token_ids")
+            if isinstance(ids, list):
+                self.prompt_ids = ids
+        for choice in choices:
+            ids = choice.get("token_ids")
+            if ids:
+                self.generated += ids
+            if self.chat:
+                delta = choice.get("delta")
+                if delta and (
+                    delta.get("tool_calls")
+                    or delta.get("reasoning")
+                    or delta.get("reasoning_content")
+                ):
+                    self.exact = False
+            else:
+                self.text_chars += len(choice.get("text") or "")
+            if choice.get("finish_reason"):
+                self.finished = True
+
+    def strip(self, payload: bytes) -> bytes:
+        """The chunk as the client would have had it without the ids the router asked for."""
+        if self.client_ids or b'token_ids":[' not in payload:
+            return payload
+        return _IDS_RE.sub(rb'"\1token_ids":null', payload)
+
+    def blocked(self, token_events: int) -> str | None:
+        """Why the stream cannot be continued now, or None when it can."""
+        if not self.exact:
+            return "the engine sent reasoning or tool-call deltas"
+        if self.finished:
+            return "the answer was complete"
+        if self.migrations >= self.settings.limit:
+            return f"the migration limit ({self.settings.limit}) is reached"
+        if self.prompt_ids is None or self.head is None:
+            return "the engine did not return the prompt's token ids"
+        if token_events and not self.generated:
+            return "the engine did not return the generated token ids"
+        length = len(self.prompt_ids) + len(self.generated)
+        bound = min(self.settings.max_sequence_tokens or self.max_model_len, self.max_model_len)
+        if length >= bound:
+            return f"the sequence ({length} tokens) reaches the bound ({bound})"
+        if self.remaining() < 1:
+            return "no tokens left to generate"
+        return None
+
+    def remaining(self) -> int:
+        assert self.prompt_ids is not None
+        done = len(self.generated)
+        if self.max_tokens is not None:
+            return self.max_tokens - done
+        return self.max_model_len - len(self.prompt_ids) - done
+
+    def translate(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """A continuation's chunk (a completions chunk) as the client's stream would carry it:
+        the client's id, object and choice format; usage of the original prompt and of every
+        token the client received."""
+        assert self.head is not None and self.prompt_ids is not None
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            prompt = len(self.prompt_ids)
+            completion = (usage.get("completion_tokens") or 0) + self.completion_offset
+            obj["usage"] = {
+                **usage,
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": None,
+            }
+        choices = obj.get("choices")
+        if not choices:
+            return {**obj, **self.head}
+        out = []
+        for choice in choices:
+            ids = choice.get("token_ids")
+            if ids:
+                self.generated += ids
+            text = choice.get("text") or ""
+            if choice.get("finish_reason"):
+                self.finished = True
+            if self.chat:
+                rewritten: dict[str, Any] = {
+                    "index": 0,
+                    "delta": {"content": text},
+                    "logprobs": None,
+                    "finish_reason": choice.get("finish_reason"),
+                    "stop_reason": choice.get("stop_reason"),
+                    "token_ids": ids if self.client_ids else None,
+                }
+            else:
+                rewritten = {
+                    **choice,
+                    "index": 0,
+                    "token_ids": ids if self.client_ids else None,
+                    "prompt_token_ids": None,
+                }
+                logprobs = choice.get("logprobs")
+                if isinstance(logprobs, dict) and isinstance(logprobs.get("text_offset"), list):
+                    shift = self.text_chars
+                    rewritten["logprobs"] = {
+                        **logprobs,
+                        "text_offset": [o + shift for o in logprobs["text_offset"]],
+                    }
+                self.text_chars += len(text)
+            out.append(rewritten)
+        return {**obj, **self.head, "choices": out}
+
+    def begin(self) -> None:
+        """A continuation starts: its chunks are translated from now on."""
+        self.migrations += 1
+        self.completion_offset = len(self.generated)
+
+
+def new_trace(
+    request: ClientRequest, settings: Migration, max_model_len: int
+) -> MigrationTrace | None:
+    """The trace of a request that can be migrated, or None (migration off, or the request
+    is of a kind a continuation cannot reproduce)."""
+    if not settings.limit or not_migratable(request) is not None:
+        return None
+    max_tokens = request.max_tokens
+    if max_tokens is None and not request.chat:
+        max_tokens = 16  # vLLM's completions default
+    return MigrationTrace(
+        chat=request.chat,
+        settings=settings,
+        max_model_len=max_model_len,
+        max_tokens=max_tokens,
+        client_ids=bool(request.body.get("return_token_ids")),
+    )
+
+
+class Migrator:
+    """One request's migrations: the decode stream it holds now, and the continuation of it on
+    another pair when it breaks."""
+
+    __slots__ = ("record", "request", "router", "stream", "trace")
+
+    def __init__(
+        self,
+        router: PDRouter,
+        request: ClientRequest,
+        record: RequestRecord,
+        stream: DecodeStream,
+        trace: MigrationTrace | None,
+    ) -> None:
+        self.router = router
+        self.request = request
+        self.record = record
+        self.stream = stream
+        self.trace = trace
+
+    @property
+    def stall_s(self) -> float | None:
+        """How long the current stream may go without a token before it counts as stalled
+        (None: never, when the request cannot be migrated)."""
+        return None if self.trace is None else self.router.stall_s(self.stream)
+
+    async def resume(self, reason: str, message: str) -> DecodeStream | None:
+        """Continue the request on another pair after its stream broke (``reason``); the new
+        stream (positioned after its first event), or None when no pair could take it (then
+        the break is the client's, as without migration)."""
+        trace = self.trace
+        assert trace is not None
+        number = trace.migrations + 1
+        continuation = continuation_request(self.request, trace)
+        try:
+            stream = await self.router.continue_on(
+                self.stream, continuation, self.record, reason, number, len(trace.generated)
+            )
+        except RouterError as exc:
+            self.record.attempt(
+                "migration", self.stream.engine, "failed", reason=reason, error=exc.message
+            )
+            return None
+        trace.begin()
+        self.stream = stream
+        self.record.migrations = number
+        return stream
+
+
+def continuation_request(request: ClientRequest, trace: MigrationTrace) -> ClientRequest:
+    """The completions request that continues ``request`` from what ``trace`` has received."""
+    assert trace.prompt_ids is not None
+    body = request.body
+    prompt = trace.prompt_ids + trace.generated
+    remaining = trace.remaining()
+    out: dict[str, Any] = {k: body[k] for k in _CARRIED if k in body}
+    out.update(prompt=prompt, max_tokens=remaining, stream=True, return_token_ids=True)
+    if body.get("min_tokens"):
+        out["min_tokens"] = max(0, body["min_tokens"] - len(trace.generated))
+    if not request.chat and body.get("logprobs") is not None:
+        out["logprobs"] = body["logprobs"]
+    out["stream_options"] = {"include_usage": True}
+    return ClientRequest(
+        chat=False,
+        body=out,
+        model=request.model,
+        stream=True,
+        include_usage=True,
+        max_tokens=remaining,
+        prompt_tokens_exact=len(prompt),
+    )

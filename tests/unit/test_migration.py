@@ -1,0 +1,214 @@
+"""Request migration's pure parts: what a stream's trace keeps, the continuation request it
+builds, the rewriting of the continuation's chunks into the client's, and which requests are
+not migrated (serve.migration)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from narwhal.contract import Migration
+from narwhal.serve.migration import MigrationTrace, continuation_request, new_trace
+from narwhal.serve.validation import parse_client_request
+
+MAX_MODEL_LEN = 1000
+
+
+def _request(body: dict[str, Any], chat: bool = False):
+    return parse_client_request(orjson.dumps(body), chat, "m", MAX_MODEL_LEN)
+
+
+def _trace(body: dict[str, Any], chat: bool = False, **settings: Any) -> MigrationTrace:
+    trace = new_trace(_request(body, chat), Migration(**settings), MAX_MODEL_LEN)
+    assert trace is not None
+    return trace
+
+
+def _chat_chunk(content: str, ids: list[int], **more: Any) -> dict[str, Any]:
+    choice = {"index": 0, "delta": {"content": content}, "token_ids": ids, **more}
+    return {
+        "id": "chatcmpl-a",
+        "object": "chat.completion.chunk",
+        "created": 7,
+        "model": "m",
+        "choices": [choice],
+    }
+
+
+def test_a_stream_is_traced_and_continued_from_its_token_ids() -> None:
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 10,
+        "temperature": 0,
+        "seed": 3,
+        "stop": ["x"],
+        "min_tokens": 4,
+        "top_k": 5,
+    }
+    trace = _trace(body, chat=True)
+    first = _chat_chunk("", [], prompt_token_ids=[1, 2, 3])
+    first["prompt_token_ids"] = [1, 2, 3]
+    trace.observe(first)
+    trace.observe(_chat_chunk("a b", [10, 11]))
+    assert trace.blocked(token_events=1) is None
+    cont = continuation_request(_request(body, chat=True), trace)
+    assert not cont.chat and cont.stream
+    assert cont.body["prompt"] == [1, 2, 3, 10, 11]
+    assert cont.body["max_tokens"] == 8 and cont.max_tokens == 8
+    assert cont.body["min_tokens"] == 2
+    assert cont.body["return_token_ids"] is True
+    assert cont.body["stream_options"] == {"include_usage": True}
+    for name in ("temperature", "seed", "stop", "top_k", "model"):
+        assert cont.body[name] == body[name]
+    assert "messages" not in cont.body and "max_completion_tokens" not in cont.body
+    assert cont.prompt_tokens_exact == 5
+
+
+def test_continuation_chunks_become_the_clients() -> None:
+    trace = _trace({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, chat=True)
+    first = _chat_chunk("", [])
+    first["prompt_token_ids"] = [1, 2]
+    trace.observe(first)
+    trace.observe(_chat_chunk("a", [10]))
+    trace.begin()
+    piece = {
+        "id": "cmpl-z",
+        "object": "text_completion",
+        "created": 9,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "text": " b",
+                "token_ids": [11],
+                "logprobs": None,
+                "finish_reason": "stop",
+                "stop_reason": None,
+                "prompt_token_ids": [1, 2, 10],
+            }
+        ],
+    }
+    out = trace.translate(piece)
+    assert out["id"] == "chatcmpl-a" and out["object"] == "chat.completion.chunk"
+    assert out["created"] == 7
+    (choice,) = out["choices"]
+    assert choice["delta"] == {"content": " b"} and choice["finish_reason"] == "stop"
+    assert choice["token_ids"] is None  # the client did not ask for them
+    assert trace.generated == [10, 11] and trace.finished
+    usage = trace.translate(
+        {
+            "id": "cmpl-z",
+            "object": "text_completion",
+            "choices": [],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+        }
+    )["usage"]
+    # The client's prompt, and every token it received.
+    assert usage["prompt_tokens"] == 2 and usage["completion_tokens"] == 2
+    assert usage["total_tokens"] == 4
+
+
+def test_completions_logprobs_offsets_continue_where_the_text_stopped() -> None:
+    trace = _trace({"model": "m", "prompt": [1, 2], "max_tokens": 5, "logprobs": 1})
+    trace.observe(
+        {
+            "id": "cmpl-a",
+            "object": "text_completion",
+            "created": 1,
+            "model": "m",
+            "choices": [{"index": 0, "text": "abc", "token_ids": [5], "prompt_token_ids": [1, 2]}],
+        }
+    )
+    trace.begin()
+    out = trace.translate(
+        {
+            "id": "cmpl-b",
+            "choices": [
+                {"index": 0, "text": "de", "token_ids": [6], "logprobs": {"text_offset": [0]}}
+            ],
+        }
+    )
+    assert out["choices"][0]["logprobs"]["text_offset"] == [3]
+    assert out["id"] == "cmpl-a"
+
+
+def test_ids_the_client_did_not_ask_for_are_blanked_as_vllm_sends_them() -> None:
+    trace = _trace({"model": "m", "prompt": [1], "max_tokens": 5})
+    payload = b'{"choices":[{"index":0,"text":"a","token_ids":[5, 6],"prompt_token_ids":[1]}]}'
+    assert trace.strip(payload) == (
+        b'{"choices":[{"index":0,"text":"a","token_ids":null,"prompt_token_ids":null}]}'
+    )
+    asked = _trace({"model": "m", "prompt": [1], "max_tokens": 5, "return_token_ids": True})
+    assert asked.strip(payload) == payload
+    # Text that spells the field is escaped inside its string: never touched.
+    text = b'{"choices":[{"text":"\\"token_ids\\":[1]","token_ids":null}]}'
+    assert trace.strip(text) == text
+
+
+def test_what_cannot_be_continued_exactly_is_not_migrated() -> None:
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    settings = Migration()
+    assert new_trace(_request({**chat, "tools": [tool]}, True), settings, MAX_MODEL_LEN) is None
+    none_chosen = {**chat, "tools": [tool], "tool_choice": "none"}
+    assert new_trace(_request(none_chosen, True), settings, MAX_MODEL_LEN) is not None
+    assert new_trace(_request({**chat, "logprobs": True}, True), settings, MAX_MODEL_LEN) is None
+    fmt = {**chat, "response_format": {"type": "json_object"}}
+    assert new_trace(_request(fmt, True), settings, MAX_MODEL_LEN) is None
+    assert new_trace(_request({**chat, "n": 2}, True), settings, MAX_MODEL_LEN) is None
+    assert new_trace(_request(chat, True), Migration(limit=0), MAX_MODEL_LEN) is None
+
+
+def test_a_trace_says_why_it_cannot_continue() -> None:
+    trace = _trace(
+        {"model": "m", "prompt": [1, 2], "max_tokens": 4}, limit=1, max_sequence_tokens=5
+    )
+    assert "prompt's token ids" in (trace.blocked(0) or "")
+    trace.observe(
+        {
+            "id": "c",
+            "choices": [{"index": 0, "text": "a", "token_ids": [7], "prompt_token_ids": [1, 2]}],
+        }
+    )
+    assert trace.blocked(1) is None
+    trace.observe({"id": "c", "choices": [{"index": 0, "text": "b", "token_ids": [8, 9]}]})
+    assert "bound" in (trace.blocked(2) or "")  # 2 + 3 tokens reach max_sequence_tokens
+    trace = _trace({"model": "m", "prompt": [1, 2], "max_tokens": 4}, limit=1)
+    trace.observe(
+        {
+            "id": "c",
+            "choices": [{"index": 0, "text": "a", "token_ids": [7], "prompt_token_ids": [1, 2]}],
+        }
+    )
+    trace.begin()
+    assert "limit" in (trace.blocked(1) or "")
+    reasoning = _trace({"model": "m", "messages": [{"role": "user", "content": "x"}]}, chat=True)
+    reasoning.observe(
+        {
+            "id": "c",
+            "prompt_token_ids": [1],
+            "choices": [{"index": 0, "delta": {"reasoning": "hm"}, "token_ids": [4]}],
+        }
+    )
+    assert "reasoning" in (reasoning.blocked(1) or "")
+    blind = _trace({"model": "m", "prompt": [1, 2], "max_tokens": 4})
+    blind.observe({"id": "c", "choices": [{"index": 0, "text": "a", "prompt_token_ids": [1, 2]}]})
+    assert "generated token ids" in (blind.blocked(1) or "")
+    done = _trace({"model": "m", "prompt": [1, 2], "max_tokens": 4})
+    done.observe(
+        {
+            "id": "c",
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "a",
+                    "token_ids": [3],
+                    "prompt_token_ids": [1, 2],
+                    "finish_reason": "stop",
+                }
+            ],
+        }
+    )
+    assert "complete" in (done.blocked(1) or "")
