@@ -535,6 +535,13 @@ def main() -> int:
         " prefix index follows them (otherwise it learns from its routing history)",
     )
     parser.add_argument(
+        "--fleet-routing",
+        type=json.loads,
+        default={},
+        help='the fleet\'s "routing" section (JSON), e.g. migration and hedging off: '
+        '\'{"migration": {"limit": 0}, "hedge": {"enabled": false}}\'',
+    )
+    parser.add_argument(
         "--narwhal-arg",
         action="append",
         default=[],
@@ -575,6 +582,7 @@ def main() -> int:
             kv_event_ports=[(ports[10], ports[11]), (ports[12], ports[13])]
             if args.kv_events
             else None,
+            routing=args.fleet_routing,
         )
         fleet_path = directory / "fleet.json"
         fleet_path.write_text(json.dumps(doc, indent=2))

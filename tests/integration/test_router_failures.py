@@ -204,17 +204,20 @@ def test_deadline_everywhere_is_a_504(stack) -> None:
 
 def test_failure_after_first_token_ends_stream_with_error_event(stack) -> None:
     fleet, router = stack
-    for engine in ("e2", "e3"):
-        admin(fleet.engines[engine].url, "POST", {"drop_stream_after_tokens": 2})
+    # Every engine breaks its streams after 2 tokens: each break is continued on another pair
+    # (routing.migration) until the request's migration limit (2), then the client gets an
+    # error event, never a silent truncation.
+    for engine in fleet.engines.values():
+        admin(engine.url, "POST", {"drop_stream_after_tokens": 2})
     r = post(router, stream=True, max_tokens=10)
     assert r.status_code == 200
     events = sse(r)
     assert events[-1] == "[DONE]"
     assert "error" in events[-2]
     tokens = [e for e in events[:-2] if isinstance(e, dict) and e.get("choices")]
-    assert len(tokens) == 2
+    assert len(tokens) == 6
     end = end_of(router, r)
-    assert end["outcome"] == "stream_error"
+    assert end["outcome"] == "stream_error" and end["migrations"] == 2
     # Non-streamed: the client never sees a truncated completion as if it were whole.
     r = post(router, max_tokens=10)
     assert r.status_code == 502

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from narwhal.simengine.generation import GenerationModel
+from narwhal.simengine.generation import ContextChain, GenerationModel
 from narwhal.simengine.openai_surface import ChoiceState, minimal_instance
 from narwhal.simengine.protocol import GenerationParams, ProtocolError, parse_generation
 from narwhal.simengine.vocab import Vocabulary
@@ -245,12 +245,26 @@ def test_guided_texts() -> None:
 
 
 def _state(params: GenerationParams, index: int = 0) -> ChoiceState:
-    return ChoiceState(index, params.chat, params.surface, VOCAB, MODEL, b"d" * 32, "chatcmpl-x")
+    return ChoiceState(index, params.chat, params.surface, VOCAB, MODEL, "chatcmpl-x")
+
+
+def _keys(tokens: list[int]) -> list[bytes]:
+    """The context keys ``tokens`` are generated at, after a fixed prompt."""
+    chain = ContextChain(0, [1, 2, 3])
+    keys = []
+    for token in tokens:
+        keys.append(chain.key())
+        chain.append(token)
+    return keys
 
 
 def _run(params: GenerationParams, tokens: list[int], finish: str) -> tuple[list[Any], ChoiceState]:
     state = _state(params)
-    steps = [state.step(t, finish if i == len(tokens) - 1 else None) for i, t in enumerate(tokens)]
+    keys = _keys(tokens)
+    steps = [
+        state.step(t, finish if i == len(tokens) - 1 else None, keys[i])
+        for i, t in enumerate(tokens)
+    ]
     return steps, state
 
 
@@ -260,7 +274,7 @@ WORDS = [VOCAB.first_word_id + i for i in (5, 77, 3000)]
 def test_chat_logprobs_shape_and_stream_equals_whole() -> None:
     params = parse({"logprobs": True, "top_logprobs": 3})
     steps, _ = _run(params, WORDS, "length")
-    whole = _state(params).logprobs_for(WORDS, 0, 0)
+    whole = _state(params).logprobs_for(WORDS, _keys(WORDS), 0)
     assert [e for s in steps for e in s.logprobs["content"]] == whole["content"]
     first = whole["content"][0]
     assert list(first) == ["token", "logprob", "bytes", "top_logprobs"]
@@ -274,7 +288,7 @@ def test_chat_logprobs_shape_and_stream_equals_whole() -> None:
     assert all(v < 0 for v in values)
     assert len({t["token"] for t in tops}) == 3
     # top_logprobs 0: the sampled token's logprob only.
-    zero = _state(parse({"logprobs": True})).logprobs_for(WORDS, 0, 0)
+    zero = _state(parse({"logprobs": True})).logprobs_for(WORDS, _keys(WORDS), 0)
     assert all(e["top_logprobs"] == [] for e in zero["content"])
     assert [e["logprob"] for e in zero["content"]] == [e["logprob"] for e in whole["content"]]
 
@@ -282,7 +296,7 @@ def test_chat_logprobs_shape_and_stream_equals_whole() -> None:
 def test_completion_logprobs_shape_and_stream_equals_whole() -> None:
     params = parse({"logprobs": 2}, chat=False)
     steps, _ = _run(params, WORDS, "length")
-    whole = _state(params).logprobs_for(WORDS, 0, 0)
+    whole = _state(params).logprobs_for(WORDS, _keys(WORDS), 0)
     assert list(whole) == ["text_offset", "token_logprobs", "tokens", "top_logprobs"]
     texts = [VOCAB.token_text(t) for t in WORDS]
     assert whole["tokens"] == texts
@@ -292,7 +306,7 @@ def test_completion_logprobs_shape_and_stream_equals_whole() -> None:
     for lp, top in zip(whole["token_logprobs"], whole["top_logprobs"], strict=True):
         assert len(top) == 2
         assert max(top.values()) == lp == next(iter(top.values()))
-    only = _state(parse({"logprobs": 0}, chat=False)).logprobs_for(WORDS, 0, 0)
+    only = _state(parse({"logprobs": 0}, chat=False)).logprobs_for(WORDS, _keys(WORDS), 0)
     assert [len(t) for t in only["top_logprobs"]] == [1, 1, 1]
 
 
@@ -380,9 +394,16 @@ def test_plain_choice_is_text() -> None:
     assert state.message("x", "stop") == (None, None, "stop")
 
 
-def test_choices_have_different_digests() -> None:
-    from narwhal.simengine.generation import choice_digest, prompt_digest
+def test_choices_have_different_sequences() -> None:
+    from narwhal.simengine.generation import choice_digest
 
-    digest = prompt_digest(0, [1, 2, 3])
+    digest = b"d" * 32
     assert choice_digest(digest, 1) != choice_digest(digest, 2) != digest
     assert choice_digest(digest, 1) == choice_digest(digest, 1)
+    prompt = [1, 2, 3]
+    keys = {ContextChain(0, prompt, choice).key() for choice in range(3)}
+    assert len(keys) == 3
+    assert ContextChain(0, prompt, 0).key() == ContextChain(0, prompt).key()
+    answers = [MODEL.generate(prompt, 20, choice) for choice in range(3)]
+    assert answers[0] == MODEL.generate(prompt, 20)
+    assert answers[0] != answers[1] != answers[2] != answers[0]

@@ -26,7 +26,7 @@ from narwhal.simengine.engine import (
     parse_kv_transfer_params,
 )
 from narwhal.simengine.faults import FaultSettings
-from narwhal.simengine.generation import GenerationModel, KVLayout, prompt_digest
+from narwhal.simengine.generation import ContextChain, GenerationModel, KVLayout
 from narwhal.simengine.kv_blocks import BlockPool
 from narwhal.simengine.kv_transfer import KVTransferAgent
 from narwhal.simengine.metrics import EngineMetrics
@@ -43,8 +43,8 @@ VOCAB = Vocabulary()
 
 def test_generated_words_round_trip() -> None:
     model = GenerationModel(VOCAB)
-    digest = prompt_digest(0, [1, 2, 3])
-    ids = [model.token_at(digest, k) for k in range(200)]
+    ids = model.generate([1, 2, 3], 200)
+    assert len(ids) == 200
     text = VOCAB.decode(ids)
     assert VOCAB.encode(text) == ids
     assert all(VOCAB.first_word_id <= t < VOCAB.im_start_id for t in ids)
@@ -122,32 +122,38 @@ def test_vocab_seed_permutes_word_ids() -> None:
 def test_generation_is_deterministic() -> None:
     prompt = [5, 300, 301, 302]
     a, b = GenerationModel(VOCAB), GenerationModel(Vocabulary())
-    d1, d2 = prompt_digest(0, prompt), prompt_digest(0, list(prompt))
-    assert d1 == d2
-    assert [a.token_at(d1, k) for k in range(50)] == [b.token_at(d2, k) for k in range(50)]
+    assert a.generate(prompt, 50) == b.generate(list(prompt), 50)
+    assert ContextChain(0, prompt).key() == ContextChain(0, tuple(prompt)).key()
     # Position matters.
-    assert len({a.token_at(d1, k) for k in range(50)}) > 40
+    assert len(set(a.generate(prompt, 50))) > 40
 
 
 def test_model_seed_and_prompt_change_tokens() -> None:
     model = GenerationModel(VOCAB)
     prompt = [5, 300, 301, 302]
-    base = [model.token_at(prompt_digest(0, prompt), k) for k in range(20)]
-    other_seed = [model.token_at(prompt_digest(1, prompt), k) for k in range(20)]
-    other_prompt = [model.token_at(prompt_digest(0, [*prompt[:-1], 303]), k) for k in range(20)]
+    base = model.generate(prompt, 20)
+    other_seed = GenerationModel(VOCAB, model_seed=1).generate(prompt, 20)
+    other_prompt = model.generate([*prompt[:-1], 303], 20)
     assert base != other_seed
     assert base != other_prompt
 
 
 def test_eos_probability() -> None:
-    digest = prompt_digest(0, [1, 2])
+    chain = ContextChain(0, [1, 2])
+    keys = []
+    for k in range(2000):
+        keys.append(chain.key())
+        chain.append(VOCAB.first_word_id + k)
     never = GenerationModel(VOCAB, eos_prob=0.0)
     always = GenerationModel(VOCAB, eos_prob=1.0)
-    assert all(never.token_at(digest, k) != VOCAB.eos_id for k in range(500))
-    assert all(always.token_at(digest, k) == VOCAB.eos_id for k in range(50))
+    assert all(never.token_at(key) != VOCAB.eos_id for key in keys[:500])
+    assert all(always.token_at(key) == VOCAB.eos_id for key in keys[:50])
     some = GenerationModel(VOCAB, eos_prob=0.2)
-    hits = sum(some.token_at(digest, k) == VOCAB.eos_id for k in range(2000))
+    hits = sum(some.token_at(key) == VOCAB.eos_id for key in keys)
     assert 250 < hits < 550
+    # With EOS masked (min_tokens, ignore_eos) the model writes the word it would have.
+    assert all(some.token_at(key) in (VOCAB.eos_id, some.word_at(key)) for key in keys)
+    assert all(never.token_at(key) == never.word_at(key) for key in keys)
 
 
 # --- KVLayout ------------------------------------------------------------------------------

@@ -320,7 +320,9 @@ class GenerationEndpoint:
             writer = _DirectWriter.of(send) if self.services.settings.relay == "push" else None
             while True:
                 stream = migrator.stream
-                if writer is not None and isinstance(stream.response, EngineStreamConnection):
+                pushed = writer is not None and isinstance(stream.response, EngineStreamConnection)
+                if pushed:
+                    assert writer is not None
                     tail = await self._push(writer, stream, renderer, migrator.stall_s)
                 else:
                     tail = b""
@@ -343,7 +345,7 @@ class GenerationEndpoint:
                         if not renderer.interrupted:
                             break
                 if renderer.interrupted is None:
-                    if writer is not None and tail:
+                    if pushed:
                         # The last piece through the server: it completes the response, with
                         # the chunked terminator in the same write.
                         watch.stop()  # the server reports a completed response as a disconnect
@@ -354,7 +356,6 @@ class GenerationEndpoint:
                 reason, message = renderer.interrupted
                 if await migrator.resume(reason, message) is not None:
                     renderer.resume()
-                    stream = migrator.stream
                     continue
                 renderer.interrupted = None
                 tail = renderer.broken(f"{message} (and no pair could continue the request)")

@@ -91,6 +91,11 @@ def add_engine_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     faults.add_argument("--fault-hang-kv-read-s", type=float, default=0.0)
     faults.add_argument("--fault-stall-first-token-s", type=float, default=0.0)
     faults.add_argument("--fault-drop-stream-after-tokens", type=int)
+    faults.add_argument(
+        "--fault-error-after-tokens",
+        type=int,
+        help="fail generation after N tokens: an error event (a 500 when not streamed)",
+    )
     faults.add_argument("--fault-metrics", choices=["ok", "lie", "stop", "hang"], default="ok")
     p.add_argument("--log-level", default="warning")
 
@@ -183,6 +188,7 @@ def _resolve_engine(args: argparse.Namespace) -> tuple[Any, str, int]:
         stall_first_token_s=args.fault_stall_first_token_s,
         slowdown=sim.slowdown,
         drop_stream_after_tokens=args.fault_drop_stream_after_tokens,
+        error_after_tokens=args.fault_error_after_tokens,
         metrics=args.fault_metrics,
     )
     settings = SimEngineSettings(

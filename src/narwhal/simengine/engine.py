@@ -28,12 +28,7 @@ import numpy as np
 from narwhal.profiles.models import EngineModels
 from narwhal.routing.prefix import chain_keys, chain_root, extend_chain
 from narwhal.simengine.faults import FaultSettings
-from narwhal.simengine.generation import (
-    GenerationModel,
-    KVLayout,
-    choice_digest,
-    prompt_digest,
-)
+from narwhal.simengine.generation import ContextChain, GenerationModel, KVLayout
 from narwhal.simengine.kv_blocks import BlockPool
 from narwhal.simengine.kv_events import KVEventPublisher
 from narwhal.simengine.kv_transfer import KVTransferAgent, KVTransferError
@@ -74,12 +69,15 @@ class RemoteKV:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """One generated token; the last one also carries why the request finished."""
+    """One generated token; the last one also carries why the request finished. ``key``: the
+    key of the context the token was generated at (:meth:`ContextChain.key`), what its
+    logprobs are drawn from."""
 
     token: int
     t: float
     finish_reason: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    key: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -102,7 +100,8 @@ class SimRequest:
     kind: RequestKind = RequestKind.LOCAL
     remote: RemoteKV | None = None
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
-    digest: bytes = b""
+    # The prompt and the output so far as generation sees them (set by EngineCore.submit).
+    context: ContextChain | None = None
     blocks: list[int] = field(default_factory=list)
     computed: int = 0
     output: list[int] = field(default_factory=list)
@@ -244,9 +243,7 @@ class EngineCore:
 
     def submit(self, request: SimRequest) -> None:
         request.arrival = time.monotonic()
-        request.digest = prompt_digest(self.generation.model_seed, request.prompt)
-        if request.choice:
-            request.digest = choice_digest(request.digest, request.choice)
+        request.context = self.generation.context(request.prompt, request.choice)
         if self.allocator.caching:
             request.keys = chain_keys(request.prompt, self.config.block_size, request.cache_salt)
         self.waiting.append(request)
@@ -408,21 +405,23 @@ class EngineCore:
         self._emit_token(request, now)
 
     def _emit_token(self, request: SimRequest, now: float) -> None:
+        context = request.context
+        assert context is not None
         position = len(request.output)
-        token = self.generation.token_at(request.digest, position)
+        generation = self.generation
+        key = context.key()  # prompt + output so far: what the next token depends on
         if request.forced is not None:
             forced = request.forced
-            token = forced[position] if position < len(forced) else self.generation.vocab.eos_id
-        eos = token == self.generation.vocab.eos_id
+            token = forced[position] if position < len(forced) else generation.vocab.eos_id
+        else:
+            token = generation.token_at(key)
+        eos = token == generation.vocab.eos_id
         if eos and request.forced is None and (request.ignore_eos or position < request.min_tokens):
-            # As vLLM masks EOS below min_tokens (and ignore_eos never stops), pick a word.
-            token = (
-                self.generation.vocab.first_word_id
-                + (int.from_bytes(request.digest[:8], "little") + position)
-                % self.generation.vocab.num_words
-            )
+            # As vLLM masks EOS below min_tokens (and ignore_eos never stops): the model's word.
+            token = generation.word_at(key)
             eos = False
         request.output.append(token)
+        context.append(token)
         metrics = self.metrics
         metrics.get(metrics.generation_tokens).inc()
         if request.first_token_at is None:
@@ -433,7 +432,7 @@ class EngineCore:
         request.last_token_at = now
         reason = "stop" if eos else "length" if len(request.output) >= request.max_tokens else None
         params = self._finish(request, reason) if reason is not None else None
-        request.events.put_nowait(TokenEvent(token, now, reason, params))
+        request.events.put_nowait(TokenEvent(token, now, reason, params, key))
 
     def _finish(self, request: SimRequest, reason: str) -> dict[str, Any] | None:
         request.finished = True

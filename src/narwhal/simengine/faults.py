@@ -32,6 +32,11 @@ class FaultSettings(BaseModel):
     slowdown: float = Field(1.0, gt=0)
     # Streams drop their connection (no terminating chunk) after this many tokens.
     drop_stream_after_tokens: int | None = Field(None, ge=0)
+    # Generation fails after this many tokens, as vLLM's does (an output finished "error"):
+    # the token after the N-th is replaced by an error event (vLLM's error object, then
+    # [DONE]) in a stream, and a whole response that would have more answers 500 with it.
+    # Counted over a response's choices; a response of at most N tokens is unaffected.
+    error_after_tokens: int | None = Field(None, ge=0)
     # /metrics: "lie" reports an idle engine, "stop" answers 503, "hang" never answers.
     metrics: MetricsFault = "ok"
     # The next N /health requests never answer (a stalled API server).
@@ -54,6 +59,7 @@ class FaultUpdate(BaseModel):
     stall_first_token_s: float | None = Field(None, ge=0)
     slowdown: float | None = Field(None, gt=0)
     drop_stream_after_tokens: int | None = Field(None, ge=0)
+    error_after_tokens: int | None = Field(None, ge=0)
     metrics: MetricsFault | None = None
     hang_health_next: int | None = Field(None, ge=0)
 

@@ -1,8 +1,22 @@
 """Deterministic generation and KV contents.
 
-Output token ``k`` of a request depends only on (model seed, prompt tokens, k), so a request
-split across a prefill engine and a decode engine returns exactly what one engine returns for it
-whole. KV block ``i`` of a prompt is a deterministic function of the model seed and the prompt's
+Generation is autoregressive: output token ``k`` of a request (and its logprobs) depends only
+on the model seed and its context, the prompt's tokens followed by the ``k`` output tokens
+before it, never on where the prompt ends. So a request whose prompt is ``P + G[:m]``, where
+``G`` is what the engine generated for the prompt ``P``, generates exactly ``G[m:]``: a request
+broken off mid-answer can be continued (migrated) from the tokens it had sent, on any engine
+with the same model seed. And a request split across a prefill engine and a decode engine
+returns exactly what one engine returns for it whole.
+
+The context is hashed as a chain over fixed chunks of :data:`CONTEXT_CHUNK` tokens
+(:class:`ContextChain`): ``state[i + 1] = blake2b(state[i] + chunk i)``, ``state[0]`` from the
+model seed, and the next token's key hashes the state over the context's full chunks with the
+partial tail chunk and the context's length. A prompt costs one hash per chunk, each generated
+token one hash for its key (and one more every chunk). Choice ``j > 0`` of an ``n > 1`` request
+starts its chain from a perturbed state (:func:`choice_digest`): its own sequence of the same
+prompt, which a continuation (a choice 0) does not reproduce; choice 0 is the ``n = 1`` request.
+
+KV block ``i`` of a prompt is a deterministic function of the model seed and the prompt's
 first ``(i + 1) * block_size`` tokens (a hash chain, as prefix caching keys blocks), so a decode
 engine can verify every byte it pulled: a wrong, stale or partial transfer cannot pass.
 """
@@ -17,25 +31,86 @@ import numpy as np
 
 from narwhal.simengine.vocab import Vocabulary
 
-__all__ = ["GenerationModel", "KVLayout", "choice_digest", "prompt_digest"]
+__all__ = ["CONTEXT_CHUNK", "ContextChain", "GenerationModel", "KVLayout", "choice_digest"]
 
 _FILL_UNIT = 64  # bytes of one blake2b-512 digest; blocks are tiled with it
+CONTEXT_CHUNK = 16  # tokens per link of a ContextChain
+_TOKEN_BYTES = 8  # a token in the chain: int64, little-endian
+_CHUNK_BYTES = CONTEXT_CHUNK * _TOKEN_BYTES
+# Unkeyed prototypes, copied for each hash (cheaper than constructing one with a person).
+_LINK = hashlib.blake2b(digest_size=32, person=b"narwhal-context")
+_KEY = hashlib.blake2b(digest_size=32, person=b"narwhal-next")
 
 
-def prompt_digest(model_seed: int, tokens: Sequence[int]) -> bytes:
-    h = hashlib.blake2b(digest_size=32, person=b"narwhal-prompt")
-    h.update(model_seed.to_bytes(8, "little", signed=True))
-    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
-    return h.digest()
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    return np.asarray(tokens, dtype="<i8").tobytes()
 
 
 def choice_digest(digest: bytes, choice: int) -> bytes:
-    """The digest choice ``choice`` (> 0) of an ``n > 1`` request generates from: its own
-    deterministic sequence of the same prompt (choice 0 keeps the prompt's digest, so its text
-    is what the request with ``n = 1`` gets)."""
+    """The chain start choice ``choice`` (> 0) of an ``n > 1`` request generates from, given
+    the model's (``digest``): its own deterministic sequence of the same prompt (choice 0 keeps
+    the model's start, so its text is what the request with ``n = 1`` gets)."""
     h = hashlib.blake2b(digest_size=32, person=b"narwhal-choice")
     h.update(digest + choice.to_bytes(8, "little"))
     return h.digest()
+
+
+def _chain_start(model_seed: int, choice: int) -> bytes:
+    start = hashlib.blake2b(
+        model_seed.to_bytes(8, "little", signed=True), digest_size=32, person=b"narwhal-model"
+    ).digest()
+    return choice_digest(start, choice) if choice else start
+
+
+class ContextChain:
+    """A request's context as generation sees it (prompt, then each token generated), hashed
+    incrementally: :meth:`key` is what the next token and its logprobs are drawn from,
+    :meth:`append` adds the token generated. Two chains of the same model seed, choice and
+    context give the same keys, however the context was split between prompt and output."""
+
+    __slots__ = ("_length", "_state", "_tail")
+
+    def __init__(self, model_seed: int, tokens: Sequence[int] = (), choice: int = 0) -> None:
+        self._state = _chain_start(model_seed, choice)
+        self._tail = b""  # the bytes of the tokens after the last full chunk
+        self._length = 0
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return self._length
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        if not len(tokens):
+            return
+        data = self._tail + _token_bytes(tokens)
+        full = len(data) - len(data) % _CHUNK_BYTES
+        state = self._state
+        view = memoryview(data)
+        for start in range(0, full, _CHUNK_BYTES):
+            h = _LINK.copy()
+            h.update(state)
+            h.update(view[start : start + _CHUNK_BYTES])
+            state = h.digest()
+        self._state = state
+        self._tail = data[full:]
+        self._length += len(tokens)
+
+    def append(self, token: int) -> None:
+        tail = self._tail + token.to_bytes(_TOKEN_BYTES, "little", signed=True)
+        self._length += 1
+        if len(tail) == _CHUNK_BYTES:
+            h = _LINK.copy()
+            h.update(self._state)
+            h.update(tail)
+            self._state = h.digest()
+            tail = b""
+        self._tail = tail
+
+    def key(self) -> bytes:
+        """The 32-byte key of the context as it is now: what the next token is drawn from."""
+        h = _KEY.copy()
+        h.update(self._state + self._tail + self._length.to_bytes(8, "little"))
+        return h.digest()
 
 
 @dataclass(frozen=True)
@@ -44,21 +119,42 @@ class GenerationModel:
     model_seed: int = 0
     eos_prob: float = 0.0
 
-    def token_at(self, digest: bytes, position: int) -> int:
-        h = hashlib.blake2b(digest + position.to_bytes(8, "little"), digest_size=16).digest()
-        value = int.from_bytes(h[:8], "little")
-        if self.eos_prob > 0.0 and int.from_bytes(h[8:], "little") / 2.0**64 < self.eos_prob:
-            return self.vocab.eos_id
-        return self.vocab.first_word_id + value % self.vocab.num_words
+    def context(self, tokens: Sequence[int], choice: int = 0) -> ContextChain:
+        """The context chain of a request whose prompt is ``tokens`` (its choice ``choice``)."""
+        return ContextChain(self.model_seed, tokens, choice)
 
-    def logprobs(self, digest: bytes, position: int, token: int, k: int) -> list[tuple[int, float]]:
-        """The sampled ``token`` and the model's ``k - 1`` next likeliest tokens at
-        ``position``, best first, as (id, logprob): what vLLM's logprobs dict holds when the
-        sampled token is the top-1 (a greedy-like simulated model's always is), so the sampled
-        token's logprob is the maximum. Deterministic in (digest, position, token); values are
+    def word_at(self, key: bytes) -> int:
+        """The word the model writes at ``key`` (a :meth:`ContextChain.key`) when EOS is not
+        allowed there (``min_tokens``, ``ignore_eos``): the token it writes unless it ends."""
+        return self.vocab.first_word_id + int.from_bytes(key[:8], "little") % self.vocab.num_words
+
+    def token_at(self, key: bytes) -> int:
+        """The token the model writes at ``key``: EOS with probability ``eos_prob``, else
+        :meth:`word_at`."""
+        if self.eos_prob > 0.0 and int.from_bytes(key[8:16], "little") / 2.0**64 < self.eos_prob:
+            return self.vocab.eos_id
+        return self.word_at(key)
+
+    def generate(self, prompt: Sequence[int], max_tokens: int, choice: int = 0) -> list[int]:
+        """What a request for ``prompt`` answers (EOS allowed; the EOS it ends on included)."""
+        chain = self.context(prompt, choice)
+        out: list[int] = []
+        while len(out) < max_tokens:
+            token = self.token_at(chain.key())
+            out.append(token)
+            if token == self.vocab.eos_id:
+                break
+            chain.append(token)
+        return out
+
+    def logprobs(self, key: bytes, token: int, k: int) -> list[tuple[int, float]]:
+        """The sampled ``token`` and the model's ``k - 1`` next likeliest tokens at ``key``
+        (the context before it), best first, as (id, logprob): what vLLM's logprobs dict holds
+        when the sampled token is the top-1 (a greedy-like simulated model's always is), so the
+        sampled token's logprob is the maximum. Deterministic in (key, token); values are
         rounded to 4 decimals so every serialization of them is the same text."""
         h = hashlib.blake2b(
-            digest + position.to_bytes(8, "little") + token.to_bytes(8, "little", signed=True),
+            key + token.to_bytes(8, "little", signed=True),
             digest_size=32,
             person=b"narwhal-logprob",
         ).digest()

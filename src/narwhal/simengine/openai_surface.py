@@ -632,14 +632,15 @@ def _tool_call_id(response_id: str, index: int) -> str:
 @dataclass
 class ChoiceState:
     """One choice's answer as it is generated: its text as the detokenizer releases it, its
-    logprobs, and its tool-call deltas."""
+    logprobs, and its tool-call deltas. A token's logprobs are drawn from the key of the
+    context it was generated at (:attr:`TokenEvent.key`), so they too depend only on the
+    prompt and the tokens before it."""
 
     index: int
     chat: bool
     options: SurfaceOptions
     vocab: Vocabulary
     generation: GenerationModel
-    digest: bytes
     response_id: str
     tokens: list[int] = field(default_factory=list)
     text: str = ""
@@ -670,17 +671,19 @@ class ChoiceState:
             self.pending.clear()
         return out
 
-    def _entries(self, tokens: list[int], start: int) -> list[list[tuple[int, float]]]:
+    def _entries(self, tokens: list[int], keys: list[bytes]) -> list[list[tuple[int, float]]]:
         k = self.options.logprobs or 0
         return [
-            self.generation.logprobs(self.digest, start + i, token, k)
-            for i, token in enumerate(tokens)
+            self.generation.logprobs(key, token, k) for token, key in zip(tokens, keys, strict=True)
         ]
 
-    def logprobs_for(self, tokens: list[int], start: int, text_offset: int) -> dict[str, Any]:
-        """The logprobs of ``tokens`` (output positions ``start`` on) in vLLM's shape."""
+    def logprobs_for(
+        self, tokens: list[int], keys: list[bytes], text_offset: int
+    ) -> dict[str, Any]:
+        """The logprobs of ``tokens``, generated at context keys ``keys``, in vLLM's shape;
+        ``text_offset``: where the first token's text starts (completions)."""
         k = self.options.logprobs or 0
-        entries = self._entries(tokens, start)
+        entries = self._entries(tokens, keys)
         token_text = self.vocab.token_text
         if self.chat:
             content = []
@@ -719,16 +722,15 @@ class ChoiceState:
             "top_logprobs": [{token_text(t): lp for t, lp in ranked} for ranked in entries],
         }
 
-    def step(self, token: int, finish_reason: str | None) -> StepOutput:
-        """The stream chunk of the choice's next token."""
-        position = len(self.tokens)
+    def step(self, token: int, finish_reason: str | None, key: bytes) -> StepOutput:
+        """The stream chunk of the choice's next token, generated at context key ``key``."""
         self.tokens.append(token)
         before = self.text
         delta_text = self._decode(token, finish_reason is not None)
         self.text += delta_text
         logprobs = None
         if self.options.logprobs is not None:
-            logprobs = self.logprobs_for([token], position, self.text_offset)
+            logprobs = self.logprobs_for([token], [key], self.text_offset)
             if not self.chat:
                 self.text_offset += len(self.vocab.token_text(token))
         guided = self.options.guided

@@ -299,7 +299,9 @@ class ResponseBuilder:
         return chunk
 
     def role_chunk(self, index: int = 0) -> dict[str, Any]:
-        return self._chunk(
+        """A chat stream's first chunk of choice ``index``: the assistant role, and, as vLLM
+        0.32 sets them on it (null unless asked), the prompt's ids and text."""
+        chunk = self._chunk(
             [
                 {
                     "index": index,
@@ -309,6 +311,9 @@ class ResponseBuilder:
                 }
             ]
         )
+        chunk["prompt_token_ids"] = self.params.prompt if self.params.return_token_ids else None
+        chunk["prompt_text"] = None  # return_prompt_text is not simulated
+        return chunk
 
     def token_chunk(
         self,
@@ -319,10 +324,14 @@ class ResponseBuilder:
         index: int = 0,
         logprobs: dict[str, Any] | None = None,
         delta: dict[str, Any] | None = None,
+        first: bool = False,
     ) -> dict[str, Any]:
         """A chunk of choice ``index``'s tokens; ``completion_tokens``: that choice's so far
         (what vLLM's continuous usage counts); ``delta``: a chat delta other than the text
-        (tool-call deltas)."""
+        (tool-call deltas); ``first``: the choice's first token chunk (a completions stream's
+        carries the prompt's ids, as vLLM 0.32 sends them, with ``return_token_ids``).
+        ``token_ids`` (and a completions choice's ``prompt_token_ids``) are null unless the
+        request asked for them, as vLLM serialises them: set, to None."""
         p = self.params
         if p.chat:
             choice: dict[str, Any] = {
@@ -339,8 +348,9 @@ class ResponseBuilder:
                 "finish_reason": finish_reason,
             }
         choice["stop_reason"] = None
-        if p.return_token_ids:
-            choice["token_ids"] = tokens
+        if not p.chat:
+            choice["prompt_token_ids"] = p.prompt if (first and p.return_token_ids) else None
+        choice["token_ids"] = tokens if p.return_token_ids else None
         usage = (
             _usage(len(p.prompt), completion_tokens, self._cached())
             if (p.include_usage and p.continuous_usage)

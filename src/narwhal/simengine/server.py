@@ -43,7 +43,7 @@ from narwhal.simengine.generation import GenerationModel
 from narwhal.simengine.kv_events import KVEventPublisher, KVEventsSettings
 from narwhal.simengine.kv_transfer import KVTransferAgent
 from narwhal.simengine.metrics import EngineMetrics
-from narwhal.simengine.openai_surface import ChoiceState
+from narwhal.simengine.openai_surface import ChoiceState, StepOutput
 from narwhal.simengine.protocol import (
     GenerationParams,
     ProtocolError,
@@ -449,6 +449,8 @@ def build_app(settings: SimEngineSettings) -> Starlette:
                 await collect
             return Response(status_code=499)
         disconnect.cancel()
+        for each in sim_requests:
+            core().abort(each)  # those an injected error cut short (finished ones: no-op)
         return collect.result()
 
     routes = [
@@ -599,10 +601,9 @@ def _choice_states(
             params.surface,
             vocab,
             core.generation,
-            request.digest,
             builder.response_id,
         )
-        for i, request in enumerate(requests)
+        for i in range(len(requests))
     ]
 
 
@@ -635,6 +636,16 @@ async def _choice_events(
             task.cancel()
 
 
+def _injected_error(faults: FaultSettings, sent: int) -> bool:
+    """Whether the token after the ``sent``-th is replaced by an error (error_after_tokens)."""
+    return faults.error_after_tokens is not None and sent >= faults.error_after_tokens
+
+
+# What vLLM 0.32 answers when generation fails mid-request (GenerationError: an output's
+# finish_reason "error"): a 500, or in a stream an error event and then [DONE].
+_GENERATION_ERROR = ErrorEvent("Internal server error")
+
+
 async def _collect(
     requests: list[SimRequest],
     builder: ResponseBuilder,
@@ -643,13 +654,22 @@ async def _collect(
     faults: FaultSettings,
 ) -> Response:
     tokens: list[list[int]] = [[] for _ in requests]
+    keys: list[list[bytes]] = [[] for _ in requests]
     finish: list[str | None] = [None] * len(requests)
+    want_logprobs = builder.params.surface.logprobs is not None
     kv_transfer_params = None
     total = done = 0
     async for index, event in _choice_events(requests, faults):
         if isinstance(event, ErrorEvent):
             return _error(event.message, event.type, event.status)
+        if _injected_error(faults, total):
+            log.warning("fault injection: failing the request after %d tokens", total)
+            return _error(
+                _GENERATION_ERROR.message, _GENERATION_ERROR.type, _GENERATION_ERROR.status
+            )
         tokens[index].append(event.token)
+        if want_logprobs:
+            keys[index].append(event.key)
         total += 1
         builder.cached_tokens = requests[0].reported_cached_tokens
         if faults.crash_after_tokens is not None and total >= faults.crash_after_tokens:
@@ -665,11 +685,11 @@ async def _collect(
         raise AssertionError("event stream ended without a finish")
     built = []
     logprobs = None
-    for state, ids, reason in zip(choices, tokens, finish, strict=True):
+    for state, ids, id_keys, reason in zip(choices, tokens, keys, finish, strict=True):
         assert reason is not None
         text = vocab.decode(ids)
         if state.options.logprobs is not None:
-            logprobs = state.logprobs_for(ids, 0, 0)
+            logprobs = state.logprobs_for(ids, id_keys, 0)
         content, calls, reason = state.message(text, reason)
         built.append(builder.full_choice(state.index, text, ids, reason, logprobs, content, calls))
     return _json(builder.full_choices(built, total, kv_transfer_params))
@@ -683,9 +703,14 @@ async def _stream(
     faults: FaultSettings,
 ) -> AsyncIterator[bytes]:
     sent = done = 0
+    params = builder.params
+    opened = [False] * len(requests)  # whether the choice has sent a token chunk
     try:
-        role_sent = not builder.params.chat
+        role_sent = not params.chat
         async for index, event in _choice_events(requests, faults):
+            if _injected_error(faults, sent):
+                log.warning("fault injection: an error event after %d tokens", sent)
+                event = _GENERATION_ERROR
             if isinstance(event, ErrorEvent):
                 yield _sse(error_body(event.message, event.type, event.status))
                 break
@@ -698,7 +723,11 @@ async def _stream(
             sent += 1
             builder.cached_tokens = requests[0].reported_cached_tokens
             state = choices[index]
-            step = state.step(event.token, event.finish_reason)
+            step = state.step(event.token, event.finish_reason, event.key)
+            if step.skip and params.return_token_ids:
+                # vLLM sends a token the tool parser holds back when the token ids are asked
+                # for: an empty delta beside them.
+                step = StepOutput("", step.finish_reason, step.logprobs, {})
             if not step.skip:
                 yield _sse(
                     builder.token_chunk(
@@ -709,8 +738,10 @@ async def _stream(
                         index,
                         step.logprobs,
                         step.delta,
+                        first=not opened[index],
                     )
                 )
+                opened[index] = True
             if faults.crash_after_tokens is not None and sent >= faults.crash_after_tokens:
                 await asyncio.sleep(0.05)  # let the chunk reach the client first
                 os._exit(CRASH_EXIT_CODE)
@@ -721,7 +752,7 @@ async def _stream(
                 raise _DroppedStream("fault injection: dropping the connection mid-stream")
             if event.finish_reason is not None:
                 done += 1
-                if done == len(requests) and builder.params.include_usage:
+                if done == len(requests) and params.include_usage:
                     yield _sse(builder.usage_chunk(sent))
         yield b"data: [DONE]\n\n"
     finally:
