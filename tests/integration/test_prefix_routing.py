@@ -32,7 +32,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SimFleet, 
     """Four engines (e0, e1 prefill; e2, e3 decode) publishing KV events, and their profile."""
     directory = tmp_path_factory.mktemp("prefix-routing")
     sim = {"time_scale": 10.0, "enable_prompt_tokens_details": True}
-    with running_fleet(directory, 4, sim=sim, kv_events=True) as fleet:
+    # The tests hold prefill legs open (a stalled first token) to steer picks: not hedged.
+    routing = {"hedge": {"enabled": False}}
+    with running_fleet(directory, 4, sim=sim, kv_events=True, routing=routing) as fleet:
         store = directory / "store.json"
         r = profile(
             fleet.fleet_path,

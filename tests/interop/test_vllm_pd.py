@@ -884,6 +884,26 @@ def _run(module: str, *args: str, timeout: float = 900) -> subprocess.CompletedP
     )
 
 
+def _restart(pd: PD, engine: EngineProcess, vllm_python: Path) -> None:
+    """A killed engine started again on its ports (a new engine: a new NIXL engine id, no KV
+    events) behind the same fleet, and the router ready again."""
+    restarted = start_engine(
+        engine.name,
+        pd.directory,
+        pd.model_dir,
+        engine.port,
+        engine.side_channel_port,
+        engine.cpu_bind,
+        vllm_python,
+    )
+    engine.process = restarted.process
+    try:
+        wait_healthy([engine])
+    except EngineStartError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    assert wait_until(pd.ready, 30), f"the router did not become ready after {engine.name} returned"
+
+
 # --- failure: the decode engine dies mid-stream (restarts d0) -----------------------------
 
 MIGRATED_TOKENS = 160
@@ -950,21 +970,7 @@ def test_decode_engine_killed_mid_stream_completes_elsewhere(pd: PD, vllm_python
             "attempts": end["attempts"],
         }
     finally:
-        restarted = start_engine(
-            "d0",
-            pd.directory,
-            pd.model_dir,
-            pd.decode.port,
-            pd.decode.side_channel_port,
-            "1",
-            vllm_python,
-        )
-        pd.decode.process = restarted.process
-        try:
-            wait_healthy([pd.decode])
-        except EngineStartError as exc:
-            pytest.fail(str(exc), pytrace=False)
-        assert wait_until(pd.ready, 30), "the router did not become ready after d0 returned"
+        _restart(pd, pd.decode, vllm_python)
 
 
 # --- failure: the prefill engine dies (keep last: it kills and restarts p0) ---------------
@@ -1004,22 +1010,7 @@ def test_prefill_engine_killed_fails_clearly_then_recovers(pd: PD, vllm_python: 
     }
 
     # Restart p0 on the same ports: a new engine (new NIXL engine id) behind the same fleet.
-    restarted = start_engine(
-        "p0",
-        pd.directory,
-        pd.model_dir,
-        pd.prefill.port,
-        pd.prefill.side_channel_port,
-        "0",
-        vllm_python,
-    )
-    pd.prefill.process = restarted.process
-    try:
-        wait_healthy([pd.prefill])
-    except EngineStartError as exc:
-        pytest.fail(str(exc), pytrace=False)
-
-    assert wait_until(pd.ready, 30), "the router did not become ready after p0 returned"
+    _restart(pd, pd.prefill, vllm_python)
     body = pd.request_body(True, f"{tag()} {BODY_TEXT}")
     before = nixl_counters(pd.decode.url)
     # The breaker may still be open (it opened on the failures): half-open after its cool-off.

@@ -16,7 +16,12 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PREFILL_KV_REQUEST", "decode_leg_body", "prefill_leg_body"]
+__all__ = [
+    "PREFILL_KV_REQUEST",
+    "STRUCTURED_OUTPUT_FIELDS",
+    "decode_leg_body",
+    "prefill_leg_body",
+]
 
 PREFILL_KV_REQUEST: dict[str, Any] = {
     "do_remote_decode": True,
@@ -26,6 +31,16 @@ PREFILL_KV_REQUEST: dict[str, Any] = {
     "remote_host": None,
     "remote_port": None,
 }
+
+# The fields that constrain the output to a structure (vLLM's structured outputs).
+STRUCTURED_OUTPUT_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
 
 _NOT_ON_PREFILL = frozenset(
     (
@@ -39,12 +54,7 @@ _NOT_ON_PREFILL = frozenset(
         "top_logprobs",
         "logprob_token_ids",
         "logit_bias",
-        "response_format",
-        "structured_outputs",
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "guided_grammar",
+        *STRUCTURED_OUTPUT_FIELDS,
         "guided_decoding_backend",
         "guided_whitespace_pattern",
     )

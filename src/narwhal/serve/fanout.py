@@ -96,21 +96,7 @@ class ChoiceSet:
 
     def merge_into(self, record: RequestRecord) -> None:
         """Choice 0's engines and times, every choice's legs, into the client's record."""
-        first = self.records[0]
-        for name in (
-            "prefill_engine",
-            "decode_engine",
-            "role_generation",
-            "handoff",
-            "mode",
-            "t_prefill_start",
-            "t_prefill_end",
-            "t_decode_start",
-            "handoff_first_token_s",
-            "cached_tokens_predicted",
-            "kv_blocks_predicted",
-        ):
-            setattr(record, name, getattr(first, name))
+        record.restore_legs(self.records[0].legs_snapshot())
         record.prompt_tokens = self.prompt_tokens()
         record.choices = len(self.records)
         merge_attempts(record, self.records)

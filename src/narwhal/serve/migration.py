@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from narwhal.contract import Migration
+from narwhal.engines.legs import STRUCTURED_OUTPUT_FIELDS
 from narwhal.serve.errors import RouterError
 from narwhal.serve.pd import DecodeStream, PDRouter
 from narwhal.serve.record import RequestRecord
@@ -61,14 +62,6 @@ _CARRIED = (
     "cache_salt",
     "user",
 )
-_STRUCTURED = (
-    "response_format",
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-)
 # A chunk's ids, blanked for a client that did not ask for them (vLLM then sends null).
 _IDS_RE = re.compile(rb'"(prompt_)?token_ids":\[[0-9, ]*\]')
 
@@ -83,7 +76,7 @@ def not_migratable(request: ClientRequest) -> str | None:
             return "tools"
         if body.get("logprobs"):
             return "chat logprobs"
-    if any(body.get(name) is not None for name in _STRUCTURED):
+    if any(body.get(name) is not None for name in STRUCTURED_OUTPUT_FIELDS):
         return "structured output"
     return None
 
