@@ -29,6 +29,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from narwhal.contract import Migration
 from narwhal.engines.legs import STRUCTURED_OUTPUT_FIELDS
 from narwhal.serve.errors import RouterError
@@ -98,6 +100,7 @@ class MigrationTrace:
     head: dict[str, Any] | None = None  # id, object, created, model of the client's chunks
     exact: bool = True  # False once the engine sent what a continuation cannot reproduce
     finished: bool = False  # a finish_reason arrived: the answer is whole
+    logprobs: bool = False  # completions with logprobs: their text_offset continues
     text_chars: int = 0  # completions: characters received (logprobs text_offset)
     migrations: int = 0
     completion_offset: int = 0  # tokens the earlier legs generated (the client's usage)
@@ -126,14 +129,32 @@ class MigrationTrace:
                     or delta.get("reasoning_content")
                 ):
                     self.exact = False
-            else:
+            elif self.logprobs:
                 self.text_chars += len(choice.get("text") or "")
             if choice.get("finish_reason"):
                 self.finished = True
 
-    def strip(self, payload: bytes) -> bytes:
-        """The chunk as the client would have had it without the ids the router asked for."""
-        if self.client_ids or b'token_ids":[' not in payload:
+    def strip(self, payload: bytes, obj: dict[str, Any]) -> bytes:
+        """The chunk (``payload``, parsed as ``obj``) as the client would have had it without
+        the ids the router asked for."""
+        if self.client_ids:
+            return payload
+        choices = obj.get("choices")
+        if (
+            choices
+            and len(choices) == 1
+            and obj.get("prompt_token_ids") is None
+            and choices[0].get("prompt_token_ids") is None
+        ):
+            # The usual chunk: one choice's few ids, serialised as orjson does (vLLM and the
+            # simulator both write compact JSON); a plain replace, not a regex.
+            ids = choices[0].get("token_ids")
+            if not ids:
+                return payload
+            spelt = b'"token_ids":' + orjson.dumps(ids)
+            if spelt in payload:
+                return payload.replace(spelt, b'"token_ids":null', 1)
+        if b'token_ids":[' not in payload:
             return payload
         return _IDS_RE.sub(rb'"\1token_ids":null', payload)
 
@@ -240,6 +261,7 @@ def new_trace(
         max_model_len=max_model_len,
         max_tokens=max_tokens,
         client_ids=bool(request.body.get("return_token_ids")),
+        logprobs=not request.chat and request.body.get("logprobs") is not None,
     )
 
 

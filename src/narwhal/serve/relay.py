@@ -203,7 +203,7 @@ class EventRenderer:
                     note_chunk(tally, obj, now)
                     if trace is not None and not trace.migrations:
                         trace.observe(obj)
-                        payload = trace.strip(payload)
+                        payload = trace.strip(payload, obj)
                 out += (b"data: ", payload, b"\n\n")
         return b"".join(out)
 
