@@ -417,8 +417,9 @@ def test_one_health_probe_timeout_is_tolerated_two_in_a_row_mark_unhealthy(
     tmp_path: Path,
 ) -> None:
     """A loaded host stalls an engine's API server for seconds: one /health probe that times
-    out leaves the engine in routing; the second in a row marks it unhealthy; the next answer
-    brings it back. Each timeout is counted by reason."""
+    out leaves the engine in routing, and so do any number while it answers legs (busy, not
+    hung); idle, the second in a row marks it unhealthy; the next answer brings it back. Each
+    timeout is counted by reason."""
     with (
         running_fleet(tmp_path, 2, initial_roles=["prefill", "decode"]) as fleet,
         running_router(tmp_path, fleet.fleet_path, *ROUTER_ARGS) as router,
@@ -448,9 +449,19 @@ def test_one_health_probe_timeout_is_tolerated_two_in_a_row_mark_unhealthy(
         assert timeouts() == 1
         assert post(router).status_code == 200
 
+        # Busy, not hung: while e1 answers legs, timeouts in a row do not take it out.
+        admin(e1, "POST", {"hang_health_next": 3})
+        deadline = time.monotonic() + 20
+        while timeouts() < 4 and time.monotonic() < deadline:
+            assert post(router).status_code == 200
+            seen.append(healthy())
+        assert timeouts() == 4, "the hung probes did not time out"
+        assert set(seen) == {1}, seen
+        # Idle (nothing answered since the probe before): two timeouts in a row count.
+        time.sleep(0.5)
         admin(e1, "POST", {"hang_health_next": 2})
         assert wait_until(lambda: healthy() == 0, 15), "two timeouts in a row did not count"
-        assert timeouts() == 3
+        assert timeouts() == 6
         assert wait_until(lambda: healthy() == 1, 10), "the engine did not come back"
         assert post(router).status_code == 200
         unreachable = metric(

@@ -158,6 +158,9 @@ class EngineState:
     breaker: CircuitBreaker
     healthy: bool | None = None  # None until the first probe
     probe_timeouts: int = 0  # consecutive /health probes that timed out
+    # When a leg here last succeeded (the state clock): a busy engine's late /health probe is
+    # not a hung engine's.
+    answered_at: float = -math.inf
     in_flight_prefill: int = 0
     in_flight_decode: int = 0
     # The integral of in_flight_decode over time (sequence-seconds) up to ``_decode_area_at``:

@@ -561,6 +561,7 @@ class Lifecycle:
             raise ValueError(f"request {ticket.id} is not streaming ({ticket.phase})")
         d = self._end_decode(ticket)
         ticket.phase = "done"
+        d.answered_at = self.clock.now()
         predictor = self.predictor
         n = completion_tokens or 0
         if complete and n > 0:
@@ -650,6 +651,7 @@ class Lifecycle:
     ) -> None:
         if ok:
             engine.breaker.record_success()
+            engine.answered_at = self.clock.now()
         else:
             engine.breaker.record_failure()
             self.observer.leg_failed(engine.id, leg)

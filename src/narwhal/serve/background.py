@@ -22,11 +22,23 @@ log = logging.getLogger(__name__)
 # Probes that may time out in a row before a healthy engine is marked unhealthy: a loaded host
 # stalls an engine's API server for seconds at a time, and one slow answer should not take the
 # engine out of routing for a whole probe interval. A refused or reset connection, or an answer
-# other than 200, marks it at once: the engine is gone or says it is not well.
+# other than 200, marks it at once: the engine is gone or says it is not well. A probe that times
+# out while the engine answers legs is tolerated however many in a row: busy, not hung. vLLM's API
+# server answers /health on the event loop that also tokenizes and streams, and on a loaded host
+# misses the probe's timeout while it serves; a hung engine (SIGSTOP, a wedged GPU) answers nothing,
+# and its legs fail on their own deadlines (hedge, stall, first token) meanwhile.
 PROBE_TIMEOUTS_TOLERATED = 1
 
 
-async def _probe(engine: EngineState, pool: EnginePool, metrics: RouterMetrics) -> None:
+async def _probe(
+    engine: EngineState,
+    state: FleetState,
+    pool: EnginePool,
+    metrics: RouterMetrics,
+    interval_s: float,
+) -> None:
+    # A leg that succeeded since the previous probe was sent vouches for this one.
+    vouched_from = state.clock.now() - interval_s
     failure: str | None = None
     try:
         status, _ = await fetch(pool.probe(engine.id), "/health")
@@ -38,11 +50,13 @@ async def _probe(engine: EngineState, pool: EnginePool, metrics: RouterMetrics) 
         metrics.health_probe_failures.labels(engine.id, failure).inc()
     if failure == "timeout":
         engine.probe_timeouts += 1
-        if engine.healthy and engine.probe_timeouts <= PROBE_TIMEOUTS_TOLERATED:
+        busy = engine.answered_at >= vouched_from
+        if engine.healthy and (engine.probe_timeouts <= PROBE_TIMEOUTS_TOLERATED or busy):
             log.info(
-                "engine %s: health probe timed out (%d in a row; tolerated)",
+                "engine %s: health probe timed out (%d in a row; tolerated%s)",
                 engine.id,
                 engine.probe_timeouts,
+                ": it answers legs" if busy else "",
             )
             return
     else:
@@ -64,8 +78,12 @@ async def _probe(engine: EngineState, pool: EnginePool, metrics: RouterMetrics) 
     metrics.breaker_state.labels(engine.id).set(int(engine.breaker.state))
 
 
-async def probe_all(state: FleetState, pool: EnginePool, metrics: RouterMetrics) -> None:
-    await asyncio.gather(*(_probe(e, pool, metrics) for e in state.engines.values()))
+async def probe_all(
+    state: FleetState, pool: EnginePool, metrics: RouterMetrics, interval_s: float = 0.0
+) -> None:
+    await asyncio.gather(
+        *(_probe(e, state, pool, metrics, interval_s) for e in state.engines.values())
+    )
 
 
 async def run_health_loop(
@@ -73,7 +91,7 @@ async def run_health_loop(
 ) -> None:
     while True:
         await asyncio.sleep(interval_s)
-        await probe_all(state, pool, metrics)
+        await probe_all(state, pool, metrics, interval_s)
 
 
 async def _scrape(
