@@ -48,6 +48,7 @@ import itertools
 import json
 import math
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -299,6 +300,8 @@ class Tally:
     router_cpu_s: float = 0.0
     engine_cpu_s: float = 0.0
     client_cpu_s: float = 0.0
+    # Per measured block, in order: (router CPU seconds, requests), for paired comparisons.
+    blocks: list[tuple[float, int]] = field(default_factory=list)
 
 
 class Meter:
@@ -318,17 +321,26 @@ class Meter:
         tally.engine_cpu_s += after[2] - before[2]
         tally.client_cpu_s += after[3] - before[3]
         tally.requests += n
+        tally.blocks.append((after[1] - before[1], n))
 
 
 async def measure(
-    ep: Endpoints, meter: Meter, requests: int, concurrency: int, warmup: int
+    ep: Endpoints,
+    meter: Meter,
+    requests: int,
+    concurrency: int,
+    warmup: int,
+    targets: tuple[str, ...] = TARGETS,
+    throughput_block: int | None = None,
 ) -> dict[tuple[str, str, str], Tally]:
-    """(mode, target, phase) -> Tally, phase "c1" (latency) or "cN" (throughput)."""
+    """(mode, target, phase) -> Tally, phase "c1" (latency) or "cN" (throughput). The
+    throughput phase runs each target's requests in one go, or (``throughput_block``) in blocks
+    of that many rotating over the targets like the latency phase."""
     out: dict[tuple[str, str, str], Tally] = {}
     pool = Pool()
     try:
         # The load client alone against one engine, before anything else.
-        for mode in MODES:
+        for mode in MODES if "direct" in targets else ():
             stream = mode == "streamed"
             await run_load(pool, ep, "engine_alone", stream, warmup, 1)
             for phase, conc in (("c1", 1), ("cN", concurrency)):
@@ -338,25 +350,23 @@ async def measure(
                 Meter.add(tally, before, meter.snapshot("engine_alone"), requests)
         for mode in MODES:
             stream = mode == "streamed"
-            for target in TARGETS:
+            for target in targets:
                 await run_load(pool, ep, target, stream, warmup, 1)
                 await run_load(pool, ep, target, stream, 2 * concurrency, concurrency)
-            # Concurrency 1, in blocks rotating over the targets.
-            blocks = math.ceil(requests / LATENCY_BLOCK)
-            for b in range(blocks):
-                n = min(LATENCY_BLOCK, requests - b * LATENCY_BLOCK)
-                for k in range(len(TARGETS)):
-                    target = TARGETS[(b + k) % len(TARGETS)]
-                    tally = out.setdefault((mode, target, "c1"), Tally())
-                    before = meter.snapshot(target)
-                    tally.latencies += await run_load(pool, ep, target, stream, n, 1)
-                    Meter.add(tally, before, meter.snapshot(target), n)
-            # Throughput at --concurrency.
-            for target in TARGETS:
-                tally = out.setdefault((mode, target, "cN"), Tally())
-                before = meter.snapshot(target)
-                tally.latencies += await run_load(pool, ep, target, stream, requests, concurrency)
-                Meter.add(tally, before, meter.snapshot(target), requests)
+            # Concurrency 1 in blocks rotating over the targets (so drift hits all alike), then
+            # throughput at --concurrency.
+            for phase, conc, size in (
+                ("c1", 1, LATENCY_BLOCK),
+                ("cN", concurrency, throughput_block or requests),
+            ):
+                for b in range(math.ceil(requests / size)):
+                    n = min(size, requests - b * size)
+                    for k in range(len(targets)):
+                        target = targets[(b + k) % len(targets)]
+                        tally = out.setdefault((mode, target, phase), Tally())
+                        before = meter.snapshot(target)
+                        tally.latencies += await run_load(pool, ep, target, stream, n, conc)
+                        Meter.add(tally, before, meter.snapshot(target), n)
     finally:
         await pool.aclose()
     return out
@@ -499,6 +509,66 @@ def report(
     return rows
 
 
+AB_TARGETS = ("narwhal", "narwhal_b")
+AB_RESAMPLES = 4000
+
+
+def paired_ratio_interval(
+    a: list[tuple[float, int]], b: list[tuple[float, int]], seed: int = 0
+) -> tuple[float, float, float]:
+    """CPU per request of ``a`` over ``b`` (sums over all blocks) and its 95% bootstrap interval,
+    resampling the block pairs: block i of each ran back to back, so a pair shares the
+    machine's state of the moment and the machine's drift cancels in it."""
+    pairs = list(zip(a, b, strict=True))
+
+    def ratio(sample: list[tuple[tuple[float, int], tuple[float, int]]]) -> float:
+        cpu_a = sum(x[0] for x, _ in sample) / sum(x[1] for x, _ in sample)
+        cpu_b = sum(y[0] for _, y in sample) / sum(y[1] for _, y in sample)
+        return cpu_a / cpu_b if cpu_b > 0 else math.inf
+
+    rng = random.Random(seed)
+    draws = sorted(ratio(rng.choices(pairs, k=len(pairs))) for _ in range(AB_RESAMPLES))
+    return ratio(pairs), draws[int(0.025 * AB_RESAMPLES)], draws[int(0.975 * AB_RESAMPLES) - 1]
+
+
+def report_ab(
+    results: dict[tuple[str, str, str], Tally], args: argparse.Namespace, info: dict[str, Any]
+) -> list[tuple[str, str]]:
+    """narwhal-serve with the fleet's routing (``--fleet-routing``, A) against itself with
+    ``--ab-routing`` (B): router CPU per request, A over B, with its interval."""
+    c = args.concurrency
+    rows: list[tuple[str, str]] = []
+
+    def add(name: str, value: str | float) -> None:
+        rows.append((name, value if isinstance(value, str) else fmt(value)))
+
+    add("command", f".venv/bin/python bench/router_overhead.py {' '.join(sys.argv[1:])}")
+    add("cpus", str(os.cpu_count()))
+    add("load_average_at_start", info["loadavg"])
+    add("a_routing", json.dumps(args.fleet_routing))
+    add("b_routing", json.dumps(args.ab_routing))
+    add("requests_per_target_mode_phase", str(args.requests))
+    add("blocks", f"c1: {LATENCY_BLOCK} requests, c{c}: {4 * c} requests, rotating A/B")
+    add("cpu_source", f"/proc/<pid>/stat utime+stime+cutime+cstime, {procfs.CLK_TCK} ticks/s")
+    add("interval", f"95% bootstrap over block pairs ({AB_RESAMPLES} resamples)")
+    add("source", info["source"])
+    for target in AB_TARGETS:
+        add(f"{target}_pids", info["pids"][target])
+        add(f"{target}_idle_cpu_ms_per_s", info["idle"][target])
+    add("bench_wall_s", info["elapsed"])
+    for mode in MODES:
+        for phase, label in (("c1", "c1"), ("cN", f"c{c}")):
+            a, b = results[(mode, "narwhal", phase)], results[(mode, "narwhal_b", phase)]
+            p = f"{mode}_{label}"
+            add(f"{p}_a_router_cpu_ms_per_req", per_req_ms(a.router_cpu_s, a))
+            add(f"{p}_b_router_cpu_ms_per_req", per_req_ms(b.router_cpu_s, b))
+            add(f"{p}_a_p50_ms", percentile(a.latencies, 50) * 1000)
+            add(f"{p}_b_p50_ms", percentile(b.latencies, 50) * 1000)
+            ratio, low, high = paired_ratio_interval(a.blocks, b.blocks)
+            add(f"ratio_cpu_a_over_b_{p}", f"{ratio:.3f} [{low:.3f}, {high:.3f}]")
+    return rows
+
+
 def fmt(x: float) -> str:
     return f"{x:.3f}" if abs(x) < 1000 else f"{x:.1f}"
 
@@ -542,6 +612,16 @@ def main() -> int:
         '\'{"migration": {"limit": 0}, "hedge": {"enabled": false}}\'',
     )
     parser.add_argument(
+        "--ab-routing",
+        type=json.loads,
+        default=None,
+        help="A/B mode: narwhal-serve with --fleet-routing (A) against a second narwhal-serve"
+        " whose fleet's routing is this JSON (B), in blocks rotating between them at c1 and"
+        " at --concurrency, and nothing else; prints A's router CPU per request over B's with"
+        " a 95%% interval. Migration and hedging's cost:"
+        ' --ab-routing \'{"migration": {"limit": 0}, "hedge": {"enabled": false}}\'',
+    )
+    parser.add_argument(
         "--narwhal-arg",
         action="append",
         default=[],
@@ -550,8 +630,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.requests < 1 or args.concurrency < 1 or args.warmup < 0:
         parser.error("--requests and --concurrency must be positive")
+    ab = args.ab_routing is not None
     bins: dict[str, Path] = {}
-    for name in ("vllm-router", "smg"):
+    for name in () if ab else ("vllm-router", "smg"):
         path = Path(sys.executable).parent / name
         if not path.exists():
             found = shutil.which(name)
@@ -568,9 +649,7 @@ def main() -> int:
 
     directory = Path(tempfile.mkdtemp(prefix="router-overhead-"))
     fleet: SimFleet | None = None
-    narwhal: subprocess.Popen[bytes] | None = None
-    vllm: subprocess.Popen[bytes] | None = None
-    sglang: subprocess.Popen[bytes] | None = None
+    started: dict[str, subprocess.Popen[bytes]] = {}
     loadavg = " ".join(f"{x:.2f}" for x in os.getloadavg())
     try:
         ports = free_ports(14)
@@ -591,47 +670,56 @@ def main() -> int:
         prefill_url, decode_url = fleet.engines["e0"].url, fleet.engines["e1"].url
         engine_pids = [e.process.pid for e in fleet.engines.values() if e.process]
 
-        narwhal_port, vllm_port, prom_port = ports[4], ports[5], ports[6]
-        sglang_port, sglang_prom_port = ports[7], ports[8]
-        narwhal_log = directory / "narwhal.log"
-        narwhal = procs.start(
-            serve_command(
-                fleet_path,
-                narwhal_port,
-                directory / "journal.jsonl",
-                "--skip-qualification",
-                "--log-level",
-                "info",
-                *args.narwhal_arg,
-            ),
-            narwhal_log,
-            append=False,
-        )
-        vllm_log = directory / "vllm-router.log"
-        vllm = procs.start(
-            peer_router_command(
-                bins["vllm-router"], [prefill_url], [decode_url], vllm_port, prom_port,
-                log_level="info",
-            ),
-            vllm_log,
-            append=False,
-        )  # fmt: skip
-        sglang_log = directory / "sglang-router.log"
-        sglang = procs.start(
-            peer_router_command(
-                bins["smg"], [prefill_url], [decode_url], sglang_port, sglang_prom_port,
-                log_level="info", sglang=True,
-            ),
-            sglang_log,
-            append=False,
-        )  # fmt: skip
-        started = {"narwhal": narwhal, "vllm_router": vllm, "sglang_router": sglang}
-        ports_of = {"narwhal": narwhal_port, "vllm_router": vllm_port, "sglang_router": sglang_port}
-        logs = {"narwhal": narwhal_log, "vllm_router": vllm_log, "sglang_router": sglang_log}
+        ports_of = {
+            "narwhal": ports[4],
+            "vllm_router": ports[5],
+            "sglang_router": ports[7],
+            "narwhal_b": ports[9],
+        }
+        logs = {t: directory / f"{t}.log" for t in ports_of}
+
+        def start_narwhal(target: str, fleet_file: Path) -> None:
+            started[target] = procs.start(
+                serve_command(
+                    fleet_file,
+                    ports_of[target],
+                    directory / f"{target}-journal.jsonl",
+                    "--skip-qualification",
+                    "--log-level",
+                    "info",
+                    *args.narwhal_arg,
+                ),
+                logs[target],
+                append=False,
+            )
+
+        start_narwhal("narwhal", fleet_path)
+        if ab:
+            # The same fleet (same engines) but for its routing section.
+            b_path = directory / "fleet-b.json"
+            b_path.write_text(json.dumps({**doc, "routing": args.ab_routing}, indent=2))
+            start_narwhal("narwhal_b", b_path)
+        else:
+            started["vllm_router"] = procs.start(
+                peer_router_command(
+                    bins["vllm-router"], [prefill_url], [decode_url], ports_of["vllm_router"],
+                    ports[6], log_level="info",
+                ),
+                logs["vllm_router"],
+                append=False,
+            )  # fmt: skip
+            started["sglang_router"] = procs.start(
+                peer_router_command(
+                    bins["smg"], [prefill_url], [decode_url], ports_of["sglang_router"],
+                    ports[8], log_level="info", sglang=True,
+                ),
+                logs["sglang_router"],
+                append=False,
+            )  # fmt: skip
         for target, proc in started.items():
             url = f"http://127.0.0.1:{ports_of[target]}"
             procs.wait_ready(
-                functools.partial(router_ready, url, peer=target != "narwhal"),
+                functools.partial(router_ready, url, peer=target in PEERS),
                 60,
                 process=proc,
                 name=url,
@@ -639,7 +727,7 @@ def main() -> int:
             )
         router_pids = {t: procfs.descendants(p.pid) for t, p in started.items()}
         pids_info = {}
-        for target in ROUTERS:
+        for target in started:
             listener = procfs.listening_pid(ports_of[target], router_pids[target])
             if listener is None:
                 raise RuntimeError(f"could not find the process listening for {target}")
@@ -664,7 +752,19 @@ def main() -> int:
         }
 
         t_start = time.perf_counter()
-        coro = measure(ep, meter, args.requests, args.concurrency, args.warmup)
+        coro = (
+            measure(
+                ep,
+                meter,
+                args.requests,
+                args.concurrency,
+                args.warmup,
+                AB_TARGETS,
+                4 * args.concurrency,
+            )
+            if ab
+            else measure(ep, meter, args.requests, args.concurrency, args.warmup)
+        )
         results = aio.run(coro)
         elapsed = time.perf_counter() - t_start
         # Processes started during the run (none expected) are reported, not silently missed.
@@ -684,16 +784,15 @@ def main() -> int:
             "idle": idle,
             "elapsed": elapsed,
         }
-        rows = report(results, args, info)
+        rows = report_ab(results, args, info) if ab else report(results, args, info)
         for name, value in rows:
             print(f"{name}: {value}")
         if args.keep_dir:
             print(f"kept: {directory}")
         return 0
     finally:
-        for proc in (narwhal, vllm, sglang):
-            if proc is not None:
-                procs.stop(proc)
+        for proc in started.values():
+            procs.stop(proc)
         if fleet is not None:
             fleet.stop()
         if not args.keep_dir:

@@ -289,6 +289,7 @@ class PushRelay:
         "_active_at",
         "_connection",
         "_splitter",
+        "_stall_timer",
         "_waiter",
         "_writer",
         "pauses",
@@ -311,6 +312,7 @@ class PushRelay:
         self.tail: bytes | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._active_at = time.monotonic()  # since when a stall is counted (client pauses)
+        self._stall_timer: asyncio.TimerHandle | None = None
 
     def start(self, first_events: list[bytes]) -> None:
         out = self.renderer.render(first_events)
@@ -363,28 +365,42 @@ class PushRelay:
         the renderer is ``interrupted``, the last piece before the break). A stream with no
         token for ``stall_s`` is interrupted when its trace can continue it elsewhere."""
         loop = asyncio.get_running_loop()
-        while self.tail is None:
-            if self._writer.paused:
-                self.pauses += 1
-                await self._writer.drain()
-                self._connection.resume_reading()
-                self._active_at = time.monotonic()
-                continue
-            self._waiter = waiter = loop.create_future()
-            try:
-                if stall_s is None:
+        # A timer per stall period, not a timeout per wait: the healthy path pays for one timer
+        # handle per period, and a stream whose tokens keep coming only re-arms it.
+        if stall_s is not None:
+            self._stall_timer = loop.call_later(stall_s, self._check_stall, stall_s)
+        try:
+            while self.tail is None:
+                if self._writer.paused:
+                    self.pauses += 1
+                    await self._writer.drain()
+                    self._connection.resume_reading()
+                    self._active_at = time.monotonic()
+                    continue
+                self._waiter = waiter = loop.create_future()
+                try:
                     await waiter
-                else:
-                    await asyncio.wait((waiter,), timeout=stall_s)
-                    if not waiter.done() and self._stalled(stall_s):
-                        self._finish(b"")
-            finally:
-                self._waiter = None
+                finally:
+                    self._waiter = None
+        finally:
+            if self._stall_timer is not None:
+                self._stall_timer.cancel()
+                self._stall_timer = None
         return self.tail
 
-    def _stalled(self, stall_s: float) -> bool:
+    def _check_stall(self, stall_s: float) -> None:
+        """The stall timer fired: interrupt a stream with no token for ``stall_s`` when its
+        trace can continue it elsewhere; otherwise wait for the rest of the period since its
+        last token (a client holding the stream up restarts the clock when it drains)."""
+        if self.tail is not None:
+            return
         last = max(self.renderer.tally.last_token_at or 0.0, self._active_at)
-        return time.monotonic() - last >= stall_s and self.renderer.stalled(stall_s)
+        quiet = time.monotonic() - last
+        if quiet >= stall_s and not self._writer.paused and self.renderer.stalled(stall_s):
+            self._finish(b"")
+            return
+        wait = stall_s - quiet if quiet < stall_s else stall_s
+        self._stall_timer = asyncio.get_running_loop().call_later(wait, self._check_stall, stall_s)
 
 
 class ClientWriter(Protocol):
