@@ -141,7 +141,7 @@ def test_ids_the_client_did_not_ask_for_are_blanked_as_vllm_sends_them() -> None
     assert trace.strip(payload, orjson.loads(payload)) == stripped
     asked = _trace({"model": "m", "prompt": [1], "max_tokens": 5, "return_token_ids": True})
     assert asked.strip(payload, orjson.loads(payload)) == payload
-    # The usual chunk, compact: replaced without a regex.
+    # The usual chunk: cut between the brackets, without a regex.
     usual = b'{"choices":[{"index":0,"text":"b","token_ids":[7,8],"prompt_token_ids":null}]}'
     assert trace.strip(usual, orjson.loads(usual)) == (
         b'{"choices":[{"index":0,"text":"b","token_ids":null,"prompt_token_ids":null}]}'
@@ -149,6 +149,10 @@ def test_ids_the_client_did_not_ask_for_are_blanked_as_vllm_sends_them() -> None
     # Text that spells the field is escaped inside its string: never touched.
     text = b'{"choices":[{"text":"\\"token_ids\\":[1]","token_ids":null}]}'
     assert trace.strip(text, orjson.loads(text)) == text
+    spelt = b'{"choices":[{"text":"\\"token_ids\\":[1]","token_ids":[9, 10],"x":1}]}'
+    assert trace.strip(spelt, orjson.loads(spelt)) == (
+        b'{"choices":[{"text":"\\"token_ids\\":[1]","token_ids":null,"x":1}]}'
+    )
 
 
 def test_what_cannot_be_continued_exactly_is_not_migrated() -> None:

@@ -29,8 +29,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
 from narwhal.contract import Migration
 from narwhal.engines.legs import STRUCTURED_OUTPUT_FIELDS
 from narwhal.serve.errors import RouterError
@@ -146,14 +144,14 @@ class MigrationTrace:
             and obj.get("prompt_token_ids") is None
             and choices[0].get("prompt_token_ids") is None
         ):
-            # The usual chunk: one choice's few ids, serialised as orjson does (vLLM and the
-            # simulator both write compact JSON); a plain replace, not a regex.
-            ids = choices[0].get("token_ids")
-            if not ids:
+            # The usual chunk: one choice's few ids, cut out between their brackets (a quote
+            # inside a JSON string is escaped, so the key's spelling cannot occur in text).
+            if not choices[0].get("token_ids"):
                 return payload
-            spelt = b'"token_ids":' + orjson.dumps(ids)
-            if spelt in payload:
-                return payload.replace(spelt, b'"token_ids":null', 1)
+            start = payload.find(b'"token_ids":[')
+            end = payload.find(b"]", start)
+            if start >= 0 and end >= 0:
+                return payload[: start + 12] + b"null" + payload[end + 1 :]
         if b'token_ids":[' not in payload:
             return payload
         return _IDS_RE.sub(rb'"\1token_ids":null', payload)

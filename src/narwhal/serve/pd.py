@@ -75,6 +75,19 @@ class _PrefillLeg:
     counted: bool = True
 
 
+@dataclass(eq=False)
+class _HedgeRace:
+    """A prefill leg running inline in ``task`` and, once hedged, its hedge (``second``)."""
+
+    task: asyncio.Task[Any]
+    first: _PrefillLeg
+    pair: Pair  # the pair the request holds: the hedge's once there is one
+    second: asyncio.Future[tuple[Any, int | None, list[int] | None]] | None = None
+    # The hedge, when its end decided the race (it answered or refused before the slow leg).
+    decided: asyncio.Future[tuple[Any, int | None, list[int] | None]] | None = None
+    closed: bool = False  # the race is over: nothing may interrupt the task any more
+
+
 @dataclass
 class DecodeStream:
     engine: str
@@ -418,7 +431,11 @@ class PDRouter:
         """The prefill leg; one that runs past ``routing.hedge.factor`` times its predicted
         queue wait and prefill is hedged on another prefill engine (``Lifecycle.hedge_prefill``)
         and the first of the two to answer wins. Returns the leg's result and the pair the
-        request now holds (the hedge's, whichever leg won: its decode engine is dispatched)."""
+        request now holds (the hedge's, whichever leg won: its decode engine is dispatched).
+
+        The leg runs inline under a timer, not as a task: the healthy path pays for one timer
+        handle. When the timer fires the hedge starts as a task; if it answers first, it
+        interrupts the inline leg by cancelling this task (as ``asyncio.timeout`` does)."""
         hedge = self.fleet.routing.hedge
         if not hedge.enabled:
             return (*await self._prefill(ticket, pair, request, record), pair)
@@ -427,64 +444,107 @@ class PDRouter:
             after_s = max(hedge.floor_s, hedge.factor * predicted)
         else:  # no latency model (scheduler v0): half the TTFT budget
             after_s = max(hedge.floor_s, self.fleet.budgets.ttft_s / 2)
-        first_leg = _PrefillLeg()
-        first = asyncio.ensure_future(self._prefill(ticket, pair, request, record, first_leg))
+        task = asyncio.current_task()
+        assert task is not None
+        race = _HedgeRace(task, _PrefillLeg(), pair)
+        timer = asyncio.get_running_loop().call_later(
+            after_s, self._start_hedge, race, ticket, request, record, after_s, predicted
+        )
         try:
-            done, _ = await asyncio.wait((first,), timeout=after_s)
-            if done:
-                return (*first.result(), pair)
-            budget_left = self.fleet.budgets.ttft_s - record.since_arrival()
-            pick = self.lifecycle.hedge_prefill(ticket, budget_left)
-            if isinstance(pick, NoPair):
-                return (*await first, pair)  # nowhere to hedge: the slow leg runs on, counted
-            first_leg.counted = False
-            record.attempt(
-                "prefill",
-                pair.prefill,
-                "hedged",
-                after_s=round(after_s, 6),
-                predicted_s=None if predicted is None else round(predicted, 6),
-                hedge=pick.prefill,
-            )
-            second = asyncio.ensure_future(
-                self._prefill(ticket, pick, request, record, _PrefillLeg(counted=False))
-            )
             try:
-                return (*await self._race(ticket, first, second), pick)
-            finally:
-                second.cancel()
-        finally:
-            first.cancel()
-
-    async def _race(
-        self,
-        ticket: Ticket,
-        first: asyncio.Future[tuple[Any, int | None, list[int] | None]],
-        second: asyncio.Future[tuple[Any, int | None, list[int] | None]],
-    ) -> tuple[Any, int | None, list[int] | None]:
-        """The slow prefill leg against its hedge, neither counted by the lifecycle: the first
-        to answer is reported as the ticket's prefill leg; both failing, as one failure."""
-        pending: set[asyncio.Future[Any]] = {first, second}
-        failure: BaseException | None = None
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                exc = task.exception()
-                if exc is None:
-                    result = task.result()
-                    self.lifecycle.prefill_done(ticket, "ok", prompt_tokens=result[1])
-                    won = "hedge" if task is second else "original"
-                    self.metrics.hedges.labels("prefill", won).inc()
-                    return result
+                result = await self._prefill(ticket, pair, request, record, race.first)
+            except asyncio.CancelledError:
+                if race.decided is None or task.uncancel() > 0:
+                    raise  # cancelled from outside: the hedge is cancelled below
+                return (*self._hedge_won(ticket, race.decided), race.pair)
+            except (_LegFailure, _EngineClientError) as exc:
+                if race.second is None:
+                    raise
                 if isinstance(exc, _EngineClientError):
                     self.lifecycle.prefill_done(ticket, "refused")
                     self.metrics.hedges.labels("prefill", "refused").inc()
-                    raise exc
-                failure = exc
-        self.lifecycle.prefill_done(ticket, "failed")
-        self.metrics.hedges.labels("prefill", "failed").inc()
-        assert failure is not None
-        raise failure
+                    raise
+                # The slow leg failed; the hedge may still answer.
+                second = race.second
+                race.closed = True
+                with contextlib.suppress(_LegFailure, _EngineClientError):
+                    await asyncio.wait((second,))
+                return (*self._hedge_won(ticket, second), race.pair)
+            if race.second is None:
+                return (*result, pair)
+            race.closed = True
+            self.lifecycle.prefill_done(ticket, "ok", prompt_tokens=result[1])
+            self.metrics.hedges.labels("prefill", "original").inc()
+            return (*result, race.pair)
+        finally:
+            race.closed = True
+            timer.cancel()
+            if race.second is not None:
+                race.second.cancel()
+
+    def _start_hedge(
+        self,
+        race: _HedgeRace,
+        ticket: Ticket,
+        request: ClientRequest,
+        record: RequestRecord,
+        after_s: float,
+        predicted: float | None,
+    ) -> None:
+        """The hedge timer fired: a second prefill leg on the best other prefill engine whose
+        predicted TTFT fits what is left of the budget; none, and the slow leg runs on."""
+        if race.closed:
+            return
+        budget_left = self.fleet.budgets.ttft_s - record.since_arrival()
+        pick = self.lifecycle.hedge_prefill(ticket, budget_left)
+        if isinstance(pick, NoPair):
+            return  # nowhere to hedge: the slow leg runs on, counted
+        race.first.counted = False
+        record.attempt(
+            "prefill",
+            race.pair.prefill,
+            "hedged",
+            after_s=round(after_s, 6),
+            predicted_s=None if predicted is None else round(predicted, 6),
+            hedge=pick.prefill,
+        )
+        race.pair = pick
+        second = asyncio.ensure_future(
+            self._prefill(ticket, pick, request, record, _PrefillLeg(counted=False))
+        )
+        race.second = second
+
+        def decide(done: asyncio.Future[tuple[Any, int | None, list[int] | None]]) -> None:
+            # The hedge answered (or refused) first: the inline leg is interrupted. A hedge that
+            # failed leaves the slow leg to run on.
+            if race.closed or done.cancelled():
+                return
+            if isinstance(done.exception(), _LegFailure):
+                return
+            race.decided = done
+            race.closed = True
+            race.task.cancel()
+
+        second.add_done_callback(decide)
+
+    def _hedge_won(
+        self, ticket: Ticket, second: asyncio.Future[tuple[Any, int | None, list[int] | None]]
+    ) -> tuple[Any, int | None, list[int] | None]:
+        """The hedge's end decides the request's prefill: its answer, its refusal, or (the slow
+        leg having failed too) one failure for the two."""
+        exc = second.exception()
+        if exc is None:
+            result = second.result()
+            self.lifecycle.prefill_done(ticket, "ok", prompt_tokens=result[1])
+            self.metrics.hedges.labels("prefill", "hedge").inc()
+            return result
+        if isinstance(exc, _EngineClientError):
+            self.lifecycle.prefill_done(ticket, "refused")
+            self.metrics.hedges.labels("prefill", "refused").inc()
+        else:
+            self.lifecycle.prefill_done(ticket, "failed")
+            self.metrics.hedges.labels("prefill", "failed").inc()
+        raise exc
 
     def _prefill_done(
         self,

@@ -1,0 +1,249 @@
+"""The prefill hedge's race (``PDRouter._hedged_prefill``) against scripted engines: the slow leg
+runs inline under a timer, the hedge as a task, and every way the two can end is reported once
+to the lifecycle and the metrics, with the request holding the hedge's pair.
+
+Real time, small: the hedge point is 0.1 s (half a 0.2 s TTFT budget, scheduler v0), legs
+answer within half a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import orjson
+import pytest
+
+from narwhal.clock import MonotonicClock
+from narwhal.contract import FleetContract, parse_fleet
+from narwhal.engines.base import EngineTransportError
+from narwhal.metrics import RouterMetrics
+from narwhal.routing.fleet_state import FleetState
+from narwhal.routing.lifecycle import Lifecycle
+from narwhal.routing.roles import DemandTracker
+from narwhal.routing.scheduler import SchedulerV0
+from narwhal.serve.errors import EngineRefused, RouterError
+from narwhal.serve.pd import MetricsObserver, PDRouter
+from narwhal.serve.record import RequestRecord
+from narwhal.serve.validation import parse_client_request
+from narwhal.simengine.fleet import local_fleet_document
+
+MODEL = "moonshotai/Kimi-K3"
+
+
+@dataclass
+class Leg:
+    """How one engine answers a prefill leg: after ``delay_s``, ``ok``, ``fail`` (the
+    connection breaks) or ``refuse`` (HTTP 400)."""
+
+    outcome: str = "ok"
+    delay_s: float = 0.0
+
+
+class _Answer:
+    def __init__(self, status: int, body: bytes, chunks: list[bytes] | None = None) -> None:
+        self.status = status
+        self._body = body
+        self._chunks = iter(chunks if chunks is not None else [body])
+
+    async def read(self) -> bytes:
+        return self._body
+
+    async def read_chunk(self) -> bytes:
+        return next(self._chunks, b"")
+
+    async def aclose(self) -> None:
+        pass
+
+
+class ScriptedEngine:
+    def __init__(self, engine_id: str, engines: ScriptedEngines) -> None:
+        self.id = engine_id
+        self.engines = engines
+
+    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> _Answer:
+        # The first prefill leg sent follows the script's first entry, the hedge its second.
+        engines = self.engines
+        leg = engines.script[len(engines.prefills)]
+        engines.prefills.append(self.id)
+        try:
+            await asyncio.sleep(leg.delay_s)
+        except asyncio.CancelledError:
+            engines.log.append(f"{self.id} cancelled")
+            raise
+        engines.log.append(f"{self.id} {leg.outcome}")
+        if leg.outcome == "fail":
+            raise EngineTransportError("connection reset")
+        if leg.outcome == "refuse":
+            return _Answer(400, b'{"error": {"message": "bad"}}')
+        answer = {
+            "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1},
+            "kv_transfer_params": {"remote_engine_id": self.id},
+        }
+        return _Answer(200, orjson.dumps(answer))
+
+    async def stream(self, path: str, body: bytes, headers: dict[str, str]) -> _Answer:
+        params = orjson.loads(body)["kv_transfer_params"]
+        self.engines.log.append(f"{self.id} decodes from {params['remote_engine_id']}")
+        return _Answer(200, b"", [b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n'])
+
+
+class ScriptedEngines:
+    """The fleet's engines: prefill legs answer as ``script`` says, in the order they are sent
+    (the slow leg, then its hedge); decode legs stream a first token at once."""
+
+    def __init__(self, script: list[Leg]) -> None:
+        self.script = script
+        self.prefills: list[str] = []  # the engines prefill legs went to, in order
+        self.log: list[str] = []
+
+    def client(self, engine_id: str) -> ScriptedEngine:
+        return ScriptedEngine(engine_id, self)
+
+
+def fleet() -> FleetContract:
+    doc = local_fleet_document(
+        [1, 2, 3],
+        [4, 5, 6],
+        initial_roles=["prefill", "prefill", "decode"],
+        ttft_s=0.2,
+        first_token_timeout_s=0.15,
+        routing={"hedge": {"floor_s": 0.05}, "max_prefill_attempts": 1},
+        role_control={"enabled": False},
+    )
+    return parse_fleet(doc, "fleet.json").contract
+
+
+@dataclass
+class Outcome:
+    error: BaseException | None
+    record: RequestRecord
+    router: PDRouter
+    engines: ScriptedEngines
+    state: FleetState
+
+    def hedges(self, outcome: str) -> float:
+        return self.router.metrics.hedges.labels("prefill", outcome)._value.get()
+
+    def attempts(self) -> list[tuple[str, str, str]]:
+        return [(a["leg"], a["engine"], a["outcome"]) for a in self.record.attempts]
+
+
+async def _run(script: list[Leg], cancel_after_s: float | None = None) -> Outcome:
+    contract = fleet()
+    clock = MonotonicClock()
+    state = FleetState(contract, clock)
+    for engine in state.engines.values():
+        engine.healthy = True
+    metrics = RouterMetrics([e.id for e in contract.engines], contract.name, "0" * 64, None)
+    capacity = asyncio.Event()
+    lifecycle = Lifecycle(
+        state,
+        SchedulerV0(),
+        demand=DemandTracker(clock, window_s=10.0),
+        observer=MetricsObserver(metrics, capacity),
+    )
+    engines = ScriptedEngines(script)
+    router = PDRouter(contract, lifecycle, engines, metrics, 30.0, capacity)  # type: ignore[arg-type]
+    body = orjson.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 4})
+    request = parse_client_request(body, False, MODEL, contract.model.max_model_len)
+    record = RequestRecord("r1", 0.0, clock.now(), "/v1/completions")
+    error: BaseException | None = None
+    task = asyncio.ensure_future(router.open(request, record))
+    if cancel_after_s is not None:
+        await asyncio.sleep(cancel_after_s)
+        task.cancel()
+    try:
+        stream = await task
+        record.outcome = "ok"
+        router.finish(stream, record)
+        await stream.aclose()
+    except (RouterError, asyncio.CancelledError) as exc:
+        error = exc
+    # Nothing is left in flight on any engine, whatever the race did.
+    await asyncio.sleep(0.05)  # a cancelled leg sees its cancellation
+    for engine in state.engines.values():
+        assert engine.in_flight_prefill == 0 and engine.in_flight_decode == 0, engine.id
+        assert engine.pending_decode == 0, engine.id
+    return Outcome(error, record, router, engines, state)
+
+
+def run(script: list[Leg], cancel_after_s: float | None = None) -> Outcome:
+    return asyncio.run(_run(script, cancel_after_s))
+
+
+def test_a_prompt_leg_is_never_hedged() -> None:
+    out = run([Leg("ok", 0.0)])
+    assert out.error is None
+    assert len(out.engines.prefills) == 1
+    (slow,) = out.engines.prefills
+    assert out.attempts() == [("prefill", slow, "ok"), ("decode", "e2", "first_token")]
+    assert out.hedges("hedge") == out.hedges("original") == 0
+
+
+def test_the_hedge_answers_first_and_interrupts_the_slow_leg() -> None:
+    out = run([Leg("ok", 0.4), Leg("ok", 0.0)])
+    slow, hedge = out.engines.prefills
+    assert out.error is None
+    assert out.hedges("hedge") == 1
+    assert f"{slow} cancelled" in out.engines.log and f"{slow} ok" not in out.engines.log
+    assert out.record.prefill_engine == hedge
+    assert f"e2 decodes from {hedge}" in out.engines.log
+    assert out.attempts()[0] == ("prefill", slow, "hedged")
+    # The slow leg counted once against its engine's breaker.
+    assert out.state.engines[slow].breaker.consecutive_failures == 1
+
+
+def test_the_slow_leg_answers_before_its_hedge() -> None:
+    out = run([Leg("ok", 0.2), Leg("ok", 0.4)])
+    slow, hedge = out.engines.prefills
+    assert out.error is None
+    assert out.hedges("original") == 1 and out.hedges("hedge") == 0
+    assert f"{hedge} cancelled" in out.engines.log
+    assert out.record.prefill_engine == slow
+    assert f"e2 decodes from {slow}" in out.engines.log
+
+
+def test_the_slow_leg_fails_and_the_hedge_still_answers() -> None:
+    out = run([Leg("fail", 0.2), Leg("ok", 0.3)])
+    slow, hedge = out.engines.prefills
+    assert out.error is None
+    assert out.hedges("hedge") == 1
+    assert out.record.prefill_engine == hedge
+    assert ("prefill", slow, "failed") in out.attempts()
+
+
+def test_both_legs_fail_as_one_failure() -> None:
+    out = run([Leg("fail", 0.2), Leg("fail", 0.3)])
+    assert isinstance(out.error, RouterError)
+    assert out.hedges("failed") == 1
+    assert len(out.engines.prefills) == 2  # max_prefill_attempts 1: no third leg
+
+
+def test_the_hedge_fails_first_and_the_slow_leg_still_answers() -> None:
+    out = run([Leg("ok", 0.3), Leg("fail", 0.0)])
+    slow, _ = out.engines.prefills
+    assert out.error is None
+    assert out.hedges("original") == 1
+    assert out.record.prefill_engine == slow
+
+
+@pytest.mark.parametrize("refused", ["slow", "hedge"])
+def test_a_refusal_from_either_leg_ends_the_request(refused: str) -> None:
+    script = (
+        [Leg("refuse", 0.2), Leg("ok", 0.4)]
+        if refused == "slow"
+        else [Leg("ok", 0.4), Leg("refuse", 0.0)]
+    )
+    out = run(script)
+    assert isinstance(out.error, EngineRefused)
+    assert out.hedges("refused") == 1
+
+
+def test_a_request_cancelled_mid_race_cancels_both_legs() -> None:
+    out = run([Leg("ok", 0.5), Leg("ok", 0.5)], cancel_after_s=0.2)
+    slow, hedge = out.engines.prefills
+    assert isinstance(out.error, asyncio.CancelledError)
+    assert f"{slow} cancelled" in out.engines.log and f"{hedge} cancelled" in out.engines.log
+    assert out.hedges("hedge") == out.hedges("original") == 0
