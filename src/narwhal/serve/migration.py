@@ -32,7 +32,7 @@ from typing import Any
 from narwhal.contract import Migration
 from narwhal.engines.legs import STRUCTURED_OUTPUT_FIELDS
 from narwhal.serve.errors import RouterError
-from narwhal.serve.pd import DecodeStream, PDRouter
+from narwhal.serve.pd import DEFAULT_COMPLETIONS_MAX_TOKENS, DecodeStream, PDRouter
 from narwhal.serve.record import RequestRecord
 from narwhal.serve.validation import ClientRequest
 
@@ -252,7 +252,7 @@ def new_trace(
         return None
     max_tokens = request.max_tokens
     if max_tokens is None and not request.chat:
-        max_tokens = 16  # vLLM's completions default
+        max_tokens = DEFAULT_COMPLETIONS_MAX_TOKENS
     return MigrationTrace(
         chat=request.chat,
         settings=settings,

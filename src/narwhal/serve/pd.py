@@ -41,13 +41,20 @@ from narwhal.serve.errors import (
 from narwhal.serve.record import RequestRecord
 from narwhal.serve.validation import ClientRequest
 
-__all__ = ["DecodeStream", "MetricsObserver", "PDRouter"]
+__all__ = [
+    "DEFAULT_CHAT_MAX_TOKENS",
+    "DEFAULT_COMPLETIONS_MAX_TOKENS",
+    "DecodeStream",
+    "MetricsObserver",
+    "PDRouter",
+]
 
 log = logging.getLogger(__name__)
 
 _MAX_ERROR_BODY = 64 * 1024
 # What a chat request without a max_tokens is assumed to generate, for scheduling only.
 DEFAULT_CHAT_MAX_TOKENS = 256
+DEFAULT_COMPLETIONS_MAX_TOKENS = 16  # vLLM's completions default
 
 
 class _LegFailure(Exception):
@@ -165,14 +172,12 @@ class PDRouter:
         self._waiters: dict[Ticket, asyncio.Future[Verdict]] = {}
         self._pump: asyncio.Task[None] | None = None
 
-    def ticket(
-        self, request: ClientRequest, record: RequestRecord, ticket_id: str | None = None
-    ) -> Ticket:
-        default_max = 16 if not request.chat else DEFAULT_CHAT_MAX_TOKENS
+    def ticket(self, request: ClientRequest, record: RequestRecord) -> Ticket:
+        default_max = DEFAULT_CHAT_MAX_TOKENS if request.chat else DEFAULT_COMPLETIONS_MAX_TOKENS
         index = self.state.prefix_index
         keys = prompt_keys(request.body, request.chat, index.block_size) if index else ()
         return self.lifecycle.arrive(
-            ticket_id or record.id,
+            record.id,
             max_tokens=request.max_tokens or default_max,
             prompt_tokens=request.prompt_tokens_exact,
             prompt_bytes=request.prompt_bytes,
@@ -243,11 +248,13 @@ class PDRouter:
             "migration", stream.engine, reason, after_tokens=completion_offset, number=migration
         )
         index = self.state.prefix_index
+        # A continuation request (continuation_request) has both: a token-id prompt, a cap.
+        assert request.prompt_tokens_exact is not None and request.max_tokens is not None
         ticket, pick = self.lifecycle.migrate(
             stream.ticket,
             f"{record.id}-m{migration}",
-            prompt_tokens=request.prompt_tokens_exact or 1,
-            max_tokens=request.max_tokens or 1,
+            prompt_tokens=request.prompt_tokens_exact,
+            max_tokens=request.max_tokens,
             prefix=prompt_keys(request.body, False, index.block_size) if index else (),
         )
         if isinstance(pick, NoPair):
