@@ -27,6 +27,7 @@ At the end the router is drained (SIGTERM) and its journal, rotated files includ
 
     .venv/bin/python bench/soak.py --minutes 10 [--clients 12] [--seed 1] [--out soak.json]
     .venv/bin/python bench/soak.py --minutes 5 --compare   # migration and hedging on vs off
+    .venv/bin/python bench/soak.py --minutes 5 --compare --single-engine-faults --flip-every 0
 
 Only 127.0.0.1 is contacted. Progress goes to stderr; the report to stdout (and ``--out``).
 """
@@ -294,6 +295,14 @@ FAULTS: list[tuple[str, float]] = [
     ("crash", 1.5),
     ("sigstop", 1.5),  # a hung process: stopped for a few seconds, then continued
 ]
+# --single-engine-faults: what request migration and hedging answer for (issue 23's faults),
+# one engine at a time: kill -9 (at once, on prefill, on the KV READ, mid-stream), SIGSTOP, and
+# an error event mid-stream (vLLM's 500 mid-generation).
+SINGLE_ENGINE_FAULTS: list[tuple[str, float]] = [
+    ("crash", 1),
+    ("sigstop", 1),
+    ("error_mid_stream", 1),
+]
 
 
 @dataclass
@@ -311,7 +320,12 @@ class Chaos:
 
 
 def chaos_loop(
-    stack: Stack, rng: random.Random, stop: threading.Event, every_s: float, chaos: Chaos
+    stack: Stack,
+    rng: random.Random,
+    stop: threading.Event,
+    every_s: float,
+    chaos: Chaos,
+    single: bool = False,
 ) -> None:
     engines = list(stack.fleet.engines)
     active: dict[str, float] = {}  # engine -> when to clear its fault
@@ -341,10 +355,10 @@ def chaos_loop(
                 continue
             next_fault = now + every_s
             candidates = [e for e in engines if e not in active and e not in down]
-            if not candidates:
+            if not candidates or (single and (active or down)):
                 continue
             engine_id = rng.choice(candidates)
-            names, weights = zip(*FAULTS, strict=True)
+            names, weights = zip(*(SINGLE_ENGINE_FAULTS if single else FAULTS), strict=True)
             fault = rng.choices(names, weights)[0]
             if fault in ("crash", "sigstop") and down:
                 fault = "fail_next"  # one engine down at a time: the fleet keeps a pair
@@ -597,6 +611,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flip-every", type=float, default=20.0, help="seconds between flips (0: none)")
     p.add_argument("--journal-max-bytes", type=int, default=8 * 1024 * 1024)
     p.add_argument(
+        "--single-engine-faults",
+        action="store_true",
+        help="only kill -9, SIGSTOP and errors mid-stream, on one engine at a time (the faults"
+        " request migration and hedging must hide from clients); with --flip-every 0, nothing"
+        " else moves",
+    )
+    p.add_argument(
         "--compare",
         action="store_true",
         help="run twice with the same seed: migration and hedging on (the fleet's defaults), "
@@ -666,7 +687,14 @@ def soak(args: argparse.Namespace, resilience: bool) -> dict[str, Any]:
         ]
         chaos_thread = threading.Thread(
             target=chaos_loop,
-            args=(stack, random.Random(args.seed + 1), stop_chaos, args.fault_every, chaos),
+            args=(
+                stack,
+                random.Random(args.seed + 1),
+                stop_chaos,
+                args.fault_every,
+                chaos,
+                args.single_engine_faults,
+            ),
         )
         flip_thread = threading.Thread(
             target=flip_loop,

@@ -904,76 +904,7 @@ def _restart(pd: PD, engine: EngineProcess, vllm_python: Path) -> None:
     assert wait_until(pd.ready, 30), f"the router did not become ready after {engine.name} returned"
 
 
-# --- failure: the decode engine dies mid-stream (restarts d0) -----------------------------
-
-MIGRATED_TOKENS = 160
-
-
-def test_decode_engine_killed_mid_stream_completes_elsewhere(pd: PD, vllm_python: Path) -> None:
-    """Request migration on real vLLM: d0 is killed (SIGKILL) after a greedy chat stream's
-    first tokens; the router continues the request from the prompt's and the generated token
-    ids (a completions request of token ids, its chunks rewritten as chat deltas) on the engine
-    left (p0, as a local leg: no decode engine survives), and the client's answer is the one
-    engine's, token for token, in one stream with one id and one usage chunk. (Chat only: each
-    case restarts d0, a minute of the suite on 2 cores; completions share the same path.)"""
-    chat = True
-    body = pd.request_body(
-        chat,
-        f"{tag()} {BODY_TEXT}",
-        max_tokens=MIGRATED_TOKENS,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    reference = pd.reference(body, chat)  # on d0, before it dies
-    assert reference.finish_reason == "length"
-    path = "/v1/chat/completions" if chat else "/v1/completions"
-    chunks: list[dict[str, Any]] = []
-    killed_after = None
-    with (
-        httpx.Client(base_url=pd.router.url, timeout=120, trust_env=False) as client,
-        client.stream("POST", path, json=body) as response,
-    ):
-        assert response.status_code == 200
-        request_id = response.headers["x-request-id"]
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            chunks.append(chunk)
-            tokens = sum(len(c.get("token_ids") or ()) for k in chunks for c in k["choices"])
-            if killed_after is None and tokens >= 4:
-                kill_engine(pd.decode)
-                killed_after = tokens
-    try:
-        assert killed_after is not None and killed_after < MIGRATED_TOKENS
-        ids = [t for k in chunks for c in k["choices"] for t in c.get("token_ids") or ()]
-        if chat:
-            text = "".join(
-                (c.get("delta") or {}).get("content") or "" for k in chunks for c in k["choices"]
-            )
-        else:
-            text = "".join(c.get("text") or "" for k in chunks for c in k["choices"])
-        assert ids == reference.token_ids
-        assert text == reference.text
-        assert len({k["id"] for k in chunks}) == 1
-        (usage,) = [k["usage"] for k in chunks if k.get("usage")]
-        assert usage["completion_tokens"] == MIGRATED_TOKENS
-        assert usage["prompt_tokens"] == reference.usage["prompt_tokens"]
-        end = pd.end_record(request_id)
-        assert end["outcome"] == "ok" and end["migrations"] == 1, end
-        legs = [(a["leg"], a["engine"], a["outcome"]) for a in end["attempts"]]
-        assert ("migration", "d0", "connection") in legs, legs
-        assert ("local", "p0", "first_token") in legs, legs
-        pd.run["decode_killed_mid_stream"] = {
-            "killed_after_tokens": killed_after,
-            "attempts": end["attempts"],
-        }
-    finally:
-        _restart(pd, pd.decode, vllm_python)
-
-
-# --- failure: the prefill engine dies (keep last: it kills and restarts p0) ---------------
+# --- failure: the prefill engine dies (it kills and restarts p0) --------------------------
 
 
 def test_prefill_engine_killed_fails_clearly_then_recovers(pd: PD, vllm_python: Path) -> None:
@@ -1026,3 +957,70 @@ def test_prefill_engine_killed_fails_clearly_then_recovers(pd: PD, vllm_python: 
     moved = pd.wait_nixl(before, 1)
     assert moved.transfers == 1 and moved.failed == 0
     assert pd.end_record(routed.request_id)["handoff"] == "nixl"
+
+
+# --- failure: the decode engine dies mid-stream (keep last: d0 stays dead) ----------------
+
+MIGRATED_TOKENS = 160
+
+
+def test_decode_engine_killed_mid_stream_completes_elsewhere(pd: PD) -> None:
+    """Request migration on real vLLM: d0 is killed (SIGKILL) after a greedy chat stream's
+    first tokens; the router continues the request from the prompt's and the generated token
+    ids (a completions request of token ids, its chunks rewritten as chat deltas) on the engine
+    left (p0, as a local leg: no decode engine survives), and the client's answer is the one
+    engine's, token for token, in one stream with one id and one usage chunk. (Chat only: each
+    case kills d0, and a restart is most of a minute on 2 cores; completions share the path.
+    The module's last test: d0 is not restarted.)"""
+    chat = True
+    body = pd.request_body(
+        chat,
+        f"{tag()} {BODY_TEXT}",
+        max_tokens=MIGRATED_TOKENS,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    reference = pd.reference(body, chat)  # on d0, before it dies
+    assert reference.finish_reason == "length"
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    chunks: list[dict[str, Any]] = []
+    killed_after = None
+    with (
+        httpx.Client(base_url=pd.router.url, timeout=120, trust_env=False) as client,
+        client.stream("POST", path, json=body) as response,
+    ):
+        assert response.status_code == 200
+        request_id = response.headers["x-request-id"]
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            chunks.append(chunk)
+            tokens = sum(len(c.get("token_ids") or ()) for k in chunks for c in k["choices"])
+            if killed_after is None and tokens >= 4:
+                kill_engine(pd.decode)
+                killed_after = tokens
+    assert killed_after is not None and killed_after < MIGRATED_TOKENS
+    ids = [t for k in chunks for c in k["choices"] for t in c.get("token_ids") or ()]
+    if chat:
+        text = "".join(
+            (c.get("delta") or {}).get("content") or "" for k in chunks for c in k["choices"]
+        )
+    else:
+        text = "".join(c.get("text") or "" for k in chunks for c in k["choices"])
+    assert ids == reference.token_ids
+    assert text == reference.text
+    assert len({k["id"] for k in chunks}) == 1
+    (usage,) = [k["usage"] for k in chunks if k.get("usage")]
+    assert usage["completion_tokens"] == MIGRATED_TOKENS
+    assert usage["prompt_tokens"] == reference.usage["prompt_tokens"]
+    end = pd.end_record(request_id)
+    assert end["outcome"] == "ok" and end["migrations"] == 1, end
+    legs = [(a["leg"], a["engine"], a["outcome"]) for a in end["attempts"]]
+    assert ("migration", "d0", "connection") in legs, legs
+    assert ("local", "p0", "first_token") in legs, legs
+    pd.run["decode_killed_mid_stream"] = {
+        "killed_after_tokens": killed_after,
+        "attempts": end["attempts"],
+    }
