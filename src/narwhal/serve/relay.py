@@ -36,6 +36,7 @@ __all__ = [
     "ClientWriter",
     "EventRenderer",
     "PushRelay",
+    "StallWatch",
     "StreamTally",
     "aggregate",
     "note_chunk",
@@ -232,21 +233,64 @@ class EventRenderer:
         return self.interrupt("stall", f"no token from the decode engine for {stall_s:.3g} s")
 
 
-async def next_batch(
-    stream: DecodeStream, renderer: EventRenderer, stall_s: float | None
-) -> list[bytes] | None:
-    """The stream's next batch of events; None when the stream stalled for ``stall_s`` and the
-    renderer's trace can continue it elsewhere (``interrupted``). A stream that cannot be
-    continued is waited for as long as it takes (the engine's request timeout bounds it)."""
-    trace = renderer.trace
-    if stall_s is None or trace is None or trace.blocked(renderer.tally.token_events):
-        return await stream.events.next_batch()
-    try:
-        async with asyncio.timeout(stall_s):
+class StallWatch:
+    """The stall deadline of a stream read batch by batch (``relay_events``, ``aggregate``): a
+    wait for the engine that lasts ``stall_s`` interrupts the stream when its trace can continue
+    it elsewhere (``interrupted``); a stream that cannot be continued is waited for as long as
+    it takes (the engine's request timeout bounds it). One timer per stall period, re-armed
+    when it fires, not a timeout per wait (~10 us each, a dozen waits per answer): when the
+    timer finds a wait past the deadline it cancels the task, as ``asyncio.timeout`` does."""
+
+    __slots__ = ("_fired", "_renderer", "_stall_s", "_task", "_timer", "_waiting_since")
+
+    def __init__(self, renderer: EventRenderer, stall_s: float | None) -> None:
+        self._renderer = renderer
+        self._stall_s = stall_s
+        self._task: asyncio.Task[Any] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._waiting_since: float | None = None
+        self._fired = False
+
+    async def next_batch(self, stream: DecodeStream) -> list[bytes] | None:
+        """The stream's next batch of events; None when it stalled (``interrupted``)."""
+        renderer = self._renderer
+        trace = renderer.trace
+        stall_s = self._stall_s
+        if stall_s is None or trace is None or trace.blocked(renderer.tally.token_events):
             return await stream.events.next_batch()
-    except TimeoutError:
-        renderer.stalled(stall_s)
-        return None
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(stall_s, self._check)
+        self._task = task = asyncio.current_task()
+        self._waiting_since = time.monotonic()
+        try:
+            return await stream.events.next_batch()
+        except asyncio.CancelledError:
+            if not self._fired:
+                raise
+            self._fired = False
+            if task is not None and task.uncancel() > 0:
+                raise  # cancelled from outside as well
+            renderer.stalled(stall_s)
+            return None
+        finally:
+            self._waiting_since = None
+
+    def _check(self) -> None:
+        stall_s = self._stall_s
+        assert stall_s is not None
+        since = self._waiting_since
+        quiet = 0.0 if since is None else time.monotonic() - since
+        if since is not None and quiet >= stall_s and self._task is not None:
+            self._timer = None  # armed again by the next wait
+            self._fired = True
+            self._task.cancel()
+            return
+        self._timer = asyncio.get_running_loop().call_later(stall_s - quiet, self._check)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 async def relay_events(
@@ -256,22 +300,26 @@ async def relay_events(
     yields ``[DONE]`` last, unless the stream was ``interrupted`` to be continued elsewhere;
     ``renderer.failure`` then says whether the stream broke."""
     batch: list[bytes] | None = stream.first_events
-    while True:
-        out = renderer.render(batch or [])
-        if out:
-            yield out
-        if renderer.finished:
-            return
-        try:
-            batch = await next_batch(stream, renderer, stall_s)
-        except (EngineTransportError, ValueError) as exc:
-            yield renderer.ended(exc)
-            return
-        if batch is None:
-            return
-        if not batch:
-            yield renderer.ended(None)
-            return
+    watch = StallWatch(renderer, stall_s)
+    try:
+        while True:
+            out = renderer.render(batch or [])
+            if out:
+                yield out
+            if renderer.finished:
+                return
+            try:
+                batch = await watch.next_batch(stream)
+            except (EngineTransportError, ValueError) as exc:
+                yield renderer.ended(exc)
+                return
+            if batch is None:
+                return
+            if not batch:
+                yield renderer.ended(None)
+                return
+    finally:
+        watch.close()
 
 
 class PushRelay:
@@ -548,57 +596,64 @@ async def aggregate(
     renderer = EventRenderer(tally, False, None, trace)
     prefill_prompt_tokens = stream.prefill_prompt_tokens  # the client's prompt, as counted
     batch: list[bytes] | None = stream.first_events
-    i = 0
-    while True:
-        try:
-            if renderer.interrupted or batch is None:
-                reason, message = renderer.interrupted or ("stall", "the decode stream stalled")
-                resumed = await migrator.resume(reason, message)
-                if resumed is None:
-                    raise UpstreamFailed("stream_error", f"decode failed mid-generation: {message}")
-                renderer.resume()
-                stream = resumed
-                batch, i = stream.first_events, 0
-                continue
-            if i == len(batch):
-                batch, i = await next_batch(stream, renderer, migrator.stall_s), 0
-                if batch is not None and not batch:
-                    message = "the decode engine closed the stream early"
-                    if not renderer.interrupt("connection", message):
+    watch = StallWatch(renderer, migrator.stall_s)
+    try:
+        i = 0
+        while True:
+            try:
+                if renderer.interrupted or batch is None:
+                    reason, message = renderer.interrupted or ("stall", "the decode stream stalled")
+                    resumed = await migrator.resume(reason, message)
+                    if resumed is None:
+                        message = f"decode failed mid-generation: {message}"
                         raise UpstreamFailed("stream_error", message)
-                continue
-            payload = batch[i]
-            i += 1
-            if payload == b"[DONE]":
-                break
-            obj = orjson.loads(payload)
-            if not isinstance(obj, dict):
-                raise UpstreamFailed("decode_failed", "malformed chunk from the decode engine")
-            if "error" in obj:
-                detail = str((obj.get("error") or {}).get("message", "engine error"))
-                if renderer.interrupt("engine_error", detail):
+                    renderer.resume()
+                    stream = resumed
+                    batch, i = stream.first_events, 0
+                    watch.close()  # the new stream's own deadline (its pair's TPOT)
+                    watch = StallWatch(renderer, migrator.stall_s)
                     continue
-                raise UpstreamFailed("stream_error", f"decode failed mid-generation: {detail}")
-            if trace is not None:
-                if trace.migrations:
-                    obj = trace.translate(obj)
-                else:
-                    trace.observe(obj)
-            head = head or obj
-            if obj.get("usage") and not obj.get("choices"):
-                usage = obj["usage"]
-            note_chunk(tally, obj, time.monotonic())
-            for choice in obj.get("choices") or ():
-                if isinstance(choice, dict):
-                    index = choice.get("index")
-                    parts = choices.setdefault(
-                        index if isinstance(index, int) else 0, _ChoiceParts()
-                    )
-                    parts.add(choice, chat)
-        except (EngineTransportError, ValueError, AttributeError, TypeError) as exc:
-            message = f"decode stream broke: {type(exc).__name__}: {exc}"
-            if not renderer.interrupt("connection", message):
-                raise UpstreamFailed("stream_error", message) from None
+                if i == len(batch):
+                    batch, i = await watch.next_batch(stream), 0
+                    if batch is not None and not batch:
+                        message = "the decode engine closed the stream early"
+                        if not renderer.interrupt("connection", message):
+                            raise UpstreamFailed("stream_error", message)
+                    continue
+                payload = batch[i]
+                i += 1
+                if payload == b"[DONE]":
+                    break
+                obj = orjson.loads(payload)
+                if not isinstance(obj, dict):
+                    raise UpstreamFailed("decode_failed", "malformed chunk from the decode engine")
+                if "error" in obj:
+                    detail = str((obj.get("error") or {}).get("message", "engine error"))
+                    if renderer.interrupt("engine_error", detail):
+                        continue
+                    raise UpstreamFailed("stream_error", f"decode failed mid-generation: {detail}")
+                if trace is not None:
+                    if trace.migrations:
+                        obj = trace.translate(obj)
+                    else:
+                        trace.observe(obj)
+                head = head or obj
+                if obj.get("usage") and not obj.get("choices"):
+                    usage = obj["usage"]
+                note_chunk(tally, obj, time.monotonic())
+                for choice in obj.get("choices") or ():
+                    if isinstance(choice, dict):
+                        index = choice.get("index")
+                        parts = choices.setdefault(
+                            index if isinstance(index, int) else 0, _ChoiceParts()
+                        )
+                        parts.add(choice, chat)
+            except (EngineTransportError, ValueError, AttributeError, TypeError) as exc:
+                message = f"decode stream broke: {type(exc).__name__}: {exc}"
+                if not renderer.interrupt("connection", message):
+                    raise UpstreamFailed("stream_error", message) from None
+    finally:
+        watch.close()
     tally.done = True
     if usage is not None:
         tally.completion_tokens = usage.get("completion_tokens")
