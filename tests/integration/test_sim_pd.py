@@ -254,3 +254,35 @@ def test_unpulled_hold_expires_at_its_lease(tmp_path) -> None:
     assert late.status_code == 500
     assert "does not match the prompt" in late.json()["error"]["message"]
     assert metric(metrics, "narwhal_sim:kv_verify_failures_total") == 1
+
+
+def test_answer_blocks_cached_after_a_twin_hold_the_right_kv(pd_fleet: SimFleet) -> None:
+    """The decode engine caches the full blocks an answer completed. Two answers to one prompt
+    (a 40-token prompt: its third block partial at the pull): the shorter caches the third
+    block, the longer then only the fourth, extended from its own third block. That block was
+    partial when pulled; the fourth must still hold the KV a continuation of prompt + answer
+    expects, or a request that hits it (request migration's continuation) fails verification."""
+    prefill_url, decode_url = urls(pd_fleet)
+    prompt = [300 + (i * 61) % 9000 for i in range(40)]
+
+    def pd(client: httpx.Client, ids: list[int], max_tokens: int) -> list[int]:
+        body = {
+            "model": MODEL,
+            "prompt": ids,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        leg = client.post(prefill_url + "/v1/completions", json=prefill_leg_body(body, False))
+        assert leg.status_code == 200, leg.text
+        body["kv_transfer_params"] = leg.json()["kv_transfer_params"]
+        answer = client.post(decode_url + "/v1/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["choices"][0]["token_ids"]
+
+    with httpx.Client(timeout=30) as client:
+        short = pd(client, prompt, 10)  # caches blocks 0-2 (prompt + 9 answer tokens: 49)
+        long = pd(client, prompt, 40)  # blocks 0-2 cached already: caches block 3 alone
+        assert long[:10] == short
+        # Prompt + 30 answer tokens: 70 tokens, blocks 0-3 hit on the decode engine.
+        assert pd(client, prompt + long[:30], 10) == long[30:40]

@@ -493,8 +493,11 @@ class EngineCore:
             chains = [chains[i - first] for i in rows]
         targets = [blocks[i] for i in rows]
         self.layout.write(self.pool, targets, chains)
-        for block, chain in zip(targets, chains, strict=True):
-            self._chains[block] = chain
+        full = len(tokens) // self.config.block_size
+        for i, block, chain in zip(rows, targets, chains, strict=True):
+            # A partial block's chain is not the one its full content will have: a later write
+            # that extended it (the answer's blocks) would key right and hold the wrong KV.
+            self._chains[block] = chain if i < full else None
 
     def _cache_output(self, request: SimRequest) -> None:
         """Cache the full blocks the answer completed (vLLM caches every full block of
@@ -596,14 +599,18 @@ class EngineCore:
             peer, list(remote.block_ids[hit:]), local[hit:], remote.request_id.encode(), timeout
         )
         chains = self.layout.chains(request.prompt)
-        if not np.array_equal(self.pool[local], self.layout.contents(chains)):
+        expected = self.layout.contents(chains)
+        if not np.array_equal(self.pool[local], expected):
             self.metrics.get(self.metrics.kv_verify_failures).inc()
+            wrong = [i for i in range(n) if not np.array_equal(self.pool[local[i]], expected[i])]
             raise KVTransferError(
                 f"pulled KV from {remote.engine_id} does not match the prompt"
-                " (blocks freed or overwritten before the read)"
+                " (blocks freed or overwritten before the read; wrong blocks"
+                f" {wrong} of {n}, the first {hit} from this engine's prefix cache)"
             )
-        for block, chain in zip(local, chains, strict=True):
-            self._chains[block] = chain
+        full = len(request.prompt) // self.config.block_size
+        for i, (block, chain) in enumerate(zip(local, chains, strict=True)):
+            self._chains[block] = chain if i < full else None  # as in _write_kv
         return result.num_bytes, result.seconds, n - hit
 
     # --- holds -------------------------------------------------------------------------
