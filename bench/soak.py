@@ -347,10 +347,14 @@ def chaos_loop(
                     else:
                         stack.engine_admin(engine_id, "DELETE")
                     del down[engine_id]
+                    if single:  # back in the router's rotation before the next fault
+                        next_fault = max(next_fault, time.monotonic() + every_s)
             for engine_id, at in list(active.items()):
                 if now >= at:
                     stack.engine_admin(engine_id, "DELETE")
                     del active[engine_id]
+                    if single:
+                        next_fault = max(next_fault, time.monotonic() + every_s)
             if now < next_fault:
                 continue
             next_fault = now + every_s
@@ -613,9 +617,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--single-engine-faults",
         action="store_true",
-        help="only kill -9, SIGSTOP and errors mid-stream, on one engine at a time (the faults"
-        " request migration and hedging must hide from clients); with --flip-every 0, nothing"
-        " else moves",
+        help="only kill -9, SIGSTOP and errors mid-stream, on one engine at a time, the next"
+        " --fault-every seconds after the last was cleared (a restarted engine is back in the"
+        " router's rotation): the faults request migration and hedging must hide from clients;"
+        " with --flip-every 0, nothing else moves",
     )
     p.add_argument(
         "--compare",
