@@ -53,7 +53,7 @@ test: export NARWHAL_AIPERF_REQUIRED := 1
 test: export NARWHAL_VLLM_VENV := $(VLLM_VENV)
 test: export NARWHAL_TINY_MODEL := $(TINY_MODEL)
 test: $(STAMP) typecheck test-deps aiperf interop-env
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=40
 
 check: $(STAMP) typecheck
 	$(PY) -m ruff check src tests bench tools
