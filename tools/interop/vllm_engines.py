@@ -242,6 +242,10 @@ def start_engine(
         log_path,
         env=engine_env(home, side_channel_port, cpu_bind),
         cwd=home,
+        # In the caller's session, so that its busy-polling threads lowered to nice 19
+        # (quiet_busy_threads) yield to the router and the tests: see procs.start.
+        new_session=False,
+        new_group=True,
     )
     return EngineProcess(
         name, port, side_channel_port, cpu_bind, process, log_path, kv_events=events
@@ -356,7 +360,9 @@ def fleet_document(
         "engine": {
             "first_token_timeout_s": first_token_timeout_s,
             "request_timeout_s": 300.0,
-            "connect_timeout_s": 5.0,
+            # Generous for the same reason: a connect times out when the router's own loop is
+            # held off the CPU, not when the engine is slow to accept.
+            "connect_timeout_s": 15.0,
             "tp": 1,
             "accelerator": "cpu",
             "gpu_arch": "cpu",

@@ -72,11 +72,20 @@ def start(
     cwd: Path | None = None,
     append: bool = True,
     new_session: bool = True,
+    new_group: bool = False,
     preexec_fn: Callable[[], None] | None = None,
     log_via_pipe: bool = False,
 ) -> subprocess.Popen[bytes]:
     """Start ``argv`` with stdin from /dev/null and stdout and stderr into ``log`` (appended to,
     or truncated with ``append=False``; None: discarded).
+
+    ``new_session=True`` makes the child a session leader, ``new_group=True`` (with
+    ``new_session=False``) the leader of a new process group in the caller's session: either
+    way ``stop(..., group=True)`` reaches all it started. They differ in scheduling: Linux's
+    autogroup gives every session an equal share of the CPU whatever the nice values inside
+    it, so a thread lowered to nice 19 in a session of its own still takes half a busy core
+    from the caller's session; in the caller's session its nice value holds. With neither, the
+    child stays in the caller's group (a Ctrl-C reaches both).
 
     ``env`` is the child's whole environment (None: this process's). ``log_via_pipe`` copies
     the output to the log through a pipe (in a thread of this process), so that resource limits
@@ -95,6 +104,7 @@ def start(
             env=dict(env) if env is not None else None,
             cwd=cwd,
             start_new_session=new_session,
+            process_group=0 if new_group and not new_session else None,
             preexec_fn=preexec_fn,
         )
     finally:
