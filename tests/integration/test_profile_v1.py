@@ -7,6 +7,7 @@ import concurrent.futures
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -107,13 +108,20 @@ def test_profiler_bad_inputs(tmp_path: Path) -> None:
         bad.write_text("{not json")
         r = profile(fleet.fleet_path, bad, tmp_path / "x.json")
         assert r.returncode == 2 and "invalid JSON" in r.stderr
-        # A busy engine is refused unless forced.
-        with httpx.Client(timeout=30) as client, concurrent.futures.ThreadPoolExecutor(1) as pool:
-            busy = pool.submit(
-                client.post,
-                fleet.engines["e0"].url + "/v1/completions",
-                json={"model": MODEL, "prompt": "x", "max_tokens": 3000, "ignore_eos": True},
-            )
+        # A busy engine is refused unless forced. The busy request is a stream, closed once
+        # the check is done (the engine aborts it) rather than waited out.
+        done = threading.Event()
+
+        def hold() -> None:
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 3000, "ignore_eos": True}
+            url = fleet.engines["e0"].url + "/v1/completions"
+            with httpx.stream("POST", url, json={**body, "stream": True}, timeout=30) as r:
+                for _ in r.iter_lines():
+                    if done.is_set():
+                        break
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            busy = pool.submit(hold)
             assert wait_until(
                 lambda: (
                     "num_requests_running{" in httpx.get(fleet.engines["e0"].url + "/metrics").text
@@ -132,7 +140,8 @@ def test_profiler_bad_inputs(tmp_path: Path) -> None:
             )
             assert r.returncode == 1 and "not idle" in r.stderr
             assert not (tmp_path / "busy.json").exists()
-            busy.cancel()
+            done.set()
+        busy.result()
         # An unreachable engine: no store, a partial file marked incomplete.
         fleet.kill("e1")
         out = tmp_path / "store.json"
