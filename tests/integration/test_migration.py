@@ -23,6 +23,9 @@ from narwhal.testing.fleet import SimFleet
 from narwhal.testing.procs import wait_until
 from tests.helpers import MODEL, RouterProcess, admin, metric, running_fleet, running_router
 
+# Engines killed, stopped and restarted under live streams: about 90 s, run by make test.
+pytestmark = pytest.mark.slow
+
 PROMPTS = [[300 + (i * 7 + k * 13) % 9000 for i in range(100 + 10 * k)] for k in range(6)]
 MAX_TOKENS = 48
 ROUTER_ARGS = ("--breaker-open-seconds", "0.3", "--health-interval", "0.2")

@@ -18,6 +18,9 @@ from narwhal.testing.procs import wait_until
 from tests.helpers import MODEL, metric, running_fleet, running_router
 from tests.reliability.support import sse_events
 
+# Slow clients read whole streams at their own pace: about 20 s, run by make test.
+pytestmark = pytest.mark.slow
+
 # More than the kernel's socket buffers hold (up to 4 MiB each way on loopback), decoded fast
 # (about 0.02 ms a step) so the engine outruns a client that does not read.
 TOKENS = 30_000
