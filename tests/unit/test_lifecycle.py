@@ -250,6 +250,24 @@ def test_a_decode_leg_that_fails_before_its_first_token_is_retried_elsewhere(
     assert isinstance(retry, Pair) and retry.decode != pair.decode
 
 
+@pytest.mark.parametrize("n_prefill", [1, 2])
+def test_a_decode_retry_prefills_on_another_engine_when_there_is_one(n_prefill: int) -> None:
+    """The failed decode leg may have failed reading its prefill engine's KV: the retry avoids
+    that prefill engine too when another can serve, without counting it failed."""
+    lifecycle, _, observer = build(n_prefill=n_prefill, n_decode=2)
+    ticket = lifecycle.arrive("r", max_tokens=4, prompt_tokens=3000)
+    pair = admitted(lifecycle, ticket)
+    assert not pair.local
+    lifecycle.prefill_done(ticket, "ok")
+    lifecycle.decode_failed(ticket, "failed")
+    retry = lifecycle.retry(ticket)
+    assert isinstance(retry, Pair) and retry.decode != pair.decode and not retry.local
+    assert (retry.prefill != pair.prefill) == (n_prefill == 2)
+    assert ticket.failed_prefill == frozenset() and observer.failed == [(pair.decode, "decode")]
+    prefill = lifecycle.state.engines[pair.prefill]
+    assert prefill.breaker.consecutive_failures == 0
+
+
 def test_no_pair_left_after_failures_ends_the_ticket() -> None:
     lifecycle, _, _ = build(n_prefill=1, n_decode=1)
     ticket = lifecycle.arrive("r", max_tokens=4, prompt_tokens=100)

@@ -276,9 +276,25 @@ class Lifecycle:
         (over budget or not: it was admitted), dispatched; or why there is none."""
         if ticket.phase != "new":
             raise ValueError(f"request {ticket.id} has nothing to retry ({ticket.phase})")
-        pick = self.scheduler.pick(
-            self.state, self.shape(ticket), ticket.failed_prefill, ticket.failed_decode
-        )
+        shape = self.shape(ticket)
+        pick: Pair | NoPair = NoPair("")
+        last = ticket.pair
+        if (
+            last is not None
+            and not last.local
+            and last.decode in ticket.failed_decode
+            and last.prefill not in ticket.failed_prefill
+        ):
+            # The decode leg failed before its first token: it may have failed reading the KV
+            # its prefill engine holds (a restarted engine's NIXL agent fails every decode
+            # engine's read). The retry prefills again anyway, so another prefill engine comes
+            # first; the same one, not counted as failed, when no other will do.
+            avoid = ticket.failed_prefill | {last.prefill}
+            pick = self.scheduler.pick(self.state, shape, avoid, ticket.failed_decode)
+        if not isinstance(pick, Pair):
+            pick = self.scheduler.pick(
+                self.state, shape, ticket.failed_prefill, ticket.failed_decode
+            )
         if isinstance(pick, NoPair) and pick.over_budget is not None:
             pick = pick.over_budget
         self.observer.decided(ticket, pick)
