@@ -196,6 +196,21 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+def _without_wall_clock_guards(fleet: FleetContract) -> FleetContract:
+    """The fleet as the replay's router sees it: its first-token deadline and prefill hedge
+    never fire. Both are timers on the event loop's clock, which runs in wall time here, not
+    on the replay's virtual one; on a loaded machine the wall time between two replayed events
+    reached the 0.1 s deadline and the router cancelled a leg the simulator let finish (CI:
+    "KV prefilled on e0 stranded (deadline_exceeded)"). The simulator never aborts a leg on
+    either, so the replay compares decisions without them. The scheduler still reads the
+    deadline from the fleet state's contract, unchanged."""
+    routing = fleet.routing.model_copy(
+        update={"hedge": fleet.routing.hedge.model_copy(update={"enabled": False})}
+    )
+    engine = fleet.engine.model_copy(update={"first_token_timeout_s": 1e9})
+    return fleet.model_copy(update={"routing": routing, "engine": engine})
+
+
 async def replay_through_router(
     fleet: FleetContract, specs: list[RequestSpec], simulated: Run
 ) -> Run:
@@ -219,7 +234,14 @@ async def replay_through_router(
         observer=RouterDecisionLog(metrics, capacity, log),
     )
     engines = ReplayEngines()
-    router = PDRouter(fleet, lifecycle, engines, metrics, 1e9, capacity)  # type: ignore[arg-type]
+    router = PDRouter(
+        _without_wall_clock_guards(fleet),
+        lifecycle,
+        engines,  # type: ignore[arg-type]
+        metrics,
+        1e9,
+        capacity,
+    )
     finished: dict[str, asyncio.Event] = {}
 
     async def serve(index: int, spec: RequestSpec) -> None:
