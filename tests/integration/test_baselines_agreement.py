@@ -186,16 +186,16 @@ def _non_increasing(points: list[tuple[float, float]]) -> list[tuple[float, floa
     violators): expected attainment falls as the rate rises, so a point above a lower rate's
     is a stall of the host in one trial, not the policy's curve (a CI run's draw gave 0.78 at
     4.3 requests/s and 0.91 at 5.8)."""
-    blocks: list[list[float]] = []  # [sum, count, first rate index]
+    blocks: list[list[float]] = []  # [sum, count] of each pooled run of rates
     ordered = sorted(points)
-    for i, (_, value) in enumerate(ordered):
-        blocks.append([value, 1.0, float(i)])
+    for _, value in ordered:
+        blocks.append([value, 1.0])
         while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] < blocks[-1][0] / blocks[-1][1]:
-            total, count, _ = blocks.pop()
+            total, count = blocks.pop()
             blocks[-1][0] += total
             blocks[-1][1] += count
     fitted: list[float] = []
-    for total, count, _ in blocks:
+    for total, count in blocks:
         fitted += [total / count] * int(count)
     return [(rate, value) for (rate, _), value in zip(ordered, fitted, strict=True)]
 

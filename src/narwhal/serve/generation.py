@@ -40,7 +40,7 @@ from narwhal.serve.relay import EventRenderer, PushRelay, StreamTally, aggregate
 from narwhal.serve.services import Services
 from narwhal.serve.validation import parse_client_request
 
-__all__ = ["GenerationEndpoint"]
+__all__ = ["GenerationEndpoint", "read_body"]
 
 log = logging.getLogger("narwhal.serve")
 
@@ -153,7 +153,9 @@ async def _send_error(send: Send, exc: RouterError, request_id: bytes | None = N
     await _send_response(send, exc.status, orjson.dumps(exc.body()), headers)
 
 
-async def _read_body(receive: Receive, declared: bytes | None, limit: int) -> bytes:
+async def read_body(receive: Receive, declared: bytes | None, limit: int) -> bytes:
+    """A request's whole body from ASGI ``receive`` (``declared``: its Content-Length, checked
+    before reading), at most ``limit`` bytes; a client that disconnects raises ``_ClientGone``."""
     too_large = PayloadTooLarge(f"request body exceeds {limit} bytes")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
@@ -224,7 +226,7 @@ class GenerationEndpoint:
                     authorization.decode("latin-1") if authorization else ""
                 ):
                     raise Unauthorized()
-                raw = await _read_body(receive, declared_length, services.settings.max_body_bytes)
+                raw = await read_body(receive, declared_length, services.settings.max_body_bytes)
                 fleet = services.settings.fleet.contract
                 creq = parse_client_request(
                     raw, self.chat, fleet.model.id, fleet.model.max_model_len
