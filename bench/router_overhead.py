@@ -23,7 +23,12 @@ the client can show of any router. Then, in one run, for streamed (16 tokens, ``
   upstream requests per client request and one relayed response.
 
 Router CPU is read from ``/proc/<pid>/stat`` (utime + stime, which covers every thread of the
-process) summed over the router's whole process tree, before and after the measured requests.
+process) summed over the router's whole process tree, before and after the measured requests;
+in the A/B mode (``--ab-routing``: two narwhal-serve processes) from the scheduler's nanosecond
+run time of each router's threads (``/proc/<pid>/task/<tid>/schedstat``) instead, with both
+routers pinned to one CPU and the engines and the client to the others, over ``--rounds`` pairs
+of fresh router processes (two processes of the same code differ by a few percent: the
+interval resamples rounds as well as blocks).
 Latency is measured end to end by the client at concurrency 1 (after a warmup), in blocks that
 rotate over the three targets so drift hits all of them alike; "added" latency is the router's
 percentile minus direct's percentile. Requests/s is measured at concurrency 1 and at
@@ -300,19 +305,44 @@ class Tally:
     router_cpu_s: float = 0.0
     engine_cpu_s: float = 0.0
     client_cpu_s: float = 0.0
+    router_wakeups: int = 0  # the router's voluntary context switches
     # Per measured block, in order: (router CPU seconds, requests), for paired comparisons.
     blocks: list[tuple[float, int]] = field(default_factory=list)
+    # The A/B mode's rounds (fresh router processes each): the blocks of each.
+    rounds: list[list[tuple[float, int]]] = field(default_factory=list)
+
+    def merge(self, other: Tally) -> None:
+        """``other``, a round of its own, added to this one."""
+        self.latencies += other.latencies
+        self.wall_s += other.wall_s
+        self.requests += other.requests
+        self.router_cpu_s += other.router_cpu_s
+        self.engine_cpu_s += other.engine_cpu_s
+        self.client_cpu_s += other.client_cpu_s
+        self.router_wakeups += other.router_wakeups
+        self.blocks += other.blocks
+        self.rounds.append(other.blocks)
 
 
 class Meter:
-    def __init__(self, router_pids: dict[str, list[int]], engine_pids: list[int]) -> None:
+    """CPU readings around a block. ``run_time``: the routers' CPU from the scheduler's
+    nanosecond count of their live threads (``procfs.run_time_seconds``), for the A/B mode's
+    single-process routers, where the 10 ms ticks of ``/proc/<pid>/stat`` would blur a block
+    of a few dozen requests by a sixth."""
+
+    def __init__(
+        self, router_pids: dict[str, list[int]], engine_pids: list[int], run_time: bool = False
+    ) -> None:
         self.router_pids = router_pids
         self.engine_pids = engine_pids
+        self.router_cpu = procfs.run_time_seconds if run_time else total_cpu_seconds
 
-    def snapshot(self, target: str) -> tuple[float, float, float, float]:
-        router = total_cpu_seconds(self.router_pids.get(target, []))
+    def snapshot(self, target: str) -> tuple[float, float, float, float, float]:
+        pids = self.router_pids.get(target, [])
+        router = self.router_cpu(pids)
         engines = total_cpu_seconds(self.engine_pids)
-        return (time.perf_counter(), router, engines, time.process_time())
+        wakeups = procfs.voluntary_switches(pids)
+        return (time.perf_counter(), router, engines, time.process_time(), wakeups)
 
     @staticmethod
     def add(tally: Tally, before: tuple[float, ...], after: tuple[float, ...], n: int) -> None:
@@ -320,6 +350,7 @@ class Meter:
         tally.router_cpu_s += after[1] - before[1]
         tally.engine_cpu_s += after[2] - before[2]
         tally.client_cpu_s += after[3] - before[3]
+        tally.router_wakeups += int(after[4] - before[4])
         tally.requests += n
         tally.blocks.append((after[1] - before[1], n))
 
@@ -332,10 +363,12 @@ async def measure(
     warmup: int,
     targets: tuple[str, ...] = TARGETS,
     throughput_block: int | None = None,
+    throughput_requests: int | None = None,
 ) -> dict[tuple[str, str, str], Tally]:
     """(mode, target, phase) -> Tally, phase "c1" (latency) or "cN" (throughput). The
-    throughput phase runs each target's requests in one go, or (``throughput_block``) in blocks
-    of that many rotating over the targets like the latency phase."""
+    throughput phase runs each target's requests (``throughput_requests``, default
+    ``requests``) in one go, or (``throughput_block``) in blocks of that many rotating over the
+    targets like the latency phase."""
     out: dict[tuple[str, str, str], Tally] = {}
     pool = Pool()
     try:
@@ -355,12 +388,17 @@ async def measure(
                 await run_load(pool, ep, target, stream, 2 * concurrency, concurrency)
             # Concurrency 1 in blocks rotating over the targets (so drift hits all alike), then
             # throughput at --concurrency.
-            for phase, conc, size in (
-                ("c1", 1, LATENCY_BLOCK),
-                ("cN", concurrency, throughput_block or requests),
+            for phase, conc, size, total in (
+                ("c1", 1, LATENCY_BLOCK, requests),
+                (
+                    "cN",
+                    concurrency,
+                    throughput_block or throughput_requests or requests,
+                    throughput_requests or requests,
+                ),
             ):
-                for b in range(math.ceil(requests / size)):
-                    n = min(size, requests - b * size)
+                for b in range(math.ceil(total / size)):
+                    n = min(size, total - b * size)
                     for k in range(len(targets)):
                         target = targets[(b + k) % len(targets)]
                         tally = out.setdefault((mode, target, phase), Tally())
@@ -511,15 +549,22 @@ def report(
 
 AB_TARGETS = ("narwhal", "narwhal_b")
 AB_RESAMPLES = 4000
+# The A/B mode's throughput phase runs this many times --requests: its blocks vary more than
+# the latency phase's (how the chunks of concurrent streams fall into reads), and it is fast.
+AB_THROUGHPUT_FACTOR = 4
 
 
 def paired_ratio_interval(
-    a: list[tuple[float, int]], b: list[tuple[float, int]], seed: int = 0
+    a: list[list[tuple[float, int]]], b: list[list[tuple[float, int]]], seed: int = 0
 ) -> tuple[float, float, float]:
-    """CPU per request of ``a`` over ``b`` (sums over all blocks) and its 95% bootstrap interval,
-    resampling the block pairs: block i of each ran back to back, so a pair shares the
-    machine's state of the moment and the machine's drift cancels in it."""
-    pairs = list(zip(a, b, strict=True))
+    """CPU per request of ``a`` over ``b`` (sums over all blocks) and its 95% bootstrap
+    interval. Each is a list of rounds, each round a list of blocks; block i of a round ran
+    back to back in both (a pair shares the machine's state of the moment: its drift cancels
+    in the pair), and each round ran on fresh router processes. The resampling is in two
+    stages, rounds and then the block pairs within each: what differs between two processes
+    of the same code (up to a few percent, steadily through a round) widens the interval
+    instead of passing for an effect."""
+    rounds = [list(zip(x, y, strict=True)) for x, y in zip(a, b, strict=True)]
 
     def ratio(sample: list[tuple[tuple[float, int], tuple[float, int]]]) -> float:
         cpu_a = sum(x[0] for x, _ in sample) / sum(x[1] for x, _ in sample)
@@ -527,8 +572,25 @@ def paired_ratio_interval(
         return cpu_a / cpu_b if cpu_b > 0 else math.inf
 
     rng = random.Random(seed)
-    draws = sorted(ratio(rng.choices(pairs, k=len(pairs))) for _ in range(AB_RESAMPLES))
-    return ratio(pairs), draws[int(0.025 * AB_RESAMPLES)], draws[int(0.975 * AB_RESAMPLES) - 1]
+    draws = []
+    for _ in range(AB_RESAMPLES):
+        sample = []
+        for pairs in rng.choices(rounds, k=len(rounds)):
+            sample += rng.choices(pairs, k=len(pairs))
+        draws.append(ratio(sample))
+    draws.sort()
+    whole = [pair for pairs in rounds for pair in pairs]
+    return ratio(whole), draws[int(0.025 * AB_RESAMPLES)], draws[int(0.975 * AB_RESAMPLES) - 1]
+
+
+def round_ratios(a: Tally, b: Tally) -> str:
+    """A over B in each round, the spread the interval accounts for."""
+    out = []
+    for x, y in zip(a.rounds, b.rounds, strict=True):
+        cpu_a = sum(c for c, _ in x) / sum(n for _, n in x)
+        cpu_b = sum(c for c, _ in y) / sum(n for _, n in y)
+        out.append(f"{cpu_a / cpu_b:.3f}")
+    return " ".join(out)
 
 
 def report_ab(
@@ -547,10 +609,19 @@ def report_ab(
     add("load_average_at_start", info["loadavg"])
     add("a_routing", json.dumps(args.fleet_routing))
     add("b_routing", json.dumps(args.ab_routing))
-    add("requests_per_target_mode_phase", str(args.requests))
+    c1_requests = args.rounds * math.ceil(args.requests / args.rounds)
+    add(
+        "requests_per_target_and_mode",
+        f"c1: {c1_requests}, c{c}: {AB_THROUGHPUT_FACTOR * c1_requests}",
+    )
     add("blocks", f"c1: {LATENCY_BLOCK} requests, c{c}: {4 * c} requests, rotating A/B")
-    add("cpu_source", f"/proc/<pid>/stat utime+stime+cutime+cstime, {procfs.CLK_TCK} ticks/s")
-    add("interval", f"95% bootstrap over block pairs ({AB_RESAMPLES} resamples)")
+    add("cpu_source", "/proc/<pid>/task/<tid>/schedstat run time (ns) of the routers' threads")
+    add("router_cpus", info["router_cpus"])
+    add(
+        "interval",
+        f"95% bootstrap over rounds, then block pairs within them ({AB_RESAMPLES} resamples)",
+    )
+    add("rounds", f"{args.rounds} (fresh router processes each, one PYTHONHASHSEED per pair)")
     add("source", info["source"])
     for target in AB_TARGETS:
         add(f"{target}_pids", info["pids"][target])
@@ -562,11 +633,26 @@ def report_ab(
             p = f"{mode}_{label}"
             add(f"{p}_a_router_cpu_ms_per_req", per_req_ms(a.router_cpu_s, a))
             add(f"{p}_b_router_cpu_ms_per_req", per_req_ms(b.router_cpu_s, b))
+            add(f"{p}_a_router_wakeups_per_req", a.router_wakeups / a.requests)
+            add(f"{p}_b_router_wakeups_per_req", b.router_wakeups / b.requests)
+            add(f"{p}_a_engine_cpu_ms_per_req", per_req_ms(a.engine_cpu_s, a))
+            add(f"{p}_b_engine_cpu_ms_per_req", per_req_ms(b.engine_cpu_s, b))
             add(f"{p}_a_p50_ms", percentile(a.latencies, 50) * 1000)
             add(f"{p}_b_p50_ms", percentile(b.latencies, 50) * 1000)
-            ratio, low, high = paired_ratio_interval(a.blocks, b.blocks)
+            ratio, low, high = paired_ratio_interval(a.rounds, b.rounds)
             add(f"ratio_cpu_a_over_b_{p}", f"{ratio:.3f} [{low:.3f}, {high:.3f}]")
+            add(f"ratio_per_round_{p}", round_ratios(a, b))
     return rows
+
+
+def ab_cpus(ab: bool) -> set[int] | None:
+    """The CPU both routers of the A/B mode run on, alone (the engines and the client get the
+    others), or None (not the A/B mode, or one CPU). Unpinned, two identical routers differ by
+    up to 7% in CPU per request, steadily through a run (an A/A run, ``--ab-routing '{}'``,
+    showed 0.93 and 1.06 with intervals that exclude 1): where the scheduler happens to place a
+    router against the engines it waits on is a property of the process, not of its code."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return {cpus[0]} if ab and len(cpus) > 1 else None
 
 
 def fmt(x: float) -> str:
@@ -622,14 +708,20 @@ def main() -> int:
         ' --ab-routing \'{"migration": {"limit": 0}, "hedge": {"enabled": false}}\'',
     )
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=4,
+        help="A/B mode: fresh router processes this many times, --requests split over them",
+    )
+    parser.add_argument(
         "--narwhal-arg",
         action="append",
         default=[],
         help="extra narwhal-serve argument (repeatable): --narwhal-arg=--engine-transport=httpx",
     )
     args = parser.parse_args()
-    if args.requests < 1 or args.concurrency < 1 or args.warmup < 0:
-        parser.error("--requests and --concurrency must be positive")
+    if args.requests < 1 or args.concurrency < 1 or args.warmup < 0 or args.rounds < 1:
+        parser.error("--requests, --concurrency and --rounds must be positive")
     ab = args.ab_routing is not None
     bins: dict[str, Path] = {}
     for name in () if ab else ("vllm-router", "smg"):
@@ -665,6 +757,10 @@ def main() -> int:
         )
         fleet_path = directory / "fleet.json"
         fleet_path.write_text(json.dumps(doc, indent=2))
+        router_cpus = ab_cpus(ab)
+        if router_cpus is not None:
+            # The engines (started below) and the client inherit the other CPUs.
+            os.sched_setaffinity(0, set(range(os.cpu_count() or 1)) - router_cpus)
         fleet = SimFleet(fleet_path, log_dir=directory / "logs")
         fleet.start(timeout=90)
         prefill_url, decode_url = fleet.engines["e0"].url, fleet.engines["e1"].url
@@ -678,7 +774,7 @@ def main() -> int:
         }
         logs = {t: directory / f"{t}.log" for t in ports_of}
 
-        def start_narwhal(target: str, fleet_file: Path) -> None:
+        def start_narwhal(target: str, fleet_file: Path, env: dict[str, str] | None) -> None:
             started[target] = procs.start(
                 serve_command(
                     fleet_file,
@@ -690,48 +786,54 @@ def main() -> int:
                     *args.narwhal_arg,
                 ),
                 logs[target],
+                env=env,
                 append=False,
+                preexec_fn=None
+                if router_cpus is None
+                else functools.partial(os.sched_setaffinity, 0, router_cpus),
             )
 
-        start_narwhal("narwhal", fleet_path)
-        if ab:
-            # The same fleet (same engines) but for its routing section.
-            b_path = directory / "fleet-b.json"
-            b_path.write_text(json.dumps({**doc, "routing": args.ab_routing}, indent=2))
-            start_narwhal("narwhal_b", b_path)
-        else:
-            started["vllm_router"] = procs.start(
-                peer_router_command(
-                    bins["vllm-router"], [prefill_url], [decode_url], ports_of["vllm_router"],
-                    ports[6], log_level="info",
-                ),
-                logs["vllm_router"],
-                append=False,
-            )  # fmt: skip
-            started["sglang_router"] = procs.start(
-                peer_router_command(
-                    bins["smg"], [prefill_url], [decode_url], ports_of["sglang_router"],
-                    ports[8], log_level="info", sglang=True,
-                ),
-                logs["sglang_router"],
-                append=False,
-            )  # fmt: skip
-        for target, proc in started.items():
-            url = f"http://127.0.0.1:{ports_of[target]}"
-            procs.wait_ready(
-                functools.partial(router_ready, url, peer=target in PEERS),
-                60,
-                process=proc,
-                name=url,
-                log=logs[target],
-            )
-        router_pids = {t: procfs.descendants(p.pid) for t, p in started.items()}
-        pids_info = {}
-        for target in started:
-            listener = procfs.listening_pid(ports_of[target], router_pids[target])
-            if listener is None:
-                raise RuntimeError(f"could not find the process listening for {target}")
-            pids_info[target] = f"{router_pids[target]} listener {describe(listener)}"
+        def start_routers(round_index: int) -> None:
+            env = None
+            if ab:
+                # One hash seed for both routers of a round, a new one each round: the layout of
+                # their dicts and sets is shared within a pair, and varied across rounds.
+                env = {
+                    **os.environ,
+                    "PYTHONHASHSEED": str(random.Random(round_index).randrange(2**32)),
+                }
+            start_narwhal("narwhal", fleet_path, env)
+            if ab:
+                # The same fleet (same engines) but for its routing section.
+                b_path = directory / "fleet-b.json"
+                b_path.write_text(json.dumps({**doc, "routing": args.ab_routing}, indent=2))
+                start_narwhal("narwhal_b", b_path, env)
+            else:
+                started["vllm_router"] = procs.start(
+                    peer_router_command(
+                        bins["vllm-router"], [prefill_url], [decode_url], ports_of["vllm_router"],
+                        ports[6], log_level="info",
+                    ),
+                    logs["vllm_router"],
+                    append=False,
+                )  # fmt: skip
+                started["sglang_router"] = procs.start(
+                    peer_router_command(
+                        bins["smg"], [prefill_url], [decode_url], ports_of["sglang_router"],
+                        ports[8], log_level="info", sglang=True,
+                    ),
+                    logs["sglang_router"],
+                    append=False,
+                )  # fmt: skip
+            for target, proc in started.items():
+                url = f"http://127.0.0.1:{ports_of[target]}"
+                procs.wait_ready(
+                    functools.partial(router_ready, url, peer=target in PEERS),
+                    60,
+                    process=proc,
+                    name=url,
+                    log=logs[target],
+                )
 
         ep = Endpoints(
             int(prefill_url.rsplit(":", 1)[1]),
@@ -740,38 +842,59 @@ def main() -> int:
             args.prompt_tokens,
             args.shared_fraction,
         )
-        meter = Meter(router_pids, engine_pids)
-
-        # Idle cost of each router (health probes, scrapes, timers) with no requests.
-        idle_s = 3.0
-        idle_before = {t: total_cpu_seconds(p) for t, p in router_pids.items()}
-        time.sleep(idle_s)  # the idle window measured, not a wait
-        idle = {
-            t: (total_cpu_seconds(p) - idle_before[t]) / idle_s * 1000
-            for t, p in router_pids.items()
-        }
-
-        t_start = time.perf_counter()
-        coro = (
-            measure(
-                ep,
-                meter,
-                args.requests,
-                args.concurrency,
-                args.warmup,
-                AB_TARGETS,
-                4 * args.concurrency,
+        rounds = args.rounds if ab else 1
+        per_round = math.ceil(args.requests / rounds)
+        results: dict[tuple[str, str, str], Tally] = {}
+        late: dict[str, list[int]] = {}
+        pids_info: dict[str, str] = {}
+        idle: dict[str, float] = {}
+        elapsed = 0.0
+        for round_index in range(rounds):
+            start_routers(round_index)
+            router_pids = {t: procfs.descendants(p.pid) for t, p in started.items()}
+            for target in started:
+                listener = procfs.listening_pid(ports_of[target], router_pids[target])
+                if listener is None:
+                    raise RuntimeError(f"could not find the process listening for {target}")
+                pids_info[target] = f"{router_pids[target]} listener {describe(listener)}"
+            meter = Meter(router_pids, engine_pids, run_time=ab)
+            if round_index == 0:
+                # Idle cost of each router (health probes, scrapes, timers) with no requests.
+                idle_s = 3.0
+                idle_before = {t: total_cpu_seconds(p) for t, p in router_pids.items()}
+                time.sleep(idle_s)  # the idle window measured, not a wait
+                idle = {
+                    t: (total_cpu_seconds(p) - idle_before[t]) / idle_s * 1000
+                    for t, p in router_pids.items()
+                }
+            t_start = time.perf_counter()
+            coro = (
+                measure(
+                    ep,
+                    meter,
+                    per_round,
+                    args.concurrency,
+                    args.warmup,
+                    AB_TARGETS,
+                    4 * args.concurrency,
+                    AB_THROUGHPUT_FACTOR * per_round,
+                )
+                if ab
+                else measure(ep, meter, per_round, args.concurrency, args.warmup)
             )
-            if ab
-            else measure(ep, meter, args.requests, args.concurrency, args.warmup)
-        )
-        results = aio.run(coro)
-        elapsed = time.perf_counter() - t_start
-        # Processes started during the run (none expected) are reported, not silently missed.
-        late = {
-            t: sorted(set(procfs.descendants(p.pid)) - set(router_pids[t]))
-            for t, p in started.items()
-        }
+            for key, tally in aio.run(coro).items():
+                results.setdefault(key, Tally()).merge(tally)
+            elapsed += time.perf_counter() - t_start
+            # Processes started during the run (none expected) are reported, not silently
+            # missed.
+            for t, proc in started.items():
+                late.setdefault(t, []).extend(
+                    sorted(set(procfs.descendants(proc.pid)) - set(router_pids[t]))
+                )
+            if round_index + 1 < rounds:
+                for proc in started.values():
+                    procs.stop(proc)
+                started.clear()
 
         info = {
             "prefill_url": prefill_url,
@@ -783,6 +906,7 @@ def main() -> int:
             "late": late,
             "idle": idle,
             "elapsed": elapsed,
+            "router_cpus": "unpinned" if router_cpus is None else str(sorted(router_cpus)),
         }
         rows = report_ab(results, args, info) if ab else report(results, args, info)
         for name, value in rows:

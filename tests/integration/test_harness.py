@@ -87,6 +87,16 @@ def test_procfs_readings_of_this_process() -> None:
     cpu = procfs.cpu_seconds(pid)
     assert cpu is not None and cpu > 0
     assert procfs.total_cpu_seconds([pid]) >= cpu
+    # The scheduler's count moves with a millisecond's work, where ticks move by 10 ms.
+    before = procfs.run_time_seconds([pid])
+    spin_until = time.process_time() + 0.002
+    while time.process_time() < spin_until:
+        pass
+    assert procfs.run_time_seconds([pid]) - before >= 0.0015
+    assert procfs.run_time_seconds([2**22 + 7]) == 0.0
+    switches = procfs.voluntary_switches([pid])
+    time.sleep(0.01)  # a sleep is a voluntary switch: the count it is read for
+    assert procfs.voluntary_switches([pid]) > switches
     assert (procfs.rss_kib(pid) or 0) > 1000
     assert procfs.thread_count(pid) >= 1 and procfs.fd_count(pid) >= 3
     assert procfs.descendants(pid)[0] == pid
