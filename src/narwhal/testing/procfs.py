@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 __all__ = [
@@ -81,6 +81,22 @@ def total_cpu_seconds(pids: Iterable[int]) -> float:
     return ticks / CLK_TCK
 
 
+def _thread_files(pids: Iterable[int], name: str) -> Iterator[bytes]:
+    """The contents of ``/proc/PID/task/TID/<name>`` of every live thread of these processes
+    (a thread or process gone while read is skipped)."""
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/{name}", "rb") as f:
+                    yield f.read()
+            except OSError:
+                continue
+
+
 def run_time_seconds(pids: Iterable[int]) -> float:
     """CPU time of these processes' live threads, summed, from the scheduler's own count
     (``/proc/PID/task/TID/schedstat``, nanoseconds). Unlike ``total_cpu_seconds``, whose
@@ -89,17 +105,9 @@ def run_time_seconds(pids: Iterable[int]) -> float:
     exited no longer counts (no reaped children either): for long-lived processes with a
     fixed set of threads, such as a router under a benchmark."""
     ns = 0
-    for pid in pids:
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
-                    ns += int(f.read().split()[0])
-            except (OSError, ValueError, IndexError):
-                continue
+    for text in _thread_files(pids, "schedstat"):
+        with contextlib.suppress(ValueError, IndexError):
+            ns += int(text.split()[0])
     return ns / 1e9
 
 
@@ -108,20 +116,12 @@ def voluntary_switches(pids: Iterable[int]) -> int:
     went to sleep waiting (an event loop's waits for its sockets), so per request how many
     times a process was woken to serve it."""
     total = 0
-    for pid in pids:
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/status", "rb") as f:
-                    for line in f:
-                        if line.startswith(b"voluntary_ctxt_switches:"):
-                            total += int(line.split()[1])
-                            break
-            except (OSError, ValueError, IndexError):
-                continue
+    for text in _thread_files(pids, "status"):
+        for line in text.splitlines():
+            if line.startswith(b"voluntary_ctxt_switches:"):
+                with contextlib.suppress(ValueError, IndexError):
+                    total += int(line.split()[1])
+                break
     return total
 
 
