@@ -229,29 +229,6 @@ def test_the_relay_hands_a_reads_chunks_to_the_trace_at_once() -> None:
     assert reference.generated == [7, 8, 10] and not reference.exact
 
 
-def test_an_error_in_the_read_of_the_first_tokens_can_be_continued() -> None:
-    """The chunks before an error event in the same read reach the trace before it is asked
-    whether the stream can be continued."""
-    for asked in (False, True):
-        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9}
-        trace = _trace({**body, "return_token_ids": asked}, chat=True)
-        renderer = EventRenderer(StreamTally(), False, None, trace)
-        role = _chat_chunk("", [])
-        role["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-        role["prompt_token_ids"] = [1, 2]
-        out = renderer.render(
-            [
-                orjson.dumps(role),
-                orjson.dumps(_chat_chunk("a", [5])),
-                orjson.dumps(_chat_chunk("b", [6])),
-                b'{"error": {"message": "boom"}}',
-            ]
-        )
-        assert renderer.interrupted == ("engine_error", "boom"), asked
-        assert trace.generated == [5, 6]
-        assert (b'"token_ids":[5]' in out) == asked and b"boom" not in out
-
-
 def test_what_cannot_be_continued_exactly_is_not_migrated() -> None:
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     tool = {"type": "function", "function": {"name": "f", "parameters": {}}}

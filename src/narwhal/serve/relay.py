@@ -186,15 +186,11 @@ class EventRenderer:
                 obj = orjson.loads(payload)
             except ValueError as exc:
                 message = f"decode stream broke: {type(exc).__name__}: {exc}"
-                self._absorb(out, absorb_from)  # the trace whole before it is asked
-                absorb_from = None
                 if not self.interrupt("malformed", message):
                     out.append(self.broken(message))
                 break
             if isinstance(obj, dict) and "error" in obj:
                 message = str((obj.get("error") or {}).get("message", "engine error"))
-                self._absorb(out, absorb_from)
-                absorb_from = None
                 if self.interrupt("engine_error", message):
                     break
                 out += (b"data: ", payload, b"\n\n", DONE_EVENT)
@@ -222,14 +218,10 @@ class EventRenderer:
                             trace.observe(obj)
                             payload = trace.strip(payload)
                 out += (b"data: ", payload, b"\n\n")
-        self._absorb(out, absorb_from)
-        return b"".join(out)
-
-    def _absorb(self, out: list[bytes], start: int | None) -> None:
-        """Hand ``out``'s pieces from ``start`` on to the trace (``absorb``), in place."""
-        if start is not None and start < len(out):
-            assert self.trace is not None
-            out[start:] = [self.trace.absorb(b"".join(out[start:]))]
+        if absorb_from is None:
+            return b"".join(out)
+        assert self.trace is not None
+        return b"".join(out[:absorb_from]) + self.trace.absorb(b"".join(out[absorb_from:]))
 
     def broken(self, message: str) -> bytes:
         """An error event and ``[DONE]``: the stream broke after its first token, when nothing
