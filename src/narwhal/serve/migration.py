@@ -36,14 +36,7 @@ from narwhal.serve.pd import DEFAULT_COMPLETIONS_MAX_TOKENS, DecodeStream, PDRou
 from narwhal.serve.record import RequestRecord
 from narwhal.serve.validation import ClientRequest
 
-__all__ = [
-    "MigrationTrace",
-    "Migrator",
-    "blank_token_ids",
-    "continuation_request",
-    "new_trace",
-    "not_migratable",
-]
+__all__ = ["MigrationTrace", "Migrator", "continuation_request", "new_trace", "not_migratable"]
 
 # Sampling and output fields a continuation carries unchanged (vLLM's names; both routes).
 _CARRIED = (
@@ -69,20 +62,8 @@ _CARRIED = (
     "cache_salt",
     "user",
 )
-# A chunk's ids, blanked for a client that did not ask for them (vLLM then sends null). The
-# pattern starts with its literal, which the regex engine finds with a fast search: no
-# per-position attempts (this runs on every chunk). The key's spelling with its closing quote
-# and colon cannot occur inside a JSON string, where a quote is escaped; the keys of vLLM's
-# chunks that end so are ``token_ids`` and ``prompt_token_ids``, both the router's to blank.
-_IDS_RE = re.compile(rb'token_ids":\[[0-9, ]*\]')
-# A choice's own ids only (not the prompt's: its key has no quote before "token_ids"), captured.
-_OWN_IDS_RE = re.compile(rb'"token_ids":\[([0-9, ]*)\]')
-
-
-def blank_token_ids(payload: bytes) -> bytes:
-    """``payload`` (an engine's chunk) with its ``token_ids`` and ``prompt_token_ids`` lists
-    replaced by null, as vLLM sends a chunk without ``return_token_ids``."""
-    return _IDS_RE.sub(b'token_ids":null', payload)
+# A chunk's ids, blanked for a client that did not ask for them (vLLM then sends null).
+_IDS_RE = re.compile(rb'"(prompt_)?token_ids":\[[0-9, ]*\]')
 
 
 def not_migratable(request: ClientRequest) -> str | None:
@@ -113,10 +94,7 @@ class MigrationTrace:
     max_tokens: int | None
     client_ids: bool  # the client asked for token ids: they stay in its chunks
     prompt_ids: list[int] | None = None
-    # The generated ids: parsed (_ids), then those the relay absorbed as the engine wrote them
-    # (_raw, parsed when asked for: ``generated``).
-    _ids: list[int] = field(default_factory=list)
-    _raw: list[bytes] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
     head: dict[str, Any] | None = None  # id, object, created, model of the client's chunks
     exact: bool = True  # False once the engine sent what a continuation cannot reproduce
     finished: bool = False  # a finish_reason arrived: the answer is whole
@@ -138,74 +116,51 @@ class MigrationTrace:
             if isinstance(ids, list):
                 self.prompt_ids = ids
         for choice in choices:
-            self._choice(choice)
+            ids = choice.get("token_ids")
+            if ids:
+                self.generated += ids
+            if self.chat:
+                delta = choice.get("delta")
+                if delta and (
+                    delta.get("tool_calls")
+                    or delta.get("reasoning")
+                    or delta.get("reasoning_content")
+                ):
+                    self.exact = False
+            elif self.logprobs:
+                self.text_chars += len(choice.get("text") or "")
+            if choice.get("finish_reason"):
+                self.finished = True
 
-    def _choice(self, choice: dict[str, Any]) -> None:
-        """One choice of a chunk: its ids, and what it says of the answer."""
-        ids = choice.get("token_ids")
-        if ids:
-            self.generated.extend(ids)
-        if self.chat:
-            delta = choice.get("delta")
-            if delta and (
-                delta.get("tool_calls") or delta.get("reasoning") or delta.get("reasoning_content")
-            ):
-                self.exact = False
-        elif self.logprobs:
-            self.text_chars += len(choice.get("text") or "")
-        if choice.get("finish_reason"):
-            self.finished = True
-
-    @property
-    def generated(self) -> list[int]:
-        """Every id generated so far, in order."""
-        if self._raw:
-            for raw in self._raw:
-                if raw:
-                    self._ids.extend(int(x) for x in raw.split(b","))
-            self._raw.clear()
-        return self._ids
-
-    @property
-    def batched(self) -> bool:
-        """The relay may hand this trace a read's chunks at once (:meth:`absorb`) rather than
-        one by one (:meth:`observe`, :meth:`strip`): from the second chunk on (the first
-        carries the prompt's ids and the head), unless the completions' logprobs need each
-        chunk's text."""
-        return self.head is not None and not self.logprobs and not self.migrations
-
-    def absorb(self, chunks: bytes) -> bytes:
-        """Chunks of one read, as the client would receive them (SSE-framed, in order): their
-        ids kept as the engine wrote them, and the chunks returned without them unless the
-        client asked. One pass of a regex over the whole read instead of work per chunk in
-        Python (every token of every migratable stream passes here). The key's spelling with
-        its quotes and colon cannot occur inside a JSON string, where quotes are escaped, and
-        a list of ids holds no bracket. The rest of what :meth:`observe` follows (the finish,
-        reasoning or tool-call deltas) the relay's tally has: see :meth:`blocked`."""
-        parts = _OWN_IDS_RE.split(chunks)
-        if len(parts) == 1:
-            return chunks
-        self._raw += parts[1::2]
+    def strip(self, payload: bytes, obj: dict[str, Any]) -> bytes:
+        """The chunk (``payload``, parsed as ``obj``) as the client would have had it without
+        the ids the router asked for."""
         if self.client_ids:
-            return chunks
-        out = b'"token_ids":null'.join(parts[0::2])
-        # vLLM sends the prompt's ids with the first chunk only; should one come later, it is
-        # blanked too.
-        return blank_token_ids(out) if b'_token_ids":[' in out else out
+            return payload
+        choices = obj.get("choices")
+        if (
+            choices
+            and len(choices) == 1
+            and obj.get("prompt_token_ids") is None
+            and choices[0].get("prompt_token_ids") is None
+        ):
+            # The usual chunk: one choice's few ids, cut out between their brackets (a quote
+            # inside a JSON string is escaped, so the key's spelling cannot occur in text).
+            if not choices[0].get("token_ids"):
+                return payload
+            start = payload.find(b'"token_ids":[')
+            end = payload.find(b"]", start)
+            if start >= 0 and end >= 0:
+                return payload[: start + 12] + b"null" + payload[end + 1 :]
+        if b'token_ids":[' not in payload:
+            return payload
+        return _IDS_RE.sub(rb'"\1token_ids":null', payload)
 
-    def strip(self, payload: bytes) -> bytes:
-        """The chunk as the client would have had it without the ids the router asked for."""
-        return payload if self.client_ids else blank_token_ids(payload)
-
-    def blocked(
-        self, token_events: int, finished: bool = False, non_text: bool = False
-    ) -> str | None:
-        """Why the stream cannot be continued now, or None when it can. ``finished`` and
-        ``non_text``: what the relay's tally saw of the chunks it :meth:`absorb`-ed (a finish
-        reason; a reasoning or tool-call delta)."""
-        if not self.exact or non_text:
+    def blocked(self, token_events: int) -> str | None:
+        """Why the stream cannot be continued now, or None when it can."""
+        if not self.exact:
             return "the engine sent reasoning or tool-call deltas"
-        if self.finished or finished:
+        if self.finished:
             return "the answer was complete"
         if self.migrations >= self.settings.limit:
             return f"the migration limit ({self.settings.limit}) is reached"
@@ -251,7 +206,7 @@ class MigrationTrace:
         for choice in choices:
             ids = choice.get("token_ids")
             if ids:
-                self.generated.extend(ids)
+                self.generated += ids
             text = choice.get("text") or ""
             if choice.get("finish_reason"):
                 self.finished = True

@@ -60,7 +60,6 @@ class StreamTally:
     last_token_at: float | None = None
     finish_reason: str | None = None
     done: bool = False
-    non_text_deltas: bool = False  # a chat delta carried reasoning or tool calls
 
 
 def _cached_tokens(usage: dict[str, Any]) -> int | None:
@@ -78,7 +77,7 @@ def _usage(usage: dict[str, Any], prompt_tokens: int | None) -> dict[str, Any]:
     return out
 
 
-def note_chunk(tally: StreamTally, obj: dict[str, Any], now: float) -> None:
+def _is_token_chunk(obj: dict[str, Any]) -> tuple[bool, str | None]:
     has_token = False
     finish = None
     for choice in obj.get("choices") or ():
@@ -86,18 +85,22 @@ def note_chunk(tally: StreamTally, obj: dict[str, Any], now: float) -> None:
             continue
         delta = choice.get("delta")
         if isinstance(delta, dict):
-            if delta.get("content"):
-                has_token = True
-            # The usual delta is the text alone: one lookup instead of four.
-            if (len(delta) > 1 or "content" not in delta) and (
-                delta.get("reasoning") or delta.get("reasoning_content") or delta.get("tool_calls")
+            if (
+                delta.get("content")
+                or delta.get("reasoning")
+                or delta.get("reasoning_content")
+                or delta.get("tool_calls")
             ):
                 has_token = True
-                tally.non_text_deltas = True
         elif choice.get("text"):
             has_token = True
         if choice.get("finish_reason"):
             finish = choice["finish_reason"]
+    return has_token, finish
+
+
+def note_chunk(tally: StreamTally, obj: dict[str, Any], now: float) -> None:
+    has_token, finish = _is_token_chunk(obj)
     if has_token or finish:
         tally.token_events += 1
         if tally.first_token_at is None:
@@ -146,22 +149,12 @@ class EventRenderer:
     def interrupt(self, reason: str, message: str) -> bool:
         """The upstream broke (``reason``: engine_error, connection, stall): True, with
         ``interrupted`` set, when the trace can continue the request elsewhere."""
-        if not self.can_continue():
+        trace = self.trace
+        if trace is None or trace.blocked(self.tally.token_events) is not None:
             return False
         self.interrupted = (reason, message)
         self.finished = True
         return True
-
-    def can_continue(self) -> bool:
-        """Whether the stream could be continued elsewhere, were it to break now."""
-        trace, tally = self.trace, self.tally
-        return (
-            trace is not None
-            and trace.blocked(
-                tally.token_events, tally.finish_reason is not None, tally.non_text_deltas
-            )
-            is None
-        )
 
     def resume(self) -> None:
         """A continuation's stream follows (``Migrator.resume``): render its events, translated
@@ -170,10 +163,8 @@ class EventRenderer:
         self.finished = False
 
     def render(self, batch: list[bytes]) -> bytes:
-        """Every event of one upstream read in one piece: a burst costs one client write. With
-        a trace, the chunks after the first are handed to it at once (``absorb``)."""
+        """Every event of one upstream read in one piece: a burst costs one client write."""
         out: list[bytes] = []
-        absorb_from: int | None = None  # out's pieces from here go to the trace at once
         tally = self.tally
         now = time.monotonic()
         for payload in batch:
@@ -211,17 +202,11 @@ class EventRenderer:
             else:
                 if isinstance(obj, dict):
                     note_chunk(tally, obj, now)
-                    if trace is not None and not trace.migrations and absorb_from is None:
-                        if trace.batched:
-                            absorb_from = len(out)
-                        else:
-                            trace.observe(obj)
-                            payload = trace.strip(payload)
+                    if trace is not None and not trace.migrations:
+                        trace.observe(obj)
+                        payload = trace.strip(payload, obj)
                 out += (b"data: ", payload, b"\n\n")
-        if absorb_from is None:
-            return b"".join(out)
-        assert self.trace is not None
-        return b"".join(out[:absorb_from]) + self.trace.absorb(b"".join(out[absorb_from:]))
+        return b"".join(out)
 
     def broken(self, message: str) -> bytes:
         """An error event and ``[DONE]``: the stream broke after its first token, when nothing
@@ -254,16 +239,13 @@ class StallWatch:
     it elsewhere (``interrupted``); a stream that cannot be continued is waited for as long as
     it takes (the engine's request timeout bounds it). One timer per stall period, re-armed
     when it fires, not a timeout per wait (~10 us each, a dozen waits per answer): when the
-    timer finds a wait past the deadline, and the trace can continue the stream, it cancels
-    the task, as ``asyncio.timeout`` does. A wait costs a clock reading: whether the stream can
-    be continued is asked only when the timer fires."""
+    timer finds a wait past the deadline it cancels the task, as ``asyncio.timeout`` does."""
 
     __slots__ = ("_fired", "_renderer", "_stall_s", "_task", "_timer", "_waiting_since")
 
     def __init__(self, renderer: EventRenderer, stall_s: float | None) -> None:
         self._renderer = renderer
-        # Without a trace nothing can be continued: no timer at all.
-        self._stall_s = stall_s if renderer.trace is not None else None
+        self._stall_s = stall_s
         self._task: asyncio.Task[Any] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._waiting_since: float | None = None
@@ -271,12 +253,14 @@ class StallWatch:
 
     async def next_batch(self, stream: DecodeStream) -> list[bytes] | None:
         """The stream's next batch of events; None when it stalled (``interrupted``)."""
+        renderer = self._renderer
+        trace = renderer.trace
         stall_s = self._stall_s
-        if stall_s is None:
+        if stall_s is None or trace is None or trace.blocked(renderer.tally.token_events):
             return await stream.events.next_batch()
         if self._timer is None:
-            self._task = asyncio.current_task()
             self._timer = asyncio.get_running_loop().call_later(stall_s, self._check)
+        self._task = task = asyncio.current_task()
         self._waiting_since = time.monotonic()
         try:
             return await stream.events.next_batch()
@@ -284,10 +268,9 @@ class StallWatch:
             if not self._fired:
                 raise
             self._fired = False
-            task = self._task
             if task is not None and task.uncancel() > 0:
                 raise  # cancelled from outside as well
-            self._renderer.stalled(stall_s)
+            renderer.stalled(stall_s)
             return None
         finally:
             self._waiting_since = None
@@ -298,12 +281,10 @@ class StallWatch:
         since = self._waiting_since
         quiet = 0.0 if since is None else time.monotonic() - since
         if since is not None and quiet >= stall_s and self._task is not None:
-            if self._renderer.can_continue():
-                self._timer = None  # armed again by the next wait
-                self._fired = True
-                self._task.cancel()
-                return
-            quiet = 0.0  # the stream cannot be continued: left to run, checked a period on
+            self._timer = None  # armed again by the next wait
+            self._fired = True
+            self._task.cancel()
+            return
         self._timer = asyncio.get_running_loop().call_later(stall_s - quiet, self._check)
 
     def close(self) -> None:
