@@ -138,21 +138,56 @@ def test_ids_the_client_did_not_ask_for_are_blanked_as_vllm_sends_them() -> None
     trace = _trace({"model": "m", "prompt": [1], "max_tokens": 5})
     payload = b'{"choices":[{"index":0,"text":"a","token_ids":[5, 6],"prompt_token_ids":[1]}]}'
     stripped = b'{"choices":[{"index":0,"text":"a","token_ids":null,"prompt_token_ids":null}]}'
-    assert trace.strip(payload, orjson.loads(payload)) == stripped
+    assert trace.strip(payload) == stripped
     asked = _trace({"model": "m", "prompt": [1], "max_tokens": 5, "return_token_ids": True})
-    assert asked.strip(payload, orjson.loads(payload)) == payload
-    # The usual chunk: cut between the brackets, without a regex.
+    assert asked.strip(payload) == payload
     usual = b'{"choices":[{"index":0,"text":"b","token_ids":[7,8],"prompt_token_ids":null}]}'
-    assert trace.strip(usual, orjson.loads(usual)) == (
+    assert trace.strip(usual) == (
         b'{"choices":[{"index":0,"text":"b","token_ids":null,"prompt_token_ids":null}]}'
     )
     # Text that spells the field is escaped inside its string: never touched.
     text = b'{"choices":[{"text":"\\"token_ids\\":[1]","token_ids":null}]}'
-    assert trace.strip(text, orjson.loads(text)) == text
+    assert trace.strip(text) == text
     spelt = b'{"choices":[{"text":"\\"token_ids\\":[1]","token_ids":[9, 10],"x":1}]}'
-    assert trace.strip(spelt, orjson.loads(spelt)) == (
+    assert trace.strip(spelt) == (
         b'{"choices":[{"text":"\\"token_ids\\":[1]","token_ids":null,"x":1}]}'
     )
+
+
+def test_after_the_first_chunk_ids_are_kept_as_written_and_parsed_when_asked() -> None:
+    trace = _trace({"model": "m", "prompt": [1], "max_tokens": 5})
+    first = b'{"id":"c","choices":[{"index":0,"text":"a","token_ids":[5],"prompt_token_ids":[1]}]}'
+    assert trace.take(first, orjson.loads(first)) == (
+        b'{"id":"c","choices":[{"index":0,"text":"a","token_ids":null,"prompt_token_ids":null}]}'
+    )
+    assert trace.prompt_ids == [1] and trace.head is not None
+    spelt = b'{"choices":[{"text":"\\"token_ids\\":[1]","token_ids":[6,7],"x":1}]}'
+    assert trace.take(spelt, orjson.loads(spelt)) == (
+        b'{"choices":[{"text":"\\"token_ids\\":[1]","token_ids":null,"x":1}]}'
+    )
+    bare = b'{"choices":[{"text":"","token_ids":[],"finish_reason":"length"}]}'
+    assert trace.take(bare, orjson.loads(bare)) == (
+        b'{"choices":[{"text":"","token_ids":null,"finish_reason":"length"}]}'
+    )
+    assert trace.generated == [5, 6, 7] and trace.remaining() == 2
+    # What the relay's tally saw of those chunks decides: a finish or a reasoning delta.
+    assert trace.blocked(3) is None
+    assert trace.blocked(3, finished=True) == "the answer was complete"
+    assert trace.blocked(3, non_text=True) == "the engine sent reasoning or tool-call deltas"
+    asked = _trace({"model": "m", "prompt": [1], "max_tokens": 5, "return_token_ids": True})
+    asked.take(first, orjson.loads(first))
+    usual = b'{"choices":[{"index":0,"text":"b","token_ids":[8, 9]}]}'
+    assert asked.take(usual, orjson.loads(usual)) == usual
+    assert asked.generated == [5, 8, 9]
+
+
+def test_a_collected_stream_keeps_only_the_ids_after_its_first_chunk() -> None:
+    trace = _trace({"model": "m", "prompt": [1], "max_tokens": 5})
+    trace.note({"id": "c", "choices": [{"index": 0, "text": "a", "prompt_token_ids": [1, 2]}]})
+    trace.note({"id": "c", "choices": [{"index": 0, "text": "b", "token_ids": [8, 9]}]})
+    trace.note({"id": "c", "choices": [{"index": 0, "text": "", "token_ids": []}]})
+    assert trace.prompt_ids == [1, 2] and trace.generated == [8, 9]
+    assert trace.blocked(2) is None
 
 
 def test_what_cannot_be_continued_exactly_is_not_migrated() -> None:

@@ -25,7 +25,6 @@ strings are matched in the continuation's text only, so one straddling the splic
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,8 +61,28 @@ _CARRIED = (
     "cache_salt",
     "user",
 )
-# A chunk's ids, blanked for a client that did not ask for them (vLLM then sends null).
-_IDS_RE = re.compile(rb'"(prompt_)?token_ids":\[[0-9, ]*\]')
+
+
+def blank_token_ids(payload: bytes) -> bytes:
+    """``payload`` (an engine's chunk) with its ``token_ids`` and ``prompt_token_ids`` lists
+    replaced by null, as vLLM sends a chunk to a client that did not ask for them. A key's
+    spelling with its closing quote and colon cannot occur inside a JSON string, where a quote
+    is escaped, and a list of ids holds no bracket: searches and splices, no regex (a regex
+    that tries every position of a first chunk's prompt ids costs several microseconds)."""
+    start = payload.find(b'token_ids":[')
+    if start < 0:
+        return payload
+    out: list[bytes] = []
+    pos = 0
+    while start >= 0:
+        end = payload.find(b"]", start)
+        if end < 0:
+            break
+        out += (payload[pos : start + 11], b"null")
+        pos = end + 1
+        start = payload.find(b'token_ids":[', pos)
+    out.append(payload[pos:])
+    return b"".join(out)
 
 
 def not_migratable(request: ClientRequest) -> str | None:
@@ -94,7 +113,10 @@ class MigrationTrace:
     max_tokens: int | None
     client_ids: bool  # the client asked for token ids: they stay in its chunks
     prompt_ids: list[int] | None = None
-    generated: list[int] = field(default_factory=list)
+    # The generated ids: parsed, then those :meth:`take` kept as the engine wrote them (parsed
+    # when asked for: ``generated``).
+    _ids: list[int] = field(default_factory=list)
+    _raw: list[bytes] = field(default_factory=list)
     head: dict[str, Any] | None = None  # id, object, created, model of the client's chunks
     exact: bool = True  # False once the engine sent what a continuation cannot reproduce
     finished: bool = False  # a finish_reason arrived: the answer is whole
@@ -118,7 +140,7 @@ class MigrationTrace:
         for choice in choices:
             ids = choice.get("token_ids")
             if ids:
-                self.generated += ids
+                self.generated.extend(ids)
             if self.chat:
                 delta = choice.get("delta")
                 if delta and (
@@ -132,35 +154,66 @@ class MigrationTrace:
             if choice.get("finish_reason"):
                 self.finished = True
 
-    def strip(self, payload: bytes, obj: dict[str, Any]) -> bytes:
-        """The chunk (``payload``, parsed as ``obj``) as the client would have had it without
-        the ids the router asked for."""
+    def take(self, payload: bytes, obj: dict[str, Any]) -> bytes:
+        """One chunk of the stream the client is receiving (``payload``, parsed as ``obj``):
+        observed, and returned as the client gets it (:meth:`observe`, :meth:`strip`).
+
+        Every token of every migratable stream passes here, so after the first chunk (the
+        head and the prompt's ids) the usual chunk costs two searches and a splice: its ids
+        are kept as the engine wrote them, parsed only when a migration needs them, and the
+        finish and reasoning or tool-call deltas are the relay's tally's to see
+        (:meth:`blocked`). vLLM sends the prompt's ids with the first chunk only. Completions
+        with logprobs (their text offsets continue) take the whole way."""
+        if self.head is None or self.logprobs:
+            self.observe(obj)
+            return self.strip(payload)
+        # The key's spelling with its quotes cannot occur inside a JSON string (a quote there
+        # is escaped), nor does ``prompt_token_ids`` (no quote before ``token_ids``); a list of
+        # ids holds no bracket.
+        before, key, rest = payload.partition(b'"token_ids":[')
+        if not key:
+            return payload
+        ids, _, after = rest.partition(b"]")
+        self._raw.append(ids)
         if self.client_ids:
             return payload
-        choices = obj.get("choices")
-        if (
-            choices
-            and len(choices) == 1
-            and obj.get("prompt_token_ids") is None
-            and choices[0].get("prompt_token_ids") is None
-        ):
-            # The usual chunk: one choice's few ids, cut out between their brackets (a quote
-            # inside a JSON string is escaped, so the key's spelling cannot occur in text).
-            if not choices[0].get("token_ids"):
-                return payload
-            start = payload.find(b'"token_ids":[')
-            end = payload.find(b"]", start)
-            if start >= 0 and end >= 0:
-                return payload[: start + 12] + b"null" + payload[end + 1 :]
-        if b'token_ids":[' not in payload:
-            return payload
-        return _IDS_RE.sub(rb'"\1token_ids":null', payload)
+        return b"".join((before, b'"token_ids":null', after))
 
-    def blocked(self, token_events: int) -> str | None:
-        """Why the stream cannot be continued now, or None when it can."""
-        if not self.exact:
+    def note(self, obj: dict[str, Any]) -> None:
+        """One chunk of a stream the router collects for a non-streamed answer: :meth:`take`
+        without the client's bytes (after the first chunk, only its ids are kept)."""
+        if self.head is None or self.logprobs:
+            self.observe(obj)
+            return
+        for choice in obj.get("choices") or ():
+            ids = choice.get("token_ids")
+            if ids:
+                self._ids += ids
+
+    @property
+    def generated(self) -> list[int]:
+        """Every id generated so far, in order."""
+        if self._raw:
+            ids = self._ids
+            for raw in self._raw:
+                if raw:
+                    ids.extend(int(x) for x in raw.split(b","))
+            self._raw.clear()
+        return self._ids
+
+    def strip(self, payload: bytes) -> bytes:
+        """The chunk as the client would have had it without the ids the router asked for."""
+        return payload if self.client_ids else blank_token_ids(payload)
+
+    def blocked(
+        self, token_events: int, finished: bool = False, non_text: bool = False
+    ) -> str | None:
+        """Why the stream cannot be continued now, or None when it can. ``finished`` and
+        ``non_text``: what the relay's tally saw of the chunks :meth:`take` kept without
+        looking (a finish reason; a reasoning or tool-call delta)."""
+        if not self.exact or non_text:
             return "the engine sent reasoning or tool-call deltas"
-        if self.finished:
+        if self.finished or finished:
             return "the answer was complete"
         if self.migrations >= self.settings.limit:
             return f"the migration limit ({self.settings.limit}) is reached"
@@ -206,7 +259,7 @@ class MigrationTrace:
         for choice in choices:
             ids = choice.get("token_ids")
             if ids:
-                self.generated += ids
+                self.generated.extend(ids)
             text = choice.get("text") or ""
             if choice.get("finish_reason"):
                 self.finished = True

@@ -60,6 +60,7 @@ class StreamTally:
     last_token_at: float | None = None
     finish_reason: str | None = None
     done: bool = False
+    non_text_deltas: bool = False  # a chat delta carried reasoning or tool calls
 
 
 def _cached_tokens(usage: dict[str, Any]) -> int | None:
@@ -77,7 +78,7 @@ def _usage(usage: dict[str, Any], prompt_tokens: int | None) -> dict[str, Any]:
     return out
 
 
-def _is_token_chunk(obj: dict[str, Any]) -> tuple[bool, str | None]:
+def note_chunk(tally: StreamTally, obj: dict[str, Any], now: float) -> None:
     has_token = False
     finish = None
     for choice in obj.get("choices") or ():
@@ -85,22 +86,18 @@ def _is_token_chunk(obj: dict[str, Any]) -> tuple[bool, str | None]:
             continue
         delta = choice.get("delta")
         if isinstance(delta, dict):
-            if (
-                delta.get("content")
-                or delta.get("reasoning")
-                or delta.get("reasoning_content")
-                or delta.get("tool_calls")
+            if delta.get("content"):
+                has_token = True
+            # The usual delta is the text alone: one lookup, not four.
+            if (len(delta) > 1 or "content" not in delta) and (
+                delta.get("reasoning") or delta.get("reasoning_content") or delta.get("tool_calls")
             ):
                 has_token = True
+                tally.non_text_deltas = True
         elif choice.get("text"):
             has_token = True
         if choice.get("finish_reason"):
             finish = choice["finish_reason"]
-    return has_token, finish
-
-
-def note_chunk(tally: StreamTally, obj: dict[str, Any], now: float) -> None:
-    has_token, finish = _is_token_chunk(obj)
     if has_token or finish:
         tally.token_events += 1
         if tally.first_token_at is None:
@@ -149,12 +146,22 @@ class EventRenderer:
     def interrupt(self, reason: str, message: str) -> bool:
         """The upstream broke (``reason``: engine_error, connection, stall): True, with
         ``interrupted`` set, when the trace can continue the request elsewhere."""
-        trace = self.trace
-        if trace is None or trace.blocked(self.tally.token_events) is not None:
+        if self.blocked() is not None:
             return False
         self.interrupted = (reason, message)
         self.finished = True
         return True
+
+    def blocked(self) -> str | None:
+        """Why the stream cannot be continued elsewhere now (no trace: migration is off for
+        it), or None when it can."""
+        trace = self.trace
+        if trace is None:
+            return "not migratable"
+        tally = self.tally
+        return trace.blocked(
+            tally.token_events, tally.finish_reason is not None, tally.non_text_deltas
+        )
 
     def resume(self) -> None:
         """A continuation's stream follows (``Migrator.resume``): render its events, translated
@@ -203,8 +210,7 @@ class EventRenderer:
                 if isinstance(obj, dict):
                     note_chunk(tally, obj, now)
                     if trace is not None and not trace.migrations:
-                        trace.observe(obj)
-                        payload = trace.strip(payload, obj)
+                        payload = trace.take(payload, obj)
                 out += (b"data: ", payload, b"\n\n")
         return b"".join(out)
 
@@ -256,7 +262,7 @@ class StallWatch:
         renderer = self._renderer
         trace = renderer.trace
         stall_s = self._stall_s
-        if stall_s is None or trace is None or trace.blocked(renderer.tally.token_events):
+        if stall_s is None or trace is None or renderer.blocked():
             return await stream.events.next_batch()
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(stall_s, self._check)
@@ -636,7 +642,7 @@ async def aggregate(
                     if trace.migrations:
                         obj = trace.translate(obj)
                     else:
-                        trace.observe(obj)
+                        trace.note(obj)
                 head = head or obj
                 if obj.get("usage") and not obj.get("choices"):
                     usage = obj["usage"]
