@@ -74,6 +74,7 @@ class Seen:
 
     status: int | None = None
     router_id: str | None = None
+    headers_at: float | None = None  # time.monotonic() when the response head arrived
     done: bool = False
     error_event: bool = False
     events_after_error: int = 0
@@ -107,6 +108,7 @@ def run_client(url: str, plan: Plan, first_chunk: threading.Event | None = None)
             headers={"X-Request-Id": plan.cid},
             timeout=timeout,
         ) as r:
+            seen.headers_at = time.monotonic()
             seen.status = r.status_code
             seen.router_id = r.headers.get("x-request-id")
             if r.status_code != 200 or not plan.stream:
@@ -368,6 +370,8 @@ def test_sigkill_mid_stream_then_restart_closes_each_cut_off_request_once(
                 futures = [pool.submit(run_client, router.url, p, Started()) for p in plans]
                 for _ in range(10):  # streams are under way
                     assert streaming.acquire(timeout=20), "streams never started"
+                time.sleep(0.5)  # the rest of the first wave under way (decode takes seconds)
+                killed_at = time.monotonic()
                 router.process.kill()
                 assert router.process.wait(10) == -9
                 seen = [f.result(timeout=60) for f in futures]
@@ -375,6 +379,15 @@ def test_sigkill_mid_stream_then_restart_closes_each_cut_off_request_once(
             # The clients: none finished, and the cut-off streams failed rather than hang.
             cut_mid_stream = [s for s in seen if s.chunks]
             assert len(cut_mid_stream) >= 10
+            # The journal's writer puts a record on file within about 20 ms of its queueing (it
+            # never blocks the event loop): a kill -9 loses the records of that last window,
+            # a stream's start among them (docs/router.md, The journal). Streams that got
+            # their response head well before the kill were journaled.
+            settled = {
+                s.router_id: s
+                for s in seen
+                if s.headers_at is not None and s.headers_at < killed_at - 0.25
+            }
             assert all(s.failure is not None and not s.done for s in seen), seen
             records_at_kill = router.records()
             assert not any(r["type"] == "router.stop" for r in records_at_kill)
@@ -388,10 +401,12 @@ def test_sigkill_mid_stream_then_restart_closes_each_cut_off_request_once(
             assert all(ends[rid]["previous_pid"] == old_pid for rid in cut_off)
             by_cid = {s["client_request_id"]: rid for rid, s in starts.items()}
             for plan, s in zip(plans, seen, strict=True):
-                if s.router_id is not None:  # it got response headers: it was journaled
+                if s.router_id is None:
+                    continue
+                if s.router_id in settled or plan.cid in by_cid:  # its head came: journaled
                     assert by_cid.get(plan.cid) == s.router_id
                     assert s.router_id in cut_off
-            assert len(cut_off) >= len(cut_mid_stream)
+            assert len(cut_off) >= sum(1 for s in settled.values() if s.chunks) >= 5
             print(
                 f"\n{len(cut_mid_stream)} cut mid-stream, {len(cut_off)} closed by recovery, "
                 f"{sum(s.status is None for s in seen)} without a response"
