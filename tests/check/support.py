@@ -167,12 +167,15 @@ def fleet_copy(src: Path, dst: Path, **engine_overrides: Any) -> Path:
     return write_json(dst, out)
 
 
-def check(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def check(
+    *args: str, timeout: float = 300, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "narwhal.check.cli", "--quiet", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
+        cwd=cwd,
     )
 
 
@@ -185,13 +188,14 @@ def serve_args(fleet: Path, journal: Path, port: int, *extra: str) -> list[str]:
     return serve_command(fleet, port, journal, *extra)
 
 
-def serve_refused(fleet: Path, journal: Path, *extra: str) -> str:
+def serve_refused(fleet: Path, journal: Path, *extra: str, cwd: Path | None = None) -> str:
     """Run narwhal-serve expecting a refusal: returns its one stderr line."""
     r = subprocess.run(
         serve_args(fleet, journal, free_ports(1)[0], *extra),
         capture_output=True,
         text=True,
         timeout=60,
+        cwd=cwd,
     )
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     lines = r.stderr.strip().splitlines()
@@ -199,10 +203,12 @@ def serve_refused(fleet: Path, journal: Path, *extra: str) -> str:
     return lines[0]
 
 
-def serve_ready(fleet: Path, journal: Path, log: Path, *extra: str) -> tuple[bool, str]:
+def serve_ready(
+    fleet: Path, journal: Path, log: Path, *extra: str, cwd: Path | None = None
+) -> tuple[bool, str]:
     """Start narwhal-serve, wait (bounded) for /ready 200, stop it; (ready, its log)."""
     port = free_ports(1)[0]
-    proc = procs.start(serve_args(fleet, journal, port, *extra), log, append=False)
+    proc = procs.start(serve_args(fleet, journal, port, *extra), log, append=False, cwd=cwd)
     try:
         ok = procs.wait_all(
             {"router": lambda: procs.http_ok(f"http://127.0.0.1:{port}/ready")},

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -60,9 +61,13 @@ def test_slow_handoffs_fail_the_packaged_deadline_and_the_recommended_one_qualif
         assert after["engine"].pop("first_token_timeout_s") == value
         before["engine"].pop("first_token_timeout_s")
         assert before == after
-        second = tmp_path / "report-qualified.json"
-        r = check("--fleet", str(qualified), "--report", str(second), "--kv-probes", "2")
+        # As the reference run spells it: narwhal-check without --report, in the run's
+        # directory (the report is check-report.json there).
+        run_dir = tmp_path / "run"
+        run_dir.mkdir()
+        r = check("--fleet", str(qualified), "--kv-probes", "2", cwd=run_dir)
         assert r.returncode == 0, r.stdout
+        second = run_dir / "check-report.json"
         report = load_report(second)[0]
         assert report.verdict == "pass" and report.complete
         assert report.gate("kv_transfer").verdict == "pass"
@@ -73,6 +78,22 @@ def test_slow_handoffs_fail_the_packaged_deadline_and_the_recommended_one_qualif
             qualified, journal, tmp_path / "serve.log", "--check-report", str(second)
         )
         assert ok, log[-3000:]
+        # And narwhal-serve without --check-report, as the reference run serves: the report
+        # the check left in the working directory, or beside the fleet file, qualifies it.
+        ok, log = serve_ready(qualified, journal, tmp_path / "serve-found.log", cwd=run_dir)
+        assert ok, log[-3000:]
+        assert f"report {second}" in log
+        beside = qualified.parent / "check-report.json"
+        shutil.copy(second, beside)
+        ok, log = serve_ready(qualified, journal, tmp_path / "serve-beside.log")
+        assert ok, log[-3000:]
+        assert f"report {beside}" in log
+        # A report there that does not qualify the fleet served: refused, with its reason.
+        line = serve_refused(packaged, journal)
+        assert "check-report.json: does not qualify this fleet: fleet sha256 differs" in line
+        beside.unlink()
+        line = serve_refused(packaged, journal)
+        assert "this fleet is not qualified: no narwhal-check report at" in line
         line = serve_refused(packaged, journal, "--check-report", str(second))
         assert "fleet sha256 differs" in line and "another fleet" in line
         line = serve_refused(packaged, journal, "--check-report", str(first))

@@ -25,6 +25,7 @@ from narwhal.check.settings import CheckSettings
 from narwhal.check.table import render_table
 from narwhal.clock import MonotonicClock
 from narwhal.contract import (
+    DEFAULT_REPORT_NAME,
     GATE_NAMES,
     ContractError,
     FileRef,
@@ -58,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gates", help=f"comma-separated subset of {','.join(GATE_NAMES)}")
     p.add_argument(
         "--report",
-        default="check-report.json",
+        default=DEFAULT_REPORT_NAME,
         help="where to write the report (default %(default)s)",
     )
     p.add_argument("--plan", help="benchmark plan (narwhal.benchmark-plan/v1) for the slo gate")

@@ -9,6 +9,7 @@ See ``models`` for the fleet schema, ``hashing`` for the canonical form that nam
 from __future__ import annotations
 
 from narwhal.contract.check_report import (
+    DEFAULT_REPORT_NAME,
     GATE_NAMES,
     REPORT_SCHEMA,
     CheckReport,
@@ -56,6 +57,7 @@ from narwhal.contract.models import (
 )
 
 __all__ = [
+    "DEFAULT_REPORT_NAME",
     "FLEET_SCHEMA",
     "GATE_NAMES",
     "REPORT_SCHEMA",

@@ -18,6 +18,7 @@ from narwhal.contract.hashing import sha256_hex
 from narwhal.contract.loader import read_json_document, validate_document
 
 __all__ = [
+    "DEFAULT_REPORT_NAME",
     "GATE_NAMES",
     "REPORT_SCHEMA",
     "CheckReport",
@@ -31,6 +32,10 @@ __all__ = [
     "load_report",
     "qualification_problem",
 ]
+
+# Where narwhal-check writes its report unless told (--report), in the directory it runs from;
+# narwhal-serve looks for it there and beside the fleet file.
+DEFAULT_REPORT_NAME = "check-report.json"
 
 REPORT_SCHEMA = "narwhal.check-report/v1"
 # The order gates run in: cheap identity checks first, so a wrong engine is named before any

@@ -4,6 +4,9 @@
         [--skip-qualification | --check-report REPORT.json] [--profiles STORE.json] \\
         [--api-keys-file FILE] [--admin-token-file FILE]
 
+Without --check-report, the router serves a fleet that narwhal-check's report qualifies where
+the check leaves it by default: check-report.json in the working directory or beside the fleet.
+
 Bad arguments or a bad fleet file: one line naming the problem, exit 2.
 """
 
@@ -18,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from narwhal.contract import ContractError, load_fleet
+from narwhal.contract import DEFAULT_REPORT_NAME, ContractError, load_fleet
 from narwhal.engines.client import ENGINE_TRANSPORTS
 
 __all__ = ["main", "serve_arguments", "serve_command"]
@@ -244,6 +247,42 @@ def _verify_report(
     }
 
 
+def _report_candidates(fleet: Any) -> list[Path]:
+    """Where narwhal-check leaves its report by default (``check-report.json``, in the
+    directory it ran from), looked for in the working directory and beside the fleet file."""
+    out: list[Path] = []
+    for folder in (Path.cwd(), Path(fleet.path).resolve().parent):
+        candidate = folder / DEFAULT_REPORT_NAME
+        if candidate not in out:
+            out.append(candidate)
+    return out
+
+
+def _find_report(fleet: Any, profile_sha: str | None) -> str | None:
+    """The default-named check report that qualifies this fleet (the reference run serves
+    without naming it), or None when there is none; UsageError (one line) when reports exist
+    and none qualifies, with the first one's reason."""
+    from narwhal.contract import load_report, qualification_problem
+
+    present = [p for p in _report_candidates(fleet) if p.is_file()]
+    first_problem: str | None = None
+    for path in present:
+        try:
+            report, _ = load_report(path)
+        except ContractError as exc:
+            first_problem = first_problem or str(exc)
+            continue
+        problem = qualification_problem(report, fleet.sha256, str(fleet.path), profile_sha)
+        if problem is None:
+            return str(path)
+        first_problem = first_problem or f"{path}: does not qualify this fleet: {problem}"
+    if first_problem is not None:
+        raise UsageError(
+            f"{first_problem} (pass --check-report REPORT or --skip-qualification for development)"
+        )
+    return None
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -303,6 +342,8 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
         raise UsageError("--scheduler v1 needs a profile store (--profiles STORE)")
     if args.check_report:
         qualification = _verify_report(args.check_report, fleet, profile_sha, warnings)
+    elif not args.skip_qualification and (found := _find_report(fleet, profile_sha)):
+        qualification = _verify_report(found, fleet, profile_sha, warnings)
     elif args.skip_qualification:
         warnings.append(
             f"SERVING AN UNQUALIFIED FLEET (--skip-qualification): {fleet.path} "
@@ -310,9 +351,10 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
         )
         qualification = {"status": "skipped"}
     else:
+        looked = " and ".join(str(p) for p in _report_candidates(fleet))
         raise UsageError(
-            "this fleet is not qualified: pass --check-report REPORT (from "
-            "narwhal-check) or --skip-qualification for development"
+            f"this fleet is not qualified: no narwhal-check report at {looked}; pass "
+            "--check-report REPORT (from narwhal-check) or --skip-qualification for development"
         )
     for warning in warnings:
         log.warning("%s", warning)
