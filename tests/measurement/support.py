@@ -68,8 +68,9 @@ def load_trial(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[
 
 
 def runner_cmd(
-    base: str, plan: Path, out: Path, journal: Path, workload: Path | None, *extra: str
+    base: str, plan: Path, out: Path, journal: Path | None, workload: Path | None, *extra: str
 ) -> list[str]:
+    """The runner's command line; without ``journal`` (None) it finds the router's itself."""
     cmd = [
         sys.executable,
         str(TOOLS / "benchmark_runner.py"),
@@ -81,8 +82,7 @@ def runner_cmd(
         str(plan),
         "--out",
         str(out),
-        "--journal",
-        str(journal),
+        *(["--journal", str(journal)] if journal is not None else []),
         # Scrape twice a second; allow a 4 s hole (the runner's default is 1 s and 2.5 s): on
         # two CPUs shared by the fleet, the router and the client, a loaded router's /metrics
         # can answer a second late, and the gate would rightly fail the point.

@@ -103,12 +103,13 @@ def test_reference_shaped_qualification(tmp_path: Path) -> None:
             ),
             timeout=60,
         )
+        # No --journal, as the reference run spells the command: the router says where.
         proc = run_runner(
             runner_cmd(
                 router.url,
                 plan,
                 out,
-                router.journal,
+                None,
                 wl_dir,
                 "--admin-token-file",
                 str(tmp_path / "admin-token"),
@@ -118,6 +119,7 @@ def test_reference_shaped_qualification(tmp_path: Path) -> None:
     assert proc.returncode in (0, 1), proc.stderr  # 1: a verdict missed; the timing is CI's
     assert "Traceback" not in proc.stderr
     rep = report(out)
+    assert rep["inputs"]["Journal"] == f"{router.journal} (from the router's /admin/state)"
     assert [p["name"] for p in rep["points"]] == ["r0.5", "r1"]
     for p in rep["points"]:
         failed = [g["name"] for g in p["gates"] if not g["passed"]]

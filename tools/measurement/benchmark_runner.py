@@ -1,6 +1,6 @@
 """Run a benchmark plan's points against narwhal-serve, with gates and evidence for each.
 
-    benchmark_runner.py --base URL --model M --plan PLAN --out DIR --journal ROUTER_JOURNAL
+    benchmark_runner.py --base URL --model M --plan PLAN --out DIR [--journal ROUTER_JOURNAL]
                         [--workload DIR] [--tokenize-url ENGINE_URL] [--scrape-interval S]
                         [--max-gap S] [--ready-timeout S] [--idle-timeout S] [--drain-timeout S]
                         [--journal-timeout S] [--admin-token-file F] [--strict-counters]
@@ -13,6 +13,10 @@ scrape coverage has no gap beyond ``--max-gap``; the client's outcomes reconcile
 journal's ``request.end`` records. Evidence goes to DIR/points/NN-NAME/; DIR/report.md,
 DIR/report.json and DIR/perf_<model>.csv summarise the plan. After the last point,
 ``narwhal-check --gates kv_transfer`` runs when it is installed.
+
+Without ``--journal`` the runner asks the router where its journal is (``/admin/state``, with
+``--admin-token-file``) or, on the router host, reads the ``--journal`` argument of the process
+listening on the router's port; it refuses to start (exit 2) when neither finds a readable file.
 
 Exit status: 0 every point measured with every gate passed, every verdict pass and the post-load
 check passed or skipped; 1 otherwise; 2 bad arguments or inputs (plan, fleet, workload).
@@ -41,6 +45,7 @@ import httpx
 from narwhal.contract import ContractError, LoadedFleet, load_fleet
 from narwhal.testing import procs
 from tools.measurement._provenance import git_commit, versions
+from tools.measurement._router_journal import JournalNotFound, find_router_journal
 from tools.measurement._runner_collect import (
     ENGINE_EXPECTED_COUNTERS,
     Collector,
@@ -79,6 +84,7 @@ class RunnerConfig:
     out: Path
     journal: Path
     workload: Path | None = None
+    journal_source: str = "--journal"  # how the journal was found (without --journal)
     tokenize_url: str | None = None
     scrape_interval_s: float = 1.0
     max_gap_s: float | None = None  # default: 2.5 scrape intervals
@@ -668,7 +674,8 @@ def run_plan(cfg: RunnerConfig) -> int:
             f"seed {wl.seed}; {len(wl.pool.distinct)} distinct IDs in a {len(wl.pool.ids)}-token "
             f"pool ({wl.pool.source})",
             "Workload SHA-256": wl.sha256,
-            "Journal": str(cfg.journal),
+            "Journal": str(cfg.journal)
+            + ("" if cfg.journal_source == "--journal" else f" (from {cfg.journal_source})"),
         },
         "plan_diagnostics": plan_diags,
         "points": [r.to_json() for r in results],
@@ -712,7 +719,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True)
     p.add_argument("--plan", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--journal", required=True, help="the router's journal file (--journal)")
+    p.add_argument(
+        "--journal",
+        help="the router's journal file (default: found through the router, see above)",
+    )
     p.add_argument("--workload", help="a prepared workload dir (default: the plan's, or prepare)")
     p.add_argument("--tokenize-url", help="engine URL for prepare's /tokenize fallback")
     p.add_argument("--scrape-interval", type=positive, default=1.0)
@@ -733,12 +743,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    base = args.base.rstrip("/")
+    admin_token_file = Path(args.admin_token_file) if args.admin_token_file else None
+    journal_source = "--journal"
+    if args.journal:
+        journal = Path(args.journal)
+    else:
+        try:
+            journal, journal_source = find_router_journal(base, admin_token_file)
+        except (JournalNotFound, OSError) as exc:
+            print(
+                f"{PROG}: --journal not given and the router's journal was not found ({exc}): "
+                "pass --journal",
+                file=sys.stderr,
+            )
+            return 2
+        print(f"{PROG}: the router's journal: {journal} (from {journal_source})", file=sys.stderr)
     cfg = RunnerConfig(
-        base=args.base.rstrip("/"),
+        base=base,
         model=args.model,
         plan_path=Path(args.plan),
         out=Path(args.out),
-        journal=Path(args.journal),
+        journal=journal,
+        journal_source=journal_source,
         workload=Path(args.workload) if args.workload else None,
         tokenize_url=args.tokenize_url,
         scrape_interval_s=args.scrape_interval,
@@ -747,7 +774,7 @@ def main(argv: list[str] | None = None) -> int:
         idle_timeout_s=args.idle_timeout,
         drain_timeout_s=args.drain_timeout,
         journal_timeout_s=args.journal_timeout,
-        admin_token_file=Path(args.admin_token_file) if args.admin_token_file else None,
+        admin_token_file=admin_token_file,
         strict_counters=args.strict_counters,
         post_check=not args.skip_post_check,
     )
