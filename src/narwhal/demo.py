@@ -1,9 +1,11 @@
 """``make demo``: a simulated fleet, narwhal-serve in front of it, and requests through it.
 
-Starts every engine of the fleet file, starts the router, sends a streamed chat request and a
-completion through it, prints them, a one-line summary of each from the router's journal, and
-the KV bytes NIXL moved with the decode engines' verdict on them. Then it keeps serving until
-Ctrl-C, or exits at once with ``DEMO_ONCE=1`` (CI).
+Starts every engine of the fleet file, qualifies the fleet with ``narwhal-check`` (every gate,
+with few probes: the qualified path the product is for) and prints its verdict, starts the
+router on that check's report, sends a streamed chat request and a completion through it,
+prints them, a one-line summary of each from the router's journal, and the KV bytes NIXL moved
+with the decode engines' verdict on them. Then it keeps serving until Ctrl-C, or exits at once
+with ``DEMO_ONCE=1`` (CI).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +46,23 @@ def _summary(record: dict[str, Any]) -> str:
     )
 
 
+def _qualify(fleet_path: str, work: Path) -> Path | None:
+    """narwhal-check on the running fleet, quickly (two probes of each kind): its report, or
+    None when the fleet failed a gate (the check's table says which)."""
+    report = work / "check-report.json"
+    argv = [sys.executable, "-m", "narwhal.check.cli", "--quiet", "--fleet", fleet_path]
+    argv += ["--report", str(report), "--pace-repeats", "1", "--kv-probes", "1"]
+    print("qualifying the fleet: narwhal-check (every gate) ...", flush=True)
+    started = time.monotonic()
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    print(done.stdout.rstrip(), flush=True)
+    if done.returncode != 0:
+        print(f"narwhal-check refused the fleet (exit {done.returncode}): {done.stderr.strip()}")
+        return None
+    print(f"qualified in {time.monotonic() - started:.1f} s; report {report}\n", flush=True)
+    return report
+
+
 def run(fleet_path: str, port: int, once: bool) -> int:
     work = Path(tempfile.mkdtemp(prefix="narwhal-demo-"))
     journal = work / "journal.jsonl"
@@ -56,9 +76,12 @@ def run(fleet_path: str, port: int, once: bool) -> int:
             ),
             flush=True,
         )
+        report = _qualify(fleet_path, work)
+        if report is None:
+            return 1
         router_log = work / "router.log"
         router = procs.start(
-            serve_command(fleet_path, port, journal, "--skip-qualification"), router_log
+            serve_command(fleet_path, port, journal, "--check-report", str(report)), router_log
         )
         url = f"http://127.0.0.1:{port}"
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -26,6 +27,17 @@ def test_demo_runs_a_handoff_through_the_router(tmp_path: Path) -> None:
         timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+    # The qualified path: narwhal-check's verdict, then the router serving on its report.
+    assert "overall: PASS" in result.stdout
+    assert "qualified in " in result.stdout
+    work = Path(result.stdout.split("logs and journal in ", 1)[1].split()[0])
+    head = next(
+        json.loads(line)
+        for line in (work / "journal.jsonl").read_text().splitlines()
+        if '"router.start"' in line
+    )
+    assert head["qualification"]["status"] == "qualified"
+    assert head["qualification"]["report"] == str(work / "check-report.json")
     assert "every pulled block verified" in result.stdout
     assert result.stdout.count(" ok ") >= 2
     assert "NIXL moved" in result.stdout
