@@ -38,6 +38,7 @@ def test_demo_runs_a_handoff_through_the_router(tmp_path: Path) -> None:
     )
     assert head["qualification"]["status"] == "qualified"
     assert head["qualification"]["report"] == str(work / "check-report.json")
+    assert f"--check-report {work / 'check-report.json'}" in head["command"]
     assert "every pulled block verified" in result.stdout
     assert result.stdout.count(" ok ") >= 2
     assert "NIXL moved" in result.stdout

@@ -182,4 +182,9 @@ def test_reference_shaped_qualification(tmp_path: Path) -> None:
         ("median_ttft", "ms"),
     }
     assert all(r["inp"] == "8192" and r["out"] == "128" and r["tp"] == "8" for r in table)
-    assert all("load_trial.py run" in r["cmd"] for r in table)
+    # MAD records the server's command and the client's: the router journaled its own.
+    assert all(r["cmd"].startswith("server: ") for r in table)
+    assert all(f"--journal {router.journal}" in r["cmd"] for r in table)
+    assert all("; client: " in r["cmd"] and "load_trial.py run" in r["cmd"] for r in table)
+    # Open loop: no cap; the column holds the most requests the client had in flight at once.
+    assert all(int(r["max_concurrency"]) >= 1 for r in table)

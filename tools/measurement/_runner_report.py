@@ -10,7 +10,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MAD_CORE_COLUMNS", "NARWHAL_COLUMNS", "csv_name", "write_csv", "write_markdown"]
+__all__ = [
+    "MAD_CORE_COLUMNS",
+    "NARWHAL_COLUMNS",
+    "csv_name",
+    "mad_command",
+    "write_csv",
+    "write_markdown",
+]
 
 MAD_CORE_COLUMNS = (
     "model",
@@ -60,6 +67,13 @@ def _num(value: float | None) -> str:
     return "" if value is None else f"{value:.4f}"
 
 
+def mad_command(server: str | None, client: str) -> str:
+    """The ``cmd`` cell: MAD records the server's command and the client's; the server's is
+    the one the router journaled with its ``router.start`` (None: not known, the client's
+    alone)."""
+    return client if server is None else f"server: {server}; client: {client}"
+
+
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     """``rows``: one dict per measured point (see benchmark_runner.csv_context)."""
     with path.open("w", newline="", encoding="utf-8") as fh:
@@ -80,8 +94,9 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
                         "out": row["out"],
                         "num_prompts": row["num_prompts"],
                         # Open-loop arrivals: the client caps nothing (offered_rate_rps is the
-                        # load axis here, as request rate is for vllm bench serve).
-                        "max_concurrency": "",
+                        # load axis, as request rate is for vllm bench serve); the column holds
+                        # the most requests the client had in flight at once.
+                        "max_concurrency": summary.get("peak_concurrency", ""),
                         "cmd": row["cmd"],
                         "performance": _num(None if value is None else value * factor),
                         "metric": metric,

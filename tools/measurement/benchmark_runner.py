@@ -58,7 +58,7 @@ from tools.measurement._runner_collect import (
     scrape_once,
 )
 from tools.measurement._runner_journal import journal_slice, read_journal, reconcile, state_timeline
-from tools.measurement._runner_report import csv_name, write_csv, write_markdown
+from tools.measurement._runner_report import csv_name, mad_command, write_csv, write_markdown
 from tools.measurement._trial_stats import ClientRecord
 from tools.measurement._trial_workload import WorkloadError, load_workload
 from tools.measurement.benchmark_plan import LoadedPlan, PlanError, PlanPoint, load_plan
@@ -617,8 +617,16 @@ def run_plan(cfg: RunnerConfig) -> int:
             results.append(result)
             print(f"{PROG}: point {point.name}: {result.status}" + _one_line(result), flush=True)
     post = post_load_check(ctx)
-    timeline = state_timeline(
-        r for r in read_journal(cfg.journal).records if r.get("type") in TIMELINE_TYPES
+    journaled = read_journal(cfg.journal).records
+    timeline = state_timeline(r for r in journaled if r.get("type") in TIMELINE_TYPES)
+    # The server half of each row's command (MAD records both): the serving router's own.
+    server = next(
+        (
+            r["command"]
+            for r in reversed(journaled)
+            if r.get("type") == "router.start" and isinstance(r.get("command"), str)
+        ),
+        None,
     )
     _write_json(cfg.out / "timeline.json", timeline)
     measured = [r for r in results if r.status == "measured"]
@@ -639,7 +647,7 @@ def run_plan(cfg: RunnerConfig) -> int:
             "inp": plan.workload.input_tokens,
             "out": plan.workload.output_tokens,
             "num_prompts": r.requests,
-            "cmd": shlex.join(r.command),
+            "cmd": mad_command(server, shlex.join(r.command)),
             "point": r.name,
             "summary": r.summary or {},
             "attainment_target": plan.points[r.index].attainment,

@@ -17,6 +17,7 @@ import gc
 import ipaddress
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -381,12 +382,32 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
         qualification=qualification,
         engine_transport=args.engine_transport,
         relay=args.relay,
+        command=getattr(args, "command", None),
     )
     return settings, host
 
 
+def masked_command(argv: list[str]) -> str:
+    """``argv`` as a shell line, with the values of secret-bearing options masked."""
+    out: list[str] = []
+    hide = False
+    for arg in argv:
+        if hide:
+            out.append("***")
+            hide = False
+        elif arg == "--api-key":
+            out.append(arg)
+            hide = True
+        elif arg.startswith("--api-key="):
+            out.append("--api-key=***")
+        else:
+            out.append(arg)
+    return shlex.join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    args.command = masked_command([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )

@@ -139,6 +139,7 @@ class Services:
             profile_sha256=settings.profile_sha256,
             qualification=settings.qualification,
             engines={e.id: e.role for e in self.state.engines.values()},
+            command=settings.command,
         )
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(probe_all(self.state, self.engines, self.metrics), 3.0)

@@ -40,3 +40,6 @@ class ServeSettings:
     # push: decode events written to the client from the engine connection's data_received;
     # asgi: a task per stream pulls them and sends each piece through ASGI.
     relay: Literal["push", "asgi"] = "push"
+    # The command line that started the router (secrets masked), journaled with router.start:
+    # the server half of a benchmark's record.
+    command: str | None = None
