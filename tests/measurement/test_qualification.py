@@ -119,7 +119,14 @@ def test_reference_shaped_qualification(tmp_path: Path) -> None:
     assert proc.returncode in (0, 1), proc.stderr  # 1: a verdict missed; the timing is CI's
     assert "Traceback" not in proc.stderr
     rep = report(out)
-    assert rep["inputs"]["Journal"] == f"{router.journal} (from the router's /admin/state)"
+    inputs = rep["inputs"]
+    assert inputs["Journal"] == f"{router.journal} (from the router's /admin/state)"
+    # The pinned inputs only the serving router knows, from its router.start, and the fleet's.
+    assert inputs["Narwhal router"].startswith("version ")
+    assert inputs["Profile store SHA-256"] == "none"
+    assert inputs["Check report SHA-256"] == "none (qualification skipped)"
+    assert inputs["Engine image"] == "not reported by the engines' attestations"
+    assert inputs["Fleet latency budgets"].endswith("TPOT; first-token deadline 2.5 s")
     assert [p["name"] for p in rep["points"]] == ["r0.5", "r1"]
     for p in rep["points"]:
         failed = [g["name"] for g in p["gates"] if not g["passed"]]

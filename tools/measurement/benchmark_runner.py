@@ -619,15 +619,12 @@ def run_plan(cfg: RunnerConfig) -> int:
     post = post_load_check(ctx)
     journaled = read_journal(cfg.journal).records
     timeline = state_timeline(r for r in journaled if r.get("type") in TIMELINE_TYPES)
-    # The server half of each row's command (MAD records both): the serving router's own.
-    server = next(
-        (
-            r["command"]
-            for r in reversed(journaled)
-            if r.get("type") == "router.start" and isinstance(r.get("command"), str)
-        ),
-        None,
-    )
+    # The serving router's own record: the server half of each row's command (MAD records
+    # both) and the pinned inputs only the router knows.
+    head = next((r for r in reversed(journaled) if r.get("type") == "router.start"), {})
+    server = head.get("command") if isinstance(head.get("command"), str) else None
+    with httpx.Client(timeout=10.0) as http:
+        images = engine_images(fleet.contract, http)
     _write_json(cfg.out / "timeline.json", timeline)
     measured = [r for r in results if r.status == "measured"]
     verdicts_ok = all((r.summary or {}).get("verdict") == "pass" for r in measured)
@@ -684,6 +681,7 @@ def run_plan(cfg: RunnerConfig) -> int:
             "Workload SHA-256": wl.sha256,
             "Journal": str(cfg.journal)
             + ("" if cfg.journal_source == "--journal" else f" (from {cfg.journal_source})"),
+            **router_inputs(head, fleet_c, images),
         },
         "plan_diagnostics": plan_diags,
         "points": [r.to_json() for r in results],
@@ -710,6 +708,52 @@ def _one_line(result: PointResult) -> str:
     if failed:
         parts.append("failed gates: " + ", ".join(failed))
     return (" (" + "; ".join(parts) + ")") if parts else ""
+
+
+def engine_images(fleet: Any, http: httpx.Client) -> dict[str, str | None]:
+    """Each engine's image digest as its attestation reports it (None: not reported, or no
+    attestation to ask)."""
+    out: dict[str, str | None] = {}
+    for engine in fleet.engines:
+        digest = None
+        if engine.attestation_url:
+            try:
+                doc = http.get(engine.attestation_url).json()
+                digest = doc.get("image_digest") if isinstance(doc, dict) else None
+            except (httpx.HTTPError, ValueError):
+                digest = None
+        out[engine.id] = digest if isinstance(digest, str) else None
+    return out
+
+
+def router_inputs(
+    head: dict[str, Any], fleet: Any, images: dict[str, str | None]
+) -> dict[str, str]:
+    """The pinned inputs the reference run lists beyond the plan's: the router that served
+    (its journaled router.start), the profile store and check report it served on, the
+    engines' image, the budgets and the first-token deadline."""
+    qualification = head.get("qualification") or {}
+    digests = sorted({d for d in images.values() if d})
+    if not digests:
+        image = "not reported by the engines' attestations"
+    elif len(digests) == 1 and all(images.values()):
+        image = digests[0]
+    else:
+        image = "; ".join(f"{e} {d or 'not reported'}" for e, d in sorted(images.items()))
+    return {
+        "Narwhal router": f"version {head.get('version')}, pid {head.get('pid')}"
+        if head
+        else "no router.start in the journal",
+        "Engine image": image,
+        "Profile store SHA-256": head.get("profile_sha256") or "none",
+        "Check report SHA-256": (
+            f"{qualification.get('report_sha256')} ({qualification.get('report')})"
+            if qualification.get("status") == "qualified"
+            else f"none (qualification {qualification.get('status', 'unknown')})"
+        ),
+        "Fleet latency budgets": f"{fleet.budgets.ttft_s:g} s TTFT, {fleet.budgets.tpot_s:g} s "
+        f"TPOT; first-token deadline {fleet.engine.first_token_timeout_s:g} s",
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
