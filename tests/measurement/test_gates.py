@@ -49,7 +49,8 @@ OUTAGE_S = 2 * MAX_GAP_S
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     d = tmp_path_factory.mktemp("gates")
-    with running_fleet(d, 2, sim=SIM) as fleet:
+    # Prefix caching off, as the reference run measures (the runner checks it).
+    with running_fleet(d, 2, sim=SIM, prefix_caching={"enabled": False}) as fleet:
         router = start_router(d, fleet.fleet_path)
         try:
             wl = d / "workload"
@@ -201,6 +202,30 @@ def test_journal_missing_records(env: dict[str, Any], tmp_path: Path) -> None:
     )
     # Every other gate passed: the measurement itself was fine, its evidence is not.
     assert all(g["passed"] for g in p["gates"] if g["name"] != "journal_reconciled")
+    _excluded_from_csv(out)
+
+
+@pytest.mark.slow
+def test_prefix_caching_on_fails_the_point(env: dict[str, Any], tmp_path: Path) -> None:
+    # The same model and workload on engines that cache prefixes (vLLM's default).
+    with running_fleet(tmp_path, 2, sim=SIM) as fleet:
+        router = start_router(tmp_path, fleet.fleet_path)
+        try:
+            plan = write_plan(
+                tmp_path / "plan.json", fleet.fleet_path, [point("cached", 10, 5)], IN, OUT
+            )
+            out = tmp_path / "out"
+            cmd = runner_cmd(router.url, plan, out, router.journal, env["workload"])
+            proc = run_runner([*cmd, "--skip-post-check"])
+        finally:
+            stop_router(router)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    p = report(out)["points"][0]
+    cached = gate(p, "prefix_caching_off")
+    assert p["status"] == "gate_failed" and not cached["passed"]
+    assert "e0: vllm:cache_config_info says enable_prefix_caching=True" in cached["detail"]
+    # Every other gate passed: the point is refused for the cache alone.
+    assert [g["name"] for g in p["gates"] if not g["passed"]] == ["prefix_caching_off"]
     _excluded_from_csv(out)
 
 

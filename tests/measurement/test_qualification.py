@@ -54,7 +54,11 @@ MAD_CORE = [
 def test_reference_shaped_qualification(tmp_path: Path) -> None:
     with (
         running_fleet(
-            tmp_path, 3, sim=SIM, initial_roles=["prefill", "prefill", "decode"]
+            tmp_path,
+            3,
+            sim=SIM,
+            initial_roles=["prefill", "prefill", "decode"],
+            prefix_caching={"enabled": False},  # as the reference run measures
         ) as fleet,
         running_router(tmp_path, fleet.fleet_path) as router,
     ):
@@ -129,6 +133,7 @@ def test_reference_shaped_qualification(tmp_path: Path) -> None:
     assert inputs["Fleet latency budgets"].endswith("TPOT; first-token deadline 2.5 s")
     assert [p["name"] for p in rep["points"]] == ["r0.5", "r1"]
     for p in rep["points"]:
+        assert gate(p, "prefix_caching_off")["passed"]
         failed = [g["name"] for g in p["gates"] if not g["passed"]]
         assert p["status"] == "measured" and not failed, (p["name"], failed, p["gates"])
         # Client and journal each recorded every request, the warmup included.

@@ -18,6 +18,7 @@ from tools.measurement._runner_collect import (
     counter_missing,
     coverage,
     parse_metrics,
+    prefix_caching_state,
     router_expected_counters,
 )
 from tools.measurement._runner_journal import journal_slice, reconcile, state_timeline
@@ -477,3 +478,26 @@ def test_prepare_against_nothing_is_one_line_exit_1() -> None:
     )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def _scrape(t: float, series: dict[str, float]) -> Sample:
+    return Sample(target="e0", t=t, wall=t, ok=True, latency_s=0.0, series=series)
+
+
+def test_prefix_caching_is_off_only_when_the_engine_says_so_and_nothing_hit() -> None:
+    info = 'vllm:cache_config_info{block_size="16",enable_prefix_caching="%s",engine="0"}'
+    hits = 'vllm:prefix_cache_hits_total{engine="0"}'
+    off = [_scrape(0, {info % "False": 1, hits: 0}), _scrape(1, {info % "False": 1, hits: 0})]
+    assert prefix_caching_state(off, "e0")[0] == "off"
+    on = [_scrape(0, {info % "True": 1, hits: 0}), _scrape(1, {info % "True": 1, hits: 0})]
+    assert prefix_caching_state(on, "e0") == (
+        "on",
+        "e0: vllm:cache_config_info says enable_prefix_caching=True",
+    )
+    # A hit in the window means the cache served a prompt, whatever the config says.
+    hit = [_scrape(0, {info % "False": 1, hits: 0}), _scrape(1, {info % "False": 1, hits: 32})]
+    assert prefix_caching_state(hit, "e0")[0] == "on"
+    # Not published: not observed off.
+    bare = [_scrape(0, {hits: 0}), _scrape(1, {hits: 0})]
+    assert prefix_caching_state(bare, "e0")[0] == "unknown"
+    assert prefix_caching_state([], "e0") == ("unknown", "e0: no scrape in the window")

@@ -32,6 +32,7 @@ __all__ = [
     "coverage",
     "idle_state",
     "parse_metrics",
+    "prefix_caching_state",
     "router_expected_counters",
     "scrape_once",
     "series_key",
@@ -293,3 +294,36 @@ def counter_missing(
                 }
             )
     return out
+
+
+_CACHE_INFO = "vllm:cache_config_info{"
+_HITS = "vllm:prefix_cache_hits_total"
+
+
+def prefix_caching_state(samples: list[Sample], engine: str) -> tuple[str, str]:
+    """Whether ``engine`` served the window with prefix caching off, from its scrapes in it:
+    (verdict, why); verdict "off", "on" or "unknown". vLLM publishes its cache config as the
+    labels of ``vllm:cache_config_info`` (``enable_prefix_caching="True"``/``"False"``) and
+    counts hits in ``vllm:prefix_cache_hits``; a hit in the window means caching served a
+    prompt, whatever the config says."""
+    ok = [s for s in samples if s.target == engine and s.ok]
+    if not ok:
+        return "unknown", f"{engine}: no scrape in the window"
+    configs = {
+        key.split('enable_prefix_caching="', 1)[1].split('"', 1)[0]
+        for s in ok
+        for key in s.series
+        if key.startswith(_CACHE_INFO) and 'enable_prefix_caching="' in key
+    }
+    hits = [_sum(s.series, _HITS) for s in ok]
+    counted = [h for h in hits if h is not None]
+    gained = counted[-1] - counted[0] if len(counted) >= 2 else None
+    if gained:
+        return "on", f"{engine}: {gained:g} prompt tokens hit the prefix cache in the window"
+    if "True" in configs:
+        return "on", f"{engine}: vllm:cache_config_info says enable_prefix_caching=True"
+    if configs == {"False"}:
+        return "off", f"{engine}: enable_prefix_caching=False, no hit in the window"
+    if gained == 0:
+        return "unknown", f"{engine}: no hit in the window, but no cache config published"
+    return "unknown", f"{engine}: neither a cache config nor prefix-cache hits published"

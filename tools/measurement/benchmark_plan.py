@@ -82,6 +82,10 @@ class BenchmarkPlan(_Strict):
     # Optional: the workload seed (prepare) and a prepared workload to reuse.
     seed: int | None = None
     workload_dir: str | None = None
+    # "off" (the reference run's condition): a point counts only when every engine shows prefix
+    # caching off (its vllm:cache_config_info, and no prefix-cache hit in the window); "any":
+    # not checked (a plan that measures caching on purpose).
+    prefix_caching: Literal["off", "any"] = "off"
 
     @field_validator("points")
     @classmethod

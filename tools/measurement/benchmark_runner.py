@@ -54,6 +54,7 @@ from tools.measurement._runner_collect import (
     counter_missing,
     coverage,
     idle_state,
+    prefix_caching_state,
     router_expected_counters,
     scrape_once,
 )
@@ -373,6 +374,17 @@ def run_point(ctx: PlanContext, index: int, point: PlanPoint, http: httpx.Client
     result.diagnostics += missing
     if cfg.strict_counters:
         result.gates.append(Gate("counters_present", not missing, {"missing": len(missing)}))
+    if ctx.loaded.plan.prefix_caching == "off":
+        # The reference run's condition: a prompt served from the prefix cache would measure
+        # the cache, not the fleet.
+        states = [prefix_caching_state(in_window, e.name) for e in ctx.engines]
+        result.gates.append(
+            Gate(
+                "prefix_caching_off",
+                all(verdict == "off" for verdict, _ in states),
+                [why for _, why in states],
+            )
+        )
     # Client records and summary.
     records = _load_records(pdir / "client" / "client_records.jsonl")
     summary_path = pdir / "client" / "summary.json"

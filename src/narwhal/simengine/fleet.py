@@ -24,6 +24,7 @@ def local_fleet_document(
     model_id: str = "moonshotai/Kimi-K3",
     role_control: dict[str, Any] | None = None,
     kv_event_ports: list[tuple[int, int]] | None = None,
+    prefix_caching: dict[str, Any] | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """A fleet document for simulated engines on 127.0.0.1 (tests and benchmarks use free ports)."""
@@ -65,6 +66,8 @@ def local_fleet_document(
         },
         "engines": engines,
     }
+    if prefix_caching is not None:
+        doc["engine"]["prefix_caching"] = prefix_caching  # e.g. {"enabled": False}
     if role_control is not None:
         doc["roles"] = role_control  # the fleet's role controller limits (``roles`` above is
         # each engine's permitted roles)

@@ -180,6 +180,24 @@ class EngineMetrics:
         for reason in ("stop", "length", "abort", "error"):
             self.request_success.labels(**self._values, finished_reason=reason)
 
+    def cache_config(self, block_size: int, num_gpu_blocks: int, prefix_caching: bool) -> None:
+        """``vllm:cache_config_info``: vLLM's info gauge (1) whose labels are its CacheConfig's
+        fields as strings and the engine index; the fields a reader needs are simulated (how a
+        benchmark proves prefix caching was off: ``enable_prefix_caching="False"``)."""
+        info = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            ["block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks", "engine"],
+            registry=self.registry,
+        )
+        info.labels(
+            block_size=str(block_size),
+            cache_dtype="auto",
+            enable_prefix_caching=str(prefix_caching),
+            num_gpu_blocks=str(num_gpu_blocks),
+            engine=self._values["engine"],
+        ).set(1)
+
     def get(self, metric: _M) -> _M:
         return metric.labels(**self._values)
 

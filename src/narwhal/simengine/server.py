@@ -140,6 +140,7 @@ def build_app(settings: SimEngineSettings) -> Starlette:
         generation_id=uuid.uuid4().hex,
         started_at=time.time(),
     )
+    state.metrics.cache_config(cfg.block_size, cfg.num_blocks, cfg.enable_prefix_caching)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
