@@ -10,7 +10,9 @@ and budgets 0.5 s / 15 ms / 9 s; each point sends 200 requests, as the reference
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -123,6 +125,21 @@ def test_reference_shaped_qualification(tmp_path: Path) -> None:
     assert proc.returncode in (0, 1), proc.stderr  # 1: a verdict missed; the timing is CI's
     assert "Traceback" not in proc.stderr
     rep = report(out)
+    # The evidence bundle: everything the run produced and what the router ran on, hashed.
+    bundle = out / "qualification-artifacts.tgz"
+    digest = hashlib.sha256(bundle.read_bytes()).hexdigest()
+    assert (out / "qualification-artifacts.tgz.sha256").read_text() == f"{digest}  {bundle.name}\n"
+    assert f"evidence {bundle} sha256 {digest}" in proc.stdout
+    with tarfile.open(bundle) as tar:
+        names = set(tar.getnames())
+    assert {"report.json", "report.md", "perf_Kimi-K3.csv", "inputs/plan.json"} <= names
+    assert f"evidence/journal/{router.journal.name}" in names
+    assert any(n.startswith("points/01-r1/client/") for n in names), sorted(names)[:20]
+    # The harness's router serves unqualified and the fleet has no profile store: said so.
+    assert rep["evidence_notes"] == [
+        "check report: none (qualification skipped)",
+        "profile store: none in the fleet",
+    ]
     inputs = rep["inputs"]
     assert inputs["Journal"] == f"{router.journal} (from the router's /admin/state)"
     # The pinned inputs only the serving router knows, from its router.start, and the fleet's.

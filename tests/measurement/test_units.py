@@ -8,6 +8,7 @@ import csv
 import json
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -501,3 +502,40 @@ def test_prefix_caching_is_off_only_when_the_engine_says_so_and_nothing_hit() ->
     bare = [_scrape(0, {hits: 0}), _scrape(1, {hits: 0})]
     assert prefix_caching_state(bare, "e0")[0] == "unknown"
     assert prefix_caching_state([], "e0") == ("unknown", "e0: no scrape in the window")
+
+
+def test_the_evidence_bundle_is_reproducible_and_holds_what_the_router_ran_on(
+    tmp_path: Path,
+) -> None:
+    from tools.measurement._runner_bundle import gather_evidence, write_bundle
+
+    out = tmp_path / "out"
+    (out / "points" / "00-p").mkdir(parents=True)
+    (out / "report.json").write_text("{}")
+    (out / "points" / "00-p" / "summary.json").write_text("{}")
+    journal = tmp_path / "journal.jsonl"
+    journal.write_text('{"type": "router.start"}\n')
+    report = tmp_path / "check-report.json"
+    report.write_text("{}")
+    (tmp_path / "check-report.json.sha256").write_text("ab\n")
+    (tmp_path / "profiles.json").write_text("{}")
+    head = {"qualification": {"status": "qualified", "report": str(report)}}
+    notes = gather_evidence(out, journal, head, tmp_path / "fleet.json", "profiles.json")
+    assert notes == []
+    _, first = write_bundle(out)
+    _, again = write_bundle(out)  # the bundle and its digest are not bundled
+    assert first == again
+    with tarfile.open(out / "qualification-artifacts.tgz") as tar:
+        assert sorted(tar.getnames()) == [
+            "evidence/check/check-report.json",
+            "evidence/check/check-report.json.sha256",
+            "evidence/journal/journal.jsonl",
+            "evidence/profiles/profiles.json",
+            "points/00-p/summary.json",
+            "report.json",
+        ]
+    missing = gather_evidence(out, journal, {"qualification": {"status": "skipped"}}, journal, None)
+    assert missing == [
+        "check report: none (qualification skipped)",
+        "profile store: none in the fleet",
+    ]

@@ -221,4 +221,15 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
     for cmd in report["commands"]:
         add(f"    {cmd}")
     add("")
+    if report.get("bundle"):
+        add("## Evidence")
+        add("")
+        add(
+            f"`{report['bundle']}` beside this report holds all of this run's output, the router's"
+            " journal, the check report it served on and the profile store; its SHA-256 is in"
+            f" `{report['bundle']}.sha256`."
+        )
+        for note in report.get("evidence_notes") or ():
+            add(f"- not in it: {note}")
+        add("")
     path.write_text("\n".join(lines), encoding="utf-8")

@@ -11,7 +11,9 @@ engine 0 running, 0 waiting; the router nothing in flight); ``load_trial.py run`
 point while the router's and every engine's /metrics are scraped; the fleet drains to idle;
 scrape coverage has no gap beyond ``--max-gap``; the client's outcomes reconcile with the
 journal's ``request.end`` records. Evidence goes to DIR/points/NN-NAME/; DIR/report.md,
-DIR/report.json and DIR/perf_<model>.csv summarise the plan. After the last point,
+DIR/report.json and DIR/perf_<model>.csv summarise the plan; DIR/evidence/ holds the router's
+whole journal, the check report it served on and the profile store, and
+DIR/qualification-artifacts.tgz (with its .sha256) all of DIR. After the last point,
 ``narwhal-check --gates kv_transfer`` runs when it is installed.
 
 Without ``--journal`` the runner asks the router where its journal is (``/admin/state``, with
@@ -46,6 +48,7 @@ from narwhal.contract import ContractError, LoadedFleet, load_fleet
 from narwhal.testing import procs
 from tools.measurement._provenance import git_commit, versions
 from tools.measurement._router_journal import JournalNotFound, find_router_journal
+from tools.measurement._runner_bundle import BUNDLE_NAME, gather_evidence, write_bundle
 from tools.measurement._runner_collect import (
     ENGINE_EXPECTED_COUNTERS,
     Collector,
@@ -703,11 +706,16 @@ def run_plan(cfg: RunnerConfig) -> int:
         "commands": ctx.commands,
         "versions": versions(),
     }
+    store = fleet_c.profile_store.path if fleet_c.profile_store else None
+    report["evidence_notes"] = gather_evidence(cfg.out, cfg.journal, head, loaded.fleet_path, store)
+    report["bundle"] = BUNDLE_NAME
     _write_json(cfg.out / "report.json", report)
     write_markdown(cfg.out / "report.md", report)
+    bundle, digest = write_bundle(cfg.out)
     print(
         f"{PROG}: {report['overall']}: {report['overall_reason']}; report {cfg.out / 'report.md'}"
     )
+    print(f"{PROG}: evidence {bundle} sha256 {digest}")
     return 0 if overall_ok else 1
 
 
