@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -125,10 +126,9 @@ def test_busy_fleet_before_a_point(env: dict[str, Any], tmp_path: Path) -> None:
     thread.start()
     try:
         assert wait_until(lambda: not engines_idle([e1]), 10)
-        plan = write_plan(tmp_path / "plan.json", fleet.fleet_path, [point("p", 10, 5)], IN, OUT)
-        out = tmp_path / "out"
-        cmd = runner_cmd(router.url, plan, out, router.journal, env["workload"])
-        proc = run_runner([*cmd, "--idle-timeout", "1", "--skip-post-check"])
+        proc, out = _one_point(
+            tmp_path, router, fleet.fleet_path, env, "--idle-timeout", "1", "--skip-post-check"
+        )
     finally:
         stop.set()
         thread.join(30)
@@ -154,10 +154,9 @@ def test_router_not_ready(env: dict[str, Any], tmp_path: Path) -> None:
     router = start_router(tmp_path, fleet_path, wait_ready=False)
     try:
         assert wait_until(lambda: _answers(router.url + "/health"), 30)
-        plan = write_plan(tmp_path / "plan.json", fleet_path, [point("p", 10, 5)], IN, OUT)
-        out = tmp_path / "out"
-        cmd = runner_cmd(router.url, plan, out, router.journal, env["workload"])
-        proc = run_runner([*cmd, "--ready-timeout", "1", "--skip-post-check"])
+        proc, out = _one_point(
+            tmp_path, router, fleet_path, env, "--ready-timeout", "1", "--skip-post-check"
+        )
     finally:
         stop_router(router)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
@@ -167,6 +166,17 @@ def test_router_not_ready(env: dict[str, Any], tmp_path: Path) -> None:
     assert ready["detail"]["last"].startswith("HTTP 503")
     assert gate(p, "fleet_idle_before")["passed"]  # only readiness failed
     _excluded_from_csv(out)
+
+
+def _one_point(
+    tmp_path: Path, router: Any, fleet_path: Path, env: dict[str, Any], *extra: str
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The runner on a one-point plan (5 requests at 10/s) of the env's workload: its process
+    and its output directory."""
+    plan = write_plan(tmp_path / "plan.json", fleet_path, [point("p", 10, 5)], IN, OUT)
+    out = tmp_path / "out"
+    cmd = runner_cmd(router.url, plan, out, router.journal, env["workload"])
+    return run_runner([*cmd, *extra]), out
 
 
 def _answers(url: str) -> bool:
@@ -211,12 +221,7 @@ def test_prefix_caching_on_fails_the_point(env: dict[str, Any], tmp_path: Path) 
     with running_fleet(tmp_path, 2, sim=SIM) as fleet:
         router = start_router(tmp_path, fleet.fleet_path)
         try:
-            plan = write_plan(
-                tmp_path / "plan.json", fleet.fleet_path, [point("cached", 10, 5)], IN, OUT
-            )
-            out = tmp_path / "out"
-            cmd = runner_cmd(router.url, plan, out, router.journal, env["workload"])
-            proc = run_runner([*cmd, "--skip-post-check"])
+            proc, out = _one_point(tmp_path, router, fleet.fleet_path, env, "--skip-post-check")
         finally:
             stop_router(router)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
