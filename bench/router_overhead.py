@@ -320,7 +320,6 @@ class Tally:
         self.engine_cpu_s += other.engine_cpu_s
         self.client_cpu_s += other.client_cpu_s
         self.router_wakeups += other.router_wakeups
-        self.blocks += other.blocks
         self.rounds.append(other.blocks)
 
 
@@ -567,9 +566,7 @@ def paired_ratio_interval(
     rounds = [list(zip(x, y, strict=True)) for x, y in zip(a, b, strict=True)]
 
     def ratio(sample: list[tuple[tuple[float, int], tuple[float, int]]]) -> float:
-        cpu_a = sum(x[0] for x, _ in sample) / sum(x[1] for x, _ in sample)
-        cpu_b = sum(y[0] for _, y in sample) / sum(y[1] for _, y in sample)
-        return cpu_a / cpu_b if cpu_b > 0 else math.inf
+        return cpu_ratio([x for x, _ in sample], [y for _, y in sample])
 
     rng = random.Random(seed)
     draws = []
@@ -583,14 +580,16 @@ def paired_ratio_interval(
     return ratio(whole), draws[int(0.025 * AB_RESAMPLES)], draws[int(0.975 * AB_RESAMPLES) - 1]
 
 
+def cpu_ratio(a: list[tuple[float, int]], b: list[tuple[float, int]]) -> float:
+    """CPU per request over blocks ``a`` (CPU seconds, requests) over that of blocks ``b``."""
+    cpu_a = sum(c for c, _ in a) / sum(n for _, n in a)
+    cpu_b = sum(c for c, _ in b) / sum(n for _, n in b)
+    return cpu_a / cpu_b if cpu_b > 0 else math.inf
+
+
 def round_ratios(a: Tally, b: Tally) -> str:
     """A over B in each round, the spread the interval accounts for."""
-    out = []
-    for x, y in zip(a.rounds, b.rounds, strict=True):
-        cpu_a = sum(c for c, _ in x) / sum(n for _, n in x)
-        cpu_b = sum(c for c, _ in y) / sum(n for _, n in y)
-        out.append(f"{cpu_a / cpu_b:.3f}")
-    return " ".join(out)
+    return " ".join(f"{cpu_ratio(x, y):.3f}" for x, y in zip(a.rounds, b.rounds, strict=True))
 
 
 def report_ab(
@@ -793,6 +792,11 @@ def main() -> int:
                 else functools.partial(os.sched_setaffinity, 0, router_cpus),
             )
 
+        # The A/B mode's B: the same fleet (same engines) but for its routing section.
+        b_path = directory / "fleet-b.json"
+        if ab:
+            b_path.write_text(json.dumps({**doc, "routing": args.ab_routing}, indent=2))
+
         def start_routers(round_index: int) -> None:
             env = None
             if ab:
@@ -804,9 +808,6 @@ def main() -> int:
                 }
             start_narwhal("narwhal", fleet_path, env)
             if ab:
-                # The same fleet (same engines) but for its routing section.
-                b_path = directory / "fleet-b.json"
-                b_path.write_text(json.dumps({**doc, "routing": args.ab_routing}, indent=2))
                 start_narwhal("narwhal_b", b_path, env)
             else:
                 started["vllm_router"] = procs.start(
