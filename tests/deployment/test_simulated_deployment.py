@@ -308,3 +308,20 @@ def test_start_failure_stops_what_started_and_stop_is_safe(tmp_path: Path) -> No
     stop = tool("launch_plan.py", "stop", "--run-dir", str(tmp_path / "run"))
     assert stop.returncode == 0
     assert "not running" in stop.stdout
+
+
+def test_wait_polls_every_engine_until_it_serves_the_plans_model(tmp_path: Path) -> None:
+    plan, fleet, urls, _ = write_plan_and_fleet(tmp_path, 2)
+    # Nothing is up yet: each engine is named with why it is not ready, within the bound.
+    result = tool("launch_plan.py", "wait", str(plan), "--timeout", "1", "--interval", "0.2")
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert [line.split(":", 1)[0] for line in lines] == ["launch_plan.py"] * 2, lines
+    assert f"e0: not ready within 1 s at {urls[0]} (ConnectError" in lines[0]
+    assert f"e1: not ready within 1 s at {urls[1]} (ConnectError" in lines[1]
+    with started(plan, fleet, tmp_path / "run"):
+        result = tool("launch_plan.py", "wait", str(plan), "--timeout", "30", "--interval", "0.2")
+        assert result.returncode == 0, result.stderr
+        ready = result.stdout.strip().splitlines()
+        assert [line.split()[0] for line in ready] == ["e0", "e1"], ready
+        assert ready[0].startswith(f"e0 ready at {urls[0]} after ")

@@ -1,9 +1,10 @@
-"""Checked launch plans: validate, render, start (simulated), stop and capture engines.
+"""Checked launch plans: validate, render, start (simulated), stop, wait for and capture engines.
 
     launch_plan.py check PLAN [PLAN ...] --fleet FLEET
     launch_plan.py render PLAN [--fleet FLEET] [--sidecars] [--checkpoint DIR] [--json]
     launch_plan.py start PLAN --fleet FLEET --run-dir DIR [--timeout 120]
     launch_plan.py stop --run-dir DIR [--timeout 10]
+    launch_plan.py wait PLAN [PLAN ...] [--timeout 900]
     launch_plan.py capture PLAN [PLAN ...] --out LIVE.json
 
 Exit status: 0 fine; 1 the plan breaks a rule, an engine failed or could not be read (one
@@ -13,6 +14,7 @@ line each on stderr); 2 a file could not be read or parsed, or the arguments are
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -25,6 +27,7 @@ if __package__ in (None, ""):  # run by path: the repository root for `tools` (t
 import httpx
 
 from narwhal.contract import ContractError, LoadedFleet, load_fleet
+from narwhal.testing import procs
 from tools.deployment._live import LIVE_SCHEMA, Declared, capture_engine
 from tools.deployment._plan import LoadedPlan, PlanError, load_plan
 from tools.deployment._plan_check import kv_transfer_config, plans_problems
@@ -180,6 +183,63 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _engine_ready(client: httpx.Client, url: str, model: str) -> str | None:
+    """Why the engine at ``url`` is not ready to serve ``model`` yet, or None when it is."""
+    try:
+        health = client.get(url + "/health")
+        if health.status_code != 200:
+            return f"/health answered {health.status_code}"
+        models = client.get(url + "/v1/models")
+        served = [m.get("id") for m in models.json().get("data", []) if isinstance(m, dict)]
+    except httpx.HTTPError as exc:
+        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    except (ValueError, AttributeError):
+        return "/v1/models did not answer a model list"
+    if model not in served:
+        return f"serves {served}, not {model}"
+    return None
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    """Poll every engine of the plans (however they were started: `render`'s commands on the
+    engine hosts, or `start`) until it answers /health and serves the plan's model; one line
+    per engine as it becomes ready, and one per engine still not ready at the timeout, with
+    its last reason."""
+    plans, _ = _load(args.plans, None)
+    engines = {
+        eng.id: (f"http://{eng.host}:{eng.port}", lp.plan.model.id)
+        for lp in plans
+        for eng in lp.plan.engines
+    }
+    why: dict[str, str] = {}
+    started = time.monotonic()
+    with httpx.Client(timeout=5.0, trust_env=False) as client:
+
+        def ready(engine_id: str) -> bool:
+            url, model = engines[engine_id]
+            reason = _engine_ready(client, url, model)
+            if reason is not None:
+                why[engine_id] = reason
+            return reason is None
+
+        def announce(engine_id: str) -> None:
+            waited = time.monotonic() - started
+            print(f"{engine_id} ready at {engines[engine_id][0]} after {waited:.1f} s", flush=True)
+
+        waited = procs.wait_all(
+            {e: functools.partial(ready, e) for e in sorted(engines)},
+            args.timeout,
+            interval=args.interval,
+            on_ready=announce,
+        )
+    for engine_id in sorted(waited.pending):
+        _err(
+            f"{engine_id}: not ready within {args.timeout:g} s at {engines[engine_id][0]} "
+            f"({why.get(engine_id, 'never answered')})"
+        )
+    return 1 if waited.pending else 0
+
+
 def cmd_capture(args: argparse.Namespace) -> int:
     plans, _ = _load(args.plans, None)
     problems: list[str] = []
@@ -253,6 +313,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--run-dir", required=True)
     t.add_argument("--timeout", type=float, default=10.0, help="SIGTERM grace before SIGKILL")
     t.set_defaults(func=cmd_stop)
+    w = sub.add_parser("wait", help="poll the plans' engines until each serves its model")
+    w.add_argument("plans", nargs="+", metavar="PLAN")
+    w.add_argument("--timeout", type=float, default=900.0, help="bound for the wait (s)")
+    w.add_argument("--interval", type=float, default=2.0, help="between polls (s)")
+    w.set_defaults(func=cmd_wait)
     k = sub.add_parser("capture", help="read running engines' live facts into a JSON file")
     k.add_argument("plans", nargs="+", metavar="PLAN")
     k.add_argument("--out", required=True)
