@@ -11,11 +11,18 @@ import os
 import socket
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 
-__all__ = ["JournalNotFound", "find_router_journal", "journal_argument", "listening_pids"]
+__all__ = [
+    "JournalNotFound",
+    "admin_state",
+    "find_router_journal",
+    "journal_argument",
+    "listening_pids",
+]
 
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
 
@@ -82,21 +89,25 @@ def _is_local(host: str) -> bool:
     return address.is_loopback or address.is_unspecified
 
 
-def _from_admin(base: str, token_file: Path) -> Path:
+def admin_state(client: httpx.Client, base: str, token_file: Path) -> Any:
+    """The router's ``GET /admin/state`` document, or ``{"error": ...}`` saying why not."""
     token = token_file.read_text(encoding="utf-8").strip()
     try:
-        r = httpx.get(
-            base + "/admin/state", headers={"Authorization": f"Bearer {token}"}, timeout=10
-        )
+        r = client.get(base + "/admin/state", headers={"Authorization": f"Bearer {token}"})
     except httpx.HTTPError as exc:
-        raise JournalNotFound(f"GET {base}/admin/state: {type(exc).__name__}: {exc}") from None
-    if r.status_code != 200:
-        raise JournalNotFound(f"GET {base}/admin/state answered {r.status_code}")
+        return {"error": type(exc).__name__}
+    return r.json() if r.status_code == 200 else {"error": f"HTTP {r.status_code}"}
+
+
+def _from_admin(base: str, token_file: Path) -> Path:
+    with httpx.Client(timeout=10.0) as client:
+        state = admin_state(client, base, token_file)
+    if "error" in state:
+        raise JournalNotFound(f"GET {base}/admin/state: {state['error']}")
     try:
-        path = r.json()["journal"]["path"]
-    except (ValueError, KeyError, TypeError):
+        return Path(state["journal"]["path"])
+    except (KeyError, TypeError):
         raise JournalNotFound(f"GET {base}/admin/state has no journal.path") from None
-    return Path(path)
 
 
 def _from_process(base: str, proc: Path) -> Path:

@@ -47,7 +47,7 @@ import httpx
 from narwhal.contract import ContractError, LoadedFleet, load_fleet
 from narwhal.testing import procs
 from tools.measurement._provenance import git_commit, versions
-from tools.measurement._router_journal import JournalNotFound, find_router_journal
+from tools.measurement._router_journal import JournalNotFound, admin_state, find_router_journal
 from tools.measurement._runner_bundle import BUNDLE_NAME, gather_evidence, write_bundle
 from tools.measurement._runner_collect import (
     ENGINE_EXPECTED_COUNTERS,
@@ -231,12 +231,7 @@ def _load_records(path: Path) -> list[ClientRecord]:
 def _admin_state(client: httpx.Client, cfg: RunnerConfig) -> Any:
     if cfg.admin_token_file is None:
         return None
-    token = cfg.admin_token_file.read_text(encoding="utf-8").strip()
-    try:
-        r = client.get(cfg.base + "/admin/state", headers={"Authorization": f"Bearer {token}"})
-    except httpx.HTTPError as exc:
-        return {"error": type(exc).__name__}
-    return r.json() if r.status_code == 200 else {"error": f"HTTP {r.status_code}"}
+    return admin_state(client, cfg.base, cfg.admin_token_file)
 
 
 def _client_bound_s(point: PlanPoint) -> float:
@@ -631,6 +626,7 @@ def run_plan(cfg: RunnerConfig) -> int:
             result = run_point(ctx, index, point, http)
             results.append(result)
             print(f"{PROG}: point {point.name}: {result.status}" + _one_line(result), flush=True)
+        images = engine_images(fleet.contract, http)
     post = post_load_check(ctx)
     journaled = read_journal(cfg.journal).records
     timeline = state_timeline(r for r in journaled if r.get("type") in TIMELINE_TYPES)
@@ -638,8 +634,6 @@ def run_plan(cfg: RunnerConfig) -> int:
     # both) and the pinned inputs only the router knows.
     head = next((r for r in reversed(journaled) if r.get("type") == "router.start"), {})
     server = head.get("command") if isinstance(head.get("command"), str) else None
-    with httpx.Client(timeout=10.0) as http:
-        images = engine_images(fleet.contract, http)
     _write_json(cfg.out / "timeline.json", timeline)
     measured = [r for r in results if r.status == "measured"]
     verdicts_ok = all((r.summary or {}).get("verdict") == "pass" for r in measured)

@@ -259,24 +259,18 @@ def _report_candidates(fleet: Any) -> list[Path]:
     return out
 
 
-def _find_report(fleet: Any, profile_sha: str | None) -> str | None:
-    """The default-named check report that qualifies this fleet (the reference run serves
-    without naming it), or None when there is none; UsageError (one line) when reports exist
-    and none qualifies, with the first one's reason."""
-    from narwhal.contract import load_report, qualification_problem
-
-    present = [p for p in _report_candidates(fleet) if p.is_file()]
+def _find_report(fleet: Any, profile_sha: str | None, warnings: list[str]) -> dict[str, Any] | None:
+    """The qualification from the default-named check report that qualifies this fleet (the
+    reference run serves without naming it), or None when there is none; UsageError (one
+    line) when reports exist and none qualifies, with the first one's reason."""
     first_problem: str | None = None
-    for path in present:
-        try:
-            report, _ = load_report(path)
-        except ContractError as exc:
-            first_problem = first_problem or str(exc)
+    for path in _report_candidates(fleet):
+        if not path.is_file():
             continue
-        problem = qualification_problem(report, fleet.sha256, str(fleet.path), profile_sha)
-        if problem is None:
-            return str(path)
-        first_problem = first_problem or f"{path}: does not qualify this fleet: {problem}"
+        try:
+            return _verify_report(str(path), fleet, profile_sha, warnings)
+        except (ContractError, UsageError) as exc:
+            first_problem = first_problem or str(exc)
     if first_problem is not None:
         raise UsageError(
             f"{first_problem} (pass --check-report REPORT or --skip-qualification for development)"
@@ -343,8 +337,8 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
         raise UsageError("--scheduler v1 needs a profile store (--profiles STORE)")
     if args.check_report:
         qualification = _verify_report(args.check_report, fleet, profile_sha, warnings)
-    elif not args.skip_qualification and (found := _find_report(fleet, profile_sha)):
-        qualification = _verify_report(found, fleet, profile_sha, warnings)
+    elif not args.skip_qualification and (found := _find_report(fleet, profile_sha, warnings)):
+        qualification = found
     elif args.skip_qualification:
         warnings.append(
             f"SERVING AN UNQUALIFIED FLEET (--skip-qualification): {fleet.path} "
