@@ -15,7 +15,7 @@ TINY_STAMP := $(TINY_MODEL)/narwhal-tiny.json
 export UCX_NET_DEVICES ?= lo
 export NIXL_LOG_LEVEL ?= WARN
 
-.PHONY: install demo test test-deps test-deps-prometheus check lint typecheck format bench clean
+.PHONY: install demo qualify test test-deps test-deps-prometheus test-deps-chromium check lint typecheck format bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m narwhal.demo --fleet configs/fleet/local-sim.json
 
+# The reference qualification run's whole chain on the simulated fleet (configs/qualify/), into
+# runs/qualify-local-sim: a second run skips every step already done.
+qualify: $(STAMP)
+	$(VENV)/bin/narwhal-qualify configs/qualify/local-sim.yaml
+
 # The observability tests run a real Prometheus and promtool (Debian's prometheus package, without
 # its recommended node exporter). If it cannot be installed, those tests skip and say why.
 test-deps-prometheus:
@@ -39,9 +44,17 @@ test-deps-prometheus:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) || \
 		echo "test-deps: prometheus not installed"
 
+# The qualification report's test renders the page in a real browser (Debian's chromium,
+# headless). If it cannot be installed, that test skips and says why (fails under `make test`).
+# After test-deps-prometheus: two apt-gets side by side (`make -j4 test-env`) fight over its lock.
+test-deps-chromium: test-deps-prometheus
+	@command -v chromium >/dev/null || (apt-get -o DPkg::Lock::Timeout=600 update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
+		--no-install-recommends chromium) || echo "test-deps: chromium not installed"
+
 # The deployment tests deploy through a real sshd on 127.0.0.1 (Debian's openssh-server). If it
 # cannot be installed, that test skips and says why; the rest of `make test` still runs.
-test-deps: test-deps-prometheus
+test-deps: test-deps-prometheus test-deps-chromium
 	@test -x /usr/sbin/sshd || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -qq openssh-server) || echo "test-deps: openssh-server not installed"
 
@@ -50,6 +63,7 @@ test-deps: test-deps-prometheus
 # cross-check run too, and fail rather than skip if their environment is missing.
 test: export NARWHAL_INTEROP_REQUIRED := 1
 test: export NARWHAL_AIPERF_REQUIRED := 1
+test: export NARWHAL_BROWSER_REQUIRED := 1
 test: export NARWHAL_VLLM_VENV := $(VLLM_VENV)
 test: export NARWHAL_TINY_MODEL := $(TINY_MODEL)
 test:

@@ -4,24 +4,20 @@ metric samples, per-point evidence, the post-load check, the workload, the repor
 pinned inputs) plus what the serving router ran on: its whole journal, the narwhal-check report
 that qualified the fleet and the profile store.
 
-The archive is reproducible: members sorted, owners and times zeroed, gzip without a timestamp,
-so the same evidence always hashes the same.
+The archive is written by ``narwhal.qualify.bundle`` (reproducible: the same evidence always
+hashes the same).
 """
 
 from __future__ import annotations
 
-import gzip
-import hashlib
 import shutil
-import tarfile
 from pathlib import Path
 from typing import Any
 
 from narwhal.journal import journal_files
+from narwhal.qualify.bundle import BUNDLE_NAME, write_bundle
 
 __all__ = ["BUNDLE_NAME", "gather_evidence", "write_bundle"]
-
-BUNDLE_NAME = "qualification-artifacts.tgz"
 
 
 def _copy(source: Path, folder: Path, notes: list[str], what: str) -> None:
@@ -59,28 +55,3 @@ def gather_evidence(
     else:
         notes.append("profile store: none in the fleet")
     return notes
-
-
-def _reset(info: tarfile.TarInfo) -> tarfile.TarInfo:
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
-    info.mtime = 0
-    return info
-
-
-def write_bundle(out: Path) -> tuple[Path, str]:
-    """``out/qualification-artifacts.tgz`` of everything under ``out`` (but the bundle and its
-    digest), and ``<bundle>.sha256`` beside it (``sha256sum`` format); (path, SHA-256)."""
-    bundle = out / BUNDLE_NAME
-    skip = {bundle, out / (BUNDLE_NAME + ".sha256")}
-    files = sorted(p for p in out.rglob("*") if p.is_file() and p not in skip)
-    with (
-        bundle.open("wb") as raw,
-        gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz,
-        tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar,
-    ):
-        for path in files:
-            tar.add(path, arcname=str(path.relative_to(out)), filter=_reset)
-    digest = hashlib.sha256(bundle.read_bytes()).hexdigest()
-    (out / (BUNDLE_NAME + ".sha256")).write_text(f"{digest}  {BUNDLE_NAME}\n")
-    return bundle, digest

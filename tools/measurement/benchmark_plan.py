@@ -9,7 +9,9 @@ preflight's ``narwhal-check --plan``::
      "workload": {"input_tokens": int, "output_tokens": int},
      "points": [{"name": str, "rate": float, "requests": int, "ttft_s": float,
                  "tpot_s": float, "attainment": float, "timeout_s": float}],
-     "seed": int (optional), "workload_dir": str (optional)}
+     "seed": int (optional), "workload_dir": str (optional), "prefix_caching": "off"|"any"}
+
+The model is narwhal-check's (``narwhal.check.plan``): one definition of the format.
 
 Relative paths (``fleet.path``, ``workload_dir``) are relative to the plan file's directory, so a
 run bundle can be moved as a whole. The plan's identity is the SHA-256 of its canonical JSON
@@ -21,10 +23,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ValidationError
 
+from narwhal.check.plan import PLAN_SCHEMA, BenchmarkPlan, PlanPoint, PlanWorkload
+from narwhal.check.plan import PlanFleetRef as PlanFleet
 from narwhal.contract.hashing import sha256_hex
 
 __all__ = [
@@ -38,64 +41,9 @@ __all__ = [
     "load_plan",
 ]
 
-PLAN_SCHEMA = "narwhal.benchmark-plan/v1"
-
 
 class PlanError(Exception):
     """The plan file cannot be read or is not a valid plan (one line)."""
-
-
-class _Strict(BaseModel):
-    # A typo in a plan must not silently become a default.
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class PlanFleet(_Strict):
-    path: str = Field(min_length=1)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-
-
-class PlanWorkload(_Strict):
-    input_tokens: int = Field(gt=0)
-    output_tokens: int = Field(gt=0)
-
-
-class PlanPoint(_Strict):
-    # Names become directory names and request-id prefixes: keep them to a safe alphabet.
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
-    rate: float = Field(gt=0)
-    requests: int = Field(gt=0)
-    ttft_s: float = Field(gt=0)
-    tpot_s: float = Field(gt=0)
-    attainment: float = Field(gt=0, le=1)
-    timeout_s: float = Field(gt=0)
-
-
-class BenchmarkPlan(_Strict):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
-
-    schema_: Literal["narwhal.benchmark-plan/v1"] = Field(alias="schema")
-    fleet: PlanFleet
-    client_revision: str = Field(min_length=1)
-    workload: PlanWorkload
-    points: list[PlanPoint] = Field(min_length=1)
-    # Optional: the workload seed (prepare) and a prepared workload to reuse.
-    seed: int | None = None
-    workload_dir: str | None = None
-    # "off" (the reference run's condition): a point counts only when every engine shows prefix
-    # caching off (its vllm:cache_config_info, and no prefix-cache hit in the window); "any":
-    # not checked (a plan that measures caching on purpose).
-    prefix_caching: Literal["off", "any"] = "off"
-
-    @field_validator("points")
-    @classmethod
-    def _unique_names(cls, points: list[PlanPoint]) -> list[PlanPoint]:
-        seen: set[str] = set()
-        for point in points:
-            if point.name in seen:
-                raise ValueError(f"point name {point.name!r} is used twice")
-            seen.add(point.name)
-        return points
 
 
 @dataclass(frozen=True)

@@ -77,12 +77,16 @@ class BenchmarkPlan(_Model):
     # workload directory for the measurement tools to reuse.
     seed: int | None = None
     workload_dir: str | None = None
+    # "off" (the reference run's condition): a point counts only when every engine shows prefix
+    # caching off (its vllm:cache_config_info, and no prefix-cache hit in the window); "any":
+    # not checked (a plan that measures caching on purpose).
+    prefix_caching: Literal["off", "any"] = "off"
 
     @model_validator(mode="after")
     def _unique_names(self) -> BenchmarkPlan:
         seen: set[str] = set()
         for point in self.points:
             if point.name in seen:
-                raise ValueError(f"duplicate point name {point.name!r}")
+                raise ValueError(f"point name {point.name!r} is used twice")
             seen.add(point.name)
         return self

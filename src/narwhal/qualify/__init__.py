@@ -1,0 +1,1 @@
+"""narwhal-qualify: the qualification run as one command."""

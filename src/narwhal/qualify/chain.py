@@ -1,0 +1,450 @@
+"""Run the qualification chain: each step in order, skipped when the ledger says it is done,
+with the engines and the router brought up only when a step that must run needs them.
+
+What the chain owns: simulated engines it started (``launch_plan.py start``) and the router
+(``narwhal-serve`` as the reference run starts it) are stopped when the chain ends, unless
+``keep_running``. Real engines are never started here: the chain polls them to ready
+(``launch_plan.py wait``). While a step runs, a watcher polls every engine's attestation and
+the router process: an engine that stops answering or comes back with another generation, or a
+router that exits, stops the step and the chain with one line saying so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from narwhal.contract import load_fleet
+from narwhal.qualify.ledger import Ledger, StepRecord, content_sha256, step_key, utc_now
+from narwhal.qualify.runfile import LoadedRun
+from narwhal.qualify.steps import FLEET_FINAL, FLEET_QUALIFIED, JOURNAL, Step
+
+__all__ = ["ChainFailed", "ChainResult", "run_chain"]
+
+WATCH_INTERVAL_S = 1.0
+_PROBLEM_COUNT = re.compile(r": (\d+) problems?$")
+# An engine may miss a poll under load (a busy event loop); three in a row is a dead engine.
+WATCH_MISSES = 3
+
+
+class ChainFailed(Exception):
+    """The chain stopped: ``step`` is where, ``str()`` the one-line reason."""
+
+    def __init__(self, step: str, reason: str) -> None:
+        super().__init__(reason)
+        self.step = step
+
+
+@dataclass
+class ChainResult:
+    ran: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+class EngineWatch:
+    """Polls every engine's attestation (and the router process) in a thread; ``problem``
+    holds the first thing found wrong. Generations are compared with ``expected`` (set once
+    the fleet is finalized) or, before that, with the first seen."""
+
+    def __init__(self, engines: dict[str, str]) -> None:
+        self.engines = engines  # id -> attestation url
+        self.expected: dict[str, str | None] = {}
+        self.router: subprocess.Popen[bytes] | None = None
+        self.problem: str | None = None
+        self.on_problem: Callable[[], None] | None = None
+        self._misses: dict[str, int] = {}
+        self._why: dict[str, str] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def look(self, client: httpx.Client) -> str | None:
+        """One round of polls: the first problem found, or None."""
+        if self.router is not None and self.router.poll() is not None:
+            return f"narwhal-serve exited (status {self.router.returncode}); see logs/router.log"
+        for engine_id, url in self.engines.items():
+            try:
+                reply = client.get(url)
+                generation = reply.json().get("generation") if reply.status_code == 200 else None
+                if reply.status_code != 200:
+                    raise ValueError(f"attestation answered {reply.status_code}")
+            except (httpx.HTTPError, ValueError, AttributeError) as exc:
+                self._misses[engine_id] = self._misses.get(engine_id, 0) + 1
+                self._why[engine_id] = _describe(exc)
+                if self._misses[engine_id] >= WATCH_MISSES:
+                    return f"engine {engine_id} stopped answering at {url} ({self._why[engine_id]})"
+                continue
+            self._misses[engine_id] = 0
+            before = self.expected.setdefault(engine_id, generation)
+            if before is not None and generation != before:
+                return (
+                    f"engine {engine_id} restarted: generation {str(before)[:12]} -> "
+                    f"{str(generation)[:12]}; the profile and the check no longer describe it"
+                )
+        return None
+
+    def _loop(self) -> None:
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
+            while not self._stop.wait(WATCH_INTERVAL_S):
+                found = self.look(client)
+                if found is not None:
+                    self.problem = found
+                    if self.on_problem is not None:
+                        self.on_problem()
+                    return
+
+    @contextlib.contextmanager
+    def watching(self, on_problem: Callable[[], None]) -> Iterator[None]:
+        self.problem = None
+        self.on_problem = on_problem
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="qualify-watch", daemon=True)
+        self._thread.start()
+        try:
+            yield
+        finally:
+            self._stop.set()
+            self._thread.join(5)
+            self.on_problem = None
+
+
+class Chain:
+    def __init__(
+        self,
+        loaded: LoadedRun,
+        steps: list[Step],
+        keep_running: bool,
+        out: Callable[[str], None] = _say,
+    ) -> None:
+        self.loaded = loaded
+        self.steps = steps
+        self.keep_running = keep_running
+        self.say = out
+        self.rd = loaded.run_dir
+        self.logs = self.rd / "logs"
+        self.ledger = Ledger.open(self.rd)
+        self.fleet_up = False
+        self.started_engines: list[Path] = []  # run dirs of simulated plans this chain started
+        self.router: subprocess.Popen[bytes] | None = None
+        contract = loaded.fleet.contract
+        self.watch = EngineWatch(
+            {e.id: e.attestation_url or f"{e.url}/attestation" for e in contract.engines}
+        )
+        self.current: subprocess.Popen[bytes] | None = None
+        self.result = ChainResult()
+
+    # -- decisions ------------------------------------------------------------------------
+
+    def _inputs(self, step: Step) -> dict[str, str | None]:
+        return {name: content_sha256(path) for name, path in step.inputs.items()}
+
+    def _key(self, step: Step) -> str:
+        return step_key(step.name, step.argv, self._inputs(step))
+
+    def _done(self, step: Step) -> StepRecord | None:
+        return self.ledger.done(step.name, self._key(step), step.outputs)
+
+    # -- resources ------------------------------------------------------------------------
+
+    def _tool(self, argv: list[str], log: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+        with log.open("a") as f:
+            f.write(f"$ {' '.join(argv)}\n")
+            f.flush()
+            return subprocess.run(
+                argv, cwd=self.rd, stdout=f, stderr=subprocess.STDOUT, text=True, timeout=timeout
+            )
+
+    def _healthy(self) -> dict[str, bool]:
+        out = {}
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
+            for engine in self.loaded.fleet.contract.engines:
+                try:
+                    out[engine.id] = client.get(engine.url + "/health").status_code == 200
+                except httpx.HTTPError:
+                    out[engine.id] = False
+        return out
+
+    def _bring_up_fleet(self) -> None:
+        if self.fleet_up:
+            return
+        tools = self.loaded.checkout / "tools" / "deployment" / "launch_plan.py"
+        log = self.logs / "engines.log"
+        if self.loaded.simulated:
+            healthy = self._healthy()
+            if all(healthy.values()):
+                self.say("        engines already running: used as they are")
+            elif any(healthy.values()):
+                up = ", ".join(e for e, ok in healthy.items() if ok)
+                raise ChainFailed(
+                    "engines",
+                    f"engines {up} answer but not the others: stop them or start the rest",
+                )
+            else:
+                for i, plan in enumerate(self.loaded.launch_plans):
+                    run_dir = self.rd / "engines" / (str(i) if i else "")
+                    argv = [sys.executable, str(tools), "start", str(plan)]
+                    argv += ["--fleet", str(self.loaded.fleet_path), "--run-dir", str(run_dir)]
+                    self.say(f"        starting the simulated engines of {plan.name}")
+                    self.started_engines.append(run_dir)
+                    done = self._tool(argv, log, 300)
+                    if done.returncode != 0:
+                        raise ChainFailed("engines", _last_line(log, "launch_plan.py start failed"))
+        else:
+            argv = [sys.executable, str(tools), "wait", *map(str, self.loaded.launch_plans)]
+            self.say("        polling the engines until each serves the model")
+            if self._tool(argv, log, 1000).returncode != 0:
+                raise ChainFailed("engines", _last_line(log, "engines not ready"))
+        self.fleet_up = True
+        self.watch.expected.clear()  # generations are learnt from this fleet, then finalize
+
+    def _bring_up_router(self) -> None:
+        if self.router is not None:
+            return
+        r = self.loaded.run.router
+        url = f"http://{r.host}:{r.port}"
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.get(url + "/ready", timeout=2.0)
+            raise ChainFailed(
+                "router", f"something already answers at {url}: stop it or change router.port"
+            )
+        argv = [str(Path(sys.executable).with_name("narwhal-serve")), "--fleet", FLEET_QUALIFIED]
+        argv += ["--host", r.host, "--port", str(r.port), "--journal", JOURNAL]
+        log = self.logs / "router.log"
+        self.say(f"        starting the router: {' '.join(argv[1:])}")
+        with log.open("a") as f:
+            f.write(f"$ {' '.join(argv)}\n")
+            f.flush()
+            self.router = subprocess.Popen(
+                argv, cwd=self.rd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + r.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.router.poll() is not None:
+                reason = _last_line(log, f"exited with status {self.router.returncode}")
+                self.router = None
+                raise ChainFailed("router", f"narwhal-serve did not start: {reason}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/ready", timeout=2.0).status_code == 200:
+                    self.watch.router = self.router
+                    return
+            time.sleep(0.2)
+        raise ChainFailed("router", f"narwhal-serve not ready within {r.ready_timeout_s:g} s")
+
+    def _ensure(self, step: Step) -> None:
+        if "fleet" in step.needs or "router" in step.needs:
+            self._bring_up_fleet()
+        if "router" in step.needs:
+            self._bring_up_router()
+
+    def shutdown(self) -> None:
+        if self.router is not None and not self.keep_running:
+            _stop(self.router, 30)
+            self.router = None
+        if self.keep_running:
+            if self.router is not None:
+                self.say(f"left running: narwhal-serve (pid {self.router.pid})")
+            if self.started_engines:
+                self.say("left running: the engines (launch_plan.py stop --run-dir ...)")
+            return
+        tools = self.loaded.checkout / "tools" / "deployment" / "launch_plan.py"
+        for run_dir in self.started_engines:
+            argv = [sys.executable, str(tools), "stop", "--run-dir", str(run_dir)]
+            self._tool(argv, self.logs / "engines.log", 120)
+
+    # -- steps ----------------------------------------------------------------------------
+
+    def _expect_generations(self) -> None:
+        """Once the fleet is finalized, the watcher holds engines to its generations."""
+        with contextlib.suppress(Exception):
+            for engine in load_fleet(self.rd / FLEET_FINAL).contract.engines:
+                if engine.generation:
+                    self.watch.expected[engine.id] = engine.generation
+
+    def _run_command(self, step: Step, log: Path) -> int:
+        with log.open("w") as f:
+            f.write(f"$ {' '.join(step.argv)}\n")
+            f.flush()
+            self.current = subprocess.Popen(
+                step.argv,
+                cwd=self.rd,
+                stdout=subprocess.PIPE,
+                stderr=f,
+                start_new_session=True,
+            )
+            assert self.current.stdout is not None
+            for raw in self.current.stdout:
+                line = raw.decode(errors="replace").rstrip()
+                f.write(line + "\n")
+                f.flush()
+                if step.echo and line:
+                    self.say(f"        {line}")
+            return self.current.wait()
+
+    def _kill_current(self) -> None:
+        proc = self.current
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+
+    def run_step(self, index: int, step: Step) -> str:
+        for path in step.outputs.values():
+            _remove(path)
+        log = self.logs / f"{index:02d}-{step.name}.log"
+        inputs = self._inputs(step)
+        started, t0 = utc_now(), time.monotonic()
+        needs_watch = bool(step.needs)
+        with self.watch.watching(self._kill_current) if needs_watch else contextlib.nullcontext():
+            if step.action is not None:
+                try:
+                    result = step.action()
+                    code = 0
+                except Exception as exc:  # an in-process link failed: its own words, one line
+                    result, code = f"{type(exc).__name__}: {exc}", 1
+            else:
+                code = self._run_command(step, log)
+                result = ""
+        self.current = None
+        if needs_watch and self.watch.problem is None:
+            with httpx.Client(timeout=2.0, trust_env=False) as client:
+                self.watch.problem = self.watch.look(client)
+        if needs_watch and self.watch.problem is not None:
+            raise ChainFailed(step.name, self.watch.problem)
+        if code != 0:
+            why = step.explain(self.rd) if step.explain else None
+            if why is None:
+                why = result if step.action else _last_line(log, f"exited with status {code}")
+            raise ChainFailed(step.name, why)
+        if step.outputs.get(FLEET_FINAL) is not None:
+            self._expect_generations()
+        outputs = {name: content_sha256(path) for name, path in step.outputs.items()}
+        missing = [name for name, sha in outputs.items() if sha is None]
+        if missing:
+            raise ChainFailed(step.name, f"finished without writing {', '.join(missing)}")
+        self.ledger.record(
+            step.name,
+            StepRecord(
+                key=step_key(step.name, step.argv, inputs),
+                argv=step.argv,
+                inputs=inputs,
+                outputs=outputs,
+                started_at=started,
+                duration_s=round(time.monotonic() - t0, 3),
+                exit_code=0,
+            ),
+        )
+        return result
+
+    def run(self) -> ChainResult:
+        result = self.result
+        steps = [s for s in self.steps if s.not_declared is None]
+        first_stale = next((i for i, s in enumerate(steps) if self._done(s) is None), None)
+        live = first_stale is not None and any(
+            s.needs for s in steps[first_stale:] if not s.observes
+        )
+        n = len(self.steps)
+        for index, step in enumerate(self.steps, 1):
+            head = f"[{index:2d}/{n}] {step.name:<10}"
+            if step.not_declared is not None:
+                self.say(f"{head} not run: {step.not_declared}")
+                continue
+            if step.observes and not live:
+                self.say(f"{head} skipped: nothing after it needs the running fleet")
+                result.skipped.append(step.name)
+                continue
+            record = None if step.observes else self._done(step)
+            if record is not None:
+                self.say(f"{head} skipped: done at {record.started_at}, outputs unchanged")
+                result.skipped.append(step.name)
+                continue
+            self.say(f"{head} {step.what}")
+            self._ensure(step)
+            t0 = time.monotonic()
+            line = self.run_step(index, step)
+            result.ran.append(step.name)
+            self.say(
+                f"        done in {time.monotonic() - t0:.1f} s" + (f": {line}" if line else "")
+            )
+        return result
+
+
+def _describe(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _last_line(log: Path, default: str) -> str:
+    """The last meaningful line a tool wrote: its own one-line reason."""
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines()]
+    except OSError:
+        return default
+    said = [ln for ln in lines if ln and not ln.startswith("$ ") and not ln.startswith("Traceback")]
+    if not said:
+        return default
+    # A tool that lists its problems ends with their count: the first problem is the reason.
+    counted = _PROBLEM_COUNT.search(said[-1])
+    if counted and len(said) > 1:
+        n = int(counted.group(1))
+        first = said[max(0, len(said) - 1 - n)]
+        return first[:400] + (f" (and {n - 1} more)" if n > 1 else "")
+    return said[-1][:400]
+
+
+def _stop(proc: subprocess.Popen[Any], grace: float) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+
+
+def run_chain(
+    loaded: LoadedRun,
+    steps: list[Step],
+    *,
+    keep_running: bool = False,
+    out: Callable[[str], None] = _say,
+) -> ChainResult:
+    """Run the chain; ChainFailed names the step and the one-line reason. The ledger
+    (steps.json) records every finished step and, for each invocation, what ran."""
+    loaded.run_dir.mkdir(parents=True, exist_ok=True)
+    (loaded.run_dir / "logs").mkdir(exist_ok=True)
+    chain = Chain(loaded, steps, keep_running, out)
+    entry: dict[str, Any] = {"started_at": utc_now(), "run_file": str(loaded.path)}
+    try:
+        result = chain.run()
+        entry["outcome"] = "pass"
+        return result
+    except ChainFailed as exc:
+        entry["outcome"] = f"failed at {exc.step}: {exc}"
+        raise
+    finally:
+        chain.shutdown()
+        entry.update(ran=chain.result.ran, skipped=chain.result.skipped, ended_at=utc_now())
+        chain.ledger.runs.append(entry)
+        chain.ledger.save()

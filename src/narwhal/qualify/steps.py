@@ -1,0 +1,369 @@
+"""The qualification chain's steps, in the reference run's order, as commands.
+
+Each step is the command an operator would type (the reference run's spelling, run from the
+run directory so its files are named as the run names them) or, for the few links no tool
+makes, a short in-process action: pinning the profile store in the fleet, writing the
+benchmark plan against that fleet, the report, the bundle. A step declares the files it reads
+and writes (the ledger keys and checks them) and what must be running for it: the fleet's
+engines, the router. ``capture`` and ``finalize`` *observe* the running fleet: they run
+whenever the fleet is up, and what follows them reruns only if what they saw changed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from narwhal.contract import canonical_json, load_fleet, sha256_hex
+from narwhal.qualify.bundle import BUNDLE_NAME, write_bundle
+from narwhal.qualify.runfile import LoadedRun
+
+__all__ = ["Step", "chain_steps", "explain_benchmark", "explain_check"]
+
+FLEET_FINAL = "fleet-final.json"
+FLEET_QUALIFIED = "fleet-qualified.json"
+PROFILE_STORE = "profile-store.json"
+PLAN = "benchmark-plan.json"
+CHECK_REPORT = "check-report.json"
+JOURNAL = "router-journal.jsonl"
+WORKLOAD = "workload"
+BENCHMARK = "benchmark"
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    what: str
+    argv: list[str] = field(default_factory=list)  # empty: ``action`` runs in-process
+    action: Callable[[], str] | None = None  # returns its one-line result
+    inputs: dict[str, Path] = field(default_factory=dict)
+    outputs: dict[str, Path] = field(default_factory=dict)
+    needs: frozenset[str] = frozenset()  # "fleet" (engines up), "router" (narwhal-serve up)
+    observes: bool = False
+    echo: bool = False  # the command's stdout lines are the step's progress
+    explain: Callable[[Path], str | None] | None = None  # why it failed, from its outputs
+    not_declared: str | None = None  # listed for the record, never run
+
+
+def _fleet_qualified(run_dir: Path) -> str:
+    """fleet-final.json with the profile store pinned (path relative to the run directory,
+    where every step runs), and its .sha256: the fleet the check qualifies and the router
+    serves."""
+    doc = json.loads((run_dir / FLEET_FINAL).read_text(encoding="utf-8"))
+    store = json.loads((run_dir / PROFILE_STORE).read_text(encoding="utf-8"))
+    doc["profile_store"] = {"path": PROFILE_STORE, "sha256": sha256_hex(store)}
+    out = run_dir / FLEET_QUALIFIED
+    out.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    digest = load_fleet(out).sha256
+    out.with_name(out.name + ".sha256").write_text(digest + "\n")
+    return f"profile store {doc['profile_store']['sha256'][:12]} pinned; fleet {digest[:12]}"
+
+
+def _git_revision(checkout: Path) -> str:
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(checkout), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown"
+
+
+def _benchmark_plan(loaded: LoadedRun) -> str:
+    run, run_dir = loaded.run, loaded.run_dir
+    fleet_sha = (run_dir / (FLEET_QUALIFIED + ".sha256")).read_text().strip()
+    plan: dict[str, Any] = {
+        "schema": "narwhal.benchmark-plan/v1",
+        "fleet": {"path": FLEET_QUALIFIED, "sha256": fleet_sha},
+        "client_revision": _git_revision(loaded.checkout),
+        "workload": {
+            "input_tokens": run.workload.input_tokens,
+            "output_tokens": run.workload.output_tokens,
+        },
+        "points": [
+            {
+                "name": p.name,
+                "rate": p.rate,
+                "requests": p.requests,
+                "ttft_s": run.budgets.ttft_s,
+                "tpot_s": run.budgets.tpot_s,
+                "attainment": run.budgets.attainment,
+                "timeout_s": run.benchmark.timeout_s,
+            }
+            for p in run.benchmark.points
+        ],
+        "seed": run.workload.seed,
+        "workload_dir": WORKLOAD,
+        "prefix_caching": run.benchmark.prefix_caching,
+    }
+    (run_dir / PLAN).write_text(json.dumps(plan, indent=2) + "\n", encoding="utf-8")
+    return f"{len(plan['points'])} points; plan {sha256_hex(plan)[:12]}"
+
+
+def explain_check(run_dir: Path) -> str | None:
+    """The first failed gate's own explanation, from the check report."""
+    try:
+        report = json.loads((run_dir / CHECK_REPORT).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    for gate in report.get("gates") or []:
+        if gate.get("verdict") == "fail":
+            first = (gate.get("failures") or [""])[0]
+            return f"gate {gate.get('name')} failed: {gate.get('summary')}" + (
+                f": {first}" if first else ""
+            )
+    return None
+
+
+def explain_benchmark(run_dir: Path) -> str | None:
+    """The first point that failed a gate or its verdict, or the post-load check."""
+    try:
+        report = json.loads((run_dir / BENCHMARK / "report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    for point in report.get("points") or []:
+        failed = [g for g in point.get("gates") or [] if not g.get("passed")]
+        if failed:
+            detail = failed[0].get("detail")
+            if isinstance(detail, list) and all(isinstance(d, str) for d in detail):
+                text = "; ".join(detail)
+            else:
+                text = detail if isinstance(detail, str) else canonical_json(detail).decode()
+            return f"point {point.get('name')}: gate {failed[0].get('name')} failed: {text}"[:400]
+        summary = point.get("summary") or {}
+        if point.get("status") == "measured" and summary.get("verdict") not in (None, "pass"):
+            verdict = summary.get("verdict")
+            return f"point {point.get('name')}: {summary.get('result')} (verdict {verdict})"
+    post = report.get("post_load_check") or {}
+    if post.get("status") not in (None, "pass", "skipped"):
+        return f"post-load KV check {post.get('status')}: {post.get('reason')}"
+    return None
+
+
+def _script(name: str) -> str:
+    """A console script of this install (beside the interpreter), as the reference run calls
+    them (``.venv/bin/narwhal-check``)."""
+    return str(Path(sys.executable).with_name(name))
+
+
+def _csv(values: list[int]) -> str:
+    return ",".join(str(v) for v in values)
+
+
+def chain_steps(loaded: LoadedRun, write_report: Callable[[Path, str], str]) -> list[Step]:
+    """Every step of the run, in order (``write_report`` renders the report and returns its
+    one-line result; it is passed in so the chain's order can be read without the plots)."""
+    run, rd, tools = loaded.run, loaded.run_dir, loaded.checkout / "tools"
+    py = sys.executable
+    fleet, plans = loaded.fleet_path, loaded.launch_plans
+    router = f"http://{run.router.host}:{run.router.port}"
+    prof = run.profiling
+    steps = [
+        Step(
+            "plan-check",
+            "launch plans obey their rules and agree with the fleet",
+            [
+                py,
+                str(tools / "deployment/launch_plan.py"),
+                "check",
+                *map(str, plans),
+                "--fleet",
+                str(fleet),
+            ],
+            inputs={"fleet": fleet, **{f"plan{i}": p for i, p in enumerate(plans)}},
+        ),
+    ]
+    if loaded.deployment_file is not None and run.deployment is not None:
+        steps.append(
+            Step(
+                "deploy",
+                "the pinned package built and installed on every host",
+                [
+                    py,
+                    str(tools / "deployment/deploy_hosts.py"),
+                    "--deployment",
+                    str(loaded.deployment_file),
+                    "--commit",
+                    run.deployment.commit,
+                    "--repo",
+                    str(loaded.checkout),
+                    "--report",
+                    "deploy-report.json",
+                ],
+                inputs={"deployment": loaded.deployment_file},
+                outputs={"deploy-report.json": rd / "deploy-report.json"},
+                echo=True,
+            )
+        )
+    else:
+        steps.append(Step("deploy", "", not_declared="no deployment declared: engines run here"))
+    steps += [
+        Step(
+            "capture",
+            "the running engines' live facts (KV geometry, NIXL side channels)",
+            [
+                py,
+                str(tools / "deployment/launch_plan.py"),
+                "capture",
+                *map(str, plans),
+                "--out",
+                "live.json",
+            ],
+            outputs={"live.json": rd / "live.json"},
+            needs=frozenset({"fleet"}),
+            observes=True,
+        ),
+        Step(
+            "finalize",
+            "the fleet filled from the engines' attestations",
+            [
+                py,
+                str(tools / "deployment/attestation_contract.py"),
+                "finalize-fleet",
+                "--fleet",
+                str(fleet),
+                "--out",
+                FLEET_FINAL,
+                "--live",
+                "live.json",
+            ],
+            inputs={"live.json": rd / "live.json"},
+            outputs={FLEET_FINAL: rd / FLEET_FINAL},
+            needs=frozenset({"fleet"}),
+            observes=True,
+        ),
+        Step(
+            "profile",
+            "latency models of the current engine generations",
+            [
+                _script("narwhal-profile"),
+                "--fleet",
+                FLEET_FINAL,
+                "--limits",
+                str(loaded.limits),
+                "--prefill-lens",
+                _csv(prof.prefill_lens),
+                "--decode-input-lens",
+                _csv(prof.decode_input_lens),
+                "--decode-concurrency",
+                _csv(prof.decode_concurrency),
+                "--decode-tokens",
+                str(prof.decode_tokens),
+                "--prefill-repeats",
+                str(prof.prefill_repeats),
+                "--out",
+                PROFILE_STORE,
+                "--quiet",
+            ],
+            inputs={FLEET_FINAL: rd / FLEET_FINAL, "limits": loaded.limits},
+            outputs={PROFILE_STORE: rd / PROFILE_STORE},
+            needs=frozenset({"fleet"}),
+            echo=True,
+        ),
+        Step(
+            "pin",
+            "the profile store pinned in the fleet the router will serve",
+            action=lambda: _fleet_qualified(rd),
+            inputs={FLEET_FINAL: rd / FLEET_FINAL, PROFILE_STORE: rd / PROFILE_STORE},
+            outputs={FLEET_QUALIFIED: rd / FLEET_QUALIFIED},
+        ),
+        Step(
+            "plan",
+            "the benchmark plan against that fleet",
+            action=lambda: _benchmark_plan(loaded),
+            inputs={FLEET_QUALIFIED: rd / FLEET_QUALIFIED, "run": loaded.path},
+            outputs={PLAN: rd / PLAN},
+        ),
+        Step(
+            "check",
+            "every preflight gate against the running engines",
+            [_script("narwhal-check"), "--fleet", FLEET_QUALIFIED, "--plan", PLAN]
+            + ["--report", CHECK_REPORT, "--quiet"]
+            + (["--pace-repeats", str(run.check.pace_repeats)] if run.check.pace_repeats else [])
+            + (["--kv-probes", str(run.check.kv_probes)] if run.check.kv_probes else []),
+            inputs={FLEET_QUALIFIED: rd / FLEET_QUALIFIED, PLAN: rd / PLAN},
+            outputs={CHECK_REPORT: rd / CHECK_REPORT},
+            needs=frozenset({"fleet"}),
+            echo=True,
+            explain=explain_check,
+        ),
+        Step(
+            "workload",
+            "one seeded workload for every point",
+            [
+                py,
+                str(tools / "measurement/load_trial.py"),
+                "prepare",
+                "--base",
+                router,
+                "--input-tokens",
+                str(run.workload.input_tokens),
+                "--output-tokens",
+                str(run.workload.output_tokens),
+                "--seed",
+                str(run.workload.seed),
+                "--out",
+                WORKLOAD,
+            ],
+            inputs={FLEET_QUALIFIED: rd / FLEET_QUALIFIED},
+            outputs={WORKLOAD: rd / WORKLOAD},
+            needs=frozenset({"fleet", "router"}),
+        ),
+        Step(
+            "benchmark",
+            "the plan's points, with gates, reconciliation and evidence",
+            [
+                py,
+                str(tools / "measurement/benchmark_runner.py"),
+                "--base",
+                router,
+                "--model",
+                loaded.fleet.contract.model.id,
+                "--plan",
+                PLAN,
+                "--out",
+                BENCHMARK,
+            ],
+            inputs={PLAN: rd / PLAN, WORKLOAD: rd / WORKLOAD, CHECK_REPORT: rd / CHECK_REPORT},
+            outputs={BENCHMARK: rd / BENCHMARK},
+            needs=frozenset({"fleet", "router"}),
+            echo=True,
+            explain=explain_benchmark,
+        ),
+        Step(
+            "report",
+            "the report: results, distributions, the KV gate, the role timeline",
+            action=lambda: write_report(rd, run.name),
+            inputs={BENCHMARK: rd / BENCHMARK, CHECK_REPORT: rd / CHECK_REPORT},
+            outputs={"report.html": rd / "report.html", "report.md": rd / "report.md"},
+        ),
+    ]
+    evidence = {
+        name: path
+        for step in steps
+        for name, path in step.outputs.items()
+        if name != "live.json"  # its capture time changes on every look: not evidence of change
+    }
+    steps.append(
+        Step(
+            "bundle",
+            "the evidence bundle and its SHA-256",
+            action=lambda: _bundle(rd),
+            inputs=evidence,
+            outputs={BUNDLE_NAME: rd / BUNDLE_NAME},
+        )
+    )
+    return steps
+
+
+def _bundle(run_dir: Path) -> str:
+    bundle, digest = write_bundle(run_dir)
+    return f"{bundle} sha256 {digest}"

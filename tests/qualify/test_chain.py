@@ -1,0 +1,284 @@
+"""narwhal-qualify end to end on the simulated fleet, as ``make qualify`` runs it: every gate
+passes, the report renders in a real browser, the bundle holds the pinned inputs, a second run
+reuses every step; and hidden faults stop the chain at the right step with a one-line reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from narwhal.qualify.report import PLOT_IDS
+from tests.qualify.browser import load_page
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = ROOT / "configs" / "qualify" / "local-sim.yaml"
+SIM_PLAN = ROOT / "configs" / "launch" / "local-sim.yaml"
+QUALIFY = str(Path(sys.executable).with_name("narwhal-qualify"))
+ALL_STEPS = [
+    "plan-check",
+    "capture",
+    "finalize",
+    "profile",
+    "pin",
+    "plan",
+    "check",
+    "workload",
+    "benchmark",
+    "report",
+    "bundle",
+]
+
+
+@dataclass
+class Run:
+    run_dir: Path
+    proc: subprocess.CompletedProcess[str]
+
+    @property
+    def out(self) -> str:
+        return self.proc.stdout + self.proc.stderr
+
+    def ledger(self) -> dict[str, Any]:
+        return json.loads((self.run_dir / "steps.json").read_text())
+
+
+def qualify(run_file: Path, run_dir: Path, timeout: float = 600) -> Run:
+    proc = subprocess.run(
+        [QUALIFY, str(run_file), "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+    return Run(run_dir, proc)
+
+
+def nothing_serves() -> bool:
+    """No engine of local-sim.json and no router left running."""
+    for port in (18080, 18100, 18101, 18102, 18103):
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+            return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def first(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    run = qualify(SHIPPED, tmp_path_factory.mktemp("qualify") / "run")
+    assert run.proc.returncode == 0, run.out
+    return run
+
+
+def test_the_shipped_run_passes_every_step(first: Run) -> None:
+    assert "Traceback" not in first.out
+    assert first.ledger()["runs"][-1]["ran"] == ALL_STEPS
+    assert "overall: PASS" in first.out
+    assert "every gate passed and every point met its target" in first.out
+    # The reference run's results table and role timeline end the output.
+    assert "| Offered rate | Completed rate including drain |" in first.out
+    assert "State timeline:" in first.out and "router.start roles" in first.out
+    assert nothing_serves(), "the chain left its router or engines running"
+
+
+def test_the_bundle_holds_every_pinned_input(first: Run) -> None:
+    rd = first.run_dir
+    bundle = rd / "qualification-artifacts.tgz"
+    digest = hashlib.sha256(bundle.read_bytes()).hexdigest()
+    assert (rd / "qualification-artifacts.tgz.sha256").read_text() == f"{digest}  {bundle.name}\n"
+    assert f"evidence {bundle} sha256 {digest}" in first.out
+    with tarfile.open(bundle) as tar:
+        names = set(tar.getnames())
+    assert {
+        "fleet-final.json",
+        "fleet-qualified.json",
+        "fleet-qualified.json.sha256",
+        "profile-store.json",
+        "check-report.json",
+        "benchmark-plan.json",
+        "workload/workload.json",
+        "router-journal.jsonl",
+        "benchmark/report.json",
+        "benchmark/report.md",
+        "report.html",
+        "report.md",
+        "steps.json",
+    } <= names, sorted(names)
+    assert "benchmark/qualification-artifacts.tgz" not in names  # its files are there already
+    # The served fleet pins the profile store the chain measured, the plan that fleet.
+    fleet = json.loads((rd / "fleet-qualified.json").read_text())
+    assert fleet["profile_store"]["path"] == "profile-store.json"
+    plan = json.loads((rd / "benchmark-plan.json").read_text())
+    fleet_sha = (rd / "fleet-qualified.json.sha256").read_text().strip()
+    assert plan["fleet"] == {"path": "fleet-qualified.json", "sha256": fleet_sha}
+    report = json.loads((rd / "benchmark" / "report.json").read_text())
+    assert all(p["status"] == "measured" for p in report["points"])
+
+
+def test_the_report_renders_in_a_browser_with_every_plot(first: Run) -> None:
+    page = load_page(first.run_dir / "report.html")
+    assert page.console_errors == [], page.console
+    for plot in PLOT_IDS:
+        start = page.dom.find(f'id="{plot}"')
+        assert start >= 0, f"no figure {plot}"
+        assert "<svg" in page.dom[start : page.dom.find("</figure>", start)], f"{plot}: no svg"
+
+
+def test_a_second_run_reuses_every_step_and_starts_nothing(first: Run) -> None:
+    again = qualify(SHIPPED, first.run_dir, timeout=120)
+    assert again.proc.returncode == 0, again.out
+    last = again.ledger()["runs"][-1]
+    assert last["ran"] == [] and last["skipped"] == ALL_STEPS
+    assert "starting" not in again.out
+    # A lost output is redone alone: the report needs neither the engines nor the router.
+    (first.run_dir / "report.html").unlink()
+    third = qualify(SHIPPED, first.run_dir, timeout=120)
+    assert third.proc.returncode == 0, third.out
+    ran = third.ledger()["runs"][-1]["ran"]
+    assert ran[0] == "report" and set(ran) <= {"report", "bundle"}, ran
+    assert "starting" not in third.out and (first.run_dir / "report.html").exists()
+
+
+# --- hidden faults ----------------------------------------------------------------------
+
+
+def variant(
+    directory: Path,
+    *,
+    engine_args: dict[str, dict[str, Any]] | None = None,
+    plan_args: dict[str, Any] | None = None,
+    points: list[dict[str, Any]] | None = None,
+    **run_over: Any,
+) -> Path:
+    """The shipped run with its own launch plan (per-engine or plan-wide sim flags) and
+    small points."""
+    plan = yaml.safe_load(SIM_PLAN.read_text())
+    if plan_args is not None:
+        plan["simulated"]["args"] = plan_args
+    for engine in plan["engines"]:
+        if engine_args and engine["id"] in engine_args:
+            engine["args"] = engine_args[engine["id"]]
+    plan_path = directory / "plan.yaml"
+    plan_path.write_text(yaml.safe_dump(plan, sort_keys=False))
+    run = yaml.safe_load(SHIPPED.read_text())
+    run["launch_plans"] = [str(plan_path)]
+    run["benchmark"]["points"] = points or [{"name": "r4", "rate": 4, "requests": 8}]
+    run.update(run_over)
+    path = directory / "run.yaml"
+    path.write_text(yaml.safe_dump(run, sort_keys=False))
+    return path
+
+
+def stopped_at(run: Run, step: str) -> str:
+    """The one-line reason of a chain that stopped at ``step``."""
+    assert run.proc.returncode == 1, run.out
+    assert "Traceback" not in run.out
+    lines = [ln for ln in run.proc.stdout.splitlines() if ln.startswith("narwhal-qualify: stopped")]
+    assert len(lines) == 1 and lines[0].startswith(f"narwhal-qualify: stopped at {step}: "), run.out
+    assert nothing_serves(), "the chain left its router or engines running"
+    return lines[0]
+
+
+def test_a_pair_whose_kv_transfer_fails_stops_at_the_check(tmp_path: Path) -> None:
+    # e2's READs of KV stall past the fleet's 2.5 s first-token deadline.
+    run_file = variant(tmp_path, engine_args={"e2": {"--fault-hang-kv-read-s": 4}})
+    run = qualify(run_file, tmp_path / "run")
+    line = stopped_at(run, "check")
+    assert "gate kv_transfer failed" in line
+    ran = run.ledger()["runs"][-1]["ran"]
+    assert ran == ALL_STEPS[: ALL_STEPS.index("check")], ran
+
+
+def test_prefix_caching_on_stops_at_the_benchmark(tmp_path: Path) -> None:
+    run_file = variant(tmp_path, plan_args={"--time-scale": 10})  # vLLM's default: caching on
+    line = stopped_at(qualify(run_file, tmp_path / "run"), "benchmark")
+    assert "gate prefix_caching_off failed" in line
+    assert "vllm:cache_config_info says enable_prefix_caching=True" in line
+
+
+def test_a_tag_only_image_stops_at_the_plan_check(tmp_path: Path) -> None:
+    plan = yaml.safe_load((ROOT / "configs/launch/kimi-k3-mi355x.yaml").read_text())
+    plan["image"] = plan["image"].split("@")[0] + ":v0.29.0"
+    plan_path = tmp_path / "kimi.yaml"
+    plan_path.write_text(yaml.safe_dump(plan, sort_keys=False))
+    run = yaml.safe_load(SHIPPED.read_text())
+    run.update(
+        fleet=str(ROOT / "configs/fleet/kimi-k3-mi355x.example.json"),
+        launch_plans=[str(plan_path)],
+    )
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(yaml.safe_dump(run, sort_keys=False))
+    line = stopped_at(qualify(run_file, tmp_path / "run", timeout=120), "plan-check")
+    assert "is a tag without a digest" in line
+
+
+def _restart(pid: int) -> subprocess.Popen[bytes]:
+    """kill -9 an engine and start it again exactly as it ran: a new generation."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+    raw_env = Path(f"/proc/{pid}/environ").read_bytes().rstrip(b"\0").split(b"\0")
+    env = dict(e.split(b"=", 1) for e in raw_env if b"=" in e)
+    cwd = os.readlink(f"/proc/{pid}/cwd")
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(0.5)
+    return subprocess.Popen(
+        [a.decode() for a in argv],
+        env={k.decode(): v.decode() for k, v in env.items()},
+        cwd=cwd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+@contextlib.contextmanager
+def restarted_during(run_dir: Path, log_name: str, engine: str) -> Iterator[list[Any]]:
+    """Once the step's log appears, restart ``engine``; the restarted process is killed at
+    the end (the chain does not own it)."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def act() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not (run_dir / "logs" / log_name).exists():
+            time.sleep(0.2)
+        time.sleep(1.0)
+        pid = int((run_dir / "engines" / f"engine-{engine}.pid").read_text())
+        started.append(_restart(pid))
+
+    thread = threading.Thread(target=act, daemon=True)
+    thread.start()
+    try:
+        yield started
+    finally:
+        thread.join(10)
+        for proc in started:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def test_an_engine_restarted_mid_run_stops_the_step_it_happened_in(tmp_path: Path) -> None:
+    run_file = variant(tmp_path, points=[{"name": "r2", "rate": 2, "requests": 40}])
+    run_dir = tmp_path / "run"
+    with restarted_during(run_dir, "10-benchmark.log", "e1") as restarted:
+        run = qualify(run_file, run_dir)
+    assert restarted, "the engine was never restarted"
+    line = stopped_at(run, "benchmark")
+    assert "engine e1" in line and ("restarted" in line or "stopped answering" in line), line

@@ -1,0 +1,81 @@
+"""RUN.yaml is checked as a whole before anything starts: one line per problem, exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from narwhal.qualify.runfile import RunFileError, load_run_file
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = ROOT / "configs" / "qualify" / "local-sim.yaml"
+QUALIFY = str(Path(sys.executable).with_name("narwhal-qualify"))
+
+
+def _write(tmp_path: Path, **over: object) -> Path:
+    doc = yaml.safe_load(SHIPPED.read_text())
+    doc.update(over)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def test_the_shipped_run_file_loads_against_the_checkout() -> None:
+    loaded = load_run_file(SHIPPED, ROOT)
+    assert loaded.simulated
+    assert loaded.fleet_path == ROOT / "configs/fleet/local-sim.json"
+    assert loaded.run_dir == ROOT / "runs/qualify-local-sim"
+    assert [p.name for p in loaded.run.benchmark.points] == ["r2", "r4"]
+
+
+def test_every_problem_is_one_line(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        launch_plans=["configs/launch/nowhere.yaml"],
+        budgets={"ttft_s": 20, "tpot_s": 0.3, "attainment": 0.9},
+        workload={"input_tokens": 16000, "output_tokens": 1000, "seed": 1},
+    )
+    with pytest.raises(RunFileError) as info:
+        load_run_file(path, ROOT)
+    problems = info.value.problems
+    assert any("launch_plans[0]: no such file" in p for p in problems), problems
+    assert any("budgets.ttft_s: 20 is looser than the fleet's 10" in p for p in problems)
+    assert any("budgets.attainment: 0.9 is below the fleet's 0.95" in p for p in problems)
+    assert any("exceed the fleet's max_model_len 16384" in p for p in problems)
+    assert all("\n" not in p for p in problems) and len(problems) == 4
+
+
+@pytest.mark.parametrize(
+    ("over", "needle"),
+    [
+        ({"schema": "narwhal.qualify/v9"}, "schema must be 'narwhal.qualify/v1'"),
+        ({"profilng": {}}, "profilng: Extra inputs are not permitted"),
+        ({"benchmark": {"points": [{"name": "a b", "rate": 1, "requests": 2}]}}, "points[0].name"),
+        ({"benchmark": {"points": []}}, "benchmark.points"),
+        ({"router": {"port": 0}}, "router.port"),
+    ],
+)
+def test_schema_problems_name_the_field(tmp_path: Path, over: dict, needle: str) -> None:
+    path = _write(tmp_path, **over)
+    with pytest.raises(RunFileError) as info:
+        load_run_file(path, ROOT)
+    assert any(needle in p for p in info.value.problems), info.value.problems
+
+
+def test_the_command_refuses_a_bad_run_file_before_starting_anything(tmp_path: Path) -> None:
+    path = _write(tmp_path, fleet="configs/fleet/missing.json", run_dir=str(tmp_path / "run"))
+    done = subprocess.run(
+        [QUALIFY, str(path)], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "fleet: no such file" in done.stderr and "nothing started" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "run").exists()
+    not_yaml = tmp_path / "broken.yaml"
+    not_yaml.write_text("schema: [unclosed\n")
+    done = subprocess.run([QUALIFY, str(not_yaml)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "not YAML at line" in done.stderr, done.stderr
