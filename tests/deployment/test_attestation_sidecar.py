@@ -4,6 +4,7 @@ cache spares a re-read, and hashing streams."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import stat
 import tracemalloc
@@ -215,3 +216,66 @@ def test_unusable_checkpoint_is_an_input_error(tmp_path: Path) -> None:
         ]
     )
     assert code == 2
+
+
+# A stand-in for the container runtime's two queries, answering as `docker inspect --format`
+# does from a state file the test rewrites (no container runtime runs on the test host).
+FAKE_RUNTIME = """#!/usr/bin/env python3
+import json, sys
+state = json.load(open(sys.argv[0] + ".json"))
+args = sys.argv[1:]
+if args[:1] == ["inspect"] and args[-1] in state["containers"]:
+    print(state["containers"][args[-1]])
+elif args[:2] == ["image", "inspect"] and args[-1] in state["images"]:
+    print(json.dumps(state["images"][args[-1]]))
+else:
+    print(f"Error: No such object: {args[-1]}", file=sys.stderr)
+    sys.exit(1)
+"""
+
+
+def test_the_image_digest_is_what_the_running_container_reports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    declared, other = "sha256:" + "ab" * 32, "sha256:" + "cd" * 32
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    runtime = bin_dir / "docker"
+    runtime.write_text(FAKE_RUNTIME)
+    runtime.chmod(0o755)
+    state = bin_dir / "docker.json"
+
+    def containers_run(image_id: str, repo_digests: list[str]) -> None:
+        images = {image_id: repo_digests}
+        state.write_text(json.dumps({"containers": {"narwhal-e0": image_id}, "images": images}))
+
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    containers_run("sha256:" + "11" * 32, [f"docker.io/vllm/vllm-openai-rocm@{declared}"])
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    (port,) = free_ports(1)
+    base = f"http://127.0.0.1:{port}"
+    with running_sidecar(
+        port,
+        ckpt,
+        tmp_path / "sidecar.log",
+        "--no-cache",
+        generation="gen-test",
+        **{"--image-digest": declared, "--container": "narwhal-e0"},
+    ):
+        att = wait_for(f"{base}/attestation", 20)
+        assert (att["image_digest"], att["image_digest_source"]) == (declared, "container")
+        # The container was recreated from another image under the same tag: the attestation
+        # says so on the next read, whatever the plan declared.
+        containers_run("sha256:" + "22" * 32, [f"docker.io/vllm/vllm-openai-rocm@{other}"])
+        att = httpx.get(f"{base}/attestation").json()
+        assert att["image_digest"] == other and att["image_digest_declared"] == declared
+        # A locally built image has no repository digest: unreadable, never the declared one.
+        containers_run("sha256:" + "33" * 32, [])
+        att = httpx.get(f"{base}/attestation").json()
+        assert att["image_digest"] is None
+        assert att["image_digest_source"] == "container-unreadable"
+        assert "has no repository digest" in att["image_digest_error"]
+        state.write_text(json.dumps({"containers": {}, "images": {}}))
+        att = httpx.get(f"{base}/attestation").json()
+        assert att["image_digest"] is None
+        assert "No such object: narwhal-e0" in att["image_digest_error"]

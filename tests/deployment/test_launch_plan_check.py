@@ -237,6 +237,9 @@ def test_render_prints_a_pinned_container_command_per_engine(
     }
     sidecar = commands[1]
     assert sidecar[sidecar.index("--image-digest") + 1].startswith("sha256:9eacf87e")
+    # ... and reads the digest the running container reports.
+    assert sidecar[sidecar.index("--container") + 1] == "narwhal-e0"
+    assert sidecar[sidecar.index("--container-runtime") + 1] == "docker"
     assert "--gpu-arch" not in sidecar  # production reads rocminfo
 
 

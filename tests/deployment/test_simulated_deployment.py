@@ -226,6 +226,46 @@ def test_finalize_fills_the_fleet_from_the_running_engines(deployment: Deploymen
     assert before == after
 
 
+def test_the_reference_runs_finalize_and_profile_commands_as_written(
+    deployment: Deployment,
+) -> None:
+    """`finalize-fleet --fleet F` (in place, the live facts read now) and narwhal-profile with
+    the reference run's exact flags and no --out (the store lands in the working directory)."""
+    assert deployment.finalize.returncode == 0, deployment.finalize.stderr
+    run = deployment.directory / "as-written"
+    (run / "deployment").mkdir(parents=True)
+    fleet = run / "deployment" / "fleet.json"
+    shutil.copy(deployment.fleet, fleet)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "tools/deployment/attestation_contract.py",
+            "finalize-fleet",
+            "--fleet",
+            str(fleet),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    assert load_fleet(fleet).sha256 == load_fleet(deployment.out).sha256
+    limits = run / "deployment" / "profiling-limits.json"
+    shutil.copy(ROOT / "configs" / "fleet" / "profiling-limits.json", limits)
+    argv = [str(Path(sys.executable).with_name("narwhal-profile"))]
+    argv += ["--fleet", "deployment/fleet.json", "--limits", "deployment/profiling-limits.json"]
+    argv += ["--prefill-lens", "256,1024,4096,8192", "--decode-input-lens", "512,4096,8192"]
+    argv += ["--decode-concurrency", "1,2,4", "--decode-tokens", "64", "--prefill-repeats", "3"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=run)
+    assert done.returncode == 0, done.stderr[-3000:]
+    store = json.loads((run / "profile-store.json").read_text())
+    assert sorted(store["engines"]) == ["e0", "e1"]
+    final = load_fleet(fleet).contract
+    for spec in final.engines:
+        assert store["engines"][spec.id]["generation"] == spec.generation
+
+
 def test_narwhal_serve_accepts_the_finalized_fleet(deployment: Deployment) -> None:
     assert deployment.finalize.returncode == 0, deployment.finalize.stderr
     router_dir = deployment.directory / "router"

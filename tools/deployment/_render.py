@@ -156,6 +156,10 @@ def render_sidecar(
     ]
     if plan.image is not None and "@" in plan.image:
         argv += ["--image-digest", plan.image.rsplit("@", 1)[1]]
+    if plan.kind == "container":
+        # The digest the running container reports, not only the one the plan declares.
+        c = plan.container or ContainerSettings()
+        argv += ["--container", f"{c.name_prefix}{eng.id}", "--container-runtime", c.runtime]
     if plan.kind == "simulated":
         # No rocminfo where simulated engines run: the architecture is declared.
         argv += ["--gpu-arch", (plan.simulated or SimulatedSettings()).gpu_arch]

@@ -3,7 +3,8 @@
     attestation_sidecar.py --engine-id e0 --checkpoint /data/models/Kimi-K3 --port 8090 \\
         --model-id moonshotai/Kimi-K3 --model-revision REV --tp 8 \\
         --kv-connector NixlConnector --kv-role kv_both --nixl-host H --nixl-port 5600 \\
-        [--image-digest sha256:...] [--gpu-arch gfx950] \\
+        [--image-digest sha256:...] [--container NAME [--container-runtime docker|podman]] \\
+        [--gpu-arch gfx950] \\
         [--engine-pid PID | --engine-pidfile FILE | --generation G]
 
 GET /attestation  the identity (same field names as the simulated engine's /attestation where
@@ -13,6 +14,15 @@ GET /manifest     the manifest text (``path:sha256`` lines, sorted by path)
 POST /rehash      full re-hash of every shard, ignoring the cache (``?rebaseline=1`` adopts the
                   result as the new baseline, after a deliberate weight change and restart)
 GET /health       200 while the sidecar runs
+
+With ``--container`` the image digest is what the running container reports, read on every
+/attestation (``RUNTIME inspect`` for its image, ``RUNTIME image inspect`` for that image's
+repository digests), not what the operator declared: ``image_digest`` is the observed
+``sha256:...`` (the declared one when it is among the image's repository digests, so a
+multi-repository image is not misreported), ``image_digest_declared`` the plan's, and
+``image_digest_source`` says which ("container", "declared", or "container-unreadable" with
+``image_digest`` null and ``image_digest_error`` saying why: never the declared value in its
+place).
 
 The shard manifest is one ``relative/path.safetensors:<sha256 hex>`` line per shard, sorted by
 path, each ending in a newline; its SHA-256 is the checkpoint's identity. The config hash is
@@ -239,6 +249,8 @@ class Settings:
     kv_role: str | None
     nixl: dict[str, Any] | None
     image_digest: str | None
+    container: str | None
+    container_runtime: str
     accelerator: str | None
     engine_pid: int | None
     engine_pidfile: Path | None
@@ -247,6 +259,64 @@ class Settings:
     workers: int
     chunk_bytes: int
     verify_interval_s: float
+
+
+_DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def _runtime(argv: list[str]) -> str:
+    """One container-runtime query's stdout; RuntimeError with its own words on failure."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"{argv[0]}: {exc}") from None
+    if done.returncode != 0:
+        why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        raise RuntimeError(f"{' '.join(argv[:2])}: {why}")
+    return done.stdout.strip()
+
+
+def container_image_digests(runtime: str, container: str) -> list[str]:
+    """The repository digests (``sha256:...``) of the image the container runs."""
+    image = _runtime([runtime, "inspect", "--format", "{{.Image}}", container])
+    raw = _runtime([runtime, "image", "inspect", "--format", "{{json .RepoDigests}}", image])
+    try:
+        repo_digests = json.loads(raw) or []
+    except ValueError:
+        raise RuntimeError(f"{runtime} image inspect: not a JSON list: {raw[:80]}") from None
+    found = [m.group(0) for d in repo_digests if (m := _DIGEST_RE.search(str(d)))]
+    if not found:
+        raise RuntimeError(
+            f"image {image[:19]} of container {container} has no repository digest "
+            "(built or loaded locally, never pulled by digest)"
+        )
+    return found
+
+
+def image_doc(s: Settings) -> dict[str, Any]:
+    """The attestation's image fields: observed from the container when there is one."""
+    if s.container is None:
+        return {
+            "image_digest": s.image_digest,
+            "image_digest_declared": s.image_digest,
+            "image_digest_source": "declared" if s.image_digest else None,
+        }
+    try:
+        digests = container_image_digests(s.container_runtime, s.container)
+    except RuntimeError as exc:
+        return {
+            "image_digest": None,
+            "image_digest_declared": s.image_digest,
+            "image_digest_source": "container-unreadable",
+            "image_digest_error": str(exc),
+        }
+    observed = s.image_digest if s.image_digest in digests else digests[0]
+    return {
+        "image_digest": observed,
+        "image_digest_declared": s.image_digest,
+        "image_digest_source": "container",
+        "container": s.container,
+    }
 
 
 class Attestor:
@@ -425,7 +495,7 @@ class Attestor:
             "kv_connector": s.kv_connector,
             "kv_role": s.kv_role,
             "nixl": s.nixl,
-            "image_digest": s.image_digest,
+            **image_doc(s),
             **self.engine_doc(),
             "checkpoint": str(s.root),
             "shard_count": len(baseline),
@@ -514,6 +584,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nixl-host")
     p.add_argument("--nixl-port", type=int)
     p.add_argument("--image-digest", help="sha256:... of the engine's image (from the plan)")
+    p.add_argument("--container", help="the engine's container: its image digest is read from it")
+    p.add_argument("--container-runtime", choices=("docker", "podman"), default="docker")
     who = p.add_mutually_exclusive_group()
     who.add_argument("--engine-pid", type=int, help="the engine's process id")
     who.add_argument("--engine-pidfile", help="file holding the engine's pid (re-read each time)")
@@ -567,6 +639,8 @@ def _settings(args: argparse.Namespace) -> Settings:
             {"host": args.nixl_host, "port": args.nixl_port} if args.nixl_host is not None else None
         ),
         image_digest=args.image_digest,
+        container=args.container,
+        container_runtime=args.container_runtime,
         accelerator=args.accelerator,
         engine_pid=args.engine_pid,
         engine_pidfile=Path(args.engine_pidfile) if args.engine_pidfile else None,

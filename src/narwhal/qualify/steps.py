@@ -259,9 +259,7 @@ def chain_steps(loaded: LoadedRun, write_report: Callable[[Path, str], str]) -> 
                 str(prof.decode_tokens),
                 "--prefill-repeats",
                 str(prof.prefill_repeats),
-                "--out",
-                PROFILE_STORE,
-                "--quiet",
+                # As the reference run spells it: the store is profile-store.json where it runs.
             ],
             inputs={FLEET_FINAL: rd / FLEET_FINAL, "limits": loaded.limits},
             outputs={PROFILE_STORE: rd / PROFILE_STORE},
