@@ -623,6 +623,11 @@ def run_plan(cfg: RunnerConfig) -> int:
     results: list[PointResult] = []
     with httpx.Client(timeout=10.0) as http:
         for index, point in enumerate(plan.points):
+            print(
+                f"{PROG}: point {point.name} ({index + 1}/{len(plan.points)}): "
+                f"{point.requests} requests at {point.rate:g} request/s",
+                flush=True,
+            )
             result = run_point(ctx, index, point, http)
             results.append(result)
             print(f"{PROG}: point {point.name}: {result.status}" + _one_line(result), flush=True)
