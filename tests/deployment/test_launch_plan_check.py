@@ -275,3 +275,31 @@ def test_start_refuses_a_container_plan(capsys: pytest.CaptureFixture[str], tmp_
     )
     assert code == 2
     assert "start runs simulated plans" in capsys.readouterr().err
+
+
+def test_a_plan_whose_prefix_caching_disagrees_with_the_fleet_is_refused(tmp_path: Path) -> None:
+    """vLLM caches prefixes unless told not to: a plan that leaves the flag out while the
+    fleet says caching is off (the router's prefix index would be wrong) is refused by name."""
+    plan = yaml.safe_load((ROOT / "configs/launch/local-sim.yaml").read_text())
+    del plan["simulated"]["args"]["--no-enable-prefix-caching"]
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan, sort_keys=False))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "tools/deployment/launch_plan.py",
+            "check",
+            str(path),
+            "--fleet",
+            "configs/fleet/local-sim.json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 5, lines  # one per engine, and the count
+    assert "engines[0]: e0 runs with prefix caching on" in lines[0]
+    assert "engine.prefix_caching.enabled is false" in lines[0]

@@ -59,7 +59,10 @@ def write_plan_and_fleet(
     """The shipped simulated plan, moved to free ports, with a sidecar per engine."""
     ports = free_ports(3 * n)
     http, nixl, side = ports[:n], ports[n : 2 * n], ports[2 * n :]
-    doc = local_fleet_document(http, nixl, sim={"time_scale": 50.0})
+    # Prefix caching off, as the shipped plan runs its engines.
+    doc = local_fleet_document(
+        http, nixl, sim={"time_scale": 50.0}, prefix_caching={"enabled": False}
+    )
     for i, engine in enumerate(doc["engines"]):
         engine["attestation_url"] = f"http://127.0.0.1:{side[i]}/attestation"
     fleet = directory / "fleet.json"

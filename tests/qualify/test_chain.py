@@ -121,6 +121,10 @@ def test_the_bundle_holds_every_pinned_input(first: Run) -> None:
         "report.html",
         "report.md",
         "steps.json",
+        "inputs/run.yaml",
+        "inputs/fleet.json",
+        "inputs/launch-plan-0-local-sim.yaml",
+        "inputs/profiling-limits.json",
     } <= names, sorted(names)
     assert "benchmark/qualification-artifacts.tgz" not in names  # its files are there already
     # The served fleet pins the profile store the chain measured, the plan that fleet.
@@ -208,7 +212,11 @@ def test_a_pair_whose_kv_transfer_fails_stops_at_the_check(tmp_path: Path) -> No
 
 
 def test_prefix_caching_on_stops_at_the_benchmark(tmp_path: Path) -> None:
-    run_file = variant(tmp_path, plan_args={"--time-scale": 10})  # vLLM's default: caching on
+    # Engines and fleet agree that caching is on (vLLM's default); the run measures with it off.
+    fleet = json.loads((ROOT / "configs/fleet/local-sim.json").read_text())
+    fleet["engine"]["prefix_caching"] = {"enabled": True}
+    (tmp_path / "fleet.json").write_text(json.dumps(fleet))
+    run_file = variant(tmp_path, plan_args={"--time-scale": 10}, fleet=str(tmp_path / "fleet.json"))
     line = stopped_at(qualify(run_file, tmp_path / "run"), "benchmark")
     assert "gate prefix_caching_off failed" in line
     assert "vllm:cache_config_info says enable_prefix_caching=True" in line

@@ -15,7 +15,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from narwhal.contract import LoadedFleet
-from tools.deployment._plan import EnginePlan, LaunchPlan, LoadedPlan
+from tools.deployment._plan import EnginePlan, LaunchPlan, LoadedPlan, SimulatedSettings
 
 __all__ = [
     "SIDE_CHANNEL_ENV",
@@ -290,6 +290,19 @@ def _fleet_rules(plan: LaunchPlan, loaded: LoadedFleet, add: Any) -> None:
                     f"vllm_args.{KV_TRANSFER_FLAG}.{key}",
                     f"{kv.get(key)!r} differs from the fleet's {getattr(fleet.engine, key)!r}",
                 )
+    caching = fleet.engine.prefix_caching.enabled
+    sim = plan.simulated or SimulatedSettings()
+    shared = plan.vllm_args if plan.kind == "container" else sim.args
+    for i, eng in enumerate(plan.engines):
+        runs = _prefix_caching(shared, eng.args)
+        if runs != caching:
+            add(
+                f"engines[{i}]",
+                f"{eng.id} runs with prefix caching {'on' if runs else 'off'} (vLLM's default is "
+                "on; --no-enable-prefix-caching turns it off) but the fleet's "
+                f"engine.prefix_caching.enabled is {str(caching).lower()}: the router's prefix "
+                "index would describe caches that are not there",
+            )
     known = {e.id: e for e in fleet.engines}
     for i, eng in enumerate(plan.engines):
         spec = known.get(eng.id)
@@ -325,6 +338,11 @@ def _fleet_rules(plan: LaunchPlan, loaded: LoadedFleet, add: Any) -> None:
                         f"{eng.id} sidecar at {eng.host}:{eng.attestation_port}; the fleet's "
                         f"attestation_url is {spec.attestation_url}",
                     )
+
+
+def _prefix_caching(shared: dict[str, Any], own: dict[str, Any]) -> bool:
+    """Whether an engine started with these flags caches prefixes (vLLM's default: it does)."""
+    return not {**shared, **own}.get("--no-enable-prefix-caching")
 
 
 def _names(values: list[str]) -> str:

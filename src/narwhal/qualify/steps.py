@@ -12,6 +12,7 @@ whenever the fleet is up, and what follows them reruns only if what they saw cha
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -354,14 +355,31 @@ def chain_steps(loaded: LoadedRun, write_report: Callable[[Path, str], str]) -> 
         Step(
             "bundle",
             "the evidence bundle and its SHA-256",
-            action=lambda: _bundle(rd),
-            inputs=evidence,
+            action=lambda: _bundle(loaded),
+            inputs={**evidence, **steps[0].inputs, "run": loaded.path, "limits": loaded.limits},
             outputs={BUNDLE_NAME: rd / BUNDLE_NAME},
         )
     )
     return steps
 
 
-def _bundle(run_dir: Path) -> str:
-    bundle, digest = write_bundle(run_dir)
+def _copy_inputs(loaded: LoadedRun) -> None:
+    """The run's own inputs, which live outside the run directory, into RUN/inputs/: the run
+    file, the fleet as written, the launch plans, the profiling limits, the deployment."""
+    inputs = loaded.run_dir / "inputs"
+    if inputs.exists():
+        shutil.rmtree(inputs)
+    inputs.mkdir()
+    named = [("run.yaml", loaded.path), ("fleet.json", loaded.fleet_path)]
+    named += [(f"launch-plan-{i}-{p.name}", p) for i, p in enumerate(loaded.launch_plans)]
+    named.append(("profiling-limits.json", loaded.limits))
+    if loaded.deployment_file is not None:
+        named.append((f"deployment-{loaded.deployment_file.name}", loaded.deployment_file))
+    for name, path in named:
+        shutil.copyfile(path, inputs / name)
+
+
+def _bundle(loaded: LoadedRun) -> str:
+    _copy_inputs(loaded)
+    bundle, digest = write_bundle(loaded.run_dir)
     return f"{bundle} sha256 {digest}"
