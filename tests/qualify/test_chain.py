@@ -290,3 +290,46 @@ def test_an_engine_restarted_mid_run_stops_the_step_it_happened_in(tmp_path: Pat
     assert restarted, "the engine was never restarted"
     line = stopped_at(run, "benchmark")
     assert "engine e1" in line and ("restarted" in line or "stopped answering" in line), line
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if text.encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+    return found
+
+
+def test_a_killed_chain_stops_everything_it_started(tmp_path: Path) -> None:
+    """SIGTERM to narwhal-qualify mid-benchmark: the step (in a session of its own), the router
+    and the engines stop with it; the ledger keeps the finished steps for the rerun."""
+    run_file = variant(tmp_path, points=[{"name": "r2", "rate": 2, "requests": 60}])
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [QUALIFY, str(run_file), "--run-dir", str(run_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "logs" / "10-benchmark.log").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "never reached benchmark"
+            time.sleep(0.2)
+        time.sleep(2)
+        assert _processes_mentioning("benchmark_runner.py"), "the benchmark step is not running"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out.decode()
+    assert "interrupted" in out.decode()
+    assert _processes_mentioning(str(run_dir)) == []
+    assert nothing_serves()
+    ledger = json.loads((run_dir / "steps.json").read_text())
+    assert "workload" in ledger["steps"] and "benchmark" not in ledger["steps"]
+    assert ledger["runs"][-1]["outcome"] == "interrupted"

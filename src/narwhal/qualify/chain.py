@@ -317,7 +317,15 @@ class Chain:
                 except Exception as exc:  # an in-process link failed: its own words, one line
                     result, code = f"{type(exc).__name__}: {exc}", 1
             else:
-                code = self._run_command(step, log)
+                try:
+                    code = self._run_command(step, log)
+                except BaseException:
+                    # Interrupted (Ctrl-C, SIGTERM): the step runs in a session of its own and
+                    # did not see the signal; it must not outlive the chain.
+                    self._kill_current()
+                    if self.current is not None:
+                        _stop(self.current, 10)
+                    raise
                 result = ""
         self.current = None
         if needs_watch and self.watch.problem is None:
@@ -442,6 +450,9 @@ def run_chain(
         return result
     except ChainFailed as exc:
         entry["outcome"] = f"failed at {exc.step}: {exc}"
+        raise
+    except KeyboardInterrupt:
+        entry["outcome"] = "interrupted"
         raise
     finally:
         chain.shutdown()

@@ -17,6 +17,7 @@ or the command line is wrong.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -73,6 +74,10 @@ def _render_report(run_dir: Path, title: str) -> str:
     return f"{html.name} and {md.name}"
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("run_file", metavar="RUN.yaml")
@@ -98,6 +103,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     steps = chain_steps(loaded, _render_report)
     print(f"{PROG}: {loaded.run.name}: {len(steps)} steps into {loaded.run_dir}", flush=True)
+    # SIGTERM (a supervisor, `kill`) unwinds like Ctrl-C: the chain stops what it started.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         result = run_chain(loaded, steps, keep_running=args.keep_running)
     except ChainFailed as exc:
