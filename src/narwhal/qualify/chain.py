@@ -28,9 +28,10 @@ from typing import Any
 import httpx
 
 from narwhal.contract import load_fleet
+from narwhal.qualify.layout import FLEET_FINAL, FLEET_QUALIFIED, JOURNAL
 from narwhal.qualify.ledger import Ledger, StepRecord, content_sha256, step_key, utc_now
 from narwhal.qualify.runfile import LoadedRun
-from narwhal.qualify.steps import FLEET_FINAL, FLEET_QUALIFIED, JOURNAL, Step
+from narwhal.qualify.steps import Step
 
 __all__ = ["ChainFailed", "ChainResult", "run_chain"]
 

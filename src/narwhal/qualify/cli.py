@@ -23,8 +23,9 @@ from pathlib import Path
 
 from narwhal.qualify.bundle import BUNDLE_NAME
 from narwhal.qualify.chain import ChainFailed, run_chain
+from narwhal.qualify.layout import BENCHMARK
 from narwhal.qualify.runfile import RunFileError, load_run_file
-from narwhal.qualify.steps import BENCHMARK, chain_steps
+from narwhal.qualify.steps import chain_steps
 
 PROG = "narwhal-qualify"
 MARKER = Path("tools") / "measurement" / "benchmark_runner.py"

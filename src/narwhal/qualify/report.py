@@ -37,14 +37,11 @@ from narwhal.contract import (
     sha256_hex,
 )
 from narwhal.qualify import plots
+from narwhal.qualify.layout import BENCHMARK, CHECK_REPORT, FLEET_QUALIFIED, JOURNAL, PROFILE_STORE
 
 __all__ = ["BENCHMARK_REPORT", "PLOT_IDS", "ReportError", "write_report"]
 
-BENCHMARK_REPORT = "benchmark/report.json"
-FLEET_FILE = "fleet-qualified.json"
-PROFILE_FILE = "profile-store.json"
-CHECK_FILE = "check-report.json"
-JOURNAL_FILE = "router-journal.jsonl"
+BENCHMARK_REPORT = f"{BENCHMARK}/report.json"
 PLOTS_DIR = "report-plots"
 #: Every figure the page holds, in order (each ``<figure class="plot" id=...>``).
 PLOT_IDS = ("ttft", "tpot", "itl", "attainment", "kv-probes", "roles")
@@ -175,45 +172,45 @@ def _load_point(run_dir: Path, doc: dict[str, Any], notes: list[str]) -> _Point:
 
 
 def _load_fleet(run_dir: Path, notes: list[str]) -> LoadedFleet | None:
-    path = run_dir / FLEET_FILE
+    path = run_dir / FLEET_QUALIFIED
     if not path.is_file():
-        notes.append(f"no {FLEET_FILE} in the run directory")
+        notes.append(f"no {FLEET_QUALIFIED} in the run directory")
         return None
     try:
         return parse_fleet(read_json_document(path), str(path), path=path)
     except ContractError as exc:
-        notes.append(f"{FLEET_FILE} unreadable: {exc}")
+        notes.append(f"{FLEET_QUALIFIED} unreadable: {exc}")
         return None
 
 
 def _load_check(run_dir: Path, notes: list[str]) -> tuple[CheckReport | None, str | None]:
-    path = run_dir / CHECK_FILE
+    path = run_dir / CHECK_REPORT
     if not path.is_file():
-        notes.append(f"no {CHECK_FILE} in the run directory: no qualification gates")
+        notes.append(f"no {CHECK_REPORT} in the run directory: no qualification gates")
         return None, None
     try:
         return load_report(path)
     except ContractError as exc:
-        notes.append(f"{CHECK_FILE} unreadable: {exc}")
+        notes.append(f"{CHECK_REPORT} unreadable: {exc}")
         return None, None
 
 
 def _load_profile_sha(run_dir: Path, notes: list[str]) -> str | None:
-    path = run_dir / PROFILE_FILE
+    path = run_dir / PROFILE_STORE
     if not path.is_file():
-        notes.append(f"no {PROFILE_FILE} in the run directory")
+        notes.append(f"no {PROFILE_STORE} in the run directory")
         return None
     try:
         return sha256_hex(read_json_document(path))
     except ContractError as exc:
-        notes.append(f"{PROFILE_FILE} unreadable: {exc}")
+        notes.append(f"{PROFILE_STORE} unreadable: {exc}")
         return None
 
 
 def _load_journal(run_dir: Path, notes: list[str]) -> list[dict[str, Any]] | None:
-    path = run_dir / JOURNAL_FILE
+    path = run_dir / JOURNAL
     if not path.is_file():
-        notes.append(f"no {JOURNAL_FILE} in the run directory")
+        notes.append(f"no {JOURNAL} in the run directory")
         return None
     out: list[dict[str, Any]] = []
     with path.open(encoding="utf-8") as fh:
@@ -289,20 +286,20 @@ def _input_rows(run: _Run) -> list[tuple[str, str]]:
     if run.fleet is not None:
         c = run.fleet.contract
         b = c.budgets
-        rows.append((f"{FLEET_FILE} SHA-256", run.fleet.sha256))
+        rows.append((f"{FLEET_QUALIFIED} SHA-256", run.fleet.sha256))
         rows.append(
             (
-                f"{FLEET_FILE} budgets",
+                f"{FLEET_QUALIFIED} budgets",
                 f"TTFT {b.ttft_s:g} s, TPOT {b.tpot_s:g} s, attainment {b.attainment:g}; "
                 f"first-token deadline {c.engine.first_token_timeout_s:g} s",
             )
         )
     if run.check is not None:
-        rows.append((f"{CHECK_FILE} SHA-256", str(run.check_sha)))
+        rows.append((f"{CHECK_REPORT} SHA-256", str(run.check_sha)))
         complete = "complete" if run.check.complete else "partial"
-        rows.append((f"{CHECK_FILE} verdict", f"{run.check.verdict} ({complete})"))
+        rows.append((f"{CHECK_REPORT} verdict", f"{run.check.verdict} ({complete})"))
     if run.profile_sha is not None:
-        rows.append((f"{PROFILE_FILE} SHA-256", run.profile_sha))
+        rows.append((f"{PROFILE_STORE} SHA-256", run.profile_sha))
     return rows
 
 
@@ -388,7 +385,7 @@ def _probes_plot(run: _Run) -> _Plot:
         "deadline (dotted). From check-report.json."
     )
     if run.check is None:
-        return _Plot("kv-probes", title, caption, missing=f"no readable {CHECK_FILE}")
+        return _Plot("kv-probes", title, caption, missing=f"no readable {CHECK_REPORT}")
     gate = run.check.gate("kv_transfer")
     evidence = gate.evidence
     pairs = evidence.get("pairs")
@@ -494,7 +491,7 @@ def _spans(
 def _roles_plot(run: _Run) -> _Plot:
     title = "Role timeline"
     found = _journal_changes(run.journal) if run.journal is not None else None
-    source = f"{JOURNAL_FILE} (router.start, role.flip, router.stop)"
+    source = f"{JOURNAL} (router.start, role.flip, router.stop)"
     xlabel = "seconds since the router started"
     if found is None:
         found = _snapshot_changes(run)
@@ -629,7 +626,7 @@ def _render_html(page: _Page) -> str:
     if page.gates:
         add(_html_table(("Gate", "Verdict", "Summary"), list(page.gates), numeric=set()))
     else:
-        add(f'<p class="missing">No qualification gates: no readable {CHECK_FILE}.</p>')
+        add(f'<p class="missing">No qualification gates: no readable {CHECK_REPORT}.</p>')
     add('<h2 id="plots">Plots</h2>')
     add('<div class="plots">')
     for plot in page.plots:
@@ -660,7 +657,7 @@ def _render_md(page: _Page) -> str:
     if page.gates:
         out += _md_table(("Gate", "Verdict", "Summary"), list(page.gates))
     else:
-        out.append(f"No qualification gates: no readable {CHECK_FILE}.")
+        out.append(f"No qualification gates: no readable {CHECK_REPORT}.")
     out += ["", "## Plots", ""]
     for plot in page.plots:
         out += [f"### {plot.title}", ""]

@@ -22,18 +22,18 @@ from typing import Any
 
 from narwhal.contract import canonical_json, load_fleet, sha256_hex
 from narwhal.qualify.bundle import BUNDLE_NAME, write_bundle
+from narwhal.qualify.layout import (
+    BENCHMARK,
+    CHECK_REPORT,
+    FLEET_FINAL,
+    FLEET_QUALIFIED,
+    PLAN,
+    PROFILE_STORE,
+    WORKLOAD,
+)
 from narwhal.qualify.runfile import LoadedRun
 
 __all__ = ["Step", "chain_steps", "explain_benchmark", "explain_check"]
-
-FLEET_FINAL = "fleet-final.json"
-FLEET_QUALIFIED = "fleet-qualified.json"
-PROFILE_STORE = "profile-store.json"
-PLAN = "benchmark-plan.json"
-CHECK_REPORT = "check-report.json"
-JOURNAL = "router-journal.jsonl"
-WORKLOAD = "workload"
-BENCHMARK = "benchmark"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,24 @@
+"""The qualification run directory's file names: one list, read by the steps that write the
+files and by the report that reads them."""
+
+from __future__ import annotations
+
+__all__ = [
+    "BENCHMARK",
+    "CHECK_REPORT",
+    "FLEET_FINAL",
+    "FLEET_QUALIFIED",
+    "JOURNAL",
+    "PLAN",
+    "PROFILE_STORE",
+    "WORKLOAD",
+]
+
+FLEET_FINAL = "fleet-final.json"
+FLEET_QUALIFIED = "fleet-qualified.json"
+PROFILE_STORE = "profile-store.json"
+PLAN = "benchmark-plan.json"
+CHECK_REPORT = "check-report.json"
+JOURNAL = "router-journal.jsonl"
+WORKLOAD = "workload"
+BENCHMARK = "benchmark"
