@@ -172,8 +172,8 @@ def variant(
     points: list[dict[str, Any]] | None = None,
     **run_over: Any,
 ) -> Path:
-    """The shipped run with its own launch plan (per-engine or plan-wide sim flags) and
-    small points."""
+    """The shipped run with its own launch plan (per-engine or plan-wide sim flags), short
+    answers and small points."""
     plan = yaml.safe_load(SIM_PLAN.read_text())
     if plan_args is not None:
         plan["simulated"]["args"] = plan_args
@@ -185,6 +185,10 @@ def variant(
     run = yaml.safe_load(SHIPPED.read_text())
     run["launch_plans"] = [str(plan_path)]
     run["benchmark"]["points"] = points or [{"name": "r4", "rate": 4, "requests": 8}]
+    # Short answers: the faults need the chain to reach their step, not the reference shape
+    # (the shipped run above measures that). The probes stay the shipped ones: the pace gate
+    # needs prefills long enough to time (1,024 tokens take ~15 ms here, inside its noise).
+    run["workload"] = {"input_tokens": 8192, "output_tokens": 32, "seed": 1729}
     run.update(run_over)
     path = directory / "run.yaml"
     path.write_text(yaml.safe_dump(run, sort_keys=False))
@@ -289,7 +293,7 @@ def test_an_engine_restarted_mid_run_stops_the_step_it_happened_in(tmp_path: Pat
         run = qualify(run_file, run_dir)
     assert restarted, "the engine was never restarted"
     line = stopped_at(run, "benchmark")
-    assert "engine e1" in line and ("restarted" in line or "stopped answering" in line), line
+    assert "engine e1 restarted: generation" in line, line
 
 
 def _processes_mentioning(text: str) -> list[int]:

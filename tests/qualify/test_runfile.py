@@ -79,3 +79,36 @@ def test_the_command_refuses_a_bad_run_file_before_starting_anything(tmp_path: P
     not_yaml.write_text("schema: [unclosed\n")
     done = subprocess.run([QUALIFY, str(not_yaml)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "not YAML at line" in done.stderr, done.stderr
+
+
+def test_the_run_directory_is_the_runs_alone(tmp_path: Path) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    for run_dir, needle in (
+        (str(ROOT), "holds the checkout"),
+        (str(a_file), "is not a directory"),
+        (str(other), "holds other files and no steps.json"),
+    ):
+        with pytest.raises(RunFileError) as info:
+            load_run_file(SHIPPED, ROOT, run_dir)
+        assert any(f"run_dir: {run_dir} {needle}" in p for p in info.value.problems), (
+            info.value.problems
+        )
+
+
+def test_a_relative_run_dir_on_the_command_line_is_where_the_operator_is(tmp_path: Path) -> None:
+    bad = _write(tmp_path, budgets={"ttft_s": 99, "tpot_s": 0.3, "attainment": 0.95})
+    done = subprocess.run(
+        [QUALIFY, str(bad), "--run-dir", "here"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2 and "budgets.ttft_s" in done.stderr, done.stderr
+    assert not (ROOT / "here").exists() and not (tmp_path / "here").exists()
+    loaded = load_run_file(SHIPPED, ROOT, str(tmp_path / "here"))
+    assert loaded.run_dir == tmp_path / "here"

@@ -12,6 +12,7 @@ router that exits, stops the step and the chain with one line saying so.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import shutil
@@ -28,7 +29,7 @@ from typing import Any
 import httpx
 
 from narwhal.contract import load_fleet
-from narwhal.qualify.layout import FLEET_FINAL, FLEET_QUALIFIED, JOURNAL
+from narwhal.qualify.layout import FLEET_FINAL, FLEET_QUALIFIED, JOURNAL, ROUTER_PID
 from narwhal.qualify.ledger import Ledger, StepRecord, content_sha256, step_key, utc_now
 from narwhal.qualify.runfile import LoadedRun
 from narwhal.qualify.steps import Step
@@ -36,9 +37,12 @@ from narwhal.qualify.steps import Step
 __all__ = ["ChainFailed", "ChainResult", "run_chain"]
 
 WATCH_INTERVAL_S = 1.0
+# The steps whose outputs conclude a run: they never outlive a rerun of what they conclude.
+CLAIMS = ("report", "bundle")
+WATCH_TIMEOUT_S = 5.0
+# An engine that has not answered for this long is gone (a busy one answers within it).
+WATCH_GRACE_S = 10.0
 _PROBLEM_COUNT = re.compile(r": (\d+) problems?$")
-# An engine may miss a poll under load (a busy event loop); three in a row is a dead engine.
-WATCH_MISSES = 3
 
 
 class ChainFailed(Exception):
@@ -62,18 +66,27 @@ def _say(line: str) -> None:
 class EngineWatch:
     """Polls every engine's attestation (and the router process) in a thread; ``problem``
     holds the first thing found wrong. Generations are compared with ``expected`` (set once
-    the fleet is finalized) or, before that, with the first seen."""
+    the fleet is finalized) or, before that, with the first seen.
+
+    A busy engine may answer its attestation late (a simulated engine serves it from the loop
+    that serves the load; a sidecar asks the container runtime): only an engine that has not
+    answered for ``WATCH_GRACE_S`` is reported. A restart needs no grace: its new generation
+    says so at the first answer."""
 
     def __init__(self, engines: dict[str, str]) -> None:
         self.engines = engines  # id -> attestation url
-        self.expected: dict[str, str | None] = {}
+        self.expected: dict[str, str] = {}
         self.router: subprocess.Popen[bytes] | None = None
         self.problem: str | None = None
-        self.on_problem: Callable[[], None] | None = None
-        self._misses: dict[str, int] = {}
+        self._failing_since: dict[str, float] = {}
         self._why: dict[str, str] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+
+    def _miss(self, engine_id: str, url: str, why: str) -> str | None:
+        since = self._failing_since.setdefault(engine_id, time.monotonic())
+        self._why[engine_id] = why
+        if time.monotonic() - since >= WATCH_GRACE_S:
+            return f"engine {engine_id} stopped answering at {url} for {WATCH_GRACE_S:g} s ({why})"
+        return None
 
     def look(self, client: httpx.Client) -> str | None:
         """One round of polls: the first problem found, or None."""
@@ -82,47 +95,56 @@ class EngineWatch:
         for engine_id, url in self.engines.items():
             try:
                 reply = client.get(url)
-                generation = reply.json().get("generation") if reply.status_code == 200 else None
                 if reply.status_code != 200:
                     raise ValueError(f"attestation answered {reply.status_code}")
-            except (httpx.HTTPError, ValueError, AttributeError) as exc:
-                self._misses[engine_id] = self._misses.get(engine_id, 0) + 1
-                self._why[engine_id] = _describe(exc)
-                if self._misses[engine_id] >= WATCH_MISSES:
-                    return f"engine {engine_id} stopped answering at {url} ({self._why[engine_id]})"
+                doc = reply.json()
+                if not isinstance(doc, dict):
+                    raise ValueError("attestation is not a JSON object")
+            except (httpx.HTTPError, ValueError) as exc:
+                found = self._miss(engine_id, url, _describe(exc))
+                if found is not None:
+                    return found
                 continue
-            self._misses[engine_id] = 0
+            if doc.get("engine_alive") is False:
+                return f"engine {engine_id} exited (its attestation sidecar says so)"
+            generation = doc.get("generation")
+            if not isinstance(generation, str) or not generation:
+                # A sidecar between an engine's exit and its pid file's rewrite: not yet known.
+                found = self._miss(engine_id, url, "no generation in its attestation")
+                if found is not None:
+                    return found
+                continue
+            self._failing_since.pop(engine_id, None)
             before = self.expected.setdefault(engine_id, generation)
-            if before is not None and generation != before:
+            if generation != before:
                 return (
-                    f"engine {engine_id} restarted: generation {str(before)[:12]} -> "
-                    f"{str(generation)[:12]}; the profile and the check no longer describe it"
+                    f"engine {engine_id} restarted: generation {before[:12]} -> "
+                    f"{generation[:12]}; the profile and the check no longer describe it"
                 )
         return None
 
-    def _loop(self) -> None:
-        with httpx.Client(timeout=2.0, trust_env=False) as client:
-            while not self._stop.wait(WATCH_INTERVAL_S):
-                found = self.look(client)
-                if found is not None:
-                    self.problem = found
-                    if self.on_problem is not None:
-                        self.on_problem()
-                    return
-
     @contextlib.contextmanager
     def watching(self, on_problem: Callable[[], None]) -> Iterator[None]:
+        """Watch while the block runs; ``on_problem`` is called once, from the watch thread."""
         self.problem = None
-        self.on_problem = on_problem
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="qualify-watch", daemon=True)
-        self._thread.start()
+        stop = threading.Event()  # one per watch: a slow thread of the last one stays stopped
+
+        def loop() -> None:
+            with httpx.Client(timeout=WATCH_TIMEOUT_S, trust_env=False) as client:
+                while not stop.wait(WATCH_INTERVAL_S):
+                    found = self.look(client)
+                    if found is not None and not stop.is_set():
+                        self.problem = found
+                        on_problem()
+                        return
+
+        thread = threading.Thread(target=loop, name="qualify-watch", daemon=True)
+        thread.start()
         try:
             yield
         finally:
-            self._stop.set()
-            self._thread.join(5)
-            self.on_problem = None
+            stop.set()
+            thread.join()
 
 
 class Chain:
@@ -156,20 +178,39 @@ class Chain:
         return {name: content_sha256(path) for name, path in step.inputs.items()}
 
     def _key(self, step: Step) -> str:
-        return step_key(step.name, step.argv, self._inputs(step))
+        return step_key(step.name, step.key_args, self._inputs(step))
 
     def _done(self, step: Step) -> StepRecord | None:
         return self.ledger.done(step.name, self._key(step), step.outputs)
 
     # -- resources ------------------------------------------------------------------------
 
-    def _tool(self, argv: list[str], log: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    def _tool(self, argv: list[str], log: Path, timeout: float, echo: bool = False) -> int:
+        """Run a deployment tool to completion (killed past ``timeout``), its output appended
+        to ``log`` and, with ``echo``, shown as it comes (a fleet's wait can take minutes)."""
         with log.open("a") as f:
             f.write(f"$ {' '.join(argv)}\n")
             f.flush()
-            return subprocess.run(
-                argv, cwd=self.rd, stdout=f, stderr=subprocess.STDOUT, text=True, timeout=timeout
+            proc = subprocess.Popen(
+                argv, cwd=self.rd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
             )
+            timer = threading.Timer(timeout, proc.kill)
+            timer.daemon = True
+            timer.start()
+            try:
+                assert proc.stdout is not None
+                for raw in proc.stdout:
+                    line = raw.decode(errors="replace").rstrip()
+                    f.write(line + "\n")
+                    f.flush()
+                    if echo and line:
+                        self.say(f"        {line}")
+                return proc.wait()
+            finally:
+                timer.cancel()
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
 
     def _healthy(self) -> dict[str, bool]:
         out = {}
@@ -181,6 +222,9 @@ class Chain:
                     out[engine.id] = False
         return out
 
+    def _plan_run_dir(self, index: int) -> Path:
+        return self.rd / "engines" / (str(index) if index else "")
+
     def _bring_up_fleet(self) -> None:
         if self.fleet_up:
             return
@@ -189,7 +233,16 @@ class Chain:
         if self.loaded.simulated:
             healthy = self._healthy()
             if all(healthy.values()):
-                self.say("        engines already running: used as they are")
+                ours = [
+                    self._plan_run_dir(i)
+                    for i in range(len(self.loaded.launch_plans))
+                    if (self._plan_run_dir(i) / "run.json").exists()
+                ]
+                # Engines an earlier chain on this run directory started (and did not stop:
+                # --keep-running, or it was killed) are this chain's to stop.
+                self.started_engines += ours
+                whose = "started by an earlier run here" if ours else "not started by this chain"
+                self.say(f"        engines already running ({whose}): used as they are")
             elif any(healthy.values()):
                 up = ", ".join(e for e, ok in healthy.items() if ok)
                 raise ChainFailed(
@@ -198,18 +251,17 @@ class Chain:
                 )
             else:
                 for i, plan in enumerate(self.loaded.launch_plans):
-                    run_dir = self.rd / "engines" / (str(i) if i else "")
+                    run_dir = self._plan_run_dir(i)
                     argv = [sys.executable, str(tools), "start", str(plan)]
                     argv += ["--fleet", str(self.loaded.fleet_path), "--run-dir", str(run_dir)]
                     self.say(f"        starting the simulated engines of {plan.name}")
                     self.started_engines.append(run_dir)
-                    done = self._tool(argv, log, 300)
-                    if done.returncode != 0:
+                    if self._tool(argv, log, 300) != 0:
                         raise ChainFailed("engines", _last_line(log, "launch_plan.py start failed"))
         else:
             argv = [sys.executable, str(tools), "wait", *map(str, self.loaded.launch_plans)]
             self.say("        polling the engines until each serves the model")
-            if self._tool(argv, log, 1000).returncode != 0:
+            if self._tool(argv, log, 1000, echo=True) != 0:
                 raise ChainFailed("engines", _last_line(log, "engines not ready"))
         self.fleet_up = True
         self.watch.expected.clear()  # generations are learnt from this fleet, then finalize
@@ -219,11 +271,16 @@ class Chain:
             return
         r = self.loaded.run.router
         url = f"http://{r.host}:{r.port}"
+        self._stop_orphan_router()
         with contextlib.suppress(httpx.HTTPError):
-            httpx.get(url + "/ready", timeout=2.0)
+            httpx.get(url + "/ready", timeout=2.0, trust_env=False)
             raise ChainFailed(
                 "router", f"something already answers at {url}: stop it or change router.port"
             )
+        # Each router of the run journals afresh: the benchmark reconciles against it and the
+        # report's role timeline starts at its router.start. An earlier one is kept in logs/.
+        for old in sorted(self.rd.glob(JOURNAL + "*")):
+            old.rename(self.logs / f"{utc_now().replace(':', '')}-{old.name}")
         argv = [str(Path(sys.executable).with_name("narwhal-serve")), "--fleet", FLEET_QUALIFIED]
         argv += ["--host", r.host, "--port", str(r.port), "--journal", JOURNAL]
         log = self.logs / "router.log"
@@ -234,6 +291,7 @@ class Chain:
             self.router = subprocess.Popen(
                 argv, cwd=self.rd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
             )
+        (self.rd / ROUTER_PID).write_text(f"{self.router.pid}\n")
         deadline = time.monotonic() + r.ready_timeout_s
         while time.monotonic() < deadline:
             if self.router.poll() is not None:
@@ -241,11 +299,39 @@ class Chain:
                 self.router = None
                 raise ChainFailed("router", f"narwhal-serve did not start: {reason}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/ready", timeout=2.0).status_code == 200:
+                if httpx.get(url + "/ready", timeout=2.0, trust_env=False).status_code == 200:
                     self.watch.router = self.router
                     return
             time.sleep(0.2)
         raise ChainFailed("router", f"narwhal-serve not ready within {r.ready_timeout_s:g} s")
+
+    def _release_router(self, position: int) -> None:
+        """Stop the router once no step from ``position`` on needs it: its journal is then
+        complete (router.stop included) before the report reads it and the bundle packs it."""
+        if self.router is None or self.keep_running:
+            return
+        if any("router" in s.needs for s in self.steps[position:]):
+            return
+        _stop(self.router, 30)
+        (self.rd / ROUTER_PID).unlink(missing_ok=True)
+        self.router = self.watch.router = None
+        self.say("        stopped the router: no step after this one needs it")
+
+    def _stop_orphan_router(self) -> None:
+        """A router an earlier chain here started and never stopped (it was killed)."""
+        try:
+            pid = int((self.rd / ROUTER_PID).read_text().split()[0])
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+        except (OSError, ValueError, IndexError):
+            return
+        if b"narwhal-serve" in cmdline and Path(cwd) == self.rd.resolve():
+            self.say(f"        stopping the router an earlier run here left (pid {pid})")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
 
     def _ensure(self, step: Step) -> None:
         if "fleet" in step.needs or "router" in step.needs:
@@ -254,19 +340,28 @@ class Chain:
             self._bring_up_router()
 
     def shutdown(self) -> None:
-        if self.router is not None and not self.keep_running:
-            _stop(self.router, 30)
-            self.router = None
+        """Stop what this chain owns; every part is tried, whatever another part did."""
         if self.keep_running:
             if self.router is not None:
                 self.say(f"left running: narwhal-serve (pid {self.router.pid})")
-            if self.started_engines:
-                self.say("left running: the engines (launch_plan.py stop --run-dir ...)")
+            for run_dir in self.started_engines:
+                self.say(f"left running: engines (launch_plan.py stop --run-dir {run_dir})")
             return
+        if self.router is not None:
+            try:
+                _stop(self.router, 30)
+                (self.rd / ROUTER_PID).unlink(missing_ok=True)
+            except (OSError, subprocess.SubprocessError) as exc:
+                self.say(f"could not stop narwhal-serve (pid {self.router.pid}): {exc}")
+            self.router = None
         tools = self.loaded.checkout / "tools" / "deployment" / "launch_plan.py"
         for run_dir in self.started_engines:
             argv = [sys.executable, str(tools), "stop", "--run-dir", str(run_dir)]
-            self._tool(argv, self.logs / "engines.log", 120)
+            try:
+                self._tool(argv, self.logs / "engines.log", 120)
+            except (OSError, subprocess.SubprocessError) as exc:
+                self.say(f"could not stop the engines of {run_dir}: {exc}")
+        self.started_engines = []
 
     # -- steps ----------------------------------------------------------------------------
 
@@ -289,6 +384,8 @@ class Chain:
                 start_new_session=True,
             )
             assert self.current.stdout is not None
+            if self.watch.problem is not None:  # found while the step was being started
+                self._kill_current()
             for raw in self.current.stdout:
                 line = raw.decode(errors="replace").rstrip()
                 f.write(line + "\n")
@@ -303,6 +400,15 @@ class Chain:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
 
+            def escalate() -> None:
+                if proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+
+            timer = threading.Timer(10.0, escalate)
+            timer.daemon = True
+            timer.start()
+
     def run_step(self, index: int, step: Step) -> str:
         for path in step.outputs.values():
             _remove(path)
@@ -316,7 +422,7 @@ class Chain:
                     result = step.action()
                     code = 0
                 except Exception as exc:  # an in-process link failed: its own words, one line
-                    result, code = f"{type(exc).__name__}: {exc}", 1
+                    result, code = _describe(exc).splitlines()[0], 1
             else:
                 try:
                     code = self._run_command(step, log)
@@ -348,7 +454,7 @@ class Chain:
         self.ledger.record(
             step.name,
             StepRecord(
-                key=step_key(step.name, step.argv, inputs),
+                key=step_key(step.name, step.key_args, inputs),
                 argv=step.argv,
                 inputs=inputs,
                 outputs=outputs,
@@ -359,13 +465,27 @@ class Chain:
         )
         return result
 
+    def _discard(self, steps: list[Step], claims_only: bool) -> None:
+        """Remove the outputs (and ledger records) of ``steps``; with ``claims_only``, only
+        of the steps that conclude the run (report, bundle)."""
+        for step in steps:
+            if claims_only and step.name not in CLAIMS:
+                continue
+            for path in step.outputs.values():
+                _remove(path)
+            self.ledger.forget(step.name)
+
     def run(self) -> ChainResult:
         result = self.result
-        steps = [s for s in self.steps if s.not_declared is None]
+        # Observers (capture, finalize) are looked at only when a step after them must run:
+        # their output alone (live.json's capture time) never brings the fleet up.
+        steps = [s for s in self.steps if s.not_declared is None and not s.observes]
         first_stale = next((i for i, s in enumerate(steps) if self._done(s) is None), None)
-        live = first_stale is not None and any(
-            s.needs for s in steps[first_stale:] if not s.observes
-        )
+        live = first_stale is not None and any(s.needs for s in steps[first_stale:])
+        if first_stale is not None:
+            # The run's conclusions (report, bundle) stand only for a run that finished: they
+            # go as soon as anything before them must run again.
+            self._discard(self.steps[self.steps.index(steps[first_stale]) :], claims_only=True)
         n = len(self.steps)
         for index, step in enumerate(self.steps, 1):
             head = f"[{index:2d}/{n}] {step.name:<10}"
@@ -382,9 +502,15 @@ class Chain:
                 result.skipped.append(step.name)
                 continue
             self.say(f"{head} {step.what}")
-            self._ensure(step)
             t0 = time.monotonic()
-            line = self.run_step(index, step)
+            try:
+                self._release_router(index - 1)
+                self._ensure(step)
+                line = self.run_step(index, step)
+            except BaseException:
+                # What follows a failed step was made from what it replaced: not evidence.
+                self._discard(self.steps[index:], claims_only=False)
+                raise
             result.ran.append(step.name)
             self.say(
                 f"        done in {time.monotonic() - t0:.1f} s" + (f": {line}" if line else "")
@@ -441,8 +567,29 @@ def run_chain(
 ) -> ChainResult:
     """Run the chain; ChainFailed names the step and the one-line reason. The ledger
     (steps.json) records every finished step and, for each invocation, what ran."""
-    loaded.run_dir.mkdir(parents=True, exist_ok=True)
-    (loaded.run_dir / "logs").mkdir(exist_ok=True)
+    try:
+        loaded.run_dir.mkdir(parents=True, exist_ok=True)
+        (loaded.run_dir / "logs").mkdir(exist_ok=True)
+        lock = (loaded.run_dir / ".lock").open("a")
+    except OSError as exc:
+        raise ChainFailed("start", f"cannot use {loaded.run_dir}: {exc.strerror or exc}") from None
+    try:
+        # Two chains on one run directory would delete each other's outputs.
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        raise ChainFailed(
+            "start", f"another narwhal-qualify is running in {loaded.run_dir}"
+        ) from None
+    try:
+        return _run_locked(loaded, steps, keep_running, out)
+    finally:
+        lock.close()
+
+
+def _run_locked(
+    loaded: LoadedRun, steps: list[Step], keep_running: bool, out: Callable[[str], None]
+) -> ChainResult:
     chain = Chain(loaded, steps, keep_running, out)
     entry: dict[str, Any] = {"started_at": utc_now(), "run_file": str(loaded.path)}
     try:

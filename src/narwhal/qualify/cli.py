@@ -28,6 +28,8 @@ from narwhal.qualify.runfile import RunFileError, load_run_file
 from narwhal.qualify.steps import chain_steps
 
 PROG = "narwhal-qualify"
+# The console scripts the chain runs, as the reference run does (.venv/bin/narwhal-...).
+SCRIPTS = ("narwhal-profile", "narwhal-check", "narwhal-serve")
 MARKER = Path("tools") / "measurement" / "benchmark_runner.py"
 
 
@@ -95,8 +97,19 @@ def main(argv: list[str] | None = None) -> None:
     if checkout is None:
         print(f"{PROG}: no Narwhal checkout (tools/ beside src/): use --checkout", file=sys.stderr)
         sys.exit(2)
+    # --run-dir is the operator's path (relative to where they are); the file's run_dir is
+    # relative to the checkout, like every path in it.
+    run_dir = str(Path(args.run_dir).resolve()) if args.run_dir else None
+    missing = [s for s in SCRIPTS if not Path(sys.executable).with_name(s).is_file()]
+    if missing:
+        print(
+            f"{PROG}: {', '.join(missing)} not beside {sys.executable}: install Narwhal into "
+            "this environment (make install)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     try:
-        loaded = load_run_file(run_file, checkout, args.run_dir)
+        loaded = load_run_file(run_file, checkout, run_dir)
     except RunFileError as exc:
         for line in exc.problems:
             print(f"{PROG}: {line}", file=sys.stderr)
@@ -104,8 +117,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     steps = chain_steps(loaded, _render_report)
     print(f"{PROG}: {loaded.run.name}: {len(steps)} steps into {loaded.run_dir}", flush=True)
-    # SIGTERM (a supervisor, `kill`) unwinds like Ctrl-C: the chain stops what it started.
+    # SIGTERM (a supervisor, `kill`) and SIGHUP (a closed terminal) unwind like Ctrl-C: the
+    # chain stops what it started.
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGHUP, _interrupt)
     try:
         result = run_chain(loaded, steps, keep_running=args.keep_running)
     except ChainFailed as exc:
@@ -121,8 +136,11 @@ def main(argv: list[str] | None = None) -> None:
         lines = _section(rd / BENCHMARK / "report.md", title)
         if lines:
             print(f"\n{title}:\n" + "\n".join(lines))
-    digest = (rd / (BUNDLE_NAME + ".sha256")).read_text().split()[0]
     print(f"\nreport {rd / 'report.html'} (and report.md)")
+    try:
+        digest = (rd / (BUNDLE_NAME + ".sha256")).read_text().split()[0]
+    except (OSError, IndexError):  # the bundle step checked it; it went since
+        digest = "unknown (its .sha256 is gone)"
     print(f"evidence {rd / BUNDLE_NAME} sha256 {digest}")
 
 

@@ -11,6 +11,7 @@ __all__ = [
     "JOURNAL",
     "PLAN",
     "PROFILE_STORE",
+    "ROUTER_PID",
     "WORKLOAD",
 ]
 
@@ -22,3 +23,4 @@ CHECK_REPORT = "check-report.json"
 JOURNAL = "router-journal.jsonl"
 WORKLOAD = "workload"
 BENCHMARK = "benchmark"
+ROUTER_PID = "router.pid"  # the router this run started, while it runs

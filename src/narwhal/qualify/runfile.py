@@ -199,6 +199,8 @@ def load_run_file(
         text = Path(source).read_text(encoding="utf-8")
     except OSError as exc:
         raise RunFileError([f"{source}: cannot read: {exc.strerror or exc}"]) from None
+    except UnicodeDecodeError as exc:
+        raise RunFileError([f"{source}: not UTF-8 text (byte {exc.start})"]) from None
     run = parse_run_file(text, source)
     problems: list[str] = []
 
@@ -229,6 +231,14 @@ def load_run_file(
         sims = [e.sim is not None for e in fleet.contract.engines]
         if any(sims) and not all(sims):
             problems.append(f"{source}: fleet: mixes simulated and real engines")
+        for i, engine in enumerate(fleet.contract.engines):
+            if engine.sim is None and engine.attestation_url is None:
+                problems.append(
+                    f"{source}: fleet: engines[{i}].attestation_url: a real engine is finalized "
+                    "and watched through its attestation sidecar: name its URL"
+                )
+    resolved_run_dir = _resolve(checkout, run_dir or run.run_dir)
+    problems += _run_dir_problems(source, resolved_run_dir, checkout)
     if problems:
         raise RunFileError(problems)
     assert fleet is not None
@@ -236,13 +246,29 @@ def load_run_file(
         run=run,
         path=Path(source),
         checkout=checkout,
-        run_dir=_resolve(checkout, run_dir or run.run_dir),
+        run_dir=resolved_run_dir,
         fleet_path=fleet_path,
         fleet=fleet,
         launch_plans=plans,
         limits=limits,
         deployment_file=deployment,
     )
+
+
+def _run_dir_problems(source: str, run_dir: Path, checkout: Path) -> list[str]:
+    """The run directory is the run's alone: the bundle packs all of it, and a rerun deletes
+    a step's outputs in it."""
+    where = run_dir.resolve()
+    if where == checkout.resolve() or where in checkout.resolve().parents:
+        return [f"{source}: run_dir: {run_dir} holds the checkout; give the run a directory"]
+    if where.exists() and not where.is_dir():
+        return [f"{source}: run_dir: {run_dir} is not a directory"]
+    if where.is_dir() and any(where.iterdir()) and not (where / "steps.json").exists():
+        return [
+            f"{source}: run_dir: {run_dir} holds other files and no steps.json: not a "
+            "narwhal-qualify run directory (give an empty or new one)"
+        ]
+    return []
 
 
 def _budget_problems(source: str, run: RunFile, fleet: LoadedFleet) -> list[str]:

@@ -27,6 +27,7 @@ from narwhal.qualify.layout import (
     CHECK_REPORT,
     FLEET_FINAL,
     FLEET_QUALIFIED,
+    JOURNAL,
     PLAN,
     PROFILE_STORE,
     WORKLOAD,
@@ -49,6 +50,12 @@ class Step:
     echo: bool = False  # the command's stdout lines are the step's progress
     explain: Callable[[Path], str | None] | None = None  # why it failed, from its outputs
     not_declared: str | None = None  # listed for the record, never run
+    # What an in-process action depends on besides its input files (keys the step too).
+    params: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def key_args(self) -> list[str]:
+        return self.argv + [f"{k}={v}" for k, v in sorted(self.params.items())]
 
 
 def _fleet_qualified(run_dir: Path) -> str:
@@ -78,13 +85,13 @@ def _git_revision(checkout: Path) -> str:
     return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown"
 
 
-def _benchmark_plan(loaded: LoadedRun) -> str:
+def _benchmark_plan(loaded: LoadedRun, revision: str) -> str:
     run, run_dir = loaded.run, loaded.run_dir
     fleet_sha = (run_dir / (FLEET_QUALIFIED + ".sha256")).read_text().strip()
     plan: dict[str, Any] = {
         "schema": "narwhal.benchmark-plan/v1",
         "fleet": {"path": FLEET_QUALIFIED, "sha256": fleet_sha},
-        "client_revision": _git_revision(loaded.checkout),
+        "client_revision": revision,
         "workload": {
             "input_tokens": run.workload.input_tokens,
             "output_tokens": run.workload.output_tokens,
@@ -167,6 +174,7 @@ def chain_steps(loaded: LoadedRun, write_report: Callable[[Path, str], str]) -> 
     fleet, plans = loaded.fleet_path, loaded.launch_plans
     router = f"http://{run.router.host}:{run.router.port}"
     prof = run.profiling
+    revision = _git_revision(loaded.checkout)
     steps = [
         Step(
             "plan-check",
@@ -272,14 +280,18 @@ def chain_steps(loaded: LoadedRun, write_report: Callable[[Path, str], str]) -> 
             "the profile store pinned in the fleet the router will serve",
             action=lambda: _fleet_qualified(rd),
             inputs={FLEET_FINAL: rd / FLEET_FINAL, PROFILE_STORE: rd / PROFILE_STORE},
-            outputs={FLEET_QUALIFIED: rd / FLEET_QUALIFIED},
+            outputs={
+                FLEET_QUALIFIED: rd / FLEET_QUALIFIED,
+                FLEET_QUALIFIED + ".sha256": rd / (FLEET_QUALIFIED + ".sha256"),
+            },
         ),
         Step(
             "plan",
             "the benchmark plan against that fleet",
-            action=lambda: _benchmark_plan(loaded),
+            action=lambda: _benchmark_plan(loaded, revision),
             inputs={FLEET_QUALIFIED: rd / FLEET_QUALIFIED, "run": loaded.path},
             outputs={PLAN: rd / PLAN},
+            params={"client_revision": revision},
         ),
         Step(
             "check",
@@ -341,7 +353,13 @@ def chain_steps(loaded: LoadedRun, write_report: Callable[[Path, str], str]) -> 
             "report",
             "the report: results, distributions, the KV gate, the role timeline",
             action=lambda: write_report(rd, run.name),
-            inputs={BENCHMARK: rd / BENCHMARK, CHECK_REPORT: rd / CHECK_REPORT},
+            inputs={
+                BENCHMARK: rd / BENCHMARK,
+                CHECK_REPORT: rd / CHECK_REPORT,
+                PROFILE_STORE: rd / PROFILE_STORE,
+                JOURNAL: rd / JOURNAL,
+            },
+            params={"title": run.name},
             outputs={"report.html": rd / "report.html", "report.md": rd / "report.md"},
         ),
     ]
@@ -356,8 +374,17 @@ def chain_steps(loaded: LoadedRun, write_report: Callable[[Path, str], str]) -> 
             "bundle",
             "the evidence bundle and its SHA-256",
             action=lambda: _bundle(loaded),
-            inputs={**evidence, **steps[0].inputs, "run": loaded.path, "limits": loaded.limits},
-            outputs={BUNDLE_NAME: rd / BUNDLE_NAME},
+            inputs={
+                **evidence,
+                **steps[0].inputs,
+                "run": loaded.path,
+                "limits": loaded.limits,
+                JOURNAL: rd / JOURNAL,
+            },
+            outputs={
+                BUNDLE_NAME: rd / BUNDLE_NAME,
+                BUNDLE_NAME + ".sha256": rd / (BUNDLE_NAME + ".sha256"),
+            },
         )
     )
     return steps
