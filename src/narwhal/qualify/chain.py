@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 
@@ -32,7 +32,7 @@ from narwhal.contract import load_fleet
 from narwhal.qualify.layout import FLEET_FINAL, FLEET_QUALIFIED, JOURNAL, ROUTER_PID
 from narwhal.qualify.ledger import Ledger, StepRecord, content_sha256, step_key, utc_now
 from narwhal.qualify.runfile import LoadedRun
-from narwhal.qualify.steps import Step
+from narwhal.qualify.steps import Step, console_script
 
 __all__ = ["ChainFailed", "ChainResult", "run_chain"]
 
@@ -199,18 +199,22 @@ class Chain:
             timer.start()
             try:
                 assert proc.stdout is not None
-                for raw in proc.stdout:
-                    line = raw.decode(errors="replace").rstrip()
-                    f.write(line + "\n")
-                    f.flush()
-                    if echo and line:
-                        self.say(f"        {line}")
+                self._relay(proc.stdout, f, echo)
                 return proc.wait()
             finally:
                 timer.cancel()
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
+
+    def _relay(self, stream: IO[bytes], log: IO[str], echo: bool) -> None:
+        """A command's output line by line into its log and, with ``echo``, to the screen."""
+        for raw in stream:
+            line = raw.decode(errors="replace").rstrip()
+            log.write(line + "\n")
+            log.flush()
+            if echo and line:
+                self.say(f"        {line}")
 
     def _healthy(self) -> dict[str, bool]:
         out = {}
@@ -281,7 +285,7 @@ class Chain:
         # report's role timeline starts at its router.start. An earlier one is kept in logs/.
         for old in sorted(self.rd.glob(JOURNAL + "*")):
             old.rename(self.logs / f"{utc_now().replace(':', '')}-{old.name}")
-        argv = [str(Path(sys.executable).with_name("narwhal-serve")), "--fleet", FLEET_QUALIFIED]
+        argv = [console_script("narwhal-serve"), "--fleet", FLEET_QUALIFIED]
         argv += ["--host", r.host, "--port", str(r.port), "--journal", JOURNAL]
         log = self.logs / "router.log"
         self.say(f"        starting the router: {' '.join(argv[1:])}")
@@ -312,10 +316,14 @@ class Chain:
             return
         if any("router" in s.needs for s in self.steps[position:]):
             return
+        self._stop_router()
+        self.say("        stopped the router: no step after this one needs it")
+
+    def _stop_router(self) -> None:
+        assert self.router is not None
         _stop(self.router, 30)
         (self.rd / ROUTER_PID).unlink(missing_ok=True)
         self.router = self.watch.router = None
-        self.say("        stopped the router: no step after this one needs it")
 
     def _stop_orphan_router(self) -> None:
         """A router an earlier chain here started and never stopped (it was killed)."""
@@ -349,11 +357,10 @@ class Chain:
             return
         if self.router is not None:
             try:
-                _stop(self.router, 30)
-                (self.rd / ROUTER_PID).unlink(missing_ok=True)
+                self._stop_router()
             except (OSError, subprocess.SubprocessError) as exc:
                 self.say(f"could not stop narwhal-serve (pid {self.router.pid}): {exc}")
-            self.router = None
+                self.router = self.watch.router = None
         tools = self.loaded.checkout / "tools" / "deployment" / "launch_plan.py"
         for run_dir in self.started_engines:
             argv = [sys.executable, str(tools), "stop", "--run-dir", str(run_dir)]
@@ -386,12 +393,7 @@ class Chain:
             assert self.current.stdout is not None
             if self.watch.problem is not None:  # found while the step was being started
                 self._kill_current()
-            for raw in self.current.stdout:
-                line = raw.decode(errors="replace").rstrip()
-                f.write(line + "\n")
-                f.flush()
-                if step.echo and line:
-                    self.say(f"        {line}")
+            self._relay(self.current.stdout, f, step.echo)
             return self.current.wait()
 
     def _kill_current(self) -> None:

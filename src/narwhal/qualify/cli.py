@@ -25,7 +25,7 @@ from narwhal.qualify.bundle import BUNDLE_NAME
 from narwhal.qualify.chain import ChainFailed, run_chain
 from narwhal.qualify.layout import BENCHMARK
 from narwhal.qualify.runfile import RunFileError, load_run_file
-from narwhal.qualify.steps import chain_steps
+from narwhal.qualify.steps import chain_steps, console_script
 
 PROG = "narwhal-qualify"
 # The console scripts the chain runs, as the reference run does (.venv/bin/narwhal-...).
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     # --run-dir is the operator's path (relative to where they are); the file's run_dir is
     # relative to the checkout, like every path in it.
     run_dir = str(Path(args.run_dir).resolve()) if args.run_dir else None
-    missing = [s for s in SCRIPTS if not Path(sys.executable).with_name(s).is_file()]
+    missing = [s for s in SCRIPTS if not Path(console_script(s)).is_file()]
     if missing:
         print(
             f"{PROG}: {', '.join(missing)} not beside {sys.executable}: install Narwhal into "

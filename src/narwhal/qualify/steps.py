@@ -34,7 +34,7 @@ from narwhal.qualify.layout import (
 )
 from narwhal.qualify.runfile import LoadedRun
 
-__all__ = ["Step", "chain_steps", "explain_benchmark", "explain_check"]
+__all__ = ["Step", "chain_steps", "console_script", "explain_benchmark", "explain_check"]
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,7 @@ def explain_benchmark(run_dir: Path) -> str | None:
     return None
 
 
-def _script(name: str) -> str:
+def console_script(name: str) -> str:
     """A console script of this install (beside the interpreter), as the reference run calls
     them (``.venv/bin/narwhal-check``)."""
     return str(Path(sys.executable).with_name(name))
@@ -253,7 +253,7 @@ def chain_steps(loaded: LoadedRun, write_report: Callable[[Path, str], str]) -> 
             "profile",
             "latency models of the current engine generations",
             [
-                _script("narwhal-profile"),
+                console_script("narwhal-profile"),
                 "--fleet",
                 FLEET_FINAL,
                 "--limits",
@@ -296,7 +296,7 @@ def chain_steps(loaded: LoadedRun, write_report: Callable[[Path, str], str]) -> 
         Step(
             "check",
             "every preflight gate against the running engines",
-            [_script("narwhal-check"), "--fleet", FLEET_QUALIFIED, "--plan", PLAN]
+            [console_script("narwhal-check"), "--fleet", FLEET_QUALIFIED, "--plan", PLAN]
             + ["--report", CHECK_REPORT, "--quiet"]
             + (["--pace-repeats", str(run.check.pace_repeats)] if run.check.pace_repeats else [])
             + (["--kv-probes", str(run.check.kv_probes)] if run.check.kv_probes else []),
