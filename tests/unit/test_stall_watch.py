@@ -1,4 +1,5 @@
-"""The stall deadline of a pulled decode stream (``serve.relay.StallWatch``): a wait for the
+"""The stall deadline of a pulled decode stream (``serve.relay.StallWatch``, asked by the
+router's ``serve.stalls.StallSweeper``): a wait for the
 engine that lasts the stall period interrupts a stream its trace can continue, and nothing else
 does: not a slow client between waits, not a stream that cannot be continued, not a cancellation
 from outside (which still cancels). Real time, in tenths of a second."""
@@ -14,6 +15,7 @@ import pytest
 from narwhal.contract import Migration
 from narwhal.serve.migration import MigrationTrace, new_trace
 from narwhal.serve.relay import EventRenderer, StallWatch, StreamTally
+from narwhal.serve.stalls import StallDeadline, StallSweeper
 from narwhal.serve.validation import parse_client_request
 
 STALL_S = 0.15
@@ -47,7 +49,8 @@ def _trace(**settings: object) -> MigrationTrace:
 def _watch(trace: MigrationTrace | None, stall_s: float | None = STALL_S):
     renderer = EventRenderer(StreamTally(), False, None, trace)
     renderer.tally.token_events = 1
-    return renderer, StallWatch(renderer, stall_s)
+    deadline = None if stall_s is None else StallDeadline(stall_s, StallSweeper(STALL_S / 4))
+    return renderer, StallWatch(renderer, deadline)
 
 
 async def _read(watch: StallWatch, events: _Events, client_pause_s: float = 0.0) -> list:
@@ -111,3 +114,28 @@ def test_a_cancellation_from_outside_still_cancels() -> None:
             await task
 
     asyncio.run(main())
+
+
+def test_one_sweeper_watches_many_streams_and_stops_when_none_is_left() -> None:
+    """Two streams on one sweeper: the stalled one is interrupted, the live one is not; once
+    both are closed the sweeper holds nothing and its timer has run out."""
+    sweeper = StallSweeper(STALL_S / 4)
+    stalled = EventRenderer(StreamTally(), False, None, _trace())
+    live = EventRenderer(StreamTally(), False, None, _trace())
+    for renderer in (stalled, live):
+        renderer.tally.token_events = 1
+    watches = [StallWatch(r, StallDeadline(STALL_S, sweeper)) for r in (stalled, live)]
+
+    async def main() -> tuple[list, list]:
+        got = await asyncio.gather(
+            _read(watches[0], _Events([0.0, None])),
+            _read(watches[1], _Events([0.05] * 8)),
+        )
+        assert len(sweeper) == 0
+        await asyncio.sleep(STALL_S / 2)  # the timer's last round finds nothing and stops
+        assert sweeper._timer is None
+        return got[0], got[1]
+
+    first, second = asyncio.run(main())
+    assert first == [first[0], None] and stalled.interrupted is not None
+    assert all(b is not None for b in second) and live.interrupted is None

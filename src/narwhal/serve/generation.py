@@ -38,6 +38,7 @@ from narwhal.serve.pd import DecodeStream
 from narwhal.serve.record import RequestRecord
 from narwhal.serve.relay import EventRenderer, PushRelay, StreamTally, aggregate, relay_events
 from narwhal.serve.services import Services
+from narwhal.serve.stalls import StallDeadline
 from narwhal.serve.validation import parse_client_request
 
 __all__ = ["GenerationEndpoint", "read_body"]
@@ -325,10 +326,10 @@ class GenerationEndpoint:
                 pushed = writer is not None and isinstance(stream.response, EngineStreamConnection)
                 if pushed:
                     assert writer is not None
-                    tail = await self._push(writer, stream, renderer, migrator.stall_s)
+                    tail = await self._push(writer, stream, renderer, migrator.stall_deadline)
                 else:
                     tail = b""
-                    async for chunk in relay_events(stream, renderer, migrator.stall_s):
+                    async for chunk in relay_events(stream, renderer, migrator.stall_deadline):
                         if renderer.interrupted:
                             tail = chunk
                             break
@@ -383,7 +384,7 @@ class GenerationEndpoint:
         writer: _DirectWriter,
         stream: DecodeStream,
         renderer: EventRenderer,
-        stall_s: float | None,
+        deadline: StallDeadline | None,
     ) -> bytes:
         """Relay ``stream`` from its engine connection's callbacks straight to the client; the
         last piece, for the caller to send."""
@@ -391,7 +392,7 @@ class GenerationEndpoint:
         relay = PushRelay(renderer, stream.events.splitter, writer, stream.response)
         relay.start(stream.first_events)
         try:
-            return await relay.run(stall_s)
+            return await relay.run(deadline)
         finally:
             if relay.pauses:
                 pauses = self.services.metrics.slow_client_pauses

@@ -33,6 +33,7 @@ from narwhal.engines.legs import STRUCTURED_OUTPUT_FIELDS
 from narwhal.serve.errors import RouterError
 from narwhal.serve.pd import DEFAULT_COMPLETIONS_MAX_TOKENS, DecodeStream, PDRouter
 from narwhal.serve.record import RequestRecord
+from narwhal.serve.stalls import StallDeadline
 from narwhal.serve.validation import ClientRequest
 
 __all__ = ["MigrationTrace", "Migrator", "continuation_request", "new_trace", "not_migratable"]
@@ -337,10 +338,13 @@ class Migrator:
         self.trace = trace
 
     @property
-    def stall_s(self) -> float | None:
-        """How long the current stream may go without a token before it counts as stalled
-        (None: never, when the request cannot be migrated)."""
-        return None if self.trace is None else self.router.stall_s(self.stream)
+    def stall_deadline(self) -> StallDeadline | None:
+        """How long the current stream may go without a token before it counts as stalled,
+        and the router's sweeper that watches it (None: never, when the request cannot be
+        migrated)."""
+        if self.trace is None:
+            return None
+        return StallDeadline(self.router.stall_s(self.stream), self.router.stalls)
 
     async def resume(self, reason: str, message: str) -> DecodeStream | None:
         """Continue the request on another pair after its stream broke (``reason``); the new

@@ -39,6 +39,7 @@ from narwhal.serve.errors import (
     UpstreamFailed,
 )
 from narwhal.serve.record import RequestRecord
+from narwhal.serve.stalls import StallSweeper
 from narwhal.serve.validation import ClientRequest
 
 __all__ = [
@@ -171,6 +172,8 @@ class PDRouter:
         self._capacity = capacity
         self._waiters: dict[Ticket, asyncio.Future[Verdict]] = {}
         self._pump: asyncio.Task[None] | None = None
+        # Every migratable stream's stall deadline (stall_s), on one timer.
+        self.stalls = StallSweeper(fleet.routing.migration.stall_floor_s / 4)
 
     def ticket(self, request: ClientRequest, record: RequestRecord) -> Ticket:
         default_max = DEFAULT_CHAT_MAX_TOKENS if request.chat else DEFAULT_COMPLETIONS_MAX_TOKENS

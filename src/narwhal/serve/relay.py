@@ -30,6 +30,7 @@ from narwhal.engines.transport import EngineTransportError
 from narwhal.serve.errors import UpstreamFailed, error_body
 from narwhal.serve.migration import MigrationTrace, Migrator
 from narwhal.serve.pd import DecodeStream
+from narwhal.serve.stalls import StallDeadline
 
 __all__ = [
     "DONE_EVENT",
@@ -241,32 +242,29 @@ class EventRenderer:
 
 class StallWatch:
     """The stall deadline of a stream read batch by batch (``relay_events``, ``aggregate``): a
-    wait for the engine that lasts ``stall_s`` interrupts the stream when its trace can continue
-    it elsewhere (``interrupted``); a stream that cannot be continued is waited for as long as
-    it takes (the engine's request timeout bounds it). One timer per stall period, re-armed
-    when it fires, not a timeout per wait (~10 us each, a dozen waits per answer): when the
-    timer finds a wait past the deadline it cancels the task, as ``asyncio.timeout`` does."""
+    wait for the engine that lasts the stall period interrupts the stream when its trace can
+    continue it elsewhere (``interrupted``); a stream that cannot be continued is waited for as
+    long as it takes (the engine's request timeout bounds it). The router's sweeper
+    (``serve.stalls``) asks it every period, so a wait costs a timestamp, not a timer: when it
+    finds a wait past the deadline it cancels the task, as ``asyncio.timeout`` does."""
 
-    __slots__ = ("_fired", "_renderer", "_stall_s", "_task", "_timer", "_waiting_since")
+    __slots__ = ("_deadline", "_fired", "_renderer", "_task", "_waiting_since")
 
-    def __init__(self, renderer: EventRenderer, stall_s: float | None) -> None:
+    def __init__(self, renderer: EventRenderer, deadline: StallDeadline | None) -> None:
         self._renderer = renderer
-        self._stall_s = stall_s
+        self._deadline = deadline
         self._task: asyncio.Task[Any] | None = None
-        self._timer: asyncio.TimerHandle | None = None
         self._waiting_since: float | None = None
         self._fired = False
 
     async def next_batch(self, stream: DecodeStream) -> list[bytes] | None:
         """The stream's next batch of events; None when it stalled (``interrupted``)."""
-        renderer = self._renderer
-        trace = renderer.trace
-        stall_s = self._stall_s
-        if stall_s is None or trace is None or renderer.blocked():
+        deadline = self._deadline
+        if deadline is None or self._renderer.trace is None:
             return await stream.events.next_batch()
-        if self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(stall_s, self._check)
-        self._task = task = asyncio.current_task()
+        if self._task is None:
+            self._task = asyncio.current_task()
+            deadline.sweeper.watch(self)
         self._waiting_since = time.monotonic()
         try:
             return await stream.events.next_batch()
@@ -274,39 +272,37 @@ class StallWatch:
             if not self._fired:
                 raise
             self._fired = False
+            task = self._task
             if task is not None and task.uncancel() > 0:
                 raise  # cancelled from outside as well
-            renderer.stalled(stall_s)
+            self._renderer.stalled(deadline.stall_s)
             return None
         finally:
             self._waiting_since = None
 
-    def _check(self) -> None:
-        stall_s = self._stall_s
-        assert stall_s is not None
+    def sweep(self, now: float) -> None:
         since = self._waiting_since
-        quiet = 0.0 if since is None else time.monotonic() - since
-        if since is not None and quiet >= stall_s and self._task is not None:
-            self._timer = None  # armed again by the next wait
-            self._fired = True
-            self._task.cancel()
+        deadline = self._deadline
+        if since is None or self._fired or deadline is None or self._task is None:
             return
-        self._timer = asyncio.get_running_loop().call_later(stall_s - quiet, self._check)
+        if now - since < deadline.stall_s or self._renderer.blocked() is not None:
+            return
+        self._fired = True
+        self._task.cancel()
 
     def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        if self._deadline is not None:
+            self._deadline.sweeper.unwatch(self)
 
 
 async def relay_events(
-    stream: DecodeStream, renderer: EventRenderer, stall_s: float | None = None
+    stream: DecodeStream, renderer: EventRenderer, deadline: StallDeadline | None = None
 ) -> AsyncIterator[bytes]:
     """Yield SSE bytes for the client, reading the stream a batch at a time. Every way it ends
     yields ``[DONE]`` last, unless the stream was ``interrupted`` to be continued elsewhere;
     ``renderer.failure`` then says whether the stream broke."""
     batch: list[bytes] | None = stream.first_events
-    watch = StallWatch(renderer, stall_s)
+    watch = StallWatch(renderer, deadline)
     try:
         while True:
             out = renderer.render(batch or [])
@@ -343,7 +339,7 @@ class PushRelay:
         "_active_at",
         "_connection",
         "_splitter",
-        "_stall_timer",
+        "_stall_s",
         "_waiter",
         "_writer",
         "pauses",
@@ -366,7 +362,7 @@ class PushRelay:
         self.tail: bytes | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._active_at = time.monotonic()  # since when a stall is counted (client pauses)
-        self._stall_timer: asyncio.TimerHandle | None = None
+        self._stall_s = 0.0
 
     def start(self, first_events: list[bytes]) -> None:
         out = self.renderer.render(first_events)
@@ -414,15 +410,15 @@ class PushRelay:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    async def run(self, stall_s: float | None = None) -> bytes:
+    async def run(self, deadline: StallDeadline | None = None) -> bytes:
         """Wait for the end, resuming the engine after back-pressure; the tail to send (when
         the renderer is ``interrupted``, the last piece before the break). A stream with no
-        token for ``stall_s`` is interrupted when its trace can continue it elsewhere."""
+        token for its ``deadline``'s period is interrupted when its trace can continue it
+        elsewhere (the router's sweeper asks: :meth:`sweep`)."""
         loop = asyncio.get_running_loop()
-        # A timer per stall period, not a timeout per wait: the healthy path pays for one timer
-        # handle per period, and a stream whose tokens keep coming only re-arms it.
-        if stall_s is not None:
-            self._stall_timer = loop.call_later(stall_s, self._check_stall, stall_s)
+        if deadline is not None:
+            self._stall_s = deadline.stall_s
+            deadline.sweeper.watch(self)
         try:
             while self.tail is None:
                 if self._writer.paused:
@@ -437,24 +433,19 @@ class PushRelay:
                 finally:
                     self._waiter = None
         finally:
-            if self._stall_timer is not None:
-                self._stall_timer.cancel()
-                self._stall_timer = None
+            if deadline is not None:
+                deadline.sweeper.unwatch(self)
         return self.tail
 
-    def _check_stall(self, stall_s: float) -> None:
-        """The stall timer fired: interrupt a stream with no token for ``stall_s`` when its
-        trace can continue it elsewhere; otherwise wait for the rest of the period since its
-        last token (a client holding the stream up restarts the clock when it drains)."""
+    def sweep(self, now: float) -> None:
+        """Interrupt a stream with no token for its stall period when its trace can continue
+        it elsewhere (a client holding the stream up restarts the clock when it drains)."""
         if self.tail is not None:
             return
+        stall_s = self._stall_s
         last = max(self.renderer.tally.last_token_at or 0.0, self._active_at)
-        quiet = time.monotonic() - last
-        if quiet >= stall_s and not self._writer.paused and self.renderer.stalled(stall_s):
+        if now - last >= stall_s and not self._writer.paused and self.renderer.stalled(stall_s):
             self._finish(b"")
-            return
-        wait = stall_s - quiet if quiet < stall_s else stall_s
-        self._stall_timer = asyncio.get_running_loop().call_later(wait, self._check_stall, stall_s)
 
 
 class ClientWriter(Protocol):
@@ -602,7 +593,7 @@ async def aggregate(
     renderer = EventRenderer(tally, False, None, trace)
     prefill_prompt_tokens = stream.prefill_prompt_tokens  # the client's prompt, as counted
     batch: list[bytes] | None = stream.first_events
-    watch = StallWatch(renderer, migrator.stall_s)
+    watch = StallWatch(renderer, migrator.stall_deadline)
     try:
         i = 0
         while True:
@@ -617,7 +608,7 @@ async def aggregate(
                     stream = resumed
                     batch, i = stream.first_events, 0
                     watch.close()  # the new stream's own deadline (its pair's TPOT)
-                    watch = StallWatch(renderer, migrator.stall_s)
+                    watch = StallWatch(renderer, migrator.stall_deadline)
                     continue
                 if i == len(batch):
                     batch, i = await watch.next_batch(stream), 0
