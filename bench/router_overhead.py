@@ -113,25 +113,43 @@ class HTTPError(Exception):
     pass
 
 
+class _StaleConnection(Exception):
+    """A pooled connection the server had closed: nothing of the request was answered."""
+
+
 class Pool:
     def __init__(self) -> None:
         self._idle: dict[int, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = {}
         self._all: list[asyncio.StreamWriter] = []
 
-    async def _get(self, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _get(
+        self, port: int, fresh: bool = False
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bool]:
+        """A connection to ``port`` and whether it was idle in the pool (not ``fresh``)."""
         idle = self._idle.setdefault(port, [])
-        while idle:
+        while idle and not fresh:
             reader, writer = idle.pop()
             if not writer.is_closing() and not reader.at_eof():
-                return reader, writer
+                return reader, writer, True
         reader, writer = await connect(port)
         self._all.append(writer)
-        return reader, writer
+        return reader, writer, False
 
     async def post(
         self, port: int, path: str, body: bytes, request_id: str, stream: bool
     ) -> tuple[int, bytes]:
-        reader, writer = await self._get(port)
+        try:
+            return await self._post(port, path, body, request_id, stream, False)
+        except _StaleConnection:
+            # The server closed the idle connection as the request went out (its keep-alive
+            # timeout: a router under callgrind waits out the other's blocks): once more, on
+            # a new connection, as HTTP clients retry a request nothing was answered to.
+            return await self._post(port, path, body, request_id, stream, True)
+
+    async def _post(
+        self, port: int, path: str, body: bytes, request_id: str, stream: bool, fresh: bool
+    ) -> tuple[int, bytes]:
+        reader, writer, reused = await self._get(port, fresh)
         reusable = False
         try:
             writer.write(
@@ -143,7 +161,12 @@ class Pool:
                 ).encode()
                 + body
             )
-            status, headers = await read_head(reader)
+            try:
+                status, headers = await read_head(reader)
+            except (ConnectionResetError, asyncio.IncompleteReadError) as exc:
+                if not reused:
+                    raise
+                raise _StaleConnection from exc
             if headers.get(b"transfer-encoding") == b"chunked":
                 parts = []
                 for _ in range(1_000_000):
@@ -323,6 +346,56 @@ class Tally:
         self.rounds.append(other.blocks)
 
 
+class CallgrindCounter:
+    """The instructions a router under callgrind (``--instructions``) has executed, in
+    billions, as a running total: each read dumps the counts since the last dump
+    (``callgrind_control -d``: a dump zeroes them) and adds the dump's ``summary``. A count of
+    instructions does not move with the machine's load, its frequency or a neighbour's cache
+    traffic, which make two runs of the same code differ by several percent in CPU time; it
+    leaves out the kernel's share (the same system calls on both sides of an A/B pair)."""
+
+    def __init__(self, directory: Path, keep: bool = False) -> None:
+        self.directory = directory
+        self.keep = keep  # the dumps, for callgrind_annotate (--keep-dir)
+        self.totals: dict[int, float] = {}
+
+    @staticmethod
+    def command(directory: Path, target: str) -> list[str]:
+        return [
+            "valgrind",
+            "--tool=callgrind",
+            f"--callgrind-out-file={directory}/{target}.callgrind.%p",
+            "--dump-line=no",
+        ]
+
+    def read(self, pids: list[int]) -> float:
+        for pid in pids:
+            self.totals[pid] = self.totals.get(pid, 0.0) + self._dump(pid) / 1e9
+        return sum(self.totals.get(pid, 0.0) for pid in pids)
+
+    def _dump(self, pid: int) -> int:
+        try:
+            if "callgrind" not in os.readlink(f"/proc/{pid}/exe"):
+                return 0  # a process of the tree that valgrind does not run (none expected)
+        except OSError:
+            return 0  # gone
+        files = list(self.directory.glob(f"*.callgrind.{pid}.*"))
+        done = subprocess.run(
+            ["callgrind_control", "-d", str(pid)], capture_output=True, text=True, timeout=120
+        )
+        if done.returncode != 0 or "OK" not in done.stdout:
+            raise RuntimeError(f"callgrind_control -d {pid}: {done.stdout}{done.stderr}")
+        dumps = sorted(self.directory.glob(f"*.callgrind.{pid}.*"), key=lambda f: int(f.suffix[1:]))
+        if len(dumps) != len(files) + 1:
+            raise RuntimeError(f"callgrind wrote {len(dumps) - len(files)} dumps for {pid}")
+        for line in dumps[-1].read_text().splitlines():
+            if line.startswith("summary:"):
+                if not self.keep:
+                    dumps[-1].write_bytes(b"")  # read: its name is kept, to number the next
+                return int(line.split()[1])
+        raise RuntimeError(f"no summary in {dumps[-1]}")
+
+
 class Meter:
     """CPU readings around a block. ``run_time``: the routers' CPU from the scheduler's
     nanosecond count of their live threads (``procfs.run_time_seconds``), for the A/B mode's
@@ -330,11 +403,17 @@ class Meter:
     of a few dozen requests by a sixth."""
 
     def __init__(
-        self, router_pids: dict[str, list[int]], engine_pids: list[int], run_time: bool = False
+        self,
+        router_pids: dict[str, list[int]],
+        engine_pids: list[int],
+        run_time: bool = False,
+        instructions: CallgrindCounter | None = None,
     ) -> None:
         self.router_pids = router_pids
         self.engine_pids = engine_pids
-        self.router_cpu = procfs.run_time_seconds if run_time else total_cpu_seconds
+        self.router_cpu: Any = procfs.run_time_seconds if run_time else total_cpu_seconds
+        if instructions is not None:
+            self.router_cpu = instructions.read
 
     def snapshot(self, target: str) -> tuple[float, float, float, float, float]:
         pids = self.router_pids.get(target, [])
@@ -614,7 +693,12 @@ def report_ab(
         f"c1: {c1_requests}, c{c}: {AB_THROUGHPUT_FACTOR * c1_requests}",
     )
     add("blocks", f"c1: {LATENCY_BLOCK} requests, c{c}: {4 * c} requests, rotating A/B")
-    add("cpu_source", "/proc/<pid>/task/<tid>/schedstat run time (ns) of the routers' threads")
+    cost = "router_cpu_ms"
+    if args.instructions:
+        cost = "router_minstr"
+        add("cost_source", "callgrind's instruction count (Ir) of each router, user space only")
+    else:
+        add("cpu_source", "/proc/<pid>/task/<tid>/schedstat run time (ns) of the routers' threads")
     add("router_cpus", info["router_cpus"])
     add(
         "interval",
@@ -630,8 +714,9 @@ def report_ab(
         for phase, label in (("c1", "c1"), ("cN", f"c{c}")):
             a, b = results[(mode, "narwhal", phase)], results[(mode, "narwhal_b", phase)]
             p = f"{mode}_{label}"
-            add(f"{p}_a_router_cpu_ms_per_req", per_req_ms(a.router_cpu_s, a))
-            add(f"{p}_b_router_cpu_ms_per_req", per_req_ms(b.router_cpu_s, b))
+            # In --instructions mode router_cpu_s holds billions of instructions.
+            add(f"{p}_a_{cost}_per_req", per_req_ms(a.router_cpu_s, a))
+            add(f"{p}_b_{cost}_per_req", per_req_ms(b.router_cpu_s, b))
             add(f"{p}_a_router_wakeups_per_req", a.router_wakeups / a.requests)
             add(f"{p}_b_router_wakeups_per_req", b.router_wakeups / b.requests)
             add(f"{p}_a_engine_cpu_ms_per_req", per_req_ms(a.engine_cpu_s, a))
@@ -639,7 +724,8 @@ def report_ab(
             add(f"{p}_a_p50_ms", percentile(a.latencies, 50) * 1000)
             add(f"{p}_b_p50_ms", percentile(b.latencies, 50) * 1000)
             ratio, low, high = paired_ratio_interval(a.rounds, b.rounds)
-            add(f"ratio_cpu_a_over_b_{p}", f"{ratio:.3f} [{low:.3f}, {high:.3f}]")
+            what = "instructions" if args.instructions else "cpu"
+            add(f"ratio_{what}_a_over_b_{p}", f"{ratio:.3f} [{low:.3f}, {high:.3f}]")
             add(f"ratio_per_round_{p}", round_ratios(a, b))
     return rows
 
@@ -713,6 +799,13 @@ def main() -> int:
         help="A/B mode: fresh router processes this many times, --requests split over them",
     )
     parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="A/B mode: the routers run under valgrind's callgrind and their cost is the"
+        " instructions they execute per request (deterministic, but the kernel's share left"
+        " out) instead of their CPU time; about 50 times slower: a few hundred --requests",
+    )
+    parser.add_argument(
         "--narwhal-arg",
         action="append",
         default=[],
@@ -722,6 +815,11 @@ def main() -> int:
     if args.requests < 1 or args.concurrency < 1 or args.warmup < 0 or args.rounds < 1:
         parser.error("--requests, --concurrency and --rounds must be positive")
     ab = args.ab_routing is not None
+    if args.instructions and not ab:
+        parser.error("--instructions needs --ab-routing")
+    if args.instructions and not shutil.which("callgrind_control"):
+        print("valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
+        return 2
     bins: dict[str, Path] = {}
     for name in () if ab else ("vllm-router", "smg"):
         path = Path(sys.executable).parent / name
@@ -774,14 +872,24 @@ def main() -> int:
         logs = {t: directory / f"{t}.log" for t in ports_of}
 
         def start_narwhal(target: str, fleet_file: Path, env: dict[str, str] | None) -> None:
+            under: list[str] = []
+            quiet: tuple[str, ...] = ()
+            if args.instructions:
+                under = CallgrindCounter.command(directory, target)
+                # The periodic probes and scrapes run on the clock, not per request: under
+                # callgrind a block lasts ~50 times longer, and their instructions would land
+                # in whichever router's block they fall in.
+                quiet = ("--health-interval", "3600", "--scrape-interval", "3600")
             started[target] = procs.start(
-                serve_command(
+                under
+                + serve_command(
                     fleet_file,
                     ports_of[target],
                     directory / f"{target}-journal.jsonl",
                     "--skip-qualification",
                     "--log-level",
                     "info",
+                    *quiet,
                     *args.narwhal_arg,
                 ),
                 logs[target],
@@ -830,7 +938,7 @@ def main() -> int:
                 url = f"http://127.0.0.1:{ports_of[target]}"
                 procs.wait_ready(
                     functools.partial(router_ready, url, peer=target in PEERS),
-                    60,
+                    600 if args.instructions else 60,
                     process=proc,
                     name=url,
                     log=logs[target],
@@ -858,7 +966,8 @@ def main() -> int:
                 if listener is None:
                     raise RuntimeError(f"could not find the process listening for {target}")
                 pids_info[target] = f"{router_pids[target]} listener {describe(listener)}"
-            meter = Meter(router_pids, engine_pids, run_time=ab)
+            counter = CallgrindCounter(directory, args.keep_dir) if args.instructions else None
+            meter = Meter(router_pids, engine_pids, run_time=ab, instructions=counter)
             if round_index == 0:
                 # Idle cost of each router (health probes, scrapes, timers) with no requests.
                 idle_s = 3.0

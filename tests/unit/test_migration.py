@@ -255,3 +255,36 @@ def test_a_trace_says_why_it_cannot_continue() -> None:
         }
     )
     assert "complete" in (done.blocked(1) or "")
+
+
+def test_a_first_chunks_prompt_ids_are_cut_before_the_parse_and_parsed_when_asked() -> None:
+    """The prompt's ids (thousands for a long prompt) are kept as the engine wrote them and
+    left out of the healthy path's parse; a migration parses them; a client that asked for
+    ids gets them as written."""
+    completions = (
+        b'{"id":"c","choices":[{"index":0,"text":"a","token_ids":[5],'
+        b'"prompt_token_ids":[11,12,13]}]}'
+    )
+    chat = (
+        b'{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":'
+        b'{"role":"assistant","content":""},"token_ids":[]}],"prompt_token_ids":[21,22]}'
+    )
+    for payload, chat_route, ids in ((completions, False, [11, 12, 13]), (chat, True, [21, 22])):
+        body: dict[str, Any] = {"model": "m", "max_tokens": 5}
+        body |= {"messages": [{"role": "user", "content": "x"}]} if chat_route else {"prompt": [1]}
+        trace = _trace(body, chat_route)
+        cut = trace.cut(payload)
+        assert b'prompt_token_ids":null' in cut and b"21" not in cut and b"11," not in cut
+        obj = orjson.loads(cut)
+        sent = trace.take(cut, obj)
+        assert orjson.loads(sent) == orjson.loads(trace.strip(payload))
+        assert trace.prompt_ids == ids
+        asked = _trace({**body, "return_token_ids": True}, chat_route)
+        assert asked.cut(payload) == payload
+    # No list to cut (the engine left the ids out, or spelt them otherwise): unchanged.
+    bare = b'{"choices":[{"index":0,"text":"a","prompt_token_ids":null}]}'
+    trace = _trace({"model": "m", "prompt": [1], "max_tokens": 5})
+    assert trace.cut(bare) == bare
+    trace.take(bare, orjson.loads(bare))
+    assert trace.prompt_ids is None
+    assert trace.blocked(1) == "the engine did not return the prompt's token ids"

@@ -34,6 +34,7 @@ from narwhal.serve.errors import RouterError
 from narwhal.serve.pd import DEFAULT_COMPLETIONS_MAX_TOKENS, DecodeStream, PDRouter
 from narwhal.serve.record import RequestRecord
 from narwhal.serve.stalls import StallDeadline
+from narwhal.serve.token_ids import blank_token_ids, cut_prompt_ids, parse_ids
 from narwhal.serve.validation import ClientRequest
 
 __all__ = ["MigrationTrace", "Migrator", "continuation_request", "new_trace", "not_migratable"]
@@ -64,28 +65,6 @@ _CARRIED = (
 )
 
 
-def blank_token_ids(payload: bytes) -> bytes:
-    """``payload`` (an engine's chunk) with its ``token_ids`` and ``prompt_token_ids`` lists
-    replaced by null, as vLLM sends a chunk to a client that did not ask for them. A key's
-    spelling with its closing quote and colon cannot occur inside a JSON string, where a quote
-    is escaped, and a list of ids holds no bracket: searches and splices, no regex (a regex
-    that tries every position of a first chunk's prompt ids costs several microseconds)."""
-    start = payload.find(b'token_ids":[')
-    if start < 0:
-        return payload
-    out: list[bytes] = []
-    pos = 0
-    while start >= 0:
-        end = payload.find(b"]", start)
-        if end < 0:
-            break
-        out += (payload[pos : start + 11], b"null")
-        pos = end + 1
-        start = payload.find(b'token_ids":[', pos)
-    out.append(payload[pos:])
-    return b"".join(out)
-
-
 def not_migratable(request: ClientRequest) -> str | None:
     """Why ``request`` cannot be continued exactly on another engine, or None when it can."""
     body = request.body
@@ -113,7 +92,10 @@ class MigrationTrace:
     # The client's max_tokens (None: up to the model's length, a chat request's default).
     max_tokens: int | None
     client_ids: bool  # the client asked for token ids: they stay in its chunks
-    prompt_ids: list[int] | None = None
+    # The prompt's ids: parsed, or (:meth:`cut`) as the engine wrote them, parsed when asked
+    # for (``prompt_ids``).
+    _prompt_ids: list[int] | None = None
+    _prompt_raw: bytes | None = None
     # The generated ids: parsed, then those :meth:`take` kept as the engine wrote them (parsed
     # when asked for: ``generated``).
     _ids: list[int] = field(default_factory=list)
@@ -137,7 +119,7 @@ class MigrationTrace:
             if ids is None and isinstance(choices[0], dict):
                 ids = choices[0].get("prompt_token_ids")
             if isinstance(ids, list):
-                self.prompt_ids = ids
+                self._prompt_ids = ids
         for choice in choices:
             ids = choice.get("token_ids")
             if ids:
@@ -154,6 +136,25 @@ class MigrationTrace:
                 self.text_chars += len(choice.get("text") or "")
             if choice.get("finish_reason"):
                 self.finished = True
+
+    @property
+    def prompt_ids(self) -> list[int] | None:
+        """The prompt's ids as the engine returned them, or None (not yet, or never)."""
+        if self._prompt_ids is None and self._prompt_raw is not None:
+            self._prompt_ids = parse_ids(self._prompt_raw)
+            self._prompt_raw = None
+        return self._prompt_ids
+
+    def cut(self, payload: bytes) -> bytes:
+        """A chunk before the stream's head (:meth:`observe`), before it is parsed: its prompt
+        ids kept as the engine wrote them and left out of the parse (``cut_prompt_ids``), as
+        the client gets them (null) unless it asked for ids."""
+        if self.client_ids:
+            return payload
+        cut, raw = cut_prompt_ids(payload)
+        if raw is not None:
+            self._prompt_raw = raw
+        return cut
 
     def take(self, payload: bytes, obj: dict[str, Any]) -> bytes:
         """One chunk of the stream the client is receiving (``payload``, parsed as ``obj``):

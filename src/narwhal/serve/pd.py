@@ -40,6 +40,7 @@ from narwhal.serve.errors import (
 )
 from narwhal.serve.record import RequestRecord
 from narwhal.serve.stalls import StallSweeper
+from narwhal.serve.token_ids import cut_prompt_ids
 from narwhal.serve.validation import ClientRequest
 
 __all__ = [
@@ -697,7 +698,8 @@ class PDRouter:
                 for i, data in enumerate(batch):
                     if data == b"[DONE]":
                         raise _LegFailure("stream ended before the first token")
-                    obj = orjson.loads(data)
+                    # The prompt's ids (a migratable leg's first chunk) are not parsed here.
+                    obj = orjson.loads(cut_prompt_ids(data)[0] if token_ids else data)
                     if isinstance(obj, dict) and "error" in obj:
                         message = str((obj.get("error") or {}).get("message", obj["error"]))
                         raise _LegFailure(f"engine error before the first token: {message}")

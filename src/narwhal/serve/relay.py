@@ -181,6 +181,9 @@ class EventRenderer:
                 self.finished = True
                 out.append(DONE_EVENT)
                 break
+            trace = self.trace
+            if trace is not None and trace.head is None:
+                payload = trace.cut(payload)
             try:
                 obj = orjson.loads(payload)
             except ValueError as exc:
@@ -196,7 +199,6 @@ class EventRenderer:
                 self.failure = message
                 self.finished = True
                 break
-            trace = self.trace
             if trace is not None and trace.migrations and isinstance(obj, dict):
                 obj = trace.translate(obj)
                 payload = orjson.dumps(obj)
@@ -621,6 +623,8 @@ async def aggregate(
                 i += 1
                 if payload == b"[DONE]":
                     break
+                if trace is not None and trace.head is None:
+                    payload = trace.cut(payload)
                 obj = orjson.loads(payload)
                 if not isinstance(obj, dict):
                     raise UpstreamFailed("decode_failed", "malformed chunk from the decode engine")
