@@ -65,6 +65,9 @@ _CARRIED = (
 )
 
 
+_STRUCTURED_OUTPUT = frozenset(STRUCTURED_OUTPUT_FIELDS)
+
+
 def not_migratable(request: ClientRequest) -> str | None:
     """Why ``request`` cannot be continued exactly on another engine, or None when it can."""
     body = request.body
@@ -75,12 +78,15 @@ def not_migratable(request: ClientRequest) -> str | None:
             return "tools"
         if body.get("logprobs"):
             return "chat logprobs"
-    if any(body.get(name) is not None for name in STRUCTURED_OUTPUT_FIELDS):
+    # Most requests name none of the fields: one set operation rules them all out.
+    if not _STRUCTURED_OUTPUT.isdisjoint(body) and any(
+        body.get(name) is not None for name in STRUCTURED_OUTPUT_FIELDS
+    ):
         return "structured output"
     return None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class MigrationTrace:
     """What the client of one request has received, kept as the stream goes so that the
     request can be continued elsewhere; and, once it has been, the rewriting of the
