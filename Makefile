@@ -15,7 +15,7 @@ TINY_STAMP := $(TINY_MODEL)/narwhal-tiny.json
 export UCX_NET_DEVICES ?= lo
 export NIXL_LOG_LEVEL ?= WARN
 
-.PHONY: install demo qualify test test-deps test-deps-prometheus test-deps-chromium check lint typecheck format bench clean
+.PHONY: install demo qualify test test-deps test-deps-prometheus test-deps-chromium bench-deps-valgrind check lint typecheck format bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -94,6 +94,13 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/kv_transfer.py
+
+# bench/router_overhead.py --instructions counts the routers' instructions under callgrind
+# (Debian's valgrind); nothing in `make test` needs it.
+bench-deps-valgrind:
+	@command -v callgrind_control >/dev/null || (apt-get -o DPkg::Lock::Timeout=600 update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
+		--no-install-recommends valgrind)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -28,7 +28,10 @@ in the A/B mode (``--ab-routing``: two narwhal-serve processes) from the schedul
 run time of each router's threads (``/proc/<pid>/task/<tid>/schedstat``) instead, with both
 routers pinned to one CPU and the engines and the client to the others, over ``--rounds`` pairs
 of fresh router processes (two processes of the same code differ by a few percent: the
-interval resamples rounds as well as blocks).
+interval resamples rounds as well as blocks). With ``--instructions`` (A/B mode) the routers run
+under valgrind's callgrind and a block's cost is the instructions the router executed in it
+(``callgrind_control -d``): a count the machine's load does not move, of user space only, about
+50 times slower (a few hundred requests; the routers' periodic probes are set to an hour).
 Latency is measured end to end by the client at concurrency 1 (after a warmup), in blocks that
 rotate over the three targets so drift hits all of them alike; "added" latency is the router's
 percentile minus direct's percentile. Requests/s is measured at concurrency 1 and at
@@ -818,7 +821,7 @@ def main() -> int:
     if args.instructions and not ab:
         parser.error("--instructions needs --ab-routing")
     if args.instructions and not shutil.which("callgrind_control"):
-        print("valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
+        print("valgrind is not installed (make bench-deps-valgrind)", file=sys.stderr)
         return 2
     bins: dict[str, Path] = {}
     for name in () if ab else ("vllm-router", "smg"):
