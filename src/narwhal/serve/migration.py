@@ -204,8 +204,7 @@ class MigrationTrace:
         if self._raw:
             ids = self._ids
             for raw in self._raw:
-                if raw:
-                    ids.extend(int(x) for x in raw.split(b","))
+                ids += parse_ids(raw)
             self._raw.clear()
         return self._ids
 

@@ -43,10 +43,6 @@ class StallSweeper:
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    @property
-    def period_s(self) -> float:
-        return self._period_s
-
     def __len__(self) -> int:
         return len(self._watched)
 
