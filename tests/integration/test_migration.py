@@ -303,6 +303,43 @@ def test_hung_prefill_engine_is_hedged_within_the_ttft_budget(stack) -> None:
     assert failed >= len(hedged)
 
 
+def test_token_ids_reach_only_a_client_that_asked_for_them(stack) -> None:
+    """The router asks the decode engine for ids to migrate with; the prompt's ids are cut out
+    of the first chunk before any parse. A client that asked gets every list as the engine wrote
+    it, the others null, on both routes."""
+    _, router = stack
+    prompt = PROMPTS[1]
+    for route, body in (
+        ("/v1/completions", {"prompt": prompt}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1 w2 w3"}]}),
+    ):
+        for asked in (False, True):
+            payload = {
+                "model": MODEL,
+                "max_tokens": 8,
+                "temperature": 0,
+                "stream": True,
+                **body,
+                **({"return_token_ids": True} if asked else {}),
+            }
+            response = httpx.post(router.url + route, json=payload, timeout=60)
+            assert response.status_code == 200
+            _, chunks, error = streamed_text(response)
+            assert not error and chunks
+            first = chunks[0]
+            prompt_ids = first.get("prompt_token_ids")
+            if prompt_ids is None and first["choices"]:
+                prompt_ids = first["choices"][0].get("prompt_token_ids")
+            ids = [c.get("token_ids") for chunk in chunks for c in chunk["choices"]]
+            if asked:
+                assert isinstance(prompt_ids, list) and prompt_ids
+                if route == "/v1/completions":
+                    assert prompt_ids == prompt
+                assert sum(len(i or []) for i in ids) == 8
+            else:
+                assert prompt_ids is None and all(i is None for i in ids), chunks[0]
+
+
 def test_request_that_cannot_be_continued_exactly_still_ends_with_an_error_event(stack) -> None:
     fleet, router = stack
     for engine_id in ("e2", "e3"):

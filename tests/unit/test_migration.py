@@ -10,6 +10,7 @@ import orjson
 
 from narwhal.contract import Migration
 from narwhal.serve.migration import MigrationTrace, continuation_request, new_trace
+from narwhal.serve.token_ids import cut_prompt_ids
 from narwhal.serve.validation import parse_client_request
 
 MAX_MODEL_LEN = 1000
@@ -161,14 +162,18 @@ def test_after_the_first_chunk_ids_are_kept_as_written_and_parsed_when_asked() -
         b'{"id":"c","choices":[{"index":0,"text":"a","token_ids":null,"prompt_token_ids":null}]}'
     )
     assert trace.prompt_ids == [1] and trace.head is not None
+    assert not trace.observing
     spelt = b'{"choices":[{"text":"\\"token_ids\\":[1]","token_ids":[6,7],"x":1}]}'
-    assert trace.take(spelt, orjson.loads(spelt)) == (
+    assert trace.keep(spelt) == (
         b'{"choices":[{"text":"\\"token_ids\\":[1]","token_ids":null,"x":1}]}'
     )
     bare = b'{"choices":[{"text":"","token_ids":[],"finish_reason":"length"}]}'
-    assert trace.take(bare, orjson.loads(bare)) == (
+    assert trace.keep(bare) == (
         b'{"choices":[{"text":"","token_ids":null,"finish_reason":"length"}]}'
     )
+    # A chunk without ids (the usage chunk) passes as it is.
+    usage = b'{"choices":[],"usage":{"completion_tokens":3}}'
+    assert trace.keep(usage) == usage
     assert trace.generated == [5, 6, 7] and trace.remaining() == 2
     # What the relay's tally saw of those chunks decides: a finish or a reasoning delta.
     assert trace.blocked(3) is None
@@ -177,17 +182,21 @@ def test_after_the_first_chunk_ids_are_kept_as_written_and_parsed_when_asked() -
     asked = _trace({"model": "m", "prompt": [1], "max_tokens": 5, "return_token_ids": True})
     asked.take(first, orjson.loads(first))
     usual = b'{"choices":[{"index":0,"text":"b","token_ids":[8, 9]}]}'
-    assert asked.take(usual, orjson.loads(usual)) == usual
+    assert asked.keep(usual) == usual
     assert asked.generated == [5, 8, 9]
 
 
-def test_a_collected_stream_keeps_only_the_ids_after_its_first_chunk() -> None:
-    trace = _trace({"model": "m", "prompt": [1], "max_tokens": 5})
-    trace.note({"id": "c", "choices": [{"index": 0, "text": "a", "prompt_token_ids": [1, 2]}]})
-    trace.note({"id": "c", "choices": [{"index": 0, "text": "b", "token_ids": [8, 9]}]})
-    trace.note({"id": "c", "choices": [{"index": 0, "text": "", "token_ids": []}]})
-    assert trace.prompt_ids == [1, 2] and trace.generated == [8, 9]
-    assert trace.blocked(2) is None
+def test_completions_with_logprobs_are_observed_the_whole_way() -> None:
+    """Their text offsets continue across a migration: every chunk is parsed and observed."""
+    trace = _trace({"model": "m", "prompt": [1], "max_tokens": 5, "logprobs": 1})
+    first = b'{"id":"c","choices":[{"index":0,"text":"ab","token_ids":[5],"prompt_token_ids":[1]}]}'
+    trace.take(first, orjson.loads(first))
+    assert trace.observing
+    usual = b'{"choices":[{"index":0,"text":"cde","token_ids":[6]}]}'
+    assert trace.take(usual, orjson.loads(usual)) == (
+        b'{"choices":[{"index":0,"text":"cde","token_ids":null}]}'
+    )
+    assert trace.generated == [5, 6] and trace.text_chars == 5 and trace.prompt_ids == [1]
 
 
 def test_what_cannot_be_continued_exactly_is_not_migrated() -> None:
@@ -273,18 +282,18 @@ def test_a_first_chunks_prompt_ids_are_cut_before_the_parse_and_parsed_when_aske
         body: dict[str, Any] = {"model": "m", "max_tokens": 5}
         body |= {"messages": [{"role": "user", "content": "x"}]} if chat_route else {"prompt": [1]}
         trace = _trace(body, chat_route)
-        cut = trace.cut(payload)
+        cut, raw = cut_prompt_ids(payload)
         assert b'prompt_token_ids":null' in cut and b"21" not in cut and b"11," not in cut
+        assert raw is not None
+        trace.keep_prompt_ids(raw)
         obj = orjson.loads(cut)
         sent = trace.take(cut, obj)
         assert orjson.loads(sent) == orjson.loads(trace.strip(payload))
         assert trace.prompt_ids == ids
-        asked = _trace({**body, "return_token_ids": True}, chat_route)
-        assert asked.cut(payload) == payload
     # No list to cut (the engine left the ids out, or spelt them otherwise): unchanged.
     bare = b'{"choices":[{"index":0,"text":"a","prompt_token_ids":null}]}'
     trace = _trace({"model": "m", "prompt": [1], "max_tokens": 5})
-    assert trace.cut(bare) == bare
+    assert cut_prompt_ids(bare) == (bare, None)
     trace.take(bare, orjson.loads(bare))
     assert trace.prompt_ids is None
     assert trace.blocked(1) == "the engine did not return the prompt's token ids"

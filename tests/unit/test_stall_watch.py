@@ -15,7 +15,7 @@ import pytest
 from narwhal.contract import Migration
 from narwhal.serve.migration import MigrationTrace, new_trace
 from narwhal.serve.relay import EventRenderer, StallWatch, StreamTally
-from narwhal.serve.stalls import StallDeadline, StallSweeper
+from narwhal.serve.stalls import FixedStallDeadline, StallSweeper
 from narwhal.serve.validation import parse_client_request
 
 STALL_S = 0.15
@@ -49,7 +49,7 @@ def _trace(**settings: object) -> MigrationTrace:
 def _watch(trace: MigrationTrace | None, stall_s: float | None = STALL_S):
     renderer = EventRenderer(StreamTally(), False, None, trace)
     renderer.tally.token_events = 1
-    deadline = None if stall_s is None else StallDeadline(stall_s, StallSweeper(STALL_S / 4))
+    deadline = None if stall_s is None else FixedStallDeadline(stall_s, StallSweeper(STALL_S / 4))
     return renderer, StallWatch(renderer, deadline)
 
 
@@ -124,7 +124,7 @@ def test_one_sweeper_watches_many_streams_and_stops_when_none_is_left() -> None:
     live = EventRenderer(StreamTally(), False, None, _trace())
     for renderer in (stalled, live):
         renderer.tally.token_events = 1
-    watches = [StallWatch(r, StallDeadline(STALL_S, sweeper)) for r in (stalled, live)]
+    watches = [StallWatch(r, FixedStallDeadline(STALL_S, sweeper)) for r in (stalled, live)]
 
     async def main() -> tuple[list, list]:
         got = await asyncio.gather(

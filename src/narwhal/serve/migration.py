@@ -33,8 +33,8 @@ from narwhal.engines.legs import STRUCTURED_OUTPUT_FIELDS
 from narwhal.serve.errors import RouterError
 from narwhal.serve.pd import DEFAULT_COMPLETIONS_MAX_TOKENS, DecodeStream, PDRouter
 from narwhal.serve.record import RequestRecord
-from narwhal.serve.stalls import StallDeadline
-from narwhal.serve.token_ids import blank_token_ids, cut_prompt_ids, parse_ids
+from narwhal.serve.stalls import StallDeadline, StallSweeper
+from narwhal.serve.token_ids import IDS_KEY, NULL_IDS, blank_token_ids, parse_ids
 from narwhal.serve.validation import ClientRequest
 
 __all__ = ["MigrationTrace", "Migrator", "continuation_request", "new_trace", "not_migratable"]
@@ -98,14 +98,14 @@ class MigrationTrace:
     # The client's max_tokens (None: up to the model's length, a chat request's default).
     max_tokens: int | None
     client_ids: bool  # the client asked for token ids: they stay in its chunks
-    # The prompt's ids: parsed, or (:meth:`cut`) as the engine wrote them, parsed when asked
-    # for (``prompt_ids``).
+    # The prompt's ids: parsed, or (:meth:`keep_prompt_ids`) as the engine wrote them, parsed
+    # when asked for (``prompt_ids``).
     _prompt_ids: list[int] | None = None
     _prompt_raw: bytes | None = None
-    # The generated ids: parsed, then those :meth:`take` kept as the engine wrote them (parsed
+    # The generated ids: parsed, then those :meth:`keep` kept as the engine wrote them (parsed
     # when asked for: ``generated``).
     _ids: list[int] = field(default_factory=list)
-    _raw: list[bytes] = field(default_factory=list)
+    kept_ids: list[bytes] = field(default_factory=list)
     head: dict[str, Any] | None = None  # id, object, created, model of the client's chunks
     exact: bool = True  # False once the engine sent what a continuation cannot reproduce
     finished: bool = False  # a finish_reason arrived: the answer is whole
@@ -120,7 +120,12 @@ class MigrationTrace:
         if not choices:
             return
         if self.head is None:
-            self.head = {k: obj.get(k) for k in ("id", "object", "created", "model")}
+            self.head = {
+                "id": obj.get("id"),
+                "object": obj.get("object"),
+                "created": obj.get("created"),
+                "model": obj.get("model"),
+            }
             ids = obj.get("prompt_token_ids")
             if ids is None and isinstance(choices[0], dict):
                 ids = choices[0].get("prompt_token_ids")
@@ -151,61 +156,54 @@ class MigrationTrace:
             self._prompt_raw = None
         return self._prompt_ids
 
-    def cut(self, payload: bytes) -> bytes:
-        """A chunk before the stream's head (:meth:`observe`), before it is parsed: its prompt
-        ids kept as the engine wrote them and left out of the parse (``cut_prompt_ids``), as
-        the client gets them (null) unless it asked for ids."""
-        if self.client_ids:
-            return payload
-        cut, raw = cut_prompt_ids(payload)
-        if raw is not None:
-            self._prompt_raw = raw
-        return cut
+    def keep_prompt_ids(self, raw: bytes) -> None:
+        """The prompt's ids as the engine wrote them on its first chunk, cut out of it before
+        the parse (``PDRouter`` does: ``DecodeStream.decode_prompt_ids``), parsed only when a
+        migration needs them (``prompt_ids``)."""
+        self._prompt_raw = raw
+
+    @property
+    def observing(self) -> bool:
+        """The next chunk must be parsed whole and observed (:meth:`take`): the first (the head,
+        the first ids), or every chunk of a completions stream with logprobs (their text offsets
+        continue). The others only have their ids kept (:meth:`keep`)."""
+        return self.head is None or self.logprobs
 
     def take(self, payload: bytes, obj: dict[str, Any]) -> bytes:
-        """One chunk of the stream the client is receiving (``payload``, parsed as ``obj``):
-        observed, and returned as the client gets it (:meth:`observe`, :meth:`strip`).
+        """A chunk while :attr:`observing` (``payload``, parsed as ``obj``): observed, and
+        returned as the client gets it (:meth:`observe`, :meth:`strip`)."""
+        self.observe(obj)
+        return self.strip(payload)
 
-        Every token of every migratable stream passes here, so after the first chunk (the
-        head and the prompt's ids) the usual chunk costs two searches and a splice: its ids
-        are kept as the engine wrote them, parsed only when a migration needs them, and the
-        finish and reasoning or tool-call deltas are the relay's tally's to see
-        (:meth:`blocked`). vLLM sends the prompt's ids with the first chunk only. Completions
-        with logprobs (their text offsets continue) take the whole way."""
-        if self.head is None or self.logprobs:
-            self.observe(obj)
-            return self.strip(payload)
+    def keep(self, payload: bytes) -> bytes:
+        """A chunk once the trace no longer :attr:`observing`, before it is parsed: its ids
+        kept as the engine wrote them (parsed only when a migration needs them), and the chunk
+        returned as the client gets it, and as the router parses it (the ids never are).
+
+        Every token of every migratable stream passes here: one search from the end, one for
+        the bracket, a splice. Its finish and reasoning or tool-call deltas are the relay's
+        tally's to see (:meth:`blocked`)."""
         # The key's spelling with its quotes cannot occur inside a JSON string (a quote there
         # is escaped), nor does ``prompt_token_ids`` (no quote before ``token_ids``); a list of
-        # ids holds no bracket.
-        before, key, rest = payload.partition(b'"token_ids":[')
+        # ids holds no bracket. A migratable stream has one choice, so one list, which vLLM
+        # writes last in its choice: the search from the end is the shorter.
+        before, key, rest = payload.rpartition(IDS_KEY)
         if not key:
             return payload
         ids, _, after = rest.partition(b"]")
-        self._raw.append(ids)
+        self.kept_ids.append(ids)
         if self.client_ids:
             return payload
-        return b"".join((before, b'"token_ids":null', after))
-
-    def note(self, obj: dict[str, Any]) -> None:
-        """One chunk of a stream the router collects for a non-streamed answer: :meth:`take`
-        without the client's bytes (after the first chunk, only its ids are kept)."""
-        if self.head is None or self.logprobs:
-            self.observe(obj)
-            return
-        for choice in obj.get("choices") or ():
-            ids = choice.get("token_ids")
-            if ids:
-                self._ids += ids
+        return b"".join((before, NULL_IDS, after))
 
     @property
     def generated(self) -> list[int]:
         """Every id generated so far, in order."""
-        if self._raw:
+        if self.kept_ids:
             ids = self._ids
-            for raw in self._raw:
+            for raw in self.kept_ids:
                 ids += parse_ids(raw)
-            self._raw.clear()
+            self.kept_ids.clear()
         return self._ids
 
     def strip(self, payload: bytes) -> bytes:
@@ -216,7 +214,7 @@ class MigrationTrace:
         self, token_events: int, finished: bool = False, non_text: bool = False
     ) -> str | None:
         """Why the stream cannot be continued now, or None when it can. ``finished`` and
-        ``non_text``: what the relay's tally saw of the chunks :meth:`take` kept without
+        ``non_text``: what the relay's tally saw of the chunks :meth:`keep` kept without
         looking (a finish reason; a reasoning or tool-call delta)."""
         if not self.exact or non_text:
             return "the engine sent reasoning or tool-call deltas"
@@ -342,15 +340,23 @@ class Migrator:
         self.record = record
         self.stream = stream
         self.trace = trace
+        if trace is not None and stream.decode_prompt_ids is not None:
+            trace.keep_prompt_ids(stream.decode_prompt_ids)
 
     @property
     def stall_deadline(self) -> StallDeadline | None:
         """How long the current stream may go without a token before it counts as stalled,
         and the router's sweeper that watches it (None: never, when the request cannot be
-        migrated)."""
-        if self.trace is None:
-            return None
-        return StallDeadline(self.router.stall_s(self.stream), self.router.stalls)
+        migrated): the migrator itself, whose period is worked out when asked."""
+        return None if self.trace is None else self
+
+    @property
+    def stall_s(self) -> float:
+        return self.router.stall_s(self.stream)
+
+    @property
+    def sweeper(self) -> StallSweeper:
+        return self.router.stalls
 
     async def resume(self, reason: str, message: str) -> DecodeStream | None:
         """Continue the request on another pair after its stream broke (``reason``); the new

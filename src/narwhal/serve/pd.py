@@ -108,6 +108,9 @@ class DecodeStream:
     ticket: Ticket
     # The prompt's token ids as the prefill engine returned them (only a prefill leg has them).
     prompt_token_ids: list[int] | None = None
+    # The inside of the list of prompt ids the decode engine returned on its first chunk, cut
+    # out of it (``serve.token_ids.cut_prompt_ids``): a migration parses them.
+    decode_prompt_ids: bytes | None = None
     # A migration's continuation: the tokens the legs before it generated.
     completion_offset: int = 0
 
@@ -653,6 +656,8 @@ class PDRouter:
         path = "/v1/chat/completions" if request.chat else "/v1/completions"
         # A local pick sends the client's request as it is: no kv_transfer_params at all.
         leg_body = decode_leg_body(request.body, params)
+        # A client that asked for ids gets the first chunk's prompt ids as the engine wrote them.
+        client_ids = bool(request.body.get("return_token_ids"))
         if token_ids:
             leg_body["return_token_ids"] = True
         body = orjson.dumps(leg_body)
@@ -685,7 +690,7 @@ class PDRouter:
             "Accept": "text/event-stream",
         }
 
-        async def first_event() -> tuple[EngineResponse, SseEventStream, list[bytes]]:
+        async def first_event() -> tuple[EngineResponse, SseEventStream, list[bytes], bytes | None]:
             nonlocal response
             response = await client.stream(path, body, headers)
             if response.status >= 400:
@@ -698,19 +703,25 @@ class PDRouter:
                 for i, data in enumerate(batch):
                     if data == b"[DONE]":
                         raise _LegFailure("stream ended before the first token")
-                    # The prompt's ids (a migratable leg's first chunk) are not parsed here.
-                    obj = orjson.loads(cut_prompt_ids(data)[0] if token_ids else data)
+                    # The prompt's ids (a migratable leg's first chunk) are not parsed: cut out
+                    # once, here, and relayed as null to a client that did not ask for them.
+                    raw = None
+                    if token_ids:
+                        data, raw = cut_prompt_ids(data)
+                    obj = orjson.loads(data)
                     if isinstance(obj, dict) and "error" in obj:
                         message = str((obj.get("error") or {}).get("message", obj["error"]))
                         raise _LegFailure(f"engine error before the first token: {message}")
                     if isinstance(obj, dict) and obj.get("choices"):
-                        return response, events, batch[i:]
+                        if raw is None or client_ids:
+                            return response, events, batch[i:], None
+                        return response, events, [data, *batch[i + 1 :]], raw
             raise _LegFailure("stream ended before the first token")
 
         try:
             try:
                 async with asyncio.timeout(deadline_s):
-                    resp, events, first = await first_event()
+                    resp, events, first, decode_prompt_ids = await first_event()
             except TimeoutError:
                 self.metrics.deadline_exceeded.labels(engine).inc()
                 # The tail of handoff latency includes the legs that missed (at least this
@@ -757,4 +768,6 @@ class PDRouter:
             record.handoff_first_token_s = first_token_s
             self.metrics.handoff.labels(engine).observe(first_token_s)
             record.attempt("decode", engine, "first_token", after_s=round(first_token_s, 6))
-        return DecodeStream(engine, resp, events, first, prompt_tokens, ticket, prompt_ids)
+        return DecodeStream(
+            engine, resp, events, first, prompt_tokens, ticket, prompt_ids, decode_prompt_ids
+        )

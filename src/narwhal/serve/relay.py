@@ -31,6 +31,7 @@ from narwhal.serve.errors import UpstreamFailed, error_body
 from narwhal.serve.migration import MigrationTrace, Migrator
 from narwhal.serve.pd import DecodeStream
 from narwhal.serve.stalls import StallDeadline
+from narwhal.serve.token_ids import IDS_KEY, NULL_IDS
 
 __all__ = [
     "DONE_EVENT",
@@ -175,15 +176,34 @@ class EventRenderer:
         out: list[bytes] = []
         tally = self.tally
         now = time.monotonic()
+        # A continuation's chunks are translated, the first stream's taken (a migration begins
+        # between two reads, never within one).
+        trace = self.trace
+        translated = taken = None
+        kept: list[bytes] | None = None  # the trace's unparsed ids, once it keeps them so
+        if trace is not None:
+            if trace.migrations:
+                translated = trace
+            elif trace.head is None or trace.logprobs:  # ``trace.observing``
+                taken = trace
+            else:
+                kept = trace.kept_ids
+        blank = trace is not None and not trace.client_ids
         for payload in batch:
             if payload == b"[DONE]":
                 tally.done = True
                 self.finished = True
                 out.append(DONE_EVENT)
                 break
-            trace = self.trace
-            if trace is not None and trace.head is None:
-                payload = trace.cut(payload)
+            if kept is not None:
+                # ``MigrationTrace.keep`` inline: every token of every migratable stream passes
+                # here, and a call costs as much as the splice.
+                before, key, rest = payload.rpartition(IDS_KEY)
+                if key:
+                    ids, _, after = rest.partition(b"]")
+                    kept.append(ids)
+                    if blank:
+                        payload = b"".join((before, NULL_IDS, after))
             try:
                 obj = orjson.loads(payload)
             except ValueError as exc:
@@ -199,8 +219,8 @@ class EventRenderer:
                 self.failure = message
                 self.finished = True
                 break
-            if trace is not None and trace.migrations and isinstance(obj, dict):
-                obj = trace.translate(obj)
+            if translated is not None and isinstance(obj, dict):
+                obj = translated.translate(obj)
                 payload = orjson.dumps(obj)
             if isinstance(obj, dict) and obj.get("usage") and not obj.get("choices"):
                 tally.completion_tokens = obj["usage"].get("completion_tokens")
@@ -212,8 +232,10 @@ class EventRenderer:
             else:
                 if isinstance(obj, dict):
                     note_chunk(tally, obj, now)
-                    if trace is not None and not trace.migrations:
-                        payload = trace.take(payload, obj)
+                    if taken is not None:
+                        payload = taken.take(payload, obj)
+                        if not taken.observing:
+                            kept, taken = taken.kept_ids, None
                 out += (b"data: ", payload, b"\n\n")
         return b"".join(out)
 
@@ -340,6 +362,7 @@ class PushRelay:
     __slots__ = (
         "_active_at",
         "_connection",
+        "_deadline",
         "_splitter",
         "_stall_s",
         "_waiter",
@@ -364,7 +387,8 @@ class PushRelay:
         self.tail: bytes | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._active_at = time.monotonic()  # since when a stall is counted (client pauses)
-        self._stall_s = 0.0
+        self._deadline: StallDeadline | None = None
+        self._stall_s: float | None = None  # the deadline's, once a sweep has asked for it
 
     def start(self, first_events: list[bytes]) -> None:
         out = self.renderer.render(first_events)
@@ -419,7 +443,7 @@ class PushRelay:
         elsewhere (the router's sweeper asks: :meth:`sweep`)."""
         loop = asyncio.get_running_loop()
         if deadline is not None:
-            self._stall_s = deadline.stall_s
+            self._deadline = deadline
             deadline.sweeper.watch(self)
         try:
             while self.tail is None:
@@ -442,9 +466,11 @@ class PushRelay:
     def sweep(self, now: float) -> None:
         """Interrupt a stream with no token for its stall period when its trace can continue
         it elsewhere (a client holding the stream up restarts the clock when it drains)."""
-        if self.tail is not None:
+        if self.tail is not None or self._deadline is None:
             return
         stall_s = self._stall_s
+        if stall_s is None:
+            stall_s = self._stall_s = self._deadline.stall_s
         last = max(self.renderer.tally.last_token_at or 0.0, self._active_at)
         if now - last >= stall_s and not self._writer.paused and self.renderer.stalled(stall_s):
             self._finish(b"")
@@ -623,8 +649,13 @@ async def aggregate(
                 i += 1
                 if payload == b"[DONE]":
                     break
-                if trace is not None and trace.head is None:
-                    payload = trace.cut(payload)
+                # The first stream's chunks: observed, or their ids kept before the parse.
+                observing = False
+                if trace is not None and not trace.migrations:
+                    if trace.observing:
+                        observing = True
+                    else:
+                        payload = trace.keep(payload)
                 obj = orjson.loads(payload)
                 if not isinstance(obj, dict):
                     raise UpstreamFailed("decode_failed", "malformed chunk from the decode engine")
@@ -636,8 +667,8 @@ async def aggregate(
                 if trace is not None:
                     if trace.migrations:
                         obj = trace.translate(obj)
-                    else:
-                        trace.note(obj)
+                    elif observing:
+                        trace.observe(obj)
                 head = head or obj
                 if obj.get("usage") and not obj.get("choices"):
                     usage = obj["usage"]

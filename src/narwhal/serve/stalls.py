@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["StallDeadline", "StallSweeper", "Stallable"]
+__all__ = ["FixedStallDeadline", "StallDeadline", "StallSweeper", "Stallable"]
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +73,21 @@ class StallSweeper:
             self._timer = self._loop.call_later(self._period_s, self._sweep)
 
 
+class StallDeadline(Protocol):
+    """A stream's stall period and the sweeper that watches it. The period is asked for only
+    once the stream has been quiet for a sweep (most streams end first): it comes from the
+    stream's latency model (``serve.migration.Migrator``)."""
+
+    @property
+    def stall_s(self) -> float: ...
+
+    @property
+    def sweeper(self) -> StallSweeper: ...
+
+
 @dataclass(frozen=True, slots=True)
-class StallDeadline:
-    """A stream's stall period and the sweeper that watches it."""
+class FixedStallDeadline:
+    """A stall period known up front (:class:`StallDeadline`)."""
 
     stall_s: float
     sweeper: StallSweeper

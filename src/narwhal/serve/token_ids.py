@@ -10,9 +10,12 @@ several microseconds) and no parse.
 
 from __future__ import annotations
 
-__all__ = ["blank_token_ids", "cut_prompt_ids", "parse_ids"]
+__all__ = ["IDS_KEY", "NULL_IDS", "blank_token_ids", "cut_prompt_ids", "parse_ids"]
 
 _PROMPT_IDS = b'"prompt_token_ids":['
+# A choice's list of ids, and what replaces it for a client that did not ask for ids.
+IDS_KEY = b'"token_ids":['
+NULL_IDS = b'"token_ids":null'
 
 
 def blank_token_ids(payload: bytes) -> bytes:
