@@ -10,6 +10,7 @@ import orjson
 
 from narwhal.contract import Migration
 from narwhal.serve.migration import MigrationTrace, continuation_request, new_trace
+from narwhal.serve.relay import EventRenderer, StreamTally
 from narwhal.serve.token_ids import cut_prompt_ids
 from narwhal.serve.validation import parse_client_request
 
@@ -186,6 +187,15 @@ def test_after_the_first_chunk_ids_are_kept_as_written_and_parsed_when_asked() -
     assert asked.generated == [5, 8, 9]
 
 
+def test_a_collected_stream_keeps_only_the_ids_after_its_first_chunk() -> None:
+    trace = _trace({"model": "m", "prompt": [1], "max_tokens": 5})
+    trace.note({"id": "c", "choices": [{"index": 0, "text": "a", "prompt_token_ids": [1, 2]}]})
+    trace.note({"id": "c", "choices": [{"index": 0, "text": "b", "token_ids": [8, 9]}]})
+    trace.note({"id": "c", "choices": [{"index": 0, "text": "", "token_ids": []}]})
+    assert trace.prompt_ids == [1, 2] and trace.generated == [8, 9]
+    assert trace.blocked(2) is None
+
+
 def test_completions_with_logprobs_are_observed_the_whole_way() -> None:
     """Their text offsets continue across a migration: every chunk is parsed and observed."""
     trace = _trace({"model": "m", "prompt": [1], "max_tokens": 5, "logprobs": 1})
@@ -297,3 +307,51 @@ def test_a_first_chunks_prompt_ids_are_cut_before_the_parse_and_parsed_when_aske
     trace.take(bare, orjson.loads(bare))
     assert trace.prompt_ids is None
     assert trace.blocked(1) == "the engine did not return the prompt's token ids"
+
+
+def _sse(*payloads: bytes) -> list[dict[str, Any]]:
+    """The chunks of rendered SSE bytes, parsed ([DONE] left out)."""
+    return [
+        orjson.loads(line[6:])
+        for line in b"".join(payloads).split(b"\n\n")
+        if line.startswith(b"data: {")
+    ]
+
+
+def test_the_relay_keeps_each_chunks_ids_unparsed_and_blanks_them_for_the_client() -> None:
+    """What the relay renders for a migratable stream, as the decode leg hands it over (the
+    prompt's ids cut out of the first chunk): the client's chunks carry no ids unless it asked,
+    and the trace holds every generated id, the prompt's and the head."""
+    first = (
+        b'{"id":"c","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'
+        b'"text":"a","logprobs":null,"finish_reason":null,"stop_reason":null,'
+        b'"prompt_token_ids":[11,12],"token_ids":[5]}],"usage":null}'
+    )
+    rest = [
+        b'{"id":"c","choices":[{"index":0,"text":"b","token_ids":[6,7]}],"usage":null}',
+        b'{"id":"c","choices":[{"index":0,"text":"","finish_reason":"length","token_ids":[]}]}',
+        b'{"id":"c","choices":[],"usage":{"prompt_tokens":2,"completion_tokens":3}}',
+        b"[DONE]",
+    ]
+    for asked in (False, True):
+        body = {"model": "m", "prompt": [11, 12], "max_tokens": 5, "stream": True}
+        trace = _trace({**body, "return_token_ids": True} if asked else body)
+        cut, raw = cut_prompt_ids(first)
+        assert raw is not None
+        if not asked:  # the decode leg cuts the prompt's ids for a client that did not ask
+            trace.keep_prompt_ids(raw)
+        renderer = EventRenderer(StreamTally(), True, 2, trace)
+        out = [renderer.render([first if asked else cut]), renderer.render(rest[:2])]
+        out.append(renderer.render(rest[2:]))
+        chunks = _sse(*out)
+        assert renderer.finished and renderer.tally.token_events == 3
+        ids = [c.get("token_ids") for chunk in chunks for c in chunk["choices"]]
+        prompt = chunks[0]["choices"][0]["prompt_token_ids"]
+        if asked:
+            assert ids == [[5], [6, 7], []] and prompt == [11, 12]
+        else:
+            assert ids == [None, None, None] and prompt is None
+        assert "".join(c["text"] for chunk in chunks for c in chunk["choices"]) == "ab"
+        assert trace.prompt_ids == [11, 12] and trace.generated == [5, 6, 7]
+        assert trace.head == {"id": "c", "object": "text_completion", "created": 1, "model": "m"}
+        assert trace.blocked(renderer.tally.token_events, True) == "the answer was complete"

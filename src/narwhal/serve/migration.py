@@ -98,6 +98,7 @@ class MigrationTrace:
     # The client's max_tokens (None: up to the model's length, a chat request's default).
     max_tokens: int | None
     client_ids: bool  # the client asked for token ids: they stay in its chunks
+    logprobs: bool  # completions with logprobs: their text_offset continues
     # The prompt's ids: parsed, or (:meth:`keep_prompt_ids`) as the engine wrote them, parsed
     # when asked for (``prompt_ids``).
     _prompt_ids: list[int] | None = None
@@ -109,7 +110,6 @@ class MigrationTrace:
     head: dict[str, Any] | None = None  # id, object, created, model of the client's chunks
     exact: bool = True  # False once the engine sent what a continuation cannot reproduce
     finished: bool = False  # a finish_reason arrived: the answer is whole
-    logprobs: bool = False  # completions with logprobs: their text_offset continues
     text_chars: int = 0  # completions: characters received (logprobs text_offset)
     migrations: int = 0
     completion_offset: int = 0  # tokens the earlier legs generated (the client's usage)
@@ -120,17 +120,7 @@ class MigrationTrace:
         if not choices:
             return
         if self.head is None:
-            self.head = {
-                "id": obj.get("id"),
-                "object": obj.get("object"),
-                "created": obj.get("created"),
-                "model": obj.get("model"),
-            }
-            ids = obj.get("prompt_token_ids")
-            if ids is None and isinstance(choices[0], dict):
-                ids = choices[0].get("prompt_token_ids")
-            if isinstance(ids, list):
-                self._prompt_ids = ids
+            self.set_head(obj)
         for choice in choices:
             ids = choice.get("token_ids")
             if ids:
@@ -147,6 +137,23 @@ class MigrationTrace:
                 self.text_chars += len(choice.get("text") or "")
             if choice.get("finish_reason"):
                 self.finished = True
+
+    def set_head(self, obj: dict[str, Any]) -> None:
+        """The stream's first chunk with a choice: the head of the client's chunks (id,
+        object, created, model), and the prompt's ids when the chunk still has them parsed (a
+        client that asked for ids: they were not cut out)."""
+        self.head = {
+            "id": obj.get("id"),
+            "object": obj.get("object"),
+            "created": obj.get("created"),
+            "model": obj.get("model"),
+        }
+        ids = obj.get("prompt_token_ids")
+        choices = obj.get("choices")
+        if ids is None and choices and isinstance(choices[0], dict):
+            ids = choices[0].get("prompt_token_ids")
+        if isinstance(ids, list):
+            self._prompt_ids = ids
 
     @property
     def prompt_ids(self) -> list[int] | None:
@@ -195,6 +202,18 @@ class MigrationTrace:
         if self.client_ids:
             return payload
         return b"".join((before, NULL_IDS, after))
+
+    def note(self, obj: dict[str, Any]) -> None:
+        """One chunk of a stream the router collects for a non-streamed answer (no client
+        bytes to blank): observed while :attr:`observing`, then only its ids kept, as the
+        parse left them."""
+        if self.head is None or self.logprobs:
+            self.observe(obj)
+            return
+        for choice in obj.get("choices") or ():
+            ids = choice.get("token_ids")
+            if ids:
+                self._ids += ids
 
     @property
     def generated(self) -> list[int]:
@@ -311,13 +330,15 @@ def new_trace(
     max_tokens = request.max_tokens
     if max_tokens is None and not request.chat:
         max_tokens = DEFAULT_COMPLETIONS_MAX_TOKENS
+    body = request.body
+    # Positional: matching keywords would cost as much as making the object (one per request).
     return MigrationTrace(
-        chat=request.chat,
-        settings=settings,
-        max_model_len=max_model_len,
-        max_tokens=max_tokens,
-        client_ids=bool(request.body.get("return_token_ids")),
-        logprobs=not request.chat and request.body.get("logprobs") is not None,
+        request.chat,
+        settings,
+        max_model_len,
+        max_tokens,
+        bool(body.get("return_token_ids")),  # client_ids
+        not request.chat and body.get("logprobs") is not None,  # logprobs
     )
 
 

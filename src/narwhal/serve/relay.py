@@ -176,18 +176,22 @@ class EventRenderer:
         out: list[bytes] = []
         tally = self.tally
         now = time.monotonic()
-        # A continuation's chunks are translated, the first stream's taken (a migration begins
-        # between two reads, never within one).
+        # The first stream's chunks have their ids kept unparsed (``kept``), the first of them
+        # its head set; completions with logprobs are observed whole (their text offsets
+        # continue); a continuation's chunks are translated. A migration begins between two
+        # reads, never within one.
         trace = self.trace
-        translated = taken = None
-        kept: list[bytes] | None = None  # the trace's unparsed ids, once it keeps them so
+        translated = observed = headless = None
+        kept: list[bytes] | None = None
         if trace is not None:
             if trace.migrations:
                 translated = trace
-            elif trace.head is None or trace.logprobs:  # ``trace.observing``
-                taken = trace
+            elif trace.logprobs:
+                observed = trace
             else:
                 kept = trace.kept_ids
+                if trace.head is None:
+                    headless = trace
         blank = trace is not None and not trace.client_ids
         for payload in batch:
             if payload == b"[DONE]":
@@ -232,10 +236,11 @@ class EventRenderer:
             else:
                 if isinstance(obj, dict):
                     note_chunk(tally, obj, now)
-                    if taken is not None:
-                        payload = taken.take(payload, obj)
-                        if not taken.observing:
-                            kept, taken = taken.kept_ids, None
+                    if observed is not None:
+                        payload = observed.take(payload, obj)
+                    elif headless is not None and obj.get("choices"):
+                        headless.set_head(obj)
+                        headless = None
                 out += (b"data: ", payload, b"\n\n")
         return b"".join(out)
 
@@ -649,13 +654,6 @@ async def aggregate(
                 i += 1
                 if payload == b"[DONE]":
                     break
-                # The first stream's chunks: observed, or their ids kept before the parse.
-                observing = False
-                if trace is not None and not trace.migrations:
-                    if trace.observing:
-                        observing = True
-                    else:
-                        payload = trace.keep(payload)
                 obj = orjson.loads(payload)
                 if not isinstance(obj, dict):
                     raise UpstreamFailed("decode_failed", "malformed chunk from the decode engine")
@@ -667,8 +665,8 @@ async def aggregate(
                 if trace is not None:
                     if trace.migrations:
                         obj = trace.translate(obj)
-                    elif observing:
-                        trace.observe(obj)
+                    else:
+                        trace.note(obj)
                 head = head or obj
                 if obj.get("usage") and not obj.get("choices"):
                     usage = obj["usage"]
