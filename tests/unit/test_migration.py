@@ -157,34 +157,37 @@ def test_ids_the_client_did_not_ask_for_are_blanked_as_vllm_sends_them() -> None
 
 
 def test_after_the_first_chunk_ids_are_kept_as_written_and_parsed_when_asked() -> None:
-    trace = _trace({"model": "m", "prompt": [1], "max_tokens": 5})
-    first = b'{"id":"c","choices":[{"index":0,"text":"a","token_ids":[5],"prompt_token_ids":[1]}]}'
-    assert trace.take(first, orjson.loads(first)) == (
-        b'{"id":"c","choices":[{"index":0,"text":"a","token_ids":null,"prompt_token_ids":null}]}'
-    )
-    assert trace.prompt_ids == [1] and trace.head is not None
-    assert not trace.observing
+    """The relay cuts each chunk's ids out of its bytes before the parse (``EventRenderer``):
+    kept as the engine wrote them, parsed when a migration asks, null for a client that did not
+    ask for them. Text that spells the key is escaped inside its string: never touched."""
+    cut = b'{"id":"c","choices":[{"index":0,"text":"a","token_ids":[5],"prompt_token_ids":null}]}'
+    whole = cut.replace(b'"prompt_token_ids":null', b'"prompt_token_ids":[1]')
     spelt = b'{"choices":[{"text":"\\"token_ids\\":[1]","token_ids":[6,7],"x":1}]}'
-    assert trace.keep(spelt) == (
-        b'{"choices":[{"text":"\\"token_ids\\":[1]","token_ids":null,"x":1}]}'
-    )
     bare = b'{"choices":[{"text":"","token_ids":[],"finish_reason":"length"}]}'
-    assert trace.keep(bare) == (
-        b'{"choices":[{"text":"","token_ids":null,"finish_reason":"length"}]}'
-    )
-    # A chunk without ids (the usage chunk) passes as it is.
-    usage = b'{"choices":[],"usage":{"completion_tokens":3}}'
-    assert trace.keep(usage) == usage
-    assert trace.generated == [5, 6, 7] and trace.remaining() == 2
-    # What the relay's tally saw of those chunks decides: a finish or a reasoning delta.
-    assert trace.blocked(3) is None
-    assert trace.blocked(3, finished=True) == "the answer was complete"
-    assert trace.blocked(3, non_text=True) == "the engine sent reasoning or tool-call deltas"
-    asked = _trace({"model": "m", "prompt": [1], "max_tokens": 5, "return_token_ids": True})
-    asked.take(first, orjson.loads(first))
-    usual = b'{"choices":[{"index":0,"text":"b","token_ids":[8, 9]}]}'
-    assert asked.keep(usual) == usual
-    assert asked.generated == [5, 8, 9]
+    usage = b'{"choices":[],"usage":{"completion_tokens":3}}'  # no ids: as it is
+    for asked in (False, True):
+        body = {"model": "m", "prompt": [1], "max_tokens": 5}
+        trace = _trace({**body, "return_token_ids": True} if asked else body)
+        if not asked:  # the decode leg cut the prompt's ids out of the first chunk
+            trace.keep_prompt_ids(b"1")
+        renderer = EventRenderer(StreamTally(), False, 1, trace)
+        sent = renderer.render([whole if asked else cut]) + renderer.render([spelt, bare, usage])
+        events = [event[6:] for event in sent.split(b"\n\n") if event]
+        if asked:
+            assert events == [whole, spelt, bare]
+        else:
+            assert events == [
+                cut.replace(b"[5]", b"null"),
+                b'{"choices":[{"text":"\\"token_ids\\":[1]","token_ids":null,"x":1}]}',
+                b'{"choices":[{"text":"","token_ids":null,"finish_reason":"length"}]}',
+            ]
+        assert trace.prompt_ids == [1] and trace.head is not None
+        assert trace.generated == [5, 6, 7] and trace.remaining() == 2
+        # What the relay's tally saw of those chunks decides: a finish or a reasoning delta.
+        assert trace.blocked(2) is None
+        assert trace.blocked(2, finished=True) == "the answer was complete"
+        assert trace.blocked(2, non_text=True) == "the engine sent reasoning or tool-call deltas"
+        assert renderer.tally.finish_reason == "length"
 
 
 def test_a_collected_stream_keeps_only_the_ids_after_its_first_chunk() -> None:
@@ -201,7 +204,6 @@ def test_completions_with_logprobs_are_observed_the_whole_way() -> None:
     trace = _trace({"model": "m", "prompt": [1], "max_tokens": 5, "logprobs": 1})
     first = b'{"id":"c","choices":[{"index":0,"text":"ab","token_ids":[5],"prompt_token_ids":[1]}]}'
     trace.take(first, orjson.loads(first))
-    assert trace.observing
     usual = b'{"choices":[{"index":0,"text":"cde","token_ids":[6]}]}'
     assert trace.take(usual, orjson.loads(usual)) == (
         b'{"choices":[{"index":0,"text":"cde","token_ids":null}]}'

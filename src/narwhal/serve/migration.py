@@ -34,7 +34,7 @@ from narwhal.serve.errors import RouterError
 from narwhal.serve.pd import DEFAULT_COMPLETIONS_MAX_TOKENS, DecodeStream, PDRouter
 from narwhal.serve.record import RequestRecord
 from narwhal.serve.stalls import StallDeadline, StallSweeper
-from narwhal.serve.token_ids import IDS_KEY, NULL_IDS, blank_token_ids, parse_ids
+from narwhal.serve.token_ids import blank_token_ids, parse_ids
 from narwhal.serve.validation import ClientRequest
 
 __all__ = ["MigrationTrace", "Migrator", "continuation_request", "new_trace", "not_migratable"]
@@ -103,8 +103,8 @@ class MigrationTrace:
     # when asked for (``prompt_ids``).
     _prompt_ids: list[int] | None = None
     _prompt_raw: bytes | None = None
-    # The generated ids: parsed, then those :meth:`keep` kept as the engine wrote them (parsed
-    # when asked for: ``generated``).
+    # The generated ids: parsed, then those the relay kept as the engine wrote them (parsed
+    # when asked for: ``generated``; ``serve.relay.EventRenderer.render`` cuts them out).
     _ids: list[int] = field(default_factory=list)
     kept_ids: list[bytes] = field(default_factory=list)
     head: dict[str, Any] | None = None  # id, object, created, model of the client's chunks
@@ -169,44 +169,18 @@ class MigrationTrace:
         migration needs them (``prompt_ids``)."""
         self._prompt_raw = raw
 
-    @property
-    def observing(self) -> bool:
-        """The next chunk must be parsed whole and observed (:meth:`take`): the first (the head,
-        the first ids), or every chunk of a completions stream with logprobs (their text offsets
-        continue). The others only have their ids kept (:meth:`keep`)."""
-        return self.head is None or self.logprobs
-
     def take(self, payload: bytes, obj: dict[str, Any]) -> bytes:
-        """A chunk while :attr:`observing` (``payload``, parsed as ``obj``): observed, and
-        returned as the client gets it (:meth:`observe`, :meth:`strip`)."""
+        """A chunk of a completions stream with logprobs (``payload``, parsed as ``obj``; their
+        text offsets continue, so every chunk is observed whole): observed, and returned as the
+        client gets it (:meth:`observe`, :meth:`strip`). The other streams' chunks only have
+        their ids kept, unparsed (``kept_ids``), by the relay (``EventRenderer.render``)."""
         self.observe(obj)
         return self.strip(payload)
 
-    def keep(self, payload: bytes) -> bytes:
-        """A chunk once the trace no longer :attr:`observing`, before it is parsed: its ids
-        kept as the engine wrote them (parsed only when a migration needs them), and the chunk
-        returned as the client gets it, and as the router parses it (the ids never are).
-
-        Every token of every migratable stream passes here: one search from the end, one for
-        the bracket, a splice. Its finish and reasoning or tool-call deltas are the relay's
-        tally's to see (:meth:`blocked`)."""
-        # The key's spelling with its quotes cannot occur inside a JSON string (a quote there
-        # is escaped), nor does ``prompt_token_ids`` (no quote before ``token_ids``); a list of
-        # ids holds no bracket. A migratable stream has one choice, so one list, which vLLM
-        # writes last in its choice: the search from the end is the shorter.
-        before, key, rest = payload.rpartition(IDS_KEY)
-        if not key:
-            return payload
-        ids, _, after = rest.partition(b"]")
-        self.kept_ids.append(ids)
-        if self.client_ids:
-            return payload
-        return b"".join((before, NULL_IDS, after))
-
     def note(self, obj: dict[str, Any]) -> None:
         """One chunk of a stream the router collects for a non-streamed answer (no client
-        bytes to blank): observed while :attr:`observing`, then only its ids kept, as the
-        parse left them."""
+        bytes to blank): the first (and every one with logprobs) observed, then only its ids
+        kept, as the parse left them."""
         if self.head is None or self.logprobs:
             self.observe(obj)
             return
@@ -233,7 +207,7 @@ class MigrationTrace:
         self, token_events: int, finished: bool = False, non_text: bool = False
     ) -> str | None:
         """Why the stream cannot be continued now, or None when it can. ``finished`` and
-        ``non_text``: what the relay's tally saw of the chunks :meth:`keep` kept without
+        ``non_text``: what the relay's tally saw of the chunks whose ids it kept without
         looking (a finish reason; a reasoning or tool-call delta)."""
         if not self.exact or non_text:
             return "the engine sent reasoning or tool-call deltas"

@@ -200,8 +200,14 @@ class EventRenderer:
                 out.append(DONE_EVENT)
                 break
             if kept is not None:
-                # ``MigrationTrace.keep`` inline: every token of every migratable stream passes
-                # here, and a call costs as much as the splice.
+                # The chunk's ids cut out before the parse, kept as the engine wrote them (parsed
+                # only when a migration asks: ``MigrationTrace.generated``), null for a client
+                # that did not ask. Every token of every migratable stream passes here, inline
+                # (a call would cost as much as the splice). The key's spelling with its quotes
+                # cannot occur inside a JSON string (a quote there is escaped), nor does
+                # ``prompt_token_ids`` (no quote before ``token_ids``); a list of ids holds no
+                # bracket. A migratable stream has one choice, so one list, which vLLM writes
+                # last in its choice: the search from the end is the shorter.
                 before, key, rest = payload.rpartition(IDS_KEY)
                 if key:
                     ids, _, after = rest.partition(b"]")
