@@ -961,7 +961,9 @@ def test_prefill_engine_killed_fails_clearly_then_recovers(pd: PD, vllm_python: 
 
 # --- failure: the decode engine dies mid-stream (keep last: d0 stays dead) ----------------
 
-MIGRATED_TOKENS = 160
+# Long enough that the kill lands mid-answer even when a starved router reads the engine late:
+# at 160 tokens a run on 2 busy cores had the whole answer before the client saw its first token.
+MIGRATED_TOKENS = 400
 
 
 def test_decode_engine_killed_mid_stream_completes_elsewhere(pd: PD) -> None:
@@ -998,7 +1000,7 @@ def test_decode_engine_killed_mid_stream_completes_elsewhere(pd: PD) -> None:
             assert "error" not in chunk, chunk
             chunks.append(chunk)
             tokens = sum(len(c.get("token_ids") or ()) for k in chunks for c in k["choices"])
-            if killed_after is None and tokens >= 4:
+            if killed_after is None and tokens:
                 kill_engine(pd.decode)
                 killed_after = tokens
     assert killed_after is not None and killed_after < MIGRATED_TOKENS
@@ -1016,7 +1018,10 @@ def test_decode_engine_killed_mid_stream_completes_elsewhere(pd: PD) -> None:
     assert usage["completion_tokens"] == MIGRATED_TOKENS
     assert usage["prompt_tokens"] == reference.usage["prompt_tokens"]
     end = pd.end_record(request_id)
-    assert end["outcome"] == "ok" and end["migrations"] == 1, end
+    assert end["outcome"] == "ok" and end.get("migrations") == 1, (
+        f"the kill after {killed_after} tokens did not land mid-answer",
+        end,
+    )
     legs = [(a["leg"], a["engine"], a["outcome"]) for a in end["attempts"]]
     assert ("migration", "d0", "connection") in legs, legs
     assert ("local", "p0", "first_token") in legs, legs
