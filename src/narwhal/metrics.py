@@ -305,6 +305,29 @@ class RouterMetrics:
             "Generation of the role map (increments on every flip).",
             registry=r,
         )
+        self.coordination_up = Gauge(
+            "narwhal_coordination_up",
+            "1 while this replica reaches etcd (roles shared with the other replicas), 0 while "
+            "it serves with the roles last seen; 1 on a router that runs alone.",
+            registry=r,
+        )
+        self.role_leader = Gauge(
+            "narwhal_role_leader",
+            "1 on the replica that runs the role controller (holds the etcd leader lease); 1 on "
+            "a router that runs alone.",
+            registry=r,
+        )
+        self.coordination_watch_lag = Gauge(
+            "narwhal_coordination_watch_lag_seconds",
+            "From a roles change written (by any replica's clock) to this replica applying it, "
+            "for the last change.",
+            registry=r,
+        )
+        self.coordination_replicas = Gauge(
+            "narwhal_coordination_replicas",
+            "Replicas this one sees publishing demand in etcd, itself included.",
+            registry=r,
+        )
         self.fleet_info = Gauge(
             "narwhal_fleet_info",
             "The fleet and profile store being served.",

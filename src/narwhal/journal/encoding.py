@@ -56,8 +56,12 @@ class RecordEncoder:
     Not thread-safe: the journal calls it under its lock.
     """
 
-    def __init__(self, wall_clock: Callable[[], float]) -> None:
+    def __init__(
+        self, wall_clock: Callable[[], float], stamp: Mapping[str, object] | None = None
+    ) -> None:
         self._wall_clock = wall_clock
+        # Fields every record carries after type and ts (a replica's id), scrubbed once here.
+        self._stamp = _scrub_mapping(stamp, set()) if stamp else None
         self.secret_fields_dropped = 0
         self._warned: set[str] = set()
 
@@ -78,6 +82,8 @@ class RecordEncoder:
             raise ValueError(f"journal fields {sorted(clash)} are reserved")
         dropped: set[str] = set()
         record: dict[str, object] = {"type": record_type, "ts": self._wall_clock()}
+        if self._stamp is not None:
+            record.update(self._stamp)
         record.update(_scrub_mapping(head, dropped))
         record.update(_scrub_mapping(fields, dropped))
         if dropped:

@@ -88,6 +88,7 @@ class Journal:
         on_write: WriteHook | None = None,
         wall_clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        stamp: Mapping[str, Any] | None = None,
     ) -> None:
         """Open (creating, mode 0600) the journal file and start the writer thread.
 
@@ -104,7 +105,7 @@ class Journal:
         self.on_error: OnError = on_error
         self.recovery: RecoveryResult | None = None
         # Guarded by the writer's lock, so a request's state and its record change together:
-        self._encoder = RecordEncoder(wall_clock)
+        self._encoder = RecordEncoder(wall_clock, stamp)
         self._open: dict[str, Any] = {}  # request id -> arrival
         self._recovered_ids: set[str] = set()
         self._unmatched_ends = 0
@@ -138,6 +139,7 @@ class Journal:
         on_write: WriteHook | None = None,
         wall_clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        stamp: Mapping[str, Any] | None = None,
     ) -> Journal:
         """Create parent directories (0700), recover, open and start the writer.
 
@@ -160,6 +162,7 @@ class Journal:
             on_write=on_write,
             wall_clock=wall_clock,
             monotonic=monotonic,
+            stamp=stamp,
         )
         if result is not None:
             journal.recovery = result

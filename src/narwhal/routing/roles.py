@@ -28,7 +28,9 @@ the fleet; an engine never takes a role it is not permitted. Pure: a clock is in
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from narwhal.clock import Clock
 from narwhal.contract import Budgets, RoleControl
@@ -37,7 +39,40 @@ from narwhal.routing.fleet_state import EngineState, FleetState, Role
 from narwhal.routing.predictor import LatencyPredictor
 from narwhal.routing.scheduler import NoPair, Pair, RequestShape
 
-__all__ = ["DemandTracker", "FlipDecision", "Pressures", "RoleController"]
+__all__ = [
+    "Demand",
+    "DemandSnapshot",
+    "DemandTracker",
+    "FleetDemand",
+    "FlipDecision",
+    "Pressures",
+    "RoleController",
+]
+
+
+class Demand(Protocol):
+    """What the controller reads of demand: one router's (``DemandTracker``) or a coordinated
+    fleet's, summed over its replicas (``FleetDemand``)."""
+
+    def rate(self) -> float: ...
+    def prefill_work_rate(self) -> float: ...
+    def mean_output_tokens(self) -> float: ...
+    def mean_context(self) -> float: ...
+    def others_queued_prefill_s(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class DemandSnapshot:
+    """One replica's demand window as it publishes it for the leader: sums, so that windows of
+    several replicas add up (and means are weighted by requests)."""
+
+    span_s: float
+    requests: int
+    prefill_s: float  # predicted prefill seconds of those requests
+    output_tokens: float  # their max_tokens, summed
+    context_tokens: float  # their prompt plus half their output, summed
+    queued_prefill_s: float  # prefill work this replica has queued on the prefill pool now
+    rejected: int = 0
 
 
 @dataclass
@@ -89,9 +124,13 @@ class DemandTracker:
         covered = self.clock.now() - self.started_at
         return min(self.window_s, max(covered, self.min_span_s))
 
-    def rate(self) -> float:
+    def count(self) -> int:
+        """Requests in the window."""
         self._trim()
-        return len(self._starts) / self.span_s()
+        return len(self._starts)
+
+    def rate(self) -> float:
+        return self.count() / self.span_s()
 
     def prefill_work_rate(self) -> float:
         """Predicted prefill seconds arriving per second."""
@@ -107,6 +146,54 @@ class DemandTracker:
         if not self._starts:
             return 0.0
         return sum(s[2] + s[3] / 2 for s in self._starts) / len(self._starts)
+
+    def others_queued_prefill_s(self) -> float:
+        return 0.0  # one router: the queue is the fleet state's own
+
+    def snapshot(self, queued_prefill_s: float) -> DemandSnapshot:
+        self._trim()
+        starts = self._starts
+        return DemandSnapshot(
+            span_s=self.span_s(),
+            requests=len(starts),
+            prefill_s=sum(s[1] for s in starts),
+            output_tokens=sum(s[3] for s in starts),
+            context_tokens=sum(s[2] + s[3] / 2 for s in starts),
+            queued_prefill_s=queued_prefill_s,
+            rejected=self.rejected,
+        )
+
+
+@dataclass(frozen=True)
+class FleetDemand:
+    """Demand over a coordinated fleet: this replica's tracker plus the other replicas' last
+    published windows (their lease drops a dead replica's)."""
+
+    local: DemandTracker
+    others: Sequence[DemandSnapshot]
+
+    def rate(self) -> float:
+        return self.local.rate() + sum(o.requests / o.span_s for o in self.others)
+
+    def prefill_work_rate(self) -> float:
+        return self.local.prefill_work_rate() + sum(o.prefill_s / o.span_s for o in self.others)
+
+    def _mean(self, own: float, others: float) -> float:
+        """The mean over every replica's requests, from this one's mean and the others' sums."""
+        mine = self.local.count()
+        count = mine + sum(o.requests for o in self.others)
+        return (own * mine + others) / count if count else 0.0
+
+    def mean_output_tokens(self) -> float:
+        own = self.local.mean_output_tokens()
+        return self._mean(own, sum(o.output_tokens for o in self.others))
+
+    def mean_context(self) -> float:
+        own = self.local.mean_context()
+        return self._mean(own, sum(o.context_tokens for o in self.others))
+
+    def others_queued_prefill_s(self) -> float:
+        return sum(o.queued_prefill_s for o in self.others)
 
 
 @dataclass(frozen=True)
@@ -171,7 +258,7 @@ class RoleController:
         # The queue that exists now spreads over the engines that would remain.
         return max(work_rate / n, (queued_s / n) / (0.5 * self.budgets.ttft_s))
 
-    def _decode_load(self, state: FleetState, demand: DemandTracker) -> _DecodeLoad | None:
+    def _decode_load(self, state: FleetState, demand: Demand) -> _DecodeLoad | None:
         """What decode pressure is computed from, read once per tick (None: no decode engine
         has a profile)."""
         engines = state.in_role("decode")
@@ -228,14 +315,18 @@ class RoleController:
                     worst = pressure
         return max(0.0, worst)
 
-    def pressures(self, state: FleetState, demand: DemandTracker) -> Pressures:
-        n_p, n_d = len(state.in_role("prefill")), len(state.in_role("decode"))
+    def queued_prefill_s(self, state: FleetState) -> float:
+        """Prefill work this router has queued on the prefill pool now (corrected online)."""
         now = self.clock.now()
-        work_rate = demand.prefill_work_rate()
         ratio = self.predictor.ratio
-        queued_s = sum(
+        return sum(
             e.queued_prefill_s(now, ratio(e.id, "prefill")) for e in state.in_role("prefill")
         )
+
+    def pressures(self, state: FleetState, demand: Demand) -> Pressures:
+        n_p, n_d = len(state.in_role("prefill")), len(state.in_role("decode"))
+        work_rate = demand.prefill_work_rate()
+        queued_s = self.queued_prefill_s(state) + demand.others_queued_prefill_s()
         load = self._decode_load(state, demand)
         return Pressures(
             prefill=self._prefill_pressure(work_rate, queued_s, n_p),
@@ -250,7 +341,7 @@ class RoleController:
 
     # --- the decision ---------------------------------------------------------------------
 
-    def tick(self, state: FleetState, demand: DemandTracker) -> FlipDecision | None:
+    def tick(self, state: FleetState, demand: Demand) -> FlipDecision | None:
         if self.pinned or not self.limits.enabled:
             return None
         now = self.clock.now()

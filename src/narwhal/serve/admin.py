@@ -41,7 +41,10 @@ def register_admin_routes(app: FastAPI, services: Services) -> None:
         pinned = body.get("pinned") if isinstance(body, dict) else None
         if not isinstance(pinned, bool):
             return InvalidRequest('expected {"pinned": true|false}', "pinned").response()
-        services.roles.set_pinned(pinned)
+        try:
+            await services.roles.set_pinned(pinned)
+        except RouterError as exc:
+            return exc.response()
         return json_response({"pinned": services.roles.pinned})
 
     @app.post("/admin/roles/flip")
@@ -50,9 +53,17 @@ def register_admin_routes(app: FastAPI, services: Services) -> None:
             return refused.response()
         body = await body_of(request)
         if not isinstance(body, dict) or "engine" not in body or "to" not in body:
-            return InvalidRequest('expected {"engine": ID, "to": "prefill"|"decode"}').response()
+            return InvalidRequest(
+                'expected {"engine": ID, "to": "prefill"|"decode"[, "role_generation": N]}'
+            ).response()
+        expected = body.get("role_generation")
+        if expected is not None and (type(expected) is not int or expected < 0):
+            return InvalidRequest(
+                "role_generation: expected the generation the flip was decided at (an integer)",
+                "role_generation",
+            ).response()
         try:
-            entry = services.roles.force_flip(body["engine"], body["to"])
+            entry = await services.roles.force_flip(body["engine"], body["to"], expected)
         except RouterError as exc:
             return exc.response()
         if entry is None:
@@ -80,6 +91,7 @@ def state_document(services: Services) -> dict[str, Any]:
             "profile_sha256": settings.profile_sha256,
         },
         "role_generation": state.role_generation,
+        "coordination": roles.coordination_state(),
         "roles": {
             "controller": roles.controller is not None,
             "pinned": roles.pinned,

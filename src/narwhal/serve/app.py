@@ -110,4 +110,5 @@ def _register_info_routes(app: FastAPI, services: Services) -> None:
         if settings.protect_metrics and not allowed(request):
             return Unauthorized().response()
         services.ledger.sync_journal_metrics()
+        services.roles.sync_coordination_metrics()
         return Response(generate_latest(services.metrics.registry), media_type=CONTENT_TYPE_LATEST)

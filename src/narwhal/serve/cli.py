@@ -17,6 +17,7 @@ import gc
 import ipaddress
 import logging
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -149,6 +150,25 @@ def _parser() -> argparse.ArgumentParser:
         choices=["tuned", "default"],
         default="tuned",
         help="garbage-collector settings: tuned for many open streams, or CPython's defaults",
+    )
+    c = p.add_argument_group("several replicas (docs/operations.md)")
+    c.add_argument(
+        "--coordination",
+        metavar="etcd://HOST:PORT[,HOST:PORT...]",
+        help="share engine roles with the other replicas through etcd, and elect the one that "
+        "runs the role controller; without it this router is alone",
+    )
+    c.add_argument(
+        "--replica-id",
+        help="this replica's name, unique among the fleet's replicas (carried by every journal "
+        "record); required with --coordination",
+    )
+    c.add_argument(
+        "--coordination-lease-ttl",
+        type=int,
+        default=5,
+        metavar="SECONDS",
+        help="the etcd lease of each replica: a dead leader is replaced within about this",
     )
     p.add_argument("--log-level", default="info")
     return p
@@ -306,6 +326,23 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
             raise UsageError(f"--{name.replace('_', '-')}: must be positive")
     if args.prefill_timeout is not None and args.prefill_timeout <= 0:
         raise UsageError("--prefill-timeout: must be positive")
+    coordination: tuple[str, ...] = ()
+    if args.coordination:
+        from narwhal.coordination import parse_coordination_url
+
+        try:
+            coordination = tuple(parse_coordination_url(args.coordination))
+        except ValueError as exc:
+            raise UsageError(f"--coordination: {exc}") from None
+        if not args.replica_id:
+            raise UsageError("--coordination needs --replica-id ID (unique among the replicas)")
+        if args.coordination_lease_ttl < 2:
+            raise UsageError("--coordination-lease-ttl: at least 2 seconds")
+    replica_name = r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}"
+    if args.replica_id is not None and not re.fullmatch(replica_name, args.replica_id):
+        raise UsageError(
+            f"--replica-id: {args.replica_id!r} is not a name of letters, digits, '.', '_', '-'"
+        )
     journal = Path(args.journal)
     if journal.exists() and journal.is_dir():
         raise UsageError(f"--journal: {journal} is a directory")
@@ -377,6 +414,9 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
         engine_transport=args.engine_transport,
         relay=args.relay,
         command=getattr(args, "command", None),
+        coordination=coordination,
+        replica_id=args.replica_id,
+        coordination_lease_ttl_s=args.coordination_lease_ttl,
     )
     return settings, host
 

@@ -203,6 +203,21 @@ class NoEngineAvailable(RouterError):
         super().__init__(message, headers={"Retry-After": "1"})
 
 
+class CoordinationUnavailable(RouterError):
+    """Roles cannot change now: the replicas' coordination service (etcd) is unreachable."""
+
+    status = 503
+    type = "service_unavailable"
+    outcome = "unavailable"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(
+            f"roles cannot change while etcd is unreachable ({message}); requests are still "
+            "served with the roles last seen",
+            headers={"Retry-After": "1"},
+        )
+
+
 class UpstreamFailed(RouterError):
     status = 502
     type = "upstream_error"

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 
 from narwhal.clock import MonotonicClock
+from narwhal.coordination import Coordinator, EtcdClient
+from narwhal.coordination.replica import namespace_of
 from narwhal.engines.client import EnginePool
 from narwhal.journal import Journal
 from narwhal.metrics import RouterMetrics
@@ -88,6 +90,7 @@ class Services:
 
         journal = Journal.open(
             settings.journal_path,
+            stamp={"replica": settings.replica_id} if settings.replica_id else None,
             recover=True,
             fsync_interval_s=settings.journal_fsync_interval_s,
             max_bytes=settings.journal_max_bytes,
@@ -117,6 +120,19 @@ class Services:
         controller = None
         if predictor is not None and fleet.roles.enabled:
             controller = RoleController(predictor, fleet.budgets, fleet.roles, clock)
+        roles = RoleService(fleet, state, metrics, journal, demand, controller)
+        if settings.coordination:
+            assert settings.replica_id is not None
+            roles.replica_id = settings.replica_id
+            roles.coordinator = Coordinator(
+                EtcdClient(settings.coordination),
+                namespace_of(fleet.name, settings.fleet.sha256),
+                settings.replica_id,
+                roles.shared_now,
+                roles.apply_shared,
+                lease_ttl_s=settings.coordination_lease_ttl_s,
+            )
+        roles.sync_coordination_metrics()
         return cls(
             settings=settings,
             clock=clock,
@@ -126,7 +142,7 @@ class Services:
             engines=engines,
             router=PDRouter(fleet, lifecycle, engines, metrics, prefill_timeout, capacity),
             ledger=RequestLedger(journal, metrics, fleet.budgets),
-            roles=RoleService(fleet, state, metrics, journal, demand, controller),
+            roles=roles,
             auth=Auth(settings.api_key_hashes, settings.admin_token_hash),
         )
 
@@ -152,6 +168,11 @@ class Services:
             ),
             asyncio.create_task(self.roles.run(fleet.roles.tick_s)),
             *(
+                [asyncio.create_task(self.roles.coordinator.run())]
+                if self.roles.coordinator is not None
+                else []
+            ),
+            *(
                 asyncio.create_task(subscriber.run())
                 for subscriber in kv_event_subscribers(self.state, self.metrics)
             ),
@@ -166,6 +187,10 @@ class Services:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        if (coordinator := self.roles.coordinator) is not None:
+            # Hand leadership over now rather than after the lease's TTL.
+            await coordinator.resign()
+            await coordinator.client.aclose()
         await self.engines.aclose()
         journal = self.journal
         # A journal that lost a record cannot vouch for a clean stop, even when this record

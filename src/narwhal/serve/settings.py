@@ -43,3 +43,7 @@ class ServeSettings:
     # The command line that started the router (secrets masked), journaled with router.start:
     # the server half of a benchmark's record.
     command: str | None = None
+    # etcd members (http://HOST:PORT) shared with the other replicas; empty: this router is alone.
+    coordination: tuple[str, ...] = ()
+    replica_id: str | None = None
+    coordination_lease_ttl_s: int = 5

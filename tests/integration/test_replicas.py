@@ -1,0 +1,285 @@
+"""Several narwhal-serve replicas on one simulated fleet, coordinated through a real etcd
+(started here; ``make test`` installs it): one shared view of the roles, one leader, forced
+flips through any replica as etcd transactions, a late replica that converges, a leader killed
+under load, and etcd itself stopped and started again. Every request sent to a replica that
+lives is answered, and each ends with one journal record in that replica's journal."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from narwhal.testing import procs
+from narwhal.testing.etcd import EtcdServer, etcd_binary
+from narwhal.testing.procs import wait_until
+from tests.helpers import (
+    ADMIN_TOKEN,
+    MODEL,
+    RouterProcess,
+    metric,
+    running_fleet,
+    start_router,
+    stop_router,
+)
+
+pytestmark = pytest.mark.slow
+
+TTL_S = 2  # the replicas' lease: a dead leader is replaced within about this
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _needs_etcd() -> None:
+    if etcd_binary() is None:
+        if os.environ.get("NARWHAL_ETCD_REQUIRED"):
+            pytest.fail("etcd is not installed; `make test-deps` installs etcd-server")
+        pytest.skip("etcd is not installed (make test-deps installs etcd-server)")
+
+
+def start_replica(directory: Path, fleet_path: Path, etcd: EtcdServer, name: str) -> RouterProcess:
+    home = directory / name
+    home.mkdir(exist_ok=True)
+    return start_router(
+        home,
+        fleet_path,
+        "--coordination",
+        etcd.url,
+        "--replica-id",
+        name,
+        "--coordination-lease-ttl",
+        str(TTL_S),
+    )
+
+
+def coordination(router: RouterProcess) -> dict[str, Any]:
+    state = router.admin_state()
+    return {
+        "generation": state["role_generation"],
+        "roles": {e["id"]: e["role"] for e in state["engines"]},
+        **state["coordination"],
+    }
+
+
+def flip(router: RouterProcess, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(
+        router.url + "/admin/roles/flip",
+        json=body,
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+        timeout=10,
+    )
+
+
+def converged(routers: list[RouterProcess], generation: int) -> bool:
+    views = [coordination(r) for r in routers]
+    return all(v["generation"] == generation and v["up"] for v in views) and all(
+        v["roles"] == views[0]["roles"] for v in views
+    )
+
+
+def leaders(routers: list[RouterProcess]) -> set[str | None]:
+    return {coordination(r)["leader"] for r in routers}
+
+
+@dataclass
+class Load:
+    """Requests to each replica in turn from a few threads, until stopped (bounded in count and
+    time): per replica, what was sent and how each ended."""
+
+    routers: dict[str, RouterProcess]
+    sent: dict[str, int] = field(default_factory=dict)
+    answered: dict[str, int] = field(default_factory=dict)
+    failed: dict[str, list[str]] = field(default_factory=dict)
+    stop: threading.Event = field(default_factory=threading.Event)
+    skip: set[str] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def run(self, limit: int = 2000, seconds: float = 120) -> None:
+        names = itertools.cycle(sorted(self.routers))
+        deadline = time.monotonic() + seconds
+        with httpx.Client(timeout=30, trust_env=False) as client:
+            for n in range(limit):
+                if self.stop.is_set() or time.monotonic() > deadline:
+                    return
+                with self._lock:
+                    name = next(names)
+                    while name in self.skip:
+                        name = next(names)
+                    self.sent[name] = self.sent.get(name, 0) + 1
+                try:
+                    response = client.post(
+                        self.routers[name].url + "/v1/completions",
+                        json={"model": MODEL, "prompt": f"replica load {n} " * 20, "max_tokens": 8},
+                    )
+                    ok = response.status_code == 200
+                    detail = f"{response.status_code} {response.text[:200]}"
+                except httpx.HTTPError as exc:
+                    ok, detail = False, repr(exc)
+                with self._lock:
+                    if ok:
+                        self.answered[name] = self.answered.get(name, 0) + 1
+                    else:
+                        self.failed.setdefault(name, []).append(detail)
+
+    @contextmanager
+    def running(self, threads: int = 3) -> Iterator[Load]:
+        pool = ThreadPoolExecutor(threads)
+        futures = [pool.submit(self.run) for _ in range(threads)]
+        try:
+            yield self
+        finally:
+            self.stop.set()
+            for f in futures:
+                f.result(timeout=60)
+            pool.shutdown()
+
+
+def ends_of(router: RouterProcess) -> int:
+    return len(router.ends())
+
+
+def test_replicas_share_roles_elect_one_leader_and_survive_its_death(tmp_path: Path) -> None:
+    with ExitStack() as stack:
+        etcd = stack.enter_context(EtcdServer(tmp_path / "etcd"))
+        fleet = stack.enter_context(running_fleet(tmp_path, 4, role_control={"enabled": False}))
+        names = ["r1", "r2", "r3"]
+        routers = {n: start_replica(tmp_path, fleet.fleet_path, etcd, n) for n in names}
+        for router in routers.values():
+            stack.callback(stop_router, router)
+        replicas = list(routers.values())
+        assert wait_until(lambda: converged(replicas, 0), 15)
+        assert wait_until(lambda: len(leaders(replicas)) == 1 and None not in leaders(replicas), 15)
+        (leader,) = leaders(replicas)
+        assert [coordination(r)["is_leader"] for r in replicas].count(True) == 1
+
+        load = Load(dict(routers))
+        with load.running():
+            # A forced flip through a replica that does not lead: every replica applies it.
+            follower = next(n for n in names if n != leader)
+            before = coordination(routers[follower])
+            engine = next(e for e, role in before["roles"].items() if role == "decode")
+            response = flip(routers[follower], {"engine": engine, "to": "prefill"})
+            assert response.status_code == 200, response.text
+            assert response.json()["role_generation"] == 1
+            assert wait_until(lambda: converged(replicas, 1), 10)
+            assert all(coordination(r)["roles"][engine] == "prefill" for r in replicas)
+
+            # Two flips decided at the same generation, through two replicas at once: one wins.
+            a, b = (n for n in names if n != follower)
+            with ThreadPoolExecutor(2) as pool:
+                results = list(
+                    pool.map(
+                        lambda job: flip(routers[job[0]], job[1]),
+                        [
+                            (a, {"engine": engine, "to": "decode", "role_generation": 1}),
+                            (b, {"engine": "e0", "to": "decode", "role_generation": 1}),
+                        ],
+                    )
+                )
+            codes = sorted(r.status_code for r in results)
+            assert codes == [200, 409], [r.text for r in results]
+            assert wait_until(lambda: converged(replicas, 2), 10)
+
+            # A replica started late takes the roles as they are now.
+            late = start_replica(tmp_path, fleet.fleet_path, etcd, "r4")
+            stack.callback(stop_router, late)
+            assert wait_until(lambda: converged([*replicas, late], 2), 10)
+
+            # The leader dies: another replica leads within the lease's TTL and a tick.
+            killed = routers[leader]
+            with load._lock:
+                load.skip.add(leader)
+            procs.kill(killed.process)
+            survivors = [r for n, r in routers.items() if n != leader] + [late]
+            t0 = time.monotonic()
+            assert wait_until(
+                lambda: (ls := leaders(survivors)) != {leader} and len(ls) == 1 and None not in ls,
+                TTL_S + 5,
+            ), [coordination(r) for r in survivors]
+            failover_s = time.monotonic() - t0
+            (new_leader,) = leaders(survivors)
+            assert new_leader != leader
+            assert failover_s <= TTL_S + 2, failover_s
+            # The fleet goes on changing roles through the new leader's replicas.
+            roles = coordination(survivors[0])["roles"]
+            decoding = [e for e, role in roles.items() if role == "decode"]
+            to = "prefill" if len(decoding) >= 2 else "decode"
+            moved = next(e for e, role in roles.items() if role != to)
+            response = flip(survivors[0], {"engine": moved, "to": to})
+            assert response.status_code == 200, response.text
+            generation = response.json()["role_generation"]
+            assert wait_until(lambda: converged(survivors, generation), 10)
+            time.sleep(1.0)
+
+        # Counts: on every surviving replica, each request sent was answered and journaled once.
+        for name in names:
+            if name == leader:
+                continue
+            router = routers[name]
+            assert not load.failed.get(name), load.failed[name][:3]
+            assert load.sent.get(name, 0) == load.answered.get(name, 0) > 0
+            assert wait_until(lambda r=router, n=name: ends_of(r) == load.sent[n], 10)
+            records = router.records()
+            assert {rec.get("replica") for rec in records} == {name}
+            flips = [rec for rec in records if rec["type"] == "role.flip"]
+            assert [f["role_generation"] for f in flips] == [1, 2, generation]
+            text = router.metrics()
+            assert metric(text, "narwhal_coordination_up") == 1
+        # Every replica counts each flip once and agrees on who decided it.
+        histories = [
+            [
+                (f["role_generation"], f["engine"], f["to_role"])
+                for f in r.records()
+                if f["type"] == "role.flip"
+            ]
+            for n, r in routers.items()
+            if n != leader
+        ]
+        assert all(h == histories[0] for h in histories)
+        assert (
+            metric(
+                routers[new_leader].metrics() if new_leader in routers else late.metrics(),
+                "narwhal_role_leader",
+            )
+            == 1
+        )
+
+
+def test_etcd_outage_keeps_every_replica_serving_and_they_resynchronise(tmp_path: Path) -> None:
+    with ExitStack() as stack:
+        etcd = stack.enter_context(EtcdServer(tmp_path / "etcd"))
+        fleet = stack.enter_context(running_fleet(tmp_path, 4, role_control={"enabled": False}))
+        routers = {n: start_replica(tmp_path, fleet.fleet_path, etcd, n) for n in ("r1", "r2")}
+        for router in routers.values():
+            stack.callback(stop_router, router)
+        replicas = list(routers.values())
+        assert wait_until(lambda: converged(replicas, 0), 15)
+        load = Load(dict(routers))
+        with load.running(threads=2):
+            etcd.stop()
+            assert wait_until(lambda: all(not coordination(r)["up"] for r in replicas), 15)
+            for router in replicas:
+                assert httpx.get(router.url + "/ready", timeout=5).status_code == 200
+                assert metric(router.metrics(), "narwhal_coordination_up") == 0
+            refused = flip(replicas[0], {"engine": "e0", "to": "decode"})
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["type"] == "service_unavailable"
+            time.sleep(1.0)
+            etcd.start()
+            assert wait_until(lambda: all(coordination(r)["up"] for r in replicas), 15)
+            response = flip(replicas[1], {"engine": "e0", "to": "decode"})
+            assert response.status_code == 200, response.text
+            assert wait_until(lambda: converged(replicas, 1), 10)
+        for name, router in routers.items():
+            assert not load.failed.get(name), load.failed[name][:3]
+            assert load.sent.get(name, 0) == load.answered.get(name, 0) > 0
+            assert wait_until(lambda r=router, n=name: ends_of(r) == load.sent[n], 10)
