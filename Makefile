@@ -15,7 +15,7 @@ TINY_STAMP := $(TINY_MODEL)/narwhal-tiny.json
 export UCX_NET_DEVICES ?= lo
 export NIXL_LOG_LEVEL ?= WARN
 
-.PHONY: install demo qualify test test-deps test-deps-prometheus test-deps-chromium bench-deps-valgrind check lint typecheck format bench clean
+.PHONY: install demo qualify test test-deps test-deps-prometheus test-deps-chromium test-deps-etcd bench-deps-valgrind check lint typecheck format bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -52,11 +52,20 @@ test-deps-chromium: test-deps-prometheus
 		DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
 		--no-install-recommends chromium) || echo "test-deps: chromium not installed"
 
+# The replica tests coordinate narwhal-serve replicas through a real etcd (Debian's etcd-server,
+# started by the tests themselves on free ports, never as a system service). After chromium:
+# one apt-get at a time.
+test-deps-etcd: test-deps-chromium
+	@command -v etcd >/dev/null || (apt-get -o DPkg::Lock::Timeout=600 update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
+		--no-install-recommends etcd-server) || echo "test-deps: etcd-server not installed"
+
 # The deployment tests deploy through a real sshd on 127.0.0.1 (Debian's openssh-server). If it
 # cannot be installed, that test skips and says why; the rest of `make test` still runs.
-test-deps: test-deps-prometheus test-deps-chromium
-	@test -x /usr/sbin/sshd || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-		apt-get install -y -qq openssh-server) || echo "test-deps: openssh-server not installed"
+test-deps: test-deps-prometheus test-deps-chromium test-deps-etcd
+	@test -x /usr/sbin/sshd || (apt-get -o DPkg::Lock::Timeout=600 update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
+		openssh-server) || echo "test-deps: openssh-server not installed"
 
 # The whole suite, nothing skipped for want of a part: the real-vLLM interop suite (its venv
 # and tiny model are built first, about 7 minutes on a fresh machine) and the aiperf
@@ -64,6 +73,7 @@ test-deps: test-deps-prometheus test-deps-chromium
 test: export NARWHAL_INTEROP_REQUIRED := 1
 test: export NARWHAL_AIPERF_REQUIRED := 1
 test: export NARWHAL_BROWSER_REQUIRED := 1
+test: export NARWHAL_ETCD_REQUIRED := 1
 test: export NARWHAL_VLLM_VENV := $(VLLM_VENV)
 test: export NARWHAL_TINY_MODEL := $(TINY_MODEL)
 test:

@@ -32,6 +32,7 @@ from tests.helpers import (
     start_router,
     stop_router,
 )
+from tests.integration.test_profile_v1 import profile, write_limits
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +47,9 @@ def _needs_etcd() -> None:
         pytest.skip("etcd is not installed (make test-deps installs etcd-server)")
 
 
-def start_replica(directory: Path, fleet_path: Path, etcd: EtcdServer, name: str) -> RouterProcess:
+def start_replica(
+    directory: Path, fleet_path: Path, etcd: EtcdServer, name: str, *extra: str
+) -> RouterProcess:
     home = directory / name
     home.mkdir(exist_ok=True)
     return start_router(
@@ -58,6 +61,7 @@ def start_replica(directory: Path, fleet_path: Path, etcd: EtcdServer, name: str
         name,
         "--coordination-lease-ttl",
         str(TTL_S),
+        *extra,
     )
 
 
@@ -283,3 +287,82 @@ def test_etcd_outage_keeps_every_replica_serving_and_they_resynchronise(tmp_path
             assert not load.failed.get(name), load.failed[name][:3]
             assert load.sent.get(name, 0) == load.answered.get(name, 0) > 0
             assert wait_until(lambda r=router, n=name: ends_of(r) == load.sent[n], 10)
+
+
+def test_the_leader_flips_for_traffic_that_reaches_only_another_replica(tmp_path: Path) -> None:
+    """The role controller runs on the leader alone; decode-heavy traffic sent to the other
+    replica (its demand published in etcd, the engines' load scraped) moves an engine toward
+    decode, and both replicas apply and journal that one flip, decided by the leader."""
+    scale = 10.0
+    roles = {
+        "enabled": True,
+        "min_prefill": 1,
+        "min_decode": 1,
+        "cooldown_s": 1.0,
+        "dwell_s": 1.0,
+        "tick_s": 0.5,
+    }
+    with ExitStack() as stack:
+        etcd = stack.enter_context(EtcdServer(tmp_path / "etcd"))
+        fleet = stack.enter_context(
+            running_fleet(
+                tmp_path,
+                4,
+                sim={"time_scale": scale},
+                ttft_s=10 / scale,
+                tpot_s=0.3 / scale,
+                first_token_timeout_s=8.5 / scale,
+                role_control=roles,
+                routing={"admission": "queue", "queue_max": 64, "queue_timeout_s": 10.0},
+            )
+        )
+        store = tmp_path / "store.json"
+        r = profile(
+            fleet.fleet_path,
+            write_limits(tmp_path),
+            store,
+            prefill_lens="128,1024,4096",
+            decode_lens="128,512",
+        )
+        assert r.returncode == 0, r.stderr
+        extra = ("--profiles", str(store))
+        leader = start_replica(tmp_path, fleet.fleet_path, etcd, "lead", *extra)
+        stack.callback(stop_router, leader)
+        assert wait_until(lambda: coordination(leader)["is_leader"], 10)
+        follower = start_replica(tmp_path, fleet.fleet_path, etcd, "follow", *extra)
+        stack.callback(stop_router, follower)
+        assert wait_until(lambda: converged([leader, follower], 0), 10)
+        assert not coordination(follower)["is_leader"]
+
+        def send(client: httpx.Client, prompt_len: int, max_tokens: int, i: int) -> int:
+            prompt = [300 + (i * 31 + k) % 9000 for k in range(prompt_len)]
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+            return client.post(follower.url + "/v1/completions", json=body).status_code
+
+        statuses: list[int] = []
+        flipped = False
+        with httpx.Client(timeout=60, trust_env=False) as client, ThreadPoolExecutor(24) as pool:
+            statuses += list(pool.map(lambda i: send(client, 2048, 4, i), range(8)))
+            deadline = time.monotonic() + 40
+            i = 1000
+            while time.monotonic() < deadline and not flipped:
+                statuses += list(pool.map(lambda j: send(client, 128, 150, j), range(i, i + 24)))
+                i += 24
+                flipped = any(rec["type"] == "role.flip" for rec in follower.records())
+        assert flipped, "no flip toward decode within 40 s of decode-heavy traffic"
+        assert statuses == [200] * len(statuses)
+        assert wait_until(lambda: len(follower.ends()) == len(statuses), 10)
+        assert not leader.ends()  # the leader saw none of the traffic it flipped for
+        generation = coordination(follower)["generation"]
+        assert wait_until(lambda: converged([leader, follower], generation), 10)
+        flips = {
+            name: [
+                (f["role_generation"], f["engine"], f["to_role"], f["decided_by"], f["forced"])
+                for f in router.records()
+                if f["type"] == "role.flip"
+            ]
+            for name, router in (("lead", leader), ("follow", follower))
+        }
+        assert flips["lead"] == flips["follow"], flips
+        first = flips["follow"][0]
+        assert first[2] == "decode" and first[3] == "lead" and first[4] is False
