@@ -690,6 +690,8 @@ def report_ab(
     add("load_average_at_start", info["loadavg"])
     add("a_routing", json.dumps(args.fleet_routing))
     add("b_routing", json.dumps(args.ab_routing))
+    if args.a_arg:
+        add("a_args", " ".join(args.a_arg))
     c1_requests = args.rounds * math.ceil(args.requests / args.rounds)
     add(
         "requests_per_target_and_mode",
@@ -814,7 +816,17 @@ def main() -> int:
         default=[],
         help="extra narwhal-serve argument (repeatable): --narwhal-arg=--engine-transport=httpx",
     )
+    parser.add_argument(
+        "--a-arg",
+        action="append",
+        default=[],
+        help="A/B mode: extra narwhal-serve argument for A only (repeatable), e.g. replica"
+        " coordination on against off: --a-arg=--coordination=etcd://127.0.0.1:2379"
+        " --a-arg=--replica-id=a (bench/replicas.py does this)",
+    )
     args = parser.parse_args()
+    if args.a_arg and args.ab_routing is None:
+        parser.error("--a-arg needs --ab-routing")
     if args.requests < 1 or args.concurrency < 1 or args.warmup < 0 or args.rounds < 1:
         parser.error("--requests, --concurrency and --rounds must be positive")
     ab = args.ab_routing is not None
@@ -894,6 +906,7 @@ def main() -> int:
                     "info",
                     *quiet,
                     *args.narwhal_arg,
+                    *(args.a_arg if target == "narwhal" else ()),
                 ),
                 logs[target],
                 env=env,

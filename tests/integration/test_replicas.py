@@ -147,6 +147,38 @@ class Load:
             pool.shutdown()
 
 
+def stream_until_cut(router: RouterProcess, i: int) -> None:
+    """A long stream on ``router``, read until the router dies under it."""
+    body = {"model": MODEL, "prompt": f"cut off {i}", "max_tokens": 2000, "stream": True}
+    body["ignore_eos"] = True
+    try:
+        with (
+            httpx.Client(timeout=30, trust_env=False) as client,
+            client.stream(
+                "POST",
+                router.url + "/v1/completions",
+                json=body,
+                headers={"X-Request-Id": f"cut-off-{i}"},
+            ) as response,
+        ):
+            for _ in response.iter_bytes():
+                pass
+    except httpx.HTTPError:
+        pass  # cut off, as expected
+
+
+def streams_open(router: RouterProcess) -> int:
+    records = router.records()
+    ended = {rec["id"] for rec in records if rec["type"] == "request.end"}
+    return sum(
+        1
+        for rec in records
+        if rec["type"] == "request.start"
+        and rec["id"] not in ended
+        and str(rec.get("client_request_id")).startswith("cut-off-")
+    )
+
+
 def ends_of(router: RouterProcess) -> int:
     return len(router.ends())
 
@@ -198,8 +230,16 @@ def test_replicas_share_roles_elect_one_leader_and_survive_its_death(tmp_path: P
             stack.callback(stop_router, late)
             assert wait_until(lambda: converged([*replicas, late], 2), 10)
 
-            # The leader dies: another replica leads within the lease's TTL and a tick.
+            # The leader dies mid-stream: its own streams are lost, no other replica's request
+            # fails, and another replica leads within the lease's TTL and a tick.
             killed = routers[leader]
+            cut_off = [
+                threading.Thread(target=stream_until_cut, args=(killed, i), daemon=True)
+                for i in range(2)
+            ]
+            for thread in cut_off:
+                thread.start()
+            assert wait_until(lambda: streams_open(killed) >= 2, 10)
             with load._lock:
                 load.skip.add(leader)
             procs.kill(killed.process)
@@ -222,8 +262,20 @@ def test_replicas_share_roles_elect_one_leader_and_survive_its_death(tmp_path: P
             assert response.status_code == 200, response.text
             generation = response.json()["role_generation"]
             assert wait_until(lambda: converged(survivors, generation), 10)
+            # The killed replica restarts on its journal: it closes the streams it was cut off
+            # in, and takes the roles as they are now.
+            restarted = start_replica(tmp_path, fleet.fleet_path, etcd, leader)
+            stack.callback(stop_router, restarted)
+            assert wait_until(lambda: converged([*survivors, restarted], generation), 15)
             time.sleep(1.0)
 
+        # The killed replica's journal: every request it started ended once, the streams it
+        # was killed in by its recovery at restart.
+        ends = restarted.ends()
+        starts = [rec["id"] for rec in restarted.records() if rec["type"] == "request.start"]
+        assert sorted(starts) == sorted(ends)
+        assert sum(e["outcome"] == "router_restart" for e in ends.values()) >= 2
+        assert {e["outcome"] for e in ends.values()} <= {"ok", "router_restart"}
         # Counts: on every surviving replica, each request sent was answered and journaled once.
         for name in names:
             if name == leader:
