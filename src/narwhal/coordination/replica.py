@@ -190,6 +190,9 @@ class Coordinator:
                         message,
                     )
                 self.last_error = message
+            except Exception as exc:  # an answer this client did not expect: never stop trying
+                log.exception("coordination: session failed; starting over")
+                self.last_error = f"{type(exc).__name__}: {exc}"
             self._set_down()
             await asyncio.sleep(self.retry_s)
 
