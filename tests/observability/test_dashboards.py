@@ -169,6 +169,10 @@ def test_dashboards_cover_what_the_issue_lists() -> None:
         "narwhal_engine_healthy",
         "narwhal_engine_breaker_state",
         "narwhal_latency_ratio",
+        "narwhal_coordination_up",
+        "narwhal_role_leader",
+        "narwhal_coordination_replicas",
+        "narwhal_coordination_watch_lag_seconds",
     } <= used["narwhal-fleet-roles.json"]
     types = {p["title"]: p["type"] for p in _panels(_docs()["narwhal-fleet-roles.json"])}
     assert types["Role per engine"] == "state-timeline"

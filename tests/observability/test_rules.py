@@ -24,6 +24,8 @@ REQUIRED = {
     "journal backlog or write errors": {"NarwhalJournalBacklog", "NarwhalJournalWriteErrors"},
     "no engine in a role": {"NarwhalNoEngineInRole"},
     "a migration rate that says an engine is failing": {"NarwhalMigrationsRising"},
+    "etcd unreachable": {"NarwhalCoordinationDown"},
+    "no role leader, or more than one": {"NarwhalRoleLeaderNotOne"},
 }
 
 

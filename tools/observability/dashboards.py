@@ -770,6 +770,63 @@ def fleet_and_roles() -> db.Dashboard:
             height=6,
         )
     )
+    # Replicas coordinated through etcd (--coordination): one series per router instance.
+    # A router that runs alone reports up 1, leader 1, one replica seen and no watch lag.
+    d = d.with_panel(
+        graph(
+            ids,
+            "Replica coordination",
+            "Per replica (instance): whether it reaches etcd (narwhal_coordination_up; 0: it "
+            "serves with the roles last seen and no flip can happen, alert "
+            "NarwhalCoordinationDown), whether it runs the role controller "
+            "(narwhal_role_leader) and how many replicas it sees publishing demand, itself "
+            "included (narwhal_coordination_replicas). Leaders is the fleet's sum of "
+            "narwhal_role_leader: anything but 1 means no role controller or several flipping "
+            "against each other (alert NarwhalRoleLeaderNotOne).",
+            "short",
+            [
+                _q(
+                    f"max by (instance) ({_sel('narwhal_coordination_up')})",
+                    "{{instance}} etcd up",
+                    "A",
+                ),
+                _q(
+                    f"max by (instance) ({_sel('narwhal_role_leader')})",
+                    "{{instance}} leader",
+                    "B",
+                ),
+                _q(
+                    f"max by (instance) ({_sel('narwhal_coordination_replicas')})",
+                    "{{instance}} replicas seen",
+                    "C",
+                ),
+                _q(f"sum({_sel('narwhal_role_leader')})", "leaders", "D"),
+            ],
+            height=6,
+            minimum=0,
+        )
+    )
+    d = d.with_panel(
+        graph(
+            ids,
+            "Roles watch lag",
+            "Per replica (instance), for the last roles change: from its write to etcd by any "
+            "replica (by that replica's clock) to this replica applying it "
+            "(narwhal_coordination_watch_lag_seconds; it keeps its value until the next "
+            "change). A replica whose lag grows applies flips late; while etcd is unreachable "
+            "no change arrives at all (alert NarwhalCoordinationDown).",
+            "s",
+            [
+                _q(
+                    f"max by (instance) ({_sel('narwhal_coordination_watch_lag_seconds')})",
+                    "{{instance}}",
+                    "A",
+                )
+            ],
+            height=6,
+            minimum=0,
+        )
+    )
 
     d = d.with_row(db.Row("Load per engine").id(ids.take()))
     d = d.with_panel(
