@@ -75,22 +75,12 @@ class RoleService:
         forced: bool,
     ) -> dict[str, Any]:
         """Move an engine to another role: state, metrics, journal, timeline, in that order."""
-        engine = self.state.engines[engine_id]
-        from_role = engine.role
+        from_role = self.state.engines[engine_id].role
+        entry = self._entry(engine_id, from_role, to_role, reason, pressures, forced)
         self.state.set_role(engine_id, to_role)
         if self.controller is not None:
             self.controller.applied()
         self._flip_metrics(engine_id, from_role, to_role)
-        entry = {
-            "t": time.time(),
-            "engine": engine_id,
-            "from_role": from_role,
-            "to_role": to_role,
-            "reason": reason,
-            "pressures": pressures,
-            "role_generation": self.state.role_generation,
-            "forced": forced,
-        }
         self.history.append(entry)
         self.journal.role_flip(**entry)
         log.info("role flip: %s %s -> %s (%s)", engine_id, from_role, to_role, reason)
