@@ -175,8 +175,10 @@ def test_a_coordinator_rereads_everything_when_etcd_returns(tmp_path: Path) -> N
         other: list[SharedRoles] = []
         c = coordinator(server, "/t-outage/", "c", seen, ttl=10)
         d = coordinator(server, "/t-outage/", "d", other, ttl=10)
-        tasks = [asyncio.create_task(c.run()), asyncio.create_task(d.run())]
-        await until(lambda: c.is_leader and d.up)
+        tasks = [asyncio.create_task(c.run())]
+        await until(lambda: c.is_leader)  # c first: of two started at once, either may lead
+        tasks.append(asyncio.create_task(d.run()))
+        await until(lambda: d.up and d.leader_id == "c")
         await asyncio.to_thread(server.stop)
         await until(lambda: not c.up and not d.up)
         assert not c.is_leader
