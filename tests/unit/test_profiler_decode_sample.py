@@ -1,8 +1,10 @@
 """The profiler's decode sample: the engine's own inter-token latencies when they cover the
 probe, else the client's window where every concurrent sequence decodes, and the probe run again
-when a busy host kept the sequences apart."""
+when a busy host kept the sequences apart; and the turns engines that share a host take."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
@@ -10,6 +12,7 @@ from narwhal.engines.probes import (
     DECODE_PROBE_ATTEMPTS,
     DecodeProbe,
     NoDecodeOverlapError,
+    PrefillTurns,
     ProbeError,
     sample_decode,
 )
@@ -111,3 +114,38 @@ async def test_too_few_tokens_is_not_retried() -> None:
         await sample_decode(probe, 64, 2, 64)
     assert not isinstance(failed.value, NoDecodeOverlapError)
     assert probe.calls == 1
+
+
+def test_engines_that_share_a_host_take_turns_for_their_prefills() -> None:
+    """PrefillTurns: prefills on one host never overlap, hosts run at once, decode waits for
+    the host's prefills, and an engine that failed before its prefills holds up no other."""
+    hosts = {"a0": "a", "a1": "a", "a2": "a", "b0": "b"}
+    turns = PrefillTurns(hosts)
+    log: list[str] = []
+    inside: dict[str, int] = {"a": 0, "b": 0}
+    most: dict[str, int] = {"a": 0, "b": 0}
+
+    async def engine(engine_id: str) -> None:
+        host = hosts[engine_id]
+        try:
+            if engine_id == "a2":
+                return  # failed before its prefills
+            async with turns.prefills(engine_id):
+                inside[host] += 1
+                most[host] = max(most[host], inside[host])
+                await asyncio.sleep(0.01)
+                inside[host] -= 1
+                log.append(f"prefilled {engine_id}")
+            await turns.host_prefilled(engine_id)
+            log.append(f"decode {engine_id}")
+        finally:
+            turns.done(engine_id)
+
+    async def main() -> None:
+        await asyncio.wait_for(asyncio.gather(*(engine(e) for e in hosts)), 5)
+
+    asyncio.run(main())
+    assert most == {"a": 1, "b": 1}
+    # b's engine did not wait for host a; a's engines decode only after both a prefills.
+    assert log.index("decode b0") < log.index("prefilled a1")
+    assert log.index("decode a0") > log.index("prefilled a1")

@@ -1,9 +1,10 @@
 """Collecting evidence from live engines: every socket call narwhal-check makes is here.
 
 Each call is bounded (an httpx timeout and an overall ``asyncio.timeout``), engines are probed
-in parallel where the measurement allows it (identity gates, pace, as the profiler does) and
-one handoff at a time where it does not (kv_transfer: a pair's first-token latency must not
-include another pair's traffic). Prompts for timing probes are token ids drawn from the
+in parallel where the measurement allows it (identity gates; pace as the profiler does it, with
+engines that share a host taking turns for their timed prefills) and one handoff at a time
+where it does not (kv_transfer: a pair's first-token latency must not include another pair's
+traffic). Prompts for timing probes are token ids drawn from the
 engine's own tokenization with a fresh order and ``cache_salt`` per probe, as the profiler
 makes them, so no probe is served from a prefix cache.
 """
@@ -38,6 +39,7 @@ from narwhal.engines.legs import decode_leg_body, prefill_leg_body
 from narwhal.engines.probes import (
     SEED_TEXT,
     DecodeProbe,
+    PrefillTurns,
     ProbeError,
     check_idle,
     error_message,
@@ -307,6 +309,7 @@ class Collector:
 
     async def pace(self, plan: PaceProbePlan, live: dict[str, str | None]) -> list[PaceResult]:
         repeats = self.settings.pace_repeats
+        turns = PrefillTurns({e.id: e.host for e in self.fleet.engines})
 
         async def one(spec: EngineSpec) -> PaceResult:
             base = PaceResult(
@@ -321,18 +324,21 @@ class Collector:
                 if idle is not None:
                     return dataclasses.replace(base, idle_problem=idle)
                 pool = await self._pool(spec.id)
-                # Unmeasured: an engine's first prefill after a pause ran 1.8 s where the next
-                # ran 0.08 s (a CPU engine here); the profile's probes had no such pause.
-                for _ in range(PACE_WARMUP_PROBES):
-                    await self._stream_times(spec.id, self._body(pool, plan.prefill_tokens, 1))
                 prefill: list[float] = []
-                for _ in range(repeats):
-                    sent, times = await self._stream_times(
-                        spec.id, self._body(pool, plan.prefill_tokens, 1)
-                    )
-                    if not times:
-                        raise ProbeError("the prefill probe produced no token")
-                    prefill.append(times[0] - sent)
+                # Timed as the profiler timed them: one engine of a host at a time.
+                async with turns.prefills(spec.id):
+                    # Unmeasured: an engine's first prefill after a pause ran 1.8 s where the
+                    # next ran 0.08 s (a CPU engine here); the profile's probes had no pause.
+                    for _ in range(PACE_WARMUP_PROBES):
+                        await self._stream_times(spec.id, self._body(pool, plan.prefill_tokens, 1))
+                    for _ in range(repeats):
+                        sent, times = await self._stream_times(
+                            spec.id, self._body(pool, plan.prefill_tokens, 1)
+                        )
+                        if not times:
+                            raise ProbeError("the prefill probe produced no token")
+                        prefill.append(times[0] - sent)
+                await turns.host_prefilled(spec.id)
                 client = self._clients[spec.id]
 
                 async def decode_probe() -> DecodeProbe:
@@ -351,6 +357,8 @@ class Collector:
                 )
             except ProbeError as exc:
                 return dataclasses.replace(base, error=str(exc))
+            finally:
+                turns.done(spec.id)  # one that failed before its prefills holds up no other
 
         return list(await asyncio.gather(*(one(e) for e in self.fleet.engines)))
 

@@ -1,6 +1,7 @@
 """Profiling live engines: prefill latency by prompt length, decode seconds per token by
 concurrency and context, each engine in isolation (its probes never overlap each other) and
-all engines in parallel, within the limits file's wall-time, token and per-probe bounds.
+all engines in parallel, except that engines sharing a host take turns for their timed prefills
+(``PrefillTurns``), within the limits file's wall-time, token and per-probe bounds.
 
 Prompts are token ids drawn from the engine's own tokenization of a seed text, with a fresh
 random order and a ``cache_salt`` per probe, so no probe is served from the prefix cache.
@@ -21,6 +22,7 @@ from narwhal.contract import EngineSpec, FleetContract
 from narwhal.engines.probes import (
     SEED_TEXT,
     DecodeProbe,
+    PrefillTurns,
     ProbeError,
     check_idle,
     probe_decode,
@@ -57,12 +59,20 @@ class _Budget:
                 f"token limit: {self.tokens + tokens} tokens would exceed "
                 f"max_tokens_per_engine {self.limits.max_tokens_per_engine}"
             )
-        if time.monotonic() - self.started > self.limits.max_wall_s_per_engine:
+        if self.elapsed_s() > self.limits.max_wall_s_per_engine:
             raise EngineProfilingError(
                 f"wall-time limit: exceeded max_wall_s_per_engine "
                 f"{self.limits.max_wall_s_per_engine} s"
             )
         self.tokens += tokens
+
+    def elapsed_s(self) -> float:
+        """The engine's profiling time so far, not counting its waits for a host's turn."""
+        return time.monotonic() - self.started
+
+    def exclude(self, seconds: float) -> None:
+        """Take ``seconds`` (a wait for another engine's turn on this host) off the clock."""
+        self.started += seconds
 
 
 class _Prompts:
@@ -106,8 +116,10 @@ async def profile_engine(
     progress: Progress,
     seed: int = 0,
     engine_api_key: str | None = None,
+    turns: PrefillTurns | None = None,
 ) -> EngineProfile:
-    started = time.monotonic()
+    """Profile one engine; ``turns``: the fleet's, when other engines are profiled at once."""
+    turns = turns or PrefillTurns({spec.id: spec.host})
     budget = _Budget(limits)
     if plan.tokens_needed() > limits.max_tokens_per_engine:
         raise EngineProfilingError(
@@ -141,19 +153,22 @@ async def profile_engine(
             }
 
         prefill: list[PrefillSample] = []
-        for repeat in range(plan.prefill_repeats):
-            for n in plan.prefill_lens:
-                budget.spend(n + 1)
-                sent, times = await stream_arrivals(client, body(n, 1), limits.probe_timeout_s)
-                if not times:
-                    raise EngineProfilingError(f"prefill probe of {n} tokens produced no token")
-                prefill.append(
-                    PrefillSample(input_tokens=n, repeat=repeat, seconds=times[0] - sent)
-                )
-                progress(
-                    f"{spec.id}: prefill {n} tokens (repeat {repeat + 1}/"
-                    f"{plan.prefill_repeats}): {times[0] - sent:.4f} s"
-                )
+        async with turns.prefills(spec.id) as waited_s:
+            budget.exclude(waited_s)
+            for repeat in range(plan.prefill_repeats):
+                for n in plan.prefill_lens:
+                    budget.spend(n + 1)
+                    sent, times = await stream_arrivals(client, body(n, 1), limits.probe_timeout_s)
+                    if not times:
+                        raise EngineProfilingError(f"prefill probe of {n} tokens produced no token")
+                    prefill.append(
+                        PrefillSample(input_tokens=n, repeat=repeat, seconds=times[0] - sent)
+                    )
+                    progress(
+                        f"{spec.id}: prefill {n} tokens (repeat {repeat + 1}/"
+                        f"{plan.prefill_repeats}): {times[0] - sent:.4f} s"
+                    )
+        budget.exclude(await turns.host_prefilled(spec.id))
         decode: list[DecodeSample] = []
         for n in plan.decode_input_lens:
             for c in plan.decode_concurrency:
@@ -181,7 +196,7 @@ async def profile_engine(
         engine_id=spec.id,
         url=spec.url,
         generation=generation,
-        wall_s=round(time.monotonic() - started, 3),
+        wall_s=round(budget.elapsed_s(), 3),
         tokens_used=budget.tokens,
         prefill_samples=prefill,
         decode_samples=decode,
@@ -199,7 +214,9 @@ async def profile_fleet(
     progress: Progress,
     engine_api_key: str | None = None,
 ) -> tuple[dict[str, EngineProfile], dict[str, str]]:
-    """Profile engines in parallel; returns (profiles, failures by engine)."""
+    """Profile engines in parallel (taking turns for timed prefills on a shared host); returns
+    (profiles, failures by engine)."""
+    turns = PrefillTurns({e: fleet.engine_by_id(e).host for e in engine_ids})
 
     async def one(engine_id: str) -> tuple[str, EngineProfile | str]:
         spec = fleet.engine_by_id(engine_id)
@@ -213,11 +230,14 @@ async def profile_fleet(
                 progress,
                 seed=zlib.crc32(engine_id.encode()),
                 engine_api_key=engine_api_key,
+                turns=turns,
             )
         except (EngineProfilingError, ProbeError) as exc:
             return engine_id, str(exc)
         except httpx.HTTPError as exc:
             return engine_id, f"unreachable: {type(exc).__name__}: {exc}"
+        finally:
+            turns.done(engine_id)  # one that failed before its prefills holds up no other
 
     results = await asyncio.gather(*(one(e) for e in engine_ids))
     profiles = {e: r for e, r in results if isinstance(r, EngineProfile)}
