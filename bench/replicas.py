@@ -25,13 +25,11 @@ A real etcd (Debian's ``etcd-server``) and a simulated fleet of four engines, bo
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -44,6 +42,7 @@ from narwhal.testing import procs
 from narwhal.testing.etcd import EtcdServer, etcd_binary
 from narwhal.testing.fleet import SimFleet
 from narwhal.testing.ports import free_ports
+from narwhal.testing.replica_load import ReplicaLoad
 
 ROOT = Path(__file__).resolve().parent.parent
 ADMIN_TOKEN = "bench-admin-token"
@@ -142,48 +141,6 @@ def converged(replicas: list[Replica], timeout: float) -> tuple[int, dict[str, s
     raise RuntimeError(f"replicas did not converge: {[roles_of(r) for r in replicas]}")
 
 
-class Load:
-    """Requests to the replicas not excluded, one at a time per thread, until stopped."""
-
-    def __init__(self, replicas: dict[str, Replica], threads: int) -> None:
-        self.replicas = replicas
-        self.excluded: set[str] = set()
-        self.sent: dict[str, int] = {}
-        self.failed: list[str] = []
-        self.lock = threading.Lock()
-        self.done = threading.Event()
-        self.threads = [threading.Thread(target=self.run, args=(i,)) for i in range(threads)]
-
-    def run(self, seed: int) -> None:
-        names = itertools.cycle(sorted(self.replicas))
-        with httpx.Client(timeout=30, trust_env=False) as client:
-            for n in itertools.count():
-                if self.done.is_set():
-                    return
-                with self.lock:
-                    name = next(n for n in names if n not in self.excluded)
-                    self.sent[name] = self.sent.get(name, 0) + 1
-                body = {"model": MODEL, "prompt": f"replicas {seed} {n} " * 16, "max_tokens": 8}
-                try:
-                    response = client.post(self.replicas[name].url + "/v1/completions", json=body)
-                    ok, detail = response.status_code == 200, response.text[:200]
-                except httpx.HTTPError as exc:
-                    ok, detail = False, repr(exc)
-                if not ok:
-                    with self.lock:
-                        self.failed.append(f"{name}: {detail}")
-
-    def __enter__(self) -> Load:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.done.set()
-        for t in self.threads:
-            t.join(60)
-
-
 def failover(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with EtcdServer(directory / "etcd") as etcd:
@@ -204,7 +161,10 @@ def failover(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
             times: list[float] = []
             flips_made: list[int] = []
             killed_when: dict[str, list[int]] = {n: [] for n in names}
-            with Load(replicas, args.load_threads) as load:
+            urls = {n: r.url for n, r in replicas.items()}
+            with ReplicaLoad(
+                urls, MODEL, threads=args.load_threads, limit=10**7, seconds=7200
+            ) as load:
                 for k in range(args.kills):
                     deadline = time.monotonic() + 30
                     leader = leader_of(everyone)
@@ -213,8 +173,7 @@ def failover(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
                         leader = leader_of(everyone)
                     if leader is None:
                         raise RuntimeError("no leader among the replicas")
-                    with load.lock:
-                        load.excluded.add(leader)
+                    load.exclude(leader)
                     time.sleep(0.3)  # requests already sent to it finish
                     generation, _ = converged(everyone, 10)
                     killed_when[leader].append(generation)
@@ -244,8 +203,7 @@ def failover(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
                     flips_made.append(answer.json()["role_generation"])
                     replicas[leader].start()
                     converged(everyone, 20)
-                    with load.lock:
-                        load.excluded.discard(leader)
+                    load.include(leader)
                     print(f"kill {k + 1}: {leader} -> {new} in {times[-1]:.3f} s", flush=True)
             time.sleep(1.0)
             final_generation, _ = converged(everyone, 10)
@@ -293,13 +251,14 @@ def failover(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         all(f == identical_lists[0] for f in identical_lists) if identical_lists else "n/a"
     )
     out["requests_sent"] = sum(load.sent.values())
-    out["requests_failed"] = len(load.failed)
-    if load.failed:
-        out["first_failures"] = load.failed[:3]
+    failures = load.failures()
+    out["requests_failed"] = len(failures)
+    if failures:
+        out["first_failures"] = failures[:3]
     for name, info in per_replica.items():
         out[f"replica_{name}"] = json.dumps(info)
     ok = (
-        not load.failed
+        not failures
         and all(not i["flip_doubled"] and not i["flips_missing"] for i in per_replica.values())
         and all(i["unbalanced"] == 0 and i["replica_stamp_ok"] for i in per_replica.values())
         and out["flip_lists_identical_on_replicas_never_killed"] in (True, "n/a")

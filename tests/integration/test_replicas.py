@@ -6,14 +6,11 @@ lives is answered, and each ends with one journal record in that replica's journ
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +20,7 @@ import pytest
 from narwhal.testing import procs
 from narwhal.testing.etcd import EtcdServer, etcd_binary
 from narwhal.testing.procs import wait_until
+from narwhal.testing.replica_load import ReplicaLoad
 from tests.helpers import (
     ADMIN_TOKEN,
     MODEL,
@@ -94,59 +92,6 @@ def leaders(routers: list[RouterProcess]) -> set[str | None]:
     return {coordination(r)["leader"] for r in routers}
 
 
-@dataclass
-class Load:
-    """Requests to each replica in turn from a few threads, until stopped (bounded in count and
-    time): per replica, what was sent and how each ended."""
-
-    routers: dict[str, RouterProcess]
-    sent: dict[str, int] = field(default_factory=dict)
-    answered: dict[str, int] = field(default_factory=dict)
-    failed: dict[str, list[str]] = field(default_factory=dict)
-    stop: threading.Event = field(default_factory=threading.Event)
-    skip: set[str] = field(default_factory=set)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def run(self, limit: int = 2000, seconds: float = 120) -> None:
-        names = itertools.cycle(sorted(self.routers))
-        deadline = time.monotonic() + seconds
-        with httpx.Client(timeout=30, trust_env=False) as client:
-            for n in range(limit):
-                if self.stop.is_set() or time.monotonic() > deadline:
-                    return
-                with self._lock:
-                    name = next(names)
-                    while name in self.skip:
-                        name = next(names)
-                    self.sent[name] = self.sent.get(name, 0) + 1
-                try:
-                    response = client.post(
-                        self.routers[name].url + "/v1/completions",
-                        json={"model": MODEL, "prompt": f"replica load {n} " * 20, "max_tokens": 8},
-                    )
-                    ok = response.status_code == 200
-                    detail = f"{response.status_code} {response.text[:200]}"
-                except httpx.HTTPError as exc:
-                    ok, detail = False, repr(exc)
-                with self._lock:
-                    if ok:
-                        self.answered[name] = self.answered.get(name, 0) + 1
-                    else:
-                        self.failed.setdefault(name, []).append(detail)
-
-    @contextmanager
-    def running(self, threads: int = 3) -> Iterator[Load]:
-        pool = ThreadPoolExecutor(threads)
-        futures = [pool.submit(self.run) for _ in range(threads)]
-        try:
-            yield self
-        finally:
-            self.stop.set()
-            for f in futures:
-                f.result(timeout=60)
-            pool.shutdown()
-
-
 def stream_until_cut(router: RouterProcess, i: int) -> None:
     """A long stream on ``router``, read until the router dies under it."""
     body = {"model": MODEL, "prompt": f"cut off {i}", "max_tokens": 2000, "stream": True}
@@ -197,8 +142,7 @@ def test_replicas_share_roles_elect_one_leader_and_survive_its_death(tmp_path: P
         (leader,) = leaders(replicas)
         assert [coordination(r)["is_leader"] for r in replicas].count(True) == 1
 
-        load = Load(dict(routers))
-        with load.running():
+        with ReplicaLoad({n: r.url for n, r in routers.items()}, MODEL, seconds=120) as load:
             # A forced flip through a replica that does not lead: every replica applies it.
             follower = next(n for n in names if n != leader)
             before = coordination(routers[follower])
@@ -240,8 +184,7 @@ def test_replicas_share_roles_elect_one_leader_and_survive_its_death(tmp_path: P
             for thread in cut_off:
                 thread.start()
             assert wait_until(lambda: streams_open(killed) >= 2, 10)
-            with load._lock:
-                load.skip.add(leader)
+            load.exclude(leader)
             procs.kill(killed.process)
             survivors = [r for n, r in routers.items() if n != leader] + [late]
             t0 = time.monotonic()
@@ -319,8 +262,8 @@ def test_etcd_outage_keeps_every_replica_serving_and_they_resynchronise(tmp_path
             stack.callback(stop_router, router)
         replicas = list(routers.values())
         assert wait_until(lambda: converged(replicas, 0), 15)
-        load = Load(dict(routers))
-        with load.running(threads=2):
+        urls = {n: r.url for n, r in routers.items()}
+        with ReplicaLoad(urls, MODEL, threads=2, seconds=120) as load:
             etcd.stop()
             assert wait_until(lambda: all(not coordination(r)["up"] for r in replicas), 15)
             for router in replicas:

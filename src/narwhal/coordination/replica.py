@@ -331,8 +331,12 @@ class Coordinator:
         except ValueError as exc:
             log.error("coordination: the roles document at %s is not valid: %s", kv.key, exc)
             return
+        self._adopt(document, kv.mod_revision, now)
+
+    def _adopt(self, document: SharedRoles, revision: int, now: float) -> None:
+        """``document``, stored at ``revision``, is the roles as this replica sees them now."""
         self.view = document
-        self.view_revision = kv.mod_revision
+        self.view_revision = revision
         self.watch_lag_s = max(0.0, now - document.written_at)
         self._on_roles(document)
 
@@ -352,8 +356,7 @@ class Coordinator:
             compares, [Operation(self.roles_key, document.encode())]
         )
         if landed:
-            kv = KeyValue(self.roles_key, document.encode(), 0, revision, 0)
-            self._accept(kv, document.written_at)
+            self._adopt(document, revision, document.written_at)
         return landed
 
     async def publish(self, payload: bytes) -> None:
@@ -365,7 +368,10 @@ class Coordinator:
         """Give up the lease at once (a clean stop): leadership moves without waiting out the
         TTL, and this replica's demand leaves the sum."""
         if self._lease and self.up:
-            with contextlib.suppress(EtcdUnavailable):
-                await self.client.revoke(self._lease)
+            # One timeout for all the endpoints: a stop waits at most that for an etcd that
+            # went away unnoticed (the lease then lapses at its TTL instead).
+            with contextlib.suppress(EtcdUnavailable, TimeoutError):
+                async with asyncio.timeout(self.client.timeout_s):
+                    await self.client.revoke(self._lease)
         self._lease = 0
         self._set_down()

@@ -145,7 +145,12 @@ class DemandTracker:
         self._trim()
         if not self._starts:
             return 0.0
-        return sum(s[2] + s[3] / 2 for s in self._starts) / len(self._starts)
+        return self._context_tokens() / len(self._starts)
+
+    def _context_tokens(self) -> float:
+        """The window's context, summed: each request's prompt plus half its output (its
+        mean context over its decode)."""
+        return sum(s[2] + s[3] / 2 for s in self._starts)
 
     def others_queued_prefill_s(self) -> float:
         return 0.0  # one router: the queue is the fleet state's own
@@ -158,7 +163,7 @@ class DemandTracker:
             requests=len(starts),
             prefill_s=sum(s[1] for s in starts),
             output_tokens=sum(s[3] for s in starts),
-            context_tokens=sum(s[2] + s[3] / 2 for s in starts),
+            context_tokens=self._context_tokens(),
             queued_prefill_s=queued_prefill_s,
             rejected=self.rejected,
         )

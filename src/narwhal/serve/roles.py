@@ -302,9 +302,7 @@ class RoleService:
         it (fenced by the leader lease: a deposed leader's write fails in etcd)."""
         coordinator = self.coordinator
         assert coordinator is not None
-        for engine in self.state.engines.values():
-            engine.settle_drain()
-        self.demand.rate()  # drops what aged out of the window (see tick)
+        self._settle()
         self.sync_coordination_metrics()
         controller = self.controller
         if controller is None or not coordinator.up:
@@ -341,12 +339,7 @@ class RoleService:
 
     def tick(self) -> None:
         """One round of the role loop: settle drains, and flip if the controller says so."""
-        for engine in self.state.engines.values():
-            engine.settle_drain()
-        # Every request is recorded in the demand window, but only reading it drops what has
-        # aged out: without a controller that reads it (no profile store, role control off,
-        # pinned) it would grow by one entry per request for as long as we run.
-        self.demand.rate()
+        self._settle()
         if self.controller is None:
             return
         decision = self.controller.tick(self.state, self.demand)
@@ -358,6 +351,15 @@ class RoleService:
                 decision.pressures.as_dict(),
                 forced=False,
             )
+
+    def _settle(self) -> None:
+        """What every round of the role loop starts with: drains settled, the demand window
+        trimmed. Every request is recorded in the window, but only reading it drops what has
+        aged out: without a controller that reads it (no profile store, role control off,
+        pinned) it would grow by one entry per request for as long as we run."""
+        for engine in self.state.engines.values():
+            engine.settle_drain()
+        self.demand.rate()
 
     async def run(self, interval_s: float) -> None:
         while True:
