@@ -264,3 +264,51 @@ async def test_the_engine_pool_sends_the_engine_api_key_on_every_request(transpo
             for head in heads:
                 assert (b"authorization: bearer s3cret-key\r\n" in head) == (key is not None)
                 assert head.count(b"authorization:") == (1 if key else 0)
+
+
+@LEGS
+async def test_a_request_the_engine_closed_a_pooled_connection_on_is_sent_again_once(
+    transport: str, leg: str
+) -> None:
+    """The keep-alive race: the engine closes an idle connection just as the router writes the
+    next request into it. The request goes again, once, on a new connection, and succeeds."""
+    requests = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal requests
+        served = 0
+        async for _head, body in each_request(reader):
+            requests += 1
+            if served == 1:
+                return  # the second request on a connection: closed without a byte of answer
+            served += 1
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+
+    async with server(handler) as (base, peers), engine_client(transport, base) as c:
+        for i in range(3):
+            r = await getattr(c, leg)("/v1/completions", b'{"n":%d}' % i, {})
+            assert r.status == 200
+            assert await r.read() == b'{"n":%d}' % i
+            await r.aclose()
+    # Requests 2 and 3 each met a closed pooled connection and were sent again on a new one.
+    assert requests == 5
+    assert len(peers) == 3
+
+
+@LEGS
+async def test_an_engine_that_closes_every_connection_unanswered_gets_two_tries(
+    transport: str, leg: str
+) -> None:
+    requests = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal requests
+        await read_request(reader)
+        requests += 1  # and closed, unanswered
+
+    async with server(handler) as (base, _), engine_client(transport, base) as c:
+        with pytest.raises(EngineTransportError):
+            r = await getattr(c, leg)("/v1/completions", b"{}", {})
+            await r.read()
+    assert 1 <= requests <= 2

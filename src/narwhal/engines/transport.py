@@ -14,6 +14,11 @@ Two implementations behind one small interface, chosen by ``--engine-transport``
 Both raise :class:`EngineTransportError` for every failure that is the engine's or the network's
 (refused, reset, timed out, a body cut short), so callers handle one exception type; an HTTP
 error status is not an exception, it is the response's ``status``.
+
+A request the engine closed the connection on before a byte of answer (the keep-alive race: an
+engine closes an idle pooled connection just as the router writes into it) is sent again on a
+new connection, once, as the decode streams' own pool does. At worst the engine got it and died
+before answering; the second try then finds the engine refusing connections.
 """
 
 from __future__ import annotations
@@ -111,6 +116,15 @@ def _aiohttp_error(exc: BaseException) -> EngineTransportError:
     return EngineTransportError(message, timeout=timeout)
 
 
+# The engine closed the connection before a byte of answer (ClientConnectorError, a subclass of
+# ClientOSError, is a refused connection instead: never sent again).
+_AIOHTTP_CLOSED_UNANSWERED = (
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientConnectionResetError,
+    aiohttp.ClientOSError,
+)
+
+
 class _AiohttpResponse:
     __slots__ = ("_response", "status")
 
@@ -187,17 +201,21 @@ class AiohttpEngineClient:
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> EngineResponse:
         session = self._open()
-        try:
-            response = await session.post(
-                self._base + path,
-                data=body,
-                headers=headers,
-                allow_redirects=False,
-                compress=None,
-            )
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise _aiohttp_error(exc) from exc
-        return _AiohttpResponse(response)
+        url = self._base + path
+        for again in (True, False):
+            try:
+                response = await session.post(
+                    url, data=body, headers=headers, allow_redirects=False, compress=None
+                )
+            except _AIOHTTP_CLOSED_UNANSWERED as exc:
+                # aiohttp sends only idempotent methods again on a closed pooled connection.
+                if again and not isinstance(exc, aiohttp.ClientConnectorError):
+                    continue
+                raise _aiohttp_error(exc) from exc
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                raise _aiohttp_error(exc) from exc
+            return _AiohttpResponse(response)
+        raise AssertionError("unreachable")
 
     async def stream(self, path: str, body: bytes, headers: dict[str, str]) -> EngineResponse:
         return await self._streams.post(path, body, headers)
@@ -224,6 +242,11 @@ class AiohttpEngineClient:
 def _httpx_error(exc: httpx.HTTPError) -> EngineTransportError:
     message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     return EngineTransportError(message, timeout=isinstance(exc, httpx.TimeoutException))
+
+
+# The engine closed the connection before a byte of answer ("Server disconnected without
+# sending a response", or reset while the request was written or its answer awaited).
+_HTTPX_CLOSED_UNANSWERED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
 class _HttpxResponse:
@@ -299,11 +322,17 @@ class HttpxEngineClient:
         return await self._send(self._client.build_request("GET", path))
 
     async def _send(self, request: httpx.Request) -> EngineResponse:
-        try:
-            response = await self._client.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            raise _httpx_error(exc) from exc
-        return _HttpxResponse(response)
+        for again in (True, False):
+            try:
+                response = await self._client.send(request, stream=True)
+            except _HTTPX_CLOSED_UNANSWERED as exc:
+                if again:
+                    continue
+                raise _httpx_error(exc) from exc
+            except httpx.HTTPError as exc:
+                raise _httpx_error(exc) from exc
+            return _HttpxResponse(response)
+        raise AssertionError("unreachable")
 
     async def aclose(self) -> None:
         await self._client.aclose()
