@@ -357,3 +357,22 @@ def test_the_relay_keeps_each_chunks_ids_unparsed_and_blanks_them_for_the_client
         assert trace.prompt_ids == [11, 12] and trace.generated == [5, 6, 7]
         assert trace.head == {"id": "c", "object": "text_completion", "created": 1, "model": "m"}
         assert trace.blocked(renderer.tally.token_events, True) == "the answer was complete"
+
+
+def test_ids_spelled_with_spaces_are_kept_by_a_parse_and_blanked_all_the_same() -> None:
+    """An engine whose JSON is not compact (``"token_ids": [6, 7]``): the cut finds nothing,
+    so the chunk is parsed instead; the trace still holds every generated id, and a client that
+    did not ask still gets null (a trace short of ids would continue from the wrong token)."""
+    first = b'{"id":"c","choices":[{"index":0,"text":"a","token_ids":[5]}]}'
+    spaced = b'{"id": "c", "choices": [{"index": 0, "text": "b", "token_ids": [6, 7]}]}'
+    for asked in (False, True):
+        body = {"model": "m", "prompt": [1], "max_tokens": 5}
+        trace = _trace({**body, "return_token_ids": True} if asked else body)
+        trace.keep_prompt_ids(b"1")
+        renderer = EventRenderer(StreamTally(), False, 1, trace)
+        sent = renderer.render([first]) + renderer.render([spaced])
+        events = [orjson.loads(event[6:]) for event in sent.split(b"\n\n") if event]
+        ids = [c["token_ids"] for e in events for c in e["choices"]]
+        assert ids == ([[5], [6, 7]] if asked else [None, None])
+        assert "".join(c["text"] for e in events for c in e["choices"]) == "ab"
+        assert trace.generated == [5, 6, 7] and trace.remaining() == 2

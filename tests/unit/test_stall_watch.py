@@ -7,6 +7,7 @@ from outside (which still cancels). Real time, in tenths of a second."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import orjson
@@ -15,10 +16,19 @@ import pytest
 from narwhal.contract import Migration
 from narwhal.serve.migration import MigrationTrace, new_trace
 from narwhal.serve.relay import EventRenderer, StallWatch, StreamTally
-from narwhal.serve.stalls import FixedStallDeadline, StallSweeper
+from narwhal.serve.stalls import StallSweeper
 from narwhal.serve.validation import parse_client_request
 
 STALL_S = 0.15
+
+
+@dataclass(frozen=True, slots=True)
+class FixedStallDeadline:
+    """A stall period known up front (``serve.stalls.StallDeadline``; the router's is the
+    migrator's, from the predicted TPOT)."""
+
+    stall_s: float
+    sweeper: StallSweeper
 
 
 class _Events:

@@ -31,7 +31,7 @@ from narwhal.serve.errors import UpstreamFailed, error_body
 from narwhal.serve.migration import MigrationTrace, Migrator
 from narwhal.serve.pd import DecodeStream
 from narwhal.serve.stalls import StallDeadline
-from narwhal.serve.token_ids import IDS_KEY, NULL_IDS
+from narwhal.serve.token_ids import IDS_KEY, NULL_IDS, keep_ids_parsed
 
 __all__ = [
     "DONE_EVENT",
@@ -214,6 +214,8 @@ class EventRenderer:
                     kept.append(ids)
                     if blank:
                         payload = b"".join((before, NULL_IDS, after))
+                elif b'"token_ids"' in payload:
+                    payload = keep_ids_parsed(payload, kept, blank)
             try:
                 obj = orjson.loads(payload)
             except ValueError as exc:

@@ -14,10 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["FixedStallDeadline", "StallDeadline", "StallSweeper", "Stallable"]
+__all__ = ["StallDeadline", "StallSweeper", "Stallable"]
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +82,3 @@ class StallDeadline(Protocol):
 
     @property
     def sweeper(self) -> StallSweeper: ...
-
-
-@dataclass(frozen=True, slots=True)
-class FixedStallDeadline:
-    """A stall period known up front (:class:`StallDeadline`)."""
-
-    stall_s: float
-    sweeper: StallSweeper

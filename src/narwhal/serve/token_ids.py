@@ -2,7 +2,8 @@
 decode engine for ``return_token_ids`` so that a broken stream can be continued, and the ids must
 neither reach a client that did not ask for them nor cost the healthy path a parse.
 
-vLLM writes its chunks as compact JSON. A key's spelling with its closing quote and colon cannot
+vLLM writes its chunks as compact JSON (a chunk spelled otherwise takes a parse:
+:func:`keep_ids_parsed`). A key's spelling with its closing quote and colon cannot
 occur inside a JSON string, where a quote is escaped, and a list of ids holds no bracket: searches
 and splices, no regex (a regex that tries every position of a first chunk's prompt ids costs
 several microseconds) and no parse.
@@ -10,7 +11,16 @@ several microseconds) and no parse.
 
 from __future__ import annotations
 
-__all__ = ["IDS_KEY", "NULL_IDS", "blank_token_ids", "cut_prompt_ids", "parse_ids"]
+import orjson
+
+__all__ = [
+    "IDS_KEY",
+    "NULL_IDS",
+    "blank_token_ids",
+    "cut_prompt_ids",
+    "keep_ids_parsed",
+    "parse_ids",
+]
 
 _PROMPT_IDS = b'"prompt_token_ids":['
 # A choice's list of ids, and what replaces it for a client that did not ask for ids.
@@ -49,6 +59,26 @@ def cut_prompt_ids(payload: bytes) -> tuple[bytes, bytes | None]:
     if not bracket:
         return payload, None
     return b"".join((before, b'"prompt_token_ids":null', after)), ids
+
+
+def keep_ids_parsed(payload: bytes, kept: list[bytes], blank: bool) -> bytes:
+    """The slow way for a chunk whose ids the compact spelling did not find (an engine that
+    writes ``"token_ids": [`` with a space): parsed, its choice's ids appended to ``kept`` as the
+    cut keeps them, and the chunk given back with them null when ``blank``. Without it such a
+    stream's kept ids would fall short and a migration continue from the wrong token."""
+    try:
+        obj = orjson.loads(payload)
+        choice = obj["choices"][0]
+        ids = choice["token_ids"]
+    except (ValueError, TypeError, KeyError, IndexError):
+        return payload  # no choice with ids: nothing to keep (a malformed chunk fails later)
+    if not isinstance(ids, list):
+        return payload
+    kept.append(b",".join(b"%d" % i for i in ids))
+    if not blank:
+        return payload
+    choice["token_ids"] = None
+    return orjson.dumps(obj)
 
 
 def parse_ids(raw: bytes) -> list[int]:
