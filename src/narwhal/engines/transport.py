@@ -24,6 +24,7 @@ before answering; the second try then finds the engine refusing connections.
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 from collections.abc import AsyncIterator, Mapping
 from typing import Literal, Protocol
@@ -117,7 +118,7 @@ def _aiohttp_error(exc: BaseException) -> EngineTransportError:
 
 
 # The engine closed the connection before a byte of answer (ClientConnectorError, a subclass of
-# ClientOSError, is a refused connection instead: never sent again).
+# ClientOSError, is a refused connection instead: caught before these, never sent again).
 _AIOHTTP_CLOSED_UNANSWERED = (
     aiohttp.ServerDisconnectedError,
     aiohttp.ClientConnectionResetError,
@@ -200,22 +201,25 @@ class AiohttpEngineClient:
         return self._session
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> EngineResponse:
-        session = self._open()
-        url = self._base + path
-        for again in (True, False):
+        send = functools.partial(
+            self._open().post,
+            self._base + path,
+            data=body,
+            headers=headers,
+            allow_redirects=False,
+            compress=None,
+        )
+        try:
             try:
-                response = await session.post(
-                    url, data=body, headers=headers, allow_redirects=False, compress=None
-                )
-            except _AIOHTTP_CLOSED_UNANSWERED as exc:
+                response = await send()
+            except aiohttp.ClientConnectorError:
+                raise  # refused: never sent again
+            except _AIOHTTP_CLOSED_UNANSWERED:
                 # aiohttp sends only idempotent methods again on a closed pooled connection.
-                if again and not isinstance(exc, aiohttp.ClientConnectorError):
-                    continue
-                raise _aiohttp_error(exc) from exc
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                raise _aiohttp_error(exc) from exc
-            return _AiohttpResponse(response)
-        raise AssertionError("unreachable")
+                response = await send()
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise _aiohttp_error(exc) from exc
+        return _AiohttpResponse(response)
 
     async def stream(self, path: str, body: bytes, headers: dict[str, str]) -> EngineResponse:
         return await self._streams.post(path, body, headers)
@@ -322,17 +326,14 @@ class HttpxEngineClient:
         return await self._send(self._client.build_request("GET", path))
 
     async def _send(self, request: httpx.Request) -> EngineResponse:
-        for again in (True, False):
+        try:
             try:
                 response = await self._client.send(request, stream=True)
-            except _HTTPX_CLOSED_UNANSWERED as exc:
-                if again:
-                    continue
-                raise _httpx_error(exc) from exc
-            except httpx.HTTPError as exc:
-                raise _httpx_error(exc) from exc
-            return _HttpxResponse(response)
-        raise AssertionError("unreachable")
+            except _HTTPX_CLOSED_UNANSWERED:
+                response = await self._client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise _httpx_error(exc) from exc
+        return _HttpxResponse(response)
 
     async def aclose(self) -> None:
         await self._client.aclose()
