@@ -28,10 +28,13 @@ in the A/B mode (``--ab-routing``: two narwhal-serve processes) from the schedul
 run time of each router's threads (``/proc/<pid>/task/<tid>/schedstat``) instead, with both
 routers pinned to one CPU and the engines and the client to the others, over ``--rounds`` pairs
 of fresh router processes (two processes of the same code differ by a few percent: the
-interval resamples rounds as well as blocks). With ``--instructions`` (A/B mode) the routers run
-under valgrind's callgrind and a block's cost is the instructions the router executed in it
-(``callgrind_control -d``): a count the machine's load does not move, of user space only, about
-50 times slower (a few hundred requests; the routers' periodic probes are set to an hour).
+interval resamples rounds as well as blocks; each process's environment is padded by a random
+length and the start order alternates, so that layout differences between A's and B's command
+lines fall at random rather than the same way every round). With ``--instructions`` (A/B
+mode) the routers run under valgrind's callgrind and a block's cost is the instructions the
+router executed in it (``callgrind_control -d``): a count the machine's load does not move, of
+user space only, about 50 times slower (a few hundred requests; the routers' periodic probes
+are set to an hour).
 Latency is measured end to end by the client at concurrency 1 (after a warmup), in blocks that
 rotate over the three targets so drift hits all of them alike; "added" latency is the router's
 percentile minus direct's percentile. Requests/s is measured at concurrency 1 and at
@@ -630,6 +633,8 @@ def report(
 
 AB_TARGETS = ("narwhal", "narwhal_b")
 AB_RESAMPLES = 4000
+# The A/B mode pads each router's environment by a random length (see start_routers).
+LAYOUT_PAD = "NARWHAL_BENCH_LAYOUT_PAD"
 # The A/B mode's throughput phase runs this many times --requests: its blocks vary more than
 # the latency phase's (how the chunks of concurrent streams fall into reads), and it is fast.
 AB_THROUGHPUT_FACTOR = 4
@@ -922,18 +927,23 @@ def main() -> int:
             b_path.write_text(json.dumps({**doc, "routing": args.ab_routing}, indent=2))
 
         def start_routers(round_index: int) -> None:
-            env = None
             if ab:
                 # One hash seed for both routers of a round, a new one each round: the layout of
                 # their dicts and sets is shared within a pair, and varied across rounds.
-                env = {
-                    **os.environ,
-                    "PYTHONHASHSEED": str(random.Random(round_index).randrange(2**32)),
-                }
-            start_narwhal("narwhal", fleet_path, env)
-            if ab:
-                start_narwhal("narwhal_b", b_path, env)
+                seed = str(random.Random(round_index).randrange(2**32))
+                # Each router's environment is padded by a length drawn anew for every process:
+                # the environment's size sets where the C stack starts within its page, and a
+                # fixed difference between A's and B's (A's longer --a-arg command line) would
+                # shift their alignment the same way in every round: a bias of a few percent
+                # that no number of rounds would average out. The start order alternates for
+                # the same reason.
+                order = [("narwhal", fleet_path), ("narwhal_b", b_path)]
+                for target, fleet_file in order if round_index % 2 == 0 else order[::-1]:
+                    pad = random.Random(f"{round_index}:{target}").randrange(4096)
+                    env = {**os.environ, "PYTHONHASHSEED": seed, LAYOUT_PAD: "x" * pad}
+                    start_narwhal(target, fleet_file, env)
             else:
+                start_narwhal("narwhal", fleet_path, None)
                 started["vllm_router"] = procs.start(
                     peer_router_command(
                         bins["vllm-router"], [prefill_url], [decode_url], ports_of["vllm_router"],

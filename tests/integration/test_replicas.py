@@ -169,9 +169,11 @@ def test_replicas_share_roles_elect_one_leader_and_survive_its_death(tmp_path: P
             assert codes == [200, 409], [r.text for r in results]
             assert wait_until(lambda: converged(replicas, 2), 10)
 
-            # A replica started late takes the roles as they are now.
+            # A replica started late takes the roles as they are now, before it serves at all.
             late = start_replica(tmp_path, fleet.fleet_path, etcd, "r4")
             stack.callback(stop_router, late)
+            first_view = coordination(late)
+            assert first_view["up"] and first_view["generation"] == 2, first_view
             assert wait_until(lambda: converged([*replicas, late], 2), 10)
 
             # The leader dies mid-stream: its own streams are lost, no other replica's request

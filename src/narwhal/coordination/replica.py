@@ -144,6 +144,9 @@ class Coordinator:
         self._my_leader_revision = 0  # create_revision of the leader key this replica put
         self._revision = 0
         self._campaign = asyncio.Event()
+        # Set once the first session is up, or has failed: a starting replica waits for it
+        # so that it serves its first request with the fleet's roles, not its own.
+        self.first_attempt = asyncio.Event()
 
     # --- keys -------------------------------------------------------------------------------
 
@@ -193,6 +196,7 @@ class Coordinator:
             except Exception as exc:  # an answer this client did not expect: never stop trying
                 log.exception("coordination: session failed; starting over")
                 self.last_error = f"{type(exc).__name__}: {exc}"
+            self.first_attempt.set()
             self._set_down()
             await asyncio.sleep(self.retry_s)
 
@@ -224,6 +228,7 @@ class Coordinator:
             self.last_error = None
         if self.leader_id is None:
             await self._campaign_once()
+        self.first_attempt.set()
         tasks = [
             asyncio.create_task(self._keep_lease()),
             asyncio.create_task(self._watch()),

@@ -177,6 +177,14 @@ class Services:
                 for subscriber in kv_event_subscribers(self.state, self.metrics)
             ),
         ]
+        if (coordinator := self.roles.coordinator) is not None:
+            # Serve from the first request on with the roles etcd holds (a replica started
+            # late would otherwise route a moment by its own); an etcd that does not answer
+            # delays the start by one client timeout at most, then the replica serves as it is.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    coordinator.first_attempt.wait(), coordinator.client.timeout_s
+                )
 
     async def stop(self) -> None:
         ledger = self.ledger
