@@ -65,7 +65,7 @@ def test_the_wire_format_is_vllms() -> None:
         0,
     ]
     ts, events = decode_batch(encode_batch(batch))
-    assert ts == 1.5 and events == [StoredBlocks([b"\x01" * 32], None, [1, 2, 3, 4], 4, None)]
+    assert ts == 1.5 and events == [StoredBlocks([b"\x01" * 32], None, (1, 2, 3, 4), 4, None)]
     # Other media (an offload tier) are not what the engine can hit without a load.
     removed = {"type": "BlockRemoved", "block_hashes": [7], "medium": "CPU"}
     cpu = msgspec.msgpack.encode([2.0, [removed]])
@@ -74,6 +74,36 @@ def test_the_wire_format_is_vllms() -> None:
         decode_batch(b"\x93")
     with pytest.raises(ValueError):
         decode_batch(msgspec.msgpack.encode({"ts": 1}))
+
+
+def test_batches_the_typed_reader_does_not_fit_are_read_leniently() -> None:
+    stored = {"type": "BlockStored", "block_hashes": [1], "token_ids": [5, 6], "block_size": 2}
+    removed = [{"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU"} for h in (2, 3)]
+    cleared = {"type": "AllBlocksCleared"}
+    salted = {**stored, "extra_keys": [["salt-a"]], "parent_block_hash": None}
+    expected = [
+        RemovedBlocks([2, 3]),  # consecutive removals arrive as one
+        StoredBlocks([1], None, (5, 6), 2, "salt-a"),
+        None,
+        RemovedBlocks([2, 3]),
+    ]
+    # The typed reader: an older vLLM's events (no medium, no lora fields) are read as well.
+    typed = decode_batch(msgspec.msgpack.encode([3.0, [*removed, salted, cleared, *removed]]))
+    assert typed == (3.0, expected)
+    # An event kind this router does not know, or a longer batch array, takes the lenient path:
+    # the same events, the unknown one skipped.
+    unknown = {"type": "BlockMoved", "block_hashes": [9]}
+    body = [3.0, [removed[0], unknown, removed[1], salted, cleared, *removed], 0, "more"]
+    ts, events = decode_batch(msgspec.msgpack.encode(body))
+    assert ts == 3.0
+    assert events == [
+        RemovedBlocks([2]),
+        RemovedBlocks([3]),
+        StoredBlocks([1], None, [5, 6], 2, "salt-a"),
+        None,
+        RemovedBlocks([2]),
+        RemovedBlocks([3]),
+    ]
 
 
 def test_applied_events_make_the_engines_entries_precise() -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,16 +103,16 @@ def encode_batch(batch: KVEventBatch) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class StoredBlocks:
-    block_hashes: list[bytes | int]
+    block_hashes: Sequence[bytes | int]
     parent_block_hash: bytes | int | None
-    token_ids: list[int]
+    token_ids: Sequence[int]
     block_size: int
     salt: str | None  # the cache_salt of block 0 (vLLM: in its extra keys)
 
 
 @dataclass(frozen=True, slots=True)
 class RemovedBlocks:
-    block_hashes: list[bytes | int]
+    block_hashes: Sequence[bytes | int]
 
 
 ReadEvent = StoredBlocks | RemovedBlocks | None  # None: AllBlocksCleared
@@ -126,7 +126,9 @@ def apply_kv_events(index: PrefixIndex, engine_id: str, events: Iterable[ReadEve
     index.set_precise(engine_id, True)
     foreign: int | None = None
     for event in events:
-        if isinstance(event, StoredBlocks):
+        if isinstance(event, RemovedBlocks):
+            index.removed(engine_id, event.block_hashes)
+        elif isinstance(event, StoredBlocks):
             placed = index.stored(
                 engine_id,
                 event.block_hashes,
@@ -137,17 +139,91 @@ def apply_kv_events(index: PrefixIndex, engine_id: str, events: Iterable[ReadEve
             )
             if not placed and event.block_size != index.block_size and foreign is None:
                 foreign = event.block_size
-        elif isinstance(event, RemovedBlocks):
-            index.removed(engine_id, event.block_hashes)
         else:
             index.clear(engine_id)
     return foreign
 
 
+# What the router reads of a batch, typed: msgspec builds these in C, without a dict per event.
+# Fields the router does not use are not declared (msgspec skips them), and those it needs but
+# some vLLM leaves out have defaults; a batch these do not fit (an event kind they do not know,
+# a longer array) is read by the lenient path below instead.
+class _ReadStored(msgspec.Struct, tag="BlockStored", gc=False):
+    block_hashes: list[bytes | int]
+    token_ids: tuple[int, ...]
+    block_size: int
+    parent_block_hash: bytes | int | None = None
+    medium: str | None = None
+    extra_keys: list[Any] | None = None
+
+
+class _ReadRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):
+    block_hashes: list[bytes | int]
+    medium: str | None = None
+
+
+class _ReadCleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
+    pass
+
+
+class _ReadBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_ReadStored | _ReadRemoved | _ReadCleared]
+    data_parallel_rank: Any = None
+
+
+_READER = msgspec.msgpack.Decoder(_ReadBatch)
+
+
+def _salt_of(extra_keys: Any) -> str | None:
+    """vLLM puts block 0's ``cache_salt`` last among the block's string extra keys."""
+    extra = extra_keys or []
+    if extra and isinstance(extra[0], list | tuple):
+        strings = [k for k in extra[0] if isinstance(k, str)]
+        return strings[-1] if strings else None
+    return None
+
+
 def decode_batch(payload: bytes) -> tuple[float, list[ReadEvent]]:
     """A batch's time stamp and events in order; raises ValueError for a body that is not a KV
     event batch. Events of other media than the GPU's (CPU offload tiers) and kinds it does not
-    know are skipped: the index is of what an engine can hit without a load."""
+    know are skipped: the index is of what an engine can hit without a load. Consecutive
+    removals come as one ``RemovedBlocks`` (vLLM publishes one event per evicted block: a
+    12,000-token prompt's turn through a full cache is ~500 of them per engine)."""
+    try:
+        batch = _READER.decode(payload)
+    except msgspec.DecodeError:
+        return _decode_leniently(payload)
+    out: list[ReadEvent] = []
+    removed: list[bytes | int] | None = None
+    for event in batch.events:
+        if event.__class__ is _ReadRemoved:
+            if event.medium is None or event.medium == "GPU":
+                if removed is None:
+                    removed = []
+                    out.append(RemovedBlocks(removed))
+                removed += event.block_hashes
+            continue
+        if event.__class__ is _ReadStored:
+            if event.medium is not None and event.medium != "GPU":
+                continue
+            out.append(
+                StoredBlocks(
+                    event.block_hashes,
+                    event.parent_block_hash,
+                    event.token_ids,
+                    event.block_size,
+                    _salt_of(event.extra_keys) if event.parent_block_hash is None else None,
+                )
+            )
+        else:
+            out.append(None)
+        removed = None
+    return batch.ts, out
+
+
+def _decode_leniently(payload: bytes) -> tuple[float, list[ReadEvent]]:
+    """``decode_batch`` for a batch the typed reader does not fit, read as plain msgpack."""
     try:
         raw = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as exc:
@@ -168,18 +244,13 @@ def decode_batch(payload: bytes) -> tuple[float, list[ReadEvent]]:
         if medium not in (None, "GPU"):
             continue
         if kind == "BlockStored":
-            extra = event.get("extra_keys") or []
-            salt = None
-            if extra and isinstance(extra[0], list | tuple):
-                strings = [k for k in extra[0] if isinstance(k, str)]
-                salt = strings[-1] if strings else None
             out.append(
                 StoredBlocks(
                     list(event["block_hashes"]),
                     event.get("parent_block_hash"),
                     list(event["token_ids"]),
                     int(event["block_size"]),
-                    salt,
+                    _salt_of(event.get("extra_keys")),
                 )
             )
         elif kind == "BlockRemoved":

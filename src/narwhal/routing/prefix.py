@@ -115,8 +115,14 @@ def prompt_keys(body: Mapping[str, Any], chat: bool, block_size: int) -> tuple[i
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return tuple(text_keys([prompt], block_size, salt))
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        return tuple(chain_keys(prompt, block_size, salt))
+    if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
+        # Not every element checked (a loop per token on the hot path): the router keys only
+        # prompts its validation passed, and an element that is no int gives keys no engine's
+        # blocks have, or (unhashable) none.
+        try:
+            return tuple(chain_keys(prompt, block_size, salt))
+        except TypeError:
+            return ()
     return ()
 
 
@@ -288,17 +294,24 @@ class PrefixIndex:
     def removed(self, engine_id: str, block_hashes: Sequence[EngineHash]) -> None:
         """A ``BlockRemoved`` event (hashes the index does not know are ignored)."""
         entries = self._entry(engine_id)
-        by_engine_hash, engine_hash_of, held = (
+        by_engine_hash, engine_hash_of, held, holders = (
             entries.by_engine_hash,
             entries.engine_hash_of,
             entries.keys,
+            self._holders,
         )
+        # Hot: a full cache evicts a block for every one it stores. The loop body is _unhold's,
+        # inlined.
         for engine_hash in block_hashes:
             key = by_engine_hash.pop(engine_hash, None)
             if key is not None:
                 engine_hash_of.pop(key, None)
                 if held.pop(key, None) is not None:
-                    self._unhold(engine_id, key)
+                    engines = holders.get(key)
+                    if engines is not None:
+                        engines.discard(engine_id)
+                        if not engines:
+                            del holders[key]
 
     def clear(self, engine_id: str) -> None:
         """``AllBlocksCleared``, an engine restart, or a lost event stream: forget the engine's
