@@ -21,7 +21,7 @@ from narwhal.engines.kv_events import (
     decode_batch,
     encode_batch,
 )
-from narwhal.routing.prefix import PrefixIndex, chain_keys
+from narwhal.routing.prefix import PrefixIndex, chain_keys, token_prompt
 from narwhal.simengine import kv_blocks
 from narwhal.simengine.kv_events import KVEventPublisher, KVEventsSettings
 from narwhal.testing.ports import free_ports
@@ -257,3 +257,93 @@ def test_a_subscriber_started_late_gets_the_buffered_history_over_zmq() -> None:
             await asyncio.gather(task, return_exceptions=True)
 
     asyncio.run(_with_publisher(100, body))
+
+
+def _stored_event(hashes: list[int], parent: int | None, tokens: Any, size: int) -> StoredBlocks:
+    """A BlockStored as the router reads it off the wire (its token ids still packed)."""
+    event = BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=size,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+    _, events = decode_batch(encode_batch(KVEventBatch(ts=1.0, events=[event])))
+    assert isinstance(events[0], StoredBlocks)
+    return events[0]
+
+
+def test_blocks_of_an_expected_prompt_are_keyed_without_hashing() -> None:
+    size = 4
+    index = PrefixIndex(size)
+    for engine in ("p", "d"):
+        index.add_engine(engine, 64)
+        index.set_precise(engine, True)
+    shared = [7, 7, 7, 7, 8, 8, 8, 8]
+    first = [*shared, 1, 2, 3, 4, 5, 6, 7, 8]
+    second = [*shared, 9, 9, 9, 9, 300, 70000, 2**40, 5]
+    assert apply_kv_events(index, "p", [_stored_event([1, 2, 3, 4], None, first, size)]) is None
+    assert index.expected_hits == 0  # nothing was expected: hashed
+    keys = chain_keys(second, size)
+    prompt = token_prompt({"prompt": second})
+    assert prompt is not None
+    # The prefill engine holds the shared two blocks, the decode engine nothing.
+    index.expect(prompt, keys, [2, 0])
+    # The prefill engine stores the rest in two steps (a chunked prefill), the decode engine
+    # all of it at once: each run is the expected prompt's, keyed from its keys.
+    apply_kv_events(index, "p", [_stored_event([13], 2, second[8:12], size)])
+    apply_kv_events(index, "p", [_stored_event([14], 13, second[12:], size)])
+    apply_kv_events(index, "d", [_stored_event([21, 22, 23, 24], None, second, size)])
+    assert index.expected_hits == 3
+    assert index.match(keys, 0.0) == {"p": 4, "d": 4}
+    # A run after the same parent with other tokens is not taken for the expected prompt's.
+    other = [*shared, 5, 5, 5, 5]
+    apply_kv_events(index, "d", [_stored_event([31], 22, other[8:], size)])
+    assert index.expected_hits == 3
+    assert index.match(chain_keys(other, size), 0.0) == {"p": 2, "d": 3}
+
+
+def test_packed_ids_another_encoder_wrote_are_read_and_bad_ones_dropped() -> None:
+    size = 2
+    index = PrefixIndex(size)
+    index.add_engine("e", 64)
+    index.set_precise("e", True)
+    tokens = [1, 2, 3, 4]
+    keys = chain_keys(tokens, size)
+    prompt = token_prompt({"prompt": tokens})
+    assert prompt is not None
+    index.expect(prompt, keys, [0])
+    # The ids as uint32s (0xce) rather than msgpack's shortest form: no byte-for-byte match,
+    # so they are read and hashed, with the same keys.
+    wide = bytes([0x94]) + b"".join(b"\xce" + t.to_bytes(4, "big") for t in tokens)
+    event = {"type": "BlockStored", "block_hashes": [1, 2], "token_ids": 0, "block_size": size}
+    packed = msgspec.msgpack.encode([1.0, [event]]).replace(
+        b"\xa9token_ids\x00", b"\xa9token_ids" + wide
+    )
+    _, events = decode_batch(packed)
+    assert events[0] == StoredBlocks([1, 2], None, tokens, size, None)
+    assert apply_kv_events(index, "e", events) is None
+    assert index.expected_hits == 0 and index.match(keys, 0.0) == {"e": 2}
+    # Ids that are not ints are a malformed event: dropped whole, nothing placed.
+    bad = _stored_event([5], 2, ["x", "y"], size)
+    assert not index.stored("e", bad.block_hashes, 2, bad.token_ids, size)
+    assert index.blocks_held("e") == 2
+
+
+def test_expected_prompts_are_bounded_by_their_tokens() -> None:
+    index = PrefixIndex(2, expected_tokens=8)
+    index.add_engine("e", 64)
+    index.set_precise("e", True)
+    prompts = [[n, n, n, n] for n in range(1, 5)]
+    for tokens in prompts:
+        prompt = token_prompt({"prompt": tokens})
+        assert prompt is not None
+        index.expect(prompt, chain_keys(tokens, 2), [0])
+    # Two of four prompts of 4 tokens fit in 8: the oldest two were forgotten (still keyed,
+    # by hashing).
+    for i, tokens in enumerate(prompts):
+        apply_kv_events(index, "e", [_stored_event([10 * i, 10 * i + 1], None, tokens, 2)])
+        assert index.match(chain_keys(tokens, 2), 0.0) == {"e": 2}
+    assert index.expected_hits == 2

@@ -30,7 +30,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from narwhal.routing.prefix import PrefixIndex
+from narwhal.routing.prefix import PackedTokenIds, PrefixIndex
 
 __all__ = [
     "END_SEQ",
@@ -39,6 +39,7 @@ __all__ = [
     "BlockStored",
     "KVEventBatch",
     "KVEventSubscriber",
+    "MsgpackTokenIds",
     "RemovedBlocks",
     "StoredBlocks",
     "apply_kv_events",
@@ -101,11 +102,75 @@ def encode_batch(batch: KVEventBatch) -> bytes:
     return _ENCODER.encode(batch)
 
 
+_TOKEN_IDS = msgspec.msgpack.Decoder(tuple[int, ...])
+_PACK = msgspec.msgpack.Encoder()
+
+
+def _array_header(data: bytes) -> tuple[int, int]:
+    """A msgpack array's (length, header bytes); (-1, 0) for anything else."""
+    if not data:
+        return -1, 0
+    first = data[0]
+    if 0x90 <= first <= 0x9F:
+        return first & 0x0F, 1
+    if first == 0xDC and len(data) >= 3:
+        return int.from_bytes(data[1:3], "big"), 3
+    if first == 0xDD and len(data) >= 5:
+        return int.from_bytes(data[1:5], "big"), 5
+    return -1, 0
+
+
+class MsgpackTokenIds:
+    """A ``BlockStored``'s token ids still in msgpack: compared with a prompt the router sent by
+    packing the prompt's slice the same way (msgpack's shortest forms, as vLLM's msgspec writes
+    them; another packing only costs the comparison, never a wrong key), read only when that
+    fails. Reading ~8,000 ids and hashing them was most of a long prompt's event cost."""
+
+    __slots__ = ("_data", "_header", "_len")
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+        self._len, self._header = _array_header(data)
+
+    def __len__(self) -> int:
+        return max(self._len, 0)
+
+    def __eq__(self, other: object) -> bool:
+        # A value: equal to the same ids, packed or not (events compare as their contents).
+        if isinstance(other, MsgpackTokenIds):
+            return self._data == other._data
+        if isinstance(other, Sequence):
+            try:
+                return list(self.unpack()) == list(other)
+            except ValueError:
+                return False
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def unpack(self) -> tuple[int, ...]:
+        try:
+            return _TOKEN_IDS.decode(self._data)
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"token ids: {exc}") from None
+
+    def equals(self, tokens: Sequence[int], start: int, stop: int, probe: int) -> bool:
+        if stop - start != self._len:
+            return False
+        try:
+            head = _PACK.encode(tokens[start : min(stop, start + probe)])
+            if not self._data.startswith(head[_array_header(head)[1] :], self._header):
+                return False
+            return _PACK.encode(tokens[start:stop]) == self._data
+        except (TypeError, OverflowError, msgspec.EncodeError):
+            return False
+
+
 @dataclass(frozen=True, slots=True)
 class StoredBlocks:
     block_hashes: Sequence[bytes | int]
     parent_block_hash: bytes | int | None
-    token_ids: Sequence[int]
+    token_ids: Sequence[int] | PackedTokenIds
     block_size: int
     salt: str | None  # the cache_salt of block 0 (vLLM: in its extra keys)
 
@@ -150,7 +215,7 @@ def apply_kv_events(index: PrefixIndex, engine_id: str, events: Iterable[ReadEve
 # a longer array) is read by the lenient path below instead.
 class _ReadStored(msgspec.Struct, tag="BlockStored", gc=False):
     block_hashes: list[bytes | int]
-    token_ids: tuple[int, ...]
+    token_ids: msgspec.Raw
     block_size: int
     parent_block_hash: bytes | int | None = None
     medium: str | None = None
@@ -211,7 +276,7 @@ def decode_batch(payload: bytes) -> tuple[float, list[ReadEvent]]:
                 StoredBlocks(
                     event.block_hashes,
                     event.parent_block_hash,
-                    event.token_ids,
+                    MsgpackTokenIds(bytes(event.token_ids)),
                     event.block_size,
                     _salt_of(event.extra_keys) if event.parent_block_hash is None else None,
                 )

@@ -31,6 +31,7 @@ from narwhal.routing.breaker import BreakerState
 from narwhal.routing.fleet_state import EngineState, FleetState, Role
 from narwhal.routing.output_length import OutputLengthEstimator
 from narwhal.routing.predictor import LatencyPredictor
+from narwhal.routing.prefix import TokenPrompt
 from narwhal.routing.prompt_length import PromptLengthEstimator
 from narwhal.routing.roles import DemandTracker
 from narwhal.routing.scheduler import (
@@ -80,6 +81,9 @@ class Ticket:
     local_ok: bool = True  # False when the request needs what only a prefill leg returns
     prefix: tuple[int, ...] = ()  # the prompt's prefix keys (RequestShape.prefix)
     prefix_exact: bool = True  # keys of token ids (else of text: routing history only)
+    # The prompt itself when it is token ids: engines that publish KV events are told to
+    # expect it (PrefixIndex.expect).
+    prefix_prompt: TokenPrompt | None = None
     phase: Phase = "new"
     pair: Pair | None = None
     queued_at: float | None = None
@@ -169,6 +173,7 @@ class Lifecycle:
         arrival: float | None = None,
         prefix: tuple[int, ...] = (),
         prefix_exact: bool = True,
+        prefix_prompt: TokenPrompt | None = None,
     ) -> Ticket:
         return Ticket(
             request_id,
@@ -179,6 +184,7 @@ class Lifecycle:
             local_ok,
             prefix,
             prefix_exact,
+            prefix_prompt,
         )
 
     @property
@@ -334,6 +340,7 @@ class Lifecycle:
         prompt_tokens: int,
         max_tokens: int,
         prefix: tuple[int, ...] = (),
+        prefix_prompt: TokenPrompt | None = None,
     ) -> tuple[Ticket, Pair | NoPair]:
         """A streaming request's decode leg broke (``decode_broke`` first): a new ticket for
         its continuation (``prompt_tokens``: the prompt and what was generated), avoiding the
@@ -347,6 +354,7 @@ class Lifecycle:
             local_ok=True,
             arrival=ticket.arrival,
             prefix=prefix,
+            prefix_prompt=prefix_prompt,
         )
         follow.failed_prefill = ticket.failed_prefill
         follow.failed_decode = ticket.failed_decode
@@ -407,6 +415,18 @@ class Lifecycle:
             index.record_routed(d.id, ticket.prefix, now, ticket.prefix_exact)
             if not pair.local:
                 index.record_routed(pair.prefill, ticket.prefix, now, ticket.prefix_exact)
+            if ticket.prefix_prompt is not None:
+                size = index.block_size
+                starts = [
+                    cached // size
+                    for engine, cached in (
+                        (d.id, pair.decode_cached_tokens),
+                        (pair.prefill, pair.cached_tokens),
+                    )
+                    if index.is_precise(engine)
+                ]
+                if starts:
+                    index.expect(ticket.prefix_prompt, ticket.prefix, starts)
         if pair.local:
             self._begin_decode(ticket)
             return

@@ -3,35 +3,45 @@
 A prompt's full blocks of ``block_size`` tokens are keyed as vLLM keys its prefix cache: block
 i's key is a hash of block i-1's key and block i's token ids (block 0's parent is the root,
 which ``cache_salt`` changes), so equal keys mean equal prefixes and a request's cached prefix
-on an engine is the run of its leading keys that engine holds. The keys are Narwhal's own (a
-64-bit blake2b chain): vLLM's block hashes depend on its hash algorithm and seed, so the index
-rebuilds each engine's chain from the token ids its KV events carry (``BlockStored``) and keeps
-the engine's own hashes only to apply its later ``BlockRemoved``.
+on an engine is the run of its leading keys that engine holds. The keys are Narwhal's own
+(``extend_chain``; for text prompts a 64-bit blake2b chain): vLLM's block hashes depend on its
+hash algorithm and seed, so the index rebuilds each engine's chain from the token ids its KV
+events carry (``BlockStored``) and keeps the engine's own hashes only to apply its later
+``BlockRemoved`` and place a later ``BlockStored``'s parent.
 
 ``PrefixIndex`` holds, per engine, either what the engine published (precise: stored, removed,
 cleared) or, for an engine that publishes nothing, what the router itself sent there
 (approximate: each entry lives ``history_ttl_s`` and the engine's entries are bounded by its KV
 capacity in blocks, least recently used first out). Pure: times are passed in.
+
+Keying an engine's stored blocks from their token ids costs a hash per block, twice per request
+(the prefill engine computes the blocks, the decode engine pulls them). The router has keyed the
+prompt already; ``expect`` registers it where each engine is expected to start storing, and a
+``BlockStored`` after that parent whose token ids are the prompt's (compared still packed, see
+``PackedTokenIds``) takes the prompt's keys. Anything else is hashed as before.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 __all__ = [
     "TEXT_BYTES_PER_TOKEN",
     "EngineHash",
+    "PackedTokenIds",
     "PrefixIndex",
+    "TokenPrompt",
     "chain_keys",
     "chain_root",
     "extend_chain",
     "prompt_keys",
     "text_keys",
+    "token_prompt",
 ]
 
 # vLLM's ExternalBlockHash: sha256 bytes by default, a 64-bit int with
@@ -126,21 +136,70 @@ def prompt_keys(body: Mapping[str, Any], chat: bool, block_size: int) -> tuple[i
     return ()
 
 
+@dataclass(frozen=True, slots=True)
+class TokenPrompt:
+    """A prompt of token ids as the router received it, and the parent key of its first block
+    (``chain_root`` of its salt): what ``PrefixIndex.expect`` needs to know the blocks an engine
+    will store for it."""
+
+    tokens: Sequence[int]
+    root: int
+
+
+def token_prompt(body: Mapping[str, Any]) -> TokenPrompt | None:
+    """The request's prompt when it is token ids (not hashed: ``prompt_keys`` keys it)."""
+    prompt = body.get("prompt")
+    if not (isinstance(prompt, list) and prompt and type(prompt[0]) is int):
+        return None
+    salt = body.get("cache_salt")
+    return TokenPrompt(prompt, chain_root(salt if isinstance(salt, str) else None))
+
+
+class PackedTokenIds(Protocol):
+    """A ``BlockStored``'s token ids as they came (msgpack), unpacked only when needed: comparing
+    them with a prompt the router sent is cheaper than reading and hashing them."""
+
+    def __len__(self) -> int: ...
+
+    def unpack(self) -> Sequence[int]:
+        """The ids; ValueError when they are not a list of ints."""
+        ...
+
+    def equals(self, tokens: Sequence[int], start: int, stop: int, probe: int) -> bool:
+        """Whether they are ``tokens[start:stop]`` (the first ``probe`` compared first)."""
+        ...
+
+
+@dataclass(eq=False, slots=True)
+class _Expected:
+    """A prompt sent to engines that publish KV events, until they store its blocks."""
+
+    tokens: Sequence[int]
+    keys: Sequence[int]
+    root: int
+    parents: list[int] = field(default_factory=list)  # where it is registered in _expected
+
+
 @dataclass
 class _EngineEntries:
     # key -> expiry (approximate entries; inf for published ones), least recently used first.
     keys: OrderedDict[int, float] = field(default_factory=OrderedDict)
     capacity_blocks: int = 0
     precise: bool = False
-    # Published entries: the engine's hash -> Narwhal's key, to apply BlockRemoved, and back.
+    bit: int = 0  # the engine's bit in PrefixIndex._holders
+    # Published entries: the engine's hash -> Narwhal's key, to apply BlockRemoved and place a
+    # BlockStored's parent. Not cleaned when ``_trim`` drops a key (no reverse map to keep up
+    # on every block): the engine's own BlockRemoved for it does, so it holds at most what the
+    # engine holds, and a stale entry still names the right content.
     by_engine_hash: dict[EngineHash, int] = field(default_factory=dict)
-    engine_hash_of: dict[int, EngineHash] = field(default_factory=dict)
 
 
 class PrefixIndex:
     """Which engine holds which block chain, for ``match``ing a prompt's keys against all."""
 
-    def __init__(self, block_size: int, history_ttl_s: float = 1800.0) -> None:
+    def __init__(
+        self, block_size: int, history_ttl_s: float = 1800.0, expected_tokens: int = 1 << 20
+    ) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         if history_ttl_s <= 0:
@@ -148,15 +207,30 @@ class PrefixIndex:
         self.block_size = block_size
         self.history_ttl_s = history_ttl_s
         self._engines: dict[str, _EngineEntries] = {}
-        self._holders: dict[int, set[str]] = {}
+        # key -> the engines holding it, a bit each (``_EngineEntries.bit``): an int is set in
+        # one dict write and tested against all of a match's candidates in one AND.
+        self._holders: dict[int, int] = {}
+        self._engine_ids: list[str] = []  # by bit position
+        # Prompts sent to engines that publish events, by the key of the block before the first
+        # one an engine is expected to store (with that block's index): their keys are known,
+        # so a BlockStored that carries their tokens is keyed without hashing (``expect``).
+        # Bounded by ``expected_tokens`` prompt tokens, oldest out first.
+        self.expected_tokens = expected_tokens
+        self._expected: dict[int, list[tuple[_Expected, int]]] = {}
+        self._expected_order: deque[_Expected] = deque()
+        self._expected_held = 0
+        self.expected_hits = 0  # BlockStored events keyed from an expected prompt
 
     # --- membership --------------------------------------------------------------------------
 
     def add_engine(self, engine_id: str, capacity_blocks: int) -> None:
         """Track an engine whose prefix cache holds at most ``capacity_blocks`` blocks."""
-        entries = self._engines.setdefault(engine_id, _EngineEntries())
+        entries = self._engines.get(engine_id)
+        if entries is None:
+            entries = self._engines[engine_id] = _EngineEntries(bit=1 << len(self._engine_ids))
+            self._engine_ids.append(engine_id)
         entries.capacity_blocks = max(1, capacity_blocks)
-        self._trim(engine_id, entries)
+        self._trim(entries)
 
     def set_precise(self, engine_id: str, precise: bool) -> None:
         """Whether the engine's entries come from its KV events (True) or from routing history.
@@ -183,32 +257,20 @@ class PrefixIndex:
     def match(self, keys: Sequence[int], now: float) -> dict[str, int]:
         """Per engine holding at least the first block: how many leading blocks it holds."""
         holders = self._holders
-        first = holders.get(keys[0]) if keys else None
-        if not first:
+        alive = holders.get(keys[0], 0) if keys else 0
+        if not alive:
             return {}
         depth: dict[str, int] = {}
-        alive = list(first)
         d = 1
         for key in itertools.islice(keys, 1, None):
-            engines = holders.get(key)
-            if not engines:
-                break
-            if len(alive) == 1:
-                if alive[0] not in engines:
+            kept = alive & holders.get(key, 0)
+            if kept != alive:
+                self._set_depth(depth, alive & ~kept, d)
+                alive = kept
+                if not alive:
                     break
-            else:
-                kept = [e for e in alive if e in engines]
-                if len(kept) < len(alive):
-                    for e in alive:
-                        if e not in engines:
-                            depth[e] = d
-                    if not kept:
-                        alive = kept
-                        break
-                    alive = kept
             d += 1
-        for e in alive:
-            depth[e] = d
+        self._set_depth(depth, alive, d)
         # Expiry, checked once per engine: a prompt's keys are refreshed together with all
         # their ancestors, so a block's entry never outlives its parent's: walk back from the
         # deepest held to the deepest still alive.
@@ -221,6 +283,13 @@ class PrefixIndex:
                 held[e] = n
         return held
 
+    def _set_depth(self, depth: dict[str, int], engines: int, d: int) -> None:
+        ids = self._engine_ids
+        while engines:
+            low = engines & -engines
+            depth[ids[low.bit_length() - 1]] = d
+            engines ^= low
+
     # --- routing history (engines without events) ----------------------------------------------
 
     def record_routed(
@@ -232,11 +301,82 @@ class PrefixIndex:
         entries = self._entry(engine_id)
         if entries.precise and exact:
             return
-        self._expire(engine_id, entries, now)
+        self._expire(entries, now)
         expiry = now + self.history_ttl_s
         for key in keys:
             self._put(engine_id, entries, key, expiry)
-        self._trim(engine_id, entries)
+        self._trim(entries)
+
+    def expect(self, prompt: TokenPrompt, keys: Sequence[int], starts: Iterable[int]) -> None:
+        """The router sent a token prompt whose keys are ``keys`` to engines that publish their
+        events and hold its first ``starts`` blocks (one per engine): each will store the rest,
+        from its start on, in a ``BlockStored`` whose tokens ``stored`` then compares with the
+        prompt's instead of hashing them (a decode engine stores the blocks it pulled, as the
+        prefill engine does those it computed: two chains of hashes a request saved)."""
+        if not keys or self.expected_tokens <= 0:
+            return
+        entry = _Expected(prompt.tokens, keys, prompt.root)
+        for start in set(starts):
+            if 0 <= start < len(keys):
+                self._expect_at(entry, start)
+        if not entry.parents:
+            return
+        self._expected_order.append(entry)
+        self._expected_held += len(entry.tokens)
+        while self._expected_held > self.expected_tokens and len(self._expected_order) > 1:
+            self._forget_expected(self._expected_order.popleft())
+
+    def _expect_at(self, entry: _Expected, start: int) -> None:
+        parent = entry.keys[start - 1] if start else entry.root
+        waiting = self._expected.get(parent)
+        if waiting is None:
+            self._expected[parent] = [(entry, start)]
+        elif (entry, start) not in waiting:
+            waiting.append((entry, start))
+        else:
+            return
+        entry.parents.append(parent)
+
+    def _forget_expected(self, entry: _Expected) -> None:
+        self._expected_held -= len(entry.tokens)
+        for parent in entry.parents:
+            waiting = self._expected.get(parent)
+            if waiting is not None:
+                waiting[:] = [w for w in waiting if w[0] is not entry]
+                if not waiting:
+                    del self._expected[parent]
+
+    def _expected_chain(
+        self,
+        parent: int,
+        token_ids: Sequence[int] | PackedTokenIds,
+        blocks: int,
+        block_size: int,
+    ) -> Sequence[int] | None:
+        """The keys of a stored run of ``blocks`` blocks after ``parent`` when it is an
+        expected prompt's (the latest sent first), else None."""
+        waiting = self._expected.get(parent)
+        if not waiting:
+            return None
+        for entry, start in reversed(waiting):
+            end = start + blocks
+            if end > len(entry.keys):
+                continue
+            a, b = start * block_size, end * block_size
+            try:
+                if isinstance(token_ids, Sequence):
+                    same = list(token_ids) == list(entry.tokens[a:b])
+                else:
+                    same = token_ids.equals(entry.tokens, a, b, block_size)
+            except (TypeError, ValueError):
+                same = False
+            if same:
+                if end < len(entry.keys):
+                    # The rest comes in a later step's event (a chunked prefill) after this one.
+                    self._expect_at(entry, end)
+                self.expected_hits += 1
+                return entry.keys[start:end]
+        return None
 
     # --- KV events (precise) ----------------------------------------------------------------------
 
@@ -245,13 +385,13 @@ class PrefixIndex:
         engine_id: str,
         block_hashes: Sequence[EngineHash],
         parent_hash: EngineHash | None,
-        token_ids: Sequence[int],
+        token_ids: Sequence[int] | PackedTokenIds,
         block_size: int,
         salt: str | None = None,
     ) -> bool:
         """A ``BlockStored`` event. False (nothing applied) when it cannot be placed: a parent
-        the index never saw stored (an event was lost: resynchronise) or a block size other
-        than the index's."""
+        the index never saw stored (an event was lost: resynchronise), a block size other
+        than the index's, or token ids that are not ints."""
         entries = self._entry(engine_id)
         if block_size != self.block_size or len(token_ids) != block_size * len(block_hashes):
             return False
@@ -262,56 +402,45 @@ class PrefixIndex:
             if parent is None:
                 return False
             key = parent
-        # The event's token ids are ints already (msgpack); anything unhashable in them is a
-        # malformed event, dropped whole.
-        ids = tuple(token_ids)
-        try:
-            chain = []
-            for start in range(0, len(ids), block_size):
-                key = hash((key, ids[start : start + block_size]))
-                chain.append(key)
-        except TypeError:
-            return False
+        chain = self._expected_chain(key, token_ids, len(block_hashes), block_size)
+        if chain is None:
+            # Anything unhashable in the ids is a malformed event, dropped whole.
+            try:
+                ids = tuple(token_ids if isinstance(token_ids, Sequence) else token_ids.unpack())
+                keyed = []
+                for start in range(0, len(ids), block_size):
+                    key = hash((key, ids[start : start + block_size]))
+                    keyed.append(key)
+            except (TypeError, ValueError):
+                return False
+            chain = keyed
         # Hot with long prompts (every engine's every new block): the loop body is _put's,
         # inlined.
-        by_engine_hash, engine_hash_of = entries.by_engine_hash, entries.engine_hash_of
+        by_engine_hash, bit = entries.by_engine_hash, entries.bit
         held, holders, inf = entries.keys, self._holders, float("inf")
         for engine_hash, key in zip(block_hashes, chain, strict=True):
             by_engine_hash[engine_hash] = key
-            engine_hash_of[key] = engine_hash
             if key in held:
                 held.move_to_end(key)
             else:
-                engines = holders.get(key)
-                if engines is None:
-                    holders[key] = {engine_id}
-                else:
-                    engines.add(engine_id)
+                holders[key] = holders.get(key, 0) | bit
             held[key] = inf
-        self._trim(engine_id, entries)
+        self._trim(entries)
         return True
 
     def removed(self, engine_id: str, block_hashes: Sequence[EngineHash]) -> None:
         """A ``BlockRemoved`` event (hashes the index does not know are ignored)."""
         entries = self._entry(engine_id)
-        by_engine_hash, engine_hash_of, held, holders = (
-            entries.by_engine_hash,
-            entries.engine_hash_of,
-            entries.keys,
-            self._holders,
-        )
+        by_engine_hash, held, holders = entries.by_engine_hash, entries.keys, self._holders
+        others = ~entries.bit
         # Hot: a full cache evicts a block for every one it stores. The loop body is _unhold's,
         # inlined.
         for engine_hash in block_hashes:
             key = by_engine_hash.pop(engine_hash, None)
-            if key is not None:
-                engine_hash_of.pop(key, None)
-                if held.pop(key, None) is not None:
-                    engines = holders.get(key)
-                    if engines is not None:
-                        engines.discard(engine_id)
-                        if not engines:
-                            del holders[key]
+            if key is not None and held.pop(key, None) is not None:
+                engines = holders.pop(key, 0) & others
+                if engines:
+                    holders[key] = engines
 
     def clear(self, engine_id: str) -> None:
         """``AllBlocksCleared``, an engine restart, or a lost event stream: forget the engine's
@@ -320,10 +449,9 @@ class PrefixIndex:
         if entries is None:
             return
         for key in entries.keys:
-            self._unhold(engine_id, key)
+            self._unhold(entries, key)
         entries.keys.clear()
         entries.by_engine_hash.clear()
-        entries.engine_hash_of.clear()
 
     # --- internals -------------------------------------------------------------------------------
 
@@ -337,49 +465,31 @@ class PrefixIndex:
         if key in entries.keys:
             entries.keys.move_to_end(key)
         else:
-            self._holders.setdefault(key, set()).add(engine_id)
+            self._holders[key] = self._holders.get(key, 0) | entries.bit
         entries.keys[key] = expiry
 
-    def _drop(self, engine_id: str, entries: _EngineEntries, key: int) -> None:
-        """Forget an entry the engine's capacity or its lifetime pushed out."""
-        engine_hash = entries.engine_hash_of.pop(key, None)
-        if engine_hash is not None:
-            entries.by_engine_hash.pop(engine_hash, None)
-        self._unhold(engine_id, key)
+    def _unhold(self, entries: _EngineEntries, key: int) -> None:
+        engines = self._holders.pop(key, 0) & ~entries.bit
+        if engines:
+            self._holders[key] = engines
 
-    def _unhold(self, engine_id: str, key: int) -> None:
-        engines = self._holders.get(key)
-        if engines is not None:
-            engines.discard(engine_id)
-            if not engines:
-                del self._holders[key]
-
-    def _trim(self, engine_id: str, entries: _EngineEntries) -> None:
+    def _trim(self, entries: _EngineEntries) -> None:
         held = entries.keys
         excess = len(held) - entries.capacity_blocks
         if excess <= 0:
             return
-        engine_hash_of, by_engine_hash, holders = (
-            entries.engine_hash_of,
-            entries.by_engine_hash,
-            self._holders,
-        )
+        holders, others = self._holders, ~entries.bit
         for _ in range(excess):
             key, _ = held.popitem(last=False)
-            engine_hash = engine_hash_of.pop(key, None)
-            if engine_hash is not None:
-                by_engine_hash.pop(engine_hash, None)
-            engines = holders.get(key)
-            if engines is not None:
-                engines.discard(engine_id)
-                if not engines:
-                    del holders[key]
+            engines = holders.pop(key, 0) & others
+            if engines:
+                holders[key] = engines
 
-    def _expire(self, engine_id: str, entries: _EngineEntries, now: float) -> None:
+    def _expire(self, entries: _EngineEntries, now: float) -> None:
         # Approximate entries are refreshed in time order with one TTL: the oldest are first.
         while entries.keys:
             key, expiry = next(iter(entries.keys.items()))
             if expiry > now:
                 break
             entries.keys.popitem(last=False)
-            self._drop(engine_id, entries, key)
+            self._unhold(entries, key)

@@ -28,7 +28,7 @@ from narwhal.routing.admission import Admit, Queue, Reject, Verdict
 from narwhal.routing.breaker import BreakerState
 from narwhal.routing.fleet_state import Role
 from narwhal.routing.lifecycle import QUEUE_RECHECK_S, Lifecycle, LifecycleObserver, Ticket
-from narwhal.routing.prefix import prompt_keys
+from narwhal.routing.prefix import prompt_keys, token_prompt
 from narwhal.routing.scheduler import NoPair, Pair
 from narwhal.serve.errors import (
     AdmissionRejected,
@@ -193,6 +193,7 @@ class PDRouter:
             arrival=record.arrival_mono,
             prefix=keys,
             prefix_exact=request.prompt_tokens_exact is not None,
+            prefix_prompt=token_prompt(request.body) if keys and not request.chat else None,
         )
 
     async def open(
@@ -263,6 +264,7 @@ class PDRouter:
             prompt_tokens=request.prompt_tokens_exact,
             max_tokens=request.max_tokens,
             prefix=prompt_keys(request.body, False, index.block_size) if index else (),
+            prefix_prompt=token_prompt(request.body) if index else None,
         )
         if isinstance(pick, NoPair):
             raise UpstreamFailed("decode_failed", f"no pair to continue on: {pick.reason}")
