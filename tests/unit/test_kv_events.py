@@ -104,6 +104,14 @@ def test_batches_the_typed_reader_does_not_fit_are_read_leniently() -> None:
         RemovedBlocks([2]),
         RemovedBlocks([3]),
     ]
+    # Later vLLMs publish the batch as a map: read typed, and leniently with an unknown event.
+    as_map = {"ts": 3.0, "events": [*removed, salted, cleared, *removed], "data_parallel_rank": 0}
+    assert decode_batch(msgspec.msgpack.encode(as_map)) == (3.0, expected)
+    as_map["events"] = [unknown, *removed]
+    assert decode_batch(msgspec.msgpack.encode(as_map)) == (
+        3.0,
+        [RemovedBlocks([2]), RemovedBlocks([3])],
+    )
 
 
 def test_applied_events_make_the_engines_entries_precise() -> None:
@@ -298,10 +306,18 @@ def test_blocks_of_an_expected_prompt_are_keyed_without_hashing() -> None:
     apply_kv_events(index, "d", [_stored_event([21, 22, 23, 24], None, second, size)])
     assert index.expected_hits == 3
     assert index.match(keys, 0.0) == {"p": 4, "d": 4}
+    # Both engines storing the same run (the decode engine pulled what the prefill engine
+    # computed): the second is matched by the first one's bytes, with the same keys.
+    third = [*shared, 4, 4, 4, 4]
+    index.expect(token_prompt({"prompt": third}) or prompt, chain_keys(third, size), [2, 2])
+    apply_kv_events(index, "p", [_stored_event([41], 2, third[8:], size)])
+    apply_kv_events(index, "d", [_stored_event([51], 22, third[8:], size)])
+    assert index.expected_hits == 5
+    assert index.match(chain_keys(third, size), 0.0) == {"p": 3, "d": 3}
     # A run after the same parent with other tokens is not taken for the expected prompt's.
     other = [*shared, 5, 5, 5, 5]
     apply_kv_events(index, "d", [_stored_event([31], 22, other[8:], size)])
-    assert index.expected_hits == 3
+    assert index.expected_hits == 5
     assert index.match(chain_keys(other, size), 0.0) == {"p": 2, "d": 3}
 
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from narwhal.routing.prefix import PrefixIndex, chain_keys, chain_root, extend_chain
+from narwhal.routing.prefix import (
+    PrefixIndex,
+    chain_keys,
+    chain_root,
+    extend_chain,
+    text_keys,
+)
 from narwhal.simengine.kv_blocks import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored
 
 BS = 4
@@ -80,6 +86,33 @@ def test_published_events_place_blocks_by_their_tokens() -> None:
     idx.clear("p0")
     assert idx.match(keys, now=0.0) == {}
     assert idx.blocks_held("p0") == 0
+
+
+def test_published_entries_live_beside_text_history_and_are_bounded() -> None:
+    idx = index(ttl=10.0)
+    idx.add_engine("p0", capacity_blocks=2)
+    idx.set_precise("p0", True)
+    tokens = list(range(8))
+    keys = chain_keys(tokens, BS)
+    assert idx.stored("p0", [b"h0", b"h1"], None, tokens, BS)
+    # Text keys, which no event carries, are the routing history's, with its lifetime; the
+    # published entries beside them do not expire.
+    text = text_keys(["a prompt long enough for two blocks of text"], BS)
+    idx.record_routed("p0", text, now=0.0, exact=False)
+    assert idx.match(text, now=5.0) == {"p0": 2}
+    assert idx.match(text, now=10.0) == {}
+    assert idx.match(keys, now=1e9) == {"p0": 2}
+    assert idx.blocks_held("p0") == 4
+    # An engine that stores more than the fleet says it holds (and removes none) is bounded at
+    # twice its capacity, the first stored out first.
+    more = list(range(100, 112))
+    assert idx.stored("p0", [b"h2", b"h3", b"h4"], None, more, BS)
+    assert idx.match(keys, now=0.0) == {}
+    assert idx.match(chain_keys(more, BS), now=0.0) == {"p0": 3}
+    assert idx.blocks_held("p0") == 2 + 4
+    idx.clear("p0")
+    assert idx.blocks_held("p0") == 0
+    assert idx.match(text, now=1.0) == {} and idx.match(chain_keys(more, BS), now=0.0) == {}
 
 
 def test_salted_prompts_match_only_their_salt() -> None:

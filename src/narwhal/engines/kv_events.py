@@ -103,7 +103,6 @@ def encode_batch(batch: KVEventBatch) -> bytes:
 
 
 _TOKEN_IDS = msgspec.msgpack.Decoder(tuple[int, ...])
-_PACK = msgspec.msgpack.Encoder()
 
 
 def _array_header(data: bytes) -> tuple[int, int]:
@@ -158,10 +157,10 @@ class MsgpackTokenIds:
         if stop - start != self._len:
             return False
         try:
-            head = _PACK.encode(tokens[start : min(stop, start + probe)])
+            head = _ENCODER.encode(tokens[start : min(stop, start + probe)])
             if not self._data.startswith(head[_array_header(head)[1] :], self._header):
                 return False
-            return _PACK.encode(tokens[start:stop]) == self._data
+            return _ENCODER.encode(tokens[start:stop]) == self._data
         except (TypeError, OverflowError, msgspec.EncodeError):
             return False
 
@@ -237,7 +236,14 @@ class _ReadBatch(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: Any = None
 
 
+class _ReadMapBatch(msgspec.Struct, gc=False):
+    # vLLM releases after 0.32 publish the batch as a map ({"ts", "events", ...}), not an array.
+    ts: float
+    events: list[_ReadStored | _ReadRemoved | _ReadCleared]
+
+
 _READER = msgspec.msgpack.Decoder(_ReadBatch)
+_MAP_READER = msgspec.msgpack.Decoder(_ReadMapBatch)
 
 
 def _salt_of(extra_keys: Any) -> str | None:
@@ -255,10 +261,14 @@ def decode_batch(payload: bytes) -> tuple[float, list[ReadEvent]]:
     know are skipped: the index is of what an engine can hit without a load. Consecutive
     removals come as one ``RemovedBlocks`` (vLLM publishes one event per evicted block: a
     12,000-token prompt's turn through a full cache is ~500 of them per engine)."""
+    batch: _ReadBatch | _ReadMapBatch
     try:
         batch = _READER.decode(payload)
     except msgspec.DecodeError:
-        return _decode_leniently(payload)
+        try:
+            batch = _MAP_READER.decode(payload)
+        except msgspec.DecodeError:
+            return _decode_leniently(payload)
     out: list[ReadEvent] = []
     removed: list[bytes | int] | None = None
     for event in batch.events:
@@ -293,13 +303,15 @@ def _decode_leniently(payload: bytes) -> tuple[float, list[ReadEvent]]:
         raw = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as exc:
         raise ValueError(f"not msgpack: {exc}") from None
+    if isinstance(raw, dict):  # a later vLLM's map form
+        raw = [raw.get("ts"), raw.get("events")]
     if (
         not isinstance(raw, list)
         or len(raw) < 2
         or not isinstance(raw[0], int | float)
         or not isinstance(raw[1], list)
     ):
-        raise ValueError("not a KVEventBatch ([ts, events, ...])")
+        raise ValueError("not a KVEventBatch ([ts, events, ...] or {ts, events, ...})")
     out: list[ReadEvent] = []
     for event in raw[1]:
         if not isinstance(event, dict):

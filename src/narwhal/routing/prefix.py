@@ -178,19 +178,23 @@ class _Expected:
     keys: Sequence[int]
     root: int
     parents: list[int] = field(default_factory=list)  # where it is registered in _expected
+    # The token ids of a stored run that matched, by its token range: a P/D request's decode
+    # engine stores the run its prefill engine stored, compared as the events' bytes.
+    matched: dict[tuple[int, int], Sequence[int] | PackedTokenIds] = field(default_factory=dict)
 
 
 @dataclass
 class _EngineEntries:
-    # key -> expiry (approximate entries; inf for published ones), least recently used first.
+    # Routing history: key -> expiry, least recently used first. An engine that publishes its
+    # events has text keys here only (no event carries them).
     keys: OrderedDict[int, float] = field(default_factory=OrderedDict)
     capacity_blocks: int = 0
     precise: bool = False
     bit: int = 0  # the engine's bit in PrefixIndex._holders
-    # Published entries: the engine's hash -> Narwhal's key, to apply BlockRemoved and place a
-    # BlockStored's parent. Not cleaned when ``_trim`` drops a key (no reverse map to keep up
-    # on every block): the engine's own BlockRemoved for it does, so it holds at most what the
-    # engine holds, and a stale entry still names the right content.
+    # Published entries: the engine's hash -> Narwhal's key, in the order stored; applies
+    # BlockRemoved and places a BlockStored's parent. A plain dict, not an LRU: the engine's
+    # own BlockRemoved keep it to what the engine holds (a block stored or removed costs two
+    # dict writes, the hottest loop with long prompts); ``_trim`` bounds it all the same.
     by_engine_hash: dict[EngineHash, int] = field(default_factory=dict)
 
 
@@ -250,7 +254,7 @@ class PrefixIndex:
 
     def blocks_held(self, engine_id: str) -> int:
         entries = self._engines.get(engine_id)
-        return 0 if entries is None else len(entries.keys)
+        return 0 if entries is None else len(entries.keys) + len(entries.by_engine_hash)
 
     # --- lookups -------------------------------------------------------------------------------
 
@@ -273,11 +277,13 @@ class PrefixIndex:
         self._set_depth(depth, alive, d)
         # Expiry, checked once per engine: a prompt's keys are refreshed together with all
         # their ancestors, so a block's entry never outlives its parent's: walk back from the
-        # deepest held to the deepest still alive.
+        # deepest held to the deepest still alive. A key held but not in the history is held
+        # by the engine's events (no expiry).
         held: dict[str, int] = {}
         for e, n in depth.items():
-            entries = self._engines[e].keys
-            while n and not entries.get(keys[n - 1], 0.0) > now:
+            entries = self._engines[e]
+            history, dead = entries.keys, 0.0 if not entries.precise else float("inf")
+            while n and not history.get(keys[n - 1], dead) > now:
                 n -= 1
             if n:
                 held[e] = n
@@ -363,14 +369,18 @@ class PrefixIndex:
             if end > len(entry.keys):
                 continue
             a, b = start * block_size, end * block_size
+            matched = entry.matched.get((a, b))
             try:
-                if isinstance(token_ids, Sequence):
+                if matched is not None and matched == token_ids:
+                    same = True
+                elif isinstance(token_ids, Sequence):
                     same = list(token_ids) == list(entry.tokens[a:b])
                 else:
                     same = token_ids.equals(entry.tokens, a, b, block_size)
             except (TypeError, ValueError):
                 same = False
             if same:
+                entry.matched[(a, b)] = token_ids
                 if end < len(entry.keys):
                     # The rest comes in a later step's event (a chunked prefill) after this one.
                     self._expect_at(entry, end)
@@ -414,30 +424,24 @@ class PrefixIndex:
             except (TypeError, ValueError):
                 return False
             chain = keyed
-        # Hot with long prompts (every engine's every new block): the loop body is _put's,
-        # inlined.
-        by_engine_hash, bit = entries.by_engine_hash, entries.bit
-        held, holders, inf = entries.keys, self._holders, float("inf")
+        # Hot with long prompts (every engine's every new block).
+        by_engine_hash, bit, holders = entries.by_engine_hash, entries.bit, self._holders
         for engine_hash, key in zip(block_hashes, chain, strict=True):
             by_engine_hash[engine_hash] = key
-            if key in held:
-                held.move_to_end(key)
-            else:
-                holders[key] = holders.get(key, 0) | bit
-            held[key] = inf
-        self._trim(entries)
+            holders[key] = holders.get(key, 0) | bit
+        if len(by_engine_hash) > 2 * entries.capacity_blocks:
+            self._trim(entries)
         return True
 
     def removed(self, engine_id: str, block_hashes: Sequence[EngineHash]) -> None:
         """A ``BlockRemoved`` event (hashes the index does not know are ignored)."""
         entries = self._entry(engine_id)
-        by_engine_hash, held, holders = entries.by_engine_hash, entries.keys, self._holders
-        others = ~entries.bit
+        by_engine_hash, holders, others = entries.by_engine_hash, self._holders, ~entries.bit
         # Hot: a full cache evicts a block for every one it stores. The loop body is _unhold's,
         # inlined.
         for engine_hash in block_hashes:
             key = by_engine_hash.pop(engine_hash, None)
-            if key is not None and held.pop(key, None) is not None:
+            if key is not None:
                 engines = holders.pop(key, 0) & others
                 if engines:
                     holders[key] = engines
@@ -448,7 +452,7 @@ class PrefixIndex:
         entries = self._engines.get(engine_id)
         if entries is None:
             return
-        for key in entries.keys:
+        for key in itertools.chain(entries.keys, entries.by_engine_hash.values()):
             self._unhold(entries, key)
         entries.keys.clear()
         entries.by_engine_hash.clear()
@@ -474,16 +478,18 @@ class PrefixIndex:
             self._holders[key] = engines
 
     def _trim(self, entries: _EngineEntries) -> None:
+        """Bound the history by the engine's capacity and the published entries by twice that,
+        the oldest out first. The engine's own removals keep the published ones to what it
+        holds; the slack is for an engine that holds more than the fleet says (its entries' order
+        is their store order, not its LRU: trimming them drops parents that later blocks need)."""
         held = entries.keys
-        excess = len(held) - entries.capacity_blocks
-        if excess <= 0:
-            return
-        holders, others = self._holders, ~entries.bit
-        for _ in range(excess):
-            key, _ = held.popitem(last=False)
-            engines = holders.pop(key, 0) & others
-            if engines:
-                holders[key] = engines
+        for _ in range(len(held) - entries.capacity_blocks):
+            self._unhold(entries, held.popitem(last=False)[0])
+        published = entries.by_engine_hash
+        excess = len(published) - 2 * entries.capacity_blocks
+        if excess > 0:
+            for engine_hash in list(itertools.islice(published, excess)):
+                self._unhold(entries, published.pop(engine_hash))
 
     def _expire(self, entries: _EngineEntries, now: float) -> None:
         # Approximate entries are refreshed in time order with one TTL: the oldest are first.
