@@ -299,17 +299,19 @@ def test_blocks_of_an_expected_prompt_are_keyed_without_hashing() -> None:
     assert prompt is not None
     # The prefill engine holds the shared two blocks, the decode engine nothing.
     index.expect(prompt, keys, [2, 0])
+    assert index.expected_runs == 2
     # The prefill engine stores the rest in two steps (a chunked prefill), the decode engine
     # all of it at once: each run is the expected prompt's, keyed from its keys.
     apply_kv_events(index, "p", [_stored_event([13], 2, second[8:12], size)])
     apply_kv_events(index, "p", [_stored_event([14], 13, second[12:], size)])
     apply_kv_events(index, "d", [_stored_event([21, 22, 23, 24], None, second, size)])
-    assert index.expected_hits == 3
+    assert index.expected_hits == 3 and index.expected_runs == 0  # all stored: none left
     assert index.match(keys, 0.0) == {"p": 4, "d": 4}
     # Both engines storing the same run (the decode engine pulled what the prefill engine
     # computed): the second is matched by the first one's bytes, with the same keys.
     third = [*shared, 4, 4, 4, 4]
     index.expect(token_prompt({"prompt": third}) or prompt, chain_keys(third, size), [2, 2])
+    assert index.expected_runs == 2
     apply_kv_events(index, "p", [_stored_event([41], 2, third[8:], size)])
     apply_kv_events(index, "d", [_stored_event([51], 22, third[8:], size)])
     assert index.expected_hits == 5
@@ -357,6 +359,7 @@ def test_expected_prompts_are_bounded_by_their_tokens() -> None:
         prompt = token_prompt({"prompt": tokens})
         assert prompt is not None
         index.expect(prompt, chain_keys(tokens, 2), [0])
+    assert index.expected_runs == 2
     # Two of four prompts of 4 tokens fit in 8: the oldest two were forgotten (still keyed,
     # by hashing).
     for i, tokens in enumerate(prompts):

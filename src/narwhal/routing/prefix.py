@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -177,10 +177,21 @@ class _Expected:
     tokens: Sequence[int]
     keys: Sequence[int]
     root: int
+    size: int  # len(tokens), what it counts against PrefixIndex.expected_tokens
     parents: list[int] = field(default_factory=list)  # where it is registered in _expected
     # The token ids of a stored run that matched, by its token range: a P/D request's decode
     # engine stores the run its prefill engine stored, compared as the events' bytes.
     matched: dict[tuple[int, int], Sequence[int] | PackedTokenIds] = field(default_factory=dict)
+    waiting: int = 0  # stored runs still expected (over all its registrations)
+
+
+@dataclass(eq=False, slots=True)
+class _Waiting:
+    """An expected prompt's registration: ``engines`` engines will store it from ``start``."""
+
+    entry: _Expected
+    start: int
+    engines: int
 
 
 @dataclass
@@ -220,7 +231,9 @@ class PrefixIndex:
         # so a BlockStored that carries their tokens is keyed without hashing (``expect``).
         # Bounded by ``expected_tokens`` prompt tokens, oldest out first.
         self.expected_tokens = expected_tokens
-        self._expected: dict[int, list[tuple[_Expected, int]]] = {}
+        # Registrations leave once their engines stored the run, so that a lookup (every
+        # BlockStored) compares with the prompts in flight only.
+        self._expected: dict[int, list[_Waiting]] = {}
         self._expected_order: deque[_Expected] = deque()
         self._expected_held = 0
         self.expected_hits = 0  # BlockStored events keyed from an expected prompt
@@ -321,36 +334,46 @@ class PrefixIndex:
         prefill engine does those it computed: two chains of hashes a request saved)."""
         if not keys or self.expected_tokens <= 0:
             return
-        entry = _Expected(prompt.tokens, keys, prompt.root)
-        for start in set(starts):
+        entry = _Expected(prompt.tokens, keys, prompt.root, len(prompt.tokens))
+        for start, engines in Counter(starts).items():
             if 0 <= start < len(keys):
-                self._expect_at(entry, start)
-        if not entry.parents:
+                self._expect_at(entry, start, engines)
+        if not entry.waiting:
             return
         self._expected_order.append(entry)
-        self._expected_held += len(entry.tokens)
+        self._expected_held += entry.size
         while self._expected_held > self.expected_tokens and len(self._expected_order) > 1:
             self._forget_expected(self._expected_order.popleft())
 
-    def _expect_at(self, entry: _Expected, start: int) -> None:
+    @property
+    def expected_runs(self) -> int:
+        """Stored runs of expected prompts not yet seen (one per engine and start)."""
+        return sum(w.engines for waiting in self._expected.values() for w in waiting)
+
+    def _expect_at(self, entry: _Expected, start: int, engines: int) -> None:
         parent = entry.keys[start - 1] if start else entry.root
-        waiting = self._expected.get(parent)
-        if waiting is None:
-            self._expected[parent] = [(entry, start)]
-        elif (entry, start) not in waiting:
-            waiting.append((entry, start))
-        else:
-            return
+        waiting = self._expected.setdefault(parent, [])
+        entry.waiting += engines
+        for w in waiting:
+            if w.entry is entry and w.start == start:
+                w.engines += engines
+                return
+        waiting.append(_Waiting(entry, start, engines))
         entry.parents.append(parent)
 
+    def _unregister(self, parent: int, entry: _Expected) -> None:
+        waiting = self._expected.get(parent)
+        if waiting is not None:
+            waiting[:] = [w for w in waiting if w.entry is not entry]
+            if not waiting:
+                del self._expected[parent]
+
     def _forget_expected(self, entry: _Expected) -> None:
-        self._expected_held -= len(entry.tokens)
+        # An entry whose runs were all stored is still counted until it leaves the FIFO (which
+        # bounds how many there are); it holds no tokens by then.
+        self._expected_held -= entry.size
         for parent in entry.parents:
-            waiting = self._expected.get(parent)
-            if waiting is not None:
-                waiting[:] = [w for w in waiting if w[0] is not entry]
-                if not waiting:
-                    del self._expected[parent]
+            self._unregister(parent, entry)
 
     def _expected_chain(
         self,
@@ -364,7 +387,8 @@ class PrefixIndex:
         waiting = self._expected.get(parent)
         if not waiting:
             return None
-        for entry, start in reversed(waiting):
+        for w in reversed(waiting):
+            entry, start = w.entry, w.start
             end = start + blocks
             if end > len(entry.keys):
                 continue
@@ -380,12 +404,23 @@ class PrefixIndex:
             except (TypeError, ValueError):
                 same = False
             if same:
-                entry.matched[(a, b)] = token_ids
+                self.expected_hits += 1
+                keys = entry.keys[start:end]
                 if end < len(entry.keys):
                     # The rest comes in a later step's event (a chunked prefill) after this one.
-                    self._expect_at(entry, end)
-                self.expected_hits += 1
-                return entry.keys[start:end]
+                    self._expect_at(entry, end, 1)
+                entry.matched[(a, b)] = token_ids
+                w.engines -= 1
+                entry.waiting -= 1
+                if not w.engines:
+                    waiting.remove(w)
+                    if not waiting:
+                        del self._expected[parent]
+                if not entry.waiting:
+                    # Every engine stored its run: nothing more to compare with.
+                    entry.tokens, entry.keys = (), ()
+                    entry.matched.clear()
+                return keys
         return None
 
     # --- KV events (precise) ----------------------------------------------------------------------
