@@ -74,11 +74,15 @@ def extend_chain(parent: int, block_tokens: Sequence[int]) -> int:
 
 def chain_keys(tokens: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
     """The keys of the prompt's full blocks (a partial last block is never cached)."""
+    return _chain(tokens, block_size, chain_root(salt))
+
+
+def _chain(tokens: Sequence[int], block_size: int, root: int) -> list[int]:
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     ids = tuple(tokens)
     keys: list[int] = []
-    key = chain_root(salt)
+    key = root
     for start in range(0, len(ids) - block_size + 1, block_size):
         key = hash((key, ids[start : start + block_size]))
         keys.append(key)
@@ -99,6 +103,25 @@ def text_keys(parts: Iterable[str], block_size: int, salt: str | None = None) ->
         key = int.from_bytes(h.digest(), "little")
         keys.append(key)
     return keys
+
+
+@dataclass(frozen=True, slots=True)
+class TokenPrompt:
+    """A prompt of token ids as the router received it, and the parent key of its first block
+    (``chain_root`` of its salt): what ``PrefixIndex.expect`` needs to know the blocks an engine
+    will store for it."""
+
+    tokens: Sequence[int]
+    root: int
+
+
+def token_prompt(body: Mapping[str, Any]) -> TokenPrompt | None:
+    """The request's prompt when it is token ids (not hashed: ``prompt_keys`` keys it)."""
+    prompt = body.get("prompt")
+    if not (isinstance(prompt, list) and prompt and type(prompt[0]) is int):
+        return None
+    salt = body.get("cache_salt")
+    return TokenPrompt(prompt, chain_root(salt if isinstance(salt, str) else None))
 
 
 def prompt_keys(body: Mapping[str, Any], chat: bool, block_size: int) -> tuple[int, ...]:
@@ -125,34 +148,16 @@ def prompt_keys(body: Mapping[str, Any], chat: bool, block_size: int) -> tuple[i
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return tuple(text_keys([prompt], block_size, salt))
-    if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
+    tokens = token_prompt(body)
+    if tokens is not None:
         # Not every element checked (a loop per token on the hot path): the router keys only
         # prompts its validation passed, and an element that is no int gives keys no engine's
         # blocks have, or (unhashable) none.
         try:
-            return tuple(chain_keys(prompt, block_size, salt))
+            return tuple(_chain(tokens.tokens, block_size, tokens.root))
         except TypeError:
             return ()
     return ()
-
-
-@dataclass(frozen=True, slots=True)
-class TokenPrompt:
-    """A prompt of token ids as the router received it, and the parent key of its first block
-    (``chain_root`` of its salt): what ``PrefixIndex.expect`` needs to know the blocks an engine
-    will store for it."""
-
-    tokens: Sequence[int]
-    root: int
-
-
-def token_prompt(body: Mapping[str, Any]) -> TokenPrompt | None:
-    """The request's prompt when it is token ids (not hashed: ``prompt_keys`` keys it)."""
-    prompt = body.get("prompt")
-    if not (isinstance(prompt, list) and prompt and type(prompt[0]) is int):
-        return None
-    salt = body.get("cache_salt")
-    return TokenPrompt(prompt, chain_root(salt if isinstance(salt, str) else None))
 
 
 class PackedTokenIds(Protocol):
