@@ -78,8 +78,8 @@ def test_a_cached_prefix_is_the_prefill_it_saves_and_the_blocks_it_spares() -> N
 
 
 def test_affinity_loses_to_a_cold_engine_only_when_its_queue_costs_too_much() -> None:
-    """The engine holding the prefix is taken while it is ready within the prefix window (a
-    quarter of the TTFT budget, 0.5 s) of the soonest and within half the budget (1 s); past
+    """The engine holding the prefix is taken while it is ready within the prefix window (half
+    the TTFT budget, 1 s) of the soonest and within three quarters of the budget (1.5 s); past
     either, the cold idle engine."""
     clock = VirtualClock(0.0)
     fleet = state(clock)
@@ -90,14 +90,18 @@ def test_affinity_loses_to_a_cold_engine_only_when_its_queue_costs_too_much() ->
     fleet.engines["e1"].prefill_work["q"] = (0.3, 0.0)
     pick = scheduler().pick(fleet, shape)
     assert isinstance(pick, Pair) and pick.prefill == "e1"
-    # Ready at 0.81 s, 0.4 s after cold e0 (0.41 s): within the window, e1 still.
-    fleet.engines["e1"].prefill_work["q"] = (0.8, 0.0)
+    # Ready at 1.31 s, 0.9 s after cold e0 (0.41 s): within the window, e1 still.
+    fleet.engines["e1"].prefill_work["q"] = (1.3, 0.0)
     pick = scheduler().pick(fleet, shape)
     assert isinstance(pick, Pair) and (pick.prefill, pick.cached_tokens) == ("e1", PROMPT - 1)
-    # Ready at 1.01 s: past half the budget (and 0.6 s after e0): e0, cold and idle.
-    fleet.engines["e1"].prefill_work["q"] = (1.0, 0.0)
+    # Ready at 1.51 s: past three quarters of the budget (and 1.1 s after e0): e0, cold and idle.
+    fleet.engines["e1"].prefill_work["q"] = (1.5, 0.0)
     pick = scheduler().pick(fleet, shape)
     assert isinstance(pick, Pair) and (pick.prefill, pick.cached_tokens) == ("e0", 0)
+    # Ready at 1.46 s: within the limit, but past the window (1.05 s after e0): e0.
+    fleet.engines["e1"].prefill_work["q"] = (1.45, 0.0)
+    pick = scheduler().pick(fleet, shape)
+    assert isinstance(pick, Pair) and pick.prefill == "e0"
 
 
 def test_a_sampled_pool_still_scores_the_engines_holding_the_prefix() -> None:

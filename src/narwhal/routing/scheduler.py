@@ -243,8 +243,8 @@ class SchedulerV1:
         candidates: int | None = None,
         rng: random.Random | None = None,
         margin: float = 0.05,
-        prefix_window: float = 0.25,
-        prefix_limit: float = 0.5,
+        prefix_window: float = 0.5,
+        prefix_limit: float = 0.75,
     ) -> None:
         """``candidates``: in a pool larger than this, score a random sample of this many
         engines per role instead of all of them (power of k choices: near-optimal balance at
