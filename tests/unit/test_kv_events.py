@@ -323,6 +323,27 @@ def test_blocks_of_an_expected_prompt_are_keyed_without_hashing() -> None:
     assert index.match(chain_keys(other, size), 0.0) == {"p": 2, "d": 3}
 
 
+def test_a_run_nobody_expected_is_hashed_once_for_both_engines_that_store_it() -> None:
+    size = 4
+    index = PrefixIndex(size)
+    for engine in ("p", "d", "x"):
+        index.add_engine(engine, 64)
+        index.set_precise(engine, True)
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6]
+    keys = chain_keys(tokens, size)
+    # Another replica's request: no prompt of this router's was expected. The prefill engine's
+    # run is hashed; the decode engine's, the same ids after the same parent, is not.
+    apply_kv_events(index, "p", [_stored_event([1, 2], None, tokens, size)])
+    apply_kv_events(index, "d", [_stored_event([7, 8], None, tokens, size)])
+    assert index.reused_runs == 1 and index.expected_hits == 0
+    assert index.match(keys, 0.0) == {"p": 2, "d": 2}
+    # The same ids after another parent are other blocks: hashed, with their own keys.
+    apply_kv_events(index, "x", [_stored_event([5], None, tokens[:4], size)])
+    apply_kv_events(index, "x", [_stored_event([6], 5, tokens[:4], size)])
+    assert index.reused_runs == 1
+    assert index.match(chain_keys(tokens[:4] * 2, size), 0.0) == {"p": 1, "d": 1, "x": 2}
+
+
 def test_packed_ids_another_encoder_wrote_are_read_and_bad_ones_dropped() -> None:
     size = 2
     index = PrefixIndex(size)

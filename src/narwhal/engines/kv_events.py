@@ -135,7 +135,8 @@ class MsgpackTokenIds:
         return max(self._len, 0)
 
     def __eq__(self, other: object) -> bool:
-        # A value: equal to the same ids, packed or not (events compare as their contents).
+        # A value: two packed ids are equal when their bytes are (and hash so); against a
+        # sequence, by content (events compare as their contents).
         if isinstance(other, MsgpackTokenIds):
             return self._data == other._data
         if isinstance(other, Sequence):
@@ -145,7 +146,8 @@ class MsgpackTokenIds:
                 return False
         return NotImplemented
 
-    __hash__ = None  # type: ignore[assignment]
+    def __hash__(self) -> int:
+        return hash(self._data)
 
     def unpack(self) -> tuple[int, ...]:
         try:

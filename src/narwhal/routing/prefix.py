@@ -49,6 +49,8 @@ __all__ = [
 EngineHash = bytes | int
 
 _PERSON = b"narwhal-prefix"
+# Runs of stored blocks keyed by hashing that a second engine may store too (PrefixIndex.stored).
+_KEYED_RUNS = 64
 # A text prompt's blocks are keyed by its UTF-8 bytes, this many per token (a typical BPE
 # average) times the block size: the router has no tokenizer on its hot path.
 TEXT_BYTES_PER_TOKEN = 4
@@ -174,6 +176,10 @@ class PackedTokenIds(Protocol):
         """Whether they are ``tokens[start:stop]`` (the first ``probe`` compared first)."""
         ...
 
+    def __hash__(self) -> int:
+        """By the packed bytes, as ``==`` between two of them compares."""
+        ...
+
 
 @dataclass(eq=False, slots=True)
 class _Expected:
@@ -242,6 +248,9 @@ class PrefixIndex:
         self._expected_order: deque[_Expected] = deque()
         self._expected_held = 0
         self.expected_hits = 0  # BlockStored events keyed from an expected prompt
+        # Runs keyed by hashing, by their parent's key and packed ids, the latest _KEYED_RUNS.
+        self._keyed_runs: dict[tuple[int, PackedTokenIds], Sequence[int]] = {}
+        self.reused_runs = 0  # BlockStored events keyed from _keyed_runs
 
     # --- membership --------------------------------------------------------------------------
 
@@ -454,16 +463,29 @@ class PrefixIndex:
             key = parent
         chain = self._expected_chain(key, token_ids, len(block_hashes), block_size)
         if chain is None:
-            # Anything unhashable in the ids is a malformed event, dropped whole.
-            try:
-                ids = tuple(token_ids if isinstance(token_ids, Sequence) else token_ids.unpack())
-                keyed = []
-                for start in range(0, len(ids), block_size):
-                    key = hash((key, ids[start : start + block_size]))
-                    keyed.append(key)
-            except (TypeError, ValueError):
-                return False
-            chain = keyed
+            # A run no prompt of this router's expected (another replica's request): the second
+            # engine of its P/D pair stores the same run after the same parent, keyed once.
+            run = None if isinstance(token_ids, Sequence) else (key, token_ids)
+            chain = self._keyed_runs.get(run) if run is not None else None
+            if chain is not None:
+                self.reused_runs += 1
+            else:
+                # Anything unhashable in the ids is a malformed event, dropped whole.
+                try:
+                    ids = tuple(
+                        token_ids if isinstance(token_ids, Sequence) else token_ids.unpack()
+                    )
+                    keyed = []
+                    for start in range(0, len(ids), block_size):
+                        key = hash((key, ids[start : start + block_size]))
+                        keyed.append(key)
+                except (TypeError, ValueError):
+                    return False
+                chain = keyed
+                if run is not None:
+                    self._keyed_runs[run] = chain
+                    if len(self._keyed_runs) > _KEYED_RUNS:
+                        del self._keyed_runs[next(iter(self._keyed_runs))]
         # Hot with long prompts (every engine's every new block).
         by_engine_hash, bit, holders = entries.by_engine_hash, entries.bit, self._holders
         for engine_hash, key in zip(block_hashes, chain, strict=True):
