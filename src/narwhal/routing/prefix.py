@@ -427,9 +427,7 @@ class PrefixIndex:
                 w.engines -= 1
                 entry.waiting -= 1
                 if not w.engines:
-                    waiting.remove(w)
-                    if not waiting:
-                        del self._expected[parent]
+                    self._unregister(parent, entry)  # its one registration after this parent
                 if not entry.waiting:
                     # Every engine stored its run: nothing more to compare with.
                     entry.tokens, entry.keys = (), ()
@@ -463,29 +461,9 @@ class PrefixIndex:
             key = parent
         chain = self._expected_chain(key, token_ids, len(block_hashes), block_size)
         if chain is None:
-            # A run no prompt of this router's expected (another replica's request): the second
-            # engine of its P/D pair stores the same run after the same parent, keyed once.
-            run = None if isinstance(token_ids, Sequence) else (key, token_ids)
-            chain = self._keyed_runs.get(run) if run is not None else None
-            if chain is not None:
-                self.reused_runs += 1
-            else:
-                # Anything unhashable in the ids is a malformed event, dropped whole.
-                try:
-                    ids = tuple(
-                        token_ids if isinstance(token_ids, Sequence) else token_ids.unpack()
-                    )
-                    keyed = []
-                    for start in range(0, len(ids), block_size):
-                        key = hash((key, ids[start : start + block_size]))
-                        keyed.append(key)
-                except (TypeError, ValueError):
-                    return False
-                chain = keyed
-                if run is not None:
-                    self._keyed_runs[run] = chain
-                    if len(self._keyed_runs) > _KEYED_RUNS:
-                        del self._keyed_runs[next(iter(self._keyed_runs))]
+            chain = self._hashed_chain(key, token_ids, block_size)
+            if chain is None:
+                return False
         # Hot with long prompts (every engine's every new block).
         by_engine_hash, bit, holders = entries.by_engine_hash, entries.bit, self._holders
         for engine_hash, key in zip(block_hashes, chain, strict=True):
@@ -494,6 +472,27 @@ class PrefixIndex:
         if len(by_engine_hash) > 2 * entries.capacity_blocks:
             self._trim(entries)
         return True
+
+    def _hashed_chain(
+        self, parent: int, token_ids: Sequence[int] | PackedTokenIds, block_size: int
+    ) -> Sequence[int] | None:
+        """The keys of a stored run no expected prompt matched (another replica's request), by
+        hashing its ids; None when they are not ints (a malformed event, dropped whole). The
+        second engine of its P/D pair stores the same run after the same parent: keyed once."""
+        run = None if isinstance(token_ids, Sequence) else (parent, token_ids)
+        if run is not None and (chain := self._keyed_runs.get(run)) is not None:
+            self.reused_runs += 1
+            return chain
+        try:
+            ids = token_ids if isinstance(token_ids, Sequence) else token_ids.unpack()
+            chain = _chain(ids, block_size, parent)
+        except (TypeError, ValueError):
+            return None
+        if run is not None:
+            self._keyed_runs[run] = chain
+            if len(self._keyed_runs) > _KEYED_RUNS:
+                del self._keyed_runs[next(iter(self._keyed_runs))]
+        return chain
 
     def removed(self, engine_id: str, block_hashes: Sequence[EngineHash]) -> None:
         """A ``BlockRemoved`` event (hashes the index does not know are ignored)."""
