@@ -10,8 +10,11 @@ of the ``--splits`` (the share of engines in the prefill role) and reported at i
 prefix cache takes work off the prefill pool only, so which split suits a system depends on
 how much its routing saves there, and an operator deploying it would pick that split. Prompts
 are clipped to the fleet's ``max_model_len`` (32,768) less their output (the count is
-printed). Every engine has a prefix
-cache of ``--cache-tokens`` tokens (least recently used out), keyed by the trace's 512-token
+printed). A fleet for which the trace holds fewer than ``--requests-per-engine`` (60) requests an
+engine gets it played back to back (``fleetsim.workloads.back_to_back``: each copy's prompts its
+own, sharing prefixes within the copy as the trace does): at 512 engines the conversation trace's
+hour compresses to about one request's lifetime, a burst, not a steady load. Every engine has a
+prefix cache of ``--cache-tokens`` tokens (least recently used out), keyed by the trace's 512-token
 blocks as chain keys: a request's cached prefix skips its prefill there, and a decode engine
 pulls only the blocks it lacks (at ``--transfer-s-per-token``: the KV of Kimi's MLA layers,
 61 x 576 values x 2 bytes = 70,272 bytes a token, over a 50 GB/s link).
@@ -70,6 +73,7 @@ from narwhal.fleetsim.simulator import DesConfig, DesResult, run_des
 from narwhal.fleetsim.workloads import (
     MOONCAKE_BLOCK_TOKENS,
     PrefixTrace,
+    back_to_back,
     ideal_hit_rate,
     mooncake_requests,
     read_mooncake_trace,
@@ -236,6 +240,12 @@ def main() -> int:
     parser.add_argument("--splits", default="0.25,0.375,0.5", help="prefill shares to try")
     parser.add_argument("--cache-tokens", type=int, default=4_000_000, help="per engine")
     parser.add_argument("--history-ttl-s", type=float, default=1800.0)
+    parser.add_argument(
+        "--requests-per-engine",
+        type=int,
+        default=60,
+        help="a fleet the trace holds fewer requests an engine for gets it played back to back",
+    )
     parser.add_argument("--transfer-s-per-token", type=float, default=KV_BYTES_PER_TOKEN / 50e9)
     parser.add_argument("--block", type=int, default=200)
     parser.add_argument("--resamples", type=int, default=1000)
@@ -289,7 +299,14 @@ def main() -> int:
             f"{ideal_hit_rate(trace.rows, None):.3f}"
         )
     for size in (int(s) for s in args.sizes.split(",") if s):
-        for t, trace in loaded.items():
+        for t, whole in loaded.items():
+            copies = -(-args.requests_per_engine * size // len(whole.rows))
+            trace = back_to_back(whole, copies)
+            if copies > 1:
+                header.append(
+                    f"trace {t} at {size} engines: played {copies} times back to back (each "
+                    f"copy's prompts its own), {len(trace.rows)} requests"
+                )
             found: dict[str, tuple[float, list[Point]]] = {}
             splits: dict[str, int] = {}
             shares = sorted({float(x) for x in args.splits.split(",") if x})

@@ -74,8 +74,8 @@ def test_published_events_place_blocks_by_their_tokens() -> None:
     assert idx.stored("p0", [b"h0", b"h1"], None, tokens[:8], BS)
     assert idx.stored("p0", [b"h2"], b"h1", tokens[8:12], BS)
     assert idx.match(keys, now=1e9) == {"p0": 3}  # published entries do not expire
-    idx.record_routed("p0", chain_keys(list(range(100, 120)), BS), now=0.0)  # ignored
-    assert idx.blocks_held("p0") == 3
+    idx.record_routed("p0", chain_keys(list(range(100, 120)), BS), now=0.0)  # in flight
+    assert idx.blocks_held("p0") == 3  # only what the engine published
     idx.removed("p0", [b"h1"])
     assert idx.match(keys, now=0.0) == {"p0": 1}
     idx.removed("p0", [b"unknown"])
@@ -113,6 +113,51 @@ def test_published_entries_live_beside_text_history_and_are_bounded() -> None:
     idx.clear("p0")
     assert idx.blocks_held("p0") == 0
     assert idx.match(text, now=1.0) == {} and idx.match(chain_keys(more, BS), now=0.0) == {}
+
+
+def test_prompts_in_flight_to_an_event_engine_are_held_until_it_says_or_for_their_ttl() -> None:
+    idx = PrefixIndex(BS, in_flight_ttl_s=5.0)
+    for e in ("p0", "p1"):
+        idx.add_engine(e, capacity_blocks=4)
+        idx.set_precise(e, True)
+    tokens = list(range(12))
+    keys = chain_keys(tokens, BS)
+    # Sent, not yet computed: held in flight, for the TTL, and not counted as published.
+    idx.record_routed("p0", keys, now=0.0)
+    assert idx.match(keys, now=4.9) == {"p0": 3}
+    assert idx.blocks_held("p0") == 0
+    assert idx.match(keys, now=5.0) == {}
+    # Sent again, then the engine stored the first two blocks: those never expire, the third
+    # (not published, say its request failed) lives out its TTL.
+    idx.record_routed("p0", keys, now=10.0)
+    assert idx.stored("p0", [b"h0", b"h1"], None, tokens[:8], BS)
+    assert idx.match(keys, now=12.0) == {"p0": 3}
+    assert idx.match(keys, now=100.0) == {"p0": 2}
+    # A prefix another engine published, extended in flight on this one: each its own depth.
+    assert idx.stored("p1", [b"g0"], None, tokens[:4], BS)
+    idx.record_routed("p1", keys, now=100.0)
+    assert idx.match(keys, now=101.0) == {"p0": 2, "p1": 3}
+    # Bounded by twice the engine's capacity, in two generations: a full one is dropped once
+    # the next one fills.
+    longer = chain_keys(list(range(100, 120)), BS)
+    idx.record_routed("p1", longer, now=102.0)
+    assert idx.match(longer, now=102.5) == {"p1": 5}
+    for n in range(3):
+        idx.record_routed("p1", chain_keys([200 + n] * 8, BS), now=102.5)
+    assert idx.match(keys, now=102.5) == {"p0": 2, "p1": 1}
+    assert idx.match(longer, now=102.5) == {}
+    # The engine's restart forgets what was in flight too.
+    idx.record_routed("p1", keys, now=103.0)
+    idx.clear("p1")
+    assert idx.match(keys, now=103.5) == {"p0": 2}
+    # A TTL of 0 turns it off: only what the engine publishes.
+    off = PrefixIndex(BS, in_flight_ttl_s=0.0)
+    off.add_engine("p0", 4)
+    off.set_precise("p0", True)
+    off.record_routed("p0", keys, now=0.0)
+    assert off.match(keys, now=0.0) == {}
+    with pytest.raises(ValueError):
+        PrefixIndex(BS, in_flight_ttl_s=-1.0)
 
 
 def test_salted_prompts_match_only_their_salt() -> None:

@@ -10,6 +10,8 @@ import pytest
 from narwhal.contract import parse_fleet
 from narwhal.fleetsim.simulator import DesConfig, RequestSpec, run_des
 from narwhal.fleetsim.workloads import (
+    PrefixTrace,
+    back_to_back,
     ideal_hit_rate,
     mooncake_requests,
     read_mooncake_trace,
@@ -90,3 +92,21 @@ def test_the_simulators_engines_hit_their_caches_and_pull_only_what_they_lack() 
     assert cached.pulled_tokens == 4196 + 2 * 100
     assert cached.hit_rate == pytest.approx(2 * 4096 / (3 * 4196))
     assert sorted(cached.ttft)[0] < sorted(cold.ttft)[0]
+
+
+def test_back_to_back_copies_share_prefixes_within_not_across() -> None:
+    a, b = (11, 12), (11, 13)
+    one = PrefixTrace([(5.0, 1100, 1, a), (6.0, 1100, 1, a), (7.0, 1100, 1, b)], clipped=1)
+    three = back_to_back(one, 3)
+    assert len(three.rows) == 9 and three.clipped == 3
+    # Each copy starts a mean gap (1 s) after the one before ends, from the trace's start.
+    assert [r[0] for r in three.rows] == [5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0]
+    # Within a copy keys are equal where the trace's are; no key is shared across copies.
+    copies = [three.rows[i : i + 3] for i in (0, 3, 6)]
+    for rows in copies:
+        assert rows[0][3] == rows[1][3] and rows[0][3][0] == rows[2][3][0]
+    keys = [{k for r in rows for k in r[3]} for rows in copies]
+    assert not (keys[0] & keys[1]) and not (keys[1] & keys[2]) and not (keys[0] & keys[2])
+    # So an unbounded cache finds in three copies what it finds in one.
+    assert ideal_hit_rate(three.rows, None) == pytest.approx(ideal_hit_rate(one.rows, None))
+    assert back_to_back(one, 1) is one

@@ -156,6 +156,34 @@ def test_the_lifecycle_records_both_engines_of_a_handoff() -> None:
     assert isinstance(again, Admit) and again.pair.cached_tokens == PROMPT - 1
 
 
+def test_a_burst_follows_a_prompt_still_in_flight_to_engines_that_publish_events() -> None:
+    """Engines that publish KV events say what they hold only once they computed it; until
+    then the router's own routing stands in, for the TTFT budget: a request sharing the prompt
+    that arrives meanwhile follows the first (predicted cached) rather than computing the same
+    blocks on an idle engine."""
+    clock = VirtualClock(0.0)
+    fleet = state(clock)
+    index = fleet.prefix_index
+    assert index is not None
+    for engine in fleet.engines:
+        index.set_precise(engine, True)
+    lifecycle = Lifecycle(fleet, scheduler())
+    first = lifecycle.admit(
+        lifecycle.arrive("r1", max_tokens=10, prompt_tokens=PROMPT, prefix=KEYS)
+    )
+    assert isinstance(first, Admit) and first.pair.cached_tokens == 0
+    clock.advance(0.05)
+    second = lifecycle.admit(
+        lifecycle.arrive("r2", max_tokens=10, prompt_tokens=PROMPT, prefix=KEYS)
+    )
+    assert isinstance(second, Admit)
+    assert second.pair.prefill == first.pair.prefill
+    assert second.pair.cached_tokens == PROMPT - 1
+    # No engine said it stored the prompt within the TTFT budget (2 s): nothing is held.
+    clock.advance(2.01)
+    assert index.match(KEYS, clock.now()) == {}
+
+
 def test_the_lifecycle_matches_the_prefix_only_for_a_scheduler_that_did_not() -> None:
     """v1 matched the prompt against the index and found nothing on either engine: the pick
     says it looked, and the lifecycle does not match it again. v0 never looks: the lifecycle

@@ -280,6 +280,57 @@ async def test_the_kv_written_is_the_prompts_whether_its_prefix_was_cached_or_no
         await cold.close()
 
 
+async def test_a_chunk_is_cached_when_scheduled_as_vllm_caches_it() -> None:
+    """vLLM caches a chunk's full blocks when it schedules it (``allocate_slots``), not when
+    the prompt is done: a request sharing the prefix that is admitted while the first still
+    prefills hits what was scheduled, and the KV both hand over is the prompt's."""
+    config = EngineConfig(
+        "e0",
+        "m",
+        num_blocks=64,
+        block_bytes=1024,
+        max_num_batched_tokens=64,  # 4 blocks a step: the prompt takes 4 steps
+        timing=replace(CALIBRATION, time_scale=0.5),
+    )
+    pool = np.zeros((config.num_blocks, config.block_bytes), np.uint8)
+    core = EngineCore(
+        config,
+        GenerationModel(VOCAB, config.model_seed),
+        EngineMetrics("m", "0"),
+        FaultSettings(),
+        KVTransferAgent("a", pool, lambda message: None),
+        PeerDirectory(),
+    )
+    core.start()
+    try:
+        shared = [300 + (i * 37) % 9000 for i in range(240)]  # 15 blocks
+        first = [*shared, 7000, 7001]
+        second = [*shared, 8000, 8001]
+        r1 = SimRequest(core.new_request_id("r"), first, 1, kind=RequestKind.PRODUCER)
+        core.submit(r1)
+        for _ in range(1000):
+            if r1.computed > 0:
+                break
+            await asyncio.sleep(0.001)
+        assert 0 < r1.computed < len(first)
+        r2 = SimRequest(core.new_request_id("r"), second, 1, kind=RequestKind.PRODUCER)
+        core.submit(r2)
+        ends = []
+        for request in (r1, r2):
+            while True:
+                event = await asyncio.wait_for(request.events.get(), 10)
+                if event.finish_reason is not None:
+                    ends.append(event)
+                    break
+        # Admitted after the first chunk ran (and a second was scheduled): at least 4 blocks hit.
+        assert r2.num_cached_tokens >= 64
+        for prompt, end in zip((first, second), ends, strict=True):
+            held = end.kv_transfer_params["remote_block_ids"][0]
+            assert np.array_equal(core.pool[held], LAYOUT.block_contents(prompt))
+    finally:
+        await core.close()
+
+
 # --- Step timing (the latency model) --------------------------------------------------------
 
 

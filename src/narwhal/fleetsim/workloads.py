@@ -23,6 +23,7 @@ from narwhal.simengine.timing import sim_models
 __all__ = [
     "MOONCAKE_BLOCK_TOKENS",
     "PrefixTrace",
+    "back_to_back",
     "ideal_hit_rate",
     "kv_blocks_of",
     "mooncake_requests",
@@ -188,6 +189,31 @@ def _spread_ties(
             out.append((t + span * (k - i) / (j - i), p, g, keys))
         i = j
     return out
+
+
+def back_to_back(trace: PrefixTrace, copies: int) -> PrefixTrace:
+    """The trace played ``copies`` times one after another, each copy starting a mean gap after
+    the one before, for a fleet one copy cannot fill (at 512 engines the conversation trace's
+    hour compresses to little more than one request's lifetime). Each copy's prompts are its
+    own: its chain keys are re-keyed by the copy's number, so prompts share prefixes within a
+    copy exactly as in the trace and never across copies (a later copy is more traffic of the
+    same shape, not the same traffic again)."""
+    if copies <= 1:
+        return trace
+    rows = trace.rows
+    t0 = rows[0][0]
+    span = rows[-1][0] - t0
+    gap = span / (len(rows) - 1) if len(rows) > 1 else 1.0
+    out = list(rows)
+    for copy in range(1, copies):
+        shift = copy * (span + gap)
+        # The copy's number as a block of its own keeps equal keys equal within the copy; two
+        # values, as no trace block has (and not -copy: hash(-1) == hash(-2) in CPython).
+        tag = (copy, copy)
+        out += [
+            (t + shift, p, g, tuple(extend_chain(k, tag) for k in keys)) for t, p, g, keys in rows
+        ]
+    return PrefixTrace(out, trace.clipped * copies, trace.block_tokens)
 
 
 def mooncake_requests(

@@ -330,7 +330,13 @@ class FleetState:
         self.prefix_index: PrefixIndex | None = None
         caching = fleet.engine.prefix_caching
         if caching.enabled and fleet.routing.prefix.enabled:
-            self.prefix_index = PrefixIndex(caching.block_size, fleet.routing.prefix.history_ttl_s)
+            # A request that has not stored its prompt within the TTFT budget missed or failed:
+            # its in-flight entries (PrefixIndex) live no longer.
+            self.prefix_index = PrefixIndex(
+                caching.block_size,
+                fleet.routing.prefix.history_ttl_s,
+                in_flight_ttl_s=fleet.budgets.ttft_s,
+            )
             for spec in fleet.engines:
                 capacity = spec.sim.num_blocks if spec.sim is not None else caching.capacity_blocks
                 self.prefix_index.add_engine(spec.id, capacity)

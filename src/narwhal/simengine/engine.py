@@ -113,6 +113,8 @@ class SimRequest:
     cache_salt: str | None = None
     keys: list[int] = field(default_factory=list)  # the prompt's full blocks' chain keys
     num_cached_tokens: int = 0  # prompt tokens found in this engine's prefix cache
+    # Prompt blocks whose KV a step already wrote (cached when their chunk was scheduled).
+    written: set[int] = field(default_factory=set)
     # A decode leg's kv_transfer_params.remote_prefill_cached_tokens: its prefill engine's hits.
     remote_cached_tokens: int | None = None
     # Choice ``i`` of an ``n > 1`` request: its own sequence of the same prompt (choice 0 is
@@ -323,6 +325,10 @@ class EngineCore:
                 n = min(len(request.prompt) - request.computed, budget)
                 chunks.append((request, n))
                 budget -= n
+            # As vLLM's allocate_slots: a chunk's full blocks are cached when it is scheduled
+            # (and published with this step's events), so a request admitted at a later step
+            # hits them (its KV is computed by then); their KV is written when the step ends.
+            scheduled = [self._cache_scheduled(r, n) for r, n in chunks]
             self._publish_events()
             if not decodes and not chunks:
                 self._wake.clear()
@@ -343,6 +349,10 @@ class EngineCore:
             planned = timing.wall(model_s) * self.faults.slowdown
             await asyncio.sleep(planned)
             now = time.monotonic()
+            # The step ran: the scheduled blocks' KV is computed, even of a request aborted
+            # meanwhile (its blocks stay cached, as vLLM's do; none was handed out again yet).
+            for blocks, request_prompt, rows in scheduled:
+                self._write_kv(blocks, request_prompt, rows)
             for request in decodes:
                 if not request.aborted and not request.finished:
                     self._emit_token(request, now)
@@ -399,7 +409,8 @@ class EngineCore:
             rows = self._cache_blocks(request, request.prompt, request.keys)
             if request.kind is RequestKind.PRODUCER:
                 hit = request.num_cached_tokens // self.config.block_size
-                rows = list(range(hit, self.layout.num_blocks(len(request.prompt))))
+                count = self.layout.num_blocks(len(request.prompt))
+                rows = [i for i in range(hit, count) if i not in request.written]
             self._write_kv(request.blocks, request.prompt, rows)
         self.running.append(request)
         self._emit_token(request, now)
@@ -472,6 +483,24 @@ class EngineCore:
         self.metrics.get(self.metrics.e2e).observe(time.monotonic() - request.arrival)
         self._wake.set()
         return params
+
+    def _cache_scheduled(
+        self, request: SimRequest, n: int
+    ) -> tuple[list[int], list[int], list[int]]:
+        """Cache the full prompt blocks a chunk of ``n`` tokens completes: (the request's
+        blocks, its prompt, the indices newly cached, whose KV the step's end writes)."""
+        full = min((request.computed + n) // self.config.block_size, len(request.keys))
+        if not self.allocator.caching or full <= 0:
+            return request.blocks, request.prompt, []
+        rows = self.allocator.cache(
+            request.blocks,
+            request.keys[:full],
+            request.prompt,
+            self.config.block_size,
+            request.cache_salt,
+        )
+        request.written.update(rows)
+        return request.blocks, request.prompt, rows
 
     def _cache_blocks(self, request: SimRequest, tokens: list[int], keys: list[int]) -> list[int]:
         """Key the request's full blocks; the indices of those newly cached, whose KV the
