@@ -94,6 +94,25 @@ def test_the_simulators_engines_hit_their_caches_and_pull_only_what_they_lack() 
     assert sorted(cached.ttft)[0] < sorted(cold.ttft)[0]
 
 
+def test_a_prompt_is_looked_up_when_scheduled_and_cached_as_its_chunks_are() -> None:
+    """As vLLM: two prompts over one new prefix arriving together on the one prefill engine
+    are scheduled in one step, and the second, looked up when scheduled, hits the blocks the
+    first's chunk was scheduled to compute (looked up on arrival and cached when the first's
+    prefill ended, it hit nothing)."""
+    chain = []
+    key = chain_root()
+    for h in range(8):
+        key = extend_chain(key, (h,))
+        chain.append(key)
+    fleet = _fleet(True)
+    together = [RequestSpec(0.0, 4096 + 100, 4, None, tuple(chain)) for _ in range(2)]
+    result = run_des(
+        DesConfig(fleet, timings_of(fleet), flipping=False, prefix_cache_tokens=1_000_000),
+        together,
+    )
+    assert result.cached_tokens == 4096
+
+
 def test_back_to_back_copies_share_prefixes_within_not_across() -> None:
     a, b = (11, 12), (11, 13)
     one = PrefixTrace([(5.0, 1100, 1, a), (6.0, 1100, 1, a), (7.0, 1100, 1, b)], clipped=1)

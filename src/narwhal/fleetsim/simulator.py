@@ -248,6 +248,8 @@ class DesResult:
 
 
 _TRACED = frozenset({"arrive", "prefill_done", "first_token", "finished"})
+# A prefill job's tokens done before its engine first schedules it (and looks it up).
+_NOT_LOOKED_UP = -1
 
 
 def _traced(kind: str, payload: Any) -> Any:
@@ -394,7 +396,7 @@ class _Simulation:
             elif kind == "loaded":
                 engine = self.engines[payload.request.decode]
                 engine.loading -= 1
-                self.store(engine, payload.request)
+                self.store(engine, payload.request, payload.request.spec.prompt_tokens)
                 engine.joining.append(payload)
                 self.new_work(engine)
                 # The prefill engine frees the pulled blocks when the reader says it is done.
@@ -558,12 +560,13 @@ class _Simulation:
             cache.move_to_end(key)
         return hit * self.block
 
-    def store(self, engine: _Engine, request: _Request) -> None:
-        """The engine's prefix cache now holds the prompt's full blocks (least recent out)."""
+    def store(self, engine: _Engine, request: _Request, tokens: int) -> None:
+        """The engine's prefix cache now holds the full blocks of the prompt's first ``tokens``
+        (least recent out)."""
         cache = engine.cache
         if cache is None or not request.spec.prefix:
             return
-        full = request.spec.prompt_tokens // self.block
+        full = min(tokens, request.spec.prompt_tokens) // self.block
         for key in reversed(request.spec.prefix[:full]):
             cache[key] = None
             cache.move_to_end(key)
@@ -583,8 +586,7 @@ class _Simulation:
 
     def enqueue_prefill(self, engine: _Engine, request: _Request) -> None:
         if engine.kv is None:
-            request.cached_tokens = self.cached(engine, request)
-            engine.prefill_queue.append([request, request.cached_tokens])
+            engine.prefill_queue.append([request, _NOT_LOOKED_UP])
         else:
             engine.kv_waiting.append(request)
         self.new_work(engine)
@@ -616,8 +618,7 @@ class _Simulation:
                 request.decode_blocks = need
             else:
                 request.prefill_blocks = need
-            request.cached_tokens = self.cached(engine, request)
-            engine.prefill_queue.append([request, request.cached_tokens])
+            engine.prefill_queue.append([request, _NOT_LOOKED_UP])
 
     def admit_decode_legs(self, engine: _Engine, room: int) -> list[_Sequence]:
         """The decode legs admitted at this boundary: up to ``room``, in arrival order, while
@@ -688,7 +689,13 @@ class _Simulation:
             if budget <= 0:
                 break
             request, done = job
+            if done == _NOT_LOOKED_UP:
+                # As vLLM's scheduler: the prompt is looked up when it is first scheduled, and
+                # each chunk's full blocks are cached as it is scheduled (``allocate_slots``),
+                # so a prompt scheduled after it (even in this step) hits them.
+                request.cached_tokens = done = job[1] = self.cached(engine, request)
             n = min(request.spec.prompt_tokens - done, budget)
+            self.store(engine, request, done + n)
             chunks.append((request, n))
             model_s += timing.prefill.chunk_seconds(done, n) - timing.prefill.a
             host_s += self.config.prefill_host_s_per_token * n
@@ -762,7 +769,6 @@ class _Simulation:
             job[1] += n
             if job[1] >= request.spec.prompt_tokens:
                 engine.prefill_queue.remove(job)
-                self.store(engine, request)
                 if request.local:
                     self.local_prefilled(engine, request, first_step_end)
                 else:
