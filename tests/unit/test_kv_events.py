@@ -15,6 +15,7 @@ from narwhal.engines.kv_events import (
     BlockStored,
     KVEventBatch,
     KVEventSubscriber,
+    MsgpackTokenIds,
     RemovedBlocks,
     StoredBlocks,
     apply_kv_events,
@@ -321,6 +322,39 @@ def test_blocks_of_an_expected_prompt_are_keyed_without_hashing() -> None:
     apply_kv_events(index, "d", [_stored_event([31], 22, other[8:], size)])
     assert index.expected_hits == 5
     assert index.match(chain_keys(other, size), 0.0) == {"p": 2, "d": 3}
+
+
+def test_a_run_pulled_whole_is_matched_by_the_bytes_of_the_chunks_stored(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM caches (and publishes) a prefill's blocks a scheduled chunk at a time; the decode
+    engine stores all it pulled in one event: compared with the chunks' bytes, not by packing
+    the prompt again."""
+    size = 4
+    index = PrefixIndex(size)
+    for engine in ("p", "d"):
+        index.add_engine(engine, 64)
+        index.set_precise(engine, True)
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 2**40, 7, 9, 3]
+    prompt = token_prompt({"prompt": tokens})
+    assert prompt is not None
+    index.expect(prompt, chain_keys(tokens, size), [0, 0])
+    apply_kv_events(index, "p", [_stored_event([1, 2], None, tokens[:8], size)])
+    apply_kv_events(index, "p", [_stored_event([3, 4], 2, tokens[8:], size)])
+
+    def packed_again(*args: object) -> bool:
+        raise AssertionError("the prompt was packed again")
+
+    monkeypatch.setattr(MsgpackTokenIds, "equals", packed_again)
+    apply_kv_events(index, "d", [_stored_event([11, 12, 13, 14], None, tokens, size)])
+    assert index.expected_hits == 3 and index.expected_runs == 0
+    assert index.match(chain_keys(tokens, size), 0.0) == {"p": 4, "d": 4}
+    # Joined by their items' bytes: the same ids in other parts join, other ids do not.
+    whole = _stored_event([1, 2, 3, 4], None, tokens, size).token_ids
+    parts = [_stored_event([1], None, t, size).token_ids for t in (tokens[:4], tokens[4:])]
+    assert isinstance(whole, MsgpackTokenIds)
+    assert whole.joins(parts) and not whole.joins(parts[:1]) and not whole.joins([tokens])
+    assert not whole.joins(parts[::-1])
 
 
 def test_a_run_nobody_expected_is_hashed_once_for_both_engines_that_store_it() -> None:

@@ -155,6 +155,22 @@ class MsgpackTokenIds:
         except msgspec.DecodeError as exc:
             raise ValueError(f"token ids: {exc}") from None
 
+    def joins(self, parts: Sequence[Any]) -> bool:
+        # msgpack packs each int on its own, so ids one after another are their items' bytes
+        # one after another (each array's header left out).
+        if not all(isinstance(p, MsgpackTokenIds) for p in parts):
+            return False
+        if sum(max(p._len, 0) for p in parts) != self._len:
+            return False
+        items = memoryview(self._data)[self._header :]
+        at = 0
+        for p in parts:
+            piece = memoryview(p._data)[p._header :]
+            if items[at : at + len(piece)] != piece:
+                return False
+            at += len(piece)
+        return at == len(items)
+
     def equals(self, tokens: Sequence[int], start: int, stop: int, probe: int) -> bool:
         if stop - start != self._len:
             return False

@@ -184,6 +184,11 @@ class PackedTokenIds(Protocol):
         """Whether they are ``tokens[start:stop]`` (the first ``probe`` compared first)."""
         ...
 
+    def joins(self, parts: Sequence[Any]) -> bool:
+        """Whether they are the ids of ``parts`` (packed alike) one after another, by their
+        bytes; False, never a wrong True, for parts packed otherwise."""
+        ...
+
     def __hash__(self) -> int:
         """By the packed bytes, as ``==`` between two of them compares."""
         ...
@@ -232,6 +237,24 @@ class _EngineEntries:
     flown: dict[int, float] = field(default_factory=dict)
     flying_since: float = float("-inf")  # when ``flying`` began
     last_flown: float = float("-inf")  # the latest send
+
+
+def _tiling(
+    matched: Mapping[tuple[int, int], Sequence[int] | PackedTokenIds], start: int, stop: int
+) -> list[Any] | None:
+    """The matched runs that cover ``start:stop`` end to end, in order (None if they do not,
+    or if one of them is unpacked ids)."""
+    parts: list[Any] = []
+    at = start
+    while at < stop:
+        for (a, b), ids in matched.items():
+            if a == at and b <= stop and not isinstance(ids, Sequence):
+                parts.append(ids)
+                at = b
+                break
+        else:
+            return None
+    return parts if len(parts) > 1 else None
 
 
 class PrefixIndex:
@@ -489,7 +512,12 @@ class PrefixIndex:
                 elif isinstance(token_ids, Sequence):
                     same = list(token_ids) == list(entry.tokens[a:b])
                 else:
-                    same = token_ids.equals(entry.tokens, a, b, block_size)
+                    # The decode engine pulls in one run what the prefill engine stored in
+                    # chunks (an event per scheduled chunk): compared with their bytes first.
+                    parts = _tiling(entry.matched, a, b) if matched is None else None
+                    same = (parts is not None and token_ids.joins(parts)) or token_ids.equals(
+                        entry.tokens, a, b, block_size
+                    )
             except (TypeError, ValueError):
                 same = False
             if same:
