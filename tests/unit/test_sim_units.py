@@ -331,6 +331,56 @@ async def test_a_chunk_is_cached_when_scheduled_as_vllm_caches_it() -> None:
         await core.close()
 
 
+@pytest.mark.parametrize("step_tokens", [64, 1024])
+async def test_a_prompt_scheduled_after_another_hits_its_blocks_even_in_the_same_step(
+    step_tokens: int,
+) -> None:
+    """vLLM looks a waiting request up when it schedules it, after the chunks scheduled
+    before it in the same ``schedule()`` were cached: two prompts sharing a prefix that arrive
+    together share it, whether both fit one step (1,024 tokens) or the second waits for
+    tokens while the first's chunks take them all (64). Admitting both before scheduling
+    either, the second hit nothing."""
+    config = EngineConfig(
+        "e0",
+        "m",
+        num_blocks=64,
+        block_bytes=1024,
+        max_num_batched_tokens=step_tokens,
+        timing=replace(CALIBRATION, time_scale=0.5),
+    )
+    pool = np.zeros((config.num_blocks, config.block_bytes), np.uint8)
+    core = EngineCore(
+        config,
+        GenerationModel(VOCAB, config.model_seed),
+        EngineMetrics("m", "0"),
+        FaultSettings(),
+        KVTransferAgent("a", pool, lambda message: None),
+        PeerDirectory(),
+    )
+    core.start()
+    try:
+        shared = [300 + (i * 37) % 9000 for i in range(240)]  # 15 blocks
+        prompts = ([*shared, 7000, 7001], [*shared, 8000, 8001])
+        requests = [
+            SimRequest(core.new_request_id("r"), p, 1, kind=RequestKind.PRODUCER) for p in prompts
+        ]
+        for request in requests:  # before the step loop first runs: both wait together
+            core.submit(request)
+        ends = []
+        for request in requests:
+            while True:
+                event = await asyncio.wait_for(request.events.get(), 10)
+                if event.finish_reason is not None:
+                    ends.append(event)
+                    break
+        assert [r.num_cached_tokens for r in requests] == [0, 240]
+        for prompt, end in zip(prompts, ends, strict=True):
+            held = end.kv_transfer_params["remote_block_ids"][0]
+            assert np.array_equal(core.pool[held], LAYOUT.block_contents(prompt))
+    finally:
+        await core.close()
+
+
 # --- Step timing (the latency model) --------------------------------------------------------
 
 

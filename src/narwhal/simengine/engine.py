@@ -260,7 +260,7 @@ class EngineCore:
         if request in self.loading:
             return  # the READ may still be writing into these blocks; _load_remote frees them
         if request in self.waiting:
-            # Off the queue now: an idle step loop (KV full of holds) may not run _admit for long.
+            # Off the queue now: an idle step loop (KV full of holds) may not admit for long.
             self.waiting.remove(request)
         for queue in (self.prefilling, self.running):
             if request in queue:
@@ -315,20 +315,8 @@ class EngineCore:
         timing = self.config.timing
         while not self._closed:
             started = time.monotonic()
-            self._admit()
             decodes = list(self.running)
-            budget = self.config.max_num_batched_tokens - len(decodes)
-            chunks: list[tuple[SimRequest, int]] = []
-            for request in self.prefilling:
-                if budget <= 0:
-                    break
-                n = min(len(request.prompt) - request.computed, budget)
-                chunks.append((request, n))
-                budget -= n
-            # As vLLM's allocate_slots: a chunk's full blocks are cached when it is scheduled
-            # (and published with this step's events), so a request admitted at a later step
-            # hits them (its KV is computed by then); their KV is written when the step ends.
-            scheduled = [self._cache_scheduled(r, n) for r, n in chunks]
+            chunks, scheduled = self._schedule(self.config.max_num_batched_tokens - len(decodes))
             self._publish_events()
             if not decodes and not chunks:
                 self._wake.clear()
@@ -368,7 +356,41 @@ class EngineCore:
             self.metrics.get(self.metrics.step_planned_seconds).inc(planned)
             self.metrics.get(self.metrics.step_seconds).inc(time.monotonic() - started)
 
-    def _admit(self) -> None:
+    def _schedule(
+        self, budget: int
+    ) -> tuple[list[tuple[SimRequest, int]], list[tuple[list[int], list[int], list[int]]]]:
+        """A step's prefill chunks within ``budget`` tokens, as vLLM's ``schedule()``: the
+        prompts in progress first, then waiting requests in order while tokens remain, each
+        looked up in the prefix cache when it is scheduled, after the chunks before it were
+        cached (``allocate_slots``): a prompt scheduled in the same step as another sharing
+        its prefix hits the blocks that one's chunk fills, and one left waiting for tokens is
+        looked up later, against more. Returns the chunks and, per chunk, what
+        ``_cache_scheduled`` cached (whose KV the step's end writes)."""
+        chunks: list[tuple[SimRequest, int]] = []
+        scheduled: list[tuple[list[int], list[int], list[int]]] = []
+
+        def take(request: SimRequest) -> int:
+            n = min(len(request.prompt) - request.computed, budget)
+            chunks.append((request, n))
+            scheduled.append(self._cache_scheduled(request, n))
+            return n
+
+        for request in self.prefilling:
+            if budget <= 0:
+                break
+            budget -= take(request)
+        while budget > 0:
+            admitted = self._admit_next()
+            if admitted is None:
+                break
+            if admitted.kind is not RequestKind.CONSUMER:
+                budget -= take(admitted)
+        self._refresh_gauges()
+        return chunks, scheduled
+
+    def _admit_next(self) -> SimRequest | None:
+        """Admit the first waiting request (its prefix looked up, its blocks allocated), or
+        None when none waits, ``max_num_seqs`` are active or its blocks do not fit."""
         while self.waiting:
             request = self.waiting[0]
             if request.aborted:
@@ -376,14 +398,14 @@ class EngineCore:
                 continue
             active = len(self.running) + len(self.prefilling) + len(self.loading)
             if active >= self.config.max_num_seqs:
-                break
+                return None
             # vLLM leaves at least the prompt's last token to compute (it needs its logits).
             hit = self.allocator.cached_prefix(
                 request.keys[: (len(request.prompt) - 1) // self.config.block_size]
             )
             blocks = self.allocator.allocate(self.blocks_needed(request) - len(hit), hit)
             if blocks is None:
-                break
+                return None
             self.waiting.popleft()
             request.blocks = blocks
             for block in blocks[len(hit) :]:
@@ -399,7 +421,8 @@ class EngineCore:
                 self._spawn(self._load_remote(request))
             else:
                 self.prefilling.append(request)
-        self._refresh_gauges()
+            return request
+        return None
 
     def _prefill_done(self, request: SimRequest, now: float) -> None:
         if request.kind is RequestKind.PRODUCER or self.allocator.caching:
@@ -492,13 +515,7 @@ class EngineCore:
         full = min((request.computed + n) // self.config.block_size, len(request.keys))
         if not self.allocator.caching or full <= 0:
             return request.blocks, request.prompt, []
-        rows = self.allocator.cache(
-            request.blocks,
-            request.keys[:full],
-            request.prompt,
-            self.config.block_size,
-            request.cache_salt,
-        )
+        rows = self._cache_blocks(request, request.prompt, request.keys[:full])
         request.written.update(rows)
         return request.blocks, request.prompt, rows
 
