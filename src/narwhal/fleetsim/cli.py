@@ -43,6 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttft", type=float, default=10.0)
     parser.add_argument("--tpot", type=float, default=0.3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--abandon-after-s",
+        type=float,
+        default=None,
+        help="clients give up on a request with no first token after this many seconds"
+        " (default: they wait)",
+    )
     args = parser.parse_args(argv)
     try:
         if args.fleet:
@@ -73,7 +80,12 @@ def main(argv: list[str] | None = None) -> int:
             args.rate, args.requests, args.prompt_tokens, args.output_tokens, args.seed
         )
     config = DesConfig(
-        fleet, timings, scheduler=args.scheduler, flipping=not args.no_flipping, seed=args.seed
+        fleet,
+        timings,
+        scheduler=args.scheduler,
+        flipping=not args.no_flipping,
+        seed=args.seed,
+        abandon_after_s=args.abandon_after_s,
     )
     result = run_des(config, specs)
     print(json.dumps(result.summary(), indent=2))

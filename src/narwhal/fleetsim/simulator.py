@@ -18,6 +18,8 @@ The routing side is the router's code, unchanged: ``FleetState``, ``SchedulerV0`
 ``RoleController``, all on a ``VirtualClock``. What the live router does that this does not:
 HTTP, retries after failed legs (nothing fails here), the first-token deadline (a handoff that
 would have missed it is counted, not retried), and scrape lag (engines report at once).
+Clients wait for their answers unless ``DesConfig.abandon_after_s`` says when they give up on
+a first token, as ``bench/goodput.py``'s clients do at the TTFT budget.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class _Request:
     decode_blocks: int = 0  # held on its decode engine until its last token
     cached_tokens: int = 0  # of its prompt, found in its prefill (or local) engine's cache
     pulled_tokens: int = 0  # of its prompt, whose KV its decode engine pulled
+    joined: bool = False  # its decode sequence is in a batch: its first token is being made
 
     @property
     def prefill(self) -> str:
@@ -181,6 +184,13 @@ class DesConfig:
     # when the fleet's engine.prefix_caching is off). Requests' ``prefix`` keys are matched in
     # blocks of engine.prefix_caching.block_size tokens.
     prefix_cache_tokens: int = 0
+    # The client gives up on a request with no first token this many seconds after it
+    # arrived (None: it waits): the router cancels its leg and the engine drops it, so it
+    # stops loading the fleet, as a client with a first-token timeout (``bench/goodput.py``'s,
+    # at the TTFT budget) makes a live fleet do. Counted TTFT late. Without it an overloaded
+    # fleet serves every late request to its end, and a policy that admits everything
+    # collapses further than it would live.
+    abandon_after_s: float | None = None
 
 
 @dataclass
@@ -205,6 +215,7 @@ class DesResult:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     pulled_tokens: int = 0
+    abandoned: int = 0  # given up by their clients (DesConfig.abandon_after_s), in ttft_late
 
     @property
     def hit_rate(self) -> float:
@@ -233,6 +244,7 @@ class DesResult:
             "attainment": round(self.attainment, 4),
             "goodput_rps": round(self.goodput, 4),
             "deadline_missed": self.deadline_missed,
+            "abandoned": self.abandoned,
             "duration_s": round(self.duration_s, 3),
             "flips": len(self.flips),
             "ttft_p50": pct(self.ttft, 0.5),
@@ -370,6 +382,8 @@ class _Simulation:
                 )
                 request = _Request(payload, i, ticket)
                 self.requests.append(request)
+                if self.config.abandon_after_s is not None:
+                    self.at(payload.arrival + self.config.abandon_after_s, "abandon", request)
                 self.route(request)
                 nxt = next(arrivals, None)
                 if nxt is not None:
@@ -382,20 +396,33 @@ class _Simulation:
                 if epoch == engine.epoch:
                     self.finish_segment(engine)
             elif kind == "prefill_done":
-                self.prefill_done(payload)
+                if payload.outcome == "abandoned":
+                    self.drop_prefilled(payload)
+                else:
+                    self.prefill_done(payload)
             elif kind == "first_token":
                 self.decode_first_token(payload)
             elif kind == "finished":
                 self.decode_finished(payload)
             elif kind == "local_leg":
-                self.enqueue_prefill(self.engines[payload.decode], payload)
+                if payload.outcome != "abandoned":
+                    self.enqueue_prefill(self.engines[payload.decode], payload)
             elif kind == "decode_leg":
+                if payload.outcome == "abandoned":
+                    self.drop_prefilled(payload)
+                    continue
                 engine = self.engines[payload.decode]
                 engine.pending.append(_Sequence(payload, 0, 0))
                 self.new_work(engine)
             elif kind == "loaded":
                 engine = self.engines[payload.request.decode]
                 engine.loading -= 1
+                if payload.request.outcome == "abandoned":
+                    # The pull ran to its end (a READ is not cut short): both copies go.
+                    self.release(engine, payload.request.decode_blocks)
+                    payload.request.decode_blocks = 0
+                    self.drop_prefilled(payload.request)
+                    continue
                 self.store(engine, payload.request, payload.request.spec.prompt_tokens)
                 engine.joining.append(payload)
                 self.new_work(engine)
@@ -413,6 +440,8 @@ class _Simulation:
                     self.at(self.clock.now() + self.config.scrape_interval_s, "scrape", None)
             elif kind == "retry_queue" and payload == self.queue_timer:
                 self.drain_queue()  # (a stale recheck: a later drain moved it)
+            elif kind == "abandon":
+                self.abandon(payload)
 
     def busy(self) -> bool:
         return any(
@@ -462,11 +491,66 @@ class _Simulation:
         else:
             self.queue_timer = None
 
+    def abandon(self, request: _Request) -> None:
+        """The client gave up waiting for the first token: the router cancels the request
+        (``Lifecycle.cancel``, as on a client disconnect) and its engine drops what it holds
+        of it, now where it waits (the router's queue, a KV or decode admission queue), at
+        the end of the step in progress for a prompt being prefilled, and when its KV pull
+        ends for one loading. A sequence already in a batch is left to send the token it is
+        making."""
+        if request.outcome != "pending" or request.first_token is not None or request.joined:
+            return
+        request.outcome = "abandoned"
+        ticket = request.ticket
+        self.by_ticket.pop(ticket, None)
+        self.lifecycle.cancel(ticket)
+        if ticket.pair is None:
+            return  # still in the router's queue
+        prefill = self.engines[request.prefill]  # the decode engine's own, for a local leg
+        if request in prefill.kv_waiting:
+            prefill.kv_waiting.remove(request)
+        for job in prefill.prefill_queue:
+            if job[0] is request:
+                # A chunk of it in the step in progress: that step ends first (finish_segment).
+                if prefill.segment is None or all(r is not request for r, _ in prefill.segment[3]):
+                    prefill.prefill_queue.remove(job)
+                    self.free_leg(prefill, request)
+                break
+        decode = self.engines[request.decode]
+        for queue in (decode.pending, decode.joining):
+            for sequence in queue:
+                if sequence.request is request:
+                    queue.remove(sequence)
+                    self.release(decode, request.decode_blocks)
+                    request.decode_blocks = 0
+                    self.drop_prefilled(request)
+                    break
+        if self.lifecycle.queued:
+            self.drain_queue()
+
+    def free_leg(self, engine: _Engine, request: _Request) -> None:
+        """Free the blocks a prompt held on the engine prefilling it (a local prompt's are
+        its decode's)."""
+        if request.local:
+            self.release(engine, request.decode_blocks)
+            request.decode_blocks = 0
+        else:
+            self.release(engine, request.prefill_blocks)
+            request.prefill_blocks = 0
+
+    def drop_prefilled(self, request: _Request) -> None:
+        """An abandoned request's prompt KV on its prefill engine, which no one will pull
+        now, is freed."""
+        if request.prefill_blocks:
+            self.release(self.engines[request.prefill], request.prefill_blocks)
+            request.prefill_blocks = 0
+
     def local_prefilled(self, engine: _Engine, request: _Request, step_end: float) -> None:
         """A local prompt's prefill ended with this step, which also sampled its first token:
         it decodes from the next step on, in the same engine's batch."""
         hop = self.config.leg_overhead_s
         self.at(step_end + hop, "first_token", request)
+        request.joined = True
         n = request.spec.output_tokens
         if n <= 1:
             self.at(step_end + hop, "finished", request)
@@ -673,6 +757,7 @@ class _Simulation:
             room = max(0, engine.max_num_seqs - len(decoding))
             engine.new_joins, engine.joining = engine.joining[:room], engine.joining[room:]
             for sequence in engine.new_joins:
+                sequence.request.joined = True
                 sequence.joined_step = engine.steps
                 sequence.end_step = engine.steps + sequence.request.spec.output_tokens
                 heapq.heappush(decoding, (sequence.end_step, sequence.request.index, sequence))
@@ -767,7 +852,10 @@ class _Simulation:
                     break
             assert job is not None
             job[1] += n
-            if job[1] >= request.spec.prompt_tokens:
+            if request.outcome == "abandoned":
+                engine.prefill_queue.remove(job)
+                self.free_leg(engine, request)
+            elif job[1] >= request.spec.prompt_tokens:
                 engine.prefill_queue.remove(job)
                 if request.local:
                     self.local_prefilled(engine, request, first_step_end)
@@ -792,6 +880,9 @@ def run_des(
     ttft, tpot, met = [], [], 0
     outcomes: list[str] = []
     for r in sim.requests:
+        if r.outcome == "abandoned":
+            outcomes.append("ttft_late")  # no first token within the client's patience
+            continue
         if r.outcome != "ok" or r.first_token is None or r.last_token is None:
             outcomes.append("rejected" if r.outcome == "rejected" else "failed")
             continue
@@ -818,6 +909,7 @@ def run_des(
         rejected=sum(1 for r in sim.requests if r.outcome == "rejected"),
         met_slo=met,
         deadline_missed=sum(1 for r in sim.requests if r.deadline_missed),
+        abandoned=sum(1 for r in sim.requests if r.outcome == "abandoned"),
         duration_s=duration,
         flips=sim.flips,
         ttft=ttft,
