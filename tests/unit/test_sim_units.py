@@ -280,16 +280,15 @@ async def test_the_kv_written_is_the_prompts_whether_its_prefix_was_cached_or_no
         await cold.close()
 
 
-async def test_a_chunk_is_cached_when_scheduled_as_vllm_caches_it() -> None:
-    """vLLM caches a chunk's full blocks when it schedules it (``allocate_slots``), not when
-    the prompt is done: a request sharing the prefix that is admitted while the first still
-    prefills hits what was scheduled, and the KV both hand over is the prompt's."""
+def _stepping_core(max_num_batched_tokens: int) -> EngineCore:
+    """A started engine core whose steps take real (halved) time, ``max_num_batched_tokens``
+    a step."""
     config = EngineConfig(
         "e0",
         "m",
         num_blocks=64,
         block_bytes=1024,
-        max_num_batched_tokens=64,  # 4 blocks a step: the prompt takes 4 steps
+        max_num_batched_tokens=max_num_batched_tokens,
         timing=replace(CALIBRATION, time_scale=0.5),
     )
     pool = np.zeros((config.num_blocks, config.block_bytes), np.uint8)
@@ -302,6 +301,22 @@ async def test_a_chunk_is_cached_when_scheduled_as_vllm_caches_it() -> None:
         PeerDirectory(),
     )
     core.start()
+    return core
+
+
+async def _last_event(request: SimRequest) -> Any:
+    """Wait for the request's last token event."""
+    while True:
+        event = await asyncio.wait_for(request.events.get(), 10)
+        if event.finish_reason is not None:
+            return event
+
+
+async def test_a_chunk_is_cached_when_scheduled_as_vllm_caches_it() -> None:
+    """vLLM caches a chunk's full blocks when it schedules it (``allocate_slots``), not when
+    the prompt is done: a request sharing the prefix that is admitted while the first still
+    prefills hits what was scheduled, and the KV both hand over is the prompt's."""
+    core = _stepping_core(64)  # 4 blocks a step: the prompt takes 4 steps
     try:
         shared = [300 + (i * 37) % 9000 for i in range(240)]  # 15 blocks
         first = [*shared, 7000, 7001]
@@ -315,13 +330,7 @@ async def test_a_chunk_is_cached_when_scheduled_as_vllm_caches_it() -> None:
         assert 0 < r1.computed < len(first)
         r2 = SimRequest(core.new_request_id("r"), second, 1, kind=RequestKind.PRODUCER)
         core.submit(r2)
-        ends = []
-        for request in (r1, r2):
-            while True:
-                event = await asyncio.wait_for(request.events.get(), 10)
-                if event.finish_reason is not None:
-                    ends.append(event)
-                    break
+        ends = [await _last_event(r) for r in (r1, r2)]
         # Admitted after the first chunk ran (and a second was scheduled): at least 4 blocks hit.
         assert r2.num_cached_tokens >= 64
         for prompt, end in zip((first, second), ends, strict=True):
@@ -340,24 +349,7 @@ async def test_a_prompt_scheduled_after_another_hits_its_blocks_even_in_the_same
     together share it, whether both fit one step (1,024 tokens) or the second waits for
     tokens while the first's chunks take them all (64). Admitting both before scheduling
     either, the second hit nothing."""
-    config = EngineConfig(
-        "e0",
-        "m",
-        num_blocks=64,
-        block_bytes=1024,
-        max_num_batched_tokens=step_tokens,
-        timing=replace(CALIBRATION, time_scale=0.5),
-    )
-    pool = np.zeros((config.num_blocks, config.block_bytes), np.uint8)
-    core = EngineCore(
-        config,
-        GenerationModel(VOCAB, config.model_seed),
-        EngineMetrics("m", "0"),
-        FaultSettings(),
-        KVTransferAgent("a", pool, lambda message: None),
-        PeerDirectory(),
-    )
-    core.start()
+    core = _stepping_core(step_tokens)
     try:
         shared = [300 + (i * 37) % 9000 for i in range(240)]  # 15 blocks
         prompts = ([*shared, 7000, 7001], [*shared, 8000, 8001])
@@ -366,13 +358,7 @@ async def test_a_prompt_scheduled_after_another_hits_its_blocks_even_in_the_same
         ]
         for request in requests:  # before the step loop first runs: both wait together
             core.submit(request)
-        ends = []
-        for request in requests:
-            while True:
-                event = await asyncio.wait_for(request.events.get(), 10)
-                if event.finish_reason is not None:
-                    ends.append(event)
-                    break
+        ends = [await _last_event(r) for r in requests]
         assert [r.num_cached_tokens for r in requests] == [0, 240]
         for prompt, end in zip(prompts, ends, strict=True):
             held = end.kv_transfer_params["remote_block_ids"][0]
