@@ -17,7 +17,9 @@ hour compresses to about one request's lifetime, a burst, not a steady load. Eve
 prefix cache of ``--cache-tokens`` tokens (least recently used out), keyed by the trace's 512-token
 blocks as chain keys: a request's cached prefix skips its prefill there, and a decode engine
 pulls only the blocks it lacks (at ``--transfer-s-per-token``: the KV of Kimi's MLA layers,
-61 x 576 values x 2 bytes = 70,272 bytes a token, over a 50 GB/s link).
+61 x 576 values x 2 bytes = 70,272 bytes a token, over a 50 GB/s link). Clients give up on a
+request with no first token after ``--abandon-after-s`` (the TTFT budget, as the live
+clients do; 0: they wait), which frees its engines (``DesConfig.abandon_after_s``).
 
 Systems (``--systems``):
 
@@ -157,6 +159,7 @@ def measure(
         seed=args.seed,
         transfer_s_per_token=args.transfer_s_per_token,
         prefix_cache_tokens=args.cache_tokens,
+        abandon_after_s=args.abandon_after_s or None,
     )
     result: DesResult = run_des(config, mooncake_requests(trace.rows, rate))
     met, sizes = to_blocks([o == "met" for o in result.outcomes], args.block)
@@ -251,6 +254,13 @@ def main() -> int:
     parser.add_argument("--resamples", type=int, default=1000)
     parser.add_argument("--precision", type=float, default=0.03)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--abandon-after-s",
+        type=float,
+        default=TTFT_S,
+        help="clients give up on a first token after this long, as the live clients do"
+        " (0: they wait)",
+    )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument(
         "--live",
@@ -284,6 +294,12 @@ def main() -> int:
         "simulator calibration timing; "
         f"prefix cache {args.cache_tokens:,} tokens per engine, blocks of "
         f"{MOONCAKE_BLOCK_TOKENS}; KV pull {args.transfer_s_per_token * 1e6:.2f} us/token",
+        "clients: "
+        + (
+            f"give up on a request with no first token after {args.abandon_after_s:g} s"
+            if args.abandon_after_s
+            else "wait for every answer"
+        ),
         f"uncertainty: block bootstrap, blocks of {args.block} requests, "
         f"{args.resamples} resamples, 95% intervals",
     ]
