@@ -397,7 +397,7 @@ class _Simulation:
                     self.finish_segment(engine)
             elif kind == "prefill_done":
                 if payload.outcome == "abandoned":
-                    self.drop_prefilled(payload)
+                    self.free_prompt_kv(payload)
                 else:
                     self.prefill_done(payload)
             elif kind == "first_token":
@@ -409,7 +409,7 @@ class _Simulation:
                     self.enqueue_prefill(self.engines[payload.decode], payload)
             elif kind == "decode_leg":
                 if payload.outcome == "abandoned":
-                    self.drop_prefilled(payload)
+                    self.free_prompt_kv(payload)
                     continue
                 engine = self.engines[payload.decode]
                 engine.pending.append(_Sequence(payload, 0, 0))
@@ -419,17 +419,14 @@ class _Simulation:
                 engine.loading -= 1
                 if payload.request.outcome == "abandoned":
                     # The pull ran to its end (a READ is not cut short): both copies go.
-                    self.release(engine, payload.request.decode_blocks)
-                    payload.request.decode_blocks = 0
-                    self.drop_prefilled(payload.request)
+                    self.free_decode_kv(engine, payload.request)
+                    self.free_prompt_kv(payload.request)
                     continue
                 self.store(engine, payload.request, payload.request.spec.prompt_tokens)
                 engine.joining.append(payload)
                 self.new_work(engine)
                 # The prefill engine frees the pulled blocks when the reader says it is done.
-                request = payload.request
-                self.release(self.engines[request.prefill], request.prefill_blocks)
-                request.prefill_blocks = 0
+                self.free_prompt_kv(payload.request)
             elif kind == "roles":
                 self.tick_roles()
                 if pending or self.busy():
@@ -521,9 +518,8 @@ class _Simulation:
             for sequence in queue:
                 if sequence.request is request:
                     queue.remove(sequence)
-                    self.release(decode, request.decode_blocks)
-                    request.decode_blocks = 0
-                    self.drop_prefilled(request)
+                    self.free_decode_kv(decode, request)
+                    self.free_prompt_kv(request)
                     break
         if self.lifecycle.queued:
             self.drain_queue()
@@ -532,18 +528,20 @@ class _Simulation:
         """Free the blocks a prompt held on the engine prefilling it (a local prompt's are
         its decode's)."""
         if request.local:
-            self.release(engine, request.decode_blocks)
-            request.decode_blocks = 0
+            self.free_decode_kv(engine, request)
         else:
-            self.release(engine, request.prefill_blocks)
-            request.prefill_blocks = 0
+            self.free_prompt_kv(request)
 
-    def drop_prefilled(self, request: _Request) -> None:
-        """An abandoned request's prompt KV on its prefill engine, which no one will pull
-        now, is freed."""
-        if request.prefill_blocks:
-            self.release(self.engines[request.prefill], request.prefill_blocks)
-            request.prefill_blocks = 0
+    def free_prompt_kv(self, request: _Request) -> None:
+        """The prompt KV its prefill engine held for the decode engine's pull is freed: pulled,
+        or given up on (no one will pull it)."""
+        self.release(self.engines[request.prefill], request.prefill_blocks)
+        request.prefill_blocks = 0
+
+    def free_decode_kv(self, engine: _Engine, request: _Request) -> None:
+        """The blocks the request's decode leg (or local prefill) held on ``engine`` are freed."""
+        self.release(engine, request.decode_blocks)
+        request.decode_blocks = 0
 
     def local_prefilled(self, engine: _Engine, request: _Request, step_end: float) -> None:
         """A local prompt's prefill ended with this step, which also sampled its first token:
@@ -554,8 +552,7 @@ class _Simulation:
         n = request.spec.output_tokens
         if n <= 1:
             self.at(step_end + hop, "finished", request)
-            self.release(engine, request.decode_blocks)
-            request.decode_blocks = 0
+            self.free_decode_kv(engine, request)
             return
         sequence = _Sequence(request, engine.steps + n - 1, engine.steps)
         heapq.heappush(engine.decoding, (sequence.end_step, request.index, sequence))
