@@ -116,6 +116,54 @@ async def test_too_few_tokens_is_not_retried() -> None:
     assert probe.calls == 1
 
 
+def chunked_prefill(
+    concurrency: int, tokens: int, prefill_s: float, decode_s: float
+) -> DecodeProbe:
+    """What an engine with chunked prefill streams for ``concurrency`` prompts sent at once:
+    one prompt prefilled per step beside the decoding sequences (a step then takes
+    ``prefill_s`` more), each prompt's first token at the end of its step; with the engine's
+    inter-token latencies, which count every gap after a first token."""
+    runs: list[list[float]] = [[] for _ in range(concurrency)]
+    t, step = 0.0, 0
+    while any(len(r) < tokens for r in runs):
+        t += decode_s + (prefill_s if step < concurrency else 0.0)
+        for r in runs[: min(step, concurrency)]:
+            if len(r) < tokens:
+                r.append(t)
+        if step < concurrency:
+            runs[step].append(t)
+        step += 1
+    itl = (sum(r[-1] - r[0] for r in runs), concurrency * (tokens - 1))
+    return DecodeProbe(runs, itl)
+
+
+async def test_a_probe_whose_decode_shared_its_steps_with_the_prefills_is_refused() -> None:
+    # 8 prompts prefilled one a step (0.24 s each) and 16 tokens: the last first token comes
+    # when the first sequence has a few tokens left, too short a window to count, and the
+    # engine's mean inter-token latency is 0.129 s against the 0.073 it decodes 8 at. Refused,
+    # and not run again: it would share its steps the same way.
+    probe = Probe(chunked_prefill(8, 16, 0.24, 0.073), OVERLAPPING)
+    itl_sum, itl_count = probe.runs[0].engine_itl or (0.0, 1)
+    assert itl_sum / itl_count > 1.5 * 0.073
+    with pytest.raises(ProbeError, match="shared steps with the others' prefills") as refused:
+        await sample_decode(probe, 8192, 8, 16)
+    assert "raise --decode-tokens" in str(refused.value)
+    assert not isinstance(refused.value, NoDecodeOverlapError)
+    assert probe.calls == 1
+    # With 64 tokens the sequences decode together long enough to be timed alone.
+    sample = await sample_decode(Probe(chunked_prefill(8, 64, 0.24, 0.073)), 8192, 8, 64)
+    assert sample.seconds_per_token == pytest.approx(0.073)
+
+
+async def test_a_probe_whose_prefills_are_short_keeps_the_engines_latencies() -> None:
+    # Short prompts: the shared steps are a sliver of the decode, and the lumps the client saw
+    # leave the engine's own latencies (which count that sliver) as the sample.
+    runs = chunked_prefill(4, 64, 0.002, 0.010)
+    lumps = [[r[-1] + i * 1e-6 for i in range(5)] for r in runs.times]
+    sample = await sample_decode(Probe(DecodeProbe(lumps, runs.engine_itl)), 64, 4, 64)
+    assert sample.seconds_per_token == pytest.approx(0.010, rel=0.02)
+
+
 def test_engines_that_share_a_host_take_turns_for_their_prefills() -> None:
     """PrefillTurns: prefills on one host never overlap, hosts run at once, decode waits for
     the host's prefills, and an engine that failed before its prefills holds up no other."""

@@ -223,6 +223,17 @@ STREAM_SPAN_SHARE = 0.5
 # The client's window counts when it spans at least this share of the probe (from the first
 # send to the last token); a shorter one is a lump's few microseconds, not a decode.
 WINDOW_SHARE = 0.25
+# Without that window, the engine's inter-token latencies and the longest stream span each
+# sequence's whole decode, the steps it shared with the later sequences' prefills too (before
+# the last one's first token), which are slower by a prefill each. Past this share of the
+# streams' decode time they measure the prefills: 32 concurrent 8,192-token prompts with 64
+# output tokens read 0.125 s/token on an engine that decodes 32 sequences at 0.073, and the
+# fit through that sample put the slope at twice the engine's. The probe is refused instead.
+PREFILL_SHARED_SHARE = 0.1
+# A stream counts in that share when it arrived token by token (at least this share of its
+# tokens as separate arrivals): a lump's late first arrival says when the API server caught
+# up, not when the engine prefilled it.
+SMOOTH_STREAM_SHARE = 0.5
 
 
 async def sample_decode(
@@ -260,6 +271,21 @@ def _ends_aligned(runs: list[list[float]], decode_s: float | None = None) -> boo
     if decode_s is None:
         decode_s = max(ends) - min(times[0] for times in runs)
     return max(ends) - min(ends) <= ALIGNED_ENDS_SHARE * decode_s
+
+
+def _prefill_shared_share(runs: list[list[float]], tokens: int) -> float:
+    """The share of the smooth streams' decode time (first arrival to last) before the last
+    of them had its first token: steps shared with the others' prefills. 0 when they never
+    decoded together (one ended before another began: a busy host kept them apart, which a
+    probe run again may not)."""
+    smooth = [t for t in runs if len(t) >= SMOOTH_STREAM_SHARE * tokens and t[-1] > t[0]]
+    if len(smooth) < 2:
+        return 0.0
+    start = max(t[0] for t in smooth)
+    if start >= min(t[-1] for t in smooth):
+        return 0.0
+    shared = sum(min(start, t[-1]) - t[0] for t in smooth)
+    return shared / sum(t[-1] - t[0] for t in smooth)
 
 
 def _decode_sample(n: int, concurrency: int, tokens: int, probe: DecodeProbe) -> DecodeSample:
@@ -304,6 +330,15 @@ def _decode_sample(n: int, concurrency: int, tokens: int, probe: DecodeProbe) ->
     spt: float | None = None
     position, gaps = (tokens - 1) / 2, tokens - 1
     engine_gaps = concurrency * (tokens - 1)
+    if not rates:
+        shared = _prefill_shared_share(runs, tokens)
+        if shared > PREFILL_SHARED_SHARE:
+            raise ProbeError(
+                f"decode probe ({n} tokens x {concurrency}): {shared:.0%} of its sequences'"
+                " decode time shared steps with the others' prefills, and no window where all"
+                f" {concurrency} decoded together measured the decode alone: raise"
+                " --decode-tokens (or probe fewer or shorter prompts at once)"
+            )
     if rates:
         spt, position, gaps = statistics.median(rates), statistics.fmean(positions), gaps_used
     elif probe.engine_itl is not None:
