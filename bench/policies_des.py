@@ -252,6 +252,10 @@ def main() -> int:
     )
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
+    if args.abandon_after_s < 0:
+        parser.error(
+            f"--abandon-after-s: must be 0 (clients wait) or more, got {args.abandon_after_s:g}"
+        )
     abandon = args.abandon_after_s or None
     if args.quick:
         args.sizes, args.windows, args.resamples = "8", 3, 200

@@ -271,6 +271,10 @@ def main() -> int:
     args, rest = parser.parse_known_args()
     if rest and not args.live:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.abandon_after_s < 0:
+        parser.error(
+            f"--abandon-after-s: must be 0 (clients wait) or more, got {args.abandon_after_s:g}"
+        )
     if args.quick:
         args.sizes, args.traces, args.resamples = "8", "conversation", 200
         args.splits = "0.25,0.5"

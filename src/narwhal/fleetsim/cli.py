@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 
 from narwhal.contract import ContractError, load_fleet
 from narwhal.fleetsim.simulator import DesConfig, run_des
@@ -20,6 +21,21 @@ from narwhal.routing.baselines import BASELINES
 __all__ = ["main"]
 
 
+def _positive(kind: type[int] | type[float]) -> Callable[[str], float]:
+    """An argparse type: a number of ``kind`` above 0, else a usage error naming it."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+        return value
+
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="narwhal-fleetsim", description="Virtual-time fleet simulation of Narwhal's routing."
@@ -28,11 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--fleet", help="a fleet file (engines' sim blocks give their timing)")
     src.add_argument("--engines", help="a synthetic fleet: PREFILL:DECODE, e.g. 500:500")
     parser.add_argument("--trace", help="Azure-format trace CSV (else Poisson, see --rate)")
-    parser.add_argument("--rate-scale", type=float, default=1.0)
-    parser.add_argument("--rate", type=float, default=1.0)
-    parser.add_argument("--requests", type=int, default=1000)
-    parser.add_argument("--prompt-tokens", type=int, default=8192)
-    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--rate-scale", type=_positive(float), default=1.0)
+    parser.add_argument("--rate", type=_positive(float), default=1.0)
+    parser.add_argument("--requests", type=_positive(int), default=1000)
+    parser.add_argument("--prompt-tokens", type=_positive(int), default=8192)
+    parser.add_argument("--output-tokens", type=_positive(int), default=128)
     parser.add_argument(
         "--scheduler",
         choices=["v1", "v0", *BASELINES],
@@ -45,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--abandon-after-s",
-        type=float,
+        type=_positive(float),
         default=None,
         help="clients give up on a request with no first token after this many seconds"
         " (default: they wait)",
@@ -71,10 +87,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"narwhal-fleetsim: {exc}", file=sys.stderr)
         return 2
     if args.trace:
-        specs = trace_requests(
-            read_azure_trace(args.trace, args.requests, fleet.model.max_model_len // 2),
-            args.rate_scale,
-        )
+        try:
+            rows = read_azure_trace(args.trace, args.requests, fleet.model.max_model_len // 2)
+        except OSError as exc:
+            print(f"narwhal-fleetsim: --trace {args.trace}: cannot read: {exc.strerror}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        except ValueError as exc:
+            print(f"narwhal-fleetsim: --trace {exc}", file=sys.stderr)
+            return 2
+        if not rows:
+            print(f"narwhal-fleetsim: --trace {args.trace}: no requests in it", file=sys.stderr)
+            return 2
+        specs = trace_requests(rows, args.rate_scale)
     else:
         specs = poisson_requests(
             args.rate, args.requests, args.prompt_tokens, args.output_tokens, args.seed

@@ -192,6 +192,12 @@ class DesConfig:
     # collapses further than it would live.
     abandon_after_s: float | None = None
 
+    def __post_init__(self) -> None:
+        if self.abandon_after_s is not None and not self.abandon_after_s > 0:
+            raise ValueError(
+                f"abandon_after_s must be greater than 0 or None, got {self.abandon_after_s}"
+            )
+
 
 @dataclass
 class DesResult:

@@ -36,28 +36,45 @@ __all__ = [
 ]
 
 
+# The columns of the Azure LLM inference traces (2023) that a replay reads.
+AZURE_TRACE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+
+
 def read_azure_trace(
     path: str | Path,
     limit: int | None = None,
     max_prompt: int | None = None,
 ) -> list[tuple[float, int, int]]:
     """(seconds since the first request, context tokens, generated tokens) from an Azure
-    LLM inference trace (TIMESTAMP, ContextTokens, GeneratedTokens)."""
+    LLM inference trace (TIMESTAMP, ContextTokens, GeneratedTokens). A file that is not one
+    raises ``ValueError`` naming the path, the row and what is wrong (``OSError`` when it
+    cannot be read)."""
     rows: list[tuple[float, int, int]] = []
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
+        missing = [c for c in AZURE_TRACE_COLUMNS if c not in (reader.fieldnames or ())]
+        if missing:
+            raise ValueError(
+                f"{path}: not an Azure LLM inference trace: no {', '.join(missing)}"
+                f" column{'s' if len(missing) > 1 else ''}"
+                f" (columns: {', '.join(reader.fieldnames or ()) or 'none'})"
+            )
         t0 = None
         for row in reader:
-            stamp = row["TIMESTAMP"].strip()
-            # Nanosecond fractions: keep microseconds for datetime.
-            head, _, frac = stamp.partition(".")
-            frac = (frac.split("+")[0] + "000000")[:6]
-            t = datetime.fromisoformat(f"{head}.{frac}").timestamp()
+            try:
+                stamp = (row["TIMESTAMP"] or "").strip()
+                # Nanosecond fractions: keep microseconds for datetime.
+                head, _, frac = stamp.partition(".")
+                frac = (frac.split("+")[0] + "000000")[:6]
+                t = datetime.fromisoformat(f"{head}.{frac}").timestamp()
+                prompt = max(1, int(row["ContextTokens"] or ""))
+                generated = max(1, int(row["GeneratedTokens"] or ""))
+            except ValueError as exc:
+                raise ValueError(f"{path}: row {reader.line_num}: {exc}") from None
             t0 = t if t0 is None else t0
-            prompt = max(1, int(row["ContextTokens"]))
             if max_prompt is not None:
                 prompt = min(prompt, max_prompt)
-            rows.append((t - t0, prompt, max(1, int(row["GeneratedTokens"]))))
+            rows.append((t - t0, prompt, generated))
             if limit is not None and len(rows) >= limit:
                 break
     return rows

@@ -1,0 +1,93 @@
+"""narwhal-fleetsim's bad input: a usage error naming the flag or the trace's row, never a
+traceback and never a run of nonsense (a rate of 0 divided by zero; a negative patience
+abandoned every request before it arrived)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from narwhal.fleetsim.cli import main as fleetsim_main
+from narwhal.fleetsim.simulator import DesConfig
+from narwhal.fleetsim.workloads import read_azure_trace, synthetic_fleet
+
+BASE = ["--engines", "1:1", "--requests", "5"]
+HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--rate", "0", "must be greater than 0, got 0"),
+        ("--rate", "-1", "must be greater than 0, got -1"),
+        ("--rate", "fast", "expected a number, got 'fast'"),
+        ("--rate-scale", "0", "must be greater than 0"),
+        ("--requests", "-5", "must be greater than 0, got -5"),
+        ("--requests", "2.5", "expected a number, got '2.5'"),
+        ("--prompt-tokens", "0", "must be greater than 0"),
+        ("--output-tokens", "0", "must be greater than 0"),
+        ("--abandon-after-s", "0", "must be greater than 0, got 0"),
+        ("--abandon-after-s", "-1", "must be greater than 0, got -1"),
+    ],
+)
+def test_a_number_out_of_range_is_a_usage_error_naming_the_flag(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str, says: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        fleetsim_main([*BASE, flag, value])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: {says}" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        ("a,b\n1,2\n", "not an Azure LLM inference trace: no TIMESTAMP, ContextTokens,"
+         " GeneratedTokens columns (columns: a, b)"),
+        ("TIMESTAMP,ContextTokens\n2023-11-16 18:15:46.68,374\n", "no GeneratedTokens column "),
+        (HEADER + "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:47.0,abc,5\n",
+         "row 3: invalid literal for int()"),
+        (HEADER + "2023-11-16 18:15:46.6805900,374,44\nyesterday,3,5\n",
+         "row 3: Invalid isoformat"),
+        (HEADER + "2023-11-16 18:15:46.6805900,374\n", "row 2: invalid literal for int()"),
+        (HEADER, "no requests in it"),
+    ],
+)  # fmt: skip
+def test_a_trace_that_is_not_one_is_named_with_its_row(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, says: str
+) -> None:
+    trace = tmp_path / "trace.csv"
+    trace.write_text(content)
+    assert fleetsim_main([*BASE, "--trace", str(trace)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"narwhal-fleetsim: --trace {trace}")
+    assert says in err
+    assert "Traceback" not in err
+
+
+def test_a_trace_that_cannot_be_read_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "absent.csv"
+    assert fleetsim_main([*BASE, "--trace", str(missing)]) == 2
+    assert f"--trace {missing}: cannot read: No such file or directory" in capsys.readouterr().err
+
+
+def test_a_good_trace_reads_as_before(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.csv"
+    trace.write_text(
+        HEADER + "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:47.1805900,9000,0\n"
+    )
+    rows = read_azure_trace(trace, max_prompt=8192)
+    assert rows == [(0.0, 374, 44), (pytest.approx(0.5), 8192, 1)]
+
+
+def test_the_simulator_refuses_a_patience_that_is_not_positive() -> None:
+    fleet, timings = synthetic_fleet(1, 1, {"ttft_s": 10.0, "tpot_s": 0.3})
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="abandon_after_s must be greater than 0"):
+            DesConfig(fleet, timings, abandon_after_s=bad)
+    assert DesConfig(fleet, timings, abandon_after_s=10.0).abandon_after_s == 10.0
