@@ -109,6 +109,29 @@ def test_unknown_engine_id(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr and "e9" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--port", "70000"], "argument --port: must be from 1 to 65535, got 70000"),
+        (["--nixl-port", "0"], "argument --nixl-port: must be from 1 to 65535, got 0"),
+        (["--max-model-len", "0"], "argument --max-model-len: must be at least 1, got 0"),
+        (["--time-scale", "0"], "--time-scale: must be greater than 0 (got 0.0)"),
+        (["--eos-prob", "2"], "--eos-prob: must be less than or equal to 1 (got 2.0)"),
+        (
+            ["--num-blocks", "0", "--block-size", "0"],
+            "--block-size: must be greater than 0 (got 0); --num-blocks: must be greater than 0",
+        ),
+    ],
+    ids=["port", "nixl-port", "max-model-len", "time-scale", "eos-prob", "two-at-once"],
+)
+def test_a_bad_engine_flag_is_a_usage_error_naming_it(flags: list[str], says: str) -> None:
+    result = run_cli("engine", "--port", "23999", "--nixl-port", "23998", *flags)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    # One line (argparse's own errors follow its usage text).
+    assert says in result.stderr.strip().splitlines()[-1]
+
+
 def test_fleet_command_runs_and_stops_on_sigterm(tmp_path: Path) -> None:
     path = write_fleet(tmp_path, 2)
     doc = json.loads(path.read_text())

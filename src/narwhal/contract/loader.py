@@ -40,6 +40,7 @@ __all__ = [
     "parse_fleet",
     "read_json_document",
     "validate_document",
+    "validation_reasons",
 ]
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -320,6 +321,12 @@ _BOUND_WORDS = {
     "less_than": ("lt", "less than"),
     "less_than_equal": ("le", "less than or equal to"),
 }
+
+
+def validation_reasons(exc: ValidationError) -> list[tuple[Loc, str]]:
+    """A pydantic model's errors as (field path, reason), worded as the fleet loader words
+    them: for tools that validate values that come from flags rather than a document."""
+    return [(tuple(err["loc"]), _reason(err)) for err in exc.errors()]
 
 
 def _reason(err: Mapping[str, Any]) -> str:

@@ -13,11 +13,15 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
+from pydantic import ValidationError
+
 from narwhal.contract import ContractError, SimulatedEngineSettings, load_fleet
+from narwhal.contract.loader import validation_reasons
 from narwhal.simengine.engine import EngineConfig
 from narwhal.simengine.faults import FaultSettings
 from narwhal.simengine.kv_events import KVEventsSettings
@@ -34,19 +38,40 @@ class UsageError(Exception):
     """A command line that cannot run (exit code 2)."""
 
 
+def _bounded_int(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer from ``low`` (to ``high``), else a usage error naming it."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            span = f"from {low} to {high}" if high is not None else f"at least {low}"
+            raise argparse.ArgumentTypeError(f"must be {span}, got {value}")
+        return value
+
+    return parse
+
+
+_PORT = _bounded_int(1, 65535)
+
+
 def add_engine_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The ``engine`` subcommand's arguments."""
     p = sub.add_parser("engine", help="run one simulated engine")
     p.add_argument("--fleet", help="take this engine's settings from a fleet file")
     p.add_argument("--engine-id", help="engine id (with --fleet: which engine to run)")
     p.add_argument("--host", help="HTTP bind address (default: from the fleet URL, else 127.0.0.1)")
-    p.add_argument("--port", type=int, help="HTTP port (default: from the fleet URL)")
+    p.add_argument("--port", type=_PORT, help="HTTP port (default: from the fleet URL)")
     p.add_argument("--nixl-host", help="NIXL side-channel host (default 127.0.0.1)")
-    p.add_argument("--nixl-port", type=int, help="NIXL side-channel port")
+    p.add_argument("--nixl-port", type=_PORT, help="NIXL side-channel port")
     p.add_argument("--model", help="served model name")
     p.add_argument("--model-revision")
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--tp", type=int, help="tensor parallel size reported in kv_transfer_params")
+    p.add_argument("--max-model-len", type=_bounded_int(1))
+    p.add_argument(
+        "--tp", type=_bounded_int(1), help="tensor parallel size reported in kv_transfer_params"
+    )
     p.add_argument("--gpu-arch")
     p.add_argument("--accelerator")
     p.add_argument("--config-sha256")
@@ -237,7 +262,14 @@ def run_engine(args: argparse.Namespace) -> int:
     except (ContractError, UsageError) as exc:
         print(f"narwhal-sim: {exc}", file=sys.stderr)
         return 2
-    except ValueError as exc:  # pydantic errors from overrides
+    except ValidationError as exc:  # the settings' flags, checked by SimulatedEngineSettings
+        problems = "; ".join(
+            f"--{'.'.join(str(part) for part in loc).replace('_', '-')}: {reason}"
+            for loc, reason in validation_reasons(exc)
+        )
+        print(f"narwhal-sim: invalid engine settings: {problems}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
         print(f"narwhal-sim: invalid engine settings: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
 
