@@ -1,8 +1,15 @@
-"""The command line narwhal-serve journals with router.start: as given, secrets masked."""
+"""narwhal-serve's command line: journaled with router.start as given, secrets masked; a
+number out of range refused naming its flag."""
 
 from __future__ import annotations
 
-from narwhal.serve.cli import masked_command
+from pathlib import Path
+
+import pytest
+
+from narwhal.serve.cli import UsageError, _parser, build_settings, masked_command
+
+FLEET = Path(__file__).resolve().parents[2] / "configs" / "fleet" / "local-sim.json"
 
 
 def test_api_keys_on_the_command_line_are_masked() -> None:
@@ -12,3 +19,21 @@ def test_api_keys_on_the_command_line_are_masked() -> None:
     assert line == "narwhal-serve --fleet f.json --api-key '***' '--api-key=***' --port 8"
     assert "sk-" not in line
     assert masked_command(["x", "--journal", "a b.jsonl"]) == "x --journal 'a b.jsonl'"
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--port", "70000"),
+        ("--max-body-bytes", "0"),
+        ("--drain-timeout", "-1"),
+        ("--breaker-failures", "0"),
+        ("--breaker-open-seconds", "-1"),
+    ],
+)
+def test_a_number_out_of_range_is_a_usage_error_naming_the_flag(flag: str, value: str) -> None:
+    args = _parser().parse_args(
+        ["--fleet", str(FLEET), "--journal", "j.jsonl", "--skip-qualification", flag, value]
+    )
+    with pytest.raises(UsageError, match=f"^{flag}: "):
+        build_settings(args)

@@ -322,6 +322,8 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
         "scrape_interval",
         "journal_fsync_interval",
         "journal_max_bytes",
+        "breaker_failures",
+        "breaker_open_seconds",
     ):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')}: must be positive")
