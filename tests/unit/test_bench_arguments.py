@@ -1,0 +1,50 @@
+"""The goodput benchmarks refuse arguments they cannot run with, naming the flag, before they
+start a process: ``bench/goodput.py --time-scale 0`` ended in a ZeroDivisionError after
+starting eight engines, ``--trace-start -5`` read the trace from its end, and ``--windows 0``
+or ``--max-points 0`` profiled a fleet to measure nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--time-scale", "0"], "--time-scale: must be greater than 0, got 0"),
+        (["--trace-start", "-5"], "--trace-start: must be at least 0, got -5"),
+        (["--windows", "0"], "--windows: must be at least 1, got 0"),
+        (["--max-points", "0"], "--max-points: must be at least 1, got 0"),
+        (["--precision", "1.5"], "--precision: a relative width below 1, got 1.5"),
+        (["--bracket-step", "1"], "--bracket-step: must be greater than 1, got 1"),
+        (["--blocks", "1"], "--blocks: must be at least 2, got 1"),
+        (["--prefill", "0"], "--prefill: at least one prefill engine, got 0"),
+        (["--prefill", "8"], "--prefill 8 of --engines 8 leaves no decode engine"),
+    ],
+)
+def test_goodput_refuses_a_number_it_cannot_run_with(args: list[str], says: str) -> None:
+    result = run("goodput.py", *args)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == f"goodput.py: error: {says}"
+    assert "starting" not in result.stderr  # no engine was started
+
+
+@pytest.mark.parametrize("script", ["policies_des.py", "prefix_goodput.py"])
+def test_virtual_benchmarks_refuse_a_negative_patience(script: str) -> None:
+    result = run(script, "--abandon-after-s", "-3")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"{script}: error: --abandon-after-s: must be 0 (clients wait) or more, got -3"
+    )
