@@ -120,6 +120,7 @@ from narwhal.testing.fleet import SimFleet, fleet_load, start_local_fleet, wait_
 from narwhal.testing.goodput import (
     RatePoint,
     bootstrap_draws,
+    bound_error,
     crossing,
     crossing_of,
     interval,
@@ -1006,24 +1007,20 @@ def main() -> int:
         parser.error(
             f"--prefill {args.prefill} of --engines {args.engines} leaves no decode engine"
         )
-    # (flag, lowest allowed, whether the lowest itself is allowed)
-    bounds: list[tuple[str, float, bool]] = [
-        ("time_scale", 0, False), ("trace_start", 0, True), ("windows", 1, True),
-        ("window_stride", 1, True), ("budget_s", 0, False), ("max_num_seqs", 1, True),
-        ("num_blocks", 1, True), ("block_bytes", 1, True), ("block_size", 1, True),
-        ("max_model_len", 1, True), ("bracket_step", 1, False), ("precision", 0, False),
-        ("start_fraction", 0, False), ("max_points", 1, True), ("blocks", 2, True),
-        ("resamples", 1, True), ("profile_decode_tokens", 4, True), ("settle_s", 0, True),
-        ("local_max_prompt", 1, True),
-    ]  # fmt: skip
-    for name, low, inclusive in bounds:
-        value = getattr(args, name)
-        if value < low or (value == low and not inclusive):
-            flag = "--" + name.replace("_", "-")
-            parser.error(
-                f"{flag}: must be {'at least' if inclusive else 'greater than'} {low:g},"
-                f" got {value:g}"
-            )
+    problem = bound_error(
+        args,
+        [
+            ("time_scale", 0, False), ("trace_start", 0, True), ("windows", 1, True),
+            ("window_stride", 1, True), ("budget_s", 0, False), ("max_num_seqs", 1, True),
+            ("num_blocks", 1, True), ("block_bytes", 1, True), ("block_size", 1, True),
+            ("max_model_len", 1, True), ("bracket_step", 1, False), ("precision", 0, False),
+            ("start_fraction", 0, False), ("max_points", 1, True), ("blocks", 2, True),
+            ("resamples", 1, True), ("profile_decode_tokens", 4, True), ("settle_s", 0, True),
+            ("local_max_prompt", 1, True),
+        ],
+    )  # fmt: skip
+    if problem:
+        parser.error(problem)
     if args.precision >= 1:
         parser.error(f"--precision: a relative width below 1, got {args.precision:g}")
     bins: dict[str, Path] = {}

@@ -89,8 +89,10 @@ from narwhal.simengine.timing import CALIBRATION
 from narwhal.testing.goodput import (
     RatePoint,
     bootstrap_draws,
+    bound_error,
     crossing,
     interval,
+    number_list,
     paired_ratio,
     search_crossing,
     to_blocks,
@@ -261,6 +263,18 @@ def main() -> int:
         args.sizes, args.windows, args.resamples = "8", 3, 200
         if "--systems" not in sys.argv:
             args.systems = ",".join(["v1", *BASELINES])
+    problem = bound_error(
+        args,
+        [("windows", 1, True), ("requests_per_engine", 1, True), ("block", 1, True),
+         ("resamples", 1, True), ("precision", 0, False)],
+    )  # fmt: skip
+    if problem:
+        parser.error(problem)
+    try:
+        # Half prefill, half decode: at least one of each.
+        sizes = number_list(args.sizes, "--sizes", int, 2)
+    except ValueError as exc:
+        parser.error(str(exc))
     systems = [s for s in args.systems.split(",") if s]
     for s in systems:
         if s not in SYSTEMS:
@@ -290,7 +304,7 @@ def main() -> int:
               "attainment_per_window", "rejected", "ttft_late", "tpot_late", "failed",
               "util_prefill", "util_decode", "runs")]  # fmt: skip
     ratios: list[str] = []
-    for size in (int(s) for s in args.sizes.split(",") if s):
+    for size in sizes:
         n_prefill = size // 2
         fleet, timings = synthetic_fleet(
             n_prefill, size - n_prefill, {"ttft_s": TTFT_S, "tpot_s": TPOT_S}

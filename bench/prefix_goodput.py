@@ -87,8 +87,10 @@ from narwhal.simengine.timing import CALIBRATION
 from narwhal.testing.goodput import (
     RatePoint,
     bootstrap_draws,
+    bound_error,
     crossing,
     interval,
+    number_list,
     paired_ratio,
     search_crossing,
     to_blocks,
@@ -278,6 +280,19 @@ def main() -> int:
     if args.quick:
         args.sizes, args.traces, args.resamples = "8", "conversation", 200
         args.splits = "0.25,0.5"
+    problem = bound_error(
+        args,
+        [("cache_tokens", 0, True), ("history_ttl_s", 0, False), ("requests_per_engine", 1, True),
+         ("transfer_s_per_token", 0, True), ("block", 1, True), ("resamples", 1, True),
+         ("precision", 0, False)],
+    )  # fmt: skip
+    if problem:
+        parser.error(problem)
+    try:
+        sizes = number_list(args.sizes, "--sizes", int, 2)
+        shares = sorted(set(number_list(args.splits, "--splits", float, 0, 1, low_allowed=False)))
+    except ValueError as exc:
+        parser.error(str(exc))
     traces = [t for t in args.traces.split(",") if t]
     for t in traces:
         if t not in TRACES:
@@ -318,7 +333,7 @@ def main() -> int:
             f"{MAX_MODEL_LEN} tokens less their output; ideal hit rate unbounded "
             f"{ideal_hit_rate(trace.rows, None):.3f}"
         )
-    for size in (int(s) for s in args.sizes.split(",") if s):
+    for size in sizes:
         for t, whole in loaded.items():
             copies = -(-args.requests_per_engine * size // len(whole.rows))
             trace = back_to_back(whole, copies)
@@ -329,7 +344,6 @@ def main() -> int:
                 )
             found: dict[str, tuple[float, list[Point]]] = {}
             splits: dict[str, int] = {}
-            shares = sorted({float(x) for x in args.splits.split(",") if x})
             for system in systems:
                 tried: set[int] = set()
                 for share in shares:

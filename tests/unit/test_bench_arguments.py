@@ -48,3 +48,27 @@ def test_virtual_benchmarks_refuse_a_negative_patience(script: str) -> None:
     assert result.stderr.strip().splitlines()[-1] == (
         f"{script}: error: --abandon-after-s: must be 0 (clients wait) or more, got -3"
     )
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "says"),
+    [
+        ("policies_des.py", ["--sizes", "1"], "--sizes: each must be at least 2, got 1"),
+        ("policies_des.py", ["--sizes", "x"], "--sizes: expected comma-separated numbers, got 'x'"),
+        ("policies_des.py", ["--windows", "0"], "--windows: must be at least 1, got 0"),
+        ("policies_des.py", ["--block", "0"], "--block: must be at least 1, got 0"),
+        ("policies_des.py", ["--precision", "0"], "--precision: must be greater than 0, got 0"),
+        ("prefix_goodput.py", ["--splits", "0.5,1"],
+         "--splits: each must be above 0 and below 1, got 1"),
+        ("prefix_goodput.py", ["--sizes", "0"], "--sizes: each must be at least 2, got 0"),
+        ("prefix_goodput.py", ["--history-ttl-s", "0"],
+         "--history-ttl-s: must be greater than 0, got 0"),
+        ("prefix_goodput.py", ["--resamples", "0"], "--resamples: must be at least 1, got 0"),
+    ],
+)  # fmt: skip
+def test_virtual_benchmarks_refuse_a_number_they_cannot_run_with(
+    script: str, args: list[str], says: str
+) -> None:
+    result = run(script, *args)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == f"{script}: error: {says}"

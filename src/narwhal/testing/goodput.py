@@ -20,15 +20,17 @@ import math
 import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 __all__ = [
     "PairedRatio",
     "RatePoint",
     "bootstrap_draws",
+    "bound_error",
     "crossing",
     "crossing_of",
     "interval",
+    "number_list",
     "paired_ratio",
     "search_crossing",
     "to_blocks",
@@ -212,3 +214,46 @@ def paired_ratio(
     ]
     low, high = interval(paired)
     return PairedRatio(ratio, low, high, best, top)
+
+
+# --- the benchmarks' command lines --------------------------------------------------------------
+
+
+def bound_error(args: Any, bounds: Iterable[tuple[str, float, bool]]) -> str | None:
+    """The first of ``args``' numbers out of its bound, worded as a usage error naming its
+    flag, or None. Each bound is (attribute, lowest allowed, whether that lowest itself is)."""
+    for name, low, inclusive in bounds:
+        value = getattr(args, name)
+        if value < low or (value == low and not inclusive):
+            flag = "--" + name.replace("_", "-")
+            floor = "at least" if inclusive else "greater than"
+            return f"{flag}: must be {floor} {low:g}, got {value:g}"
+    return None
+
+
+NumberT = TypeVar("NumberT", int, float)
+
+
+def number_list(
+    text: str,
+    flag: str,
+    kind: type[NumberT],
+    low: float,
+    high: float | None = None,
+    low_allowed: bool = True,
+) -> list[NumberT]:
+    """Comma-separated numbers of ``kind``, each at least ``low`` (above it, without
+    ``low_allowed``) and below ``high``; else ``ValueError`` worded as a usage error naming
+    ``flag``."""
+    try:
+        values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise ValueError(f"{flag}: expected at least one number, got {text!r}")
+    floor = f"at least {low:g}" if low_allowed else f"above {low:g}"
+    span = floor if high is None else f"{floor} and below {high:g}"
+    for v in values:
+        if v < low or (v == low and not low_allowed) or (high is not None and v >= high):
+            raise ValueError(f"{flag}: each must be {span}, got {v:g}")
+    return values
