@@ -156,6 +156,39 @@ def test_the_lifecycle_records_both_engines_of_a_handoff() -> None:
     assert isinstance(again, Admit) and again.pair.cached_tokens == PROMPT - 1
 
 
+@pytest.mark.parametrize("events", [False, True], ids=["history", "events"])
+def test_a_failed_leg_leaves_no_claim_to_steer_the_prompts_sharing_it(events: bool) -> None:
+    """The dispatch records both engines as holding the prompt. A prefill leg that fails leaves
+    neither holding it, and a decode leg that fails before its first token may not have pulled
+    it: the claims go, so the next request sharing the prefix is not sent to wait for a hit
+    that does not come."""
+    clock = VirtualClock(0.0)
+    fleet = state(clock)
+    index = fleet.prefix_index
+    assert index is not None
+    if events:
+        for engine in fleet.engines:
+            index.set_precise(engine, True)
+    lifecycle = Lifecycle(fleet, scheduler())
+    ticket = lifecycle.arrive("r1", max_tokens=10, prompt_tokens=PROMPT, prefix=KEYS)
+    first = lifecycle.admit(ticket)
+    assert isinstance(first, Admit)
+    assert index.match(KEYS, clock.now()) == {first.pair.prefill: 250, first.pair.decode: 250}
+    clock.advance(0.1)
+    lifecycle.prefill_done(ticket, "failed")
+    assert index.match(KEYS, clock.now()) == {}
+    retry = lifecycle.retry(ticket)
+    assert isinstance(retry, Pair) and retry.cached_tokens == 0
+    assert retry.prefill != first.pair.prefill
+    assert index.match(KEYS, clock.now()) == {retry.prefill: 250, retry.decode: 250}
+    # The retry's prefill is done, its decode leg fails before its first token: the prefill
+    # engine still holds the prompt, the decode engine's claim goes.
+    clock.advance(0.1)
+    lifecycle.prefill_done(ticket, "ok", prompt_tokens=PROMPT)
+    lifecycle.decode_failed(ticket, "failed")
+    assert index.match(KEYS, clock.now()) == {retry.prefill: 250}
+
+
 def test_a_burst_follows_a_prompt_still_in_flight_to_engines_that_publish_events() -> None:
     """Engines that publish KV events say what they hold only once they computed it; until
     then the router's own routing stands in, for the TTFT budget: a request sharing the prompt

@@ -473,6 +473,9 @@ class Lifecycle:
         p = self._end_prefill(ticket)
         if outcome in ("failed", "deadline"):
             self._verdict(p, ok=False, leg="prefill")
+            # Neither engine will hold the prompt as the dispatch recorded: the prefill was
+            # not done, so the decode engine pulls nothing.
+            self._forget_routed(ticket, p.id, ticket.pair.decode)
             ticket.failed_prefill = ticket.failed_prefill | {p.id}
             ticket.phase = "new"
             return
@@ -571,6 +574,8 @@ class Lifecycle:
             ticket.phase = "done"
             return
         self._verdict(d, ok=False, leg="decode")
+        # Before its first token: it may not have pulled the prompt's KV.
+        self._forget_routed(ticket, d.id)
         ticket.failed_decode = ticket.failed_decode | {d.id}
         ticket.phase = "new"
 
@@ -681,6 +686,13 @@ class Lifecycle:
         if ticket.decode_end is not None and ticket.pair is not None:
             self.state.engines[ticket.pair.decode].forget_decode_end(ticket.decode_end)
             ticket.decode_end = None
+
+    def _forget_routed(self, ticket: Ticket, *engines: str) -> None:
+        """A failed leg: what the dispatch recorded the engines would hold, forgotten."""
+        index = self.state.prefix_index
+        if index is not None and ticket.prefix:
+            for engine in set(engines):
+                index.forget_routed(engine, ticket.prefix, ticket.prefix_exact)
 
     def _verdict(
         self, engine: EngineState, ok: bool, leg: Literal["prefill", "decode"] = "decode"

@@ -419,6 +419,26 @@ class PrefixIndex:
             self._put(engine_id, entries, key, expiry)
         self._trim(entries)
 
+    def forget_routed(self, engine_id: str, keys: Iterable[int], exact: bool = True) -> None:
+        """A leg the router sent there with these keys failed: the engine may not hold them
+        after all, and a phantom claim would steer the prompts that share them to it, to wait
+        there for a hit that does not come (worse than routing blind). Forgets what the
+        router's own routing says it holds: for an engine that publishes events, every prompt
+        in flight there (in flight, keys are held as a leading run per prompt, and the shared
+        ones cannot be told apart; its events still say what it stored); for one that does not,
+        these keys, shared prefixes included. Claiming less is never worse than blind."""
+        entries = self._engines.get(engine_id)
+        if entries is None:
+            return
+        if entries.precise and exact:
+            entries.flying, entries.flown = {}, {}
+            self._flying.pop(engine_id, None)
+            return
+        held = entries.keys
+        for key in keys:
+            if held.pop(key, None) is not None:
+                self._unhold(entries, key)
+
     def _fly(
         self, engine_id: str, entries: _EngineEntries, keys: Iterable[int], now: float
     ) -> None:
