@@ -88,12 +88,15 @@ from narwhal.routing.baselines import BASELINES
 from narwhal.simengine.timing import CALIBRATION
 from narwhal.testing.goodput import (
     RatePoint,
+    add_patience_argument,
     bootstrap_draws,
     bound_error,
+    clients_line,
     crossing,
     interval,
     number_list,
     paired_ratio,
+    patience_of,
     search_crossing,
     to_blocks,
 )
@@ -246,19 +249,10 @@ def main() -> int:
     parser.add_argument("--resamples", type=int, default=1000)
     parser.add_argument("--precision", type=float, default=0.02)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--abandon-after-s",
-        type=float,
-        default=TTFT_S,
-        help="clients give up on a first token after this long (0: they wait)",
-    )
+    add_patience_argument(parser, TTFT_S)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
-    if args.abandon_after_s < 0:
-        parser.error(
-            f"--abandon-after-s: must be 0 (clients wait) or more, got {args.abandon_after_s:g}"
-        )
-    abandon = args.abandon_after_s or None
+    abandon = patience_of(parser, args)
     if args.quick:
         args.sizes, args.windows, args.resamples = "8", 3, 200
         if "--systems" not in sys.argv:
@@ -290,13 +284,8 @@ def main() -> int:
         f"command: {' '.join(sys.argv)}",
         f"budgets: TTFT {TTFT_S} s, TPOT {TPOT_S} s, attainment target {TARGET}",
         "fleets: half prefill, half decode, static; simulator calibration timing",
-        "clients: "
-        + (
-            f"give up on a request with no first token after {abandon:g} s (counted TTFT late)"
-            if abandon
-            else "wait for every answer"
-        )
-        + f"; windows of {args.requests_per_engine} requests per engine",
+        f"clients: {clients_line(abandon)}; windows of {args.requests_per_engine} requests"
+        " per engine",
         f"uncertainty: block bootstrap, blocks of {args.block} requests, "
         f"{args.resamples} resamples, 95% intervals",
     ]

@@ -86,12 +86,15 @@ from narwhal.simengine.fleet import local_fleet_document
 from narwhal.simengine.timing import CALIBRATION
 from narwhal.testing.goodput import (
     RatePoint,
+    add_patience_argument,
     bootstrap_draws,
     bound_error,
+    clients_line,
     crossing,
     interval,
     number_list,
     paired_ratio,
+    patience_of,
     search_crossing,
     to_blocks,
 )
@@ -161,7 +164,7 @@ def measure(
         seed=args.seed,
         transfer_s_per_token=args.transfer_s_per_token,
         prefix_cache_tokens=args.cache_tokens,
-        abandon_after_s=args.abandon_after_s or None,
+        abandon_after_s=args.abandon_after_s,
     )
     result: DesResult = run_des(config, mooncake_requests(trace.rows, rate))
     met, sizes = to_blocks([o == "met" for o in result.outcomes], args.block)
@@ -256,13 +259,7 @@ def main() -> int:
     parser.add_argument("--resamples", type=int, default=1000)
     parser.add_argument("--precision", type=float, default=0.03)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--abandon-after-s",
-        type=float,
-        default=TTFT_S,
-        help="clients give up on a first token after this long, as the live clients do"
-        " (0: they wait)",
-    )
+    add_patience_argument(parser, TTFT_S)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument(
         "--live",
@@ -273,10 +270,7 @@ def main() -> int:
     args, rest = parser.parse_known_args()
     if rest and not args.live:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.abandon_after_s < 0:
-        parser.error(
-            f"--abandon-after-s: must be 0 (clients wait) or more, got {args.abandon_after_s:g}"
-        )
+    args.abandon_after_s = patience_of(parser, args)
     if args.quick:
         args.sizes, args.traces, args.resamples = "8", "conversation", 200
         args.splits = "0.25,0.5"
@@ -313,12 +307,7 @@ def main() -> int:
         "simulator calibration timing; "
         f"prefix cache {args.cache_tokens:,} tokens per engine, blocks of "
         f"{MOONCAKE_BLOCK_TOKENS}; KV pull {args.transfer_s_per_token * 1e6:.2f} us/token",
-        "clients: "
-        + (
-            f"give up on a request with no first token after {args.abandon_after_s:g} s"
-            if args.abandon_after_s
-            else "wait for every answer"
-        ),
+        f"clients: {clients_line(args.abandon_after_s)}",
         f"uncertainty: block bootstrap, blocks of {args.block} requests, "
         f"{args.resamples} resamples, 95% intervals",
     ]

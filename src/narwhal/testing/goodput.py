@@ -15,6 +15,7 @@ small. A ratio between two systems is paired: both on the same resample.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import math
 import random
@@ -25,13 +26,16 @@ from typing import Any, TypeVar
 __all__ = [
     "PairedRatio",
     "RatePoint",
+    "add_patience_argument",
     "bootstrap_draws",
     "bound_error",
+    "clients_line",
     "crossing",
     "crossing_of",
     "interval",
     "number_list",
     "paired_ratio",
+    "patience_of",
     "search_crossing",
     "to_blocks",
     "verdict",
@@ -257,3 +261,31 @@ def number_list(
         if v < low or (v == low and not low_allowed) or (high is not None and v >= high):
             raise ValueError(f"{flag}: each must be {span}, got {v:g}")
     return values
+
+
+def add_patience_argument(parser: argparse.ArgumentParser, default: float) -> None:
+    """``--abandon-after-s``: the virtual clients' patience for a first token (0: they wait)."""
+    parser.add_argument(
+        "--abandon-after-s",
+        type=float,
+        default=default,
+        help="clients give up on a first token after this long, as the live benchmark's do"
+        " (0: they wait)",
+    )
+
+
+def patience_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> float | None:
+    """``--abandon-after-s`` as ``DesConfig.abandon_after_s`` takes it (None: clients wait);
+    a negative one is a usage error."""
+    if args.abandon_after_s < 0:
+        parser.error(
+            f"--abandon-after-s: must be 0 (clients wait) or more, got {args.abandon_after_s:g}"
+        )
+    return float(args.abandon_after_s) or None
+
+
+def clients_line(patience: float | None) -> str:
+    """The benchmark header's word on the clients' patience."""
+    if patience:
+        return f"give up on a request with no first token after {patience:g} s (counted TTFT late)"
+    return "wait for every answer"
