@@ -160,21 +160,23 @@ def test_prompts_in_flight_to_an_event_engine_are_held_until_it_says_or_for_thei
         PrefixIndex(BS, in_flight_ttl_s=-1.0)
 
 
-def test_a_failed_leg_forgets_what_the_routing_said_the_engine_would_hold() -> None:
-    """Without events: the failed prompt's keys go, shared prefixes too (claiming less is
-    never worse than blind), and other engines keep theirs. With events: every prompt in
-    flight there goes, and what the engine published stays."""
+def test_a_failed_leg_takes_back_what_its_send_recorded_and_nothing_later() -> None:
+    """Without events: the failed send's keys go from the engine's history, except those a
+    later send refreshed; other engines keep theirs. With events: likewise in flight, and what
+    the engine published stays."""
     idx = index()
     keys = chain_keys(list(range(20)), BS)  # 5 blocks
     other = chain_keys([*range(8), 50, 51, 52, 53], BS)  # shares the first two blocks
-    idx.record_routed("p0", other, now=0.0)
     idx.record_routed("p0", keys, now=1.0)
     idx.record_routed("p1", keys, now=1.0)
-    idx.forget_routed("p0", keys)
-    assert idx.match(keys, now=2.0) == {"p1": 5}
-    assert idx.match(other, now=2.0) == {"p1": 2}
-    assert idx.blocks_held("p0") == 1  # the other prompt's own third block, alone
-    idx.forget_routed("nope", keys)  # an engine the index does not know: nothing to forget
+    idx.record_routed("p0", other, now=2.0)  # later: its first two blocks are stamped 2.0
+    idx.forget_routed("p0", keys, sent_at=1.0)
+    assert idx.match(keys, now=3.0) == {"p0": 2, "p1": 5}
+    assert idx.match(other, now=3.0) == {"p0": 3, "p1": 2}
+    # A send stamped otherwise takes back nothing; nor does an engine the index does not know.
+    idx.forget_routed("p1", keys, sent_at=0.5)
+    assert idx.match(keys, now=3.0) == {"p0": 2, "p1": 5}
+    idx.forget_routed("nope", keys, sent_at=1.0)
 
     events = PrefixIndex(BS, in_flight_ttl_s=5.0)
     for e in ("p0", "p1"):
@@ -184,17 +186,18 @@ def test_a_failed_leg_forgets_what_the_routing_said_the_engine_would_hold() -> N
     three = chain_keys(tokens, BS)
     assert events.stored("p0", [b"h0"], None, tokens[:4], BS)
     events.record_routed("p0", three, now=0.0)
-    events.record_routed("p0", other, now=0.0)
     events.record_routed("p1", three, now=0.0)
+    events.record_routed("p0", other, now=0.5)  # refreshes the first two blocks in flight
     assert events.match(three, now=1.0) == {"p0": 3, "p1": 3}
-    events.forget_routed("p0", three)
-    assert events.match(three, now=1.0) == {"p0": 1, "p1": 3}  # published, and p1's in flight
-    assert events.match(other, now=1.0) == {"p0": 1, "p1": 2}  # its published first block
-    # Text keys (which no event carries) are history on every engine: forgotten as such.
+    events.forget_routed("p0", three, sent_at=0.0)
+    # p0: block 0 published, block 1 still in flight for the later send; p1 untouched.
+    assert events.match(three, now=1.0) == {"p0": 2, "p1": 3}
+    assert events.match(other, now=1.0) == {"p0": 3, "p1": 2}
+    # Text keys (which no event carries) are history on every engine: taken back as such.
     text = text_keys(["a shared system prompt" * 40], BS)
     events.record_routed("p0", text, now=0.0, exact=False)
     assert events.match(text, now=1.0) == {"p0": len(text)}
-    events.forget_routed("p0", text, exact=False)
+    events.forget_routed("p0", text, sent_at=0.0, exact=False)
     assert events.match(text, now=1.0) == {}
 
 

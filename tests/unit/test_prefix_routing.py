@@ -189,6 +189,26 @@ def test_a_failed_leg_leaves_no_claim_to_steer_the_prompts_sharing_it(events: bo
     assert index.match(KEYS, clock.now()) == {retry.prefill: 250}
 
 
+def test_a_hedged_prefill_leg_keeps_its_claim_for_it_runs_on() -> None:
+    """A hedge ends the slow leg in the counts, not on its engine (it may answer first): its
+    claim on the prompt stands beside the hedge's."""
+    clock = VirtualClock(0.0)
+    fleet = state(clock)
+    index = fleet.prefix_index
+    assert index is not None
+    for engine in fleet.engines:
+        index.set_precise(engine, True)
+    lifecycle = Lifecycle(fleet, scheduler())
+    ticket = lifecycle.arrive("r1", max_tokens=10, prompt_tokens=PROMPT, prefix=KEYS)
+    first = lifecycle.admit(ticket)
+    assert isinstance(first, Admit)
+    clock.advance(0.3)
+    hedge = lifecycle.hedge_prefill(ticket, budget_left_s=1.7)
+    assert isinstance(hedge, Pair) and hedge.prefill != first.pair.prefill
+    held = index.match(KEYS, clock.now())
+    assert held[first.pair.prefill] == 250 and held[hedge.prefill] == 250
+
+
 def test_a_burst_follows_a_prompt_still_in_flight_to_engines_that_publish_events() -> None:
     """Engines that publish KV events say what they hold only once they computed it; until
     then the router's own routing stands in, for the TTFT budget: a request sharing the prompt

@@ -94,6 +94,9 @@ class Ticket:
     failed_prefill: frozenset[str] = frozenset()
     failed_decode: frozenset[str] = frozenset()
     prefill_started: float = 0.0
+    # When its pair was dispatched: what the prefix index recorded for it is stamped so, and
+    # a failed leg takes back only that (``PrefixIndex.forget_routed``).
+    dispatched_at: float = 0.0
     # The prefill leg's predicted queue wait plus prefill, without the correction in force
     # when it was dispatched: what its duration is compared with when it ends.
     prefill_predicted_s: float | None = None
@@ -327,7 +330,9 @@ class Lifecycle:
             return pick if isinstance(pick, NoPair) else NoPair("no prefill engine to hedge on")
         if pick.predicted_ttft_s is not None and pick.predicted_ttft_s > budget_left_s:
             return NoPair("no prefill engine meets the TTFT budget's remainder")
-        self.prefill_done(ticket, "failed")
+        # The slow leg runs on (it may still answer first): ended in the counts, not in the
+        # prefix index, whose claim on its engine stands.
+        self._prefill_failed(ticket, runs_on=True)
         self.observer.decided(ticket, pick)
         self._dispatch(ticket, pick)
         return pick
@@ -393,6 +398,7 @@ class Lifecycle:
     def _dispatch(self, ticket: Ticket, pair: Pair) -> None:
         ticket.pair = pair
         now = self.clock.now()
+        ticket.dispatched_at = now
         d = self.state.engines[pair.decode]
         d.joins.note(now)
         index = self.state.prefix_index
@@ -470,15 +476,10 @@ class Lifecycle:
         engine (counted from now); ``prompt_tokens`` is the count the engine reported."""
         if ticket.phase != "prefill" or ticket.pair is None:
             raise ValueError(f"request {ticket.id} has no prefill leg running ({ticket.phase})")
-        p = self._end_prefill(ticket)
         if outcome in ("failed", "deadline"):
-            self._verdict(p, ok=False, leg="prefill")
-            # Neither engine will hold the prompt as the dispatch recorded: the prefill was
-            # not done, so the decode engine pulls nothing.
-            self._forget_routed(ticket, p.id, ticket.pair.decode)
-            ticket.failed_prefill = ticket.failed_prefill | {p.id}
-            ticket.phase = "new"
+            self._prefill_failed(ticket, runs_on=False)
             return
+        p = self._end_prefill(ticket)
         self._verdict(p, ok=True)
         if outcome == "refused":
             ticket.phase = "done"
@@ -497,6 +498,19 @@ class Lifecycle:
             )
             self._report_correction(p.id, "prefill", ratio)
         self._begin_decode(ticket)
+
+    def _prefill_failed(self, ticket: Ticket, *, runs_on: bool) -> None:
+        """The prefill leg ended failed (``runs_on``: ended by a hedge, its request still
+        running on the engine), counted against its engine."""
+        assert ticket.pair is not None
+        p = self._end_prefill(ticket)
+        self._verdict(p, ok=False, leg="prefill")
+        if not runs_on:
+            # Neither engine will hold the prompt as the dispatch recorded: the prefill was
+            # not done, so the decode engine pulls nothing.
+            self._forget_routed(ticket, p.id, ticket.pair.decode)
+        ticket.failed_prefill = ticket.failed_prefill | {p.id}
+        ticket.phase = "new"
 
     def _end_prefill(self, ticket: Ticket) -> EngineState:
         assert ticket.pair is not None
@@ -692,7 +706,9 @@ class Lifecycle:
         index = self.state.prefix_index
         if index is not None and ticket.prefix:
             for engine in set(engines):
-                index.forget_routed(engine, ticket.prefix, ticket.prefix_exact)
+                index.forget_routed(
+                    engine, ticket.prefix, ticket.dispatched_at, ticket.prefix_exact
+                )
 
     def _verdict(
         self, engine: EngineState, ok: bool, leg: Literal["prefill", "decode"] = "decode"

@@ -419,24 +419,31 @@ class PrefixIndex:
             self._put(engine_id, entries, key, expiry)
         self._trim(entries)
 
-    def forget_routed(self, engine_id: str, keys: Iterable[int], exact: bool = True) -> None:
-        """A leg the router sent there with these keys failed: the engine may not hold them
-        after all, and a phantom claim would steer the prompts that share them to it, to wait
-        there for a hit that does not come (worse than routing blind). Forgets what the
-        router's own routing says it holds: for an engine that publishes events, every prompt
-        in flight there (in flight, keys are held as a leading run per prompt, and the shared
-        ones cannot be told apart; its events still say what it stored); for one that does not,
-        these keys, shared prefixes included. Claiming less is never worse than blind."""
+    def forget_routed(
+        self, engine_id: str, keys: Iterable[int], sent_at: float, exact: bool = True
+    ) -> None:
+        """A leg the router sent there at ``sent_at`` with these keys failed: the engine may
+        not hold them after all, and the claim would steer the prompts that share them to it,
+        to wait there for a hit that does not come (worse than routing blind). Takes back
+        what that send recorded and nothing a later one refreshed: the keys still stamped
+        ``sent_at`` (in flight on an engine that publishes events, else in its routing
+        history). A key an earlier send also recorded goes too (the later stamp replaced the
+        earlier one): the index then claims less than the sends in flight, never more; what
+        an engine published stays."""
         entries = self._engines.get(engine_id)
         if entries is None:
             return
         if entries.precise and exact:
-            entries.flying, entries.flown = {}, {}
-            self._flying.pop(engine_id, None)
+            for generation in (entries.flying, entries.flown):
+                for key in keys:
+                    if generation.get(key) == sent_at:
+                        del generation[key]
             return
         held = entries.keys
+        expiry = sent_at + self.history_ttl_s  # as record_routed stamped it
         for key in keys:
-            if held.pop(key, None) is not None:
+            if held.get(key) == expiry:
+                del held[key]
                 self._unhold(entries, key)
 
     def _fly(
