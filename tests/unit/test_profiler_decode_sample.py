@@ -155,13 +155,25 @@ async def test_a_probe_whose_decode_shared_its_steps_with_the_prefills_is_refuse
     assert sample.seconds_per_token == pytest.approx(0.073)
 
 
-async def test_a_probe_whose_prefills_are_short_keeps_the_engines_latencies() -> None:
-    # Short prompts: the shared steps are a sliver of the decode, and the lumps the client saw
-    # leave the engine's own latencies (which count that sliver) as the sample.
-    runs = chunked_prefill(4, 64, 0.002, 0.010)
-    lumps = [[r[-1] + i * 1e-6 for i in range(5)] for r in runs.times]
-    sample = await sample_decode(Probe(DecodeProbe(lumps, runs.engine_itl)), 64, 4, 64)
+async def test_lumped_streams_keep_the_engines_latencies_however_late_they_came() -> None:
+    # The API server fell behind: each stream reached the client in one lump, the lumps a
+    # tenth of a second apart. A lump's late first arrival is the server catching up, not a
+    # prefill: the engine's own latencies are the sample.
+    engine = chunked_prefill(4, 64, 0.002, 0.010)
+    lumps = [[0.64 + 0.05 * i + j * 1e-6 for j in range(5)] for i in range(4)]
+    sample = await sample_decode(Probe(DecodeProbe(lumps, engine.engine_itl)), 64, 4, 64)
     assert sample.seconds_per_token == pytest.approx(0.010, rel=0.02)
+
+
+async def test_a_sequence_a_busy_host_admitted_late_is_probed_again_not_refused() -> None:
+    # No prefill cost at all: the fourth sequence was admitted 0.4 s late and ended as late.
+    # The sequences did not end together: probed again (a busy host), not refused as
+    # prefill-shared.
+    late = [stream(0.0, 64, 0.010) for _ in range(3)] + [stream(0.4, 64, 0.010)]
+    probe = Probe(late, [stream(0.0, 64, 0.010) for _ in range(4)])
+    sample = await sample_decode(probe, 64, 4, 64)
+    assert probe.calls == 2
+    assert sample.seconds_per_token == pytest.approx(0.010)
 
 
 def test_engines_that_share_a_host_take_turns_for_their_prefills() -> None:

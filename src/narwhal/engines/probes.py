@@ -330,15 +330,6 @@ def _decode_sample(n: int, concurrency: int, tokens: int, probe: DecodeProbe) ->
     spt: float | None = None
     position, gaps = (tokens - 1) / 2, tokens - 1
     engine_gaps = concurrency * (tokens - 1)
-    if not rates:
-        shared = _prefill_shared_share(runs, tokens)
-        if shared > PREFILL_SHARED_SHARE:
-            raise ProbeError(
-                f"decode probe ({n} tokens x {concurrency}): {shared:.0%} of its sequences'"
-                " decode time shared steps with the others' prefills, and no window where all"
-                f" {concurrency} decoded together measured the decode alone: raise"
-                " --decode-tokens (or probe fewer or shorter prompts at once)"
-            )
     if rates:
         spt, position, gaps = statistics.median(rates), statistics.fmean(positions), gaps_used
     elif probe.engine_itl is not None:
@@ -355,6 +346,18 @@ def _decode_sample(n: int, concurrency: int, tokens: int, probe: DecodeProbe) ->
                 f"{concurrency} sequences decoded together: raise --decode-tokens"
             )
         spt = span / (tokens - 1)
+    if not rates:
+        # A fallback timed it (the sequences decoded together, ending together): refused if
+        # it spans the later prompts' prefills. Sequences kept apart by a busy host were
+        # probed again above, as before.
+        shared = _prefill_shared_share(runs, tokens)
+        if shared > PREFILL_SHARED_SHARE:
+            raise ProbeError(
+                f"decode probe ({n} tokens x {concurrency}): {shared:.0%} of its sequences'"
+                " decode time shared steps with the others' prefills, and no window where all"
+                f" {concurrency} decoded together measured the decode alone: raise"
+                " --decode-tokens (or probe fewer or shorter prompts at once)"
+            )
     return DecodeSample(
         input_tokens=n,
         concurrency=concurrency,
