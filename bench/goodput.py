@@ -124,6 +124,7 @@ from narwhal.testing.goodput import (
     crossing,
     crossing_of,
     interval,
+    number_list,
     paired_ratio,
 )
 from narwhal.testing.ports import free_ports
@@ -1021,6 +1022,10 @@ def main() -> int:
     )  # fmt: skip
     if problem:
         parser.error(problem)
+    try:
+        number_list(args.profile_concurrency, "--profile-concurrency", int, 1)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.precision >= 1:
         parser.error(f"--precision: a relative width below 1, got {args.precision:g}")
     bins: dict[str, Path] = {}

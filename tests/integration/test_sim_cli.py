@@ -121,8 +121,9 @@ def test_unknown_engine_id(tmp_path: Path) -> None:
             ["--num-blocks", "0", "--block-size", "0"],
             "--block-size: must be greater than 0 (got 0); --num-blocks: must be greater than 0",
         ),
+        (["--fault-fail-next", "-1"], "--fault-fail-next: must be greater than or equal to 0"),
     ],
-    ids=["port", "nixl-port", "max-model-len", "time-scale", "eos-prob", "two-at-once"],
+    ids=["port", "nixl-port", "max-model-len", "time-scale", "eos-prob", "two-at-once", "fault"],
 )
 def test_a_bad_engine_flag_is_a_usage_error_naming_it(flags: list[str], says: str) -> None:
     result = run_cli("engine", "--port", "23999", "--nixl-port", "23998", *flags)

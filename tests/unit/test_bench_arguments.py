@@ -32,6 +32,11 @@ def run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
         (["--blocks", "1"], "--blocks: must be at least 2, got 1"),
         (["--prefill", "0"], "--prefill: at least one prefill engine, got 0"),
         (["--prefill", "8"], "--prefill 8 of --engines 8 leaves no decode engine"),
+        (["--time-scale", "nan"], "--time-scale: must be greater than 0, got nan"),
+        (
+            ["--profile-concurrency", "1,x"],
+            "--profile-concurrency: expected comma-separated numbers, got '1,x'",
+        ),
     ],
 )
 def test_goodput_refuses_a_number_it_cannot_run_with(args: list[str], says: str) -> None:

@@ -24,7 +24,8 @@ HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
         ("--rate", "fast", "expected a number, got 'fast'"),
         ("--rate-scale", "0", "must be greater than 0"),
         ("--requests", "-5", "must be greater than 0, got -5"),
-        ("--requests", "2.5", "expected a number, got '2.5'"),
+        ("--requests", "2.5", "expected an integer, got '2.5'"),
+        ("--rate", "nan", "must be greater than 0, got nan"),
         ("--prompt-tokens", "0", "must be greater than 0"),
         ("--output-tokens", "0", "must be greater than 0"),
         ("--abandon-after-s", "0", "must be greater than 0, got 0"),
@@ -66,6 +67,16 @@ def test_a_trace_that_is_not_one_is_named_with_its_row(
     assert err.startswith(f"narwhal-fleetsim: --trace {trace}")
     assert says in err
     assert "Traceback" not in err
+
+
+def test_a_trace_that_is_not_text_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "trace.csv"
+    trace.write_bytes(HEADER.encode() + b"2023-11-16 18:15:46.68,\xff\xfe,44\n")
+    assert fleetsim_main([*BASE, "--trace", str(trace)]) == 2
+    err = capsys.readouterr().err
+    assert f"--trace {trace}: not a readable CSV file: 'utf-8' codec can't decode" in err
 
 
 def test_a_trace_that_cannot_be_read_says_so(

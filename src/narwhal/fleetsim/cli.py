@@ -28,7 +28,8 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], float]:
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
         if not value > 0:
             raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
         return value
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             rows = read_azure_trace(args.trace, args.requests, fleet.model.max_model_len // 2)
         except OSError as exc:
-            print(f"narwhal-fleetsim: --trace {args.trace}: cannot read: {exc.strerror}",
+            print(f"narwhal-fleetsim: --trace {args.trace}: cannot read: {exc.strerror or exc}",
                   file=sys.stderr)  # fmt: skip
             return 2
         except ValueError as exc:

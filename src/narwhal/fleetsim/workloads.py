@@ -49,6 +49,15 @@ def read_azure_trace(
     LLM inference trace (TIMESTAMP, ContextTokens, GeneratedTokens). A file that is not one
     raises ``ValueError`` naming the path, the row and what is wrong (``OSError`` when it
     cannot be read)."""
+    try:
+        return _read_azure_rows(path, limit, max_prompt)
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise ValueError(f"{path}: not a readable CSV file: {exc}") from None
+
+
+def _read_azure_rows(
+    path: str | Path, limit: int | None, max_prompt: int | None
+) -> list[tuple[float, int, int]]:
     rows: list[tuple[float, int, int]] = []
     with open(path, newline="") as f:
         reader = csv.DictReader(f)

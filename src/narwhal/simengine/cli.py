@@ -262,9 +262,13 @@ def run_engine(args: argparse.Namespace) -> int:
     except (ContractError, UsageError) as exc:
         print(f"narwhal-sim: {exc}", file=sys.stderr)
         return 2
-    except ValidationError as exc:  # the settings' flags, checked by SimulatedEngineSettings
+    except ValidationError as exc:  # flags checked by SimulatedEngineSettings, FaultSettings
+        # A field is its flag: --time-scale for time_scale, --fault-fail-next for fail_next.
+        prefix = "--fault-" if exc.title == FaultSettings.__name__ else "--"
         problems = "; ".join(
-            f"--{'.'.join(str(part) for part in loc).replace('_', '-')}: {reason}"
+            f"{prefix}{'.'.join(str(part) for part in loc).replace('_', '-')}: {reason}"
+            if loc
+            else reason
             for loc, reason in validation_reasons(exc)
         )
         print(f"narwhal-sim: invalid engine settings: {problems}", file=sys.stderr)

@@ -228,7 +228,8 @@ def bound_error(args: Any, bounds: Iterable[tuple[str, float, bool]]) -> str | N
     flag, or None. Each bound is (attribute, lowest allowed, whether that lowest itself is)."""
     for name, low, inclusive in bounds:
         value = getattr(args, name)
-        if value < low or (value == low and not inclusive):
+        # Written so that NaN (every comparison false) is out of bounds too.
+        if not (value >= low if inclusive else value > low):
             flag = "--" + name.replace("_", "-")
             floor = "at least" if inclusive else "greater than"
             return f"{flag}: must be {floor} {low:g}, got {value:g}"
@@ -258,7 +259,8 @@ def number_list(
     floor = f"at least {low:g}" if low_allowed else f"above {low:g}"
     span = floor if high is None else f"{floor} and below {high:g}"
     for v in values:
-        if v < low or (v == low and not low_allowed) or (high is not None and v >= high):
+        above = v >= low if low_allowed else v > low
+        if not above or (high is not None and not v < high):
             raise ValueError(f"{flag}: each must be {span}, got {v:g}")
     return values
 
@@ -277,7 +279,7 @@ def add_patience_argument(parser: argparse.ArgumentParser, default: float) -> No
 def patience_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> float | None:
     """``--abandon-after-s`` as ``DesConfig.abandon_after_s`` takes it (None: clients wait);
     a negative one is a usage error."""
-    if args.abandon_after_s < 0:
+    if not args.abandon_after_s >= 0:
         parser.error(
             f"--abandon-after-s: must be 0 (clients wait) or more, got {args.abandon_after_s:g}"
         )
