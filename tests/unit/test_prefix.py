@@ -39,6 +39,15 @@ def index(ttl: float = 10.0) -> PrefixIndex:
     return idx
 
 
+def event_index(capacity_blocks: int) -> PrefixIndex:
+    """Engines p0 and p1 publishing KV events; prompts held in flight for 5 s."""
+    idx = PrefixIndex(BS, in_flight_ttl_s=5.0)
+    for e in ("p0", "p1"):
+        idx.add_engine(e, capacity_blocks)
+        idx.set_precise(e, True)
+    return idx
+
+
 def test_match_counts_leading_blocks_per_engine() -> None:
     idx = index()
     keys = chain_keys(list(range(20)), BS)  # 5 blocks
@@ -116,10 +125,7 @@ def test_published_entries_live_beside_text_history_and_are_bounded() -> None:
 
 
 def test_prompts_in_flight_to_an_event_engine_are_held_until_it_says_or_for_their_ttl() -> None:
-    idx = PrefixIndex(BS, in_flight_ttl_s=5.0)
-    for e in ("p0", "p1"):
-        idx.add_engine(e, capacity_blocks=4)
-        idx.set_precise(e, True)
+    idx = event_index(capacity_blocks=4)
     tokens = list(range(12))
     keys = chain_keys(tokens, BS)
     # Sent, not yet computed: held in flight, for the TTL, and not counted as published.
@@ -178,10 +184,7 @@ def test_a_failed_leg_takes_back_what_its_send_recorded_and_nothing_later() -> N
     assert idx.match(keys, now=3.0) == {"p0": 2, "p1": 5}
     idx.forget_routed("nope", keys, sent_at=1.0)
 
-    events = PrefixIndex(BS, in_flight_ttl_s=5.0)
-    for e in ("p0", "p1"):
-        events.add_engine(e, capacity_blocks=100)
-        events.set_precise(e, True)
+    events = event_index(capacity_blocks=100)
     tokens = list(range(12))
     three = chain_keys(tokens, BS)
     assert events.stored("p0", [b"h0"], None, tokens[:4], BS)

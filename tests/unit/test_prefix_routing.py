@@ -17,7 +17,7 @@ from narwhal.routing.admission import Admit
 from narwhal.routing.fleet_state import FleetState
 from narwhal.routing.lifecycle import Lifecycle
 from narwhal.routing.predictor import LatencyPredictor
-from narwhal.routing.prefix import chain_keys, prompt_keys, text_keys
+from narwhal.routing.prefix import PrefixIndex, chain_keys, prompt_keys, text_keys
 from narwhal.routing.scheduler import Pair, RequestShape, SchedulerV0, SchedulerV1
 from narwhal.simengine.fleet import local_fleet_document
 
@@ -54,6 +54,19 @@ def scheduler() -> SchedulerV1:
         LatencyPredictor({f"e{i}": models() for i in range(4)}, default_transfer_s=0.02),
         Budgets(ttft_s=2.0, tpot_s=0.1, attainment=0.95),
     )
+
+
+def routed(events: bool = True) -> tuple[VirtualClock, PrefixIndex, Lifecycle]:
+    """A fleet at time 0 whose engines publish KV events (``events``) or do not, with its
+    prefix index and a lifecycle routing with scheduler v1."""
+    clock = VirtualClock(0.0)
+    fleet = state(clock)
+    index = fleet.prefix_index
+    assert index is not None
+    if events:
+        for engine in fleet.engines:
+            index.set_precise(engine, True)
+    return clock, index, Lifecycle(fleet, scheduler())
 
 
 def test_a_cached_prefix_is_the_prefill_it_saves_and_the_blocks_it_spares() -> None:
@@ -162,14 +175,7 @@ def test_a_failed_leg_leaves_no_claim_to_steer_the_prompts_sharing_it(events: bo
     neither holding it, and a decode leg that fails before its first token may not have pulled
     it: the claims go, so the next request sharing the prefix is not sent to wait for a hit
     that does not come."""
-    clock = VirtualClock(0.0)
-    fleet = state(clock)
-    index = fleet.prefix_index
-    assert index is not None
-    if events:
-        for engine in fleet.engines:
-            index.set_precise(engine, True)
-    lifecycle = Lifecycle(fleet, scheduler())
+    clock, index, lifecycle = routed(events)
     ticket = lifecycle.arrive("r1", max_tokens=10, prompt_tokens=PROMPT, prefix=KEYS)
     first = lifecycle.admit(ticket)
     assert isinstance(first, Admit)
@@ -192,13 +198,7 @@ def test_a_failed_leg_leaves_no_claim_to_steer_the_prompts_sharing_it(events: bo
 def test_a_hedged_prefill_leg_keeps_its_claim_for_it_runs_on() -> None:
     """A hedge ends the slow leg in the counts, not on its engine (it may answer first): its
     claim on the prompt stands beside the hedge's."""
-    clock = VirtualClock(0.0)
-    fleet = state(clock)
-    index = fleet.prefix_index
-    assert index is not None
-    for engine in fleet.engines:
-        index.set_precise(engine, True)
-    lifecycle = Lifecycle(fleet, scheduler())
+    clock, index, lifecycle = routed()
     ticket = lifecycle.arrive("r1", max_tokens=10, prompt_tokens=PROMPT, prefix=KEYS)
     first = lifecycle.admit(ticket)
     assert isinstance(first, Admit)
@@ -214,13 +214,7 @@ def test_a_burst_follows_a_prompt_still_in_flight_to_engines_that_publish_events
     then the router's own routing stands in, for the TTFT budget: a request sharing the prompt
     that arrives meanwhile follows the first (predicted cached) rather than computing the same
     blocks on an idle engine."""
-    clock = VirtualClock(0.0)
-    fleet = state(clock)
-    index = fleet.prefix_index
-    assert index is not None
-    for engine in fleet.engines:
-        index.set_precise(engine, True)
-    lifecycle = Lifecycle(fleet, scheduler())
+    clock, index, lifecycle = routed()
     first = lifecycle.admit(
         lifecycle.arrive("r1", max_tokens=10, prompt_tokens=PROMPT, prefix=KEYS)
     )
