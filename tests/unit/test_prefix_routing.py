@@ -14,8 +14,9 @@ from narwhal.contract import Budgets, parse_fleet
 from narwhal.profiles.models import DecodeLatencyModel, PrefillLatencyModel
 from narwhal.profiles.store import EngineModels
 from narwhal.routing.admission import Admit
+from narwhal.routing.breaker import BreakerState
 from narwhal.routing.fleet_state import FleetState
-from narwhal.routing.lifecycle import Lifecycle
+from narwhal.routing.lifecycle import Lifecycle, LifecycleObserver
 from narwhal.routing.predictor import LatencyPredictor
 from narwhal.routing.prefix import PrefixIndex, chain_keys, prompt_keys, text_keys
 from narwhal.routing.scheduler import Pair, RequestShape, SchedulerV0, SchedulerV1
@@ -207,6 +208,91 @@ def test_a_hedged_prefill_leg_keeps_its_claim_for_it_runs_on() -> None:
     assert isinstance(hedge, Pair) and hedge.prefill != first.pair.prefill
     held = index.match(KEYS, clock.now())
     assert held[first.pair.prefill] == 250 and held[hedge.prefill] == 250
+
+
+class _Heard(LifecycleObserver):
+    """What the lifecycle told its observer: breaker verdicts and model corrections, by
+    engine."""
+
+    def __init__(self) -> None:
+        self.verdicts: list[str] = []
+        self.corrections: list[str] = []
+
+    def breaker(self, engine: str, state: BreakerState) -> None:
+        self.verdicts.append(engine)
+
+    def correction(self, engine: str, phase: str, ratio: float, drifted: bool) -> None:
+        self.corrections.append(engine)
+
+
+@pytest.mark.parametrize("events", [False, True], ids=["history", "events"])
+@pytest.mark.parametrize("slow_answers", [False, True], ids=["hedge-first", "slow-first"])
+def test_a_hedge_race_leaves_claims_only_where_the_prompt_is(
+    events: bool, slow_answers: bool
+) -> None:
+    """Of a hedged prefill's two legs the one that answers holds the prompt and the other is
+    cancelled: the loser's prefill engine gives its claim back, and so does the slow leg's
+    decode engine (the request decodes on the hedge's). A hedge that lost is no sample of its
+    engine's speed and no verdict on it."""
+    clock, index, lifecycle = routed(events)
+    heard = lifecycle.observer = _Heard()
+    lifecycle.predictor = lifecycle.scheduler.predictor  # type: ignore[attr-defined]
+    ticket = lifecycle.arrive("r1", max_tokens=10, prompt_tokens=PROMPT, prefix=KEYS)
+    first = lifecycle.admit(ticket)
+    assert isinstance(first, Admit)
+    clock.advance(0.3)
+    hedge = lifecycle.hedge_prefill(ticket, budget_left_s=1.7)
+    assert isinstance(hedge, Pair) and hedge.prefill != first.pair.prefill
+    heard.verdicts.clear()
+    clock.advance(0.2)
+    lifecycle.prefill_done(ticket, "ok", prompt_tokens=PROMPT, slow_leg_answered=slow_answers)
+    holder = first.pair.prefill if slow_answers else hedge.prefill
+    assert index.match(KEYS, clock.now()) == {holder: 250, hedge.decode: 250}
+    assert (hedge.prefill in heard.verdicts) is not slow_answers
+    assert (hedge.prefill in heard.corrections) is not slow_answers
+    assert first.pair.prefill not in heard.corrections
+    assert ticket.phase == "decode" and ticket.pair == hedge
+
+
+@pytest.mark.parametrize("events", [False, True], ids=["history", "events"])
+def test_a_hedge_race_both_legs_lost_leaves_no_claim(events: bool) -> None:
+    clock, index, lifecycle = routed(events)
+    ticket = lifecycle.arrive("r1", max_tokens=10, prompt_tokens=PROMPT, prefix=KEYS)
+    assert isinstance(lifecycle.admit(ticket), Admit)
+    clock.advance(0.3)
+    assert isinstance(lifecycle.hedge_prefill(ticket, budget_left_s=1.7), Pair)
+    clock.advance(0.2)
+    lifecycle.prefill_done(ticket, "failed")
+    assert index.match(KEYS, clock.now()) == {}
+
+
+@pytest.mark.parametrize("events", [False, True], ids=["history", "events"])
+@pytest.mark.parametrize("how", ["refused", "cancelled", "hedged-then-cancelled"])
+def test_a_prefill_that_computed_nothing_leaves_no_claim(events: bool, how: str) -> None:
+    """An engine that refused the prompt (HTTP 4xx) or a request cancelled during its prefill
+    (its client left; engines abort it): no engine of its pair holds the prompt as the dispatch
+    recorded."""
+    clock, index, lifecycle = routed(events)
+    ticket = lifecycle.arrive("r1", max_tokens=10, prompt_tokens=PROMPT, prefix=KEYS)
+    assert isinstance(lifecycle.admit(ticket), Admit)
+    clock.advance(0.3)
+    if how == "hedged-then-cancelled":
+        assert isinstance(lifecycle.hedge_prefill(ticket, budget_left_s=1.7), Pair)
+        clock.advance(0.1)
+    if how == "refused":
+        lifecycle.prefill_done(ticket, "refused")
+    else:
+        lifecycle.cancel(ticket)
+    assert ticket.phase == "done"
+    assert index.match(KEYS, clock.now()) == {}
+
+
+def test_only_a_hedged_leg_can_answer_as_the_slow_one() -> None:
+    _, _, lifecycle = routed()
+    ticket = lifecycle.arrive("r1", max_tokens=10, prompt_tokens=PROMPT, prefix=KEYS)
+    assert isinstance(lifecycle.admit(ticket), Admit)
+    with pytest.raises(ValueError, match="no hedged leg"):
+        lifecycle.prefill_done(ticket, "ok", slow_leg_answered=True)
 
 
 def test_a_burst_follows_a_prompt_still_in_flight_to_engines_that_publish_events() -> None:

@@ -97,6 +97,9 @@ class Ticket:
     # When its pair was dispatched: what the prefix index recorded for it is stamped so, and
     # a failed leg takes back only that (``PrefixIndex.forget_routed``).
     dispatched_at: float = 0.0
+    # A prefill leg a hedge took over that still runs (its pair, when that was dispatched):
+    # its prefix claims stand until the race between the two ends (``prefill_done``).
+    slow_leg: tuple[Pair, float] | None = None
     # The prefill leg's predicted queue wait plus prefill, without the correction in force
     # when it was dispatched: what its duration is compared with when it ends.
     prefill_predicted_s: float | None = None
@@ -331,8 +334,11 @@ class Lifecycle:
         if pick.predicted_ttft_s is not None and pick.predicted_ttft_s > budget_left_s:
             return NoPair("no prefill engine meets the TTFT budget's remainder")
         # The slow leg runs on (it may still answer first): ended in the counts, not in the
-        # prefix index, whose claim on its engine stands.
+        # prefix index, whose claim on its engine stands until the race ends.
+        slow_leg = (ticket.pair, ticket.dispatched_at)
         self._prefill_failed(ticket, runs_on=True)
+        self._settle_race(ticket, slow_answered=False)  # an earlier race's, had there been one
+        ticket.slow_leg = slow_leg
         self.observer.decided(ticket, pick)
         self._dispatch(ticket, pick)
         return pick
@@ -470,25 +476,48 @@ class Lifecycle:
     # --- the prefill leg ----------------------------------------------------------------
 
     def prefill_done(
-        self, ticket: Ticket, outcome: LegOutcome, *, prompt_tokens: int | None = None
+        self,
+        ticket: Ticket,
+        outcome: LegOutcome,
+        *,
+        prompt_tokens: int | None = None,
+        slow_leg_answered: bool = False,
     ) -> None:
         """The prefill leg ended. ``ok``: the decode leg is dispatched to the pair's decode
-        engine (counted from now); ``prompt_tokens`` is the count the engine reported."""
+        engine (counted from now); ``prompt_tokens`` is the count the engine reported.
+        ``slow_leg_answered``: a hedged prefill whose slow leg (``hedge_prefill``) answered
+        before the hedge, which was cancelled; the request decodes on the hedge's pair."""
         if ticket.phase != "prefill" or ticket.pair is None:
             raise ValueError(f"request {ticket.id} has no prefill leg running ({ticket.phase})")
+        if slow_leg_answered and (outcome != "ok" or ticket.slow_leg is None):
+            raise ValueError(f"request {ticket.id} has no hedged leg that answered")
+        self._settle_race(ticket, slow_answered=slow_leg_answered)
         if outcome in ("failed", "deadline"):
             self._prefill_failed(ticket, runs_on=False)
             return
         p = self._end_prefill(ticket)
-        self._verdict(p, ok=True)
         if outcome == "refused":
+            self._verdict(p, ok=True)  # the engine is fine; the request is not
+            # Nothing was computed: neither engine holds the prompt as the dispatch recorded.
+            self._forget_routed(ticket, p.id, ticket.pair.decode)
             ticket.phase = "done"
             return
+        if slow_leg_answered:
+            # The hedge's engine neither answered nor failed (its leg was cancelled): no
+            # verdict, no sample for its latency model, and no claim on the prompt.
+            p.breaker.on_abandon()
+            self._forget_routed(ticket, p.id)
+        else:
+            self._verdict(p, ok=True)
         if prompt_tokens is not None and prompt_tokens > 0:
             if ticket.prompt_tokens is None:
                 self.lengths.observe(ticket.prompt_bytes, prompt_tokens)
             ticket.prompt_tokens = prompt_tokens
-        if self.predictor is not None and ticket.prefill_predicted_s is not None:
+        if (
+            self.predictor is not None
+            and ticket.prefill_predicted_s is not None
+            and not slow_leg_answered
+        ):
             ratio = self.predictor.observe(
                 p.id,
                 "prefill",
@@ -498,6 +527,24 @@ class Lifecycle:
             )
             self._report_correction(p.id, "prefill", ratio)
         self._begin_decode(ticket)
+
+    def _settle_race(self, ticket: Ticket, *, slow_answered: bool) -> None:
+        """A hedged prefill's race ended (or the request did): the slow leg's prefix claims go,
+        but its prefill engine's when it answered (the KV is there). Engines of the request's
+        own pair keep theirs: the pair's outcome settles them."""
+        slow = ticket.slow_leg
+        if slow is None:
+            return
+        ticket.slow_leg = None
+        pair, sent_at = slow
+        index = self.state.prefix_index
+        if index is None or not ticket.prefix:
+            return
+        lost = {pair.decode} if slow_answered else {pair.prefill, pair.decode}
+        if ticket.pair is not None:
+            lost -= {ticket.pair.prefill, ticket.pair.decode}
+        for engine in lost:
+            index.forget_routed(engine, ticket.prefix, sent_at, ticket.prefix_exact)
 
     def _prefill_failed(self, ticket: Ticket, *, runs_on: bool) -> None:
         """The prefill leg ended failed (``runs_on``: ended by a hedge, its request still
@@ -663,6 +710,10 @@ class Lifecycle:
             self.observer.queue_depth(len(self._queue))
         elif phase == "prefill":
             self._end_prefill(ticket).breaker.on_abandon()
+            # The engines abandon the prompt with the request: no claim on it stays.
+            self._settle_race(ticket, slow_answered=False)
+            assert ticket.pair is not None
+            self._forget_routed(ticket, ticket.pair.prefill, ticket.pair.decode)
         elif phase in ("decode", "streaming"):
             self._end_decode(ticket).breaker.on_abandon()
 

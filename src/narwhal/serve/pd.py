@@ -489,7 +489,9 @@ class PDRouter:
             if race.second is None:
                 return (*result, pair)
             race.closed = True
-            self.lifecycle.prefill_done(ticket, "ok", prompt_tokens=result[1])
+            self.lifecycle.prefill_done(
+                ticket, "ok", prompt_tokens=result[1], slow_leg_answered=True
+            )
             self.metrics.hedges.labels("prefill", "original").inc()
             return (*result, race.pair)
         finally:
