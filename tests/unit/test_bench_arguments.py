@@ -64,7 +64,7 @@ def test_virtual_benchmarks_refuse_a_negative_patience(script: str) -> None:
         ("policies_des.py", ["--block", "0"], "--block: must be at least 1, got 0"),
         ("policies_des.py", ["--precision", "0"], "--precision: must be greater than 0, got 0"),
         ("prefix_goodput.py", ["--splits", "0.5,1"],
-         "--splits: each must be above 0 and below 1, got 1"),
+         "--splits: each must be greater than 0 and below 1, got 1"),
         ("prefix_goodput.py", ["--sizes", "0"], "--sizes: each must be at least 2, got 0"),
         ("prefix_goodput.py", ["--history-ttl-s", "0"],
          "--history-ttl-s: must be greater than 0, got 0"),

@@ -29,6 +29,8 @@ def test_api_keys_on_the_command_line_are_masked() -> None:
         ("--drain-timeout", "-1"),
         ("--breaker-failures", "0"),
         ("--breaker-open-seconds", "-1"),
+        ("--health-interval", "nan"),
+        ("--prefill-timeout", "nan"),
     ],
 )
 def test_a_number_out_of_range_is_a_usage_error_naming_the_flag(flag: str, value: str) -> None:

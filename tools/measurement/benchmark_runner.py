@@ -45,6 +45,7 @@ if __package__ in (None, ""):  # run by path: the repository root for `tools` (t
 import httpx
 
 from narwhal.contract import ContractError, LoadedFleet, load_fleet
+from narwhal.contract.flags import positive
 from narwhal.testing import procs
 from tools.measurement._provenance import git_commit, versions
 from tools.measurement._router_journal import JournalNotFound, admin_state, find_router_journal
@@ -776,15 +777,7 @@ def router_inputs(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    def positive(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
-        return value
-
+    positive_seconds = positive(float)
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, help="narwhal-serve base URL")
     p.add_argument("--model", required=True)
@@ -796,12 +789,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--workload", help="a prepared workload dir (default: the plan's, or prepare)")
     p.add_argument("--tokenize-url", help="engine URL for prepare's /tokenize fallback")
-    p.add_argument("--scrape-interval", type=positive, default=1.0)
-    p.add_argument("--max-gap", type=positive, help="allowed scrape gap, s (2.5 intervals)")
-    p.add_argument("--ready-timeout", type=positive, default=60.0)
-    p.add_argument("--idle-timeout", type=positive, default=120.0)
-    p.add_argument("--drain-timeout", type=positive, default=300.0)
-    p.add_argument("--journal-timeout", type=positive, default=30.0)
+    p.add_argument("--scrape-interval", type=positive_seconds, default=1.0)
+    p.add_argument("--max-gap", type=positive_seconds, help="allowed scrape gap, s (2.5 intervals)")
+    p.add_argument("--ready-timeout", type=positive_seconds, default=60.0)
+    p.add_argument("--idle-timeout", type=positive_seconds, default=120.0)
+    p.add_argument("--drain-timeout", type=positive_seconds, default=300.0)
+    p.add_argument("--journal-timeout", type=positive_seconds, default=30.0)
     p.add_argument("--admin-token-file", help="snapshot /admin/state before and after each point")
     p.add_argument(
         "--strict-counters",

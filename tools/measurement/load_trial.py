@@ -33,6 +33,7 @@ if __package__ in (None, ""):  # run by path: the repository root for `tools` (t
 import httpx
 
 from narwhal.contract import Budgets
+from narwhal.contract.flags import number_type, positive
 from tools.measurement._provenance import versions
 from tools.measurement._trial_client import TrialConfig, poisson_schedule, run_trial
 from tools.measurement._trial_stats import TrialSummary, summarize
@@ -63,19 +64,6 @@ class UsageError(Exception):
 
 class EndpointError(Exception):
     pass
-
-
-def _positive(kind: type) -> Any:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
-        return value
-
-    return parse
 
 
 def _served_model(client: httpx.Client) -> tuple[str, int | None]:
@@ -251,40 +239,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base", required=True, help="the router (or an engine) base URL")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, required=True)
-    p.add_argument("--input-tokens", type=_positive(int))
-    p.add_argument("--output-tokens", type=_positive(int))
-    p.add_argument("--num-prompts", type=_positive(int), default=256)
+    p.add_argument("--input-tokens", type=positive(int))
+    p.add_argument("--output-tokens", type=positive(int))
+    p.add_argument("--num-prompts", type=positive(int), default=256)
     p.add_argument("--trace", help="an Azure-format trace CSV (TIMESTAMP,ContextTokens,...)")
-    p.add_argument("--trace-start", type=int, default=0)
-    p.add_argument("--trace-rows", type=_positive(int), default=200)
+    p.add_argument("--trace-start", type=number_type(int, 0), default=0)
+    p.add_argument("--trace-rows", type=positive(int), default=200)
     p.add_argument("--model", help="default: the first model /v1/models lists")
     p.add_argument(
         "--max-model-len",
-        type=_positive(int),
+        type=positive(int),
         default=16384,
         help="used when /v1/models does not say",
     )
     p.add_argument("--seed-prompt", default=DEFAULT_SEED_PROMPT)
     p.add_argument("--tokenize-url", help="an engine URL whose /tokenize may be asked")
     p.add_argument("--api-key-env", help="environment variable holding the API key")
-    p.add_argument("--http-timeout", type=_positive(float), default=120.0)
+    p.add_argument("--http-timeout", type=positive(float), default=120.0)
     p.set_defaults(func=prepare)
 
     r = sub.add_parser("run", help="run one open-loop load point")
     r.add_argument("--base", required=True)
     r.add_argument("--workload", required=True)
-    r.add_argument("--rate", type=_positive(float), help="offered requests/s (Poisson)")
-    r.add_argument("--requests", type=_positive(int), required=True)
-    r.add_argument("--ttft", type=_positive(float), required=True, help="TTFT budget, s")
-    r.add_argument("--tpot", type=_positive(float), required=True, help="TPOT budget, s")
-    r.add_argument("--attainment", type=_positive(float), required=True, help="target, 0-1")
-    r.add_argument("--timeout", type=_positive(float), required=True, help="per request, s")
+    r.add_argument("--rate", type=positive(float), help="offered requests/s (Poisson)")
+    r.add_argument("--requests", type=positive(int), required=True)
+    r.add_argument("--ttft", type=positive(float), required=True, help="TTFT budget, s")
+    r.add_argument("--tpot", type=positive(float), required=True, help="TPOT budget, s")
+    r.add_argument(
+        "--attainment",
+        type=number_type(float, 0, 1, low_allowed=False),
+        required=True,
+        help="target, 0-1",
+    )
+    r.add_argument("--timeout", type=positive(float), required=True, help="per request, s")
     r.add_argument("--out", required=True)
     r.add_argument("--model", help="default: the workload's model")
     r.add_argument("--seed", type=int, help="arrival seed (default: the workload's)")
     r.add_argument("--run-id", help="prefix of every X-Request-Id (the journal join key)")
     r.add_argument("--arrivals", choices=("poisson", "trace"))
-    r.add_argument("--trace-speedup", type=_positive(float), default=1.0)
+    r.add_argument("--trace-speedup", type=positive(float), default=1.0)
     r.add_argument("--api-key-env", help="environment variable holding the API key")
     r.set_defaults(func=run)
     return parser

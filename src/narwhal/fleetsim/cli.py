@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 
 from narwhal.contract import ContractError, load_fleet
+from narwhal.contract.flags import positive
 from narwhal.fleetsim.simulator import DesConfig, run_des
 from narwhal.fleetsim.workloads import (
     poisson_requests,
@@ -21,22 +21,6 @@ from narwhal.routing.baselines import BASELINES
 __all__ = ["main"]
 
 
-def _positive(kind: type[int] | type[float]) -> Callable[[str], float]:
-    """An argparse type: a number of ``kind`` above 0, else a usage error naming it."""
-
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            what = "an integer" if kind is int else "a number"
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
-        return value
-
-    return parse
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="narwhal-fleetsim", description="Virtual-time fleet simulation of Narwhal's routing."
@@ -45,11 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--fleet", help="a fleet file (engines' sim blocks give their timing)")
     src.add_argument("--engines", help="a synthetic fleet: PREFILL:DECODE, e.g. 500:500")
     parser.add_argument("--trace", help="Azure-format trace CSV (else Poisson, see --rate)")
-    parser.add_argument("--rate-scale", type=_positive(float), default=1.0)
-    parser.add_argument("--rate", type=_positive(float), default=1.0)
-    parser.add_argument("--requests", type=_positive(int), default=1000)
-    parser.add_argument("--prompt-tokens", type=_positive(int), default=8192)
-    parser.add_argument("--output-tokens", type=_positive(int), default=128)
+    parser.add_argument("--rate-scale", type=positive(float), default=1.0)
+    parser.add_argument("--rate", type=positive(float), default=1.0)
+    parser.add_argument("--requests", type=positive(int), default=1000)
+    parser.add_argument("--prompt-tokens", type=positive(int), default=8192)
+    parser.add_argument("--output-tokens", type=positive(int), default=128)
     parser.add_argument(
         "--scheduler",
         choices=["v1", "v0", *BASELINES],
@@ -62,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--abandon-after-s",
-        type=_positive(float),
+        type=positive(float),
         default=None,
         help="clients give up on a request with no first token after this many seconds"
         " (default: they wait)",

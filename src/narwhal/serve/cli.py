@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from narwhal.contract import DEFAULT_REPORT_NAME, ContractError, load_fleet
+from narwhal.contract.flags import out_of_range
 from narwhal.engines.client import ENGINE_TRANSPORTS
 
 __all__ = ["main", "serve_arguments", "serve_command"]
@@ -325,10 +326,13 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
         "breaker_failures",
         "breaker_open_seconds",
     ):
-        if getattr(args, name) <= 0:
-            raise UsageError(f"--{name.replace('_', '-')}: must be positive")
-    if args.prefill_timeout is not None and args.prefill_timeout <= 0:
-        raise UsageError("--prefill-timeout: must be positive")
+        reason = out_of_range(getattr(args, name), 0, low_allowed=False)
+        if reason is not None:
+            raise UsageError(f"--{name.replace('_', '-')}: {reason}")
+    if args.prefill_timeout is not None:
+        reason = out_of_range(args.prefill_timeout, 0, low_allowed=False)
+        if reason is not None:
+            raise UsageError(f"--prefill-timeout: {reason}")
     coordination: tuple[str, ...] = ()
     if args.coordination:
         from narwhal.coordination import parse_coordination_url

@@ -13,7 +13,6 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -21,6 +20,7 @@ from urllib.parse import urlsplit
 from pydantic import ValidationError
 
 from narwhal.contract import ContractError, SimulatedEngineSettings, load_fleet
+from narwhal.contract.flags import number_type
 from narwhal.contract.loader import validation_reasons
 from narwhal.simengine.engine import EngineConfig
 from narwhal.simengine.faults import FaultSettings
@@ -38,23 +38,7 @@ class UsageError(Exception):
     """A command line that cannot run (exit code 2)."""
 
 
-def _bounded_int(low: int, high: int | None = None) -> Callable[[str], int]:
-    """An argparse type: an integer from ``low`` (to ``high``), else a usage error naming it."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low or (high is not None and value > high):
-            span = f"from {low} to {high}" if high is not None else f"at least {low}"
-            raise argparse.ArgumentTypeError(f"must be {span}, got {value}")
-        return value
-
-    return parse
-
-
-_PORT = _bounded_int(1, 65535)
+_PORT = number_type(int, 1, 65535)
 
 
 def add_engine_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -68,9 +52,9 @@ def add_engine_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--nixl-port", type=_PORT, help="NIXL side-channel port")
     p.add_argument("--model", help="served model name")
     p.add_argument("--model-revision")
-    p.add_argument("--max-model-len", type=_bounded_int(1))
+    p.add_argument("--max-model-len", type=number_type(int, 1))
     p.add_argument(
-        "--tp", type=_bounded_int(1), help="tensor parallel size reported in kv_transfer_params"
+        "--tp", type=number_type(int, 1), help="tensor parallel size reported in kv_transfer_params"
     )
     p.add_argument("--gpu-arch")
     p.add_argument("--accelerator")

@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from narwhal.contract.flags import NumberT, out_of_range
+
 __all__ = [
     "PairedRatio",
     "RatePoint",
@@ -227,16 +229,10 @@ def bound_error(args: Any, bounds: Iterable[tuple[str, float, bool]]) -> str | N
     """The first of ``args``' numbers out of its bound, worded as a usage error naming its
     flag, or None. Each bound is (attribute, lowest allowed, whether that lowest itself is)."""
     for name, low, inclusive in bounds:
-        value = getattr(args, name)
-        # Written so that NaN (every comparison false) is out of bounds too.
-        if not (value >= low if inclusive else value > low):
-            flag = "--" + name.replace("_", "-")
-            floor = "at least" if inclusive else "greater than"
-            return f"{flag}: must be {floor} {low:g}, got {value:g}"
+        reason = out_of_range(getattr(args, name), low, low_allowed=inclusive)
+        if reason is not None:
+            return f"--{name.replace('_', '-')}: {reason}"
     return None
-
-
-NumberT = TypeVar("NumberT", int, float)
 
 
 def number_list(
@@ -256,12 +252,10 @@ def number_list(
         raise ValueError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
     if not values:
         raise ValueError(f"{flag}: expected at least one number, got {text!r}")
-    floor = f"at least {low:g}" if low_allowed else f"above {low:g}"
-    span = floor if high is None else f"{floor} and below {high:g}"
     for v in values:
-        above = v >= low if low_allowed else v > low
-        if not above or (high is not None and not v < high):
-            raise ValueError(f"{flag}: each must be {span}, got {v:g}")
+        reason = out_of_range(v, low, high, low_allowed=low_allowed, high_allowed=False)
+        if reason is not None:
+            raise ValueError(f"{flag}: each {reason}")
     return values
 
 

@@ -1,0 +1,70 @@
+"""Numbers a person types on a command line, checked as the fleet file's are: a value out of
+range is refused with the reason, never passed on to fail later as a traceback, a hang or a
+run that measures nothing. NaN is out of every range (each comparison with it is false)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import TypeVar
+
+NumberT = TypeVar("NumberT", int, float)
+
+
+def span(
+    low: float, high: float | None = None, *, low_allowed: bool = True, high_allowed: bool = True
+) -> str:
+    """The range in words: "at least 1", "greater than 0", "from 1 to 65535", ..."""
+    floor = f"at least {low:g}" if low_allowed else f"greater than {low:g}"
+    if high is None:
+        return floor
+    if low_allowed and high_allowed:
+        return f"from {low:g} to {high:g}"
+    return f"{floor} and {'at most' if high_allowed else 'below'} {high:g}"
+
+
+def out_of_range(
+    value: float,
+    low: float,
+    high: float | None = None,
+    *,
+    low_allowed: bool = True,
+    high_allowed: bool = True,
+) -> str | None:
+    """Why ``value`` is out of the range (``must be ..., got ...``), or None when it is in."""
+    above = value >= low if low_allowed else value > low
+    below = high is None or (value <= high if high_allowed else value < high)
+    if above and below:
+        return None
+    where = span(low, high, low_allowed=low_allowed, high_allowed=high_allowed)
+    return f"must be {where}, got {value:g}"
+
+
+def number_type(
+    kind: type[NumberT],
+    low: float,
+    high: float | None = None,
+    *,
+    low_allowed: bool = True,
+    high_allowed: bool = True,
+) -> Callable[[str], NumberT]:
+    """An argparse ``type``: a number of ``kind`` in the range, else a usage error naming the
+    flag and the reason (argparse adds the flag)."""
+
+    def parse(text: str) -> NumberT:
+        try:
+            value = kind(text)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        reason = out_of_range(value, low, high, low_allowed=low_allowed, high_allowed=high_allowed)
+        if reason is not None:
+            raise argparse.ArgumentTypeError(reason)
+        return value
+
+    return parse
+
+
+def positive(kind: type[NumberT]) -> Callable[[str], NumberT]:
+    """An argparse ``type``: a number of ``kind`` greater than 0."""
+    return number_type(kind, 0, low_allowed=False)

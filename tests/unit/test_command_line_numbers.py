@@ -1,0 +1,73 @@
+"""Numbers on the command lines (``narwhal.contract.flags``): out of range, NaN included, is a
+usage error naming the flag and the reason, in every tool that takes them."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from narwhal.contract.flags import number_type, out_of_range, positive
+from tools.measurement import benchmark_runner, load_trial
+
+
+@pytest.mark.parametrize(
+    ("value", "bounds", "reason"),
+    [
+        (0.0, {"low": 0, "low_allowed": False}, "must be greater than 0, got 0"),
+        (float("nan"), {"low": 0}, "must be at least 0, got nan"),
+        (70000, {"low": 1, "high": 65535}, "must be from 1 to 65535, got 70000"),
+        (1.0, {"low": 0, "high": 1, "low_allowed": False, "high_allowed": False},
+         "must be greater than 0 and below 1, got 1"),
+        (2.0, {"low": 0, "high": 1, "high_allowed": True, "low_allowed": False},
+         "must be greater than 0 and at most 1, got 2"),
+    ],
+)  # fmt: skip
+def test_a_value_out_of_range_says_the_range(
+    value: float, bounds: dict[str, float | bool], reason: str
+) -> None:
+    assert out_of_range(value, **bounds) == reason  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [1e-9, 1.0, float("inf")])
+def test_a_value_in_range_passes(value: float) -> None:
+    assert out_of_range(value, 0, low_allowed=False) is None
+    assert positive(float)(str(value)) == value
+
+
+def test_an_argparse_type_names_what_it_expected() -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=r"expected an integer, got '1\.5'"):
+        number_type(int, 1)("1.5")
+    with pytest.raises(argparse.ArgumentTypeError, match="expected a number, got 'x'"):
+        positive(float)("x")
+    assert number_type(int, 1, 65535)("8000") == 8000
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["run", "--rate", "nan"], "argument --rate: must be greater than 0, got nan"),
+        (["run", "--attainment", "95"], "--attainment: must be greater than 0 and at most 1"),
+        (["run", "--ttft", "0"], "argument --ttft: must be greater than 0, got 0"),
+        (["prepare", "--trace-start", "-5"], "argument --trace-start: must be at least 0, got -5"),
+    ],
+)  # fmt: skip
+def test_load_trial_refuses_numbers_out_of_range(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        load_trial.build_parser().parse_args(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--scrape-interval", "--drain-timeout", "--max-gap"])
+@pytest.mark.parametrize("value", ["nan", "0", "-1"])
+def test_benchmark_runner_refuses_seconds_out_of_range(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--base", "http://127.0.0.1:1", "--model", "m", "--plan", "p", "--out", "o"]
+    with pytest.raises(SystemExit) as exit_:
+        benchmark_runner.build_parser().parse_args([*argv, flag, value])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: must be greater than 0, got {value}" in capsys.readouterr().err
