@@ -133,6 +133,50 @@ def test_a_bad_engine_flag_is_a_usage_error_naming_it(flags: list[str], says: st
     assert says in result.stderr.strip().splitlines()[-1]
 
 
+def _events(**fields: object) -> list[str]:
+    return ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, **fields})]
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (_events(publisher="kafka"), "unknown publisher 'kafka' (vLLM's: 'zmq', 'null')"),
+        (
+            _events(replay_endpoint="tcp://*:99999"),
+            "replay_endpoint 'tcp://*:99999': the port must be from 1 to 65535 (or *)",
+        ),
+        (
+            _events(endpoint="tcp://*:notaport"),
+            "endpoint 'tcp://*:notaport': the port must be from 1 to 65535 (or *)",
+        ),
+    ],
+    ids=["publisher", "port-past-65535", "port-not-a-number"],
+)
+def test_a_bad_kv_events_config_is_a_usage_error_naming_it(flags: list[str], says: str) -> None:
+    """vLLM refuses a publisher it does not know; libzmq would take port 99999 as 34463."""
+    result = run_cli("engine", "--port", "23999", "--nixl-port", "23998", *flags)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert f"narwhal-sim: --kv-events-config: {says}" == result.stderr.strip()
+
+
+def test_a_kv_events_endpoint_in_use_is_a_usage_error_before_the_engine_starts() -> None:
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli(
+            "engine", "--port", "23999", "--nixl-port", "23998",
+            *_events(endpoint="tcp://*:23997", replay_endpoint=f"tcp://*:{port}"),
+        )  # fmt: skip
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and "startup failed" not in result.stderr
+    assert result.stderr.strip().startswith(
+        f"narwhal-sim: --kv-events-config: replay_endpoint 'tcp://*:{port}' cannot be bound: "
+        "Address already in use"
+    )
+
+
 def test_fleet_command_runs_and_stops_on_sigterm(tmp_path: Path) -> None:
     path = write_fleet(tmp_path, 2)
     doc = json.loads(path.read_text())

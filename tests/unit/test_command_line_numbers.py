@@ -17,6 +17,8 @@ from tools.measurement import benchmark_runner, load_trial
         (0.0, {"low": 0, "low_allowed": False}, "must be greater than 0, got 0"),
         (float("nan"), {"low": 0}, "must be at least 0, got nan"),
         (70000, {"low": 1, "high": 65535}, "must be from 1 to 65535, got 70000"),
+        (-10485760, {"low": 1}, "must be at least 1, got -10485760"),
+        (0.5, {"low": 1.5}, "must be at least 1.5, got 0.5"),
         (1.0, {"low": 0, "high": 1, "low_allowed": False, "high_allowed": False},
          "must be greater than 0 and below 1, got 1"),
         (2.0, {"low": 0, "high": 1, "high_allowed": True, "low_allowed": False},

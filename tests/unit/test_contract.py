@@ -315,6 +315,12 @@ INVALID_CASES: list[tuple[str, Callable[[Doc], None], str]] = [
         "engines[1].nixl.port: must be less than or equal to 65535 (got 70000)",
     ),
     (
+        "kv-events-port-out-of-range",
+        _set("engines.1.kv_events", {"endpoint": "tcp://127.0.0.1:99999"}),
+        "engines[1].kv_events.endpoint: port is not a number from 1 to 65535 "
+        "(got 'tcp://127.0.0.1:99999')",
+    ),
+    (
         "bool-is-not-a-number",
         _set("budgets.ttft_s", True),
         "budgets.ttft_s: expected a number (got true)",

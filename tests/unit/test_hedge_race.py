@@ -9,6 +9,7 @@ answer within half a second.
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass
 
 import orjson
@@ -203,6 +204,9 @@ def test_the_slow_leg_answers_before_its_hedge() -> None:
     assert f"{hedge} cancelled" in out.engines.log
     assert out.record.prefill_engine == slow
     assert f"e2 decodes from {slow}" in out.engines.log
+    # The hedge neither answered nor failed: no verdict on its engine.
+    assert out.state.engines[hedge].breaker.consecutive_failures == 0
+    assert out.state.engines[hedge].answered_at == -math.inf
 
 
 def test_the_slow_leg_fails_and_the_hedge_still_answers() -> None:
@@ -223,10 +227,13 @@ def test_both_legs_fail_as_one_failure() -> None:
 
 def test_the_hedge_fails_first_and_the_slow_leg_still_answers() -> None:
     out = run([Leg("ok", 0.3), Leg("fail", 0.0)])
-    slow, _ = out.engines.prefills
+    slow, hedge = out.engines.prefills
     assert out.error is None
     assert out.hedges("original") == 1
     assert out.record.prefill_engine == slow
+    # Each leg's failure counted against its engine, the slow leg's once (when hedged).
+    assert out.state.engines[hedge].breaker.consecutive_failures == 1
+    assert out.state.engines[slow].breaker.consecutive_failures == 1
 
 
 @pytest.mark.parametrize("refused", ["slow", "hedge"])
@@ -239,6 +246,9 @@ def test_a_refusal_from_either_leg_ends_the_request(refused: str) -> None:
     out = run(script)
     assert isinstance(out.error, EngineRefused)
     assert out.hedges("refused") == 1
+    if refused == "slow":  # the hedge was cancelled: no verdict on its engine
+        _, hedge = out.engines.prefills
+        assert out.state.engines[hedge].answered_at == -math.inf
 
 
 def test_a_request_cancelled_mid_race_cancels_both_legs() -> None:

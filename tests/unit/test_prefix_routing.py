@@ -16,7 +16,7 @@ from narwhal.profiles.store import EngineModels
 from narwhal.routing.admission import Admit
 from narwhal.routing.breaker import BreakerState
 from narwhal.routing.fleet_state import FleetState
-from narwhal.routing.lifecycle import Lifecycle, LifecycleObserver
+from narwhal.routing.lifecycle import HedgeEnd, Lifecycle, LifecycleObserver, Ticket
 from narwhal.routing.predictor import LatencyPredictor
 from narwhal.routing.prefix import PrefixIndex, chain_keys, prompt_keys, text_keys
 from narwhal.routing.scheduler import Pair, RequestShape, SchedulerV0, SchedulerV1
@@ -225,66 +225,109 @@ class _Heard(LifecycleObserver):
         self.corrections.append(engine)
 
 
-@pytest.mark.parametrize("events", [False, True], ids=["history", "events"])
-@pytest.mark.parametrize("slow_answers", [False, True], ids=["hedge-first", "slow-first"])
-def test_a_hedge_race_leaves_claims_only_where_the_prompt_is(
-    events: bool, slow_answers: bool
-) -> None:
-    """Of a hedged prefill's two legs the one that answers holds the prompt and the other is
-    cancelled: the loser's prefill engine gives its claim back, and so does the slow leg's
-    decode engine (the request decodes on the hedge's). A hedge that lost is no sample of its
-    engine's speed and no verdict on it."""
+def hedged(events: bool) -> tuple[VirtualClock, PrefixIndex, Lifecycle, Ticket, Pair, Pair]:
+    """A request whose prefill leg was hedged 0.3 s after its dispatch, on a pair whose
+    decode engine is not the slow leg's either; the clock 0.2 s later. Returns the slow leg's
+    pair and the hedge's."""
     clock, index, lifecycle = routed(events)
-    heard = lifecycle.observer = _Heard()
+    lifecycle.observer = _Heard()
     lifecycle.predictor = lifecycle.scheduler.predictor  # type: ignore[attr-defined]
     ticket = lifecycle.arrive("r1", max_tokens=10, prompt_tokens=PROMPT, prefix=KEYS)
     first = lifecycle.admit(ticket)
     assert isinstance(first, Admit)
     clock.advance(0.3)
+    decode = lifecycle.state.engines[first.pair.decode]
+    decode.healthy = False  # for the hedge to decode elsewhere
     hedge = lifecycle.hedge_prefill(ticket, budget_left_s=1.7)
+    decode.healthy = True
     assert isinstance(hedge, Pair) and hedge.prefill != first.pair.prefill
-    heard.verdicts.clear()
+    assert hedge.decode != first.pair.decode
     clock.advance(0.2)
-    lifecycle.prefill_done(ticket, "ok", prompt_tokens=PROMPT, slow_leg_answered=slow_answers)
-    holder = first.pair.prefill if slow_answers else hedge.prefill
-    assert index.match(KEYS, clock.now()) == {holder: 250, hedge.decode: 250}
-    assert (hedge.prefill in heard.verdicts) is not slow_answers
-    assert (hedge.prefill in heard.corrections) is not slow_answers
-    assert first.pair.prefill not in heard.corrections
+    return clock, index, lifecycle, ticket, first.pair, hedge
+
+
+@pytest.mark.parametrize("events", [False, True], ids=["history", "events"])
+@pytest.mark.parametrize("winner", ["hedge", "slow", "slow-after-hedge-failed"])
+def test_a_hedge_race_leaves_claims_only_where_the_prompt_is(events: bool, winner: str) -> None:
+    """Of a hedged prefill's two legs the first to answer wins and the other is cancelled
+    (what it computed stays in its engine's cache: its claim stays); the slow leg's decode
+    engine gives its claim back (the request decodes on the hedge's); a hedge that failed
+    gives its claim back. A hedge that lost is no sample of its engine's speed, and a verdict
+    on it only when it failed."""
+    clock, index, lifecycle, ticket, slow, hedge = hedged(events)
+    heard = lifecycle.observer
+    assert isinstance(heard, _Heard)
+    heard.verdicts.clear()
+    failures = lifecycle.state.engines[hedge.prefill].breaker.consecutive_failures
+    if winner == "hedge":
+        lifecycle.prefill_done(ticket, "ok", prompt_tokens=PROMPT)
+        held = {slow.prefill: 250, hedge.prefill: 250, hedge.decode: 250}
+    else:
+        ended: HedgeEnd = "failed" if winner == "slow-after-hedge-failed" else "cancelled"
+        lifecycle.prefill_done(ticket, "ok", prompt_tokens=PROMPT, hedge_ended=ended)
+        held = {slow.prefill: 250, hedge.decode: 250}
+        if ended == "cancelled":
+            held[hedge.prefill] = 250
+    assert index.match(KEYS, clock.now()) == held
+    breaker = lifecycle.state.engines[hedge.prefill].breaker
+    if winner == "hedge":
+        assert hedge.prefill in heard.verdicts and breaker.consecutive_failures == 0
+    elif winner == "slow":
+        assert hedge.prefill not in heard.verdicts and breaker.consecutive_failures == failures
+    else:
+        assert breaker.consecutive_failures == failures + 1
+    assert (hedge.prefill in heard.corrections) is (winner == "hedge")
+    assert slow.prefill not in heard.corrections
     assert ticket.phase == "decode" and ticket.pair == hedge
 
 
 @pytest.mark.parametrize("events", [False, True], ids=["history", "events"])
-def test_a_hedge_race_both_legs_lost_leaves_no_claim(events: bool) -> None:
-    clock, index, lifecycle = routed(events)
-    ticket = lifecycle.arrive("r1", max_tokens=10, prompt_tokens=PROMPT, prefix=KEYS)
-    assert isinstance(lifecycle.admit(ticket), Admit)
-    clock.advance(0.3)
-    assert isinstance(lifecycle.hedge_prefill(ticket, budget_left_s=1.7), Pair)
-    clock.advance(0.2)
-    lifecycle.prefill_done(ticket, "failed")
+@pytest.mark.parametrize("then", ["failed", "refused"])
+def test_a_slow_leg_that_failed_gives_its_claims_back(events: bool, then: str) -> None:
+    """The slow leg fails while its hedge runs on: its engines' claims go at once; the hedge
+    then fails too (nothing is held) or is refused (nothing computed there either)."""
+    clock, index, lifecycle, ticket, _slow, hedge = hedged(events)
+    lifecycle.slow_leg_failed(ticket)
+    assert index.match(KEYS, clock.now()) == {hedge.prefill: 250, hedge.decode: 250}
+    lifecycle.prefill_done(ticket, "failed" if then == "failed" else "refused")
     assert index.match(KEYS, clock.now()) == {}
 
 
 @pytest.mark.parametrize("events", [False, True], ids=["history", "events"])
-@pytest.mark.parametrize("how", ["refused", "cancelled", "hedged-then-cancelled"])
-def test_a_prefill_that_computed_nothing_leaves_no_claim(events: bool, how: str) -> None:
-    """An engine that refused the prompt (HTTP 4xx) or a request cancelled during its prefill
-    (its client left; engines abort it): no engine of its pair holds the prompt as the dispatch
-    recorded."""
-    clock, index, lifecycle = routed(events)
-    ticket = lifecycle.arrive("r1", max_tokens=10, prompt_tokens=PROMPT, prefix=KEYS)
-    assert isinstance(lifecycle.admit(ticket), Admit)
-    clock.advance(0.3)
-    if how == "hedged-then-cancelled":
-        assert isinstance(lifecycle.hedge_prefill(ticket, budget_left_s=1.7), Pair)
-        clock.advance(0.1)
-    if how == "refused":
-        lifecycle.prefill_done(ticket, "refused")
-    else:
-        lifecycle.cancel(ticket)
+def test_a_slow_leg_refused_leaves_the_cancelled_hedge_its_claim(events: bool) -> None:
+    clock, index, lifecycle, ticket, _slow, hedge = hedged(events)
+    lifecycle.prefill_done(ticket, "refused", hedge_ended="cancelled")
     assert ticket.phase == "done"
-    assert index.match(KEYS, clock.now()) == {}
+    assert index.match(KEYS, clock.now()) == {hedge.prefill: 250}
+
+
+@pytest.mark.parametrize("events", [False, True], ids=["history", "events"])
+@pytest.mark.parametrize("how", ["refused", "cancelled", "hedged-then-cancelled"])
+def test_a_prefill_refused_or_cancelled_leaves_claims_where_the_prompt_may_be(
+    events: bool, how: str
+) -> None:
+    """An engine that refused the prompt (HTTP 4xx) computed nothing: no engine of its pair
+    keeps a claim. A request cancelled during its prefill (its client left; engines abort it):
+    the prefill engines keep theirs (what they computed stays cached), its decode engine, which
+    pulled nothing, does not."""
+    if how == "hedged-then-cancelled":
+        clock, index, lifecycle, ticket, slow, hedge = hedged(events)
+        lifecycle.cancel(ticket)
+        held = {slow.prefill: 250, hedge.prefill: 250}
+    else:
+        clock, index, lifecycle = routed(events)
+        ticket = lifecycle.arrive("r1", max_tokens=10, prompt_tokens=PROMPT, prefix=KEYS)
+        first = lifecycle.admit(ticket)
+        assert isinstance(first, Admit)
+        clock.advance(0.3)
+        if how == "refused":
+            lifecycle.prefill_done(ticket, "refused")
+            held = {}
+        else:
+            lifecycle.cancel(ticket)
+            held = {first.pair.prefill: 250}
+    assert ticket.phase == "done"
+    assert index.match(KEYS, clock.now()) == held
 
 
 def test_only_a_hedged_leg_can_answer_as_the_slow_one() -> None:
@@ -292,7 +335,9 @@ def test_only_a_hedged_leg_can_answer_as_the_slow_one() -> None:
     ticket = lifecycle.arrive("r1", max_tokens=10, prompt_tokens=PROMPT, prefix=KEYS)
     assert isinstance(lifecycle.admit(ticket), Admit)
     with pytest.raises(ValueError, match="no hedged leg"):
-        lifecycle.prefill_done(ticket, "ok", slow_leg_answered=True)
+        lifecycle.prefill_done(ticket, "ok", hedge_ended="cancelled")
+    with pytest.raises(ValueError, match="no hedged leg"):
+        lifecycle.slow_leg_failed(ticket)
 
 
 def test_a_burst_follows_a_prompt_still_in_flight_to_engines_that_publish_events() -> None:

@@ -286,8 +286,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "attainment", None) is not None and args.attainment > 1:
-        parser.error("--attainment is a fraction between 0 and 1")
     try:
         return int(args.func(args))
     except (UsageError, WorkloadError) as exc:

@@ -11,16 +11,21 @@ from typing import TypeVar
 NumberT = TypeVar("NumberT", int, float)
 
 
+def _shown(value: float) -> str:
+    """A number as typed: whole numbers in full (``1234567``, not ``1.23457e+06``)."""
+    return str(value) if isinstance(value, int) else f"{value:g}"
+
+
 def span(
     low: float, high: float | None = None, *, low_allowed: bool = True, high_allowed: bool = True
 ) -> str:
     """The range in words: "at least 1", "greater than 0", "from 1 to 65535", ..."""
-    floor = f"at least {low:g}" if low_allowed else f"greater than {low:g}"
+    floor = f"at least {_shown(low)}" if low_allowed else f"greater than {_shown(low)}"
     if high is None:
         return floor
     if low_allowed and high_allowed:
-        return f"from {low:g} to {high:g}"
-    return f"{floor} and {'at most' if high_allowed else 'below'} {high:g}"
+        return f"from {_shown(low)} to {_shown(high)}"
+    return f"{floor} and {'at most' if high_allowed else 'below'} {_shown(high)}"
 
 
 def out_of_range(
@@ -37,7 +42,7 @@ def out_of_range(
     if above and below:
         return None
     where = span(low, high, low_allowed=low_allowed, high_allowed=high_allowed)
-    return f"must be {where}, got {value:g}"
+    return f"must be {where}, got {_shown(value)}"
 
 
 def number_type(

@@ -182,6 +182,14 @@ class KVEventsEndpoint(_Model):
     replay_endpoint: str | None = Field(default=None, pattern=r"^tcp://[^:/\s]+:\d{1,5}$")
     topic: str = ""
 
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _port(cls, value: str | None) -> str | None:
+        # libzmq takes a port past 65535 modulo 65536: tcp://e1:99999 would reach port 34463.
+        if value is not None and not 1 <= int(value.rpartition(":")[2]) <= 65535:
+            raise _error(f"port is not a number from 1 to 65535 (got {value!r})")
+        return value
+
 
 class SimulatedEngineSettings(_Model):
     """Knobs of the simulated engine. The timing knobs are a file format for the latency model

@@ -65,6 +65,8 @@ Phase = Literal["new", "queued", "prefill", "decode", "streaming", "done"]
 # fine and the request is over); failed: the engine failed (a retry may go elsewhere);
 # deadline: the decode leg produced no first token within the first-token deadline.
 LegOutcome = Literal["ok", "refused", "failed", "deadline"]
+# How a hedge's leg ended when the slow leg it raced ended first (``Lifecycle.prefill_done``).
+HedgeEnd = Literal["cancelled", "failed"]
 
 
 @dataclass(eq=False)
@@ -337,7 +339,7 @@ class Lifecycle:
         # prefix index, whose claim on its engine stands until the race ends.
         slow_leg = (ticket.pair, ticket.dispatched_at)
         self._prefill_failed(ticket, runs_on=True)
-        self._settle_race(ticket, slow_answered=False)  # an earlier race's, had there been one
+        self._settle_race(ticket, slow_holds=True)  # an earlier race's, had there been one
         ticket.slow_leg = slow_leg
         self.observer.decided(ticket, pick)
         self._dispatch(ticket, pick)
@@ -481,57 +483,70 @@ class Lifecycle:
         outcome: LegOutcome,
         *,
         prompt_tokens: int | None = None,
-        slow_leg_answered: bool = False,
+        hedge_ended: HedgeEnd | None = None,
     ) -> None:
         """The prefill leg ended. ``ok``: the decode leg is dispatched to the pair's decode
         engine (counted from now); ``prompt_tokens`` is the count the engine reported.
-        ``slow_leg_answered``: a hedged prefill whose slow leg (``hedge_prefill``) answered
-        before the hedge, which was cancelled; the request decodes on the hedge's pair."""
+
+        ``hedge_ended``: the outcome (``ok`` or ``refused``) is a hedged prefill's slow leg's
+        (``hedge_prefill``), which ended before the hedge; the hedge's own leg ended so:
+        ``cancelled`` (no verdict on its engine, no sample of its speed) or ``failed``
+        (counted against its engine). The request decodes on the hedge's pair."""
         if ticket.phase != "prefill" or ticket.pair is None:
             raise ValueError(f"request {ticket.id} has no prefill leg running ({ticket.phase})")
-        if slow_leg_answered and (outcome != "ok" or ticket.slow_leg is None):
+        by_slow_leg = hedge_ended is not None
+        if by_slow_leg and (outcome not in ("ok", "refused") or ticket.slow_leg is None):
             raise ValueError(f"request {ticket.id} has no hedged leg that answered")
-        self._settle_race(ticket, slow_answered=slow_leg_answered)
+        # A leg cancelled keeps its claim (what it computed before the abort stays in the
+        # engine's prefix cache); one that failed or was refused gives it back.
+        self._settle_race(ticket, slow_holds=not (by_slow_leg and outcome == "refused"))
         if outcome in ("failed", "deadline"):
             self._prefill_failed(ticket, runs_on=False)
             return
         p = self._end_prefill(ticket)
+        if hedge_ended == "failed":
+            self._verdict(p, ok=False, leg="prefill")
+            self._forget_routed(ticket, p.id)
+        elif hedge_ended == "cancelled":
+            p.breaker.on_abandon()
+        else:
+            self._verdict(p, ok=True)  # refused: the engine is fine; the request is not
         if outcome == "refused":
-            self._verdict(p, ok=True)  # the engine is fine; the request is not
-            # Nothing was computed: neither engine holds the prompt as the dispatch recorded.
-            self._forget_routed(ticket, p.id, ticket.pair.decode)
+            # Nothing was decoded, and nothing computed on the engine that refused.
+            refused_here = () if by_slow_leg else (p.id,)
+            self._forget_routed(ticket, ticket.pair.decode, *refused_here)
             ticket.phase = "done"
             return
-        if slow_leg_answered:
-            # The hedge's engine neither answered nor failed (its leg was cancelled): no
-            # verdict, no sample for its latency model, and no claim on the prompt.
-            p.breaker.on_abandon()
-            self._forget_routed(ticket, p.id)
-        else:
-            self._verdict(p, ok=True)
         if prompt_tokens is not None and prompt_tokens > 0:
             if ticket.prompt_tokens is None:
                 self.lengths.observe(ticket.prompt_bytes, prompt_tokens)
             ticket.prompt_tokens = prompt_tokens
-        if (
-            self.predictor is not None
-            and ticket.prefill_predicted_s is not None
-            and not slow_leg_answered
-        ):
+        predicted = ticket.prefill_predicted_s
+        if self.predictor is not None and predicted is not None and not by_slow_leg:
             ratio = self.predictor.observe(
                 p.id,
                 "prefill",
-                ticket.prefill_predicted_s,
+                predicted,
                 self.clock.now() - ticket.prefill_started,
                 uncorrected=True,
             )
             self._report_correction(p.id, "prefill", ratio)
         self._begin_decode(ticket)
 
-    def _settle_race(self, ticket: Ticket, *, slow_answered: bool) -> None:
-        """A hedged prefill's race ended (or the request did): the slow leg's prefix claims go,
-        but its prefill engine's when it answered (the KV is there). Engines of the request's
-        own pair keep theirs: the pair's outcome settles them."""
+    def slow_leg_failed(self, ticket: Ticket) -> None:
+        """The slow leg of a hedged prefill failed while its hedge runs on (already counted
+        against its engine when it was hedged): neither its prefill nor its decode engine will
+        hold the prompt."""
+        if ticket.slow_leg is None:
+            raise ValueError(f"request {ticket.id} has no hedged leg running")
+        self._settle_race(ticket, slow_holds=False)
+
+    def _settle_race(self, ticket: Ticket, *, slow_holds: bool) -> None:
+        """A hedged prefill's race ended (or the request did): the slow leg's decode engine
+        gives back its claim (the request decodes on the hedge's pair, or not at all), and its
+        prefill engine too unless it holds the prompt (``slow_holds``: it answered, or was
+        cancelled with what it computed). Engines of the request's own pair keep theirs: the
+        pair's outcome settles them."""
         slow = ticket.slow_leg
         if slow is None:
             return
@@ -540,7 +555,7 @@ class Lifecycle:
         index = self.state.prefix_index
         if index is None or not ticket.prefix:
             return
-        lost = {pair.decode} if slow_answered else {pair.prefill, pair.decode}
+        lost = {pair.decode} if slow_holds else {pair.prefill, pair.decode}
         if ticket.pair is not None:
             lost -= {ticket.pair.prefill, ticket.pair.decode}
         for engine in lost:
@@ -710,10 +725,11 @@ class Lifecycle:
             self.observer.queue_depth(len(self._queue))
         elif phase == "prefill":
             self._end_prefill(ticket).breaker.on_abandon()
-            # The engines abandon the prompt with the request: no claim on it stays.
-            self._settle_race(ticket, slow_answered=False)
+            # The engines abort it: a prefill engine keeps what it computed before (its claim
+            # stays), a decode engine pulled nothing.
+            self._settle_race(ticket, slow_holds=True)
             assert ticket.pair is not None
-            self._forget_routed(ticket, ticket.pair.prefill, ticket.pair.decode)
+            self._forget_routed(ticket, ticket.pair.decode)
         elif phase in ("decode", "streaming"):
             self._end_decode(ticket).breaker.on_abandon()
 

@@ -27,7 +27,13 @@ from narwhal.metrics import RouterMetrics
 from narwhal.routing.admission import Admit, Queue, Reject, Verdict
 from narwhal.routing.breaker import BreakerState
 from narwhal.routing.fleet_state import Role
-from narwhal.routing.lifecycle import QUEUE_RECHECK_S, Lifecycle, LifecycleObserver, Ticket
+from narwhal.routing.lifecycle import (
+    QUEUE_RECHECK_S,
+    HedgeEnd,
+    Lifecycle,
+    LifecycleObserver,
+    Ticket,
+)
 from narwhal.routing.prefix import prompt_keys, token_prompt
 from narwhal.routing.scheduler import NoPair, Pair
 from narwhal.serve.errors import (
@@ -95,6 +101,14 @@ class _HedgeRace:
     # The hedge, when its end decided the race (it answered or refused before the slow leg).
     decided: asyncio.Future[tuple[Any, int | None, list[int] | None]] | None = None
     closed: bool = False  # the race is over: nothing may interrupt the task any more
+
+
+def _hedge_end(hedge: asyncio.Future[Any]) -> HedgeEnd:
+    """How a hedge ended when the slow leg it raced ended first: failed before it, else
+    cancelled (now, by the race's end)."""
+    if hedge.done() and not hedge.cancelled() and isinstance(hedge.exception(), _LegFailure):
+        return "failed"
+    return "cancelled"
 
 
 @dataclass
@@ -477,10 +491,13 @@ class PDRouter:
                 if race.second is None:
                     raise
                 if isinstance(exc, _EngineClientError):
-                    self.lifecycle.prefill_done(ticket, "refused")
+                    self.lifecycle.prefill_done(
+                        ticket, "refused", hedge_ended=_hedge_end(race.second)
+                    )
                     self.metrics.hedges.labels("prefill", "refused").inc()
                     raise
                 # The slow leg failed; the hedge may still answer.
+                self.lifecycle.slow_leg_failed(ticket)
                 second = race.second
                 race.closed = True
                 with contextlib.suppress(_LegFailure, _EngineClientError):
@@ -490,7 +507,7 @@ class PDRouter:
                 return (*result, pair)
             race.closed = True
             self.lifecycle.prefill_done(
-                ticket, "ok", prompt_tokens=result[1], slow_leg_answered=True
+                ticket, "ok", prompt_tokens=result[1], hedge_ended=_hedge_end(race.second)
             )
             self.metrics.hedges.labels("prefill", "original").inc()
             return (*result, race.pair)

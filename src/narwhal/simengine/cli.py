@@ -24,7 +24,7 @@ from narwhal.contract.flags import number_type
 from narwhal.contract.loader import validation_reasons
 from narwhal.simengine.engine import EngineConfig
 from narwhal.simengine.faults import FaultSettings
-from narwhal.simengine.kv_events import KVEventsSettings
+from narwhal.simengine.kv_events import KVEventsSettings, check_bindable
 from narwhal.simengine.timing import sim_models
 
 __all__ = ["UsageError", "add_engine_parser", "main", "run_engine"]
@@ -224,6 +224,11 @@ def _run_engine(args: argparse.Namespace) -> int:
     from narwhal.simengine.server import build_app
 
     settings, host, port = _resolve_engine(args)
+    if settings.kv_events is not None:
+        try:
+            check_bindable(settings.kv_events)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )

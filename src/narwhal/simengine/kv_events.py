@@ -33,7 +33,7 @@ from narwhal.engines.kv_events import (
 )
 from narwhal.simengine import kv_blocks
 
-__all__ = ["KVEventPublisher", "KVEventsSettings"]
+__all__ = ["KVEventPublisher", "KVEventsSettings", "check_bindable"]
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,12 @@ class KVEventsSettings:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"--kv-events-config: unknown field {unknown[0]!r}")
-        if not raw.get("enable_kv_cache_events") or raw.get("publisher", "zmq") != "zmq":
+        publisher = raw.get("publisher", "zmq")
+        if publisher not in ("zmq", "null"):  # vLLM's EventPublisherFactory knows these two
+            raise ValueError(
+                f"--kv-events-config: unknown publisher {publisher!r} (vLLM's: 'zmq', 'null')"
+            )
+        if not raw.get("enable_kv_cache_events") or publisher != "zmq":
             return None
         settings = KVEventsSettings(
             endpoint=raw.get("endpoint", "tcp://*:5557"),
@@ -93,6 +98,14 @@ class KVEventsSettings:
             value = getattr(settings, name)
             if value is not None and (not isinstance(value, str) or "://" not in value):
                 raise ValueError(f"--kv-events-config: {name} must be a zmq address")
+            if value is not None and value.startswith("tcp://"):
+                port = value.rpartition(":")[2]
+                # libzmq takes a port past 65535 modulo 65536: tcp://*:99999 binds 34463.
+                if port != "*" and not (port.isdigit() and 0 < int(port) < 65536):
+                    raise ValueError(
+                        f"--kv-events-config: {name} {value!r}: the port must be from 1 to "
+                        "65535 (or *)"
+                    )
         for name in ("buffer_steps", "hwm"):
             value = getattr(settings, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -118,6 +131,32 @@ def _wire(event: kv_blocks.KVEvent) -> BlockStored | BlockRemoved | AllBlocksCle
     if isinstance(event, kv_blocks.BlockRemoved):
         return BlockRemoved(block_hashes=list(event.block_hashes), medium=MEDIUM, group_idx=0)
     return AllBlocksCleared()
+
+
+def check_bindable(settings: KVEventsSettings) -> None:
+    """Bind (and release) the endpoints the publisher will bind, so that an address in use or
+    one zmq cannot take is a usage error before the engine starts rather than a traceback in
+    its startup. ValueError naming the endpoint and zmq's reason."""
+    wanted = [("endpoint", settings.endpoint, zmq.PUB)] if settings.bind else []
+    if settings.replay_endpoint is not None:
+        wanted.append(("replay_endpoint", settings.replay_endpoint, zmq.ROUTER))
+    ctx = zmq.Context()
+    held: list[zmq.Socket[bytes]] = []
+    try:
+        for name, address, kind in wanted:  # all held at once: the two may collide
+            sock = ctx.socket(kind)
+            sock.setsockopt(zmq.LINGER, 0)
+            held.append(sock)
+            try:
+                sock.bind(address)
+            except zmq.ZMQError as exc:
+                raise ValueError(
+                    f"--kv-events-config: {name} {address!r} cannot be bound: {exc.strerror}"
+                ) from None
+    finally:
+        for sock in held:
+            sock.close(linger=0)
+        ctx.term()  # waits for the sockets to close: their ports are free again
 
 
 class KVEventPublisher:
