@@ -765,6 +765,7 @@ def test_profile_and_check_pass_on_real_engines(pd: PD) -> None:
             pd.prefill,
             pd.decode,
             attestation_urls={k: f"http://127.0.0.1:{p}/attestation" for k, p in sidecars.items()},
+            block_size=pd.kv.block_size,  # the kv_transfer gate checks the KV events' blocks
         )
         fleet = directory / "fleet-attested.json"
         fleet.write_text(json.dumps(doc, indent=2))
@@ -850,6 +851,11 @@ def test_profile_and_check_pass_on_real_engines(pd: PD) -> None:
         kv_gate = next(g for g in result["gates"] if g["name"] == "kv_transfer")
         evidence = json.dumps(kv_gate["evidence"])
         assert "first_token" in evidence, kv_gate["evidence"]
+        # Both engines published their blocks (p0 computed the probes' prompts, d0 pulled them)
+        # as narwhal-serve reads them, and their replay sockets gave them back.
+        for engine_id, seen in kv_gate["evidence"]["kv_events"].items():
+            assert seen["stored_blocks"] > 0 and seen["replay"] == "ok", (engine_id, seen)
+            assert seen["block_sizes"] == [pd.kv.block_size], (engine_id, seen)
     pd.run["qualification"] = {
         "profile_s": round(profile_s, 1),
         "check_s": round(check_s, 1),

@@ -32,6 +32,7 @@ from narwhal.check.evidence import (
     TokenizeResult,
 )
 from narwhal.check.gates.pace import PaceProbePlan
+from narwhal.check.kv_events_watch import KVEventsWatch
 from narwhal.check.settings import GENERATION_TEXT, CheckSettings
 from narwhal.clock import Clock
 from narwhal.contract import EngineSpec, FleetContract
@@ -459,6 +460,11 @@ class Collector:
                 prefill_s, first, count, f"decode leg streamed {count} tokens, {tokens} requested"
             )
         return HandoffProbe(prefill_s, first, count)
+
+    def watch_kv_events(self) -> KVEventsWatch:
+        """A subscription to every engine's KV events (the fleet's ``kv_events``), to hold
+        around the handoffs (``kv_pairs``)."""
+        return KVEventsWatch(self.fleet)
 
     async def kv_pairs(
         self,

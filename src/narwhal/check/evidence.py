@@ -15,6 +15,7 @@ __all__ = [
     "EngineHealth",
     "GenerationResult",
     "HandoffProbe",
+    "KVEventsSeen",
     "ModelsResult",
     "PaceResult",
     "PairResult",
@@ -114,3 +115,23 @@ class PairResult:
     @property
     def name(self) -> str:
         return f"{self.prefill}->{self.decode}"
+
+
+@dataclass(frozen=True)
+class KVEventsSeen:
+    """What one engine's KV event stream (its fleet ``kv_events``) carried while the
+    kv_transfer gate's handoffs ran, read as the router reads it (``KVEventSubscriber``)."""
+
+    engine_id: str
+    endpoint: str
+    replay_endpoint: str | None
+    batches: int = 0
+    stored_blocks: int = 0
+    removed_blocks: int = 0
+    cleared: int = 0
+    block_sizes: tuple[int, ...] = ()  # the block sizes its BlockStored events carried
+    bad_payloads: int = 0  # batches the router could not read
+    resets: int = 0  # gaps the replay socket could not fill, restarts
+    # "ok" when the replay socket gave back the first batch seen, else why not; None without
+    # a replay socket or a batch to ask for.
+    replay: str | None = None

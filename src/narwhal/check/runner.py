@@ -120,7 +120,12 @@ async def _kv_transfer(run: _Run) -> GateOutcome:
     fleet = inputs.fleet.contract
     tokens, basis = kv_prompt_tokens(settings, inputs.store, inputs.plan, fleet.model.max_model_len)
     window = kv_window_s(settings, inputs.fleet)
-    pairs = await run.collector.kv_pairs(fleet.permitted_pairs(), tokens, window, run.progress)
+    watch = run.collector.watch_kv_events()
+    await watch.start()
+    try:
+        pairs = await run.collector.kv_pairs(fleet.permitted_pairs(), tokens, window, run.progress)
+    finally:
+        events = await watch.stop()
     profiled: tuple[float, str] | None = None
     if inputs.store is not None:
         length, why = planned_prompt_tokens(inputs.store, inputs.plan)
@@ -137,7 +142,9 @@ async def _kv_transfer(run: _Run) -> GateOutcome:
                 f"profiled prefill at {length} tokens ({why}) on the slowest prefill-capable "
                 f"engine, {slowest}",
             )
-    outcome = kv_transfer_gate(fleet, pairs, tokens, basis, window, settings.kv_margin, profiled)
+    outcome = kv_transfer_gate(
+        fleet, pairs, tokens, basis, window, settings.kv_margin, profiled, events
+    )
     firsts = [p.first_token_s for pr in pairs for p in pr.probes if p.first_token_s is not None]
     if firsts:
         firsts.sort()

@@ -380,6 +380,8 @@ class KVEventSubscriber:
         self.on_reset = on_reset
         self.replay_timeout_s = replay_timeout_s
         self.next_seq: int | None = None
+        self.first_seq: int | None = None  # the first batch delivered
+        self.replaying = False  # waiting for the replay socket (the live stream waits too)
         self.last_ts = float("-inf")  # the last delivered batch's time stamp
         self.batches = 0
         self.gaps = 0
@@ -439,6 +441,8 @@ class KVEventSubscriber:
             self.next_seq = seq + 1
             return
         self.next_seq = seq + 1
+        if self.first_seq is None:
+            self.first_seq = seq
         self.last_ts = max(self.last_ts, ts)
         self.batches += 1
         self.on_events(events)
@@ -452,7 +456,11 @@ class KVEventSubscriber:
         """Deliver the batches ``start .. live_seq-1`` from the engine's replay buffer. When
         the engine's earlier entries were relied on (``complete_required``) and the buffer
         cannot supply them all, reset instead: the stream counts again from ``live_seq``."""
-        got = await self._fetch_replay(start) if self.replay_endpoint else None
+        self.replaying = True
+        try:
+            got = await self.fetch_replay(start) if self.replay_endpoint else None
+        finally:
+            self.replaying = False
         wanted = sorted((s, p) for s, p in (got or []) if start <= s < live_seq)
         complete = [s for s, _ in wanted] == list(range(start, live_seq))
         if complete or not complete_required:
@@ -462,7 +470,9 @@ class KVEventSubscriber:
             self._reset(f"events {start}..{live_seq - 1} lost and not replayable")
             self.next_seq = None
 
-    async def _fetch_replay(self, start: int) -> list[tuple[int, bytes]] | None:
+    async def fetch_replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        """The batches the engine's replay buffer holds from sequence ``start`` on, or None
+        when its replay socket does not answer within ``replay_timeout_s`` or answers wrongly."""
         assert self.replay_endpoint is not None
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)

@@ -7,8 +7,13 @@ from typing import Any
 
 import pytest
 
-from narwhal.check.evidence import HandoffProbe, PairResult
-from narwhal.check.gates.kv_transfer import kv_prompt_tokens, kv_transfer_gate, recommend_deadline
+from narwhal.check.evidence import HandoffProbe, KVEventsSeen, PairResult
+from narwhal.check.gates.kv_transfer import (
+    kv_events_findings,
+    kv_prompt_tokens,
+    kv_transfer_gate,
+    recommend_deadline,
+)
 from narwhal.check.plan import BenchmarkPlan
 from narwhal.check.settings import CheckSettings
 from tests.check.support import KIMI, fleet_doc, loaded, make_store, plan_doc, point
@@ -98,3 +103,62 @@ def test_kv_prompt_length_follows_plan_then_store_and_fits_the_context() -> None
     assert kv_prompt_tokens(s, store, None, 16384)[0] == 8192
     assert kv_prompt_tokens(s, None, None, 16384) == (1024, "default (no plan, no profile store)")
     assert kv_prompt_tokens(s, store, None, 4096)[0] == 4096 - s.kv_output_tokens
+
+
+def _events_fleet(**prefix_caching: Any) -> Any:
+    doc = fleet_doc(3, kv_event_ports=[(1001, 1002), (1003, 1004), (1005, 1006)])
+    del doc["engines"][2]["kv_events"]
+    if prefix_caching:
+        doc["engine"]["prefix_caching"] = prefix_caching
+    return loaded(doc).contract
+
+
+def _seen(engine: str, **kw: Any) -> KVEventsSeen:
+    fields: dict[str, Any] = {
+        "batches": 3,
+        "stored_blocks": 64,
+        "block_sizes": (16,),
+        "replay": "ok",
+    }
+    fields.update(kw)
+    return KVEventsSeen(engine, f"tcp://h:{engine}", f"tcp://h:r{engine}", **fields)
+
+
+def test_kv_events_of_engines_that_ran_a_handoff_are_judged() -> None:
+    fleet = _events_fleet()
+    failures, notes, evidence = kv_events_findings(
+        fleet, [_seen("e0"), _seen("e1", batches=0, stored_blocks=0, replay=None)], {"e0", "e1"}
+    )
+    assert failures == [
+        "e1: KV events at tcp://h:e1: no batch during its handoffs: the router would route to "
+        "it by its routing history only (is vLLM's --kv-events-config publishing there, with "
+        "prefix caching on?)"
+    ]
+    assert notes == [
+        "e2: no kv_events in the fleet: the router routes to it by its own routing history "
+        "(approximate)"
+    ]
+    assert evidence["e0"]["batches"] == 3 and evidence["e0"]["replay"] == "ok"
+
+
+@pytest.mark.parametrize(
+    ("seen", "says"),
+    [
+        (_seen("e0", block_sizes=(16, 32)), "blocks of 32 tokens where the fleet's"),
+        (_seen("e0", bad_payloads=2), "2 batches the router cannot read"),
+        (_seen("e0", stored_blocks=0), "3 batches, none storing a block"),
+        (_seen("e0", replay="no answer within 2 s"), "replay at tcp://h:re0: no answer"),
+    ],
+)
+def test_kv_events_the_router_could_not_use_fail(seen: KVEventsSeen, says: str) -> None:
+    failures, _, _ = kv_events_findings(_events_fleet(), [seen], {"e0"})
+    assert len(failures) == 1 and says in failures[0], failures
+
+
+def test_kv_events_are_not_judged_without_a_handoff_or_without_prefix_caching() -> None:
+    silent = _seen("e0", batches=0, stored_blocks=0)
+    failures, notes, _ = kv_events_findings(_events_fleet(), [silent], set())
+    assert failures == [] and "e0: completed no handoff" in notes[-1]
+    failures, notes, _ = kv_events_findings(_events_fleet(enabled=False), [silent], {"e0"})
+    assert failures == []
+    assert notes == ["e0: KV events not judged: the fleet's prefix caching is off"]

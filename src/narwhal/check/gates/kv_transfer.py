@@ -9,14 +9,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from narwhal.check.evidence import PairResult
+from narwhal.check.evidence import KVEventsSeen, PairResult
 from narwhal.check.gates.common import GateOutcome, outcome, planned_prompt_tokens, rounded
 from narwhal.check.plan import BenchmarkPlan
 from narwhal.check.settings import CheckSettings
 from narwhal.contract import FleetContract
 from narwhal.profiles.store import ProfileStore
 
-__all__ = ["DeadlineAdvice", "kv_prompt_tokens", "kv_transfer_gate", "recommend_deadline"]
+__all__ = [
+    "DeadlineAdvice",
+    "kv_events_findings",
+    "kv_prompt_tokens",
+    "kv_transfer_gate",
+    "recommend_deadline",
+]
 
 
 def kv_prompt_tokens(
@@ -124,6 +130,7 @@ def kv_transfer_gate(
     window_s: float,
     margin: float,
     profiled_prefill: tuple[float, str] | None,
+    kv_events: Sequence[KVEventsSeen] = (),
 ) -> GateOutcome:
     """Every permitted (prefill, decode) pair completes real handoffs: the prefill leg returns
     kv_transfer_params, the decode leg pulls the KV (its NIXL transfer count rises, where the
@@ -133,6 +140,10 @@ def kv_transfer_gate(
     Also reports the first-token distribution and a recommended deadline (``recommend_deadline``)
     against the prefill time: ``profiled_prefill`` (seconds at the planned prompt length on the
     slowest prefill engine, and why) when a store is given, else the slowest prefill leg seen.
+
+    And every engine the fleet says publishes KV events (``kv_events``) published, during the
+    handoffs it took part in, batches the router can read, of blocks of the fleet's block size,
+    with a replay socket that gives them back (``kv_events_findings``).
     """
     deadline = fleet.engine.first_token_timeout_s
     failures: list[str] = []
@@ -217,6 +228,11 @@ def kv_transfer_gate(
             f"the recommended deadline {recommended:g} s is not below engine.request_timeout_s "
             f"{fleet.engine.request_timeout_s:g} s: raise that too"
         )
+    answered = [p for p in pairs if any(x.error is None for x in p.probes)]
+    ran = {engine for p in answered for engine in (p.prefill, p.decode)}
+    event_failures, event_notes, events_evidence = kv_events_findings(fleet, kv_events, ran)
+    failures += event_failures
+    notes += event_notes
     dist = _dist(all_first)
     evidence = {
         "first_token_timeout_s": deadline,
@@ -228,6 +244,7 @@ def kv_transfer_gate(
         "prefill_leg": _dist(all_prefill),
         "pairs": per_pair,
         "recommendation": advice,
+        "kv_events": events_evidence,
     }
     summary = (
         f"{len(pairs)} pairs x {evidence['handoffs_per_pair']} handoffs: first token "
@@ -240,3 +257,67 @@ def kv_transfer_gate(
             f"recommended engine.first_token_timeout_s: {recommended:g} s ({advice['how']})"
         )
     return outcome(summary, failures, notes, evidence)
+
+
+def kv_events_findings(
+    fleet: FleetContract, seen: Sequence[KVEventsSeen], ran: set[str]
+) -> tuple[list[str], list[str], dict[str, Any]]:
+    """Judge the engines' KV event streams as the handoffs left them: (failures, notes,
+    evidence). Only engines that completed a handoff (``ran``) are judged: their prefills stored
+    blocks (a prefill engine) or their KV pulls did (a decode engine), which vLLM publishes
+    with prefix caching on. An engine without ``kv_events`` is routed to by the router's own
+    routing history (approximate): a note, not a failure."""
+    failures: list[str] = []
+    notes: list[str] = []
+    evidence: dict[str, Any] = {}
+    cache = fleet.engine.prefix_caching
+    silent = [e.id for e in fleet.engines if e.kv_events is None]
+    if silent and cache.enabled:
+        notes.append(
+            f"{', '.join(silent)}: no kv_events in the fleet: the router routes to "
+            f"{'them' if len(silent) > 1 else 'it'} by its own routing history (approximate)"
+        )
+    for s in seen:
+        evidence[s.engine_id] = {
+            "endpoint": s.endpoint,
+            "replay_endpoint": s.replay_endpoint,
+            "batches": s.batches,
+            "stored_blocks": s.stored_blocks,
+            "removed_blocks": s.removed_blocks,
+            "cleared": s.cleared,
+            "block_sizes": list(s.block_sizes),
+            "unreadable_batches": s.bad_payloads,
+            "resets": s.resets,
+            "replay": s.replay,
+        }
+        if not cache.enabled:
+            notes.append(f"{s.engine_id}: KV events not judged: the fleet's prefix caching is off")
+            continue
+        if s.engine_id not in ran:
+            notes.append(f"{s.engine_id}: completed no handoff: its KV events not judged")
+            continue
+        where = f"{s.engine_id}: KV events at {s.endpoint}"
+        if s.batches == 0:
+            failures.append(
+                f"{where}: no batch during its handoffs: the router would route to it by its "
+                "routing history only (is vLLM's --kv-events-config publishing there, with "
+                "prefix caching on?)"
+            )
+            continue
+        if s.stored_blocks == 0:
+            failures.append(f"{where}: {s.batches} batches, none storing a block")
+        if s.bad_payloads:
+            failures.append(f"{where}: {s.bad_payloads} batches the router cannot read")
+        foreign = [b for b in s.block_sizes if b != cache.block_size]
+        if foreign:
+            failures.append(
+                f"{where}: blocks of {foreign[0]} tokens where the fleet's "
+                f"engine.prefix_caching.block_size is {cache.block_size}: the router cannot "
+                "index them"
+            )
+        if s.replay_endpoint is not None and s.replay is not None and s.replay != "ok":
+            failures.append(
+                f"{s.engine_id}: KV event replay at {s.replay_endpoint}: {s.replay}: a gap in "
+                "its events could not be filled (the router would reset its index instead)"
+            )
+    return failures, notes, evidence
