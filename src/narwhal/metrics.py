@@ -31,7 +31,7 @@ OUTCOMES = (
 )
 ROLES = ("prefill", "decode")
 LEGS = ("prefill", "decode")
-STRANDED_REASONS = ("decode_failed", "deadline_exceeded", "client_abort", "no_decode")
+STRANDED_REASONS = ("decode_failed", "deadline_exceeded", "client_abort", "no_decode", "hedge_lost")
 # timeout: no answer within the probe's timeouts; unreachable: refused, reset or cut short;
 # status: an answer other than 200.
 HEALTH_PROBE_FAILURES = ("timeout", "unreachable", "status")

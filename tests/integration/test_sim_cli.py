@@ -143,11 +143,11 @@ def _events(**fields: object) -> list[str]:
         (_events(publisher="kafka"), "unknown publisher 'kafka' (vLLM's: 'zmq', 'null')"),
         (
             _events(replay_endpoint="tcp://*:99999"),
-            "replay_endpoint 'tcp://*:99999': the port must be from 1 to 65535 (or *)",
+            "replay_endpoint 'tcp://*:99999': the port must be from 0 to 65535 (or *)",
         ),
         (
             _events(endpoint="tcp://*:notaport"),
-            "endpoint 'tcp://*:notaport': the port must be from 1 to 65535 (or *)",
+            "endpoint 'tcp://*:notaport': the port must be from 0 to 65535 (or *)",
         ),
     ],
     ids=["publisher", "port-past-65535", "port-not-a-number"],

@@ -35,7 +35,7 @@ MODEL = "moonshotai/Kimi-K3"
 @dataclass
 class Leg:
     """How one engine answers a prefill leg: after ``delay_s``, ``ok``, ``fail`` (the
-    connection breaks) or ``refuse`` (HTTP 400)."""
+    connection breaks), ``refuse`` (HTTP 400) or ``malformed`` (200, not a completion)."""
 
     outcome: str = "ok"
     delay_s: float = 0.0
@@ -77,6 +77,8 @@ class ScriptedEngine:
             raise EngineTransportError("connection reset")
         if leg.outcome == "refuse":
             return _Answer(400, b'{"error": {"message": "bad"}}')
+        if leg.outcome == "malformed":  # JSON, but not a completion
+            return _Answer(200, b'{"choices": {"index": 0}}')
         answer = {
             "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
             "usage": {"prompt_tokens": 3, "completion_tokens": 1},
@@ -218,11 +220,21 @@ def test_the_slow_leg_fails_and_the_hedge_still_answers() -> None:
     assert ("prefill", slow, "failed") in out.attempts()
 
 
-def test_both_legs_fail_as_one_failure() -> None:
-    out = run([Leg("fail", 0.2), Leg("fail", 0.3)])
+@pytest.mark.parametrize("hedge_first", [False, True], ids=["slow-first", "hedge-first"])
+def test_both_legs_fail_as_one_failure(hedge_first: bool) -> None:
+    slow, hedge = (
+        (Leg("fail", 0.3), Leg("fail", 0.0))
+        if hedge_first
+        else (Leg("fail", 0.2), Leg("fail", 0.3))
+    )
+    script = [slow, hedge]
+    out = run(script)
     assert isinstance(out.error, RouterError)
     assert out.hedges("failed") == 1
     assert len(out.engines.prefills) == 2  # max_prefill_attempts 1: no third leg
+    # Each engine's failure counted once, whichever came first.
+    for engine in out.engines.prefills:
+        assert out.state.engines[engine].breaker.consecutive_failures == 1, engine
 
 
 def test_the_hedge_fails_first_and_the_slow_leg_still_answers() -> None:
@@ -249,6 +261,27 @@ def test_a_refusal_from_either_leg_ends_the_request(refused: str) -> None:
     if refused == "slow":  # the hedge was cancelled: no verdict on its engine
         _, hedge = out.engines.prefills
         assert out.state.engines[hedge].answered_at == -math.inf
+
+
+@pytest.mark.parametrize("hedge", ["fail", "malformed"])
+def test_a_hedge_that_failed_is_counted_even_when_the_client_leaves(hedge: str) -> None:
+    """The hedge fails (or answers what is not a completion) at once, the slow leg runs on and
+    the client leaves before it ends: the hedge's engine has its failure counted all the same,
+    and no raw exception reaches the client."""
+    out = run([Leg("ok", 0.5), Leg(hedge, 0.0)], cancel_after_s=0.3)
+    slow, hedged = out.engines.prefills
+    assert isinstance(out.error, asyncio.CancelledError)
+    assert out.state.engines[hedged].breaker.consecutive_failures == 1
+    assert out.state.engines[slow].breaker.consecutive_failures == 1
+
+
+def test_a_malformed_hedge_answer_leaves_the_slow_leg_to_answer() -> None:
+    out = run([Leg("ok", 0.3), Leg("malformed", 0.0)])
+    slow, hedged = out.engines.prefills
+    assert out.error is None
+    assert out.hedges("original") == 1
+    assert out.record.prefill_engine == slow
+    assert out.state.engines[hedged].breaker.consecutive_failures == 1
 
 
 def test_a_request_cancelled_mid_race_cancels_both_legs() -> None:

@@ -248,6 +248,52 @@ def test_an_unreadable_batch_resets_and_the_stream_goes_on() -> None:
     assert seen.resets == 1 and sub.bad_payloads == 1 and seen.removed == [1, 3]
 
 
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"type": "BlockStored", "token_ids": [5, 6], "block_size": 2},  # no block_hashes
+        {"type": "BlockStored", "block_hashes": [1], "token_ids": [5], "block_size": "x"},
+        {"type": "BlockRemoved", "block_hashes": 4},
+    ],
+)
+def test_a_malformed_event_is_an_unreadable_batch_not_a_crash(event: dict[str, object]) -> None:
+    """The lenient reader's fields missing or of the wrong type: a ValueError, which the
+    subscriber counts and resets on; before, a KeyError or TypeError ended its task for good."""
+    payload = msgspec.msgpack.encode({"ts": 1.0, "events": [event], "extra": 1})
+    with pytest.raises(ValueError, match="event is malformed"):
+        decode_batch(payload)
+    seen = Recorder()
+    sub = KVEventSubscriber("e0", "tcp://127.0.0.1:1", None, "", seen.events, seen.reset)
+
+    async def body() -> None:
+        await sub._receive(0, payload)
+        await sub._receive(1, _batch(2.0, 3))
+
+    asyncio.run(body())
+    assert sub.bad_payloads == 1 and seen.resets == 1 and seen.removed == [3]
+
+
+def test_a_batch_the_index_cannot_apply_resets_and_the_stream_goes_on() -> None:
+    seen = Recorder()
+    applied: list[int] = []
+
+    def apply(events: list[object]) -> None:
+        applied.append(len(applied))
+        if len(applied) == 2:
+            raise RuntimeError("index refused it")
+        seen.events(events)  # type: ignore[arg-type]
+
+    sub = KVEventSubscriber("e0", "tcp://127.0.0.1:1", None, "", apply, seen.reset)
+
+    async def body() -> None:
+        for seq in range(3):
+            await sub._receive(seq, _batch(1.0 + seq, 10 + seq))
+
+    asyncio.run(body())
+    assert seen.removed == [10, 12] and seen.resets == 1 and sub.bad_payloads == 1
+    assert sub.next_seq == 3
+
+
 def test_a_subscriber_started_late_gets_the_buffered_history_over_zmq() -> None:
     async def body(publisher: KVEventPublisher, endpoint: str, replay: str) -> None:
         _publish(publisher, 1, 2, 3)

@@ -247,7 +247,9 @@ def hedged(events: bool) -> tuple[VirtualClock, PrefixIndex, Lifecycle, Ticket, 
 
 
 @pytest.mark.parametrize("events", [False, True], ids=["history", "events"])
-@pytest.mark.parametrize("winner", ["hedge", "slow", "slow-after-hedge-failed"])
+@pytest.mark.parametrize(
+    "winner", ["hedge", "slow", "slow-after-hedge-failed", "slow-with-hedge-answered"]
+)
 def test_a_hedge_race_leaves_claims_only_where_the_prompt_is(events: bool, winner: str) -> None:
     """Of a hedged prefill's two legs the first to answer wins and the other is cancelled
     (what it computed stays in its engine's cache: its claim stays); the slow leg's decode
@@ -263,14 +265,18 @@ def test_a_hedge_race_leaves_claims_only_where_the_prompt_is(events: bool, winne
         lifecycle.prefill_done(ticket, "ok", prompt_tokens=PROMPT)
         held = {slow.prefill: 250, hedge.prefill: 250, hedge.decode: 250}
     else:
-        ended: HedgeEnd = "failed" if winner == "slow-after-hedge-failed" else "cancelled"
+        ended: HedgeEnd = {
+            "slow": "cancelled",
+            "slow-after-hedge-failed": "failed",
+            "slow-with-hedge-answered": "answered",
+        }[winner]  # type: ignore[assignment]
         lifecycle.prefill_done(ticket, "ok", prompt_tokens=PROMPT, hedge_ended=ended)
         held = {slow.prefill: 250, hedge.decode: 250}
-        if ended == "cancelled":
+        if ended != "failed":
             held[hedge.prefill] = 250
     assert index.match(KEYS, clock.now()) == held
     breaker = lifecycle.state.engines[hedge.prefill].breaker
-    if winner == "hedge":
+    if winner in ("hedge", "slow-with-hedge-answered"):
         assert hedge.prefill in heard.verdicts and breaker.consecutive_failures == 0
     elif winner == "slow":
         assert hedge.prefill not in heard.verdicts and breaker.consecutive_failures == failures
@@ -291,6 +297,40 @@ def test_a_slow_leg_that_failed_gives_its_claims_back(events: bool, then: str) -
     assert index.match(KEYS, clock.now()) == {hedge.prefill: 250, hedge.decode: 250}
     lifecycle.prefill_done(ticket, "failed" if then == "failed" else "refused")
     assert index.match(KEYS, clock.now()) == {}
+
+
+@pytest.mark.parametrize("events", [False, True], ids=["history", "events"])
+@pytest.mark.parametrize("then", ["slow-answers", "slow-fails", "client-leaves"])
+def test_a_hedge_that_failed_is_counted_once_when_it_fails(events: bool, then: str) -> None:
+    """The hedge fails while the slow leg runs on: counted against its engine at once (and its
+    claim taken back), never again however the request ends; its engine is one the request's
+    retries avoid."""
+    clock, index, lifecycle, ticket, slow, hedge = hedged(events)
+    breaker = lifecycle.state.engines[hedge.prefill].breaker
+    before = breaker.consecutive_failures
+    lifecycle.hedge_failed(ticket)
+    assert breaker.consecutive_failures == before + 1
+    assert hedge.prefill in ticket.failed_prefill
+    assert hedge.prefill not in index.match(KEYS, clock.now())
+    with pytest.raises(ValueError, match="no hedge running"):
+        lifecycle.hedge_failed(ticket)
+    if then == "slow-answers":
+        lifecycle.prefill_done(ticket, "ok", prompt_tokens=PROMPT, hedge_ended="failed")
+        assert index.match(KEYS, clock.now()) == {slow.prefill: 250, hedge.decode: 250}
+    elif then == "slow-fails":
+        lifecycle.slow_leg_failed(ticket)
+        lifecycle.prefill_done(ticket, "failed")
+        assert index.match(KEYS, clock.now()) == {}
+    else:
+        lifecycle.cancel(ticket)
+    assert breaker.consecutive_failures == before + 1
+
+
+@pytest.mark.parametrize("events", [False, True], ids=["history", "events"])
+def test_a_hedge_refused_as_the_slow_leg_answered_gives_its_claim_back(events: bool) -> None:
+    clock, index, lifecycle, ticket, slow, hedge = hedged(events)
+    lifecycle.prefill_done(ticket, "ok", prompt_tokens=PROMPT, hedge_ended="refused")
+    assert index.match(KEYS, clock.now()) == {slow.prefill: 250, hedge.decode: 250}
 
 
 @pytest.mark.parametrize("events", [False, True], ids=["history", "events"])
@@ -338,6 +378,8 @@ def test_only_a_hedged_leg_can_answer_as_the_slow_one() -> None:
         lifecycle.prefill_done(ticket, "ok", hedge_ended="cancelled")
     with pytest.raises(ValueError, match="no hedged leg"):
         lifecycle.slow_leg_failed(ticket)
+    with pytest.raises(ValueError, match="no hedge running"):
+        lifecycle.hedge_failed(ticket)
 
 
 def test_a_burst_follows_a_prompt_still_in_flight_to_engines_that_publish_events() -> None:

@@ -132,6 +132,7 @@ class KVEventsSeen:
     block_sizes: tuple[int, ...] = ()  # the block sizes its BlockStored events carried
     bad_payloads: int = 0  # batches the router could not read
     resets: int = 0  # gaps the replay socket could not fill, restarts
-    # "ok" when the replay socket gave back the first batch seen, else why not; None without
+    # "ok" when the replay socket gave back the last batch seen, else why not; None without
     # a replay socket or a batch to ask for.
     replay: str | None = None
+    error: str | None = None  # why the subscription stopped reading before the end

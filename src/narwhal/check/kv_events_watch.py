@@ -1,7 +1,7 @@
 """Listening to the engines' KV event streams while the kv_transfer gate's handoffs run: each
 engine the fleet says publishes (``kv_events``) is subscribed to exactly as narwhal-serve
 subscribes (``narwhal.engines.kv_events.KVEventSubscriber``), and its replay socket is asked
-for the first batch seen. The handoffs' prefills store blocks on the prefill engines and their
+for the last batch seen. The handoffs' prefills store blocks on the prefill engines and their
 KV pulls on the decode engines, so every engine that ran a leg publishes something; one that
 does not (a wrong endpoint, events off) leaves the router routing to it by its history only."""
 
@@ -81,21 +81,26 @@ class KVEventsWatch:
 
     async def stop(self) -> list[KVEventsSeen]:
         """Unsubscribe (after the last events had time to arrive) and ask each replay socket
-        for the first batch seen."""
-        if self._subscribers:
-            await asyncio.sleep(DRAIN_S)
-            # A subscriber asking a replay socket holds its live batches until it answers or
-            # times out: let it finish, or they would go uncounted.
-            for subscriber, _ in self._subscribers:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(subscriber.replay_timeout_s + DRAIN_S):
-                        while subscriber.replaying:
-                            await asyncio.sleep(0.05)
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        for the last batch delivered. Safe to call after a failed or cancelled ``start``."""
+        crashed: dict[str, str] = {}
+        try:
+            if self._subscribers:
+                await asyncio.sleep(DRAIN_S)
+                # A subscriber asking a replay socket holds its live batches until it answers
+                # or times out: let it finish, or they would go uncounted.
+                for subscriber, _ in self._subscribers:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(subscriber.replay_timeout_s + DRAIN_S):
+                            while subscriber.replaying:
+                                await asyncio.sleep(0.05)
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            # Raises CancelledError only when this task itself is cancelled.
+            ended = await asyncio.gather(*self._tasks, return_exceptions=True)
+        for (subscriber, _), end in zip(self._subscribers, ended, strict=False):
+            if isinstance(end, Exception):  # it stopped reading before it was cancelled
+                crashed[subscriber.engine_id] = f"{type(end).__name__}: {end}"
         seen = []
         for subscriber, tally in self._subscribers:
             seen.append(
@@ -111,24 +116,27 @@ class KVEventsWatch:
                     bad_payloads=subscriber.bad_payloads,
                     resets=subscriber.resets,
                     replay=await self._replay(subscriber),
+                    error=crashed.get(subscriber.engine_id),
                 )
             )
         return seen
 
     async def _replay(self, subscriber: KVEventSubscriber) -> str | None:
-        first = subscriber.first_seq
-        if subscriber.replay_endpoint is None or first is None:
+        # The last batch delivered: the newest the engine's replay buffer holds (an older one
+        # may have left a bounded buffer already).
+        if subscriber.replay_endpoint is None or subscriber.next_seq is None:
             return None
-        got = await subscriber.fetch_replay(first)
+        last = subscriber.next_seq - 1
+        got = await subscriber.fetch_replay(last)
         if got is None:
             return f"no answer within {subscriber.replay_timeout_s:g} s"
         for seq, payload in got:
-            if seq == first:
+            if seq == last:
                 try:
                     decode_batch(payload)
                 except ValueError as exc:
-                    return f"batch {first} unreadable: {exc}"
+                    return f"batch {last} unreadable: {exc}"
                 return "ok"
         if not got:
-            return f"answered with no batch for sequence {first}"
-        return f"answered sequences {got[0][0]}..{got[-1][0]}, not {first}"
+            return f"answered with no batch for sequence {last}"
+        return f"answered sequences {got[0][0]}..{got[-1][0]}, not {last}"

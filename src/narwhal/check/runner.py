@@ -121,8 +121,8 @@ async def _kv_transfer(run: _Run) -> GateOutcome:
     tokens, basis = kv_prompt_tokens(settings, inputs.store, inputs.plan, fleet.model.max_model_len)
     window = kv_window_s(settings, inputs.fleet)
     watch = run.collector.watch_kv_events()
-    await watch.start()
     try:
+        await watch.start()
         pairs = await run.collector.kv_pairs(fleet.permitted_pairs(), tokens, window, run.progress)
     finally:
         events = await watch.stop()

@@ -338,20 +338,25 @@ def _decode_leniently(payload: bytes) -> tuple[float, list[ReadEvent]]:
         medium = event.get("medium")
         if medium not in (None, "GPU"):
             continue
-        if kind == "BlockStored":
-            out.append(
-                StoredBlocks(
-                    list(event["block_hashes"]),
-                    event.get("parent_block_hash"),
-                    list(event["token_ids"]),
-                    int(event["block_size"]),
-                    _salt_of(event.get("extra_keys")),
+        # A field missing or of the wrong type is an unreadable batch, not a crash of the
+        # subscriber that reads it.
+        try:
+            if kind == "BlockStored":
+                out.append(
+                    StoredBlocks(
+                        list(event["block_hashes"]),
+                        event.get("parent_block_hash"),
+                        list(event["token_ids"]),
+                        int(event["block_size"]),
+                        _salt_of(event.get("extra_keys")),
+                    )
                 )
-            )
-        elif kind == "BlockRemoved":
-            out.append(RemovedBlocks(list(event["block_hashes"])))
-        elif kind == "AllBlocksCleared":
-            out.append(None)
+            elif kind == "BlockRemoved":
+                out.append(RemovedBlocks(list(event["block_hashes"])))
+            elif kind == "AllBlocksCleared":
+                out.append(None)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"a {kind} event is malformed: {exc!r}") from None
     return float(raw[0]), out
 
 
@@ -380,7 +385,6 @@ class KVEventSubscriber:
         self.on_reset = on_reset
         self.replay_timeout_s = replay_timeout_s
         self.next_seq: int | None = None
-        self.first_seq: int | None = None  # the first batch delivered
         self.replaying = False  # waiting for the replay socket (the live stream waits too)
         self.last_ts = float("-inf")  # the last delivered batch's time stamp
         self.batches = 0
@@ -441,11 +445,14 @@ class KVEventSubscriber:
             self.next_seq = seq + 1
             return
         self.next_seq = seq + 1
-        if self.first_seq is None:
-            self.first_seq = seq
         self.last_ts = max(self.last_ts, ts)
         self.batches += 1
-        self.on_events(events)
+        try:
+            self.on_events(events)
+        except Exception:  # a batch the index cannot apply must not end the subscription
+            self.bad_payloads += 1
+            log.exception("engine %s: KV event batch %d could not be applied", self.engine_id, seq)
+            self._reset("a batch could not be applied")
 
     def _reset(self, why: str) -> None:
         self.resets += 1

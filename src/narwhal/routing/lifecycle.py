@@ -65,8 +65,21 @@ Phase = Literal["new", "queued", "prefill", "decode", "streaming", "done"]
 # fine and the request is over); failed: the engine failed (a retry may go elsewhere);
 # deadline: the decode leg produced no first token within the first-token deadline.
 LegOutcome = Literal["ok", "refused", "failed", "deadline"]
-# How a hedge's leg ended when the slow leg it raced ended first (``Lifecycle.prefill_done``).
-HedgeEnd = Literal["cancelled", "failed"]
+# How a hedge's leg ended when the slow leg it raced ended first (``Lifecycle.prefill_done``):
+# cancelled by that end, or it had answered, been refused or failed in the same moment.
+HedgeEnd = Literal["cancelled", "answered", "refused", "failed"]
+
+
+@dataclass(eq=False, slots=True)
+class HedgeRace:
+    """A prefill leg a hedge took over that still runs (``Lifecycle.hedge_prefill``): its pair
+    and when that was dispatched (its prefix claims are stamped so), and which leg has failed
+    so far (each is counted once)."""
+
+    slow: Pair
+    slow_dispatched_at: float
+    slow_failed: bool = False
+    hedge_failed: bool = False
 
 
 @dataclass(eq=False)
@@ -99,9 +112,9 @@ class Ticket:
     # When its pair was dispatched: what the prefix index recorded for it is stamped so, and
     # a failed leg takes back only that (``PrefixIndex.forget_routed``).
     dispatched_at: float = 0.0
-    # A prefill leg a hedge took over that still runs (its pair, when that was dispatched):
-    # its prefix claims stand until the race between the two ends (``prefill_done``).
-    slow_leg: tuple[Pair, float] | None = None
+    # A hedged prefill's race, until it ends (``prefill_done``): the slow leg's prefix claims
+    # stand till then.
+    race: HedgeRace | None = None
     # The prefill leg's predicted queue wait plus prefill, without the correction in force
     # when it was dispatched: what its duration is compared with when it ends.
     prefill_predicted_s: float | None = None
@@ -337,10 +350,10 @@ class Lifecycle:
             return NoPair("no prefill engine meets the TTFT budget's remainder")
         # The slow leg runs on (it may still answer first): ended in the counts, not in the
         # prefix index, whose claim on its engine stands until the race ends.
-        slow_leg = (ticket.pair, ticket.dispatched_at)
+        race = HedgeRace(ticket.pair, ticket.dispatched_at)
         self._prefill_failed(ticket, runs_on=True)
         self._settle_race(ticket, slow_holds=True)  # an earlier race's, had there been one
-        ticket.slow_leg = slow_leg
+        ticket.race = race
         self.observer.decided(ticket, pick)
         self._dispatch(ticket, pick)
         return pick
@@ -489,28 +502,35 @@ class Lifecycle:
         engine (counted from now); ``prompt_tokens`` is the count the engine reported.
 
         ``hedge_ended``: the outcome (``ok`` or ``refused``) is a hedged prefill's slow leg's
-        (``hedge_prefill``), which ended before the hedge; the hedge's own leg ended so:
-        ``cancelled`` (no verdict on its engine, no sample of its speed) or ``failed``
-        (counted against its engine). The request decodes on the hedge's pair."""
+        (``hedge_prefill``), which ended before its hedge; the hedge's own leg ended so:
+        ``cancelled`` (no verdict on its engine), ``answered`` or ``refused`` (its engine is
+        fine), ``failed`` (counted against its engine, once: see ``hedge_failed``). A hedge
+        that lost is no sample of its engine's speed. The request decodes on the hedge's
+        pair."""
         if ticket.phase != "prefill" or ticket.pair is None:
             raise ValueError(f"request {ticket.id} has no prefill leg running ({ticket.phase})")
+        race = ticket.race
         by_slow_leg = hedge_ended is not None
-        if by_slow_leg and (outcome not in ("ok", "refused") or ticket.slow_leg is None):
+        if by_slow_leg and (outcome not in ("ok", "refused") or race is None):
             raise ValueError(f"request {ticket.id} has no hedged leg that answered")
         # A leg cancelled keeps its claim (what it computed before the abort stays in the
         # engine's prefix cache); one that failed or was refused gives it back.
         self._settle_race(ticket, slow_holds=not (by_slow_leg and outcome == "refused"))
+        hedge_counted = race is not None and race.hedge_failed
         if outcome in ("failed", "deadline"):
-            self._prefill_failed(ticket, runs_on=False)
+            self._prefill_failed(ticket, runs_on=False, counted=hedge_counted)
             return
         p = self._end_prefill(ticket)
-        if hedge_ended == "failed":
-            self._verdict(p, ok=False, leg="prefill")
-            self._forget_routed(ticket, p.id)
+        if hedge_counted:
+            pass  # its failure was counted when it came
+        elif hedge_ended == "failed":
+            self._hedge_lost(ticket, p)
         elif hedge_ended == "cancelled":
             p.breaker.on_abandon()
         else:
             self._verdict(p, ok=True)  # refused: the engine is fine; the request is not
+        if hedge_ended == "refused":
+            self._forget_routed(ticket, p.id)
         if outcome == "refused":
             # Nothing was decoded, and nothing computed on the engine that refused.
             refused_here = () if by_slow_leg else (p.id,)
@@ -537,36 +557,61 @@ class Lifecycle:
         """The slow leg of a hedged prefill failed while its hedge runs on (already counted
         against its engine when it was hedged): neither its prefill nor its decode engine will
         hold the prompt."""
-        if ticket.slow_leg is None:
+        race = ticket.race
+        if race is None or race.slow_failed or ticket.phase != "prefill":
             raise ValueError(f"request {ticket.id} has no hedged leg running")
-        self._settle_race(ticket, slow_holds=False)
+        race.slow_failed = True
+        self._forget_slow(ticket, race, slow_holds=False)
+
+    def hedge_failed(self, ticket: Ticket) -> None:
+        """The hedge of a hedged prefill failed while its slow leg runs on: counted against the
+        hedge's engine now (its client may leave before the slow leg ends), its claim on the
+        prompt taken back; the request waits on the slow leg."""
+        race = ticket.race
+        if race is None or race.hedge_failed or ticket.phase != "prefill" or ticket.pair is None:
+            raise ValueError(f"request {ticket.id} has no hedge running")
+        race.hedge_failed = True
+        self._hedge_lost(ticket, self.state.engines[ticket.pair.prefill])
+
+    def _hedge_lost(self, ticket: Ticket, engine: EngineState) -> None:
+        """A hedge failed: a verdict against its engine, which the request's retries avoid and
+        which holds no part of the prompt."""
+        self._verdict(engine, ok=False, leg="prefill")
+        self._forget_routed(ticket, engine.id)
+        ticket.failed_prefill = ticket.failed_prefill | {engine.id}
 
     def _settle_race(self, ticket: Ticket, *, slow_holds: bool) -> None:
-        """A hedged prefill's race ended (or the request did): the slow leg's decode engine
-        gives back its claim (the request decodes on the hedge's pair, or not at all), and its
-        prefill engine too unless it holds the prompt (``slow_holds``: it answered, or was
-        cancelled with what it computed). Engines of the request's own pair keep theirs: the
-        pair's outcome settles them."""
-        slow = ticket.slow_leg
-        if slow is None:
+        """A hedged prefill's race ended (or the request did): the slow leg's claims are
+        settled (``_forget_slow``) unless its failure settled them already."""
+        race = ticket.race
+        if race is None:
             return
-        ticket.slow_leg = None
-        pair, sent_at = slow
+        ticket.race = None
+        if not race.slow_failed:
+            self._forget_slow(ticket, race, slow_holds=slow_holds)
+
+    def _forget_slow(self, ticket: Ticket, race: HedgeRace, *, slow_holds: bool) -> None:
+        """The slow leg's decode engine gives back its claim (the request decodes on the
+        hedge's pair, or not at all), and its prefill engine too unless it holds the prompt
+        (``slow_holds``: it answered, or was cancelled with what it computed). Engines of the
+        request's own pair keep theirs: the pair's outcome settles them."""
         index = self.state.prefix_index
         if index is None or not ticket.prefix:
             return
-        lost = {pair.decode} if slow_holds else {pair.prefill, pair.decode}
+        slow = race.slow
+        lost = {slow.decode} if slow_holds else {slow.prefill, slow.decode}
         if ticket.pair is not None:
             lost -= {ticket.pair.prefill, ticket.pair.decode}
         for engine in lost:
-            index.forget_routed(engine, ticket.prefix, sent_at, ticket.prefix_exact)
+            index.forget_routed(engine, ticket.prefix, race.slow_dispatched_at, ticket.prefix_exact)
 
-    def _prefill_failed(self, ticket: Ticket, *, runs_on: bool) -> None:
+    def _prefill_failed(self, ticket: Ticket, *, runs_on: bool, counted: bool = False) -> None:
         """The prefill leg ended failed (``runs_on``: ended by a hedge, its request still
-        running on the engine), counted against its engine."""
+        running on the engine), counted against its engine (unless ``counted`` already)."""
         assert ticket.pair is not None
         p = self._end_prefill(ticket)
-        self._verdict(p, ok=False, leg="prefill")
+        if not counted:
+            self._verdict(p, ok=False, leg="prefill")
         if not runs_on:
             # Neither engine will hold the prompt as the dispatch recorded: the prefill was
             # not done, so the decode engine pulls nothing.

@@ -104,11 +104,14 @@ class _HedgeRace:
 
 
 def _hedge_end(hedge: asyncio.Future[Any]) -> HedgeEnd:
-    """How a hedge ended when the slow leg it raced ended first: failed before it, else
-    cancelled (now, by the race's end)."""
-    if hedge.done() and not hedge.cancelled() and isinstance(hedge.exception(), _LegFailure):
-        return "failed"
-    return "cancelled"
+    """How a hedge ended when the slow leg it raced ended first: cancelled by that end, unless
+    it had already answered, been refused or failed (its own callback not yet run)."""
+    if not hedge.done() or hedge.cancelled():
+        return "cancelled"
+    exc = hedge.exception()
+    if exc is None:
+        return "answered"
+    return "refused" if isinstance(exc, _EngineClientError) else "failed"
 
 
 @dataclass
@@ -491,9 +494,10 @@ class PDRouter:
                 if race.second is None:
                     raise
                 if isinstance(exc, _EngineClientError):
-                    self.lifecycle.prefill_done(
-                        ticket, "refused", hedge_ended=_hedge_end(race.second)
-                    )
+                    ended = _hedge_end(race.second)
+                    self.lifecycle.prefill_done(ticket, "refused", hedge_ended=ended)
+                    if ended == "answered":  # in the same moment: its KV is pulled by no one
+                        self._stranded(race.pair.prefill, "hedge_lost", record)
                     self.metrics.hedges.labels("prefill", "refused").inc()
                     raise
                 # The slow leg failed; the hedge may still answer.
@@ -506,9 +510,10 @@ class PDRouter:
             if race.second is None:
                 return (*result, pair)
             race.closed = True
-            self.lifecycle.prefill_done(
-                ticket, "ok", prompt_tokens=result[1], hedge_ended=_hedge_end(race.second)
-            )
+            ended = _hedge_end(race.second)
+            self.lifecycle.prefill_done(ticket, "ok", prompt_tokens=result[1], hedge_ended=ended)
+            if ended == "answered":  # in the same moment: its KV is pulled by no one
+                self._stranded(race.pair.prefill, "hedge_lost", record)
             self.metrics.hedges.labels("prefill", "original").inc()
             return (*result, race.pair)
         finally:
@@ -528,8 +533,8 @@ class PDRouter:
     ) -> None:
         """The hedge timer fired: a second prefill leg on the best other prefill engine whose
         predicted TTFT fits what is left of the budget; none, and the slow leg runs on."""
-        if race.closed:
-            return
+        if race.closed or ticket.phase != "prefill":
+            return  # the slow leg has ended (its end is being reported)
         budget_left = self.fleet.budgets.ttft_s - record.since_arrival()
         pick = self.lifecycle.hedge_prefill(ticket, budget_left)
         if isinstance(pick, NoPair):
@@ -551,10 +556,12 @@ class PDRouter:
 
         def decide(done: asyncio.Future[tuple[Any, int | None, list[int] | None]]) -> None:
             # The hedge answered (or refused) first: the inline leg is interrupted. A hedge that
-            # failed leaves the slow leg to run on.
+            # failed is counted now and leaves the slow leg to run on.
             if race.closed or done.cancelled():
                 return
-            if isinstance(done.exception(), _LegFailure):
+            exc = done.exception()
+            if exc is not None and not isinstance(exc, _EngineClientError):
+                self.lifecycle.hedge_failed(ticket)
                 return
             race.decided = done
             race.closed = True
@@ -641,7 +648,7 @@ class PDRouter:
             ids = choices[0].get("prompt_token_ids") if isinstance(choices[0], dict) else None
             if ids is None:
                 ids = data.get("prompt_token_ids")
-        except (orjson.JSONDecodeError, AttributeError):
+        except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError, IndexError):
             self._prefill_done(ticket, leg, "failed")
             record.attempt("prefill", engine, "failed", error="malformed response")
             raise _LegFailure("malformed prefill response") from None

@@ -92,7 +92,9 @@ class KVEventsSettings:
         if isinstance(endpoint, str):
             settings = dataclasses.replace(
                 settings,
-                bind="*" in endpoint or endpoint.startswith(("ipc://", "inproc://")),
+                bind="*" in endpoint
+                or "::" in endpoint
+                or endpoint.startswith(("ipc://", "inproc://")),
             )
         for name in ("endpoint", "replay_endpoint"):
             value = getattr(settings, name)
@@ -101,9 +103,9 @@ class KVEventsSettings:
             if value is not None and value.startswith("tcp://"):
                 port = value.rpartition(":")[2]
                 # libzmq takes a port past 65535 modulo 65536: tcp://*:99999 binds 34463.
-                if port != "*" and not (port.isdigit() and 0 < int(port) < 65536):
+                if port != "*" and not (port.isdigit() and int(port) < 65536):
                     raise ValueError(
-                        f"--kv-events-config: {name} {value!r}: the port must be from 1 to "
+                        f"--kv-events-config: {name} {value!r}: the port must be from 0 to "
                         "65535 (or *)"
                     )
         for name in ("buffer_steps", "hwm"):

@@ -105,8 +105,10 @@ def test_kv_prompt_length_follows_plan_then_store_and_fits_the_context() -> None
     assert kv_prompt_tokens(s, store, None, 4096)[0] == 4096 - s.kv_output_tokens
 
 
-def _events_fleet(**prefix_caching: Any) -> Any:
+def _events_fleet(routing: dict[str, Any] | None = None, **prefix_caching: Any) -> Any:
     doc = fleet_doc(3, kv_event_ports=[(1001, 1002), (1003, 1004), (1005, 1006)])
+    if routing is not None:
+        doc["routing"] = routing
     del doc["engines"][2]["kv_events"]
     if prefix_caching:
         doc["engine"]["prefix_caching"] = prefix_caching
@@ -127,7 +129,10 @@ def _seen(engine: str, **kw: Any) -> KVEventsSeen:
 def test_kv_events_of_engines_that_ran_a_handoff_are_judged() -> None:
     fleet = _events_fleet()
     failures, notes, evidence = kv_events_findings(
-        fleet, [_seen("e0"), _seen("e1", batches=0, stored_blocks=0, replay=None)], {"e0", "e1"}
+        fleet,
+        [_seen("e0"), _seen("e1", batches=0, stored_blocks=0, replay=None)],
+        {"e0", "e1"},
+        512,
     )
     assert failures == [
         "e1: KV events at tcp://h:e1: no batch during its handoffs: the router would route to "
@@ -148,17 +153,24 @@ def test_kv_events_of_engines_that_ran_a_handoff_are_judged() -> None:
         (_seen("e0", bad_payloads=2), "2 batches the router cannot read"),
         (_seen("e0", stored_blocks=0), "3 batches, none storing a block"),
         (_seen("e0", replay="no answer within 2 s"), "replay at tcp://h:re0: no answer"),
+        (_seen("e0", error="KeyError: 'x'"), "the subscription stopped reading: KeyError"),
     ],
 )
 def test_kv_events_the_router_could_not_use_fail(seen: KVEventsSeen, says: str) -> None:
-    failures, _, _ = kv_events_findings(_events_fleet(), [seen], {"e0"})
+    failures, _, _ = kv_events_findings(_events_fleet(), [seen], {"e0"}, 512)
     assert len(failures) == 1 and says in failures[0], failures
 
 
-def test_kv_events_are_not_judged_without_a_handoff_or_without_prefix_caching() -> None:
+def test_kv_events_are_not_judged_where_the_router_would_not_read_them() -> None:
     silent = _seen("e0", batches=0, stored_blocks=0)
-    failures, notes, _ = kv_events_findings(_events_fleet(), [silent], set())
+    failures, notes, _ = kv_events_findings(_events_fleet(), [silent], set(), 512)
     assert failures == [] and "e0: completed no handoff" in notes[-1]
-    failures, notes, _ = kv_events_findings(_events_fleet(enabled=False), [silent], {"e0"})
+    failures, notes, _ = kv_events_findings(_events_fleet(enabled=False), [silent], {"e0"}, 512)
     assert failures == []
     assert notes == ["e0: KV events not judged: the fleet's prefix caching is off"]
+    routing_off = _events_fleet(routing={"prefix": {"enabled": False}})
+    failures, notes, _ = kv_events_findings(routing_off, [silent], {"e0"}, 512)
+    assert failures == []
+    assert notes == ["e0: KV events not judged: the fleet's routing.prefix is off"]
+    failures, notes, _ = kv_events_findings(_events_fleet(), [silent], {"e0"}, 8)
+    assert failures == [] and "the probes' 8-token prompts fill no 16-token block" in notes[-1]

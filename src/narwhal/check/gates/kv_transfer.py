@@ -230,7 +230,9 @@ def kv_transfer_gate(
         )
     answered = [p for p in pairs if any(x.error is None for x in p.probes)]
     ran = {engine for p in answered for engine in (p.prefill, p.decode)}
-    event_failures, event_notes, events_evidence = kv_events_findings(fleet, kv_events, ran)
+    event_failures, event_notes, events_evidence = kv_events_findings(
+        fleet, kv_events, ran, prompt_tokens
+    )
     failures += event_failures
     notes += event_notes
     dist = _dist(all_first)
@@ -260,19 +262,21 @@ def kv_transfer_gate(
 
 
 def kv_events_findings(
-    fleet: FleetContract, seen: Sequence[KVEventsSeen], ran: set[str]
+    fleet: FleetContract, seen: Sequence[KVEventsSeen], ran: set[str], prompt_tokens: int
 ) -> tuple[list[str], list[str], dict[str, Any]]:
     """Judge the engines' KV event streams as the handoffs left them: (failures, notes,
-    evidence). Only engines that completed a handoff (``ran``) are judged: their prefills stored
-    blocks (a prefill engine) or their KV pulls did (a decode engine), which vLLM publishes
-    with prefix caching on. An engine without ``kv_events`` is routed to by the router's own
-    routing history (approximate): a note, not a failure."""
+    evidence). Only engines that completed a handoff (``ran``) are judged, and only where the
+    router reads the streams (prefix caching on and ``routing.prefix`` enabled) and the probes'
+    prompts (``prompt_tokens``) fill a block: their prefills stored blocks (a prefill engine)
+    or their KV pulls did (a decode engine), which vLLM publishes. An engine without
+    ``kv_events`` is routed to by the router's own routing history (approximate): a note."""
     failures: list[str] = []
     notes: list[str] = []
     evidence: dict[str, Any] = {}
     cache = fleet.engine.prefix_caching
+    read = cache.enabled and fleet.routing.prefix.enabled
     silent = [e.id for e in fleet.engines if e.kv_events is None]
-    if silent and cache.enabled:
+    if silent and read:
         notes.append(
             f"{', '.join(silent)}: no kv_events in the fleet: the router routes to "
             f"{'them' if len(silent) > 1 else 'it'} by its own routing history (approximate)"
@@ -289,14 +293,25 @@ def kv_events_findings(
             "unreadable_batches": s.bad_payloads,
             "resets": s.resets,
             "replay": s.replay,
+            "error": s.error,
         }
-        if not cache.enabled:
-            notes.append(f"{s.engine_id}: KV events not judged: the fleet's prefix caching is off")
+        if not read:
+            why = "prefix caching" if not cache.enabled else "routing.prefix"
+            notes.append(f"{s.engine_id}: KV events not judged: the fleet's {why} is off")
+            continue
+        if prompt_tokens < cache.block_size:
+            notes.append(
+                f"{s.engine_id}: KV events not judged: the probes' {prompt_tokens}-token "
+                f"prompts fill no {cache.block_size}-token block"
+            )
             continue
         if s.engine_id not in ran:
             notes.append(f"{s.engine_id}: completed no handoff: its KV events not judged")
             continue
         where = f"{s.engine_id}: KV events at {s.endpoint}"
+        if s.error is not None:
+            failures.append(f"{where}: the subscription stopped reading: {s.error}")
+            continue
         if s.batches == 0:
             failures.append(
                 f"{where}: no batch during its handoffs: the router would route to it by its "
