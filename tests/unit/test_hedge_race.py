@@ -24,7 +24,13 @@ from narwhal.routing.lifecycle import Lifecycle
 from narwhal.routing.roles import DemandTracker
 from narwhal.routing.scheduler import SchedulerV0
 from narwhal.serve.errors import EngineRefused, RouterError
-from narwhal.serve.pd import MetricsObserver, PDRouter
+from narwhal.serve.pd import (
+    MetricsObserver,
+    PDRouter,
+    _EngineClientError,
+    _hedge_end,
+    _LegFailure,
+)
 from narwhal.serve.record import RequestRecord
 from narwhal.serve.validation import parse_client_request
 from narwhal.simengine.fleet import local_fleet_document
@@ -290,3 +296,23 @@ def test_a_request_cancelled_mid_race_cancels_both_legs() -> None:
     assert isinstance(out.error, asyncio.CancelledError)
     assert f"{slow} cancelled" in out.engines.log and f"{hedge} cancelled" in out.engines.log
     assert out.hedges("hedge") == out.hedges("original") == 0
+
+
+def test_how_a_hedge_ended_when_the_slow_leg_ended_first() -> None:
+    """``_hedge_end``: still running is cancelled by the race's end; one that already answered,
+    was refused or failed (its own callback not yet run) is said so."""
+
+    async def ends() -> list[str]:
+        loop = asyncio.get_running_loop()
+        running: asyncio.Future[object] = loop.create_future()
+        answered: asyncio.Future[object] = loop.create_future()
+        answered.set_result(("params", 3, None))
+        refused: asyncio.Future[object] = loop.create_future()
+        refused.set_exception(_EngineClientError(400, b"{}"))
+        failed: asyncio.Future[object] = loop.create_future()
+        failed.set_exception(_LegFailure("connection reset"))
+        cancelled: asyncio.Future[object] = loop.create_future()
+        cancelled.cancel()
+        return [_hedge_end(f) for f in (running, answered, refused, failed, cancelled)]
+
+    assert asyncio.run(ends()) == ["cancelled", "answered", "refused", "failed", "cancelled"]

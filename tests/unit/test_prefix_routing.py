@@ -322,15 +322,25 @@ def test_a_hedge_that_failed_is_counted_once_when_it_fails(events: bool, then: s
         lifecycle.prefill_done(ticket, "failed")
         assert index.match(KEYS, clock.now()) == {}
     else:
+        # Its breaker opened and cooled off meanwhile: another request is its half-open probe,
+        # which the cancelled request (whose verdict is in) must leave alone.
+        breaker.state = BreakerState.HALF_OPEN
+        breaker.probe_in_flight = True
         lifecycle.cancel(ticket)
+        assert breaker.probe_in_flight
     assert breaker.consecutive_failures == before + 1
 
 
 @pytest.mark.parametrize("events", [False, True], ids=["history", "events"])
 def test_a_hedge_refused_as_the_slow_leg_answered_gives_its_claim_back(events: bool) -> None:
+    """Refused (HTTP 4xx): the engine computed nothing but is fine: a success verdict, no
+    claim."""
     clock, index, lifecycle, ticket, slow, hedge = hedged(events)
+    breaker = lifecycle.state.engines[hedge.prefill].breaker
+    breaker.consecutive_failures = 2
     lifecycle.prefill_done(ticket, "ok", prompt_tokens=PROMPT, hedge_ended="refused")
     assert index.match(KEYS, clock.now()) == {slow.prefill: 250, hedge.decode: 250}
+    assert breaker.consecutive_failures == 0
 
 
 @pytest.mark.parametrize("events", [False, True], ids=["history", "events"])

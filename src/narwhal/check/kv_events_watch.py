@@ -83,8 +83,11 @@ class KVEventsWatch:
         """Unsubscribe (after the last events had time to arrive) and ask each replay socket
         for the last batch delivered. Safe to call after a failed or cancelled ``start``."""
         crashed: dict[str, str] = {}
+        # Stopped because the check is being cancelled: no drain, no replay question.
+        current = asyncio.current_task()
+        hurry = current is not None and current.cancelling() > 0
         try:
-            if self._subscribers:
+            if self._subscribers and not hurry:
                 await asyncio.sleep(DRAIN_S)
                 # A subscriber asking a replay socket holds its live batches until it answers
                 # or times out: let it finish, or they would go uncounted.
@@ -115,7 +118,7 @@ class KVEventsWatch:
                     block_sizes=tuple(sorted(tally.block_sizes)),
                     bad_payloads=subscriber.bad_payloads,
                     resets=subscriber.resets,
-                    replay=await self._replay(subscriber),
+                    replay=None if hurry else await self._replay(subscriber),
                     error=crashed.get(subscriber.engine_id),
                 )
             )

@@ -769,7 +769,9 @@ class Lifecycle:
             self._queue.pop(ticket, None)
             self.observer.queue_depth(len(self._queue))
         elif phase == "prefill":
-            self._end_prefill(ticket).breaker.on_abandon()
+            p = self._end_prefill(ticket)
+            if ticket.race is None or not ticket.race.hedge_failed:  # else its verdict is in
+                p.breaker.on_abandon()
             # The engines abort it: a prefill engine keeps what it computed before (its claim
             # stays), a decode engine pulled nothing.
             self._settle_race(ticket, slow_holds=True)
