@@ -69,10 +69,6 @@ class KVEventsWatch:
             )
             self._subscribers.append((subscriber, tally))
 
-    @property
-    def engines(self) -> list[str]:
-        return [s.engine_id for s, _ in self._subscribers]
-
     async def start(self) -> None:
         for subscriber, _ in self._subscribers:
             self._tasks.append(asyncio.ensure_future(subscriber.run()))
@@ -82,7 +78,6 @@ class KVEventsWatch:
     async def stop(self) -> list[KVEventsSeen]:
         """Unsubscribe (after the last events had time to arrive) and ask each replay socket
         for the last batch delivered. Safe to call after a failed or cancelled ``start``."""
-        crashed: dict[str, str] = {}
         # Stopped because the check is being cancelled: no drain, no replay question.
         current = asyncio.current_task()
         hurry = current is not None and current.cancelling() > 0
@@ -101,11 +96,8 @@ class KVEventsWatch:
                 task.cancel()
             # Raises CancelledError only when this task itself is cancelled.
             ended = await asyncio.gather(*self._tasks, return_exceptions=True)
-        for (subscriber, _), end in zip(self._subscribers, ended, strict=False):
-            if isinstance(end, Exception):  # it stopped reading before it was cancelled
-                crashed[subscriber.engine_id] = f"{type(end).__name__}: {end}"
         seen = []
-        for subscriber, tally in self._subscribers:
+        for (subscriber, tally), end in zip(self._subscribers, ended, strict=True):
             seen.append(
                 KVEventsSeen(
                     engine_id=subscriber.engine_id,
@@ -119,7 +111,8 @@ class KVEventsWatch:
                     bad_payloads=subscriber.bad_payloads,
                     resets=subscriber.resets,
                     replay=None if hurry else await self._replay(subscriber),
-                    error=crashed.get(subscriber.engine_id),
+                    # A subscription that ended before it was cancelled stopped reading.
+                    error=f"{type(end).__name__}: {end}" if isinstance(end, Exception) else None,
                 )
             )
         return seen

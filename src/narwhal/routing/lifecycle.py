@@ -595,15 +595,11 @@ class Lifecycle:
         hedge's pair, or not at all), and its prefill engine too unless it holds the prompt
         (``slow_holds``: it answered, or was cancelled with what it computed). Engines of the
         request's own pair keep theirs: the pair's outcome settles them."""
-        index = self.state.prefix_index
-        if index is None or not ticket.prefix:
-            return
         slow = race.slow
         lost = {slow.decode} if slow_holds else {slow.prefill, slow.decode}
         if ticket.pair is not None:
             lost -= {ticket.pair.prefill, ticket.pair.decode}
-        for engine in lost:
-            index.forget_routed(engine, ticket.prefix, race.slow_dispatched_at, ticket.prefix_exact)
+        self._forget_routed(ticket, *lost, sent_at=race.slow_dispatched_at)
 
     def _prefill_failed(self, ticket: Ticket, *, runs_on: bool, counted: bool = False) -> None:
         """The prefill leg ended failed (``runs_on``: ended by a hedge, its request still
@@ -815,14 +811,14 @@ class Lifecycle:
             self.state.engines[ticket.pair.decode].forget_decode_end(ticket.decode_end)
             ticket.decode_end = None
 
-    def _forget_routed(self, ticket: Ticket, *engines: str) -> None:
-        """A failed leg: what the dispatch recorded the engines would hold, forgotten."""
+    def _forget_routed(self, ticket: Ticket, *engines: str, sent_at: float | None = None) -> None:
+        """A failed leg: what the dispatch recorded the engines would hold, forgotten (the
+        ticket's current dispatch, or the one at ``sent_at``)."""
         index = self.state.prefix_index
         if index is not None and ticket.prefix:
+            stamp = ticket.dispatched_at if sent_at is None else sent_at
             for engine in set(engines):
-                index.forget_routed(
-                    engine, ticket.prefix, ticket.dispatched_at, ticket.prefix_exact
-                )
+                index.forget_routed(engine, ticket.prefix, stamp, ticket.prefix_exact)
 
     def _verdict(
         self, engine: EngineState, ok: bool, leg: Literal["prefill", "decode"] = "decode"

@@ -494,10 +494,7 @@ class PDRouter:
                 if race.second is None:
                     raise
                 if isinstance(exc, _EngineClientError):
-                    ended = _hedge_end(race.second)
-                    self.lifecycle.prefill_done(ticket, "refused", hedge_ended=ended)
-                    if ended == "answered":  # in the same moment: its KV is pulled by no one
-                        self._stranded(race.pair.prefill, "hedge_lost", record)
+                    self._slow_leg_decided(ticket, race, record, "refused")
                     self.metrics.hedges.labels("prefill", "refused").inc()
                     raise
                 # The slow leg failed; the hedge may still answer.
@@ -510,10 +507,7 @@ class PDRouter:
             if race.second is None:
                 return (*result, pair)
             race.closed = True
-            ended = _hedge_end(race.second)
-            self.lifecycle.prefill_done(ticket, "ok", prompt_tokens=result[1], hedge_ended=ended)
-            if ended == "answered":  # in the same moment: its KV is pulled by no one
-                self._stranded(race.pair.prefill, "hedge_lost", record)
+            self._slow_leg_decided(ticket, race, record, "ok", result[1])
             self.metrics.hedges.labels("prefill", "original").inc()
             return (*result, race.pair)
         finally:
@@ -521,6 +515,22 @@ class PDRouter:
             timer.cancel()
             if race.second is not None:
                 race.second.cancel()
+
+    def _slow_leg_decided(
+        self,
+        ticket: Ticket,
+        race: _HedgeRace,
+        record: RequestRecord,
+        outcome: Literal["ok", "refused"],
+        prompt_tokens: int | None = None,
+    ) -> None:
+        """The slow leg's answer or refusal decides a hedged prefill: reported with how its
+        hedge ended; a hedge that answered in the same moment left KV no one pulls."""
+        assert race.second is not None
+        ended = _hedge_end(race.second)
+        self.lifecycle.prefill_done(ticket, outcome, prompt_tokens=prompt_tokens, hedge_ended=ended)
+        if ended == "answered":
+            self._stranded(race.pair.prefill, "hedge_lost", record)
 
     def _start_hedge(
         self,
