@@ -12,7 +12,13 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["HEALTH_PROBE_FAILURES", "OUTCOMES", "RouterMetrics"]
+__all__ = [
+    "FLEET_BACKGROUND_TASKS",
+    "HEALTH_PROBE_FAILURES",
+    "OUTCOMES",
+    "RouterMetrics",
+    "kv_events_task",
+]
 
 # Every terminal outcome a request can have; journal and metrics use the same words.
 OUTCOMES = (
@@ -31,7 +37,7 @@ OUTCOMES = (
 )
 ROLES = ("prefill", "decode")
 LEGS = ("prefill", "decode")
-STRANDED_REASONS = ("decode_failed", "deadline_exceeded", "client_abort", "no_decode", "hedge_lost")
+STRANDED_REASONS = ("decode_failed", "deadline_exceeded", "client_abort", "hedge_lost")
 # timeout: no answer within the probe's timeouts; unreachable: refused, reset or cut short;
 # status: an answer other than 200.
 HEALTH_PROBE_FAILURES = ("timeout", "unreachable", "status")
@@ -91,6 +97,13 @@ _JOURNAL = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
 # hedged leg ended (serve.pd.PDRouter._race).
 MIGRATION_REASONS = ("connection", "engine_error", "malformed", "stall")
 HEDGE_OUTCOMES = ("hedge", "original", "failed", "refused")
+# The router's background loops (narwhal.serve.supervisor), besides one KV event subscription
+# per engine that publishes them (``kv_events_task``).
+FLEET_BACKGROUND_TASKS = ("health_probes", "engine_scrapes", "role_controller", "etcd_coordination")
+
+
+def kv_events_task(engine: str) -> str:
+    return f"kv_events/{engine}"
 
 
 class RouterMetrics:
@@ -192,6 +205,20 @@ class RouterMetrics:
             "Times an engine's prefix index entries were dropped: events lost beyond replay, "
             "an unreadable batch, or an engine restart.",
             ["engine"],
+            registry=r,
+        )
+        self.kv_event_unreadable = Counter(
+            "narwhal_kv_event_unreadable_batches",
+            "KV event batches from an engine that could not be read or applied to the prefix "
+            "index (each also resets the engine's entries).",
+            ["engine"],
+            registry=r,
+        )
+        self.background_task_restarts = Counter(
+            "narwhal_background_task_restarts",
+            "Background loops started again after a fault (health_probes, engine_scrapes, "
+            "role_controller, etcd_coordination, kv_events/<engine>).",
+            ["task"],
             registry=r,
         )
         self.prefix_index_blocks = Gauge(
@@ -351,7 +378,10 @@ class RouterMetrics:
             self.retries.labels(leg)
         for outcome in HEDGE_OUTCOMES:
             self.hedges.labels("prefill", outcome)
+        for task in FLEET_BACKGROUND_TASKS:
+            self.background_task_restarts.labels(task)
         for engine in engines:
+            self.background_task_restarts.labels(kv_events_task(engine))
             for reason in MIGRATION_REASONS:
                 self.migrations.labels(engine, reason)
             self.prefill.labels(engine)
@@ -363,6 +393,7 @@ class RouterMetrics:
                 self.prefix_cached_tokens.labels(engine, source)
             self.kv_event_batches.labels(engine)
             self.kv_event_resets.labels(engine)
+            self.kv_event_unreadable.labels(engine)
             self.prefix_index_blocks.labels(engine)
             self.engine_healthy.labels(engine)
             for reason in HEALTH_PROBE_FAILURES:

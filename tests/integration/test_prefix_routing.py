@@ -165,3 +165,67 @@ def test_an_engine_that_publishes_nothing_leaves_routing_correct(
     assert all(e["outcome"] == "ok" for e in ends)
     assert metric(metrics, "narwhal_kv_event_batches_total", engine="e0") == 0
     assert metric(metrics, "narwhal_kv_event_batches_total", engine="e1") > 0
+
+
+def test_an_engine_that_publishes_garbage_is_counted_and_routed_by_history(
+    stack: tuple[SimFleet, Path],
+) -> None:
+    """e0's events come from a publisher that sends only unreadable batches, at a step's
+    rate: each is counted (``narwhal_kv_event_unreadable_batches_total``) and resets e0's
+    entries, the log warns once rather than per batch, and routing stays correct."""
+    import threading
+
+    import zmq
+
+    fleet, store = stack
+    directory = fleet.fleet_path.parent / "garbage"
+    directory.mkdir()
+    original = json.loads(fleet.fleet_path.read_text())
+    events = {e["id"]: e["kv_events"] for e in original["engines"]}
+    (port,) = free_ports(1)
+    events["e0"] = {"endpoint": f"tcp://127.0.0.1:{port}"}
+    path = _fleet_copy(fleet, directory, events)
+    context = zmq.Context()
+    publisher = context.socket(zmq.PUB)
+    publisher.setsockopt(zmq.LINGER, 0)
+    publisher.bind(f"tcp://127.0.0.1:{port}")
+    stop = threading.Event()
+
+    def publish() -> None:
+        seq = 0
+        while not stop.wait(0.02) and seq < 3000:  # bounded: 60 s at most
+            publisher.send_multipart([b"", seq.to_bytes(8, "big"), b"\xc1 not msgpack"])
+            seq += 1
+
+    thread = threading.Thread(target=publish, daemon=True)
+    thread.start()
+    try:
+        with running_router(
+            directory, path, "--profiles", str(store), "--skip-qualification"
+        ) as router:
+            assert wait_until(
+                lambda: (
+                    metric(
+                        router.metrics(), "narwhal_kv_event_unreadable_batches_total", engine="e0"
+                    )
+                    >= 20
+                ),
+                30,
+            )
+            ends = routed_by_prefix(router, fleet, base=40)
+            metrics = router.metrics()
+    finally:
+        stop.set()
+        thread.join(5)
+        publisher.close(linger=0)
+        context.term()
+    assert all(e["outcome"] == "ok" for e in ends)
+    unreadable = metric(metrics, "narwhal_kv_event_unreadable_batches_total", engine="e0")
+    assert metric(metrics, "narwhal_kv_event_resets_total", engine="e0") >= unreadable >= 20
+    assert metric(metrics, "narwhal_kv_event_batches_total", engine="e0") == 0
+    assert metric(metrics, "narwhal_kv_event_unreadable_batches_total", engine="e1") == 0
+    assert metric(metrics, "narwhal_background_task_restarts_total") == 0
+    warnings = [
+        line for line in router.log_path.read_text().splitlines() if "engine e0: KV event" in line
+    ]
+    assert 1 <= len(warnings) <= 2, warnings

@@ -79,6 +79,9 @@ class ScriptedEngine:
             engines.log.append(f"{self.id} cancelled")
             raise
         engines.log.append(f"{self.id} {leg.outcome}")
+        if engines.cancel_when_hedge_answers is not None and len(engines.prefills) == 2:
+            # The client leaves in the moment the hedge answers: before the race hears of it.
+            asyncio.get_running_loop().call_soon(engines.cancel_when_hedge_answers.cancel)
         if leg.outcome == "fail":
             raise EngineTransportError("connection reset")
         if leg.outcome == "refuse":
@@ -106,6 +109,7 @@ class ScriptedEngines:
         self.script = script
         self.prefills: list[str] = []  # the engines prefill legs went to, in order
         self.log: list[str] = []
+        self.cancel_when_hedge_answers: asyncio.Task[object] | None = None
 
     def client(self, engine_id: str) -> ScriptedEngine:
         return ScriptedEngine(engine_id, self)
@@ -139,7 +143,9 @@ class Outcome:
         return [(a["leg"], a["engine"], a["outcome"]) for a in self.record.attempts]
 
 
-async def _run(script: list[Leg], cancel_after_s: float | None = None) -> Outcome:
+async def _run(
+    script: list[Leg], cancel_after_s: float | None = None, cancel_with_hedge: bool = False
+) -> Outcome:
     contract = fleet()
     clock = MonotonicClock()
     state = FleetState(contract, clock)
@@ -160,6 +166,8 @@ async def _run(script: list[Leg], cancel_after_s: float | None = None) -> Outcom
     record = RequestRecord("r1", 0.0, clock.now(), "/v1/completions")
     error: BaseException | None = None
     task = asyncio.ensure_future(router.open(request, record))
+    if cancel_with_hedge:
+        engines.cancel_when_hedge_answers = task
     if cancel_after_s is not None:
         await asyncio.sleep(cancel_after_s)
         task.cancel()
@@ -178,8 +186,10 @@ async def _run(script: list[Leg], cancel_after_s: float | None = None) -> Outcom
     return Outcome(error, record, router, engines, state)
 
 
-def run(script: list[Leg], cancel_after_s: float | None = None) -> Outcome:
-    return asyncio.run(_run(script, cancel_after_s))
+def run(
+    script: list[Leg], cancel_after_s: float | None = None, cancel_with_hedge: bool = False
+) -> Outcome:
+    return asyncio.run(_run(script, cancel_after_s, cancel_with_hedge))
 
 
 def test_a_prompt_leg_is_never_hedged() -> None:
@@ -296,6 +306,23 @@ def test_a_request_cancelled_mid_race_cancels_both_legs() -> None:
     assert isinstance(out.error, asyncio.CancelledError)
     assert f"{slow} cancelled" in out.engines.log and f"{hedge} cancelled" in out.engines.log
     assert out.hedges("hedge") == out.hedges("original") == 0
+
+
+def test_a_client_leaving_as_the_hedge_answers_settles_the_hedge() -> None:
+    """The client leaves in the moment the hedge answers, before the race hears of it: the
+    hedge's engine served well (a success, not an abandoned request), its answer is the
+    prefill's, and its KV, which no decode leg will pull, is reported stranded."""
+    out = run([Leg("ok", 0.5), Leg("ok", 0.0)], cancel_with_hedge=True)
+    slow, hedge = out.engines.prefills
+    assert isinstance(out.error, asyncio.CancelledError)
+    assert f"{slow} cancelled" in out.engines.log
+    assert not any("decodes" in line for line in out.engines.log)
+    assert out.hedges("hedge") == 1
+    assert out.state.engines[hedge].answered_at > -math.inf
+    assert out.state.engines[hedge].breaker.consecutive_failures == 0
+    stranded = out.router.metrics.stranded.labels(hedge, "client_abort")._value.get()
+    assert stranded == 1
+    assert ("handoff", hedge, "stranded") in out.attempts()
 
 
 def test_how_a_hedge_ended_when_the_slow_leg_ended_first() -> None:

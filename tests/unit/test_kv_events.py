@@ -294,6 +294,79 @@ def test_a_batch_the_index_cannot_apply_resets_and_the_stream_goes_on() -> None:
     assert sub.next_seq == 3
 
 
+def test_unreadable_batches_warn_once_a_minute_and_each_is_counted(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine that sends unreadable batches sends them at its step rate: each is counted
+    (``on_unreadable``, narwhal-serve's ``narwhal_kv_event_unreadable_batches_total``) and
+    resets the entries, but the log gets one warning, then a count at most once a minute."""
+    from narwhal.engines import kv_events
+
+    now = [1000.0]
+    monkeypatch.setattr(kv_events.time, "monotonic", lambda: now[0])
+    seen = Recorder()
+    counted: list[int] = []
+    sub = KVEventSubscriber(
+        "e0",
+        "tcp://127.0.0.1:1",
+        None,
+        "",
+        seen.events,
+        seen.reset,
+        on_unreadable=lambda: counted.append(1),
+    )
+
+    async def body() -> None:
+        for seq in range(5):
+            await sub._receive(seq, b"not msgpack \xc1")
+        now[0] += kv_events.UNREADABLE_LOG_EVERY_S
+        await sub._receive(5, b"\xc1")
+        await sub._receive(6, _batch(7.0, 7))
+
+    with caplog.at_level("WARNING", logger="narwhal.engines.kv_events"):
+        asyncio.run(body())
+    assert len(counted) == 6 == sub.bad_payloads == seen.resets
+    assert seen.removed == [7]
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2, warnings
+    assert "batch 0 unreadable" in warnings[0] and "more since" not in warnings[0]
+    assert "batch 5 unreadable" in warnings[1] and "4 more since the last warning" in warnings[1]
+
+
+def test_a_subscription_started_again_resets_the_engine_and_reads_its_history() -> None:
+    """A run ended by a fault (narwhal-serve's supervisor starts it again) may have missed or
+    half-applied batches: the next run resets the engine's entries and takes its first batch
+    as a new stream's, reading what came before from the replay socket."""
+
+    async def body(publisher: KVEventPublisher, endpoint: str, replay: str) -> None:
+        seen = Recorder()
+        sub = KVEventSubscriber("e0", endpoint, replay, "", seen.events, seen.reset)
+
+        async def run_until(count: int) -> None:
+            task = asyncio.ensure_future(sub.run())
+            try:
+                for _ in range(100):  # the SUB socket connects asynchronously
+                    _publish(publisher, 50 + len(seen.removed))
+                    await asyncio.sleep(0.02)
+                    if len(seen.removed) >= count:
+                        return
+                raise AssertionError(f"no events: {seen.removed}")
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+        await run_until(1)
+        assert seen.resets == 0
+        before = list(seen.removed)
+        seen.removed.clear()
+        await run_until(len(before) + 1)
+        assert seen.resets == 1
+        # The whole history again, from the replay buffer, then the live batches.
+        assert seen.removed[: len(before)] == before
+
+    asyncio.run(_with_publisher(100, body))
+
+
 def test_a_subscriber_started_late_gets_the_buffered_history_over_zmq() -> None:
     async def body(publisher: KVEventPublisher, endpoint: str, replay: str) -> None:
         _publish(publisher, 1, 2, 3)

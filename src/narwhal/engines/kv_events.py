@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ from narwhal.routing.prefix import PackedTokenIds, PrefixIndex
 
 __all__ = [
     "END_SEQ",
+    "UNREADABLE_LOG_EVERY_S",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -50,6 +52,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 END_SEQ = -1
+UNREADABLE_LOG_EVERY_S = 60.0
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -364,8 +367,10 @@ class KVEventSubscriber:
     """One engine's KV event stream, delivered in sequence order to ``on_events``.
 
     ``on_reset`` is called when the engine's past entries can no longer be trusted: a gap that
-    the replay socket cannot fill (or no replay socket), or a sequence that starts again from 0
-    (the engine restarted). ``on_events`` gets each batch's events in order."""
+    the replay socket cannot fill (or no replay socket), a sequence that starts again from 0
+    (the engine restarted), a batch that cannot be read or applied, or a subscription started
+    again after a fault (``run`` called again). ``on_events`` gets each batch's events in
+    order; ``on_unreadable`` is told of each batch that could not be read or applied."""
 
     def __init__(
         self,
@@ -376,6 +381,7 @@ class KVEventSubscriber:
         on_events: Callable[[list[ReadEvent]], None],
         on_reset: Callable[[], None],
         replay_timeout_s: float = 2.0,
+        on_unreadable: Callable[[], None] | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.endpoint = endpoint
@@ -383,6 +389,7 @@ class KVEventSubscriber:
         self.topic = topic.encode()
         self.on_events = on_events
         self.on_reset = on_reset
+        self.on_unreadable = on_unreadable
         self.replay_timeout_s = replay_timeout_s
         self.next_seq: int | None = None
         self.replaying = False  # waiting for the replay socket (the live stream waits too)
@@ -391,10 +398,22 @@ class KVEventSubscriber:
         self.gaps = 0
         self.resets = 0
         self.bad_payloads = 0
+        self.runs = 0
+        # An engine that sends unreadable batches sends them at its step rate: one warning
+        # with its traceback, then a count at most every UNREADABLE_LOG_EVERY_S.
+        self._unreadable_logged_at = float("-inf")
+        self._unreadable_unlogged = 0
         self._ctx = zmq.asyncio.Context.instance()
 
     async def run(self) -> None:
-        """Subscribe and deliver until cancelled."""
+        """Subscribe and deliver until cancelled. Called again after a fault ended a run, it
+        starts from a clean slate: the engine's entries are reset and the next batch is taken
+        as a stream's first (what came before it, from the replay socket)."""
+        self.runs += 1
+        if self.runs > 1:
+            self.next_seq = None
+            self.replaying = False
+            self._reset("its subscription started again after a fault")
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
@@ -403,7 +422,7 @@ class KVEventSubscriber:
             while True:
                 frames = await sub.recv_multipart()
                 if len(frames) != 3:
-                    self.bad_payloads += 1
+                    self._unreadable(f"a message of {len(frames)} frames, not 3")
                     continue
                 _, seq_bytes, payload = frames
                 await self._receive(int.from_bytes(seq_bytes, "big", signed=True), payload)
@@ -439,10 +458,9 @@ class KVEventSubscriber:
         try:
             ts, events = decode_batch(payload)
         except ValueError as exc:
-            self.bad_payloads += 1
-            log.warning("engine %s: KV event batch %d unreadable: %s", self.engine_id, seq, exc)
-            self._reset("a batch could not be read")
             self.next_seq = seq + 1
+            self._unreadable(f"batch {seq} unreadable: {exc}")
+            self._reset("a batch could not be read", quiet=True)
             return
         self.next_seq = seq + 1
         self.last_ts = max(self.last_ts, ts)
@@ -450,13 +468,32 @@ class KVEventSubscriber:
         try:
             self.on_events(events)
         except Exception:  # a batch the index cannot apply must not end the subscription
-            self.bad_payloads += 1
-            log.exception("engine %s: KV event batch %d could not be applied", self.engine_id, seq)
-            self._reset("a batch could not be applied")
+            self._unreadable(f"batch {seq} could not be applied", traceback=True)
+            self._reset("a batch could not be applied", quiet=True)
 
-    def _reset(self, why: str) -> None:
+    def _unreadable(self, what: str, traceback: bool = False) -> None:
+        self.bad_payloads += 1
+        if self.on_unreadable is not None:
+            self.on_unreadable()
+        now = time.monotonic()
+        if now - self._unreadable_logged_at < UNREADABLE_LOG_EVERY_S:
+            self._unreadable_unlogged += 1
+            return
+        more = self._unreadable_unlogged
+        self._unreadable_logged_at = now
+        self._unreadable_unlogged = 0
+        log.warning(
+            "engine %s: KV event %s (its entries reset)%s",
+            self.engine_id,
+            what,
+            f"; {more} more since the last warning" if more else "",
+            exc_info=traceback,
+        )
+
+    def _reset(self, why: str, quiet: bool = False) -> None:
         self.resets += 1
-        log.warning("engine %s: KV event index reset: %s", self.engine_id, why)
+        if not quiet:  # an unreadable batch's reset is in its own (throttled) warning
+            log.warning("engine %s: KV event index reset: %s", self.engine_id, why)
         self.on_reset()
 
     async def _replay_from(self, start: int, live_seq: int, complete_required: bool) -> None:

@@ -141,6 +141,7 @@ def kv_event_subscribers(state: FleetState, metrics: RouterMetrics) -> list[KVEv
                 spec.kv_events.topic,
                 _applier(index, spec.id, metrics),
                 _resetter(index, spec.id, metrics),
+                on_unreadable=metrics.kv_event_unreadable.labels(spec.id).inc,
             )
         )
     return out
@@ -173,8 +174,12 @@ def _applier(
 
 def _resetter(index: PrefixIndex, engine_id: str, metrics: RouterMetrics) -> Callable[[], None]:
     def reset() -> None:
-        index.clear(engine_id)
+        # What the engine published can no longer be trusted: its entries go, and until its
+        # next readable batch it is routed by history, as an engine that publishes nothing
+        # (one that never sent a readable batch keeps the history it has: an unreadable
+        # batch says nothing about where the router sent prompts).
+        index.set_precise(engine_id, False)
         metrics.kv_event_resets.labels(engine_id).inc()
-        metrics.prefix_index_blocks.labels(engine_id).set(0)
+        metrics.prefix_index_blocks.labels(engine_id).set(index.blocks_held(engine_id))
 
     return reset

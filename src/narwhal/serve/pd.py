@@ -487,9 +487,18 @@ class PDRouter:
             try:
                 result = await self._prefill(ticket, pair, request, record, race.first)
             except asyncio.CancelledError:
-                if race.decided is None or task.uncancel() > 0:
+                decided = race.decided
+                if decided is None:
                     raise  # cancelled from outside: the hedge is cancelled below
-                return (*self._hedge_won(ticket, race.decided), race.pair)
+                if task.uncancel() > 0:
+                    # Cancelled from outside (the client left) in the moment the hedge
+                    # answered: its answer still settles the prefill (its engine served
+                    # well), and the KV it holds no decode leg will pull.
+                    with contextlib.suppress(_EngineClientError):
+                        self._hedge_won(ticket, decided)
+                        self._stranded(race.pair.prefill, "client_abort", record)
+                    raise
+                return (*self._hedge_won(ticket, decided), race.pair)
             except (_LegFailure, _EngineClientError) as exc:
                 if race.second is None:
                     raise

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from narwhal.clock import MonotonicClock
@@ -15,7 +16,7 @@ from narwhal.coordination import Coordinator, EtcdClient
 from narwhal.coordination.replica import namespace_of
 from narwhal.engines.client import EnginePool
 from narwhal.journal import Journal
-from narwhal.metrics import RouterMetrics
+from narwhal.metrics import RouterMetrics, kv_events_task
 from narwhal.profiles.store import engine_models
 from narwhal.routing.fleet_state import FleetState
 from narwhal.routing.lifecycle import Lifecycle
@@ -33,6 +34,7 @@ from narwhal.serve.ledger import RequestLedger
 from narwhal.serve.pd import MetricsObserver, PDRouter
 from narwhal.serve.roles import RoleService
 from narwhal.serve.settings import ServeSettings
+from narwhal.serve.supervisor import supervise
 
 __all__ = ["Services"]
 
@@ -159,23 +161,26 @@ class Services:
         )
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(probe_all(self.state, self.engines, self.metrics), 3.0)
+        state, engines, metrics = self.state, self.engines, self.metrics
+        loops: list[tuple[str, Callable[[], Awaitable[None]]]] = [
+            (
+                "health_probes",
+                lambda: run_health_loop(state, engines, metrics, settings.health_interval_s),
+            ),
+            (
+                "engine_scrapes",
+                lambda: run_scrape_loop(state, engines, metrics, settings.scrape_interval_s),
+            ),
+            ("role_controller", lambda: self.roles.run(fleet.roles.tick_s)),
+        ]
+        if (coordinator := self.roles.coordinator) is not None:
+            loops.append(("etcd_coordination", coordinator.run))
+        loops += [
+            (kv_events_task(subscriber.engine_id), subscriber.run)
+            for subscriber in kv_event_subscribers(state, metrics)
+        ]
         self.tasks = [
-            asyncio.create_task(
-                run_health_loop(self.state, self.engines, self.metrics, settings.health_interval_s)
-            ),
-            asyncio.create_task(
-                run_scrape_loop(self.state, self.engines, self.metrics, settings.scrape_interval_s)
-            ),
-            asyncio.create_task(self.roles.run(fleet.roles.tick_s)),
-            *(
-                [asyncio.create_task(self.roles.coordinator.run())]
-                if self.roles.coordinator is not None
-                else []
-            ),
-            *(
-                asyncio.create_task(subscriber.run())
-                for subscriber in kv_event_subscribers(self.state, self.metrics)
-            ),
+            asyncio.create_task(supervise(name, start, metrics), name=name) for name, start in loops
         ]
         if (coordinator := self.roles.coordinator) is not None:
             # Serve from the first request on with the roles etcd holds (a replica started
