@@ -209,8 +209,9 @@ class RouterMetrics:
         )
         self.kv_event_unreadable = Counter(
             "narwhal_kv_event_unreadable_batches",
-            "KV event batches from an engine that could not be read or applied to the prefix "
-            "index (each also resets the engine's entries).",
+            "KV event messages from an engine that could not be read or applied to the prefix "
+            "index (a batch that could not be read or applied also resets the engine's "
+            "entries).",
             ["engine"],
             registry=r,
         )

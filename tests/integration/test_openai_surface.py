@@ -323,3 +323,28 @@ def test_a_choice_the_engine_refuses_fails_the_request_once(stack) -> None:
     assert end["choices"] == 3
     ids = [rec["id"] for rec in router.records() if rec["type"] == "request.end"]
     assert ids.count(r.headers["x-request-id"]) == 1
+
+
+def test_models_are_listed_and_retrieved_and_unknown_routes_are_openai_errors(
+    stack, clients
+) -> None:
+    """``models.retrieve`` (GET /v1/models/{id}: ids hold a slash) answers the served model's
+    card and a clear 404 for any other; a path the router does not serve, and a method a route
+    does not take, are OpenAI-shaped errors like every other, not the framework's."""
+    _, router = stack
+    client = clients(router.url)
+    (listed,) = client.models.list().data
+    got = client.models.retrieve(MODEL)
+    assert got.id == MODEL == listed.id and got.model_dump() == listed.model_dump()
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("meta/not-served")
+    assert missing.value.body["code"] == "model_not_found"  # type: ignore[index]
+    assert "not-served" in missing.value.body["message"]  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.embeddings.create(model=MODEL, input="hello")
+    assert unknown.value.body["type"] == "invalid_request_error"  # type: ignore[index]
+    assert "POST /v1/embeddings" in unknown.value.body["message"]  # type: ignore[index]
+    wrong = httpx.get(router.url + "/v1/chat/completions", timeout=10)
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    error = wrong.json()["error"]
+    assert error["code"] == 405 and "GET /v1/chat/completions" in error["message"]

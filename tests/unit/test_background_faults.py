@@ -96,3 +96,59 @@ def test_a_kv_event_reset_routes_the_engine_by_history_until_its_next_batch() ->
     assert index.match(later, 50.0) == {"e0": 2}  # history: a claim in flight lives 10 s
     text = generate_latest(metrics.registry).decode()
     assert metric(text, "narwhal_kv_event_resets_total", engine="e0") == 2
+
+
+def test_a_loop_that_swallows_its_cancellation_is_not_started_again() -> None:
+    metrics = _metrics()
+    starts: list[int] = []
+    running = asyncio.Event()
+
+    async def stubborn() -> None:
+        starts.append(1)
+        running.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            return  # swallowed
+
+    async def body() -> None:
+        task = asyncio.create_task(supervise("role_controller", stubborn, metrics))
+        await asyncio.wait_for(running.wait(), 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5)
+
+    asyncio.run(body())
+    assert starts == [1]
+    text = generate_latest(metrics.registry).decode()
+    assert metric(text, "narwhal_background_task_restarts_total", task="role_controller") == 0
+
+
+def test_a_cancellation_the_task_was_not_asked_for_is_a_fault() -> None:
+    """A loop that re-raises a subtask's cancellation (its own task not cancelled) ended by a
+    fault: started again, like any other."""
+    metrics = _metrics()
+    starts: list[int] = []
+    running = asyncio.Event()
+
+    async def loop() -> None:
+        starts.append(1)
+        if len(starts) == 1:
+            raise asyncio.CancelledError  # as a cancelled subtask's result() raises it
+        running.set()
+        await asyncio.Event().wait()
+
+    async def no_wait(delay: float) -> None:
+        pass
+
+    async def body() -> None:
+        task = asyncio.create_task(supervise("etcd_coordination", loop, metrics, sleep=no_wait))
+        await asyncio.wait_for(running.wait(), 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(body())
+    assert len(starts) == 2
+    text = generate_latest(metrics.registry).decode()
+    assert metric(text, "narwhal_background_task_restarts_total", task="etcd_coordination") == 1

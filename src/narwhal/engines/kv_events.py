@@ -422,7 +422,8 @@ class KVEventSubscriber:
             while True:
                 frames = await sub.recv_multipart()
                 if len(frames) != 3:
-                    self._unreadable(f"a message of {len(frames)} frames, not 3")
+                    # No sequence number to judge by: the next batch's shows any gap.
+                    self._unreadable(f"message of {len(frames)} frames (not 3) dropped")
                     continue
                 _, seq_bytes, payload = frames
                 await self._receive(int.from_bytes(seq_bytes, "big", signed=True), payload)
@@ -459,7 +460,7 @@ class KVEventSubscriber:
             ts, events = decode_batch(payload)
         except ValueError as exc:
             self.next_seq = seq + 1
-            self._unreadable(f"batch {seq} unreadable: {exc}")
+            self._unreadable(f"batch {seq} unreadable (its entries reset): {exc}")
             self._reset("a batch could not be read", quiet=True)
             return
         self.next_seq = seq + 1
@@ -468,7 +469,9 @@ class KVEventSubscriber:
         try:
             self.on_events(events)
         except Exception:  # a batch the index cannot apply must not end the subscription
-            self._unreadable(f"batch {seq} could not be applied", traceback=True)
+            self._unreadable(
+                f"batch {seq} could not be applied (its entries reset)", traceback=True
+            )
             self._reset("a batch could not be applied", quiet=True)
 
     def _unreadable(self, what: str, traceback: bool = False) -> None:
@@ -483,7 +486,7 @@ class KVEventSubscriber:
         self._unreadable_logged_at = now
         self._unreadable_unlogged = 0
         log.warning(
-            "engine %s: KV event %s (its entries reset)%s",
+            "engine %s: KV event %s%s",
             self.engine_id,
             what,
             f"; {more} more since the last warning" if more else "",

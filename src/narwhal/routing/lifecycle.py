@@ -756,9 +756,11 @@ class Lifecycle:
 
     # --- the end, whatever it was ---------------------------------------------------------
 
-    def cancel(self, ticket: Ticket) -> None:
+    def cancel(self, ticket: Ticket, *, prefill_answered: bool = False) -> None:
         """Release whatever the ticket still holds, with no verdict on any engine: the client
-        left, or the router stops. Idempotent."""
+        left, or the router stops. Idempotent. ``prefill_answered``: the prefill leg answered
+        in the moment the request was cancelled (before its decode leg was sent): its engine
+        gets its success."""
         phase = ticket.phase
         ticket.phase = "done"
         if phase == "queued":
@@ -766,7 +768,9 @@ class Lifecycle:
             self.observer.queue_depth(len(self._queue))
         elif phase == "prefill":
             p = self._end_prefill(ticket)
-            if ticket.race is None or not ticket.race.hedge_failed:  # else its verdict is in
+            if prefill_answered:
+                self._verdict(p, ok=True)
+            elif ticket.race is None or not ticket.race.hedge_failed:  # else its verdict is in
                 p.breaker.on_abandon()
             # The engines abort it: a prefill engine keeps what it computed before (its claim
             # stays), a decode engine pulled nothing.

@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
+import orjson
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
 from narwhal import __version__
 from narwhal.asgi import register_hot_route
 from narwhal.serve.admin import json_response, register_admin_routes
-from narwhal.serve.errors import Unauthorized
+from narwhal.serve.errors import NotFound, Unauthorized, error_body
 from narwhal.serve.generation import GenerationEndpoint
 from narwhal.serve.responses import ResponsesEndpoint
 from narwhal.serve.services import Services
@@ -52,10 +55,33 @@ def build_app(settings: ServeSettings) -> FastAPI:
     register_hot_route(app, "/v1/completions", GenerationEndpoint(services, chat=False))
     register_hot_route(app, "/v1/chat/completions", GenerationEndpoint(services, chat=True))
     register_hot_route(app, "/v1/responses", ResponsesEndpoint(GenerationEndpoint(services, True)))
+    # Errors the framework answers itself (an unknown path, a method a route does not take)
+    # in the OpenAI error shape every other error of the router has.
+    app.add_exception_handler(StarletteHTTPException, _framework_error)
     _register_info_routes(app, services)
     register_tokenize_routes(app, services)
     register_admin_routes(app, services)
     return app
+
+
+async def _framework_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    status = exc.status_code
+    where = f"{request.method} {request.url.path}"
+    if status == 404:
+        message = f"Invalid URL ({where}): no such route"
+    elif status == 405:
+        allowed = (exc.headers or {}).get("Allow", "none")
+        message = f"Method not allowed ({where}): this route takes {allowed}"
+    else:
+        message = f"{exc.detail} ({where})"
+    type_ = "invalid_request_error" if status < 500 else "internal_error"
+    return Response(
+        orjson.dumps(error_body(message, type_, None, status)),
+        status_code=status,
+        media_type="application/json",
+        headers=exc.headers,
+    )
 
 
 def _register_info_routes(app: FastAPI, services: Services) -> None:
@@ -66,27 +92,36 @@ def _register_info_routes(app: FastAPI, services: Services) -> None:
     def allowed(request: Request) -> bool:
         return auth.client_allowed(request.headers.get("authorization", ""))
 
+    def card() -> dict[str, Any]:
+        return {
+            "id": fleet.model.id,
+            "object": "model",
+            "created": int(services.started_at),
+            "owned_by": "narwhal",
+            "root": fleet.model.id,
+            "parent": None,
+            "max_model_len": fleet.model.max_model_len,
+            "permission": [],
+        }
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         if not allowed(request):
             return Unauthorized().response()
-        return json_response(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": fleet.model.id,
-                        "object": "model",
-                        "created": int(services.started_at),
-                        "owned_by": "narwhal",
-                        "root": fleet.model.id,
-                        "parent": None,
-                        "max_model_len": fleet.model.max_model_len,
-                        "permission": [],
-                    }
-                ],
-            }
-        )
+        return json_response({"object": "list", "data": [card()]})
+
+    # The OpenAI SDK's models.retrieve(id); model ids hold slashes (org/name).
+    @app.get("/v1/models/{model:path}")
+    async def model(request: Request, model: str) -> Response:
+        if not allowed(request):
+            return Unauthorized().response()
+        if model != fleet.model.id:
+            return NotFound(
+                f"The model '{model}' does not exist; this router serves '{fleet.model.id}'",
+                "model",
+                code="model_not_found",
+            ).response()
+        return json_response(card())
 
     @app.get("/health")
     async def health(request: Request) -> Response:

@@ -492,11 +492,15 @@ class PDRouter:
                     raise  # cancelled from outside: the hedge is cancelled below
                 if task.uncancel() > 0:
                     # Cancelled from outside (the client left) in the moment the hedge
-                    # answered: its answer still settles the prefill (its engine served
-                    # well), and the KV it holds no decode leg will pull.
-                    with contextlib.suppress(_EngineClientError):
-                        self._hedge_won(ticket, decided)
+                    # answered: its engine served well, and the KV it holds no decode leg
+                    # will pull. A refusal ends the request as refused.
+                    if decided.exception() is None:
+                        self.lifecycle.cancel(ticket, prefill_answered=True)
+                        self.metrics.hedges.labels("prefill", "hedge").inc()
                         self._stranded(race.pair.prefill, "client_abort", record)
+                    else:
+                        with contextlib.suppress(_EngineClientError):
+                            self._hedge_won(ticket, decided)
                     raise
                 return (*self._hedge_won(ticket, decided), race.pair)
             except (_LegFailure, _EngineClientError) as exc:

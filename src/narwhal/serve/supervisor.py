@@ -41,18 +41,31 @@ async def supervise(
     loops run forever, so a return is a fault too)."""
     delay = backoff_s
     restarts = metrics.background_task_restarts.labels(task)
+    this = asyncio.current_task()
     while True:
         began = time.monotonic()
+        error: BaseException | None = None
         try:
             await start()
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("background task %s failed; starting it again in %.0f s", task, delay)
+        except asyncio.CancelledError as exc:
+            if this is None or this.cancelling():
+                raise
+            error = exc  # a cancellation this task was not asked for (a subtask's): a fault
+        except Exception as exc:
+            error = exc
+        if this is not None and this.cancelling():
+            raise asyncio.CancelledError  # the loop swallowed this task's cancellation
+        if time.monotonic() - began >= HEALTHY_RUN_S:
+            delay = backoff_s
+        if error is not None:
+            log.error(
+                "background task %s failed; starting it again in %.0f s",
+                task,
+                delay,
+                exc_info=error,
+            )
         else:
             log.error("background task %s ended; starting it again in %.0f s", task, delay)
         restarts.inc()
-        if time.monotonic() - began >= HEALTHY_RUN_S:
-            delay = backoff_s
         await sleep(delay)
         delay = min(delay * 2, max_backoff_s)
