@@ -344,6 +344,9 @@ def test_models_are_listed_and_retrieved_and_unknown_routes_are_openai_errors(
         client.embeddings.create(model=MODEL, input="hello")
     assert unknown.value.body["type"] == "invalid_request_error"  # type: ignore[index]
     assert "POST /v1/embeddings" in unknown.value.body["message"]  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError) as stored:
+        client.responses.retrieve("resp_123")
+    assert "stores no responses" in stored.value.body["message"]  # type: ignore[index]
     wrong = httpx.get(router.url + "/v1/chat/completions", timeout=10)
     assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
     error = wrong.json()["error"]

@@ -123,6 +123,19 @@ def _register_info_routes(app: FastAPI, services: Services) -> None:
             ).response()
         return json_response(card())
 
+    # responses.retrieve / delete / cancel / input_items: the router stores no responses
+    # (store: true is refused), so none can be found.
+    @app.api_route("/v1/responses/{response_id:path}", methods=["GET", "DELETE", "POST"])
+    async def stored_response(request: Request, response_id: str) -> Response:
+        if not allowed(request):
+            return Unauthorized().response()
+        response_id = response_id.split("/", 1)[0]
+        return NotFound(
+            f"No response with id '{response_id}': narwhal-serve stores no responses "
+            "(send the whole conversation in 'input', with store: false)",
+            "response_id",
+        ).response()
+
     @app.get("/health")
     async def health(request: Request) -> Response:
         if settings.protect_health and not allowed(request):
