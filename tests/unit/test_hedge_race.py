@@ -135,6 +135,7 @@ class Outcome:
     router: PDRouter
     engines: ScriptedEngines
     state: FleetState
+    snapshot: dict[str, int]  # in-flight prefill legs per engine at ``snapshot_at_s``
 
     def hedges(self, outcome: str) -> float:
         return self.router.metrics.hedges.labels("prefill", outcome)._value.get()
@@ -144,7 +145,10 @@ class Outcome:
 
 
 async def _run(
-    script: list[Leg], cancel_after_s: float | None = None, cancel_with_hedge: bool = False
+    script: list[Leg],
+    cancel_after_s: float | None = None,
+    cancel_with_hedge: bool = False,
+    snapshot_at_s: float | None = None,
 ) -> Outcome:
     contract = fleet()
     clock = MonotonicClock()
@@ -166,6 +170,12 @@ async def _run(
     record = RequestRecord("r1", 0.0, clock.now(), "/v1/completions")
     error: BaseException | None = None
     task = asyncio.ensure_future(router.open(request, record))
+    snapshot: dict[str, int] = {}
+    if snapshot_at_s is not None:
+        asyncio.get_running_loop().call_later(
+            snapshot_at_s,
+            lambda: snapshot.update({e.id: e.in_flight_prefill for e in state.engines.values()}),
+        )
     if cancel_with_hedge:
         engines.cancel_when_hedge_answers = task
     if cancel_after_s is not None:
@@ -183,13 +193,16 @@ async def _run(
     for engine in state.engines.values():
         assert engine.in_flight_prefill == 0 and engine.in_flight_decode == 0, engine.id
         assert engine.pending_decode == 0, engine.id
-    return Outcome(error, record, router, engines, state)
+    return Outcome(error, record, router, engines, state, snapshot)
 
 
 def run(
-    script: list[Leg], cancel_after_s: float | None = None, cancel_with_hedge: bool = False
+    script: list[Leg],
+    cancel_after_s: float | None = None,
+    cancel_with_hedge: bool = False,
+    snapshot_at_s: float | None = None,
 ) -> Outcome:
-    return asyncio.run(_run(script, cancel_after_s, cancel_with_hedge))
+    return asyncio.run(_run(script, cancel_after_s, cancel_with_hedge, snapshot_at_s))
 
 
 def test_a_prompt_leg_is_never_hedged() -> None:
@@ -254,9 +267,11 @@ def test_both_legs_fail_as_one_failure(hedge_first: bool) -> None:
 
 
 def test_the_hedge_fails_first_and_the_slow_leg_still_answers() -> None:
-    out = run([Leg("ok", 0.3), Leg("fail", 0.0)])
+    out = run([Leg("ok", 0.3), Leg("fail", 0.0)], snapshot_at_s=0.2)
     slow, hedge = out.engines.prefills
     assert out.error is None
+    # While the request waits on the slow leg, its engine (doing the work) carries the leg.
+    assert out.snapshot[slow] == 1 and out.snapshot[hedge] == 0, out.snapshot
     assert out.hedges("original") == 1
     assert out.record.prefill_engine == slow
     # Each leg's failure counted against its engine, the slow leg's once (when hedged).
@@ -284,9 +299,10 @@ def test_a_hedge_that_failed_is_counted_even_when_the_client_leaves(hedge: str) 
     """The hedge fails (or answers what is not a completion) at once, the slow leg runs on and
     the client leaves before it ends: the hedge's engine has its failure counted all the same,
     and no raw exception reaches the client."""
-    out = run([Leg("ok", 0.5), Leg(hedge, 0.0)], cancel_after_s=0.3)
+    out = run([Leg("ok", 0.5), Leg(hedge, 0.0)], cancel_after_s=0.3, snapshot_at_s=0.2)
     slow, hedged = out.engines.prefills
     assert isinstance(out.error, asyncio.CancelledError)
+    assert out.snapshot[slow] == 1 and out.snapshot[hedged] == 0, out.snapshot
     assert out.state.engines[hedged].breaker.consecutive_failures == 1
     assert out.state.engines[slow].breaker.consecutive_failures == 1
 

@@ -80,6 +80,9 @@ class HedgeRace:
     slow_dispatched_at: float
     slow_failed: bool = False
     hedge_failed: bool = False
+    # The hedge failed and the request waits on the slow leg: its prefill leg is counted in
+    # flight on the slow leg's engine, which does the work, until the race ends.
+    slow_carries: bool = False
 
 
 @dataclass(eq=False)
@@ -351,8 +354,8 @@ class Lifecycle:
         # The slow leg runs on (it may still answer first): ended in the counts, not in the
         # prefix index, whose claim on its engine stands until the race ends.
         race = HedgeRace(ticket.pair, ticket.dispatched_at)
-        self._prefill_failed(ticket, runs_on=True)
         self._settle_race(ticket, slow_holds=True)  # an earlier race's, had there been one
+        self._prefill_failed(ticket, runs_on=True)
         ticket.race = race
         self.observer.decided(ticket, pick)
         self._dispatch(ticket, pick)
@@ -571,7 +574,20 @@ class Lifecycle:
         if race is None or race.hedge_failed or ticket.phase != "prefill" or ticket.pair is None:
             raise ValueError(f"request {ticket.id} has no hedge running")
         race.hedge_failed = True
-        self._hedge_lost(ticket, self.state.engines[ticket.pair.prefill])
+        hedge = self.state.engines[ticket.pair.prefill]
+        self._hedge_lost(ticket, hedge)
+        if not race.slow_failed:
+            hedge.prefill_work.done(ticket.id, self.clock.now())
+            self._move_prefill_leg(hedge.id, race.slow.prefill)
+            race.slow_carries = True
+
+    def _move_prefill_leg(self, from_engine: str, to_engine: str) -> None:
+        """The request's prefill leg counted in flight on ``to_engine`` instead."""
+        engines, observer = self.state.engines, self.observer
+        engines[from_engine].in_flight_prefill -= 1
+        observer.in_flight(from_engine, "prefill", -1)
+        engines[to_engine].in_flight_prefill += 1
+        observer.in_flight(to_engine, "prefill", 1)
 
     def _hedge_lost(self, ticket: Ticket, engine: EngineState) -> None:
         """A hedge failed: a verdict against its engine, which the request's retries avoid and
@@ -587,6 +603,10 @@ class Lifecycle:
         if race is None:
             return
         ticket.race = None
+        if race.slow_carries:
+            # Back where the ticket's pair says, for the leg's end to be counted there.
+            assert ticket.pair is not None
+            self._move_prefill_leg(race.slow.prefill, ticket.pair.prefill)
         if not race.slow_failed:
             self._forget_slow(ticket, race, slow_holds=slow_holds)
 
@@ -767,14 +787,15 @@ class Lifecycle:
             self._queue.pop(ticket, None)
             self.observer.queue_depth(len(self._queue))
         elif phase == "prefill":
-            p = self._end_prefill(ticket)
-            if prefill_answered:
-                self._verdict(p, ok=True)
-            elif ticket.race is None or not ticket.race.hedge_failed:  # else its verdict is in
-                p.breaker.on_abandon()
+            hedge_counted = ticket.race is not None and ticket.race.hedge_failed
             # The engines abort it: a prefill engine keeps what it computed before (its claim
             # stays), a decode engine pulled nothing.
             self._settle_race(ticket, slow_holds=True)
+            p = self._end_prefill(ticket)
+            if prefill_answered:
+                self._verdict(p, ok=True)
+            elif not hedge_counted:  # else its verdict is in
+                p.breaker.on_abandon()
             assert ticket.pair is not None
             self._forget_routed(ticket, ticket.pair.decode)
         elif phase in ("decode", "streaming"):
