@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -14,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from narwhal.contract import canonical_json, sha256_hex
-from narwhal.profiles.store import ProfileStore
+from narwhal.contract import canonical_json, read_json_document, sha256_hex
+from narwhal.profiles.store import ProfileStore, parse_profile_store
 from narwhal.testing import profiling
 from narwhal.testing.procs import wait_until
 from tests.helpers import MODEL, running_fleet, running_router, start_router, stop_router
@@ -173,6 +174,19 @@ def test_router_refuses_bad_or_stale_profile_stores(tmp_path: Path) -> None:
         )
         assert r.returncode == 0, r.stderr
         router = start_router(tmp_path, fleet.fleet_path, "--profiles", str(out))
+        stop_router(router)
+        # A fleet that pins its store by a relative path (as narwhal-qualify writes it, the two
+        # side by side) is served from any working directory: the path is the fleet file's.
+        pinned = tmp_path / "pinned"
+        pinned.mkdir()
+        shutil.copyfile(out, pinned / "store.json")
+        _, digest = parse_profile_store(read_json_document(out), str(out))
+        doc = json.loads(fleet.fleet_path.read_text())
+        doc["profile_store"] = {"path": "store.json", "sha256": digest}
+        (pinned / "fleet.json").write_text(json.dumps(doc))
+        router = start_router(pinned, pinned / "fleet.json")
+        start = next(r for r in router.records() if r["type"] == "router.start")
+        assert start["profile_sha256"] == digest
         stop_router(router)
         corrupt = tmp_path / "corrupt.json"
         corrupt.write_text(out.read_text()[:-20])

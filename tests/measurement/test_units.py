@@ -520,7 +520,8 @@ def test_the_evidence_bundle_is_reproducible_and_holds_what_the_router_ran_on(
     (tmp_path / "check-report.json.sha256").write_text("ab\n")
     (tmp_path / "profiles.json").write_text("{}")
     head = {"qualification": {"status": "qualified", "report": str(report)}}
-    notes = gather_evidence(out, journal, head, tmp_path / "fleet.json", "profiles.json")
+    store = str(tmp_path / "profiles.json")  # as LoadedFleet.profile_store_path resolves it
+    notes = gather_evidence(out, journal, head, tmp_path / "fleet.json", store)
     assert notes == []
     _, first = write_bundle(out)
     _, again = write_bundle(out)  # the bundle and its digest are not bundled

@@ -33,7 +33,8 @@ def gather_evidence(
 ) -> list[str]:
     """Copy into ``out/evidence/`` what the router ran on: its journal (rotated files too),
     the check report of its ``router.start`` (``head``) with the report's ``.sha256``, and the
-    fleet's profile store. The notes say what could not be copied (nothing is guessed)."""
+    fleet's profile store (``profile_store``: its path as ``LoadedFleet.profile_store_path``
+    resolves it). The notes say what could not be copied (nothing is guessed)."""
     notes: list[str] = []
     evidence = out / "evidence"
     for file in journal_files(journal):
@@ -49,8 +50,6 @@ def gather_evidence(
         notes.append(f"check report: none (qualification {qualification.get('status')})")
     if profile_store:
         store = Path(profile_store)
-        if not store.is_absolute() and not store.exists():
-            store = fleet_path.parent / store
         _copy(store, evidence / "profiles", notes, "profile store")
     else:
         notes.append("profile store: none in the fleet")

@@ -706,7 +706,7 @@ def run_plan(cfg: RunnerConfig) -> int:
         "commands": ctx.commands,
         "versions": versions(),
     }
-    store = fleet_c.profile_store.path if fleet_c.profile_store else None
+    store = fleet.profile_store_path
     report["evidence_notes"] = gather_evidence(cfg.out, cfg.journal, head, loaded.fleet_path, store)
     report["bundle"] = BUNDLE_NAME
     _write_json(cfg.out / "report.json", report)

@@ -161,7 +161,7 @@ def build_inputs(args: argparse.Namespace) -> tuple[CheckInputs, list[str]]:
     loaded = load_fleet(args.fleet)
     fleet = loaded.contract
     store = store_ref = None
-    store_path = args.profiles or (fleet.profile_store.path if fleet.profile_store else None)
+    store_path = args.profiles or loaded.profile_store_path
     if store_path:
         store, digest = parse_profile_store(read_json_document(store_path), store_path)
         if not store.complete:

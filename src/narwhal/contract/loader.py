@@ -101,6 +101,16 @@ class LoadedFleet:
     # it.
     engine_api_key: str | None = field(default=None, repr=False, compare=False)
 
+    @property
+    def profile_store_path(self) -> str | None:
+        """The store the fleet pins (``profile_store.path``), relative to the fleet file's
+        directory as ``engine.api_key_file`` is (a qualified fleet and its store are written
+        side by side); None when it pins none."""
+        ref = self.contract.profile_store
+        if ref is None:
+            return None
+        return os.fspath(self.path.parent / Path(ref.path).expanduser())
+
 
 ENGINE_API_KEY_FIELD = "engine.api_key_file"
 

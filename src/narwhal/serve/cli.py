@@ -369,9 +369,7 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
     if not keys:
         warnings.append("no API keys configured: any local client can use this router")
     profiles, profile_sha = None, None
-    store_path = args.profiles or (
-        fleet.contract.profile_store.path if fleet.contract.profile_store else None
-    )
+    store_path = args.profiles or fleet.profile_store_path
     if store_path:
         profiles, profile_sha = _load_profiles(fleet, store_path)
     scheduler = args.scheduler
