@@ -306,3 +306,61 @@ def test_deployment_file_errors_are_one_line(tmp_path: Path, checkout: tuple[Pat
     assert result.stderr.strip() == (
         f"deploy_hosts.py: {bad}: hosts.0: an ssh host needs user, identity_file, known_hosts_file"
     )
+
+
+@pytest.mark.parametrize(
+    "field, value, reason",
+    [
+        ("user", "-oProxyCommand=touch /tmp/pwned", "must be a login name"),
+        ("user", "root@10.0.0.1", "must be a login name"),
+        ("address", "-oProxyCommand=x", "must be a host name or an IP address"),
+        ("address", "; rm -rf /", "must be a host name or an IP address"),
+        ("install_deps", "yes", "Input should be a valid boolean"),
+    ],
+)
+def test_host_fields_that_ssh_would_misread_are_refused(
+    tmp_path: Path, checkout: tuple[Path, str], field: str, value: str, reason: str
+) -> None:
+    """USER@ADDRESS goes on ssh's command line: a value that begins with '-' is an option
+    (-oProxyCommand runs a command on the deploying machine)."""
+    repo, commit = checkout
+    host = {
+        "name": "h",
+        "transport": "ssh",
+        "address": "10.0.0.5",
+        "user": "deploy",
+        "identity_file": "id",
+        "known_hosts_file": "known",
+        "venv": "/v",
+        field: value,
+    }
+    bad = write_deployment(tmp_path / "deploy.yaml", [host])
+    result = deploy("--deployment", str(bad), "--commit", commit, "--repo", str(repo), "--dry-run")
+    assert result.returncode == 2, result.stdout
+    assert f"hosts.0.{field}" in result.stderr and reason in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "ssh" not in result.stdout
+
+
+def test_good_host_names_and_addresses_pass(tmp_path: Path, checkout: tuple[Path, str]) -> None:
+    repo, commit = checkout
+    hosts = [
+        {
+            "name": f"h{i}",
+            "transport": "ssh",
+            "address": address,
+            "user": user,
+            "identity_file": "id",
+            "known_hosts_file": "known",
+            "venv": "/v",
+        }
+        for i, (address, user) in enumerate(
+            [("10.0.0.5", "deploy"), ("node-7.example.com", "ci_user"), ("fe80::1%eth0", "a.b")]
+        )
+    ]
+    (tmp_path / "id").write_text("key\n")
+    (tmp_path / "known").write_text("")
+    good = write_deployment(tmp_path / "deploy.yaml", hosts)
+    result = deploy("--deployment", str(good), "--commit", commit, "--repo", str(repo), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "ci_user@node-7.example.com" in result.stdout

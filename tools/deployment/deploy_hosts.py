@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -30,8 +31,17 @@ if __package__ in (None, ""):  # run by path: the repository root for `tools` (t
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from narwhal.contract.flags import positive
 from tools.deployment._deploy_build import Build, BuildError, build_steps, build_wheel, verify_tree
 
 __all__ = ["DeploymentFile", "HostSpec", "host_steps", "main"]
@@ -55,6 +65,11 @@ class UsageError(Exception):
     pass
 
 
+_USER = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
+# A DNS name or IPv4 address, or an IPv6 address (with a zone index), never beginning with "-".
+_ADDRESS = re.compile(r"(?!-)[A-Za-z0-9.-]{1,253}|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*(%[A-Za-z0-9_.-]+)?")
+
+
 class HostSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -70,10 +85,27 @@ class HostSpec(BaseModel):
     venv: str = Field(min_length=1)
     stage_dir: str = "/tmp/narwhal-deploy"
     python: str = "python3"
-    system_site_packages: bool = False
+    system_site_packages: StrictBool = False
     # False: install only the wheel (--no-deps, --no-index) into a venv that already has the
     # dependencies, e.g. through system_site_packages on a host without index access.
-    install_deps: bool = True
+    install_deps: StrictBool = True
+
+    # Both go on ssh's and scp's command lines as USER@ADDRESS: a value beginning with "-" would
+    # be read as an option (-oProxyCommand=... runs a command here), and anything but a user
+    # name or a host name / IP address is a mistake.
+    @field_validator("user")
+    @classmethod
+    def _user(cls, value: str | None) -> str | None:
+        if value is not None and not _USER.fullmatch(value):
+            raise ValueError("must be a login name (letters, digits, '_', '.', '-', not first '-')")
+        return value
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, value: str | None) -> str | None:
+        if value is not None and not _ADDRESS.fullmatch(value):
+            raise ValueError("must be a host name or an IP address")
+        return value
 
     @model_validator(mode="after")
     def _ssh_fields(self) -> HostSpec:
@@ -290,8 +322,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repo", default=".", help="the git checkout to build from (default .)")
     p.add_argument("--dry-run", action="store_true", help="print every step, run none")
     p.add_argument("--work-dir", help="build directory (default: a temporary one)")
-    p.add_argument("--jobs", type=int, default=8, help="hosts deployed at once")
-    p.add_argument("--step-timeout", type=float, default=600.0, help="bound on each step (s)")
+    p.add_argument("--jobs", type=positive(int), default=8, help="hosts deployed at once")
+    p.add_argument(
+        "--step-timeout", type=positive(float), default=600.0, help="bound on each step (s)"
+    )
     p.add_argument("--report", help="also write the per-host report as JSON here")
     return p
 
@@ -303,8 +337,6 @@ def run(args: argparse.Namespace) -> int:
         commit = verify_tree(repo, args.commit)
     except BuildError as exc:
         raise UsageError(str(exc)) from None
-    if args.jobs < 1 or args.step_timeout <= 0:
-        raise UsageError("--jobs must be >= 1 and --step-timeout > 0")
     with tempfile.TemporaryDirectory(prefix="narwhal-deploy-") as tmp:
         work = Path(args.work_dir) if args.work_dir else Path(tmp)
         if args.dry_run:
