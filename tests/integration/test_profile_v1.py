@@ -109,6 +109,28 @@ def test_profiler_bad_inputs(tmp_path: Path) -> None:
         bad.write_text("{not json")
         r = profile(fleet.fleet_path, bad, tmp_path / "x.json")
         assert r.returncode == 2 and "invalid JSON" in r.stderr
+        # An --out it could not write is refused before any engine is probed (a run takes
+        # minutes), and an --engines list with no id in it.
+        (tmp_path / "a-file").write_text("")
+        for out, extra, words in (
+            (tmp_path, (), "is a directory"),
+            (tmp_path / "a-file" / "store.json", (), "cannot write in"),
+            (tmp_path / "y.json", ("--engines", ","), "--engines: no engine id given"),
+        ):
+            r = profile(fleet.fleet_path, write_limits(tmp_path), out, *extra)
+            assert r.returncode == 2, r.stderr
+            assert words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+            assert "profiling" not in r.stderr  # nothing probed
+        # A missing directory is created.
+        r = profile(
+            fleet.fleet_path,
+            write_limits(tmp_path),
+            tmp_path / "new" / "dir" / "store.json",
+            prefill_lens="64,128",
+            decode_lens="64",
+        )
+        assert r.returncode == 0, r.stderr
+        assert (tmp_path / "new" / "dir" / "store.json.sha256").exists()
         # A busy engine is refused unless forced. The busy request is a stream, closed once
         # the check is done (the engine aborts it) rather than waited out.
         done = threading.Event()

@@ -15,6 +15,7 @@ import asyncio
 import datetime as dt
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 from narwhal.contract import (
@@ -120,11 +121,15 @@ def run(args: argparse.Namespace) -> int:
             f"is below the {plan.tokens_needed()} tokens this plan needs per engine"
         )
     ids = [e.id for e in fleet.engines]
-    if args.engines:
+    if args.engines is not None:
         ids = [e.strip() for e in args.engines.split(",") if e.strip()]
+        if not ids:
+            raise UsageError("--engines: no engine id given")
         unknown = [e for e in ids if e not in {s.id for s in fleet.engines}]
         if unknown:
             raise UsageError(f"--engines: {', '.join(unknown)} not in the fleet")
+    out = Path(args.out)
+    _check_writable(out)
 
     def progress(line: str) -> None:
         if not args.quiet:
@@ -152,11 +157,10 @@ def run(args: argparse.Namespace) -> int:
             "failures": failures,
         }
     )
-    out = Path(args.out)
     data = store_bytes(store)
     if failures:
         partial = out.with_name(out.stem + ".partial.json")
-        partial.write_bytes(data)
+        _write(partial, data)
         for engine_id, why in sorted(failures.items()):
             print(f"narwhal-profile: {engine_id}: {why}", file=sys.stderr)
         print(
@@ -165,13 +169,36 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(data)
+    _write(out, data)
     digest = sha256_hex(store.model_dump(mode="json", by_alias=True))
-    Path(str(out) + ".sha256").write_text(f"{digest}  {out.name}\n")
+    _write(Path(str(out) + ".sha256"), f"{digest}  {out.name}\n".encode())
     print(_table(store))
     print(f"profile store: {out}  sha256 {digest}")
     return 0
+
+
+def _check_writable(out: Path) -> None:
+    """Before any engine is probed (a run takes minutes): ``--out`` names a file this process
+    can write, its directory created if missing."""
+    if out.is_dir():
+        raise UsageError(f"--out: {out} is a directory; name the store's file")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=".narwhal-profile-"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"--out: cannot write in {out.parent}: {exc.strerror or exc}") from None
+
+
+def _write(path: Path, data: bytes) -> None:
+    try:
+        path.write_bytes(data)
+    except OSError as exc:
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+class OutputError(Exception):
+    """The results could not be written (after the probes ran)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ContractError, UsageError) as exc:
         print(f"narwhal-profile: {exc}", file=sys.stderr)
         return 2
+    except OutputError as exc:
+        print(f"narwhal-profile: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
