@@ -3,6 +3,7 @@ number out of range refused naming its flag."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,28 @@ def test_a_number_out_of_range_is_a_usage_error_naming_the_flag(flag: str, value
     )
     with pytest.raises(UsageError, match=f"^{flag}: "):
         build_settings(args)
+
+
+def test_an_empty_api_key_and_a_journal_under_a_file_are_usage_errors(tmp_path: Path) -> None:
+    """An empty --api-key counted as a key configured (no loopback fallback, no warning) that
+    admits no one; a journal under a regular file was a traceback at start."""
+    base = ["--fleet", str(FLEET), "--skip-qualification"]
+    args = _parser().parse_args([*base, "--journal", str(tmp_path / "j.jsonl"), "--api-key", " "])
+    with pytest.raises(UsageError, match=r"^--api-key: an API key must not be empty"):
+        build_settings(args)
+    plain = tmp_path / "plain"
+    plain.write_text("")
+    args = _parser().parse_args([*base, "--journal", str(plain / "sub" / "j.jsonl")])
+    with pytest.raises(UsageError, match=f"^--journal: {re.escape(str(plain))} is not a directory"):
+        build_settings(args)
+
+
+def test_an_unknown_log_level_is_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        _parser().parse_args(["--fleet", "f", "--journal", "j", "--log-level", "bogus"])
+    assert exit_.value.code == 2
+    assert "--log-level: invalid choice: 'bogus'" in capsys.readouterr().err
+    assert (
+        _parser().parse_args(["--fleet", "f", "--journal", "j", "--log-level", "DEBUG"]).log_level
+        == "debug"
+    )

@@ -172,7 +172,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="the etcd lease of each replica: a dead leader is replaced within about this",
     )
-    p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--log-level",
+        default="info",
+        type=str.lower,
+        choices=["critical", "error", "warning", "info", "debug"],
+    )
     return p
 
 
@@ -353,10 +358,19 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
     journal = Path(args.journal)
     if journal.exists() and journal.is_dir():
         raise UsageError(f"--journal: {journal} is a directory")
+    for parent in journal.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"--journal: {parent} is not a directory")
+            break
+    blank = [k for k in args.api_key if not k.strip()]
+    if blank:
+        # An empty key would count as "keys configured" (no loopback fallback) yet admit no one.
+        raise UsageError("--api-key: an API key must not be empty")
     keys = list(args.api_key)
     if args.api_keys_file:
         keys += _read_secrets(args.api_keys_file, "API keys")
-    keys += [k for k in os.environ.get("NARWHAL_API_KEYS", "").split(",") if k.strip()]
+    keys += [k.strip() for k in os.environ.get("NARWHAL_API_KEYS", "").split(",") if k.strip()]
     admin_hash = None
     if args.admin_token_file:
         admin_hash = hash_secret(_read_secrets(args.admin_token_file, "admin token")[0])
