@@ -177,6 +177,29 @@ def test_a_kv_events_endpoint_in_use_is_a_usage_error_before_the_engine_starts()
     )
 
 
+def test_a_nixl_side_channel_that_cannot_bind_is_a_usage_error_before_the_engine_starts() -> None:
+    """A side-channel port in use (or a host that does not resolve) was a traceback in the
+    engine's startup, exit 3; the HTTP port's clash was already one uvicorn line."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        in_use = run_cli("engine", "--port", "23999", "--nixl-port", str(port))
+    bad_host = run_cli(
+        "engine", "--port", "23999", "--nixl-port", "23998", "--nixl-host", "999.1.1.1"
+    )
+    same = run_cli("engine", "--port", "23999", "--nixl-port", "23999")
+    for result, says in (
+        (in_use, f"narwhal-sim: --nixl-port: the NIXL side channel cannot bind 127.0.0.1:{port}"),
+        (bad_host, "narwhal-sim: --nixl-host '999.1.1.1' does not resolve"),
+        (same, "narwhal-sim: --nixl-port: 23999 is the engine's HTTP port too"),
+    ):
+        assert result.returncode == 2, result.stderr
+        assert "Traceback" not in result.stderr and "startup failed" not in result.stderr
+        assert result.stderr.strip().startswith(says), result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+
+
 def test_fleet_command_runs_and_stops_on_sigterm(tmp_path: Path) -> None:
     path = write_fleet(tmp_path, 2)
     doc = json.loads(path.read_text())

@@ -25,6 +25,7 @@ from narwhal.contract.loader import validation_reasons
 from narwhal.simengine.engine import EngineConfig
 from narwhal.simengine.faults import FaultSettings
 from narwhal.simengine.kv_events import KVEventsSettings, check_bindable
+from narwhal.simengine.side_channel import check_side_channel_bindable
 from narwhal.simengine.timing import sim_models
 
 __all__ = ["UsageError", "add_engine_parser", "main", "run_engine"]
@@ -224,6 +225,12 @@ def _run_engine(args: argparse.Namespace) -> int:
     from narwhal.simengine.server import build_app
 
     settings, host, port = _resolve_engine(args)
+    try:
+        check_side_channel_bindable(settings.engine.nixl_host, settings.engine.nixl_port)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if settings.engine.nixl_port == port:
+        raise UsageError(f"--nixl-port: {port} is the engine's HTTP port too")
     if settings.kv_events is not None:
         try:
             check_bindable(settings.kv_events)
