@@ -200,6 +200,28 @@ def test_a_nixl_side_channel_that_cannot_bind_is_a_usage_error_before_the_engine
         assert len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--engines", "nope"], "narwhal-sim: --engines: nope not in the fleet"),
+        (["--engines", ","], "narwhal-sim: --engines: no engine id given"),
+        (["--log-dir", "README.md"], "narwhal-sim: --log-dir: README.md is not a directory"),
+        (["--startup-timeout", "0"], "argument --startup-timeout: must be greater than 0, got 0"),
+    ],
+    ids=["unknown-engine", "no-engine", "log-dir-a-file", "startup-timeout"],
+)
+def test_a_bad_fleet_flag_is_a_usage_error_before_any_engine_starts(
+    flags: list[str], says: str
+) -> None:
+    """Each was a traceback (KeyError, FileExistsError) or, the timeout, engines started and
+    then a failure with exit 1."""
+    fleet = str(Path(__file__).resolve().parents[2] / "configs" / "fleet" / "local-sim.json")
+    result = run_cli("fleet", "--fleet", fleet, *flags)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and "ready at" not in result.stdout
+    assert says in result.stderr.strip().splitlines()[-1]
+
+
 def test_fleet_command_runs_and_stops_on_sigterm(tmp_path: Path) -> None:
     path = write_fleet(tmp_path, 2)
     doc = json.loads(path.read_text())

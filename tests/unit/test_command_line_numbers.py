@@ -4,10 +4,19 @@ usage error naming the flag and the reason, in every tool that takes them."""
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import Any
 
 import pytest
 
 from narwhal.contract.flags import number_type, out_of_range, positive
+from narwhal.fleetsim import cli as fleetsim_cli
+from tools.deployment import (
+    attestation_contract,
+    attestation_sidecar,
+    deploy_hosts,
+    launch_plan,
+)
 from tools.measurement import benchmark_runner, load_trial
 
 
@@ -73,3 +82,66 @@ def test_benchmark_runner_refuses_seconds_out_of_range(
         benchmark_runner.build_parser().parse_args([*argv, flag, value])
     assert exit_.value.code == 2
     assert f"argument {flag}: must be greater than 0, got {value}" in capsys.readouterr().err
+
+
+SIDECAR = ["--engine-id", "e", "--checkpoint", "c", "--model-id", "m", "--model-revision", "r"]
+SIDECAR += ["--tp", "1"]
+GT0 = "must be greater than 0, got"
+
+
+@pytest.mark.parametrize(
+    ("tool", "argv", "message"),
+    [
+        (launch_plan, ["wait", "p", "--timeout", "nan"], f"argument --timeout: {GT0} nan"),
+        (launch_plan, ["wait", "p", "--interval", "-1"], f"argument --interval: {GT0} -1"),
+        (launch_plan, ["capture", "p", "--out", "o", "--timeout", "-1"], "argument --timeout"),
+        (
+            attestation_contract,
+            ["finalize-fleet", "--fleet", "f", "--timeout", "nan"],
+            f"argument --timeout: {GT0} nan",
+        ),
+        (
+            attestation_sidecar,
+            [*SIDECAR, "--port", "70000"],
+            "argument --port: must be from 1 to 65535, got 70000",
+        ),
+        (
+            attestation_sidecar,
+            [*SIDECAR, "--port", "9", "--verify-interval", "nan"],
+            "argument --verify-interval: must be a finite number greater than 0, got nan",
+        ),
+        (
+            deploy_hosts,
+            ["--deployment", "d", "--commit", "c", "--step-timeout", "nan"],
+            f"argument --step-timeout: {GT0} nan",
+        ),
+    ],
+)
+def test_deployment_tools_refuse_numbers_out_of_range(
+    tool: Any, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found probing the tools: a negative wait interval, a negative or NaN timeout, a port past
+    65535 were tracebacks (or, NaN, a wait that never ends)."""
+    with pytest.raises(SystemExit) as exit_:
+        tool._parser().parse_args(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--engines", "100000000:1"], "at least 1 of each role and at most 65,536 in all"),
+        (["--engines", "0:4"], "--engines: at least 1 of each role"),
+        (["--fleet", "f.json", "--ttft", "5"], "--ttft/--tpot: a fleet file's budgets apply"),
+        (["--engines", "2:2", "--tpot", "-1"], "argument --tpot: must be greater than 0, got -1"),
+    ],
+)  # fmt: skip
+def test_fleetsim_refuses_what_it_would_ignore_or_cannot_hold(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--ttft/--tpot beside --fleet were silently ignored; 100 M engines grew to gigabytes."""
+    with pytest.raises(SystemExit) as exit_:
+        sys.exit(fleetsim_cli.main(argv))
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err

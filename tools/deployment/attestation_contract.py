@@ -33,6 +33,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from narwhal.contract import ContractError, EngineSpec, FleetContract, load_fleet, parse_fleet
+from narwhal.contract.flags import positive
 from tools.deployment._live import Declared, LiveContract, LiveEngine, capture_engine
 
 __all__ = ["Attestation", "disagreements", "finalize", "main"]
@@ -332,7 +333,7 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--fleet", required=True)
     f.add_argument("--out", help="where to write the finalized fleet (default: over --fleet)")
     f.add_argument("--live", help="live contract from `launch_plan.py capture` (default: read now)")
-    f.add_argument("--timeout", type=float, default=10.0, help="per-request bound (s)")
+    f.add_argument("--timeout", type=positive(float), default=10.0, help="per-request bound (s)")
     f.set_defaults(func=cmd_finalize)
     return p
 

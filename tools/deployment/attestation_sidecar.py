@@ -43,6 +43,7 @@ import argparse
 import concurrent.futures
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -568,12 +569,33 @@ def _handler(att: Attestor) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+def _port(text: str) -> int:
+    """An argparse type (this script runs on engine hosts with the standard library only)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be from 1 to 65535, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number greater than 0, got {text}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--engine-id", required=True)
     p.add_argument("--checkpoint", required=True, help="directory with config.json and shards")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--port", type=_port, required=True)
     p.add_argument("--model-id", required=True)
     p.add_argument("--model-revision", required=True)
     p.add_argument("--tp", type=int, required=True)
@@ -582,7 +604,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-connector", default="NixlConnector")
     p.add_argument("--kv-role", default="kv_both")
     p.add_argument("--nixl-host")
-    p.add_argument("--nixl-port", type=int)
+    p.add_argument("--nixl-port", type=_port)
     p.add_argument("--image-digest", help="sha256:... of the engine's image (from the plan)")
     p.add_argument("--container", help="the engine's container: its image digest is read from it")
     p.add_argument("--container-runtime", choices=("docker", "podman"), default="docker")
@@ -594,7 +616,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache", action="store_true", help="always hash every shard at start")
     p.add_argument("--hash-workers", type=int, default=min(8, os.cpu_count() or 1))
     p.add_argument("--chunk-mib", type=int, default=8, help="read size per hashing call (MiB)")
-    p.add_argument("--verify-interval", type=float, default=60.0, help="seconds between checks")
+    p.add_argument("--verify-interval", type=_seconds, default=60.0, help="seconds between checks")
     return p
 
 

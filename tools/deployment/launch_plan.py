@@ -27,6 +27,7 @@ if __package__ in (None, ""):  # run by path: the repository root for `tools` (t
 import httpx
 
 from narwhal.contract import ContractError, LoadedFleet, load_fleet
+from narwhal.contract.flags import positive
 from narwhal.testing import procs
 from tools.deployment._live import LIVE_SCHEMA, Declared, capture_engine
 from tools.deployment._plan import LoadedPlan, PlanError, load_plan
@@ -307,21 +308,23 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("plan", metavar="PLAN")
     s.add_argument("--fleet", required=True, help="the plan is checked against it first")
     s.add_argument("--run-dir", required=True, help="logs, pid files and run.json go here")
-    s.add_argument("--timeout", type=float, default=120.0, help="health wait bound (s)")
+    s.add_argument("--timeout", type=positive(float), default=120.0, help="health wait bound (s)")
     s.set_defaults(func=cmd_start)
     t = sub.add_parser("stop", help="stop the engines a start recorded in a run directory")
     t.add_argument("--run-dir", required=True)
-    t.add_argument("--timeout", type=float, default=10.0, help="SIGTERM grace before SIGKILL")
+    t.add_argument(
+        "--timeout", type=positive(float), default=10.0, help="SIGTERM grace before SIGKILL"
+    )
     t.set_defaults(func=cmd_stop)
     w = sub.add_parser("wait", help="poll the plans' engines until each serves its model")
     w.add_argument("plans", nargs="+", metavar="PLAN")
-    w.add_argument("--timeout", type=float, default=900.0, help="bound for the wait (s)")
-    w.add_argument("--interval", type=float, default=2.0, help="between polls (s)")
+    w.add_argument("--timeout", type=positive(float), default=900.0, help="bound for the wait (s)")
+    w.add_argument("--interval", type=positive(float), default=2.0, help="between polls (s)")
     w.set_defaults(func=cmd_wait)
     k = sub.add_parser("capture", help="read running engines' live facts into a JSON file")
     k.add_argument("plans", nargs="+", metavar="PLAN")
     k.add_argument("--out", required=True)
-    k.add_argument("--timeout", type=float, default=10.0, help="per-request bound (s)")
+    k.add_argument("--timeout", type=positive(float), default=10.0, help="per-request bound (s)")
     k.set_defaults(func=cmd_capture)
     return p
 

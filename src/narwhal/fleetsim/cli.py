@@ -20,6 +20,9 @@ from narwhal.routing.baselines import BASELINES
 
 __all__ = ["main"]
 
+# A synthetic fleet's size bound: the benchmarks run 512 engines; memory grows with the count.
+MAX_ENGINES = 65_536
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -41,8 +44,12 @@ def main(argv: list[str] | None = None) -> int:
         help="Narwhal's scheduler (v1, v0) or a baseline policy of the routers it replaces",
     )
     parser.add_argument("--no-flipping", action="store_true")
-    parser.add_argument("--ttft", type=float, default=10.0)
-    parser.add_argument("--tpot", type=float, default=0.3)
+    parser.add_argument(
+        "--ttft", type=positive(float), help="TTFT budget (s) of a synthetic fleet (default 10)"
+    )
+    parser.add_argument(
+        "--tpot", type=positive(float), help="TPOT budget (s) of a synthetic fleet (default 0.3)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--abandon-after-s",
@@ -54,6 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.fleet:
+            if args.ttft is not None or args.tpot is not None:
+                print(
+                    "narwhal-fleetsim: --ttft/--tpot: a fleet file's budgets apply "
+                    "(its budgets.ttft_s and budgets.tpot_s); they are for --engines",
+                    file=sys.stderr,
+                )
+                return 2
             fleet = load_fleet(args.fleet).contract
             timings = timings_of(fleet)
         else:
@@ -62,10 +76,18 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError:
                 print("narwhal-fleetsim: --engines: expected PREFILL:DECODE", file=sys.stderr)
                 return 2
+            if n_p < 1 or n_d < 1 or n_p + n_d > MAX_ENGINES:
+                print(
+                    f"narwhal-fleetsim: --engines: at least 1 of each role and at most "
+                    f"{MAX_ENGINES:,} in all, got {n_p}:{n_d}",
+                    file=sys.stderr,
+                )
+                return 2
+            budgets = {"ttft_s": args.ttft or 10.0, "tpot_s": args.tpot or 0.3}
             fleet, timings = synthetic_fleet(
                 n_p,
                 n_d,
-                {"ttft_s": args.ttft, "tpot_s": args.tpot},
+                budgets,
                 roles={"cooldown_s": 60, "dwell_s": 120, "tick_s": 5},
             )
     except ContractError as exc:

@@ -14,8 +14,10 @@ import argparse
 import signal
 import sys
 import time
+from pathlib import Path
 
-from narwhal.contract import ContractError
+from narwhal.contract import ContractError, load_fleet
+from narwhal.contract.flags import positive
 from narwhal.simengine.cli import add_engine_parser, run_engine
 from narwhal.testing.fleet import SimFleet, SimFleetError
 
@@ -31,12 +33,23 @@ def _add_fleet_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--engines", help="comma-separated engine ids (default: all)")
     p.add_argument("--admin-token")
     p.add_argument("--log-dir", help="write each engine's log here (default: inherit the terminal)")
-    p.add_argument("--startup-timeout", type=float, default=60.0)
+    p.add_argument("--startup-timeout", type=positive(float), default=60.0)
 
 
 def _run_fleet(args: argparse.Namespace) -> int:
-    ids = [e.strip() for e in args.engines.split(",")] if args.engines else None
+    ids = None
+    if args.engines is not None:
+        ids = [e.strip() for e in args.engines.split(",") if e.strip()]
+        if not ids:
+            return _usage("--engines: no engine id given")
+    if args.log_dir is not None and Path(args.log_dir).exists() and not Path(args.log_dir).is_dir():
+        return _usage(f"--log-dir: {args.log_dir} is not a directory")
     try:
+        if ids is not None:
+            known = {e.id for e in load_fleet(args.fleet).contract.engines}
+            unknown = [e for e in ids if e not in known]
+            if unknown:
+                return _usage(f"--engines: {', '.join(unknown)} not in the fleet")
         fleet = SimFleet(
             args.fleet, admin_token=args.admin_token, log_dir=args.log_dir, engine_ids=ids
         )
@@ -73,6 +86,11 @@ def _run_fleet(args: argparse.Namespace) -> int:
         fleet.stop()
     print("fleet stopped", flush=True)
     return 0
+
+
+def _usage(message: str) -> int:
+    print(f"narwhal-sim: {message}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
