@@ -65,6 +65,33 @@ def test_shipped_simulated_plan_passes_against_local_sim_fleet(
     assert _check(capsys, SIM_PLAN, SIM_FLEET) == (0, [])
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        ({"--bogus-flag": 1}, "unrecognized arguments: --bogus-flag 1"),
+        ({"--time-scale": float("nan")}, "--time-scale: must be a finite number (got nan)"),
+        ({"--eos-prob": 2}, "--eos-prob: must be less than or equal to 1"),
+    ],
+    ids=["unknown-flag", "nan", "out-of-range"],
+)
+def test_a_simulated_plan_whose_flags_narwhal_sim_refuses_fails_the_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: dict[str, Any], says: str
+) -> None:
+    """The check said ok, and start then failed on every engine."""
+    plan = yaml.safe_load(SIM_PLAN.read_text())
+    plan["simulated"]["args"].update(args)
+    plan_path = tmp_path / "plan.yaml"
+    plan_path.write_text(yaml.safe_dump(plan, sort_keys=False))
+    code, lines = _check(capsys, plan_path, SIM_FLEET)
+    assert code == 1
+    assert len(lines) == len(plan["engines"])
+    first = plan["engines"][0]["id"]
+    assert lines[0].startswith(
+        f"launch_plan.py: {plan_path}: engines[0] ({first}): narwhal-sim engine refuses its flags: "
+    )
+    assert says in lines[0], lines[0]
+
+
 def test_a_fleet_with_a_branch_revision_is_refused(
     tmp_path: Path, prod: tuple[dict[str, Any], dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -113,6 +113,7 @@ def plan_problems(lp: LoadedPlan, fleet: LoadedFleet | None) -> list[str]:
             if len(set(eng.gpus)) != len(eng.gpus):
                 add(f"engines[{i}].gpus", "a GPU is listed twice")
     _gpu_sharing(plan, add)
+    _simulated_flags(plan, add)
     out += _port_problems([(lp, i, e) for i, e in enumerate(plan.engines)])
     if fleet is not None:
         _fleet_rules(plan, fleet, add)
@@ -219,6 +220,21 @@ def _arg_rules(plan: LaunchPlan, add: Any) -> None:
                     f"vllm_args.{KV_TRANSFER_FLAG}.kv_role",
                     f"{kv.get('kv_role')!r}; the role controller needs kv_both",
                 )
+
+
+def _simulated_flags(plan: LaunchPlan, add: Any) -> None:
+    """A simulated engine's rendered command line, parsed and resolved as narwhal-sim would:
+    an unknown flag or a value it refuses (``--time-scale: nan``) fails the check, not every
+    engine's start."""
+    if plan.kind != "simulated":
+        return
+    from narwhal.simengine.cli import engine_flags_problem
+    from tools.deployment._render import render_engine  # which imports this module
+
+    for i, eng in enumerate(plan.engines):
+        problem = engine_flags_problem(render_engine(plan, eng).argv[2:])
+        if problem is not None:
+            add(f"engines[{i}] ({eng.id})", f"narwhal-sim engine refuses its flags: {problem}")
 
 
 def _gpu_sharing(plan: LaunchPlan, add: Any) -> None:

@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 from dataclasses import replace
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 from pydantic import ValidationError
@@ -28,7 +28,7 @@ from narwhal.simengine.kv_events import KVEventsSettings, check_bindable
 from narwhal.simengine.side_channel import check_side_channel_bindable
 from narwhal.simengine.timing import sim_models
 
-__all__ = ["UsageError", "add_engine_parser", "main", "run_engine"]
+__all__ = ["UsageError", "add_engine_parser", "engine_flags_problem", "main", "run_engine"]
 
 log = logging.getLogger("narwhal.simengine")
 
@@ -108,6 +108,32 @@ def add_engine_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     faults.add_argument("--fault-metrics", choices=["ok", "lie", "stop", "hang"], default="ok")
     p.add_argument("--log-level", default="warning")
+
+
+class _FlagsRefused(Exception):
+    pass
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """A parser whose errors are exceptions rather than a usage text and an exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _FlagsRefused(message)
+
+
+def engine_flags_problem(argv: list[str]) -> str | None:
+    """Why ``narwhal-sim engine`` would refuse these flags (those after ``engine``), or None:
+    what a launch plan's check asks before anything starts. Nothing is bound or read beyond
+    what the flags name."""
+    parser = _RaisingParser(prog="narwhal-sim")
+    add_engine_parser(parser.add_subparsers(dest="command", required=True))
+    try:
+        _resolve_engine(parser.parse_args(["engine", *argv]))
+    except (_FlagsRefused, UsageError, ContractError) as exc:
+        return str(exc)
+    except ValueError as exc:  # ValidationError too
+        return _invalid_settings(exc)
+    return None
 
 
 def _resolve_engine(args: argparse.Namespace) -> tuple[Any, str, int]:
@@ -258,20 +284,24 @@ def run_engine(args: argparse.Namespace) -> int:
     except (ContractError, UsageError) as exc:
         print(f"narwhal-sim: {exc}", file=sys.stderr)
         return 2
-    except ValidationError as exc:  # flags checked by SimulatedEngineSettings, FaultSettings
-        # A field is its flag: --time-scale for time_scale, --fault-fail-next for fail_next.
-        prefix = "--fault-" if exc.title == FaultSettings.__name__ else "--"
-        problems = "; ".join(
-            f"{prefix}{'.'.join(str(part) for part in loc).replace('_', '-')}: {reason}"
-            if loc
-            else reason
-            for loc, reason in validation_reasons(exc)
-        )
-        print(f"narwhal-sim: invalid engine settings: {problems}", file=sys.stderr)
+    except ValueError as exc:  # ValidationError too
+        print(f"narwhal-sim: {_invalid_settings(exc)}", file=sys.stderr)
         return 2
-    except ValueError as exc:
-        print(f"narwhal-sim: invalid engine settings: {str(exc).splitlines()[0]}", file=sys.stderr)
-        return 2
+
+
+def _invalid_settings(exc: ValueError) -> str:
+    if not isinstance(exc, ValidationError):
+        return f"invalid engine settings: {str(exc).splitlines()[0]}"
+    # Flags checked by SimulatedEngineSettings, FaultSettings. A field is its flag:
+    # --time-scale for time_scale, --fault-fail-next for fail_next.
+    prefix = "--fault-" if exc.title == FaultSettings.__name__ else "--"
+    problems = "; ".join(
+        f"{prefix}{'.'.join(str(part) for part in loc).replace('_', '-')}: {reason}"
+        if loc
+        else reason
+        for loc, reason in validation_reasons(exc)
+    )
+    return f"invalid engine settings: {problems}"
 
 
 def main(argv: list[str] | None = None) -> int:
