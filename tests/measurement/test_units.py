@@ -540,3 +540,28 @@ def test_the_evidence_bundle_is_reproducible_and_holds_what_the_router_ran_on(
         "check report: none (qualification skipped)",
         "profile store: none in the fleet",
     ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (["--base", "notaurl"], "--base: 'notaurl' is not a router URL (http://HOST:PORT)"),
+        (["--admin-token-file", "{tmp}/none"], "--admin-token-file: {tmp}/none is not a file"),
+        (["--journal", "{tmp}/none.jsonl"], "--journal: {tmp}/none.jsonl is not a file"),
+        (["--journal", "{tmp}"], "--journal: {tmp} is not a file"),
+    ],
+)
+def test_the_runner_refuses_inputs_that_are_not_there_before_any_point(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], says: str
+) -> None:
+    """Found probing the runner: a token file that is not there was blamed on the journal (or,
+    with --journal, a bare '[Errno 2]' mid-point); a journal that is not there ran the plan to
+    'no router.start in the journal'; --base notaurl said 'the router () is not on this host'."""
+    from tools.measurement import benchmark_runner
+
+    argv = ["--base", "http://127.0.0.1:9", "--model", "m", "--plan", str(tmp_path / "p.json")]
+    argv += ["--out", str(tmp_path / "out")]
+    argv += [arg.format(tmp=tmp_path) for arg in extra]
+    assert benchmark_runner.main(argv) == 2
+    assert capsys.readouterr().err.startswith(f"benchmark_runner.py: {says.format(tmp=tmp_path)}")
+    assert not (tmp_path / "out").exists()

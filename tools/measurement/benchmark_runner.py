@@ -38,6 +38,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 if __package__ in (None, ""):  # run by path: the repository root for `tools` (tools/__init__.py)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -805,10 +806,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _input_problem(base: str, admin_token_file: Path | None, journal: str | None) -> str | None:
+    """What is wrong with the run's inputs before anything is sent: a router URL that is not
+    one, a token file or a journal that is not there (each found only mid-point before)."""
+    url = urlsplit(base)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        return f"--base: {base!r} is not a router URL (http://HOST:PORT)"
+    if admin_token_file is not None and not admin_token_file.is_file():
+        return f"--admin-token-file: {admin_token_file} is not a file"
+    if journal is not None and not Path(journal).is_file():
+        return (
+            f"--journal: {journal} is not a file (the router's journal, as narwhal-serve's "
+            "--journal names it)"
+        )
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     base = args.base.rstrip("/")
     admin_token_file = Path(args.admin_token_file) if args.admin_token_file else None
+    problem = _input_problem(base, admin_token_file, args.journal)
+    if problem is not None:
+        print(f"{PROG}: {problem}", file=sys.stderr)
+        return 2
     journal_source = "--journal"
     if args.journal:
         journal = Path(args.journal)
