@@ -565,3 +565,18 @@ def test_the_runner_refuses_inputs_that_are_not_there_before_any_point(
     assert benchmark_runner.main(argv) == 2
     assert capsys.readouterr().err.startswith(f"benchmark_runner.py: {says.format(tmp=tmp_path)}")
     assert not (tmp_path / "out").exists()
+
+
+def test_an_output_directory_is_made_or_refused_naming_the_flag(tmp_path: Path) -> None:
+    """load_trial, benchmark_runner and aiperf_xcheck make --out before their trials: a file
+    there was a raw '[Errno 17] File exists' (load_trial's after the whole trial had run)."""
+    from tools.measurement._out_dir import OutDirError, prepare_out_dir
+
+    prepare_out_dir(tmp_path / "a" / "b")
+    assert (tmp_path / "a" / "b").is_dir()
+    prepare_out_dir(tmp_path / "a" / "b")  # again: fine
+    (tmp_path / "f").write_text("")
+    with pytest.raises(OutDirError, match=r"^--out: .*/f exists and is not a directory$"):
+        prepare_out_dir(tmp_path / "f")
+    with pytest.raises(OutDirError, match=r"^--out: cannot create .*/f/sub: Not a directory$"):
+        prepare_out_dir(tmp_path / "f" / "sub")

@@ -42,7 +42,9 @@ from typing import Any
 if __package__ in (None, ""):  # run by path: the repository root for `tools` (tools/__init__.py)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from narwhal.contract.flags import number_type, positive
 from narwhal.testing import procs
+from tools.measurement._out_dir import OutDirError, prepare_out_dir
 from tools.measurement._runner_journal import read_journal
 from tools.measurement.sim_tokenizer import DEFAULT_NAME, install
 
@@ -184,7 +186,10 @@ def journal_side(journal: Path, tag: str) -> dict[str, Any]:
 
 def xcheck(args: argparse.Namespace) -> int:
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        prepare_out_dir(out)
+    except OutDirError as exc:
+        raise UsageError(str(exc)) from None
     hf_home = Path(args.hf_home) if args.hf_home else out / "hf-home"
     if args.sim_tokenizer:
         try:
@@ -265,22 +270,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--journal", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--input-tokens", type=int, required=True)
-    p.add_argument("--output-tokens", type=int, required=True)
-    p.add_argument("--rate", type=float, required=True)
-    p.add_argument("--requests", type=int, required=True)
-    p.add_argument("--timeout", type=float, default=180.0)
+    p.add_argument("--input-tokens", type=positive(int), required=True)
+    p.add_argument("--output-tokens", type=positive(int), required=True)
+    p.add_argument("--rate", type=positive(float), required=True)
+    p.add_argument("--requests", type=positive(int), required=True)
+    p.add_argument("--timeout", type=positive(float), default=180.0)
     p.add_argument("--seed", type=int, default=1729)
     p.add_argument("--aiperf")
     p.add_argument("--tokenizer", default=DEFAULT_NAME)
     p.add_argument("--hf-home")
     p.add_argument("--sim-tokenizer", action="store_true")
     p.add_argument("--load-trial-summary")
-    p.add_argument("--ttft-rel", type=float, default=0.3)
-    p.add_argument("--ttft-abs", type=float, default=0.03)
+    p.add_argument("--ttft-rel", type=number_type(float, 0), default=0.3)
+    p.add_argument("--ttft-abs", type=number_type(float, 0), default=0.03)
     args = p.parse_args(argv)
-    if min(args.input_tokens, args.output_tokens, args.requests) <= 0 or args.rate <= 0:
-        p.error("token counts, --requests and --rate must be > 0")
     try:
         return xcheck(args)
     except UsageError as exc:

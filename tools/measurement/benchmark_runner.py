@@ -48,6 +48,7 @@ import httpx
 from narwhal.contract import ContractError, LoadedFleet, load_fleet
 from narwhal.contract.flags import positive
 from narwhal.testing import procs
+from tools.measurement._out_dir import OutDirError, prepare_out_dir
 from tools.measurement._provenance import git_commit, versions
 from tools.measurement._router_journal import JournalNotFound, admin_state, find_router_journal
 from tools.measurement._runner_bundle import BUNDLE_NAME, gather_evidence, write_bundle
@@ -577,7 +578,10 @@ def run_plan(cfg: RunnerConfig) -> int:
         raise UsageError(
             f"--model {cfg.model} but the plan's fleet serves {fleet.contract.model.id}"
         )
-    cfg.out.mkdir(parents=True, exist_ok=True)
+    try:
+        prepare_out_dir(cfg.out)
+    except OutDirError as exc:
+        raise UsageError(str(exc)) from None
     inputs = cfg.out / "inputs"
     inputs.mkdir(exist_ok=True)
     shutil.copyfile(loaded.path, inputs / "plan.json")

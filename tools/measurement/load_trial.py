@@ -34,6 +34,7 @@ import httpx
 
 from narwhal.contract import Budgets
 from narwhal.contract.flags import number_type, positive
+from tools.measurement._out_dir import OutDirError, prepare_out_dir
 from tools.measurement._provenance import versions
 from tools.measurement._trial_client import TrialConfig, poisson_schedule, run_trial
 from tools.measurement._trial_stats import TrialSummary, summarize
@@ -175,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         schedule = poisson_schedule(len(requests), args.rate, seed)
         offered = args.rate
         arrival_info = {"process": "poisson", "rate_rps": args.rate, "seed": seed}
-    run_id = args.run_id or _run_id(Path(args.out))
+    run_id = args.run_id if args.run_id is not None else _run_id(Path(args.out))
     if not re.fullmatch(r"[A-Za-z0-9._:-]{1,100}", run_id):
         raise UsageError("--run-id: 1-100 characters of [A-Za-z0-9._:-]")
     api_key = _auth_headers(args.api_key_env).get("Authorization", "")[7:] or None
@@ -186,9 +187,12 @@ def run(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         api_key=api_key,
     )
-    trial = asyncio.run(run_trial(cfg, wl.warmup, requests, schedule))
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        prepare_out_dir(out)
+    except OutDirError as exc:
+        raise UsageError(str(exc)) from None
+    trial = asyncio.run(run_trial(cfg, wl.warmup, requests, schedule))
     with (out / RECORDS_FILE).open("w", encoding="utf-8") as fh:
         for rec in trial.records:
             fh.write(rec.model_dump_json() + "\n")
