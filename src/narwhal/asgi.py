@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -17,6 +18,7 @@ __all__ = [
     "EndpointResponse",
     "HotRouteDispatch",
     "register_hot_route",
+    "tcp_bind_problem",
 ]
 
 
@@ -118,3 +120,24 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
         if self.background is not None:
             with contextlib.suppress(Exception):
                 await self.background()
+
+
+def tcp_bind_problem(host: str, port: int) -> str | None:
+    """Why a server could not listen on ``host:port`` (a host that does not resolve, an address
+    in use or not on this machine), found by binding and releasing it as the server will
+    (SO_REUSEADDR, every address the host resolves to); None when it can. So that a command
+    refuses in one line before it starts, not with a traceback or a bare log line in its
+    startup."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
+        return f"{host!r} does not resolve: {reason}"
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None

@@ -190,8 +190,8 @@ def test_a_nixl_side_channel_that_cannot_bind_is_a_usage_error_before_the_engine
     )
     same = run_cli("engine", "--port", "23999", "--nixl-port", "23999")
     for result, says in (
-        (in_use, f"narwhal-sim: --nixl-port: the NIXL side channel cannot bind 127.0.0.1:{port}"),
-        (bad_host, "narwhal-sim: --nixl-host '999.1.1.1' does not resolve"),
+        (in_use, f"narwhal-sim: --nixl-port: cannot listen on 127.0.0.1:{port}"),
+        (bad_host, "narwhal-sim: --nixl-port: '999.1.1.1' does not resolve"),
         (same, "narwhal-sim: --nixl-port: 23999 is the engine's HTTP port too"),
     ):
         assert result.returncode == 2, result.stderr

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from narwhal.asgi import tcp_bind_problem
 from narwhal.contract import DEFAULT_REPORT_NAME, ContractError, load_fleet
 from narwhal.contract.flags import out_of_range
 from narwhal.engines.client import ENGINE_TRANSPORTS
@@ -318,6 +319,8 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
     from narwhal.serve.auth import hash_secret
     from narwhal.serve.settings import ServeSettings
 
+    if not args.fleet.strip():
+        raise UsageError("--fleet: an empty path")
     fleet = load_fleet(args.fleet)
     if not (0 < args.port < 65536):
         raise UsageError(f"--port: {args.port} is not a TCP port")
@@ -468,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         settings, host = build_settings(args)
+        if (problem := tcp_bind_problem(host, args.port)) is not None:
+            raise UsageError(f"--host/--port: {problem}")
     except (ContractError, UsageError) as exc:
         print(f"narwhal-serve: {exc}", file=sys.stderr)
         return 2

@@ -19,13 +19,13 @@ from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
+from narwhal.asgi import tcp_bind_problem
 from narwhal.contract import ContractError, SimulatedEngineSettings, load_fleet
 from narwhal.contract.flags import number_type
 from narwhal.contract.loader import validation_reasons
 from narwhal.simengine.engine import EngineConfig
 from narwhal.simengine.faults import FaultSettings
 from narwhal.simengine.kv_events import KVEventsSettings, check_bindable
-from narwhal.simengine.side_channel import check_side_channel_bindable
 from narwhal.simengine.timing import sim_models
 
 __all__ = ["UsageError", "add_engine_parser", "engine_flags_problem", "main", "run_engine"]
@@ -42,7 +42,7 @@ class UsageError(Exception):
 _PORT = number_type(int, 1, 65535)
 
 
-def add_engine_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_engine_parser(sub: argparse._SubParsersAction[Any]) -> None:
     """The ``engine`` subcommand's arguments."""
     p = sub.add_parser("engine", help="run one simulated engine")
     p.add_argument("--fleet", help="take this engine's settings from a fleet file")
@@ -251,12 +251,14 @@ def _run_engine(args: argparse.Namespace) -> int:
     from narwhal.simengine.server import build_app
 
     settings, host, port = _resolve_engine(args)
-    try:
-        check_side_channel_bindable(settings.engine.nixl_host, settings.engine.nixl_port)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
     if settings.engine.nixl_port == port:
         raise UsageError(f"--nixl-port: {port} is the engine's HTTP port too")
+    for flag, (bind_host, bind_port) in (
+        ("--port", (host, port)),
+        ("--nixl-port", (settings.engine.nixl_host, settings.engine.nixl_port)),
+    ):
+        if (problem := tcp_bind_problem(bind_host, bind_port)) is not None:
+            raise UsageError(f"{flag}: {problem}")
     if settings.kv_events is not None:
         try:
             check_bindable(settings.kv_events)

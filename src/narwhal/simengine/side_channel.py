@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from collections.abc import Callable
 
 import orjson
 
 from narwhal.simengine.kv_transfer import KVPeerInfo
 
-__all__ = ["PeerDirectory", "check_side_channel_bindable", "serve_side_channel"]
+__all__ = ["PeerDirectory", "serve_side_channel"]
 
 log = logging.getLogger(__name__)
 
@@ -45,27 +44,6 @@ async def serve_side_channel(
             writer.close()
 
     return await asyncio.start_server(handle, host, port, reuse_address=True, limit=_MAX_LINE)
-
-
-def check_side_channel_bindable(host: str, port: int) -> None:
-    """Bind (and release) what ``serve_side_channel`` will bind, as it binds it, so that a host
-    that does not resolve or a port in use is a usage error before the engine starts rather
-    than a traceback in its startup. ValueError naming the address and the reason."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except (socket.gaierror, UnicodeError) as exc:
-        reason = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
-        raise ValueError(f"--nixl-host {host!r} does not resolve: {reason}") from None
-    for family, kind, proto, _, address in infos:
-        with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind(address)
-            except OSError as exc:
-                raise ValueError(
-                    f"--nixl-port: the NIXL side channel cannot bind {host}:{port}: "
-                    f"{exc.strerror or exc}"
-                ) from None
 
 
 class PeerDirectory:
