@@ -28,7 +28,10 @@ def test_cli_input_errors_are_one_line_exit_2(
         (["--fleet", str(fleet), "--gates", "health,warp"], "unknown gate(s) warp"),
         (["--fleet", str(fleet), "--gates", "pace"], "--gates pace needs a profile store"),
         (["--fleet", str(fleet), "--plan", str(bad_plan)], "plan.json: fleet: required field"),
-        (["--fleet", str(fleet), "--pace-tolerance", "0"], "--pace-tolerance: must be positive"),
+        (["--fleet", str(fleet), "--pace-tolerance", "0"], "--pace-tolerance: must be a finite"),
+        # The report records each setting; JSON has no infinity (it was written as null).
+        (["--fleet", str(fleet), "--probe-timeout", "inf"], "--probe-timeout: must be a finite"),
+        (["--fleet", str(fleet), "--kv-margin", "nan"], "--kv-margin: must be a finite number"),
         (["--fleet", str(fleet), "--kv-probes", "x"], "invalid int value"),
         (["--fleet", str(fleet), "--report", str(tmp_path)], "is a directory"),
         (["--gates", "health"], "the following arguments are required: --fleet"),

@@ -57,6 +57,15 @@ def test_every_problem_is_one_line(tmp_path: Path) -> None:
         ({"benchmark": {"points": [{"name": "a b", "rate": 1, "requests": 2}]}}, "points[0].name"),
         ({"benchmark": {"points": []}}, "benchmark.points"),
         ({"router": {"port": 0}}, "router.port"),
+        # Values of another type are not taken as this one (`true` was 1.0), nor NaN a rate.
+        (
+            {"budgets": {"ttft_s": 10, "tpot_s": 0.3, "attainment": True}},
+            "budgets.attainment: Input should be a valid number",
+        ),
+        (
+            {"benchmark": {"points": [{"name": "a", "rate": float("nan"), "requests": 2}]}},
+            "points[0].rate",
+        ),
     ],
 )
 def test_schema_problems_name_the_field(tmp_path: Path, over: dict, needle: str) -> None:

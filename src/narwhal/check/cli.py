@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import datetime as dt
 import json
+import math
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -106,9 +107,10 @@ def _settings(args: argparse.Namespace) -> CheckSettings:
         "--pace-tolerance": args.pace_tolerance,
         "--token-tolerance": args.token_tolerance,
     }
+    # Finite too: the report records every setting, and JSON has no infinity.
     for flag, value in positive.items():
-        if not value > 0:
-            raise UsageError(f"{flag}: must be positive (got {value})")
+        if not (value > 0 and math.isfinite(value)):
+            raise UsageError(f"{flag}: must be a finite number greater than 0 (got {value})")
     for flag, value in {
         "--generation-tokens": args.generation_tokens,
         "--pace-repeats": args.pace_repeats,
@@ -119,10 +121,14 @@ def _settings(args: argparse.Namespace) -> CheckSettings:
             raise UsageError(f"{flag}: must be at least 1 (got {value})")
     if args.kv_prompt_tokens is not None and args.kv_prompt_tokens < 1:
         raise UsageError(f"--kv-prompt-tokens: must be at least 1 (got {args.kv_prompt_tokens})")
-    if args.kv_window is not None and not args.kv_window > 0:
-        raise UsageError(f"--kv-window: must be positive (got {args.kv_window})")
-    if not args.kv_margin >= 0:
-        raise UsageError(f"--kv-margin: must not be negative (got {args.kv_margin})")
+    if args.kv_window is not None and not (args.kv_window > 0 and math.isfinite(args.kv_window)):
+        raise UsageError(
+            f"--kv-window: must be a finite number greater than 0 (got {args.kv_window})"
+        )
+    if not (args.kv_margin >= 0 and math.isfinite(args.kv_margin)):
+        raise UsageError(
+            f"--kv-margin: must be a finite number, not negative (got {args.kv_margin})"
+        )
     if not 0 <= args.tpot_headroom < 1:
         raise UsageError(f"--tpot-headroom: must be in [0, 1) (got {args.tpot_headroom})")
     return CheckSettings(

@@ -57,8 +57,9 @@ class RunFileError(Exception):
 
 
 class _Strict(BaseModel):
-    # A typo in a run file must fail before a 20-minute run, not silently become a default.
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # A typo in a run file must fail before a 20-minute run, not silently become a default;
+    # nor may a value of another type become one of this type (`attainment: true` was 1.0).
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class Deployment(_Strict):
