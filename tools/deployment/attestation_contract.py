@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from narwhal.contract import ContractError, EngineSpec, FleetContract, load_fleet, parse_fleet
 from narwhal.contract.flags import positive
+from tools.deployment._files import write_atomic
 from tools.deployment._live import Declared, LiveContract, LiveEngine, capture_engine
 
 __all__ = ["Attestation", "disagreements", "finalize", "main"]
@@ -275,17 +275,13 @@ def finalize(raw: dict[str, Any], facts: list[EngineFacts]) -> dict[str, Any]:
     return doc
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def cmd_finalize(args: argparse.Namespace) -> int:
     loaded = load_fleet(args.fleet)
     out = Path(args.out or args.fleet)
     if not out.parent.is_dir():
         raise UsageError(f"--out {out}: directory {out.parent} does not exist")
+    if out.is_dir():
+        raise UsageError(f"--out {out}: a directory; name the file to write")
     live_doc = None
     if args.live:
         try:
@@ -314,8 +310,8 @@ def cmd_finalize(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    _write_atomic(out, json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
-    _write_atomic(out.with_name(out.name + ".sha256"), final.sha256 + "\n")
+    write_atomic(out, json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+    write_atomic(out.with_name(out.name + ".sha256"), final.sha256 + "\n")
     for f in facts:
         nixl = f"{f.spec.nixl.host}:{f.spec.nixl.port}"
         print(f"{f.spec.id}: generation {f.attestation.generation} nixl {nixl}")

@@ -29,6 +29,7 @@ import httpx
 from narwhal.contract import ContractError, LoadedFleet, load_fleet
 from narwhal.contract.flags import positive
 from narwhal.testing import procs
+from tools.deployment._files import write_atomic
 from tools.deployment._live import LIVE_SCHEMA, Declared, capture_engine
 from tools.deployment._plan import LoadedPlan, PlanError, load_plan
 from tools.deployment._plan_check import kv_transfer_config, plans_problems
@@ -242,6 +243,9 @@ def cmd_wait(args: argparse.Namespace) -> int:
 
 
 def cmd_capture(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.is_dir():
+        raise UsageError(f"--out {out}: a directory; name the file to write")
     plans, _ = _load(args.plans, None)
     problems: list[str] = []
     engines: list[dict[str, Any]] = []
@@ -273,11 +277,8 @@ def cmd_capture(args: argparse.Namespace) -> int:
         ],
         "engines": engines,
     }
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    tmp.replace(out)
+    write_atomic(out, json.dumps(doc, indent=2) + "\n")
     for e in engines:
         cache = e.get("kv_cache") or {}
         nixl = e.get("nixl") or {}
