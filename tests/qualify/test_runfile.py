@@ -88,6 +88,17 @@ def test_the_command_refuses_a_bad_run_file_before_starting_anything(tmp_path: P
     not_yaml.write_text("schema: [unclosed\n")
     done = subprocess.run([QUALIFY, str(not_yaml)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "not YAML at line" in done.stderr, done.stderr
+    done = subprocess.run(
+        [QUALIFY, str(SHIPPED), "--checkout", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        f"narwhal-qualify: --checkout {tmp_path}: not a Narwhal checkout "
+        "(no tools/measurement/benchmark_runner.py in it)"
+    )
 
 
 def test_the_run_directory_is_the_runs_alone(tmp_path: Path) -> None:

@@ -95,7 +95,11 @@ def main(argv: list[str] | None = None) -> None:
     run_file = Path(args.run_file)
     checkout = find_checkout(run_file, args.checkout)
     if checkout is None:
-        print(f"{PROG}: no Narwhal checkout (tools/ beside src/): use --checkout", file=sys.stderr)
+        if args.checkout:
+            why = f"--checkout {args.checkout}: not a Narwhal checkout (no {MARKER} in it)"
+        else:
+            why = "no Narwhal checkout (tools/ beside src/) found: use --checkout"
+        print(f"{PROG}: {why}", file=sys.stderr)
         sys.exit(2)
     # --run-dir is the operator's path (relative to where they are); the file's run_dir is
     # relative to the checkout, like every path in it.
