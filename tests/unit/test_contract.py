@@ -326,6 +326,11 @@ INVALID_CASES: list[tuple[str, Callable[[Doc], None], str]] = [
         "budgets.ttft_s: expected a number (got true)",
     ),
     (
+        "an-integer-past-a-float-is-told-by-its-size",
+        _set("budgets.ttft_s", 10**400),
+        "budgets.ttft_s: expected a number (got an integer of 401 digits)",
+    ),
+    (
         "number-is-not-a-string",
         _set("name", 7),
         "name: expected a string (got 7)",

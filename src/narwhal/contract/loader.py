@@ -392,7 +392,9 @@ def _describe(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):
-        return repr(value)
+        text = repr(value)
+        # An integer past a float's range (10**400) is hundreds of digits: its size says it.
+        return text if len(text) <= 40 else f"an integer of {len(text.lstrip('-'))} digits"
     if isinstance(value, str):
         return repr(value if len(value) <= 60 else value[:57] + "...")
     if isinstance(value, dict):
