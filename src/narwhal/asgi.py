@@ -129,13 +129,23 @@ def tcp_bind_problem(host: str, port: int) -> str | None:
     refuses in one line before it starts, not with a traceback or a bare log line in its
     startup."""
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        # "" is every interface to asyncio's and uvloop's servers, as None is to getaddrinfo.
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
     except (socket.gaierror, UnicodeError) as exc:
         reason = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
         return f"{host!r} does not resolve: {reason}"
     for family, kind, proto, _, address in infos:
-        with socket.socket(family, kind, proto) as sock:
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError:
+            continue  # a family this kernel lacks (IPv6 off): the servers skip it too
+        with sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                # As the servers bind it: the IPv6 address alone, beside an IPv4 listener.
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             try:
                 sock.bind(address)
             except OSError as exc:

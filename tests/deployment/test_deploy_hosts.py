@@ -312,7 +312,7 @@ def test_deployment_file_errors_are_one_line(tmp_path: Path, checkout: tuple[Pat
     "field, value, reason",
     [
         ("user", "-oProxyCommand=touch /tmp/pwned", "must be a login name"),
-        ("user", "root@10.0.0.1", "must be a login name"),
+        ("user", "bad user", "must be a login name"),
         ("address", "-oProxyCommand=x", "must be a host name or an IP address"),
         ("address", "; rm -rf /", "must be a host name or an IP address"),
         ("install_deps", "yes", "Input should be a valid boolean"),
@@ -355,7 +355,12 @@ def test_good_host_names_and_addresses_pass(tmp_path: Path, checkout: tuple[Path
             "venv": "/v",
         }
         for i, (address, user) in enumerate(
-            [("10.0.0.5", "deploy"), ("node-7.example.com", "ci_user"), ("fe80::1%eth0", "a.b")]
+            [
+                ("10.0.0.5", "deploy"),
+                ("node-7.example.com", "ci_user"),
+                ("fe80::1%eth0", "a.b"),
+                ("engine_host_3", "alice@corp.example"),
+            ]
         )
     ]
     (tmp_path / "id").write_text("key\n")

@@ -71,8 +71,9 @@ def test_shipped_simulated_plan_passes_against_local_sim_fleet(
         ({"--bogus-flag": 1}, "unrecognized arguments: --bogus-flag 1"),
         ({"--time-scale": float("nan")}, "--time-scale: must be a finite number (got nan)"),
         ({"--eos-prob": 2}, "--eos-prob: must be less than or equal to 1"),
+        ({"-h": True}, "-h/--help is not an engine setting"),
     ],
-    ids=["unknown-flag", "nan", "out-of-range"],
+    ids=["unknown-flag", "nan", "out-of-range", "help"],
 )
 def test_a_simulated_plan_whose_flags_narwhal_sim_refuses_fails_the_check(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], args: dict[str, Any], says: str

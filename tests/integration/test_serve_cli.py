@@ -41,3 +41,28 @@ def test_an_empty_fleet_path_names_the_flag(tmp_path: Path) -> None:
     result = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip() == "narwhal-serve: --fleet: an empty path"
+
+
+def test_the_bind_check_binds_as_the_servers_do() -> None:
+    """IPv6 alone beside an IPv4 listener on the same port (IPV6_V6ONLY, as asyncio and uvloop
+    bind), '' as every interface, a free port free."""
+    from narwhal.asgi import tcp_bind_problem
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert tcp_bind_problem("127.0.0.1", port) is not None
+        if socket.has_ipv6:
+            try:
+                with socket.socket(socket.AF_INET6) as probe:
+                    probe.bind(("::1", 0))
+            except OSError:
+                pass  # no IPv6 on this host
+            else:
+                assert tcp_bind_problem("::1", port) is None
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    assert tcp_bind_problem("127.0.0.1", port) is None
+    assert tcp_bind_problem("", port) is None

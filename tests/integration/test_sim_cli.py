@@ -192,7 +192,7 @@ def test_a_nixl_side_channel_that_cannot_bind_is_a_usage_error_before_the_engine
     for result, says in (
         (in_use, f"narwhal-sim: --nixl-port: cannot listen on 127.0.0.1:{port}"),
         (bad_host, "narwhal-sim: --nixl-port: '999.1.1.1' does not resolve"),
-        (same, "narwhal-sim: --nixl-port: 23999 is the engine's HTTP port too"),
+        (same, "narwhal-sim: --nixl-port: 23999 is the engine's HTTP port too, on 127.0.0.1"),
     ):
         assert result.returncode == 2, result.stderr
         assert "Traceback" not in result.stderr and "startup failed" not in result.stderr

@@ -75,6 +75,19 @@ def test_schema_problems_name_the_field(tmp_path: Path, over: dict, needle: str)
     assert any(needle in p for p in info.value.problems), info.value.problems
 
 
+def test_numbers_in_exponent_form_are_numbers(tmp_path: Path) -> None:
+    """PyYAML reads 5e-1 and 1e3 as strings (YAML 1.1), which the strict schema refused."""
+    text = SHIPPED.read_text()
+    doc = yaml.safe_load(text)
+    tpot = doc["budgets"]["tpot_s"]
+    text = text.replace(f"tpot_s: {tpot}", "tpot_s: 3e-1", 1)
+    assert "tpot_s: 3e-1" in text
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    loaded = load_run_file(path, ROOT)
+    assert loaded.run.budgets.tpot_s == 0.3
+
+
 def test_the_command_refuses_a_bad_run_file_before_starting_anything(tmp_path: Path) -> None:
     path = _write(tmp_path, fleet="configs/fleet/missing.json", run_dir=str(tmp_path / "run"))
     done = subprocess.run(

@@ -65,9 +65,14 @@ class UsageError(Exception):
     pass
 
 
-_USER = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
-# A DNS name or IPv4 address, or an IPv6 address (with a zone index), never beginning with "-".
-_ADDRESS = re.compile(r"(?!-)[A-Za-z0-9.-]{1,253}|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*(%[A-Za-z0-9_.-]+)?")
+# A login (domain logins hold "@": ssh splits USER@HOST at the last one), never beginning with
+# "-" (an option to ssh) and without blanks or control characters.
+_USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@\\-]{0,127}")
+# A host name (DNS, or a container service's with "_") or IPv4 address, or an IPv6 address
+# (with a zone index), never beginning with "-".
+_ADDRESS = re.compile(
+    r"(?!-)[A-Za-z0-9._-]{1,253}|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*(%[A-Za-z0-9_.-]+)?"
+)
 
 
 class HostSpec(BaseModel):
@@ -97,7 +102,9 @@ class HostSpec(BaseModel):
     @classmethod
     def _user(cls, value: str | None) -> str | None:
         if value is not None and not _USER.fullmatch(value):
-            raise ValueError("must be a login name (letters, digits, '_', '.', '-', not first '-')")
+            raise ValueError(
+                "must be a login name (letters, digits, '_', '.', '@', '\\', '-'; not first '-')"
+            )
         return value
 
     @field_validator("address")

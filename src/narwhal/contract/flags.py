@@ -5,6 +5,7 @@ run that measures nothing. NaN is out of every range (each comparison with it is
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -37,6 +38,10 @@ def out_of_range(
     high_allowed: bool = True,
 ) -> str | None:
     """Why ``value`` is out of the range (``must be ..., got ...``), or None when it is in."""
+    if math.isinf(value):
+        # No flag means "without bound" by infinity: it reached subprocess and socket timeouts
+        # as an OverflowError, asyncio.sleep as a loop that never runs again, reports as null.
+        return f"must be a finite number, got {_shown(value)}"
     above = value >= low if low_allowed else value > low
     below = high is None or (value <= high if high_allowed else value < high)
     if above and below:

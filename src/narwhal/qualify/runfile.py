@@ -25,6 +25,7 @@ file runs from anywhere. Pure: ``parse_run_file`` takes the text; ``load_run_fil
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -168,10 +169,23 @@ def _resolve(checkout: Path, value: str) -> Path:
     return p if p.is_absolute() else checkout / p
 
 
+class _RunFileLoader(yaml.SafeLoader):
+    """YAML 1.1 (PyYAML) reads ``1e3`` and ``5e-1`` as strings (a float needs a dot and a
+    signed exponent there); YAML 1.2 and JSON read them as the numbers an operator meant, and
+    the run file's strict schema would refuse the strings."""
+
+
+_RunFileLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
 def parse_run_file(text: str, source: str) -> RunFile:
     """The run file's model, or RunFileError with one line per schema problem."""
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_RunFileLoader)  # a SafeLoader
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""

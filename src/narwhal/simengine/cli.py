@@ -115,10 +115,17 @@ class _FlagsRefused(Exception):
 
 
 class _RaisingParser(argparse.ArgumentParser):
-    """A parser whose errors are exceptions rather than a usage text and an exit."""
+    """A parser whose errors are exceptions rather than a usage text and an exit (``-h``
+    among the flags too: it would print the help and exit 0, read as a pass)."""
 
     def error(self, message: str) -> NoReturn:
         raise _FlagsRefused(message)
+
+    def print_help(self, file: Any = None) -> None:
+        pass
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        raise _FlagsRefused(message or "-h/--help is not an engine setting")
 
 
 def engine_flags_problem(argv: list[str]) -> str | None:
@@ -251,8 +258,12 @@ def _run_engine(args: argparse.Namespace) -> int:
     from narwhal.simengine.server import build_app
 
     settings, host, port = _resolve_engine(args)
-    if settings.engine.nixl_port == port:
-        raise UsageError(f"--nixl-port: {port} is the engine's HTTP port too")
+    nixl_host = settings.engine.nixl_host
+    wildcards = ("", "0.0.0.0", "::")
+    if settings.engine.nixl_port == port and (
+        nixl_host == host or nixl_host in wildcards or host in wildcards
+    ):
+        raise UsageError(f"--nixl-port: {port} is the engine's HTTP port too, on {nixl_host}")
     for flag, (bind_host, bind_port) in (
         ("--port", (host, port)),
         ("--nixl-port", (settings.engine.nixl_host, settings.engine.nixl_port)),
