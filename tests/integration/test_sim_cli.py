@@ -287,3 +287,14 @@ def test_fleet_command_runs_and_stops_on_sigterm(tmp_path: Path) -> None:
         for pid in pids.values():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_the_side_channel_and_http_ports_clash_only_where_their_addresses_do() -> None:
+    """Compared by address, not by name: localhost is 127.0.0.1; two loopback addresses on
+    one port, or a family's wildcard beside the other family, do not clash."""
+    from narwhal.simengine.cli import _overlap
+
+    assert _overlap("localhost", "127.0.0.1", 23999)
+    assert _overlap("0.0.0.0", "127.0.0.1", 23999)
+    assert not _overlap("127.0.0.1", "127.0.0.2", 23999)
+    assert not _overlap("::", "0.0.0.0", 23999)

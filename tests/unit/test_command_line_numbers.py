@@ -46,6 +46,15 @@ def test_a_value_in_range_passes(value: float) -> None:
     assert positive(float)(str(value)) == value
 
 
+def test_an_integer_past_a_floats_range_is_out_of_range_not_a_crash() -> None:
+    """math.isinf on such an int raises OverflowError (narwhal-serve --max-body-bytes 1e400)."""
+    huge = 10**400
+    assert out_of_range(huge, 1, 65535) is not None
+    assert out_of_range(huge, 1) is None  # in range: an int has no infinity
+    with pytest.raises(argparse.ArgumentTypeError, match="must be from 1 to 65535"):
+        number_type(int, 1, 65535)(str(huge))
+
+
 @pytest.mark.parametrize("text", ["inf", "-inf", "Infinity"])
 def test_an_infinite_number_is_refused_on_a_command_line(text: str) -> None:
     """deploy_hosts.py --step-timeout inf reached subprocess.run as an OverflowError."""

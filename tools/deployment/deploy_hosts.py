@@ -67,7 +67,7 @@ class UsageError(Exception):
 
 # A login (domain logins hold "@": ssh splits USER@HOST at the last one), never beginning with
 # "-" (an option to ssh) and without blanks or control characters.
-_USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@\\-]{0,127}")
+_USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@-]{0,127}")
 # A host name (DNS, or a container service's with "_") or IPv4 address, or an IPv6 address
 # (with a zone index), never beginning with "-".
 _ADDRESS = re.compile(
@@ -103,7 +103,7 @@ class HostSpec(BaseModel):
     def _user(cls, value: str | None) -> str | None:
         if value is not None and not _USER.fullmatch(value):
             raise ValueError(
-                "must be a login name (letters, digits, '_', '.', '@', '\\', '-'; not first '-')"
+                "must be a login name (letters, digits, '_', '.', '@', '-'; not first '-')"
             )
         return value
 

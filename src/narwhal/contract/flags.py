@@ -38,7 +38,7 @@ def out_of_range(
     high_allowed: bool = True,
 ) -> str | None:
     """Why ``value`` is out of the range (``must be ..., got ...``), or None when it is in."""
-    if math.isinf(value):
+    if isinstance(value, float) and math.isinf(value):  # (an int past a float's range too)
         # No flag means "without bound" by infinity: it reached subprocess and socket timeouts
         # as an OverflowError, asyncio.sleep as a loop that never runs again, reports as null.
         return f"must be a finite number, got {_shown(value)}"

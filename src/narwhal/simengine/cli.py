@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from dataclasses import replace
 from typing import Any, NoReturn
@@ -259,17 +260,14 @@ def _run_engine(args: argparse.Namespace) -> int:
 
     settings, host, port = _resolve_engine(args)
     nixl_host = settings.engine.nixl_host
-    wildcards = ("", "0.0.0.0", "::")
-    if settings.engine.nixl_port == port and (
-        nixl_host == host or nixl_host in wildcards or host in wildcards
-    ):
-        raise UsageError(f"--nixl-port: {port} is the engine's HTTP port too, on {nixl_host}")
     for flag, (bind_host, bind_port) in (
         ("--port", (host, port)),
-        ("--nixl-port", (settings.engine.nixl_host, settings.engine.nixl_port)),
+        ("--nixl-port", (nixl_host, settings.engine.nixl_port)),
     ):
         if (problem := tcp_bind_problem(bind_host, bind_port)) is not None:
             raise UsageError(f"{flag}: {problem}")
+    if settings.engine.nixl_port == port and _overlap(host, nixl_host, port):
+        raise UsageError(f"--nixl-port: {port} is the engine's HTTP port too, on {nixl_host}")
     if settings.kv_events is not None:
         try:
             check_bindable(settings.kv_events)
@@ -288,6 +286,27 @@ def _run_engine(args: argparse.Namespace) -> int:
     )
     uvicorn.Server(config).run()
     return 0
+
+
+def _overlap(a: str, b: str, port: int) -> bool:
+    """Whether servers on hosts ``a`` and ``b`` (both resolvable) would take the same address
+    on ``port``: an address both resolve to, or a family's wildcard beside any of its own."""
+
+    def addresses(host: str) -> set[tuple[int, str]]:
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        return {(int(family), str(address[0])) for family, _, _, _, address in infos}
+
+    wildcard: dict[int, str] = {socket.AF_INET: "0.0.0.0", socket.AF_INET6: "::"}
+    mine, theirs = addresses(a), addresses(b)
+    for family, address in mine:
+        for other_family, other in theirs:
+            if family != other_family:
+                continue
+            if address == other or wildcard.get(family) in (address, other):
+                return True
+    return False
 
 
 def run_engine(args: argparse.Namespace) -> int:
