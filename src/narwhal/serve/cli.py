@@ -410,6 +410,9 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
             f"this fleet is not qualified: no narwhal-check report at {looked}; pass "
             "--check-report REPORT (from narwhal-check) or --skip-qualification for development"
         )
+    # Before the warnings: a router that cannot listen says so in its one line.
+    if (problem := tcp_bind_problem(host, args.port)) is not None:
+        raise UsageError(f"--host/--port: {problem}")
     for warning in warnings:
         log.warning("%s", warning)
     settings = ServeSettings(
@@ -471,8 +474,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         settings, host = build_settings(args)
-        if (problem := tcp_bind_problem(host, args.port)) is not None:
-            raise UsageError(f"--host/--port: {problem}")
     except (ContractError, UsageError) as exc:
         print(f"narwhal-serve: {exc}", file=sys.stderr)
         return 2
