@@ -331,6 +331,31 @@ def test_a_hedge_that_failed_is_counted_once_when_it_fails(events: bool, then: s
     assert breaker.consecutive_failures == before + 1
 
 
+@pytest.mark.parametrize("then", ["slow-answers", "slow-fails", "client-leaves"])
+def test_a_failed_hedge_hands_its_queued_prefill_back_to_the_slow_engine(then: str) -> None:
+    """While the request waits on the slow leg after its hedge failed, the slow engine's queue
+    holds the leg's predicted prefill again (the scheduler would see it idle otherwise), as
+    dispatched; the race's end takes it off every queue."""
+    clock, _index, lifecycle, ticket, slow, hedge = hedged(False)
+    engines = lifecycle.state.engines
+    queued = engines[hedge.prefill].prefill_work[ticket.id]
+    assert ticket.id not in engines[slow.prefill].prefill_work
+    lifecycle.hedge_failed(ticket)
+    work = engines[slow.prefill].prefill_work.get(ticket.id)
+    assert work is not None and work[1] == 0.0 and work != queued  # the slow leg's own
+    assert ticket.id not in engines[hedge.prefill].prefill_work
+    assert engines[slow.prefill].queued_prefill_s(clock.now()) > 0.0
+    if then == "slow-answers":
+        lifecycle.prefill_done(ticket, "ok", prompt_tokens=PROMPT, hedge_ended="failed")
+    elif then == "slow-fails":
+        lifecycle.slow_leg_failed(ticket)
+        lifecycle.prefill_done(ticket, "failed")
+    else:
+        lifecycle.cancel(ticket)
+    assert all(ticket.id not in e.prefill_work for e in engines.values())
+    assert all(e.in_flight_prefill == 0 for e in engines.values())
+
+
 @pytest.mark.parametrize("events", [False, True], ids=["history", "events"])
 def test_a_hedge_refused_as_the_slow_leg_answered_gives_its_claim_back(events: bool) -> None:
     """Refused (HTTP 4xx): the engine computed nothing but is fine: a success verdict, no

@@ -80,8 +80,11 @@ class HedgeRace:
     slow_dispatched_at: float
     slow_failed: bool = False
     hedge_failed: bool = False
+    # The slow leg's predicted prefill seconds and dispatch time in its engine's queue
+    # (``EngineState.prefill_work``) when it was hedged: its engine still does that work.
+    slow_work: tuple[float, float] | None = None
     # The hedge failed and the request waits on the slow leg: its prefill leg is counted in
-    # flight on the slow leg's engine, which does the work, until the race ends.
+    # flight, and its predicted work queued, on the slow leg's engine until the race ends.
     slow_carries: bool = False
 
 
@@ -353,7 +356,8 @@ class Lifecycle:
             return NoPair("no prefill engine meets the TTFT budget's remainder")
         # The slow leg runs on (it may still answer first): ended in the counts, not in the
         # prefix index, whose claim on its engine stands until the race ends.
-        race = HedgeRace(ticket.pair, ticket.dispatched_at)
+        slow_work = self.state.engines[ticket.pair.prefill].prefill_work.get(ticket.id)
+        race = HedgeRace(ticket.pair, ticket.dispatched_at, slow_work=slow_work)
         self._settle_race(ticket, slow_holds=True)  # an earlier race's, had there been one
         self._prefill_failed(ticket, runs_on=True)
         ticket.race = race
@@ -578,6 +582,8 @@ class Lifecycle:
         self._hedge_lost(ticket, hedge)
         if not race.slow_failed:
             hedge.prefill_work.done(ticket.id, self.clock.now())
+            if race.slow_work is not None:
+                self.state.engines[race.slow.prefill].prefill_work[ticket.id] = race.slow_work
             self._move_prefill_leg(hedge.id, race.slow.prefill)
             race.slow_carries = True
 
@@ -604,9 +610,11 @@ class Lifecycle:
             return
         ticket.race = None
         if race.slow_carries:
-            # Back where the ticket's pair says, for the leg's end to be counted there.
+            # Back where the ticket's pair says, for the leg's end to be counted there; the
+            # slow leg's queued work ends with the race.
             assert ticket.pair is not None
             self._move_prefill_leg(race.slow.prefill, ticket.pair.prefill)
+            self.state.engines[race.slow.prefill].prefill_work.done(ticket.id, self.clock.now())
         if not race.slow_failed:
             self._forget_slow(ticket, race, slow_holds=slow_holds)
 
