@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -237,7 +238,9 @@ def test_client_disconnect_mid_stream_closes_the_decode_leg(stack) -> None:
             if line.startswith("data: "):
                 break
     assert wait_until(lambda: rid in router.ends(), 5)
-    assert router.ends()[rid]["outcome"] == "client_abort"
+    end = router.ends()[rid]
+    # The client had its 200 and the start of its answer: the record says so.
+    assert end["outcome"] == "client_abort" and end["status"] == 200
     for engine in ("e2", "e3"):
         url = fleet.engines[engine].url
         assert wait_until(
@@ -253,11 +256,15 @@ def test_client_disconnect_during_prefill_closes_the_prefill_leg(stack) -> None:
     with pytest.raises(httpx.ReadTimeout):
         post(router, timeout=0.5)
 
-    def aborted() -> bool:
+    def aborted() -> dict[str, Any] | None:
         new = [e for rid, e in router.ends().items() if rid not in ids_before]
-        return bool(new) and new[0]["outcome"] == "client_abort"
+        return new[0] if new and new[0]["outcome"] == "client_abort" else None
 
-    assert wait_until(aborted, 5)
+    assert wait_until(lambda: aborted() is not None, 5)
+    end = aborted()
+    assert end is not None and end["status"] is None
+    # The prefill leg the client left is in the journal as tried.
+    assert [(a["leg"], a["outcome"]) for a in end["attempts"]] == [("prefill", "cancelled")]
     for engine in ("e0", "e1"):
         url = fleet.engines[engine].url
         assert wait_until(
@@ -269,7 +276,7 @@ def test_unknown_and_bad_requests_are_client_errors_without_5xx(stack) -> None:
     _, router = stack
     cases = [
         (b"{not json", 400, None),
-        (json.dumps({"prompt": "x"}).encode(), 404, "model"),
+        (json.dumps({"prompt": "x"}).encode(), 400, "model"),
         (json.dumps({"model": "other", "prompt": "x"}).encode(), 404, "model"),
         (json.dumps({"model": MODEL, "prompt": "x", "n": 65}).encode(), 400, "n"),
         (json.dumps({"model": MODEL, "prompt": "x", "best_of": 3}).encode(), 400, "best_of"),
@@ -400,16 +407,80 @@ def test_api_keys_and_sigterm_drain(tmp_path: Path) -> None:
                 first = next(ln for ln in lines if ln.startswith("data: "))
                 assert first
                 router.process.send_signal(15)
+                # While it drains the router still listens: not ready, and a new request is
+                # a journaled 503 `draining`, not a refused connection.
+                assert wait_until(
+                    lambda: httpx.get(router.url + "/ready", timeout=5).status_code == 503, 5
+                )
+                assert "draining" in httpx.get(router.url + "/ready", timeout=5).text
+                refused = httpx.post(
+                    router.url + "/v1/completions",
+                    timeout=30,
+                    headers={"Authorization": "Bearer sk-test-1"},
+                    json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2},
+                )
+                assert refused.status_code == 503, refused.text
+                assert refused.headers["retry-after"] == "1"
+                assert refused.json()["error"]["type"] == "service_unavailable"
+                refused_id = refused.headers["x-request-id"]
                 rest = [ln for ln in lines if ln.startswith("data: ")]
             assert rest[-1] == "data: [DONE]"
+            assert not any('"error"' in ln for ln in rest)
             assert router.process.wait(30) == 0
         finally:
             stop_router(router)
         records = router.records()
-        assert records[-1]["type"] == "router.stop"
+        assert records[-1]["type"] == "router.stop" and records[-1]["clean"] is True
         ends = [r for r in records if r["type"] == "request.end"]
-        assert [e["outcome"] for e in ends] == ["ok", "client_error", "ok"]
+        assert [e["outcome"] for e in ends] == ["ok", "client_error", "rejected", "ok"]
+        assert ends[2]["id"] == refused_id and ends[2]["status"] == 503
         assert "sk-test" not in router.journal.read_text()
+
+
+def test_a_drain_that_runs_out_ends_open_requests_with_openai_errors(tmp_path: Path) -> None:
+    """Requests still open when --drain-timeout runs out end as router_shutdown, and their
+    clients get an OpenAI error: a stream its error event and [DONE], a request not yet
+    answered a 503 (not the server's plain-text 500 or a cut stream, nor a traceback)."""
+    with running_fleet(tmp_path, 2) as fleet:
+        for engine in fleet.engines.values():  # slow enough to outlast the drain
+            admin(engine.url, "POST", {"slowdown": 10.0})
+        router = start_router(tmp_path, fleet.fleet_path, "--drain-timeout", "1")
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400}
+        try:
+            with (
+                httpx.Client(timeout=60) as client,
+                client.stream(
+                    "POST", router.url + "/v1/completions", json={**body, "stream": True}
+                ) as streamed,
+            ):
+                pool = ThreadPoolExecutor(1)
+                whole = pool.submit(client.post, router.url + "/v1/completions", json=body)
+                lines = iter(streamed.iter_lines())
+                assert next(ln for ln in lines if ln.startswith("data: "))
+                assert wait_until(lambda: _open(router) == 2, 10)
+                router.process.send_signal(15)
+                rest = [ln for ln in lines if ln.startswith("data: ")]
+                answer = whole.result(60)
+                pool.shutdown()
+            assert rest[-1] == "data: [DONE]", rest[-3:]
+            error = json.loads(rest[-2].removeprefix("data: "))["error"]
+            assert error["type"] == "service_unavailable" and "shut down" in error["message"]
+            assert answer.status_code == 503, answer.text
+            assert answer.json()["error"]["type"] == "service_unavailable"
+            assert router.process.wait(30) == 0
+        finally:
+            stop_router(router)
+        ends = [r for r in router.records() if r["type"] == "request.end"]
+        assert sorted(e["outcome"] for e in ends) == ["router_shutdown", "router_shutdown"]
+        log = router.log_path.read_text()
+        assert "Exception in ASGI application" not in log and "Traceback" not in log, log
+
+
+def _open(router: RouterProcess) -> int:
+    """Requests the router's journal has opened and not ended."""
+    records = router.records()
+    ended = {r["id"] for r in records if r["type"] == "request.end"}
+    return sum(1 for r in records if r["type"] == "request.start" and r["id"] not in ended)
 
 
 @pytest.mark.slow  # (the longest of the fast subset: make test runs it)

@@ -697,6 +697,8 @@ def test_client_disconnect_during_the_handoff(clean, phase: str, fault: dict[str
     assert end["outcome"] == "client_abort" and end["status"] is None
     legs = attempts(end)
     assert legs and legs[0][0] == "prefill" and legs[0][2] == "ok"
+    # The decode leg the client left is in the journal as tried.
+    assert legs[-1] == ("decode", end["decode_engine"], "cancelled"), legs
     assert end["decode_engine"] in DECODE and end["t_first_token"] is None
     after = router.metrics()
     assert metric_delta(before, after, "narwhal_requests_total", outcome="client_abort") == 1

@@ -22,7 +22,8 @@ def parse(body: object, chat: bool = False, max_len: int = 100):
     [
         (b"{", 400, None),
         ([], 400, None),
-        ({"prompt": "x"}, 404, "model"),
+        ({"prompt": "x"}, 400, "model"),
+        ({"model": None, "prompt": "x"}, 400, "model"),
         ({"model": "other", "prompt": "x"}, 404, "model"),
         ({"model": 3, "prompt": "x"}, 400, "model"),
         ({"model": MODEL}, 400, "prompt"),
@@ -42,6 +43,10 @@ def parse(body: object, chat: bool = False, max_len: int = 100):
         ({"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix"),
         ({"model": MODEL, "prompt": ["a b c", ""]}, 400, "prompt[1]"),
         ({"model": MODEL, "prompt": [[1, 2], [-3]]}, 400, "prompt[1]"),
+        # vLLM's and OpenAI's batches are all strings or all token-id lists
+        ({"model": MODEL, "prompt": ["a", [1]]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [[1], "a"]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [[1], 2]}, 400, "prompt"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
@@ -155,10 +160,20 @@ def test_the_decode_engines_fields_pass_through(fields: dict) -> None:
     assert r.body["logprobs"] == 2
 
 
+def test_a_seed_at_int64s_edge_seeds_its_choices_within_vllms_range() -> None:
+    """Choice j's seed is seed + j as vLLM's; past int64 (which vLLM refuses) it wraps, still
+    distinct; a seed already out of range is left for the engine to refuse as sent."""
+    top = 2**63 - 1
+    r = parse({"model": MODEL, "prompt": "x", "n": 3, "seed": top})
+    assert [c.body["seed"] for c in r.choices] == [top, -(2**63), -(2**63) + 1]
+    r = parse({"model": MODEL, "prompt": "x", "n": 2, "seed": 2**63})
+    assert [c.body["seed"] for c in r.choices] == [2**63, 2**63 + 1]
+
+
 def test_n_and_batches_fan_out_one_request_per_choice() -> None:
-    r = parse({"model": MODEL, "prompt": ["a b", [5, 6, 7]], "n": 2, "max_tokens": 3, "seed": 9})
+    r = parse({"model": MODEL, "prompt": [[1, 2], [5, 6, 7]], "n": 2, "max_tokens": 3, "seed": 9})
     assert r.choices_per_prompt == 2 and len(r.choices) == 4
-    assert [c.body["prompt"] for c in r.choices] == ["a b", "a b", [5, 6, 7], [5, 6, 7]]
+    assert [c.body["prompt"] for c in r.choices] == [[1, 2], [1, 2], [5, 6, 7], [5, 6, 7]]
     assert all("n" not in c.body for c in r.choices)
     # vLLM's seeds for a seeded request's choices: seed + j
     assert [c.body["seed"] for c in r.choices] == [9, 10, 9, 10]
@@ -169,8 +184,10 @@ def test_n_and_batches_fan_out_one_request_per_choice() -> None:
     assert len(r.choices) == 3 and r.choices[0].chat
     assert not parse({"model": MODEL, "prompt": "x", "n": 1}).choices
     with pytest.raises(RouterError) as info:
-        parse({"model": MODEL, "prompt": ["ok", [1, -1]]})
+        parse({"model": MODEL, "prompt": [[1], [1, -1]]})
     assert info.value.param == "prompt[1]"
+    r = parse({"model": MODEL, "prompt": ["a b", "c"], "n": 2})
+    assert [c.body["prompt"] for c in r.choices] == ["a b", "a b", "c", "c"]
     with pytest.raises(RouterError) as info:
         parse({"model": MODEL, "prompt": "x", "n": 0})
     assert info.value.param == "n"

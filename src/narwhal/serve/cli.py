@@ -16,11 +16,13 @@ import argparse
 import gc
 import ipaddress
 import logging
+import math
 import os
 import re
 import shlex
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -492,12 +494,31 @@ def main(argv: list[str] | None = None) -> int:
             if args.gc == "tuned" and self.started:
                 _freeze_start_up()
 
+        drain_deadline: float | None = None
+
         def handle_exit(self, sig: int, frame: Any) -> None:
-            # Stop admitting at once; uvicorn then drains connections up to the timeout.
-            app.state.services.ledger.draining = True
+            # Stop admitting at once, and go on listening while the requests in flight end:
+            # clients and load balancers get 503 `draining` (and /ready says so), not a
+            # refused connection, until none is left or --drain-timeout passes (on_tick);
+            # uvicorn's own shutdown then closes the socket. A second signal shuts down now.
+            if self.drain_deadline is None and not self.should_exit:
+                app.state.services.ledger.draining = True
+                self.drain_deadline = time.monotonic() + args.drain_timeout
+                return
             super().handle_exit(sig, frame)
             # A drained shutdown is a success: exit 0 rather than re-raise the signal.
             self._captured_signals.clear()
+
+        async def on_tick(self, counter: int) -> bool:
+            deadline = self.drain_deadline
+            if deadline is not None and not self.should_exit:
+                left = deadline - time.monotonic()
+                if left <= 0 or not app.state.services.ledger.active:
+                    # What is still open is cancelled after a second (the handlers end it
+                    # with an OpenAI error); responses being written get what time is left.
+                    self.config.timeout_graceful_shutdown = max(1, math.ceil(left))
+                    self.should_exit = True
+            return await super().on_tick(counter)
 
     config = uvicorn.Config(
         HotRouteDispatch.of(app),
@@ -505,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
         port=args.port,
         log_level=args.log_level.lower(),
         access_log=False,
-        timeout_graceful_shutdown=int(args.drain_timeout),
+        timeout_graceful_shutdown=max(1, math.ceil(args.drain_timeout)),
         loop="uvloop",
         http="httptools",
         lifespan="on",

@@ -232,6 +232,8 @@ class ChoiceStreams:
         self.failure: str | None = None
         self._usages: list[dict[str, Any] | None] = [None] * len(choices.streams)
         self._id: Any = None
+        # Every chunk of an OpenAI stream carries one ``created``: the first chunk's.
+        self._created: Any = None
 
     def _render(self, i: int, batch: list[bytes]) -> tuple[bytes, bool]:
         """The client's bytes for choice ``i``'s events; True once that choice is done."""
@@ -257,6 +259,10 @@ class ChoiceStreams:
             note_chunk(tally, obj, now)
             self._id = self._id or self.choices.client_id(obj.get("id"))
             obj["id"] = self._id
+            if self._created is None:
+                self._created = obj.get("created")
+            if self._created is not None:
+                obj["created"] = self._created
             for choice in obj.get("choices") or ():
                 if isinstance(choice, dict):
                     choice["index"] = i
@@ -319,7 +325,7 @@ class ChoiceStreams:
                         "object": "chat.completion.chunk"
                         if self.choices.request.chat
                         else "text_completion",
-                        "created": int(time.time()),
+                        "created": int(time.time()) if self._created is None else self._created,
                         "model": self.choices.request.model,
                         "choices": [],
                         "usage": usage,

@@ -15,6 +15,7 @@ cancellation apart from any other (a server shutdown) by the watcher's ``gone`` 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -36,7 +37,14 @@ from narwhal.serve.fanout import ChoiceSet, ChoiceStreams, aggregate_choices, op
 from narwhal.serve.migration import MigrationTrace, Migrator, new_trace
 from narwhal.serve.pd import DecodeStream
 from narwhal.serve.record import RequestRecord
-from narwhal.serve.relay import EventRenderer, PushRelay, StreamTally, aggregate, relay_events
+from narwhal.serve.relay import (
+    DONE_EVENT,
+    EventRenderer,
+    PushRelay,
+    StreamTally,
+    aggregate,
+    relay_events,
+)
 from narwhal.serve.services import Services
 from narwhal.serve.stalls import StallDeadline
 from narwhal.serve.validation import parse_client_request
@@ -154,6 +162,22 @@ async def _send_error(send: Send, exc: RouterError, request_id: bytes | None = N
     await _send_response(send, exc.status, orjson.dumps(exc.body()), headers)
 
 
+async def _end_at_shutdown(send: Send) -> None:
+    """Whatever part of a response was sent, complete it with the shutdown's error: a 503 when
+    nothing was, an error event and ``[DONE]`` to a stream, nothing to a complete response.
+    The server's ``send`` refuses a message out of order, which says what was sent (the push
+    relay writes past it, so it cannot be told beforehand)."""
+    refusal = NotAccepting("the router shut down before the request completed", 1)
+    try:
+        await _send_error(send, refusal)
+        return
+    except RuntimeError:
+        pass  # the response has started
+    event = b"data: " + orjson.dumps(refusal.body()) + b"\n\n" + DONE_EVENT
+    with contextlib.suppress(RuntimeError, OSError):  # RuntimeError: it was complete
+        await send({"type": "http.response.body", "body": event, "more_body": False})
+
+
 async def read_body(receive: Receive, declared: bytes | None, limit: int) -> bytes:
     """A request's whole body from ASGI ``receive`` (``declared``: its Content-Length, checked
     before reading), at most ``limit`` bytes; a client that disconnects raises ``_ClientGone``."""
@@ -191,11 +215,18 @@ class GenerationEndpoint:
         return NotAccepting(message, retry_after_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self._serve(scope, receive, send)
+        except asyncio.CancelledError:
+            if not self.ledger.draining:
+                raise
+            # The server cancelled the request at the end of the drain (--drain-timeout): its
+            # record says router_shutdown; the client gets an OpenAI error, not the server's
+            # plain-text 500 or a cut stream. Nothing awaits this task any more.
+            await _end_at_shutdown(send)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         services, ledger = self.services, self.ledger
-        if ledger.draining:
-            refusal = self._not_accepting("draining", "the router is shutting down", 1)
-            await _send_error(send, refusal)
-            return
         if not services.journal.accepting:
             await _send_error(send, self._not_accepting("journal_unavailable", _JOURNAL_DOWN, 5))
             return
@@ -220,6 +251,12 @@ class GenerationEndpoint:
             await _send_error(send, self._not_accepting("journal_unavailable", _JOURNAL_DOWN, 5))
             return
         request_id = record.id.encode()
+        if ledger.draining:
+            # Refused, and journaled like any request that reached the router.
+            refusal = self._not_accepting("draining", "the router is shutting down", 1)
+            ledger.close(record, refusal.outcome, refusal.status, refusal.message)
+            await _send_error(send, refusal, request_id)
+            return
         watch: DisconnectWatch | None = None
         try:
             try:
@@ -320,6 +357,7 @@ class GenerationEndpoint:
                     "headers": [_SSE_CONTENT_TYPE, (b"x-request-id", record.id.encode())],
                 }
             )
+            status = 200  # the client has its 200: a disconnect from here is journaled with it
             writer = _DirectWriter.of(send) if self.services.settings.relay == "push" else None
             while True:
                 stream = migrator.stream
@@ -417,6 +455,7 @@ class GenerationEndpoint:
                         "headers": [_SSE_CONTENT_TYPE, (b"x-request-id", request_id)],
                     }
                 )
+                status = 200  # as in _relay
                 merged = ChoiceStreams(choices, choices.request.include_usage)
                 await merged.run(send, watch.stop)
                 if merged.failure is not None:

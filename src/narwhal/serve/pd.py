@@ -646,6 +646,11 @@ class PDRouter:
                     content = await read_prefix(response, _MAX_ERROR_BODY)
                 else:
                     content = await response.read()
+        except asyncio.CancelledError:
+            if leg is None or leg.counted:  # a hedge race's legs: its `hedged` attempt says
+                since = round(record.since_arrival() - started, 6)
+                record.attempt("prefill", engine, "cancelled", after_s=since)
+            raise
         except (EngineTransportError, TimeoutError) as exc:
             self._prefill_done(ticket, leg, "failed")
             why = "timed out" if isinstance(exc, TimeoutError) else str(exc)
@@ -773,6 +778,12 @@ class PDRouter:
             try:
                 async with asyncio.timeout(deadline_s):
                     resp, events, first, decode_prompt_ids = await first_event()
+            except asyncio.CancelledError:
+                # The client left (the request was cancelled) before the first token: the
+                # leg was tried, and the journal says so.
+                since = round(record.since_arrival() - record.t_decode_start, 6)
+                record.attempt(leg, engine, "cancelled", after_s=since)
+                raise
             except TimeoutError:
                 self.metrics.deadline_exceeded.labels(engine).inc()
                 # The tail of handoff latency includes the legs that missed (at least this

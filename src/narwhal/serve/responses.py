@@ -81,9 +81,10 @@ class _Exchange:
     async def _on_start(self, message: Message) -> None:
         headers: list[tuple[bytes, bytes]] = list(message.get("headers", []))
         if message["status"] != 200 or self.request is None:
-            # Errors are already in the OpenAI shape the Responses API uses: unchanged.
-            self._passthrough = True
+            # Errors are already in the OpenAI shape the Responses API uses: unchanged. (A
+            # start the server refuses, the response having begun, leaves the stream translated.)
             await self._send(message)
+            self._passthrough = True
             return
         request_id = _header(headers, b"x-request-id") or b""
         # The response id names the journal record it belongs to.

@@ -128,6 +128,15 @@ def _batch(body: dict[str, Any], chat: bool) -> list[Any]:
     if chat or not isinstance(prompt, list) or len(prompt) < 2:
         return []
     if isinstance(prompt[0], str | list):
+        # OpenAI's and vLLM's prompt is a string, a list of strings, token ids or token-id
+        # lists: a batch mixes none of them.
+        kind = str if isinstance(prompt[0], str) else list
+        if not all(isinstance(p, kind) for p in prompt):
+            raise InvalidRequest(
+                "'prompt' must be a string, a list of strings, a list of token ids or a list "
+                "of token-id lists, not a mix",
+                "prompt",
+            )
         return prompt
     return []
 
@@ -175,7 +184,9 @@ def _fan_out(
             if j and isinstance(seed, int) and not isinstance(seed, bool):
                 # vLLM seeds choice j of a seeded request with seed + j (parallel_sampling.py):
                 # the same seed on every choice would make them all one sample.
-                changes["seed"] = seed + j
+                # Past int64 (vLLM's range) it wraps: still distinct and still reproducible.
+                child = seed + j
+                changes["seed"] = child - 2**64 if seed < 2**63 <= child else child
             if isinstance(request_id, str) and request_id:
                 # vLLM keys a request, and its KV handoff, by a client's request_id.
                 changes["request_id"] = f"{request_id}-{len(choices)}"
@@ -218,11 +229,8 @@ def parse_client_request(
         raise InvalidRequest("request body is nested too deeply") from None
     model = body.get("model")
     if model is None:
-        raise NotFound(
-            f"'model' is required; this router serves '{served_model}'",
-            "model",
-            code="model_not_found",
-        )
+        # OpenAI answers a request without a model 400 (there is nothing to look up).
+        raise InvalidRequest(f"'model' is required; this router serves '{served_model}'", "model")
     if not isinstance(model, str):
         raise InvalidRequest("'model' must be a string", "model")
     if model != served_model:
