@@ -41,7 +41,8 @@ MODEL = "moonshotai/Kimi-K3"
 @dataclass
 class Leg:
     """How one engine answers a prefill leg: after ``delay_s``, ``ok``, ``fail`` (the
-    connection breaks), ``refuse`` (HTTP 400) or ``malformed`` (200, not a completion)."""
+    connection breaks), ``refuse`` (HTTP 400), ``malformed`` or ``no_choices`` (200, not a
+    completion)."""
 
     outcome: str = "ok"
     delay_s: float = 0.0
@@ -88,6 +89,8 @@ class ScriptedEngine:
             return _Answer(400, b'{"error": {"message": "bad"}}')
         if leg.outcome == "malformed":  # JSON, but not a completion
             return _Answer(200, b'{"choices": {"index": 0}}')
+        if leg.outcome == "no_choices":  # JSON, with nothing of a completion
+            return _Answer(200, b'{"hello": "world"}')
         answer = {
             "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
             "usage": {"prompt_tokens": 3, "completion_tokens": 1},
@@ -307,8 +310,9 @@ def test_a_hedge_that_failed_is_counted_even_when_the_client_leaves(hedge: str) 
     assert out.state.engines[slow].breaker.consecutive_failures == 1
 
 
-def test_a_malformed_hedge_answer_leaves_the_slow_leg_to_answer() -> None:
-    out = run([Leg("ok", 0.3), Leg("malformed", 0.0)])
+@pytest.mark.parametrize("answer", ["malformed", "no_choices"])
+def test_a_malformed_hedge_answer_leaves_the_slow_leg_to_answer(answer: str) -> None:
+    out = run([Leg("ok", 0.3), Leg(answer, 0.0)])
     slow, hedged = out.engines.prefills
     assert out.error is None
     assert out.hedges("original") == 1

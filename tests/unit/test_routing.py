@@ -160,6 +160,15 @@ def test_readiness_needs_a_healthy_permitted_pair() -> None:
     state.engines["e2"].healthy = True
     state.engines["e0"].healthy = state.engines["e1"].healthy = False
     assert state.ready() == (False, "no healthy engine in the prefill role")
+    # Answering their probes, with open breakers: said so, not "no healthy engine".
+    state.engines["e0"].healthy = state.engines["e1"].healthy = True
+    for engine in ("e0", "e1"):
+        state.engines[engine].breaker.state = BreakerState.OPEN
+        state.engines[engine].breaker.opened_at = state.clock.now()
+    assert state.ready() == (
+        False,
+        "every healthy engine in the prefill role has its breaker open (e0, e1)",
+    )
 
 
 def test_set_role_honours_permissions_and_counts_generations() -> None:

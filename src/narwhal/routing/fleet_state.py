@@ -377,12 +377,23 @@ class FleetState:
 
     def ready(self) -> tuple[bool, str]:
         """P/D-aware readiness: a healthy prefill engine, a healthy decode engine, a pair."""
-        prefill = [e for e in self.in_role("prefill") if e.healthy and e.breaker.allows_request()]
-        decode = [e for e in self.in_role("decode") if e.healthy and e.breaker.allows_request()]
-        if not prefill:
-            return False, "no healthy engine in the prefill role"
-        if not decode:
-            return False, "no healthy engine in the decode role"
+        pools: list[list[EngineState]] = []
+        roles: tuple[Role, Role] = ("prefill", "decode")
+        for role in roles:
+            healthy = [e for e in self.in_role(role) if e.healthy]
+            if not healthy:
+                return False, f"no healthy engine in the {role} role"
+            pool = [e for e in healthy if e.breaker.allows_request()]
+            if not pool:
+                # Answering its probes, but failed requests opened its breaker: it takes
+                # requests again once the breaker's cool-off lets a probe request through.
+                names = ", ".join(e.id for e in healthy)
+                return (
+                    False,
+                    f"every healthy engine in the {role} role has its breaker open ({names})",
+                )
+            pools.append(pool)
+        prefill, decode = pools
         for p in prefill:
             for d in decode:
                 if self.is_permitted(p.id, d.id):

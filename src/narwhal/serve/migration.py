@@ -243,12 +243,14 @@ class MigrationTrace:
         if isinstance(usage, dict):
             prompt = len(self.prompt_ids)
             completion = (usage.get("completion_tokens") or 0) + self.completion_offset
+            # The continuation's prompt details (its cached tokens) are not the client's
+            # prompt's: left out, as an engine leaves out what it does not report.
+            usage = {k: v for k, v in usage.items() if k != "prompt_tokens_details"}
             obj["usage"] = {
                 **usage,
                 "prompt_tokens": prompt,
                 "completion_tokens": completion,
                 "total_tokens": prompt + completion,
-                "prompt_tokens_details": None,
             }
         choices = obj.get("choices")
         if not choices:

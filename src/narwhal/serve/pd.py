@@ -65,6 +65,10 @@ DEFAULT_CHAT_MAX_TOKENS = 256
 DEFAULT_COMPLETIONS_MAX_TOKENS = 16  # vLLM's completions default
 
 
+def _legs(count: int) -> str:
+    return "1 leg" if count == 1 else f"{count} legs"
+
+
 class _LegFailure(Exception):
     """A leg failed in a way another engine may not: connection, 5xx, timeout, bad answer."""
 
@@ -444,12 +448,17 @@ class PDRouter:
                 f"no first token within the fleet's first-token deadline "
                 f"({self.fleet.engine.first_token_timeout_s} s) on any pair tried: {last_error}"
             )
+        # The journal's attempts name every engine tried; the message says how many.
         if decode_failures:
             return UpstreamFailed(
-                "decode_failed", f"decode failed on every engine tried: {last_error}"
+                "decode_failed",
+                f"decode failed on every engine tried ({_legs(decode_failures)}, the last "
+                f"{last_error})",
             )
         return UpstreamFailed(
-            "prefill_failed", f"prefill failed on every engine tried: {last_error}"
+            "prefill_failed",
+            f"prefill failed on every engine tried ({_legs(prefill_failures)}, the last "
+            f"{last_error})",
         )
 
     def _stranded(self, prefill_id: str, reason: str, record: RequestRecord) -> None:
@@ -672,8 +681,12 @@ class PDRouter:
             usage = data.get("usage") or {}
             prompt_tokens = usage.get("prompt_tokens")
             params = data.get("kv_transfer_params")
-            choices = data.get("choices") or [{}]
-            ids = choices[0].get("prompt_token_ids") if isinstance(choices[0], dict) else None
+            # A completion answers its one choice (vLLM's prefill too); anything else that is
+            # JSON is not a prefill, whatever its status.
+            choices = data["choices"]
+            if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+                raise TypeError("no choice")
+            ids = choices[0].get("prompt_token_ids")
             if ids is None:
                 ids = data.get("prompt_token_ids")
         except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError, IndexError):
