@@ -322,7 +322,7 @@ class GenerationEndpoint:
 
     async def _release(
         self,
-        stream: DecodeStream,
+        migrator: Migrator,
         record: RequestRecord,
         outcome: str,
         status: int | None,
@@ -332,7 +332,13 @@ class GenerationEndpoint:
         """The request's record, then its decode leg's end, then the upstream connection. The
         first two are synchronous: a cancellation landing in the await (the client hanging up
         at [DONE]) must not skip them."""
+        trace = migrator.trace
+        if tally.completion_tokens is None and trace is not None:
+            # No usage came (the answer was cut short): the tokens relayed, counted by their
+            # ids, which a migratable leg returns.
+            tally.completion_tokens = len(trace.generated)
         self.ledger.close(record, outcome, status, error, tally)
+        stream = migrator.stream
         self.services.router.finish(stream, record)
         await stream.aclose(drain=tally.done)
 
@@ -415,7 +421,7 @@ class GenerationEndpoint:
             outcome, status, error = "internal_error", 200, f"{type(exc).__name__}: {exc}"
             raise
         finally:
-            await self._release(migrator.stream, record, outcome, status, error, tally)
+            await self._release(migrator, record, outcome, status, error, tally)
 
     async def _push(
         self,
@@ -513,7 +519,7 @@ class GenerationEndpoint:
                 raise
             error = "client disconnected mid-generation"
         finally:
-            await self._release(migrator.stream, record, outcome, status, error, tally)
+            await self._release(migrator, record, outcome, status, error, tally)
         if watch.gone:
             return
         watch.stop()
