@@ -5,7 +5,9 @@ that rereads everything after etcd comes back."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import socket
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -92,6 +94,13 @@ def test_client_operations(etcd: EtcdServer) -> None:
         with pytest.raises(EtcdUnavailable):
             await down.get("/x")
         await down.aclose()
+        # A member that accepts and never answers: the error names the timeout (its message
+        # is empty), not "()".
+        with socket.create_server(("127.0.0.1", 0)) as silent:
+            hung = EtcdClient([f"http://127.0.0.1:{silent.getsockname()[1]}"], timeout_s=0.3)
+            with pytest.raises(EtcdUnavailable, match=r"answered \(ReadTimeout\)"):
+                await hung.get("/x")
+            await hung.aclose()
 
     asyncio.run(main())
 
@@ -179,6 +188,9 @@ def test_a_coordinator_rereads_everything_when_etcd_returns(tmp_path: Path) -> N
         await until(lambda: c.is_leader)  # c first: of two started at once, either may lead
         tasks.append(asyncio.create_task(d.run()))
         await until(lambda: d.up and d.leader_id == "c")
+        # The roles as they stood when d started are no change it applied late (the document
+        # was written at wall time 0: its age would read as decades of lag).
+        assert d.watch_lag_s == 0.0
         await asyncio.to_thread(server.stop)
         await until(lambda: not c.up and not d.up)
         assert not c.is_leader
@@ -188,11 +200,13 @@ def test_a_coordinator_rereads_everything_when_etcd_returns(tmp_path: Path) -> N
         await asyncio.to_thread(server.start)
         # The lease outlived the outage: c leads again without waiting for it to lapse.
         await until(lambda: c.up and d.up and c.is_leader)
+        assert c.watch_lag_s == d.watch_lag_s == 0.0  # the same roles, read again
         view = d.view
         assert view is not None
         flip = {"engine": "e0", "from_role": "prefill", "to_role": "decode", "reason": "back"}
         assert await d.propose(view.with_flip(flip, "d", 3.0), as_leader=False)
         await until(lambda: bool(seen) and seen[-1].generation == 1)
+        assert c.watch_lag_s > 0.0  # a change, seen through the watch: timed
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -203,3 +217,31 @@ def test_a_coordinator_rereads_everything_when_etcd_returns(tmp_path: Path) -> N
     server = EtcdServer(tmp_path)
     with server:
         asyncio.run(main(server))
+
+
+def test_two_routers_under_one_replica_id_are_named_once(
+    etcd: EtcdServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two coordinators started with one replica id overwrite each other's published demand:
+    the one that sees the other's put says so, once, naming the flag to fix."""
+
+    async def main() -> None:
+        twins = [coordinator(etcd, "/t-twins/", "same", []) for _ in range(2)]
+        tasks = [asyncio.create_task(t.run()) for t in twins]
+        await until(lambda: all(t.up for t in twins))
+        for _ in range(3):
+            for twin in twins:
+                await twin.publish(b"{}")
+            await asyncio.sleep(0.05)
+        await until(lambda: "give each replica its own --replica-id" in caplog.text)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for twin in twins:
+            await twin.resign()
+            await twin.client.aclose()
+
+    with caplog.at_level(logging.ERROR, logger="narwhal"):
+        asyncio.run(main())
+    said = [r for r in caplog.records if "--replica-id" in r.getMessage()]
+    assert 1 <= len(said) <= 2  # once for each router that saw the other

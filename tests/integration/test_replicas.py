@@ -7,6 +7,7 @@ lives is answered, and each ends with one journal record in that replica's journ
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -46,15 +47,22 @@ def _needs_etcd() -> None:
 
 
 def start_replica(
-    directory: Path, fleet_path: Path, etcd: EtcdServer, name: str, *extra: str
+    directory: Path,
+    fleet_path: Path,
+    etcd: EtcdServer,
+    name: str,
+    *extra: str,
+    silent_members: tuple[str, ...] = (),
 ) -> RouterProcess:
+    """A replica of ``etcd``'s fleet; ``silent_members`` (HOST:PORT that accept connections
+    and never answer) are listed ahead of etcd in its ``--coordination``."""
     home = directory / name
     home.mkdir(exist_ok=True)
     return start_router(
         home,
         fleet_path,
         "--coordination",
-        etcd.url,
+        "etcd://" + ",".join([*silent_members, etcd.endpoint]),
         "--replica-id",
         name,
         "--coordination-lease-ttl",
@@ -141,6 +149,17 @@ def test_replicas_share_roles_elect_one_leader_and_survive_its_death(tmp_path: P
         assert wait_until(lambda: len(leaders(replicas)) == 1 and None not in leaders(replicas), 15)
         (leader,) = leaders(replicas)
         assert [coordination(r)["is_leader"] for r in replicas].count(True) == 1
+        # The replicas see one another, though none runs a role controller (no profile store).
+        assert wait_until(
+            lambda: all(
+                sorted(coordination(r)["peers"]) == sorted(set(names) - {n})
+                for n, r in routers.items()
+            ),
+            15,
+        ), [coordination(r) for r in replicas]
+        assert all(metric(r.metrics(), "narwhal_coordination_replicas") == 3 for r in replicas)
+        # Nothing changed the roles since they started: no lag to show.
+        assert all(coordination(r)["watch_lag_s"] == 0 for r in replicas)
 
         with ReplicaLoad({n: r.url for n, r in routers.items()}, MODEL, seconds=120) as load:
             # A forced flip through a replica that does not lead: every replica applies it.
@@ -169,8 +188,12 @@ def test_replicas_share_roles_elect_one_leader_and_survive_its_death(tmp_path: P
             assert codes == [200, 409], [r.text for r in results]
             assert wait_until(lambda: converged(replicas, 2), 10)
 
-            # A replica started late takes the roles as they are now, before it serves at all.
-            late = start_replica(tmp_path, fleet.fleet_path, etcd, "r4")
+            # A replica started late takes the roles as they are now, before it serves at all,
+            # also when the members listed ahead of the live one do not answer (each costs
+            # the client's timeout before the next is tried).
+            silent = [stack.enter_context(socket.create_server(("127.0.0.1", 0))) for _ in "ab"]
+            members = tuple(f"127.0.0.1:{s.getsockname()[1]}" for s in silent)
+            late = start_replica(tmp_path, fleet.fleet_path, etcd, "r4", silent_members=members)
             stack.callback(stop_router, late)
             first_view = coordination(late)
             assert first_view["up"] and first_view["generation"] == 2, first_view

@@ -151,7 +151,9 @@ class EtcdClient:
                 raise EtcdUnavailable(f"{path}: {data.get('message') or data.get('error')}")
             self._current = index
             return data
-        raise EtcdUnavailable(f"{path}: no etcd endpoint answered ({last})")
+        # (A timeout's message is empty: its name says what happened.)
+        why = f"{type(last).__name__}: {last}" if str(last) else type(last).__name__
+        raise EtcdUnavailable(f"{path}: no etcd endpoint answered ({why})")
 
     # --- keys -------------------------------------------------------------------------------
 

@@ -137,6 +137,10 @@ class Coordinator:
         self.leader_id: str | None = None
         self.peers: dict[str, bytes] = {}  # replicas/<id> of the other replicas
         self.watch_lag_s = 0.0  # of the last roles document applied from the watch
+        # While a session reads the store: the revision of the roles this replica had applied
+        # (0: none yet); a document read then is a change to time only if it differs.
+        self._resyncing_from: int | None = None
+        self._duplicate_logged = False  # another router publishes under this replica's id
         self.last_error: str | None = None
         self._lease = 0
         self._lease_deadline = 0.0
@@ -201,6 +205,8 @@ class Coordinator:
             await asyncio.sleep(self.retry_s)
 
     def _set_down(self) -> None:
+        if self.leader_id == self.replica_id:
+            log.warning("coordination: %s no longer leads (etcd not reachable)", self.replica_id)
         self.up = False
         self.leader_id = None
         self._leader_key_revision = 0
@@ -218,9 +224,13 @@ class Coordinator:
         self._leader_key_revision = 0
         # Whatever the store holds now wins, even a document older than the last one seen (an
         # etcd restored from a backup): resynchronise, do not compare with the past.
+        self._resyncing_from = self.view_revision
         self.view_revision = 0
-        for kv in kvs:
-            self._apply(WatchEvent(False, kv))
+        try:
+            for kv in kvs:
+                self._apply(WatchEvent(False, kv))
+        finally:
+            self._resyncing_from = None
         self._revision = revision
         self.up = True
         if self.last_error is not None:
@@ -308,6 +318,22 @@ class Coordinator:
         elif name.startswith("replicas/"):
             replica = name[len("replicas/") :]
             if replica == self.replica_id:
+                if (
+                    not event.deleted
+                    and kv.lease not in (0, self._lease)
+                    and self._resyncing_from is None  # not a key this id's last run left
+                    and not self._duplicate_logged
+                ):
+                    # Two routers started with one --replica-id: they overwrite each other's
+                    # demand, and the leader's id no longer says which of them leads.
+                    self._duplicate_logged = True
+                    log.error(
+                        "coordination: another replica publishes as %r (lease %x, ours %x): "
+                        "give each replica its own --replica-id",
+                        replica,
+                        kv.lease,
+                        self._lease,
+                    )
                 return
             if event.deleted:
                 self.peers.pop(replica, None)
@@ -336,13 +362,19 @@ class Coordinator:
         except ValueError as exc:
             log.error("coordination: the roles document at %s is not valid: %s", kv.key, exc)
             return
-        self._adopt(document, kv.mod_revision, now)
+        known = self._resyncing_from
+        # The roles as they were at start-up, or as this replica had them before an outage,
+        # are no change applied late: the lag stays as it was.
+        timed = known is None or (known != 0 and kv.mod_revision != known)
+        self._adopt(document, kv.mod_revision, now, timed=timed)
 
-    def _adopt(self, document: SharedRoles, revision: int, now: float) -> None:
-        """``document``, stored at ``revision``, is the roles as this replica sees them now."""
+    def _adopt(self, document: SharedRoles, revision: int, now: float, *, timed: bool) -> None:
+        """``document``, stored at ``revision``, is the roles as this replica sees them now
+        (``timed``: a change, whose lag from its write is the watch's)."""
         self.view = document
         self.view_revision = revision
-        self.watch_lag_s = max(0.0, now - document.written_at)
+        if timed:
+            self.watch_lag_s = max(0.0, now - document.written_at)
         self._on_roles(document)
 
     # --- writes -----------------------------------------------------------------------------
@@ -361,7 +393,7 @@ class Coordinator:
             compares, [Operation(self.roles_key, document.encode())]
         )
         if landed:
-            self._adopt(document, revision, document.written_at)
+            self._adopt(document, revision, document.written_at, timed=True)
         return landed
 
     async def publish(self, payload: bytes) -> None:

@@ -305,15 +305,18 @@ class RoleService:
         self._settle()
         self.sync_coordination_metrics()
         controller = self.controller
-        if controller is None or not coordinator.up:
+        if not coordinator.up:
             return
-        snapshot = self.demand.snapshot(controller.queued_prefill_s(self.state))
+        # Published with or without a controller: it is how the replicas see one another
+        # (peers, narwhal_coordination_replicas), whether or not any flips roles.
+        queued = controller.queued_prefill_s(self.state) if controller is not None else 0.0
+        snapshot = self.demand.snapshot(queued)
         try:
             await coordinator.publish(orjson.dumps(dataclasses.asdict(snapshot)))
         except EtcdUnavailable:
             return
         view = coordinator.view
-        if not coordinator.is_leader or view is None:
+        if controller is None or not coordinator.is_leader or view is None:
             return
         decision = controller.tick(self.state, FleetDemand(self.demand, self._others_demand()))
         if decision is None:

@@ -185,10 +185,13 @@ class Services:
         if (coordinator := self.roles.coordinator) is not None:
             # Serve from the first request on with the roles etcd holds (a replica started
             # late would otherwise route a moment by its own); an etcd that does not answer
-            # delays the start by one client timeout at most, then the replica serves as it is.
+            # delays the start by one client timeout per listed member at most (the client
+            # tries them in turn: a silent member ahead of a live one costs its timeout), then
+            # the replica serves as it is.
+            client = coordinator.client
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(
-                    coordinator.first_attempt.wait(), coordinator.client.timeout_s
+                    coordinator.first_attempt.wait(), client.timeout_s * len(client.endpoints)
                 )
 
     async def stop(self) -> None:
