@@ -167,6 +167,8 @@ class RoleService:
     def _pin(self, pinned: bool) -> None:
         if pinned == self.pinned and self._synced:
             return
+        if pinned != self.pinned:
+            log.info("roles %s", "pinned: no flip until unpinned" if pinned else "unpinned")
         self.pinned = pinned
         if self.controller is not None:
             self.controller.pinned = pinned
@@ -235,6 +237,14 @@ class RoleService:
             self.controller.applied()  # a new leader keeps the cooldown of the last flip
         if first:
             self._synced = True
+            if changed:
+                # Engines this replica started in other roles (the fleet file's, or etcd's of
+                # before an outage): the fleet's roles win, as the one role.sync record says.
+                log.info(
+                    "roles taken from etcd at generation %d: %s",
+                    document.generation,
+                    ", ".join(f"{e} {r}" for e, r in sorted(document.roles.items())),
+                )
             self.history.extend(document.history)
             self.journal.record(
                 "role.sync",
