@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import threading
 import time
@@ -166,6 +167,43 @@ def test_router_not_ready(env: dict[str, Any], tmp_path: Path) -> None:
     assert ready["detail"]["last"].startswith("HTTP 503")
     assert gate(p, "fleet_idle_before")["passed"]  # only readiness failed
     _excluded_from_csv(out)
+
+
+@pytest.mark.slow
+def test_a_router_with_api_keys_is_measured_with_one(env: dict[str, Any], tmp_path: Path) -> None:
+    """A router with client keys refuses a keyless client: the runner says so before any point
+    (it read as a plan whose every point missed); with --api-key-env the plan is measured."""
+    keys = tmp_path / "keys"
+    keys.write_text("sk-bench\n")
+    fleet_path = env["fleet"].fleet_path
+    router = start_router(tmp_path, fleet_path, "--api-keys-file", str(keys))
+    try:
+        refused, out = _one_point(tmp_path, router, fleet_path, env, "--skip-post-check")
+        assert refused.returncode == 2, refused.stderr
+        assert "HTTP 401" in refused.stderr and "--api-key-env" in refused.stderr
+        assert "Traceback" not in refused.stderr and not (out / "points").exists()
+        plan = tmp_path / "plan.json"
+        unset_key = ("--api-key-env", "NARWHAL_TEST_UNSET_KEY")
+        unset = run_runner(runner_cmd(router.url, plan, out, router.journal, None, *unset_key))
+        assert unset.returncode == 2 and "the variable is not set" in unset.stderr
+        plan = write_plan(tmp_path / "plan.json", fleet_path, [point("p", 10, 5)], IN, OUT)
+        keyed = subprocess.run(
+            [
+                *runner_cmd(router.url, plan, tmp_path / "keyed", router.journal, env["workload"]),
+                "--api-key-env",
+                "BENCH_KEY",
+                "--skip-post-check",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env={**os.environ, "BENCH_KEY": "sk-bench"},
+        )
+    finally:
+        stop_router(router)
+    assert keyed.returncode == 0, keyed.stderr[-2000:]
+    assert report(tmp_path / "keyed")["points"][0]["status"] == "measured"
+    assert "sk-bench" not in (tmp_path / "keyed" / "report.md").read_text()
 
 
 def _one_point(

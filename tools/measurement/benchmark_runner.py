@@ -3,8 +3,8 @@
     benchmark_runner.py --base URL --model M --plan PLAN --out DIR [--journal ROUTER_JOURNAL]
                         [--workload DIR] [--tokenize-url ENGINE_URL] [--scrape-interval S]
                         [--max-gap S] [--ready-timeout S] [--idle-timeout S] [--drain-timeout S]
-                        [--journal-timeout S] [--admin-token-file F] [--strict-counters]
-                        [--skip-post-check]
+                        [--journal-timeout S] [--admin-token-file F] [--api-key-env NAME]
+                        [--strict-counters] [--skip-post-check]
 
 Per point, in order: the router is ready and serves the plan's fleet; the fleet is idle (every
 engine 0 running, 0 waiting; the router nothing in flight); ``load_trial.py run`` drives the
@@ -19,6 +19,9 @@ DIR/qualification-artifacts.tgz (with its .sha256) all of DIR. After the last po
 Without ``--journal`` the runner asks the router where its journal is (``/admin/state``, with
 ``--admin-token-file``) or, on the router host, reads the ``--journal`` argument of the process
 listening on the router's port; it refuses to start (exit 2) when neither finds a readable file.
+A router with client API keys needs ``--api-key-env NAME`` (NAME an environment variable holding
+one, passed on to load_trial.py); without it the runner refuses to start rather than send a plan
+of refused requests.
 
 Exit status: 0 every point measured with every gate passed, every verdict pass and the post-load
 check passed or skipped; 1 otherwise; 2 bad arguments or inputs (plan, fleet, workload).
@@ -100,6 +103,8 @@ class RunnerConfig:
     drain_timeout_s: float = 300.0
     journal_timeout_s: float = 30.0
     admin_token_file: Path | None = None
+    # The environment variable holding the router's client API key (load_trial.py's flag).
+    api_key_env: str | None = None
     strict_counters: bool = False
     post_check: bool = True
     check_command: tuple[str, ...] | None = None  # overrides the narwhal-check lookup (tests)
@@ -276,6 +281,7 @@ def _run_client(
     ]
     if ctx.loaded.plan.seed is not None:
         cmd += ["--seed", str(ctx.loaded.plan.seed)]
+    cmd += _key_flag(cfg)
     bound = _client_bound_s(point)
     # In this process's group: a Ctrl-C that stops the runner stops its client too.
     proc = procs.start(cmd, pdir / "client.log", append=False, new_session=False)
@@ -531,6 +537,30 @@ def post_load_check(ctx: PlanContext) -> dict[str, Any]:
     }
 
 
+def _key_flag(cfg: RunnerConfig) -> list[str]:
+    """load_trial.py's flag for the key (the variable's name: the key stays out of argv)."""
+    return ["--api-key-env", cfg.api_key_env] if cfg.api_key_env else []
+
+
+def _check_client_access(cfg: RunnerConfig) -> None:
+    """The router takes the client's requests: a router with API keys refuses every request of
+    a plan run without one, which would read as a plan whose every point missed."""
+    headers = {}
+    if cfg.api_key_env:
+        headers["Authorization"] = f"Bearer {os.environ.get(cfg.api_key_env, '')}"
+    try:
+        answer = httpx.get(cfg.base + "/v1/models", headers=headers, timeout=10, trust_env=False)
+    except httpx.HTTPError:
+        return  # unreachable: the readiness gate of each point says so
+    if answer.status_code in (401, 403):
+        given = f"the key in ${cfg.api_key_env}" if cfg.api_key_env else "no API key"
+        raise UsageError(
+            f"the router refuses the client's requests with {given} (HTTP "
+            f"{answer.status_code}): pass --api-key-env NAME, NAME an environment variable "
+            "holding one of the router's client keys"
+        )
+
+
 def _prepare_workload(cfg: RunnerConfig, loaded: LoadedPlan, commands: list[str]) -> Path:
     out = cfg.out / "workload"
     plan = loaded.plan
@@ -556,6 +586,7 @@ def _prepare_workload(cfg: RunnerConfig, loaded: LoadedPlan, commands: list[str]
     ]
     if cfg.tokenize_url:
         cmd += ["--tokenize-url", cfg.tokenize_url]
+    cmd += _key_flag(cfg)
     commands.append(shlex.join(cmd))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
@@ -578,6 +609,7 @@ def run_plan(cfg: RunnerConfig) -> int:
         raise UsageError(
             f"--model {cfg.model} but the plan's fleet serves {fleet.contract.model.id}"
         )
+    _check_client_access(cfg)
     try:
         prepare_out_dir(cfg.out)
     except OutDirError as exc:
@@ -802,6 +834,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--journal-timeout", type=positive_seconds, default=30.0)
     p.add_argument("--admin-token-file", help="snapshot /admin/state before and after each point")
     p.add_argument(
+        "--api-key-env",
+        metavar="NAME",
+        help="environment variable holding a client API key of the router (one with keys)",
+    )
+    p.add_argument(
         "--strict-counters",
         action="store_true",
         help="make counter_missing a failed gate, not a diagnostic",
@@ -810,12 +847,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _input_problem(base: str, admin_token_file: Path | None, journal: str | None) -> str | None:
+def _input_problem(
+    base: str, admin_token_file: Path | None, journal: str | None, api_key_env: str | None = None
+) -> str | None:
     """What is wrong with the run's inputs before anything is sent: a router URL that is not
-    one, a token file or a journal that is not there (each found only mid-point before)."""
+    one, a token file, a journal or a key variable that is not there (each found only
+    mid-point before)."""
     url = urlsplit(base)
     if url.scheme not in ("http", "https") or not url.hostname:
         return f"--base: {base!r} is not a router URL (http://HOST:PORT)"
+    if api_key_env is not None and not os.environ.get(api_key_env):
+        return f"--api-key-env {api_key_env}: the variable is not set"
     if admin_token_file is not None and not admin_token_file.is_file():
         return f"--admin-token-file: {admin_token_file} is not a file"
     if journal is not None and not Path(journal).is_file():
@@ -830,7 +872,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     base = args.base.rstrip("/")
     admin_token_file = Path(args.admin_token_file) if args.admin_token_file else None
-    problem = _input_problem(base, admin_token_file, args.journal)
+    problem = _input_problem(base, admin_token_file, args.journal, args.api_key_env)
     if problem is not None:
         print(f"{PROG}: {problem}", file=sys.stderr)
         return 2
@@ -864,6 +906,7 @@ def main(argv: list[str] | None = None) -> int:
         drain_timeout_s=args.drain_timeout,
         journal_timeout_s=args.journal_timeout,
         admin_token_file=admin_token_file,
+        api_key_env=args.api_key_env,
         strict_counters=args.strict_counters,
         post_check=not args.skip_post_check,
     )
