@@ -20,9 +20,12 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
+from narwhal.asgi import tcp_bind_problem
+from narwhal.contract import ContractError, load_fleet
 from narwhal.engines.scrape import metric_sum
 from narwhal.serve.cli import serve_command
 from narwhal.testing import procs
@@ -63,7 +66,38 @@ def _qualify(fleet_path: str, work: Path) -> Path | None:
     return report
 
 
+def _ports_in_use(fleet_path: str, port: int) -> list[str]:
+    """The addresses the demo would listen on that something else holds: the router's, each
+    engine's HTTP and NIXL side channel (a fleet already running answers on them, and the demo
+    would talk to it instead of its own)."""
+    contract = load_fleet(fleet_path).contract
+    wanted = [("the router (set DEMO_PORT)", "127.0.0.1", port)]
+    for engine in contract.engines:
+        url = urlsplit(engine.url)
+        wanted.append((f"engine {engine.id}", url.hostname or "127.0.0.1", url.port or 80))
+        wanted.append(
+            (f"engine {engine.id}'s NIXL side channel", engine.nixl.host, engine.nixl.port)
+        )
+    return [
+        f"{what}: {host}:{number}: {problem}"
+        for what, host, number in wanted
+        if (problem := tcp_bind_problem(host, number)) is not None
+    ]
+
+
 def run(fleet_path: str, port: int, once: bool) -> int:
+    try:
+        busy = _ports_in_use(fleet_path, port)
+    except ContractError as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 2
+    if busy:
+        print(
+            "demo: cannot start: these addresses are taken (another demo, a fleet or a router "
+            "running?):\n  " + "\n  ".join(busy),
+            file=sys.stderr,
+        )
+        return 2
     work = Path(tempfile.mkdtemp(prefix="narwhal-demo-"))
     journal = work / "journal.jsonl"
     print(f"fleet {fleet_path}; logs and journal in {work}", flush=True)
@@ -170,7 +204,7 @@ def main() -> None:
     once = os.environ.get("DEMO_ONCE", "") not in ("", "0")
     try:
         sys.exit(run(args.fleet, args.port, once))
-    except (procs.ProcessError, httpx.HTTPError) as exc:
+    except (procs.ProcessError, httpx.HTTPError, OSError) as exc:
         print(f"demo failed: {exc}", file=sys.stderr)
         sys.exit(1)
 
