@@ -196,6 +196,8 @@ def test_router_refuses_bad_or_stale_profile_stores(tmp_path: Path) -> None:
         )
         assert r.returncode == 0, r.stderr
         router = start_router(tmp_path, fleet.fleet_path, "--profiles", str(out))
+        start = next(r for r in router.records() if r["type"] == "router.start")
+        assert start["profile_store"] == str(out.resolve())  # what a benchmark's evidence copies
         stop_router(router)
         # A fleet that pins its store by a relative path (as narwhal-qualify writes it, the two
         # side by side) is served from any working directory: the path is the fleet file's.
@@ -209,6 +211,7 @@ def test_router_refuses_bad_or_stale_profile_stores(tmp_path: Path) -> None:
         router = start_router(pinned, pinned / "fleet.json")
         start = next(r for r in router.records() if r["type"] == "router.start")
         assert start["profile_sha256"] == digest
+        assert start["profile_store"] == str((pinned / "store.json").resolve())
         stop_router(router)
         corrupt = tmp_path / "corrupt.json"
         corrupt.write_text(out.read_text()[:-20])

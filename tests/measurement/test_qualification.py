@@ -138,7 +138,7 @@ def test_reference_shaped_qualification(tmp_path: Path) -> None:
     # The harness's router serves unqualified and the fleet has no profile store: said so.
     assert rep["evidence_notes"] == [
         "check report: none (qualification skipped)",
-        "profile store: none in the fleet",
+        "profile store: none (the router ran without one)",
     ]
     inputs = rep["inputs"]
     assert inputs["Journal"] == f"{router.journal} (from the router's /admin/state)"

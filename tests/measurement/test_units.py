@@ -538,8 +538,19 @@ def test_the_evidence_bundle_is_reproducible_and_holds_what_the_router_ran_on(
     missing = gather_evidence(out, journal, {"qualification": {"status": "skipped"}}, journal, None)
     assert missing == [
         "check report: none (qualification skipped)",
-        "profile store: none in the fleet",
+        "profile store: none (the router ran without one)",
     ]
+    # A store the router was given by --profiles, not pinned in the fleet: its router.start
+    # names it, and that is the file copied.
+    served = tmp_path / "served-store.json"
+    served.write_text('{"served": true}')
+    head = {"qualification": {"status": "skipped"}, "profile_store": str(served)}
+    assert gather_evidence(tmp_path / "o2", journal, head, journal, None) == [
+        "check report: none (qualification skipped)"
+    ]
+    assert (
+        tmp_path / "o2" / "evidence" / "profiles" / served.name
+    ).read_text() == served.read_text()
 
 
 @pytest.mark.parametrize(

@@ -33,8 +33,9 @@ def gather_evidence(
 ) -> list[str]:
     """Copy into ``out/evidence/`` what the router ran on: its journal (rotated files too),
     the check report of its ``router.start`` (``head``) with the report's ``.sha256``, and the
-    fleet's profile store (``profile_store``: its path as ``LoadedFleet.profile_store_path``
-    resolves it). The notes say what could not be copied (nothing is guessed)."""
+    profile store it read (``head``'s, a router's ``--profiles`` included; else the fleet's,
+    ``profile_store``: its path as ``LoadedFleet.profile_store_path`` resolves it). The notes
+    say what could not be copied (nothing is guessed)."""
     notes: list[str] = []
     evidence = out / "evidence"
     for file in journal_files(journal):
@@ -48,9 +49,12 @@ def gather_evidence(
             _copy(digest, evidence / "check", notes, "check report digest")
     else:
         notes.append(f"check report: none (qualification {qualification.get('status')})")
-    if profile_store:
-        store = Path(profile_store)
+    served = head.get("profile_store")
+    if isinstance(served, str) or profile_store:
+        store = Path(served if isinstance(served, str) else str(profile_store))
         _copy(store, evidence / "profiles", notes, "profile store")
+    elif head.get("profile_sha256"):
+        notes.append("profile store: the router read one its router.start does not locate")
     else:
-        notes.append("profile store: none in the fleet")
+        notes.append("profile store: none (the router ran without one)")
     return notes

@@ -436,6 +436,7 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
         journal_on_error=args.journal_on_error,
         profile_sha256=profile_sha,
         profiles=profiles,
+        profile_store_path=str(Path(store_path).resolve()) if store_path else None,
         scheduler=scheduler,
         qualification=qualification,
         engine_transport=args.engine_transport,

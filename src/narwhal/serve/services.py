@@ -155,6 +155,7 @@ class Services:
             fleet=fleet.name,
             fleet_sha256=settings.fleet.sha256,
             profile_sha256=settings.profile_sha256,
+            profile_store=settings.profile_store_path,
             qualification=settings.qualification,
             engines={e.id: e.role for e in self.state.engines.values()},
             command=settings.command,

@@ -34,6 +34,9 @@ class ServeSettings:
     journal_on_error: Literal["fail_closed", "best_effort"] = "fail_closed"
     profile_sha256: str | None = None
     profiles: ProfileStore | None = None
+    # Where the store was read (--profiles, or the fleet's), journaled with router.start: the
+    # file a benchmark's evidence copies.
+    profile_store_path: str | None = None
     scheduler: Literal["v0", "v1"] = "v0"
     qualification: dict[str, Any] = field(default_factory=dict)
     engine_transport: EngineTransportName = "aiohttp"
