@@ -210,6 +210,7 @@ class Coordinator:
         self.up = False
         self.leader_id = None
         self._leader_key_revision = 0
+        self.peers.clear()  # unknown until the next session reads them
 
     async def _session(self) -> None:
         client = self.client
