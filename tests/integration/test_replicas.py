@@ -288,6 +288,7 @@ def test_etcd_outage_keeps_every_replica_serving_and_they_resynchronise(tmp_path
         replicas = list(routers.values())
         assert wait_until(lambda: converged(replicas, 0), 15)
         urls = {n: r.url for n, r in routers.items()}
+        assert wait_until(lambda: all(coordination(r)["peers"] for r in replicas), 15)
         with ReplicaLoad(urls, MODEL, threads=2, seconds=120) as load:
             etcd.stop()
             assert wait_until(lambda: all(not coordination(r)["up"] for r in replicas), 15)
