@@ -174,7 +174,8 @@ def fetch_pool(
 ) -> tuple[PoolSource, list[int]]:
     """Ask for the seed prompt's token ids: the non-streamed completion first, then the first
     chunk of a streamed one (vLLM sends ``prompt_token_ids`` there), then, only if the operator
-    named an engine, that engine's ``/tokenize`` (the router does not proxy it)."""
+    named one, ``/tokenize`` at ``tokenize_url`` (an engine's, or the router's: it passes
+    ``/tokenize`` to an engine)."""
     response = client.post("/v1/completions", json=_seed_body(model, prompt, stream=False))
     if response.status_code != 200:
         raise SeedError(f"seed completion failed: {_error_text(response)}")
@@ -204,8 +205,8 @@ def fetch_pool(
     if tokenize_url is None:
         raise SeedError(
             "no prompt token ids through this URL (non-streamed completion and first stream "
-            "chunk lack prompt_token_ids); pass --tokenize-url ENGINE_URL to ask an engine's "
-            "/tokenize directly"
+            "chunk lack prompt_token_ids); pass --tokenize-url URL to ask the /tokenize "
+            "of an engine (or of the router, which passes it to one)"
         )
     response = client.post(
         tokenize_url.rstrip("/") + "/tokenize", json={"model": model, "prompt": prompt}

@@ -257,7 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="used when /v1/models does not say",
     )
     p.add_argument("--seed-prompt", default=DEFAULT_SEED_PROMPT)
-    p.add_argument("--tokenize-url", help="an engine URL whose /tokenize may be asked")
+    p.add_argument(
+        "--tokenize-url", help="an engine's or the router's URL whose /tokenize may be asked"
+    )
     p.add_argument("--api-key-env", help="environment variable holding the API key")
     p.add_argument("--http-timeout", type=positive(float), default=120.0)
     p.set_defaults(func=prepare)

@@ -461,8 +461,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--exposition",
         action="append",
         default=[],
-        help="a /metrics URL of the router or an engine (repeat); names are checked against "
-        "their union (not checked without any)",
+        help="a /metrics URL of the router or an engine, or file://PATH of a saved page "
+        "(repeat); names are checked against their union (not checked without any)",
     )
     parser.add_argument(
         "--dashboards", type=Path, nargs="*", default=None, help="dashboard JSON files"
@@ -486,7 +486,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     values = {name: variable_values(doc, given) for name, doc in docs.items()}
     exported = None
     if args.exposition:
-        exported = exported_names(httpx.get(url, timeout=10).text for url in args.exposition)
+        texts = []
+        for url in args.exposition:
+            if url.startswith("file://"):
+                try:
+                    texts.append(Path(url.removeprefix("file://")).read_text())
+                except OSError as exc:
+                    parser.error(f"--exposition {url}: {exc.strerror or exc}")
+                continue
+            # A page that is not an exposition (a router's /metrics behind --protect-metrics
+            # answers 401 JSON) would read as unparseable labels: say which and why.
+            try:
+                page = httpx.get(url, timeout=10)
+            except httpx.HTTPError as exc:
+                parser.error(f"--exposition {url}: {type(exc).__name__}: {exc}")
+            if page.status_code != 200:
+                parser.error(
+                    f"--exposition {url}: HTTP {page.status_code} (a router started with "
+                    "--protect-metrics needs its page fetched with a key: save it to a file "
+                    "and pass file://PATH)"
+                    if page.status_code in (401, 403)
+                    else f"--exposition {url}: HTTP {page.status_code}"
+                )
+            texts.append(page.text)
+        exported = exported_names(texts)
     prometheus = Prometheus(args.prometheus)
     try:
         problems = check(
