@@ -16,6 +16,7 @@ import pytest
 from narwhal.testing.fleet import SimFleet
 from narwhal.testing.procs import wait_until
 from tests.helpers import (
+    ADMIN_TOKEN,
     MODEL,
     TIMER_SLACK_S,
     RouterProcess,
@@ -274,6 +275,57 @@ def test_client_disconnect_during_prefill_closes_the_prefill_leg(stack) -> None:
         )
 
 
+def test_http_oddities_are_refused_alike_on_every_route(stack, tmp_path: Path) -> None:
+    """Found by a probe of the router's HTTP surface: a stray slash was a 307 to the client's
+    Host header; the admin routes read bodies past --max-body-bytes whole; the generation
+    routes took the last of two Authorization headers and the others the first; a pin that
+    changed nothing was journaled."""
+    fleet, _ = stack
+    keys = tmp_path / "keys"
+    keys.write_text("sk-good\n")
+    router = start_router(
+        tmp_path, fleet.fleet_path, "--api-keys-file", str(keys), "--max-body-bytes", "2000"
+    )
+    try:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+        good = {"Authorization": "Bearer sk-good"}
+        slash = httpx.post(
+            router.url + "/v1/completions/",
+            json=body,
+            headers={**good, "Host": "evil.example.com"},
+            timeout=30,
+        )
+        assert slash.status_code == 404 and "location" not in slash.headers
+        assert slash.json()["error"]["type"] == "invalid_request_error"
+        token = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        big = httpx.post(
+            router.url + "/admin/roles/flip",
+            content=b'{"engine": "e0", "to": "decode", "pad": "' + b"x" * 5000 + b'"}',
+            headers=token,
+            timeout=30,
+        )
+        assert big.status_code == 413, big.text
+        assert big.json()["error"]["type"] == "invalid_request_error"
+        for first, second, status in (("sk-good", "bad", 200), ("bad", "sk-good", 401)):
+            headers = [("Authorization", f"Bearer {first}"), ("Authorization", f"Bearer {second}")]
+            for method, path, json_body in (
+                ("POST", "/v1/completions", body),
+                ("GET", "/v1/models", None),
+            ):
+                answer = httpx.request(
+                    method, router.url + path, json=json_body, headers=headers, timeout=30
+                )
+                assert answer.status_code == status, (path, first, answer.text)
+        for _ in range(2):
+            pinned = httpx.post(
+                router.url + "/admin/roles/pin", json={"pinned": True}, headers=token, timeout=10
+            )
+            assert pinned.status_code == 200 and pinned.json() == {"pinned": True}
+        assert sum(r["type"] == "role.pin" for r in router.records()) == 1
+    finally:
+        stop_router(router)
+
+
 def test_unknown_and_bad_requests_are_client_errors_without_5xx(stack) -> None:
     _, router = stack
     cases = [
@@ -474,6 +526,9 @@ def test_a_drain_that_runs_out_ends_open_requests_with_openai_errors(tmp_path: P
             stop_router(router)
         ends = [r for r in router.records() if r["type"] == "request.end"]
         assert sorted(e["outcome"] for e in ends) == ["router_shutdown", "router_shutdown"]
+        # Each with the status its client got: the stream its 200, the other the 503.
+        assert sorted((e["stream"], e["status"]) for e in ends) == [(False, 503), (True, 200)]
+        assert {e["error"] for e in ends} == {"the router shut down before the request completed"}
         log = router.log_path.read_text()
         assert "Exception in ASGI application" not in log and "Traceback" not in log, log
 

@@ -84,7 +84,10 @@ class ScriptedEngine:
             # The client leaves in the moment the hedge answers: before the race hears of it.
             asyncio.get_running_loop().call_soon(engines.cancel_when_hedge_answers.cancel)
         if leg.outcome == "fail":
-            raise EngineTransportError("connection reset")
+            raise EngineTransportError(
+                "ClientConnectorError: Cannot connect to host 10.20.0.7:8100",
+                public="the connection to the engine failed (ClientConnectorError)",
+            )
         if leg.outcome == "refuse":
             return _Answer(400, b'{"error": {"message": "bad"}}')
         if leg.outcome == "malformed":  # JSON, but not a completion
@@ -363,3 +366,13 @@ def test_how_a_hedge_ended_when_the_slow_leg_ended_first() -> None:
         return [_hedge_end(f) for f in (running, answered, refused, failed, cancelled)]
 
     assert asyncio.run(ends()) == ["cancelled", "answered", "refused", "failed", "cancelled"]
+
+
+def test_a_client_is_told_what_failed_not_the_engines_addresses() -> None:
+    """Every prefill leg fails to connect: the 502 says how and on which engine, and only the
+    journal's attempts (for operators) name the address the transport error gave."""
+    out = run([Leg("fail", 0.0)] * 4)
+    assert isinstance(out.error, RouterError) and out.error.status == 502
+    assert "ClientConnectorError" in out.error.message
+    assert "10.20.0.7" not in out.error.message
+    assert any("10.20.0.7" in str(a.get("error")) for a in out.record.attempts)

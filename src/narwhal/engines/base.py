@@ -6,11 +6,20 @@ __all__ = ["EngineTransportError", "Timeouts"]
 
 
 class EngineTransportError(Exception):
-    """The engine could not be reached, or its answer stopped or broke part way."""
+    """The engine could not be reached, or its answer stopped or broke part way.
 
-    def __init__(self, message: str, *, timeout: bool = False) -> None:
+    ``str()`` is the whole story, for the journal and the log (a socket error names the
+    engine's address); ``reason`` is what a client may be told: ``public`` when the message
+    wraps a library's error, else the message itself (the transports' own say no address)."""
+
+    def __init__(self, message: str, *, timeout: bool = False, public: str | None = None) -> None:
         super().__init__(message)
         self.timeout = timeout
+        self.public = public
+
+    @property
+    def reason(self) -> str:
+        return self.public if self.public is not None else str(self)
 
 
 class Timeouts:

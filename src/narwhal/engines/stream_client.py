@@ -425,7 +425,10 @@ class EngineStreamPool:
                 f"connect to the engine timed out after {self.timeouts.connect_s} s", timeout=True
             ) from None
         except OSError as exc:
-            raise EngineTransportError(f"{type(exc).__name__}: {exc}") from None
+            raise EngineTransportError(
+                f"{type(exc).__name__}: {exc}",
+                public=f"the connection to the engine failed ({type(exc).__name__})",
+            ) from None
         finally:
             self._opening -= 1
             if not opened:

@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
+from narwhal.serve.bodies import read_limited_body
 from narwhal.serve.errors import InvalidRequest, RouterError
 from narwhal.serve.services import Services
 
@@ -22,8 +23,10 @@ def json_response(body: Any, status: int = 200) -> Response:
 
 def register_admin_routes(app: FastAPI, services: Services) -> None:
     async def body_of(request: Request) -> Any:
+        """The JSON body, None when it is not JSON; PayloadTooLarge past --max-body-bytes."""
+        raw = await read_limited_body(request, services.settings.max_body_bytes)
         try:
-            return orjson.loads(await request.body())
+            return orjson.loads(raw)
         except orjson.JSONDecodeError:
             return None
 
@@ -37,7 +40,10 @@ def register_admin_routes(app: FastAPI, services: Services) -> None:
     async def admin_pin(request: Request) -> Response:
         if (refused := services.auth.admin_refusal(_authorization(request))) is not None:
             return refused.response()
-        body = await body_of(request)
+        try:
+            body = await body_of(request)
+        except RouterError as exc:  # past --max-body-bytes
+            return exc.response()
         pinned = body.get("pinned") if isinstance(body, dict) else None
         if not isinstance(pinned, bool):
             return InvalidRequest('expected {"pinned": true|false}', "pinned").response()
@@ -51,7 +57,10 @@ def register_admin_routes(app: FastAPI, services: Services) -> None:
     async def admin_flip(request: Request) -> Response:
         if (refused := services.auth.admin_refusal(_authorization(request))) is not None:
             return refused.response()
-        body = await body_of(request)
+        try:
+            body = await body_of(request)
+        except RouterError as exc:  # past --max-body-bytes
+            return exc.response()
         if not isinstance(body, dict) or "engine" not in body or "to" not in body:
             return InvalidRequest(
                 'expected {"engine": ID, "to": "prefill"|"decode"[, "role_generation": N]}'

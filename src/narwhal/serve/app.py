@@ -48,6 +48,10 @@ def build_app(settings: ServeSettings) -> FastAPI:
         docs_url=None,
         redoc_url=None,
         openapi_url="/openapi.json",
+        # A path with a stray slash is an unknown path (an OpenAI-shaped 404), not a redirect
+        # built from the client's Host header, which the openai SDK would follow with the
+        # prompt to wherever that header points.
+        redirect_slashes=False,
     )
     app.state.services = services
     # The generation routes are the hot path: narwhal.asgi.HotRouteDispatch serves them ahead
@@ -125,7 +129,11 @@ def _register_info_routes(app: FastAPI, services: Services) -> None:
 
     # responses.retrieve / delete / cancel / input_items: the router stores no responses
     # (store: true is refused), so none can be found.
-    @app.api_route("/v1/responses/{response_id:path}", methods=["GET", "DELETE", "POST"])
+    @app.api_route(
+        "/v1/responses/{response_id:path}",
+        methods=["GET", "DELETE", "POST"],
+        include_in_schema=False,  # one handler for three methods: one operation id each
+    )
     async def stored_response(request: Request, response_id: str) -> Response:
         if not allowed(request):
             return Unauthorized().response()

@@ -28,6 +28,7 @@ from typing import Any
 import orjson
 from starlette.types import Send
 
+from narwhal.engines.transport import EngineTransportError
 from narwhal.serve.errors import UpstreamFailed, error_body
 from narwhal.serve.migration import Migrator
 from narwhal.serve.pd import DecodeStream, PDRouter
@@ -299,7 +300,8 @@ class ChoiceStreams:
                     continue
                 try:
                     if isinstance(item, BaseException):
-                        raise UpstreamFailed("stream_error", f"{type(item).__name__}: {item}")
+                        why = item.reason if isinstance(item, EngineTransportError) else f"{item}"
+                        raise UpstreamFailed("stream_error", f"{type(item).__name__}: {why}")
                     if not item:
                         raise UpstreamFailed(
                             "stream_error", "the decode engine closed the stream early"

@@ -57,6 +57,7 @@ _CLIENT_ID_RE = re.compile(r"[^A-Za-z0-9._:-]")
 _SSE_CONTENT_TYPE = (b"content-type", b"text/event-stream; charset=utf-8")
 _JSON_CONTENT_TYPE = (b"content-type", b"application/json")
 _GONE_BEFORE_FIRST_TOKEN = "client disconnected before the first token"
+_SHUT_DOWN = "the router shut down before the request completed"
 _JOURNAL_DOWN = (
     "the request journal cannot record requests; refusing them rather than serve unrecorded"
 )
@@ -167,7 +168,7 @@ async def _end_at_shutdown(send: Send) -> None:
     nothing was, an error event and ``[DONE]`` to a stream, nothing to a complete response.
     The server's ``send`` refuses a message out of order, which says what was sent (the push
     relay writes past it, so it cannot be told beforehand)."""
-    refusal = NotAccepting("the router shut down before the request completed", 1)
+    refusal = NotAccepting(_SHUT_DOWN, 1)
     try:
         await _send_error(send, refusal)
         return
@@ -233,7 +234,8 @@ class GenerationEndpoint:
         authorization = client_id = declared_length = None
         for name, value in scope["headers"]:
             if name == b"authorization":
-                authorization = value
+                # The first, as every other route reads it (Starlette's headers.get).
+                authorization = authorization or value
             elif name == b"x-request-id":
                 client_id = value
             elif name == b"content-length":
@@ -292,7 +294,11 @@ class GenerationEndpoint:
                 if watch is not None and watch.absorb():
                     ledger.close(record, "client_abort", None, _GONE_BEFORE_FIRST_TOKEN)
                     return
-                ledger.close(record, "client_abort", None, "cancelled before the first token")
+                if ledger.draining:
+                    # The drain ran out: __call__ answers the client the shutdown's 503.
+                    ledger.close(record, "router_shutdown", 503, _SHUT_DOWN)
+                else:
+                    ledger.close(record, "client_abort", None, "cancelled before the first token")
                 raise
             except Exception as exc:  # never a traceback to the client, always a record
                 log.exception("request %s failed", record.id)
@@ -415,6 +421,8 @@ class GenerationEndpoint:
                 outcome, status, error = "ok", 200, None
         except asyncio.CancelledError:
             if not watch.absorb():
+                if self.ledger.draining:  # the drain ran out: __call__ ends the stream
+                    outcome, error = "router_shutdown", _SHUT_DOWN
                 raise
         except Exception as exc:
             log.exception("request %s: relay failed", record.id)
@@ -476,6 +484,11 @@ class GenerationEndpoint:
             failure = exc
         except asyncio.CancelledError:
             if not watch.absorb():
+                if self.ledger.draining:
+                    # The drain ran out: __call__ ends the stream with the shutdown's error,
+                    # or answers a 503 when nothing was sent yet.
+                    outcome, error = "router_shutdown", _SHUT_DOWN
+                    status = 200 if choices.request.stream else 503
                 raise
         except Exception as exc:
             log.exception("request %s: choices failed", record.id)
@@ -516,6 +529,8 @@ class GenerationEndpoint:
             failure = exc
         except asyncio.CancelledError:
             if not watch.absorb():
+                if self.ledger.draining:  # the drain ran out: __call__ answers a 503
+                    outcome, status, error = "router_shutdown", 503, _SHUT_DOWN
                 raise
             error = "client disconnected mid-generation"
         finally:

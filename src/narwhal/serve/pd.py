@@ -664,7 +664,8 @@ class PDRouter:
             self._prefill_done(ticket, leg, "failed")
             why = "timed out" if isinstance(exc, TimeoutError) else str(exc)
             record.attempt("prefill", engine, "failed", error=why)
-            raise _LegFailure(why) from None
+            # The client's error says what failed, not where: the journal has the address.
+            raise _LegFailure(why if isinstance(exc, TimeoutError) else exc.reason) from None
         finally:
             if response is not None:
                 await response.aclose()
@@ -817,7 +818,7 @@ class PDRouter:
             except EngineTransportError as exc:
                 self.lifecycle.decode_failed(ticket, "failed")
                 record.attempt(leg, engine, "failed", error=str(exc))
-                raise _LegFailure(str(exc)) from None
+                raise _LegFailure(exc.reason) from None
             except ValueError as exc:  # orjson.JSONDecodeError, an oversized event
                 self.lifecycle.decode_failed(ticket, "failed")
                 record.attempt(leg, engine, "failed", error=f"{type(exc).__name__}: {exc}")

@@ -263,7 +263,9 @@ class EventRenderer:
     def ended(self, error: Exception | None) -> bytes:
         """What closes a stream whose upstream ended without ``[DONE]`` (nothing when the
         request can be continued elsewhere: ``interrupted``)."""
-        if error is not None:
+        if isinstance(error, EngineTransportError):
+            message = f"decode stream broke: {error.reason}"  # the engine's address left out
+        elif error is not None:
             message = f"decode stream broke: {type(error).__name__}: {error}"
         else:
             message = "the decode engine closed the stream early"
@@ -687,7 +689,8 @@ async def aggregate(
                         )
                         parts.add(choice, chat)
             except (EngineTransportError, ValueError, AttributeError, TypeError) as exc:
-                message = f"decode stream broke: {type(exc).__name__}: {exc}"
+                why = exc.reason if isinstance(exc, EngineTransportError) else f"{exc}"
+                message = f"decode stream broke: {type(exc).__name__}: {why}"
                 if not renderer.interrupt("connection", message):
                     raise UpstreamFailed("stream_error", message) from None
     finally:

@@ -165,7 +165,8 @@ class RoleService:
         raise Conflict("the roles kept changing while the pin was written: try again")
 
     def _pin(self, pinned: bool) -> None:
-        if pinned == self.pinned and self._synced:
+        # Unchanged: nothing to journal (a coordinated replica's first sync journals it).
+        if pinned == self.pinned and (self._synced or self.coordinator is None):
             return
         if pinned != self.pinned:
             log.info("roles %s", "pinned: no flip until unpinned" if pinned else "unpinned")

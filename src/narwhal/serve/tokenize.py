@@ -26,9 +26,9 @@ from starlette.responses import Response
 from narwhal.engines.transport import EngineTransportError
 from narwhal.routing.breaker import BreakerState
 from narwhal.routing.fleet_state import FleetState
+from narwhal.serve.bodies import read_limited_body
 from narwhal.serve.errors import (
     NoEngineAvailable,
-    PayloadTooLarge,
     RouterError,
     Unauthorized,
 )
@@ -69,19 +69,6 @@ def tokenize_candidates(state: FleetState, turn: int) -> list[str]:
     return ordered
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    too_large = PayloadTooLarge(f"request body exceeds {limit} bytes")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_large
-    return bytes(body)
-
-
 def register_tokenize_routes(app: FastAPI, services: Services) -> None:
     turns = itertools.count()
 
@@ -89,12 +76,11 @@ def register_tokenize_routes(app: FastAPI, services: Services) -> None:
         if not services.auth.client_allowed(request.headers.get("authorization", "")):
             return Unauthorized().response()
         try:
-            body = await _read_body(request, services.settings.max_body_bytes)
+            body = await read_limited_body(request, services.settings.max_body_bytes)
         except RouterError as exc:
             return exc.response()
+        # No client X-Request-Id goes to an engine (docs/security.md): the engine names it.
         headers = {"Content-Type": "application/json"}
-        if request_id := request.headers.get("x-request-id"):
-            headers["X-Request-Id"] = request_id
         failures: list[str] = []
         for engine_id in tokenize_candidates(services.state, next(turns))[:MAX_ATTEMPTS]:
             client = services.engines.client(engine_id)
