@@ -533,6 +533,34 @@ def test_a_drain_that_runs_out_ends_open_requests_with_openai_errors(tmp_path: P
         assert "Exception in ASGI application" not in log and "Traceback" not in log, log
 
 
+def test_a_second_signal_cuts_the_drain_short(tmp_path: Path) -> None:
+    """SIGTERM starts a drain of up to --drain-timeout (60 s here); a second SIGTERM ends it:
+    the open stream gets the shutdown's error event within seconds, not another 60."""
+    with running_fleet(tmp_path, 2) as fleet:
+        for engine in fleet.engines.values():  # slow enough to outlast the test
+            admin(engine.url, "POST", {"slowdown": 10.0})
+        router = start_router(tmp_path, fleet.fleet_path, "--drain-timeout", "60")
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "stream": True}
+        try:
+            with httpx.stream(
+                "POST", router.url + "/v1/completions", json=body, timeout=60
+            ) as streamed:
+                lines = iter(streamed.iter_lines())
+                assert next(ln for ln in lines if ln.startswith("data: "))
+                router.process.send_signal(15)
+                assert wait_until(
+                    lambda: httpx.get(router.url + "/ready", timeout=5).status_code == 503, 5
+                )
+                router.process.send_signal(15)
+                rest = [ln for ln in lines if ln.startswith("data: ")]
+            assert rest[-1] == "data: [DONE]" and "shut down" in rest[-2], rest[-2:]
+            assert router.process.wait(20) == 0  # the second signal, not the 60 s timeout
+        finally:
+            stop_router(router)
+        (end,) = [r for r in router.records() if r["type"] == "request.end"]
+        assert (end["outcome"], end["status"]) == ("router_shutdown", 200)
+
+
 def _open(router: RouterProcess) -> int:
     """Requests the router's journal has opened and not ended."""
     records = router.records()

@@ -23,7 +23,7 @@ from narwhal.routing.fleet_state import FleetState
 from narwhal.routing.lifecycle import Lifecycle
 from narwhal.routing.roles import DemandTracker
 from narwhal.routing.scheduler import SchedulerV0
-from narwhal.serve.errors import EngineRefused, RouterError
+from narwhal.serve.errors import EngineRefused, RouterError, UpstreamFailed
 from narwhal.serve.pd import (
     MetricsObserver,
     PDRouter,
@@ -32,6 +32,7 @@ from narwhal.serve.pd import (
     _LegFailure,
 )
 from narwhal.serve.record import RequestRecord
+from narwhal.serve.relay import EventRenderer, StreamTally
 from narwhal.serve.validation import parse_client_request
 from narwhal.simengine.fleet import local_fleet_document
 
@@ -376,3 +377,19 @@ def test_a_client_is_told_what_failed_not_the_engines_addresses() -> None:
     assert "ClientConnectorError" in out.error.message
     assert "10.20.0.7" not in out.error.message
     assert any("10.20.0.7" in str(a.get("error")) for a in out.record.attempts)
+
+
+def test_a_broken_stream_tells_its_client_the_kind_and_the_journal_the_address() -> None:
+    """Mid-stream, as before the first token: the client's error event names the failure's
+    kind; the whole transport text (the engine's address) is kept for the journal."""
+    renderer = EventRenderer(StreamTally(), False, 1)  # no trace: nothing to migrate to
+    lost = EngineTransportError(
+        "ClientOSError: [Errno 104] Connection reset by peer (10.20.0.7:8100)",
+        public="the connection to the engine failed (ClientOSError)",
+    )
+    told = renderer.ended(lost)
+    assert b"the connection to the engine failed (ClientOSError)" in told
+    assert b"10.20.0.7" not in told and told.endswith(b"data: [DONE]\n\n")
+    assert renderer.detail is not None and "10.20.0.7" in renderer.detail
+    failed = UpstreamFailed("stream_error", "decode stream broke: the kind", str(lost))
+    assert "10.20.0.7" not in failed.message and "10.20.0.7" in failed.journal_error

@@ -50,6 +50,10 @@ def gather_evidence(
     else:
         notes.append(f"check report: none (qualification {qualification.get('status')})")
     served = head.get("profile_store")
+    if isinstance(served, str) and not Path(served).is_file() and profile_store:
+        # The router's path is not on this host (or not readable here): the fleet's store.
+        notes.append(f"profile store: {served} (the router's) not found here; the fleet's copied")
+        served = None
     if isinstance(served, str) or profile_store:
         store = Path(served if isinstance(served, str) else str(profile_store))
         _copy(store, evidence / "profiles", notes, "profile store")

@@ -506,6 +506,10 @@ def main(argv: list[str] | None = None) -> int:
                 app.state.services.ledger.draining = True
                 self.drain_deadline = time.monotonic() + args.drain_timeout
                 return
+            if not self.should_exit:
+                # The drain cut short: what is open is cancelled after a second, not after
+                # another --drain-timeout (a third signal exits without waiting at all).
+                self.config.timeout_graceful_shutdown = 1
             super().handle_exit(sig, frame)
             # A drained shutdown is a success: exit 0 rather than re-raise the signal.
             self._captured_signals.clear()

@@ -223,10 +223,20 @@ class UpstreamFailed(RouterError):
     type = "upstream_error"
 
     def __init__(
-        self, outcome: Literal["prefill_failed", "decode_failed", "stream_error"], message: str
+        self,
+        outcome: Literal["prefill_failed", "decode_failed", "stream_error"],
+        message: str,
+        detail: str | None = None,
     ) -> None:
         super().__init__(message)
         self.outcome = outcome  # type: ignore[misc]  # which leg failed, per instance
+        # For the journal only: what the client is not told (a transport error's text names
+        # the engine's address).
+        self.detail = detail
+
+    @property
+    def journal_error(self) -> str:
+        return self.message if self.detail is None else f"{self.message} ({self.detail})"
 
 
 class FirstTokenDeadlineExceeded(RouterError):

@@ -300,8 +300,12 @@ class ChoiceStreams:
                     continue
                 try:
                     if isinstance(item, BaseException):
+                        transport = isinstance(item, EngineTransportError)
                         why = item.reason if isinstance(item, EngineTransportError) else f"{item}"
-                        raise UpstreamFailed("stream_error", f"{type(item).__name__}: {why}")
+                        detail = str(item) if transport else None
+                        raise UpstreamFailed(
+                            "stream_error", f"{type(item).__name__}: {why}", detail
+                        )
                     if not item:
                         raise UpstreamFailed(
                             "stream_error", "the decode engine closed the stream early"
@@ -309,8 +313,10 @@ class ChoiceStreams:
                     out, finished = self._render(i, item)
                 except (UpstreamFailed, ValueError) as exc:
                     message = exc.message if isinstance(exc, UpstreamFailed) else str(exc)
-                    self.failure = f"decode stream of choice {i} broke: {message}"
-                    body = orjson.dumps(error_body(self.failure, "upstream_error", None, 502))
+                    told = f"decode stream of choice {i} broke: {message}"
+                    detail = exc.detail if isinstance(exc, UpstreamFailed) else None
+                    self.failure = told if detail is None else f"{told} ({detail})"  # journal
+                    body = orjson.dumps(error_body(told, "upstream_error", None, 502))
                     before_last()
                     await send_body(send, b"data: " + body + b"\n\n" + DONE_EVENT, last=True)
                     return

@@ -32,6 +32,7 @@ from narwhal.serve.errors import (
     PayloadTooLarge,
     RouterError,
     Unauthorized,
+    UpstreamFailed,
 )
 from narwhal.serve.fanout import ChoiceSet, ChoiceStreams, aggregate_choices, open_choices
 from narwhal.serve.migration import MigrationTrace, Migrator, new_trace
@@ -163,6 +164,12 @@ async def _send_error(send: Send, exc: RouterError, request_id: bytes | None = N
     await _send_response(send, exc.status, orjson.dumps(exc.body()), headers)
 
 
+def _journal_error(exc: RouterError) -> str:
+    """The request's journaled error: what its client was told, and for an upstream failure
+    what it was not (a transport error's text)."""
+    return exc.journal_error if isinstance(exc, UpstreamFailed) else exc.message
+
+
 async def _end_at_shutdown(send: Send) -> None:
     """Whatever part of a response was sent, complete it with the shutdown's error: a 503 when
     nothing was, an error event and ``[DONE]`` to a stream, nothing to a complete response.
@@ -223,8 +230,11 @@ class GenerationEndpoint:
                 raise
             # The server cancelled the request at the end of the drain (--drain-timeout): its
             # record says router_shutdown; the client gets an OpenAI error, not the server's
-            # plain-text 500 or a cut stream. Nothing awaits this task any more.
-            await _end_at_shutdown(send)
+            # plain-text 500 or a cut stream. Nothing awaits this task any more, but the loop's
+            # close cancels it again: a client too slow to take the error in a second gets none.
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await _end_at_shutdown(send)
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         services, ledger = self.services, self.ledger
@@ -235,7 +245,8 @@ class GenerationEndpoint:
         for name, value in scope["headers"]:
             if name == b"authorization":
                 # The first, as every other route reads it (Starlette's headers.get).
-                authorization = authorization or value
+                if authorization is None:
+                    authorization = value
             elif name == b"x-request-id":
                 client_id = value
             elif name == b"content-length":
@@ -282,7 +293,7 @@ class GenerationEndpoint:
                     trace = new_trace(creq, fleet.routing.migration, fleet.model.max_model_len)
                     stream = await services.router.open(creq, record, token_ids=trace is not None)
             except RouterError as exc:
-                ledger.close(record, exc.outcome, exc.status, exc.message)
+                ledger.close(record, exc.outcome, exc.status, _journal_error(exc))
                 if watch is not None:
                     watch.stop()  # a completed response reads as a disconnect
                 await _send_error(send, exc, request_id)
@@ -346,7 +357,13 @@ class GenerationEndpoint:
         self.ledger.close(record, outcome, status, error, tally)
         stream = migrator.stream
         self.services.router.finish(stream, record)
-        await stream.aclose(drain=tally.done)
+        try:
+            await stream.aclose(drain=tally.done)
+        except asyncio.CancelledError:
+            if not self.ledger.draining:
+                raise
+            # The drain ran out while the leg was released: the request is recorded as it
+            # ended, and an answer already whole is still sent (not the shutdown's 503).
 
     async def _relay(
         self,
@@ -416,13 +433,16 @@ class GenerationEndpoint:
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
                 break
             if renderer.failure is not None:
-                outcome, status, error = "stream_error", 200, renderer.failure
+                detail = renderer.detail
+                journaled = renderer.failure if detail is None else f"{renderer.failure} ({detail})"
+                outcome, status, error = "stream_error", 200, journaled
             else:
                 outcome, status, error = "ok", 200, None
         except asyncio.CancelledError:
             if not watch.absorb():
                 if self.ledger.draining:  # the drain ran out: __call__ ends the stream
                     outcome, error = "router_shutdown", _SHUT_DOWN
+                    status = 503 if status is None else status  # before its 200 went out
                 raise
         except Exception as exc:
             log.exception("request %s: relay failed", record.id)
@@ -480,7 +500,7 @@ class GenerationEndpoint:
                 result = await aggregate_choices(choices, self.chat)
                 outcome, status, error = "ok", 200, None
         except RouterError as exc:
-            outcome, status, error = exc.outcome, exc.status, exc.message
+            outcome, status, error = exc.outcome, exc.status, _journal_error(exc)
             failure = exc
         except asyncio.CancelledError:
             if not watch.absorb():
@@ -488,7 +508,7 @@ class GenerationEndpoint:
                     # The drain ran out: __call__ ends the stream with the shutdown's error,
                     # or answers a 503 when nothing was sent yet.
                     outcome, error = "router_shutdown", _SHUT_DOWN
-                    status = 200 if choices.request.stream else 503
+                    status = 503 if status is None else status  # 200 once a stream began
                 raise
         except Exception as exc:
             log.exception("request %s: choices failed", record.id)
@@ -497,7 +517,12 @@ class GenerationEndpoint:
         finally:
             choices.merge_into(record)
             self.ledger.close(record, outcome, status, error, choices.merged_tally())
-            await choices.release(outcome)
+            try:
+                await choices.release(outcome)
+            except asyncio.CancelledError:
+                if not self.ledger.draining:
+                    raise
+                # As in _release: recorded as it ended; a whole answer is still sent.
         if choices.request.stream or watch.gone:
             return
         watch.stop()
@@ -525,7 +550,7 @@ class GenerationEndpoint:
             result = await aggregate(migrator, self.chat, tally, ids, body)
             outcome, status, error = "ok", 200, None
         except RouterError as exc:
-            outcome, status, error = exc.outcome, exc.status, exc.message
+            outcome, status, error = exc.outcome, exc.status, _journal_error(exc)
             failure = exc
         except asyncio.CancelledError:
             if not watch.absorb():

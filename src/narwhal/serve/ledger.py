@@ -19,7 +19,8 @@ class RequestLedger:
         self.metrics = metrics
         self.budgets = budgets
         self.active: set[str] = set()
-        # Set when the router stops admitting: requests cut off then end as router_shutdown.
+        # Set when the router stops admitting (SIGTERM): new requests are refused, and those the
+        # drain's end cuts off are closed as router_shutdown by the endpoint that cut them.
         self.draining = False
         self._journal_seen: dict[str, int] = {}
 
@@ -48,8 +49,6 @@ class RequestLedger:
         if record.ended:
             return
         record.ended = True
-        if outcome == "client_abort" and self.draining:
-            outcome = "router_shutdown"
         record.outcome, record.status, record.error = outcome, status, error
         if tally is not None:
             if tally.completion_tokens is not None:

@@ -121,6 +121,7 @@ class EventRenderer:
     break with :meth:`broken` when it cannot."""
 
     __slots__ = (
+        "detail",
         "failure",
         "finished",
         "include_usage",
@@ -141,7 +142,8 @@ class EventRenderer:
         self.include_usage = include_usage
         self.prefill_prompt_tokens = prefill_prompt_tokens
         self.finished = False
-        self.failure: str | None = None
+        self.failure: str | None = None  # what broke the stream, as its client was told
+        self.detail: str | None = None  # the last transport error's whole text (journal only)
         self.trace = trace
         self.interrupted: tuple[str, str] | None = None
 
@@ -265,6 +267,7 @@ class EventRenderer:
         request can be continued elsewhere: ``interrupted``)."""
         if isinstance(error, EngineTransportError):
             message = f"decode stream broke: {error.reason}"  # the engine's address left out
+            self.detail = str(error)  # the journal's
         elif error is not None:
             message = f"decode stream broke: {type(error).__name__}: {error}"
         else:
@@ -689,10 +692,12 @@ async def aggregate(
                         )
                         parts.add(choice, chat)
             except (EngineTransportError, ValueError, AttributeError, TypeError) as exc:
+                transport = isinstance(exc, EngineTransportError)
                 why = exc.reason if isinstance(exc, EngineTransportError) else f"{exc}"
                 message = f"decode stream broke: {type(exc).__name__}: {why}"
                 if not renderer.interrupt("connection", message):
-                    raise UpstreamFailed("stream_error", message) from None
+                    told_not = str(exc) if transport else None  # the journal's
+                    raise UpstreamFailed("stream_error", message, told_not) from None
     finally:
         watch.close()
     tally.done = True
