@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["EngineTransportError", "Timeouts"]
+__all__ = ["EngineTransportError", "Timeouts", "wrapped_transport_error"]
 
 
 class EngineTransportError(Exception):
@@ -20,6 +20,19 @@ class EngineTransportError(Exception):
     @property
     def reason(self) -> str:
         return self.public if self.public is not None else str(self)
+
+
+def wrapped_transport_error(exc: BaseException, *, timeout: bool) -> EngineTransportError:
+    """A library's or the socket's error as an EngineTransportError: its whole text (which
+    names the engine's address) for the journal, its kind for clients."""
+    message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    kind = type(exc).__name__
+    public = (
+        f"the engine timed out ({kind})"
+        if timeout
+        else f"the connection to the engine failed ({kind})"
+    )
+    return EngineTransportError(message, timeout=timeout, public=public)
 
 
 class Timeouts:

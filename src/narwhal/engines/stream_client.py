@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from narwhal.engines.base import EngineTransportError, Timeouts
+from narwhal.engines.base import EngineTransportError, Timeouts, wrapped_transport_error
 
 __all__ = ["EngineStreamConnection", "EngineStreamPool", "StreamSink"]
 
@@ -425,10 +425,7 @@ class EngineStreamPool:
                 f"connect to the engine timed out after {self.timeouts.connect_s} s", timeout=True
             ) from None
         except OSError as exc:
-            raise EngineTransportError(
-                f"{type(exc).__name__}: {exc}",
-                public=f"the connection to the engine failed ({type(exc).__name__})",
-            ) from None
+            raise wrapped_transport_error(exc, timeout=False) from None
         finally:
             self._opening -= 1
             if not opened:

@@ -32,7 +32,7 @@ from typing import Literal, Protocol
 import aiohttp
 import httpx
 
-from narwhal.engines.base import EngineTransportError, Timeouts
+from narwhal.engines.base import EngineTransportError, Timeouts, wrapped_transport_error
 from narwhal.engines.stream_client import EngineStreamPool
 
 __all__ = [
@@ -111,20 +111,9 @@ class EngineClient(Protocol):
 # aiohttp
 
 
-def _public(exc: BaseException, timeout: bool) -> str:
-    """A library's transport error as a client may read it: its kind, not the address its
-    message names."""
-    return (
-        f"the engine timed out ({type(exc).__name__})"
-        if timeout
-        else (f"the connection to the engine failed ({type(exc).__name__})")
-    )
-
-
 def _aiohttp_error(exc: BaseException) -> EngineTransportError:
-    message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     timeout = isinstance(exc, aiohttp.ServerTimeoutError | asyncio.TimeoutError)
-    return EngineTransportError(message, timeout=timeout, public=_public(exc, timeout))
+    return wrapped_transport_error(exc, timeout=timeout)
 
 
 # The engine closed the connection before a byte of answer (ClientConnectorError, a subclass of
@@ -254,9 +243,7 @@ class AiohttpEngineClient:
 
 
 def _httpx_error(exc: httpx.HTTPError) -> EngineTransportError:
-    message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    timeout = isinstance(exc, httpx.TimeoutException)
-    return EngineTransportError(message, timeout=timeout, public=_public(exc, timeout))
+    return wrapped_transport_error(exc, timeout=isinstance(exc, httpx.TimeoutException))
 
 
 # The engine closed the connection before a byte of answer ("Server disconnected without

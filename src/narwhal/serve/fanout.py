@@ -33,7 +33,7 @@ from narwhal.serve.errors import UpstreamFailed, error_body
 from narwhal.serve.migration import Migrator
 from narwhal.serve.pd import DecodeStream, PDRouter
 from narwhal.serve.record import RequestRecord
-from narwhal.serve.relay import DONE_EVENT, StreamTally, aggregate, note_chunk
+from narwhal.serve.relay import DONE_EVENT, StreamTally, aggregate, last_events, note_chunk
 from narwhal.serve.validation import ClientRequest
 
 __all__ = ["ChoiceSet", "ChoiceStreams", "aggregate_choices", "open_choices"]
@@ -316,9 +316,9 @@ class ChoiceStreams:
                     told = f"decode stream of choice {i} broke: {message}"
                     detail = exc.detail if isinstance(exc, UpstreamFailed) else None
                     self.failure = told if detail is None else f"{told} ({detail})"  # journal
-                    body = orjson.dumps(error_body(told, "upstream_error", None, 502))
+                    body = last_events(error_body(told, "upstream_error", None, 502))
                     before_last()
-                    await send_body(send, b"data: " + body + b"\n\n" + DONE_EVENT, last=True)
+                    await send_body(send, body, last=True)
                     return
                 if finished:
                     open_.discard(i)

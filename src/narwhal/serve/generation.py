@@ -39,11 +39,11 @@ from narwhal.serve.migration import MigrationTrace, Migrator, new_trace
 from narwhal.serve.pd import DecodeStream
 from narwhal.serve.record import RequestRecord
 from narwhal.serve.relay import (
-    DONE_EVENT,
     EventRenderer,
     PushRelay,
     StreamTally,
     aggregate,
+    last_events,
     relay_events,
 )
 from narwhal.serve.services import Services
@@ -181,7 +181,7 @@ async def _end_at_shutdown(send: Send) -> None:
         return
     except RuntimeError:
         pass  # the response has started
-    event = b"data: " + orjson.dumps(refusal.body()) + b"\n\n" + DONE_EVENT
+    event = last_events(refusal.body())
     with contextlib.suppress(RuntimeError, OSError):  # RuntimeError: it was complete
         await send({"type": "http.response.body", "body": event, "more_body": False})
 

@@ -48,6 +48,12 @@ __all__ = [
 DONE_EVENT = b"data: [DONE]\n\n"
 
 
+def last_events(error: dict[str, Any]) -> bytes:
+    """How a stream that broke ends: its OpenAI error event (``error_body``), then ``[DONE]``
+    (the client must not take a truncated stream for a whole one)."""
+    return b"data: " + orjson.dumps(error) + b"\n\n" + DONE_EVENT
+
+
 @dataclass
 class StreamTally:
     """Token accounting for one decode stream."""
@@ -259,8 +265,7 @@ class EventRenderer:
         can be retried, and the client must not take a truncated stream for a whole one."""
         self.failure = message
         self.finished = True
-        body = orjson.dumps(error_body(message, "upstream_error", None, 502))
-        return b"data: " + body + b"\n\n" + DONE_EVENT
+        return last_events(error_body(message, "upstream_error", None, 502))
 
     def ended(self, error: Exception | None) -> bytes:
         """What closes a stream whose upstream ended without ``[DONE]`` (nothing when the
