@@ -4,6 +4,7 @@ client-visible result, the journal record and the metrics."""
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -284,7 +285,14 @@ def test_http_oddities_are_refused_alike_on_every_route(stack, tmp_path: Path) -
     keys = tmp_path / "keys"
     keys.write_text("sk-good\n")
     router = start_router(
-        tmp_path, fleet.fleet_path, "--api-keys-file", str(keys), "--max-body-bytes", "2000"
+        tmp_path,
+        fleet.fleet_path,
+        "--api-keys-file",
+        str(keys),
+        "--max-body-bytes",
+        "2000",
+        "--body-timeout",
+        "1",
     )
     try:
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
@@ -322,6 +330,26 @@ def test_http_oddities_are_refused_alike_on_every_route(stack, tmp_path: Path) -
             )
             assert pinned.status_code == 200 and pinned.json() == {"pinned": True}
         assert sum(r["type"] == "role.pin" for r in router.records()) == 1
+        # A body that stops arriving: a 408 after --body-timeout and the connection closed (a
+        # stalled client held its request slot, and any drain, for as long as it liked).
+        host, port = router.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=15) as conn:
+            conn.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-good\r\n"
+                b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"model"'
+            )
+            answer = b""
+            while chunk := conn.recv(65536):  # until the router closes the connection
+                answer += chunk
+        head, _, payload = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert json.loads(payload)["error"]["type"] == "invalid_request_error"
+        stalled = [
+            e
+            for e in router.ends().values()
+            if e["status"] == 408 and e["outcome"] == "client_error"
+        ]
+        assert len(stalled) == 1
     finally:
         stop_router(router)
 

@@ -24,7 +24,8 @@ def json_response(body: Any, status: int = 200) -> Response:
 def register_admin_routes(app: FastAPI, services: Services) -> None:
     async def body_of(request: Request) -> Any:
         """The JSON body, None when it is not JSON; PayloadTooLarge past --max-body-bytes."""
-        raw = await read_limited_body(request, services.settings.max_body_bytes)
+        settings = services.settings
+        raw = await read_limited_body(request, settings.max_body_bytes, settings.body_timeout_s)
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:

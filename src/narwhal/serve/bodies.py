@@ -4,15 +4,26 @@ The generation routes read theirs from ASGI directly (``serve.generation.read_bo
 
 from __future__ import annotations
 
+import asyncio
+
 from starlette.requests import Request
 
-from narwhal.serve.errors import PayloadTooLarge
+from narwhal.serve.errors import BodyTimeout, PayloadTooLarge
 
 __all__ = ["read_limited_body"]
 
 
-async def read_limited_body(request: Request, limit: int) -> bytes:
-    """The body, at most ``limit`` bytes (``PayloadTooLarge`` past it)."""
+async def read_limited_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, at most ``limit`` bytes (``PayloadTooLarge`` past it) within ``timeout_s``
+    (``BodyTimeout`` past it)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read(request, limit)
+    except TimeoutError:
+        raise BodyTimeout(timeout_s) from None
+
+
+async def _read(request: Request, limit: int) -> bytes:
     too_large = PayloadTooLarge(f"request body exceeds {limit} bytes")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:

@@ -101,6 +101,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-token-file", help="file holding the admin token for /admin/*")
     p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
     p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to receive a request's whole body (408 and the connection closed past it)",
+    )
+    p.add_argument(
         "--prefill-timeout",
         type=float,
         help="bound on one prefill leg (default: 3 x the TTFT budget, at least 30 s)",
@@ -328,6 +334,7 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
         raise UsageError(f"--port: {args.port} is not a TCP port")
     for name in (
         "max_body_bytes",
+        "body_timeout",
         "drain_timeout",
         "health_interval",
         "scrape_interval",
@@ -423,6 +430,7 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
         api_key_hashes=tuple(hash_secret(k.strip()) for k in keys),
         admin_token_hash=admin_hash,
         max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.body_timeout,
         health_interval_s=args.health_interval,
         scrape_interval_s=args.scrape_interval,
         prefill_timeout_s=args.prefill_timeout,

@@ -34,6 +34,7 @@ from starlette.responses import Response
 
 __all__ = [
     "AdmissionRejected",
+    "BodyTimeout",
     "ClientError",
     "Conflict",
     "EngineRefused",
@@ -121,6 +122,20 @@ class Conflict(ClientError):
 class PayloadTooLarge(ClientError):
     status = 413
     type = "invalid_request_error"
+
+
+class BodyTimeout(ClientError):
+    """The request's body did not arrive within --body-timeout: the connection is closed, so
+    a client that stalls mid-body holds no request slot (nor a drain) for longer."""
+
+    status = 408
+    type = "invalid_request_error"
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(
+            f"the request body did not arrive within {timeout_s:g} s",
+            headers={"Connection": "close"},
+        )
 
 
 class EngineRefused(ClientError):

@@ -27,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from narwhal.engines.stream_client import EngineStreamConnection
 from narwhal.serve.errors import (
+    BodyTimeout,
     InternalError,
     NotAccepting,
     PayloadTooLarge,
@@ -277,7 +278,12 @@ class GenerationEndpoint:
                     authorization.decode("latin-1") if authorization else ""
                 ):
                     raise Unauthorized()
-                raw = await read_body(receive, declared_length, services.settings.max_body_bytes)
+                settings = services.settings
+                try:
+                    async with asyncio.timeout(settings.body_timeout_s):
+                        raw = await read_body(receive, declared_length, settings.max_body_bytes)
+                except TimeoutError:
+                    raise BodyTimeout(settings.body_timeout_s) from None
                 fleet = services.settings.fleet.contract
                 creq = parse_client_request(
                     raw, self.chat, fleet.model.id, fleet.model.max_model_len

@@ -21,6 +21,7 @@ class ServeSettings:
     api_key_hashes: tuple[bytes, ...] = ()
     admin_token_hash: bytes | None = None
     max_body_bytes: int = 16 * 1024 * 1024
+    body_timeout_s: float = 60.0  # to read a request's whole body (408 past it)
     health_interval_s: float = 1.0
     scrape_interval_s: float = 1.0
     prefill_timeout_s: float | None = None

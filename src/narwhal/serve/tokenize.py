@@ -76,7 +76,10 @@ def register_tokenize_routes(app: FastAPI, services: Services) -> None:
         if not services.auth.client_allowed(request.headers.get("authorization", "")):
             return Unauthorized().response()
         try:
-            body = await read_limited_body(request, services.settings.max_body_bytes)
+            settings = services.settings
+            body = await read_limited_body(
+                request, settings.max_body_bytes, settings.body_timeout_s
+            )
         except RouterError as exc:
             return exc.response()
         # No client X-Request-Id goes to an engine (docs/security.md): the engine names it.
