@@ -344,12 +344,17 @@ def test_http_oddities_are_refused_alike_on_every_route(stack, tmp_path: Path) -
         head, _, payload = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 408"), answer[:200]
         assert json.loads(payload)["error"]["type"] == "invalid_request_error"
-        stalled = [
-            e
-            for e in router.ends().values()
-            if e["status"] == 408 and e["outcome"] == "client_error"
-        ]
-        assert len(stalled) == 1
+
+        def stalled() -> list[dict]:
+            return [
+                e
+                for e in router.ends().values()
+                if e["status"] == 408 and e["outcome"] == "client_error"
+            ]
+
+        # The journal is written behind the answer: its record may land a moment later.
+        wait_until(lambda: len(stalled()) >= 1, 10)
+        assert len(stalled()) == 1
     finally:
         stop_router(router)
 

@@ -1,36 +1,68 @@
-"""Request bodies of the framework's routes (tokenize, admin), read within --max-body-bytes:
-refused (413) by their declared length, or as soon as more arrives, never read whole first.
-The generation routes read theirs from ASGI directly (``serve.generation.read_body``)."""
+"""Request bodies, read within --max-body-bytes and --body-timeout: refused (413) by their
+declared length, or as soon as more arrives, never read whole first; a body not whole within
+the timeout is a 408. The generation routes read theirs from ASGI directly (``read_body``), the
+framework's routes (tokenize, admin) through their ``Request`` (``read_limited_body``): both
+the same reader."""
 
 from __future__ import annotations
 
 import asyncio
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
+from starlette.types import Receive
 
 from narwhal.serve.errors import BodyTimeout, PayloadTooLarge
 
-__all__ = ["read_limited_body"]
+__all__ = ["ClientGone", "read_body", "read_limited_body"]
 
 
-async def read_limited_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The body, at most ``limit`` bytes (``PayloadTooLarge`` past it) within ``timeout_s``
-    (``BodyTimeout`` past it)."""
+class ClientGone(Exception):
+    """The client hung up while its request body was still arriving."""
+
+
+async def read_body(
+    receive: Receive, declared: bytes | str | None, limit: int, timeout_s: float | None
+) -> bytes:
+    """A request's whole body from ASGI ``receive`` (``declared``: its Content-Length, checked
+    before reading), at most ``limit`` bytes (``PayloadTooLarge`` past it) within ``timeout_s``
+    (``BodyTimeout`` past it; None: the caller bounds it). A client that disconnects raises
+    ``ClientGone``."""
     try:
         async with asyncio.timeout(timeout_s):
-            return await _read(request, limit)
+            return await _read(receive, declared, limit)
     except TimeoutError:
+        assert timeout_s is not None
         raise BodyTimeout(timeout_s) from None
 
 
-async def _read(request: Request, limit: int) -> bytes:
+async def read_limited_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """``read_body`` of a framework route; a client that disconnects raises Starlette's
+    ``ClientDisconnect``, as ``Request.body`` does."""
+    try:
+        return await read_body(
+            request.receive, request.headers.get("content-length"), limit, timeout_s
+        )
+    except ClientGone:
+        raise ClientDisconnect() from None
+
+
+async def _read(receive: Receive, declared: bytes | str | None, limit: int) -> bytes:
     too_large = PayloadTooLarge(f"request body exceeds {limit} bytes")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
             raise too_large
-    return bytes(body)
+        if not message.get("more_body", False):
+            if not chunks:
+                return chunk  # the whole body in one message, the usual case
+            chunks.append(chunk)
+            return b"".join(chunks)
+        chunks.append(chunk)

@@ -51,6 +51,7 @@ __all__ = [
     "Unauthorized",
     "UpstreamFailed",
     "error_body",
+    "with_detail",
 ]
 
 
@@ -77,6 +78,12 @@ class RouterError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code or self.status)
+
+    @property
+    def journal_error(self) -> str:
+        """The request's journaled error: what its client was told (and, for an upstream
+        failure, what it was not)."""
+        return self.message
 
     def response(self) -> Response:
         return Response(
@@ -251,7 +258,7 @@ class UpstreamFailed(RouterError):
 
     @property
     def journal_error(self) -> str:
-        return self.message if self.detail is None else f"{self.message} ({self.detail})"
+        return with_detail(self.message, self.detail)
 
 
 class FirstTokenDeadlineExceeded(RouterError):
@@ -266,6 +273,12 @@ class FirstTokenDeadlineExceeded(RouterError):
 class InternalError(RouterError):
     def __init__(self, message: str = "internal router error") -> None:
         super().__init__(message)
+
+
+def with_detail(told: str, detail: str | None) -> str:
+    """A journaled error: what the client was told, then in brackets what it was not (a
+    transport error's text, which names the engine's address)."""
+    return told if detail is None else f"{told} ({detail})"
 
 
 def error_body(

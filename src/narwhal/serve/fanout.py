@@ -29,7 +29,7 @@ import orjson
 from starlette.types import Send
 
 from narwhal.engines.transport import EngineTransportError
-from narwhal.serve.errors import UpstreamFailed, error_body
+from narwhal.serve.errors import UpstreamFailed, error_body, with_detail
 from narwhal.serve.migration import Migrator
 from narwhal.serve.pd import DecodeStream, PDRouter
 from narwhal.serve.record import RequestRecord
@@ -315,7 +315,7 @@ class ChoiceStreams:
                     message = exc.message if isinstance(exc, UpstreamFailed) else str(exc)
                     told = f"decode stream of choice {i} broke: {message}"
                     detail = exc.detail if isinstance(exc, UpstreamFailed) else None
-                    self.failure = told if detail is None else f"{told} ({detail})"  # journal
+                    self.failure = with_detail(told, detail)  # journal
                     body = last_events(error_body(told, "upstream_error", None, 502))
                     before_last()
                     await send_body(send, body, last=True)

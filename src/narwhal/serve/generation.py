@@ -20,22 +20,23 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
 from starlette.types import Receive, Scope, Send
 
 from narwhal.engines.stream_client import EngineStreamConnection
+from narwhal.serve.bodies import ClientGone, read_body
 from narwhal.serve.errors import (
-    BodyTimeout,
     InternalError,
     NotAccepting,
-    PayloadTooLarge,
     RouterError,
     Unauthorized,
-    UpstreamFailed,
+    with_detail,
 )
 from narwhal.serve.fanout import ChoiceSet, ChoiceStreams, aggregate_choices, open_choices
+from narwhal.serve.ledger import RequestLedger
 from narwhal.serve.migration import MigrationTrace, Migrator, new_trace
 from narwhal.serve.pd import DecodeStream
 from narwhal.serve.record import RequestRecord
@@ -51,7 +52,7 @@ from narwhal.serve.services import Services
 from narwhal.serve.stalls import StallDeadline
 from narwhal.serve.validation import parse_client_request
 
-__all__ = ["GenerationEndpoint", "read_body"]
+__all__ = ["GenerationEndpoint"]
 
 log = logging.getLogger("narwhal.serve")
 
@@ -63,10 +64,6 @@ _SHUT_DOWN = "the router shut down before the request completed"
 _JOURNAL_DOWN = (
     "the request journal cannot record requests; refusing them rather than serve unrecorded"
 )
-
-
-class _ClientGone(Exception):
-    """The client hung up while its request body was still arriving."""
 
 
 class DisconnectWatch:
@@ -165,10 +162,23 @@ async def _send_error(send: Send, exc: RouterError, request_id: bytes | None = N
     await _send_response(send, exc.status, orjson.dumps(exc.body()), headers)
 
 
-def _journal_error(exc: RouterError) -> str:
-    """The request's journaled error: what its client was told, and for an upstream failure
-    what it was not (a transport error's text)."""
-    return exc.journal_error if isinstance(exc, UpstreamFailed) else exc.message
+def _cut_by_drain(status: int | None) -> tuple[str, int, str]:
+    """The outcome, status and error of a request the drain's end (--drain-timeout) cancelled:
+    ``__call__`` answers its client a 503, or ends a stream whose 200 (``status``) went out
+    with the shutdown's error."""
+    return "router_shutdown", 503 if status is None else status, _SHUT_DOWN
+
+
+@contextlib.contextmanager
+def _through_drain_end(ledger: RequestLedger) -> Iterator[None]:
+    """Around a request's release, after its record is written: the drain's end cancelling it
+    there does not unwind the rest (an answer already whole is still sent, not the shutdown's
+    503). Any other cancellation does."""
+    try:
+        yield
+    except asyncio.CancelledError:
+        if not ledger.draining:
+            raise
 
 
 async def _end_at_shutdown(send: Send) -> None:
@@ -185,30 +195,6 @@ async def _end_at_shutdown(send: Send) -> None:
     event = last_events(refusal.body())
     with contextlib.suppress(RuntimeError, OSError):  # RuntimeError: it was complete
         await send({"type": "http.response.body", "body": event, "more_body": False})
-
-
-async def read_body(receive: Receive, declared: bytes | None, limit: int) -> bytes:
-    """A request's whole body from ASGI ``receive`` (``declared``: its Content-Length, checked
-    before reading), at most ``limit`` bytes; a client that disconnects raises ``_ClientGone``."""
-    too_large = PayloadTooLarge(f"request body exceeds {limit} bytes")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _ClientGone()
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        if not message.get("more_body", False):
-            if not chunks:
-                return chunk  # the whole body in one message, the usual case
-            chunks.append(chunk)
-            return b"".join(chunks)
-        chunks.append(chunk)
 
 
 class GenerationEndpoint:
@@ -279,11 +265,9 @@ class GenerationEndpoint:
                 ):
                     raise Unauthorized()
                 settings = services.settings
-                try:
-                    async with asyncio.timeout(settings.body_timeout_s):
-                        raw = await read_body(receive, declared_length, settings.max_body_bytes)
-                except TimeoutError:
-                    raise BodyTimeout(settings.body_timeout_s) from None
+                raw = await read_body(
+                    receive, declared_length, settings.max_body_bytes, settings.body_timeout_s
+                )
                 fleet = services.settings.fleet.contract
                 creq = parse_client_request(
                     raw, self.chat, fleet.model.id, fleet.model.max_model_len
@@ -299,12 +283,12 @@ class GenerationEndpoint:
                     trace = new_trace(creq, fleet.routing.migration, fleet.model.max_model_len)
                     stream = await services.router.open(creq, record, token_ids=trace is not None)
             except RouterError as exc:
-                ledger.close(record, exc.outcome, exc.status, _journal_error(exc))
+                ledger.close(record, exc.outcome, exc.status, exc.journal_error)
                 if watch is not None:
                     watch.stop()  # a completed response reads as a disconnect
                 await _send_error(send, exc, request_id)
                 return
-            except _ClientGone:
+            except ClientGone:
                 ledger.close(record, "client_abort", None, _GONE_BEFORE_FIRST_TOKEN)
                 return
             except asyncio.CancelledError:
@@ -312,8 +296,7 @@ class GenerationEndpoint:
                     ledger.close(record, "client_abort", None, _GONE_BEFORE_FIRST_TOKEN)
                     return
                 if ledger.draining:
-                    # The drain ran out: __call__ answers the client the shutdown's 503.
-                    ledger.close(record, "router_shutdown", 503, _SHUT_DOWN)
+                    ledger.close(record, *_cut_by_drain(None))
                 else:
                     ledger.close(record, "client_abort", None, "cancelled before the first token")
                 raise
@@ -363,13 +346,8 @@ class GenerationEndpoint:
         self.ledger.close(record, outcome, status, error, tally)
         stream = migrator.stream
         self.services.router.finish(stream, record)
-        try:
+        with _through_drain_end(self.ledger):
             await stream.aclose(drain=tally.done)
-        except asyncio.CancelledError:
-            if not self.ledger.draining:
-                raise
-            # The drain ran out while the leg was released: the request is recorded as it
-            # ended, and an answer already whole is still sent (not the shutdown's 503).
 
     async def _relay(
         self,
@@ -439,16 +417,14 @@ class GenerationEndpoint:
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
                 break
             if renderer.failure is not None:
-                detail = renderer.detail
-                journaled = renderer.failure if detail is None else f"{renderer.failure} ({detail})"
+                journaled = with_detail(renderer.failure, renderer.detail)
                 outcome, status, error = "stream_error", 200, journaled
             else:
                 outcome, status, error = "ok", 200, None
         except asyncio.CancelledError:
             if not watch.absorb():
-                if self.ledger.draining:  # the drain ran out: __call__ ends the stream
-                    outcome, error = "router_shutdown", _SHUT_DOWN
-                    status = 503 if status is None else status  # before its 200 went out
+                if self.ledger.draining:
+                    outcome, status, error = _cut_by_drain(status)
                 raise
         except Exception as exc:
             log.exception("request %s: relay failed", record.id)
@@ -506,15 +482,12 @@ class GenerationEndpoint:
                 result = await aggregate_choices(choices, self.chat)
                 outcome, status, error = "ok", 200, None
         except RouterError as exc:
-            outcome, status, error = exc.outcome, exc.status, _journal_error(exc)
+            outcome, status, error = exc.outcome, exc.status, exc.journal_error
             failure = exc
         except asyncio.CancelledError:
             if not watch.absorb():
                 if self.ledger.draining:
-                    # The drain ran out: __call__ ends the stream with the shutdown's error,
-                    # or answers a 503 when nothing was sent yet.
-                    outcome, error = "router_shutdown", _SHUT_DOWN
-                    status = 503 if status is None else status  # 200 once a stream began
+                    outcome, status, error = _cut_by_drain(status)
                 raise
         except Exception as exc:
             log.exception("request %s: choices failed", record.id)
@@ -523,12 +496,8 @@ class GenerationEndpoint:
         finally:
             choices.merge_into(record)
             self.ledger.close(record, outcome, status, error, choices.merged_tally())
-            try:
+            with _through_drain_end(self.ledger):
                 await choices.release(outcome)
-            except asyncio.CancelledError:
-                if not self.ledger.draining:
-                    raise
-                # As in _release: recorded as it ended; a whole answer is still sent.
         if choices.request.stream or watch.gone:
             return
         watch.stop()
@@ -556,12 +525,12 @@ class GenerationEndpoint:
             result = await aggregate(migrator, self.chat, tally, ids, body)
             outcome, status, error = "ok", 200, None
         except RouterError as exc:
-            outcome, status, error = exc.outcome, exc.status, _journal_error(exc)
+            outcome, status, error = exc.outcome, exc.status, exc.journal_error
             failure = exc
         except asyncio.CancelledError:
             if not watch.absorb():
-                if self.ledger.draining:  # the drain ran out: __call__ answers a 503
-                    outcome, status, error = "router_shutdown", 503, _SHUT_DOWN
+                if self.ledger.draining:
+                    outcome, status, error = _cut_by_drain(status)
                 raise
             error = "client disconnected mid-generation"
         finally:

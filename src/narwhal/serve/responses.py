@@ -20,11 +20,11 @@ import time
 import orjson
 from starlette.types import Message, Receive, Scope, Send
 
-from narwhal.serve.errors import InternalError, InvalidRequest
-
 # The chat endpoint's own body reader: the same limit, the same 413, and a hang-up while the
 # body arrives raised as the exception that endpoint journals as a client abort.
-from narwhal.serve.generation import GenerationEndpoint, read_body
+from narwhal.serve.bodies import read_body
+from narwhal.serve.errors import InternalError, InvalidRequest
+from narwhal.serve.generation import GenerationEndpoint
 from narwhal.serve.responses_output import ResponseEventStream, response_object
 from narwhal.serve.responses_request import ResponsesRequest, parse_responses_request
 
@@ -60,7 +60,8 @@ class _Exchange:
         if self._body_read:
             return await self._receive()  # the chat endpoint's disconnect watch
         self._body_read = True
-        raw = await read_body(self._receive, None, self._limit)
+        # Within the generation route's own --body-timeout (it reads through this receive).
+        raw = await read_body(self._receive, None, self._limit, None)
         self.request = parse_responses_request(raw)  # InvalidRequest: the endpoint answers 400
         try:
             body = orjson.dumps(self.request.chat_body)
