@@ -351,3 +351,7 @@ def test_models_are_listed_and_retrieved_and_unknown_routes_are_openai_errors(
     assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
     error = wrong.json()["error"]
     assert error["code"] == 405 and "GET /v1/chat/completions" in error["message"]
+    # Probes that ask with HEAD (load balancers, uptime checks) get the GET's status.
+    for path in ("/health", "/ready"):
+        probed = httpx.head(router.url + path, timeout=10)
+        assert probed.status_code == 200 and probed.content == b"", (path, probed)

@@ -562,6 +562,8 @@ def test_a_drain_that_runs_out_ends_open_requests_with_openai_errors(tmp_path: P
         # Each with the status its client got: the stream its 200, the other the 503.
         assert sorted((e["stream"], e["status"]) for e in ends) == [(False, 503), (True, 200)]
         assert {e["error"] for e in ends} == {"the router shut down before the request completed"}
+        # The 503 names its record, as every other answer does.
+        assert answer.headers["x-request-id"] in {e["id"] for e in ends if not e["stream"]}
         log = router.log_path.read_text()
         assert "Exception in ASGI application" not in log and "Traceback" not in log, log
 

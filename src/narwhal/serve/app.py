@@ -161,6 +161,11 @@ def _register_info_routes(app: FastAPI, services: Services) -> None:
             ok, reason = False, "draining"
         return json_response({"ready": ok, "reason": reason}, 200 if ok else 503)
 
+    # Load balancers and uptime checks that probe with HEAD get the GET's status and headers
+    # (the server sends no body); outside the schema, one operation id per route.
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
+    app.add_api_route("/ready", ready, methods=["HEAD"], include_in_schema=False)
+
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         if settings.protect_metrics and not allowed(request):

@@ -181,14 +181,14 @@ def _through_drain_end(ledger: RequestLedger) -> Iterator[None]:
             raise
 
 
-async def _end_at_shutdown(send: Send) -> None:
+async def _end_at_shutdown(send: Send, request_id: bytes) -> None:
     """Whatever part of a response was sent, complete it with the shutdown's error: a 503 when
     nothing was, an error event and ``[DONE]`` to a stream, nothing to a complete response.
     The server's ``send`` refuses a message out of order, which says what was sent (the push
     relay writes past it, so it cannot be told beforehand)."""
     refusal = NotAccepting(_SHUT_DOWN, 1)
     try:
-        await _send_error(send, refusal)
+        await _send_error(send, refusal, request_id)
         return
     except RuntimeError:
         pass  # the response has started
@@ -210,8 +210,9 @@ class GenerationEndpoint:
         return NotAccepting(message, retry_after_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        record_id = uuid.uuid4().hex
         try:
-            await self._serve(scope, receive, send)
+            await self._serve(scope, receive, send, record_id)
         except asyncio.CancelledError:
             if not self.ledger.draining:
                 raise
@@ -221,9 +222,9 @@ class GenerationEndpoint:
             # close cancels it again: a client too slow to take the error in a second gets none.
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                 async with asyncio.timeout(1.0):
-                    await _end_at_shutdown(send)
+                    await _end_at_shutdown(send, record_id.encode())
 
-    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, record_id: str) -> None:
         services, ledger = self.services, self.ledger
         if not services.journal.accepting:
             await _send_error(send, self._not_accepting("journal_unavailable", _JOURNAL_DOWN, 5))
@@ -239,7 +240,7 @@ class GenerationEndpoint:
             elif name == b"content-length":
                 declared_length = value
         record = RequestRecord(
-            id=uuid.uuid4().hex,
+            id=record_id,
             arrival=time.time(),
             arrival_mono=time.monotonic(),
             endpoint=scope["path"],
