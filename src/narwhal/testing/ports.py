@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 
@@ -20,6 +21,19 @@ def ephemeral_range_start() -> int:
         return 32768  # Linux's default
 
 
+def _share(start: int, stop: int) -> range:
+    """This test worker's part of the ports ``start..stop``: the whole of it, or under
+    pytest-xdist (``make test`` runs tests in two workers) one slice per worker, so that a port
+    one worker promised a process that has not bound it yet is never promised by another."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (worker.startswith("gw") and worker[2:].isdigit() and count.isdigit()):
+        return range(start, stop)
+    index, workers = int(worker[2:]), max(int(count), 1)
+    size = (stop - start) // workers
+    return range(start + index % workers * size, start + (index % workers + 1) * size)
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` distinct TCP ports free on 127.0.0.1 now, for engines and routers started later.
 
@@ -28,11 +42,11 @@ def free_ports(n: int) -> list[int]:
     process it was promised to binds it ("address already in use" at an engine's start, seen in
     the test suite). Below that range only an explicit bind takes a port.
     """
-    low = ephemeral_range_start()
-    if low - _FIXED_PORTS_FROM < 100 * n:
+    ports = _share(_FIXED_PORTS_FROM, ephemeral_range_start())
+    if len(ports) < 100 * n:
         return _kernel_ports(n)  # an unusual port range: fall back to the kernel's choice
     chosen: list[int] = []
-    for port in random.SystemRandom().sample(range(_FIXED_PORTS_FROM, low), min(50 * n, 2000)):
+    for port in random.SystemRandom().sample(ports, min(50 * n, 2000)):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
