@@ -143,6 +143,45 @@ def test_one_leader_and_a_deposed_leader_cannot_flip(etcd: EtcdServer) -> None:
     asyncio.run(main())
 
 
+def test_a_draining_leader_steps_down_at_once_and_keeps_following(etcd: EtcdServer) -> None:
+    """``step_down`` (a replica's drain begins): another replica leads within moments, not
+    when the draining one's lease (30 s here) runs out, and the draining one still applies the
+    roles the new leader writes while it finishes its requests; it never campaigns again."""
+
+    async def main() -> None:
+        seen_a: list[SharedRoles] = []
+        seen_b: list[SharedRoles] = []
+        a = coordinator(etcd, "/t-step-down/", "a", seen_a, ttl=30)
+        b = coordinator(etcd, "/t-step-down/", "b", seen_b, ttl=30)
+        tasks = [asyncio.create_task(a.run())]
+        await until(lambda: a.is_leader)
+        tasks.append(asyncio.create_task(b.run()))
+        await until(lambda: b.up and b.leader_id == "a")
+        started = asyncio.get_running_loop().time()
+        await a.step_down()
+        assert not a.is_leader
+        await until(lambda: b.is_leader and a.leader_id == "b", timeout=5)
+        assert asyncio.get_running_loop().time() - started < 5  # far inside the lease's 30 s
+        assert a.up and not a.is_leader
+        view = b.view
+        assert view is not None
+        flip = {"engine": "e1", "from_role": "decode", "to_role": "prefill", "reason": "test"}
+        assert await b.propose(view.with_flip(flip, "b", 1.0), as_leader=True) is True
+        await until(lambda: bool(seen_a) and seen_a[-1].generation == 1)
+        # b goes too: a, retired, does not take the leadership back.
+        await b.step_down()
+        await asyncio.sleep(0.5)
+        assert a.leader_id is None and not a.is_leader
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for c in (a, b):
+            await c.resign()
+            await c.client.aclose()
+
+    asyncio.run(main())
+
+
 def test_concurrent_writes_at_one_revision_exactly_one_lands(etcd: EtcdServer) -> None:
     async def main() -> None:
         seen: list[list[SharedRoles]] = [[], [], []]

@@ -26,6 +26,7 @@ from tests.helpers import (
     ADMIN_TOKEN,
     MODEL,
     RouterProcess,
+    admin,
     metric,
     running_fleet,
     start_router,
@@ -389,3 +390,36 @@ def test_the_leader_flips_for_traffic_that_reaches_only_another_replica(tmp_path
         assert flips["lead"] == flips["follow"], flips
         first = flips["follow"][0]
         assert first[2] == "decode" and first[3] == "lead" and first[4] is False
+
+
+def test_a_draining_leader_hands_the_leadership_over_as_its_drain_starts(tmp_path: Path) -> None:
+    """SIGTERM to the leader while it serves a long stream: it drains (the stream completes,
+    it exits 0), and from the drain's first moments another replica leads, not once the
+    draining one has exited (its lease is kept alive until then)."""
+    with ExitStack() as stack:
+        etcd = stack.enter_context(EtcdServer(tmp_path / "etcd"))
+        fleet = stack.enter_context(running_fleet(tmp_path, 2, role_control={"enabled": False}))
+        for engine in fleet.engines.values():  # a stream that outlasts the handover
+            admin(engine.url, "POST", {"slowdown": 10.0})
+        leader = start_replica(tmp_path, fleet.fleet_path, etcd, "lead", "--drain-timeout", "60")
+        stack.callback(stop_router, leader)
+        assert wait_until(lambda: coordination(leader)["is_leader"], 10)
+        follower = start_replica(tmp_path, fleet.fleet_path, etcd, "follow")
+        stack.callback(stop_router, follower)
+        assert wait_until(lambda: converged([leader, follower], 0), 10)
+        body = {"model": MODEL, "prompt": "drain me", "max_tokens": 150, "stream": True}
+        with (
+            httpx.Client(timeout=60, trust_env=False) as client,
+            client.stream("POST", leader.url + "/v1/completions", json=body) as streamed,
+        ):
+            lines = streamed.iter_lines()
+            assert next(ln for ln in lines if ln.startswith("data: "))
+            leader.process.send_signal(15)
+            assert wait_until(lambda: coordination(follower)["is_leader"], 5), coordination(
+                follower
+            )
+            assert leader.process.poll() is None  # still draining its stream
+            rest = [ln for ln in lines if ln.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and '"error"' not in "".join(rest)
+        assert leader.process.wait(30) == 0
+        assert "steps down as leader (draining)" in leader.log_path.read_text()

@@ -607,3 +607,16 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> Non
     for port in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def test_free_ports_of_two_xdist_workers_never_overlap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under pytest-xdist each worker draws from its own slice of the range: a port one worker
+    promised a process that has not bound it yet is never promised by the other."""
+    drawn: dict[str, set[int]] = {}
+    for worker in ("gw0", "gw1"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+        drawn[worker] = {p for _ in range(20) for p in free_ports(10)}
+    middle = 10_000 + (ephemeral_range_start() - 10_000) // 2
+    assert max(drawn["gw0"]) < middle <= min(drawn["gw1"])
+    assert all(p < ephemeral_range_start() for p in drawn["gw1"])

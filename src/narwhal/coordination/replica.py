@@ -148,6 +148,9 @@ class Coordinator:
         self._my_leader_revision = 0  # create_revision of the leader key this replica put
         self._revision = 0
         self._campaign = asyncio.Event()
+        # Out of the election for good (the replica drains, ``step_down``): it no longer leads
+        # or campaigns, but keeps its lease, its view of the roles and its published demand.
+        self.retired = False
         # Set once the first session is up, or has failed: a starting replica waits for it
         # so that it serves its first request with the fleet's roles, not its own.
         self.first_attempt = asyncio.Event()
@@ -174,6 +177,7 @@ class Coordinator:
         clock (etcd's fence on every flip is what makes this safe, not this guess)."""
         return (
             self.up
+            and not self.retired
             and self.leader_id == self.replica_id
             and self._my_leader_revision != 0
             and self._my_leader_revision == self._leader_key_revision
@@ -297,6 +301,8 @@ class Coordinator:
             await self._campaign_once()
 
     async def _campaign_once(self) -> None:
+        if self.retired:
+            return
         won, revision = await self.client.txn(
             [Compare(self.leader_key, "CREATE", 0)],
             [Operation(self.leader_key, self.replica_id.encode(), self._lease)],
@@ -401,6 +407,23 @@ class Coordinator:
         """This replica's demand, under its lease (gone when the replica is)."""
         if self.up:
             await self.client.put(self.replica_key, payload, self._lease)
+
+    async def step_down(self) -> None:
+        """Leave the election (the replica drains): delete the leader key if this replica
+        holds it, so another takes the role controller over now rather than when this one
+        exits. The key is deleted only if it is still the one this replica created."""
+        was_leader = self.is_leader
+        self.retired = True
+        if not was_leader:
+            return
+        # Bounded as resign is; a key not deleted lapses with the lease at the replica's exit.
+        with contextlib.suppress(EtcdUnavailable, TimeoutError):
+            async with asyncio.timeout(self.client.timeout_s):
+                await self.client.txn(
+                    [Compare(self.leader_key, "CREATE", self._my_leader_revision)],
+                    [Operation(self.leader_key)],
+                )
+        log.info("coordination: %s steps down as leader (draining)", self.replica_id)
 
     async def resign(self) -> None:
         """Give up the lease at once (a clean stop): leadership moves without waiting out the

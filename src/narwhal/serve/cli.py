@@ -524,6 +524,10 @@ def main(argv: list[str] | None = None) -> int:
 
         async def on_tick(self, counter: int) -> bool:
             deadline = self.drain_deadline
+            if deadline is not None:
+                # On the loop, unlike handle_exit (a signal handler): leadership is handed
+                # over as the drain starts.
+                app.state.services.hand_over_leadership()
             if deadline is not None and not self.should_exit:
                 left = deadline - time.monotonic()
                 if left <= 0 or not app.state.services.ledger.active:

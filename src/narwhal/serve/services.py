@@ -55,6 +55,7 @@ class Services:
     auth: Auth
     started_at: float = field(default_factory=time.time)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _stepping_down: bool = False
 
     @classmethod
     def open(cls, settings: ServeSettings) -> Services:
@@ -195,9 +196,20 @@ class Services:
                     coordinator.first_attempt.wait(), client.timeout_s * len(client.endpoints)
                 )
 
+    def hand_over_leadership(self) -> None:
+        """At a drain's start (on the event loop): a coordinated replica leaves the election in
+        the background, so that another replica runs the role controller while this one
+        finishes its requests (a drain lasts up to --drain-timeout)."""
+        coordinator = self.roles.coordinator
+        if coordinator is None or coordinator.retired or self._stepping_down:
+            return
+        self._stepping_down = True
+        self.tasks.append(asyncio.create_task(coordinator.step_down(), name="step_down"))
+
     async def stop(self) -> None:
         ledger = self.ledger
         ledger.draining = True
+        self.hand_over_leadership()
         deadline = time.monotonic() + self.settings.drain_timeout_s
         while ledger.active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
