@@ -84,11 +84,11 @@ test:
 # on average), so they run in two pytest-xdist workers, a file's tests on one worker (its
 # module fixtures built once); then the tests whose measurements another test sharing the cores
 # would skew run alone (`solo`: tests/conftest.py lists them and why). Both passes always run;
-# the first failure's status is make's.
+# make fails if either did (with the first failure's status).
 define two_passes
 status=0; \
 $(PY) -m pytest -q -n 2 --dist loadfile -m "not solo $(1)" --durations=30 || status=$$?; \
-$(PY) -m pytest -q -m "solo $(1)" --durations=10 || { s=$$?; [ $$s -eq 5 ] || status=$$s; }; \
+$(PY) -m pytest -q -m "solo $(1)" --durations=10 || { s=$$?; [ $$s -eq 5 ] || [ $$status -ne 0 ] || status=$$s; }; \
 exit $$status
 endef
 

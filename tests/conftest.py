@@ -32,6 +32,9 @@ _ROOT = Path(__file__).resolve().parent.parent
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        where = item.path.resolve().relative_to(_ROOT).as_posix()
+        path = item.path.resolve()
+        if not path.is_relative_to(_ROOT):
+            continue
+        where = path.relative_to(_ROOT).as_posix()
         if any(where == m or (m.endswith("/") and where.startswith(m)) for m in SOLO_MODULES):
             item.add_marker(pytest.mark.solo)

@@ -182,6 +182,52 @@ def test_a_draining_leader_steps_down_at_once_and_keeps_following(etcd: EtcdServ
     asyncio.run(main())
 
 
+def test_a_campaign_in_flight_when_the_replica_steps_down_gives_the_key_back(
+    etcd: EtcdServer,
+) -> None:
+    """b's campaign is on its way to etcd (its transaction held here) when b steps down too
+    (a scale-down: every replica drains at once): the campaign wins, and b gives the key back
+    at once instead of holding, retired, a leadership it will never use for its whole drain."""
+
+    async def main() -> None:
+        a = coordinator(etcd, "/t-in-flight/", "a", [], ttl=30)
+        b = coordinator(etcd, "/t-in-flight/", "b", [], ttl=30)
+        tasks = [asyncio.create_task(a.run())]
+        await until(lambda: a.is_leader)
+        tasks.append(asyncio.create_task(b.run()))
+        await until(lambda: b.up and b.leader_id == "a")
+        held = asyncio.Event()
+        in_flight = asyncio.Event()
+        won: list[bool] = []
+        real_txn = b.client.txn
+
+        async def held_txn(*args: object, **kwargs: object) -> tuple[bool, int]:
+            in_flight.set()
+            await held.wait()
+            result = await real_txn(*args, **kwargs)  # type: ignore[arg-type]
+            won.append(result[0])
+            return result
+
+        b.client.txn = held_txn  # type: ignore[method-assign]
+        await a.step_down()  # b sees the key go and campaigns: held
+        await asyncio.wait_for(in_flight.wait(), 5)
+        b.client.txn = real_txn  # type: ignore[method-assign]
+        await b.step_down()  # nothing of b's to give back yet
+        held.set()
+        await until(lambda: won == [True])  # b's campaign landed: b created the key
+        await until(lambda: b._my_leader_revision == 0 and b.leader_id is None)
+        assert await a.client.get(a.leader_key) is None  # and gave it back
+        assert not a.is_leader and not b.is_leader
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for c in (a, b):
+            await c.resign()
+            await c.client.aclose()
+
+    asyncio.run(main())
+
+
 def test_concurrent_writes_at_one_revision_exactly_one_lands(etcd: EtcdServer) -> None:
     async def main() -> None:
         seen: list[list[SharedRoles]] = [[], [], []]

@@ -64,6 +64,15 @@ def post(router: RouterProcess, ids: list[int], stream: bool = False) -> dict[st
     return router.ends()[rid]
 
 
+def _router_sees_idle(router: RouterProcess) -> bool:
+    return all(
+        not e["scraped"]["running"]
+        and not e["scraped"]["waiting"]
+        and e["in_flight"] == {"prefill": 0, "decode": 0}
+        for e in router.admin_state()["engines"]
+    )
+
+
 def routed_by_prefix(router: RouterProcess, fleet: SimFleet, base: int) -> list[dict[str, Any]]:
     """Two prefixes sent at once, their prefill legs held open for a moment (so the second
     sees the first's engine busy and takes the other), then a request sharing each prefix, one
@@ -80,7 +89,13 @@ def routed_by_prefix(router: RouterProcess, fleet: SimFleet, base: int) -> list[
         for engine in ("e0", "e1"):
             admin(fleet.engines[engine].url, "DELETE")
     assert {e["prefill_engine"] for e in firsts} == {"e0", "e1"}, firsts
-    seconds = [post(router, prompt(b, 1), stream=b % 2 == 0) for b in (base, base + 1)]
+    seconds = []
+    for b in (base, base + 1):
+        # Idle as the router sees it, not only as the engines do: a scrape taken while the
+        # previous request decoded shows its engine busy for up to --scrape-interval, and a
+        # pick made then weighs that load against the blocks held (seen on a loaded host).
+        assert wait_until(lambda: _router_sees_idle(router), 10), router.admin_state()
+        seconds.append(post(router, prompt(b, 1), stream=b % 2 == 0))
     engines = [(e["prefill_engine"], e["decode_engine"]) for e in firsts]
     assert [(e["prefill_engine"], e["decode_engine"]) for e in seconds] == engines, seconds
     for second in seconds:

@@ -620,3 +620,5 @@ def test_free_ports_of_two_xdist_workers_never_overlap(monkeypatch: pytest.Monke
     middle = 10_000 + (ephemeral_range_start() - 10_000) // 2
     assert max(drawn["gw0"]) < middle <= min(drawn["gw1"])
     assert all(p < ephemeral_range_start() for p in drawn["gw1"])
+    # Nor ever the shipped local-sim configuration's fixed ports (tests/qualify binds them).
+    assert not {p for ports in drawn.values() for p in ports} & set(range(18_000, 18_400))

@@ -243,6 +243,8 @@ class Coordinator:
             self.last_error = None
         if self.leader_id is None:
             await self._campaign_once()
+        elif self.retired:  # a key it could not give back before etcd went away
+            await self._release_leader_key()
         self.first_attempt.set()
         tasks = [
             asyncio.create_task(self._keep_lease()),
@@ -312,6 +314,9 @@ class Coordinator:
             self._my_leader_revision = revision
             self.leader_id = self.replica_id
             self._leader_key_revision = revision
+            if self.retired:  # step_down ran while this campaign was in flight
+                await self._release_leader_key()
+                return
             log.info("coordination: %s leads (lease %x)", self.replica_id, self._lease)
 
     def _apply(self, event: WatchEvent) -> None:
@@ -349,7 +354,7 @@ class Coordinator:
 
     def _leader_seen(self, kv: KeyValue, deleted: bool) -> None:
         if deleted:
-            if self.leader_id == self.replica_id:
+            if self.leader_id == self.replica_id and not self.retired:
                 log.warning("coordination: %s no longer leads", self.replica_id)
             self.leader_id = None
             self._leader_key_revision = 0
@@ -409,21 +414,32 @@ class Coordinator:
             await self.client.put(self.replica_key, payload, self._lease)
 
     async def step_down(self) -> None:
-        """Leave the election (the replica drains): delete the leader key if this replica
+        """Leave the election (the replica drains): give back the leader key if this replica
         holds it, so another takes the role controller over now rather than when this one
-        exits. The key is deleted only if it is still the one this replica created."""
-        was_leader = self.is_leader
+        exits, and never campaign again. A campaign already in flight, or etcd out of reach,
+        gives the key back when it lands or the session resumes."""
         self.retired = True
-        if not was_leader:
+        await self._release_leader_key()
+
+    async def _release_leader_key(self) -> None:
+        """Delete the leader key if it is still the one this replica created (a transaction
+        on its create revision). Bounded as resign is: a key not given back lapses with the
+        lease at the replica's exit at the latest."""
+        revision = self._my_leader_revision
+        if revision == 0:
             return
-        # Bounded as resign is; a key not deleted lapses with the lease at the replica's exit.
         with contextlib.suppress(EtcdUnavailable, TimeoutError):
             async with asyncio.timeout(self.client.timeout_s):
-                await self.client.txn(
-                    [Compare(self.leader_key, "CREATE", self._my_leader_revision)],
-                    [Operation(self.leader_key)],
+                deleted, _ = await self.client.txn(
+                    [Compare(self.leader_key, "CREATE", revision)], [Operation(self.leader_key)]
                 )
-        log.info("coordination: %s steps down as leader (draining)", self.replica_id)
+            # Given back, or no longer this replica's to give (its lease lapsed meanwhile).
+            if self._my_leader_revision == revision:
+                self._my_leader_revision = 0
+            if self.leader_id == self.replica_id:
+                self.leader_id = None
+            if deleted:
+                log.info("coordination: %s steps down as leader (draining)", self.replica_id)
 
     async def resign(self) -> None:
         """Give up the lease at once (a clean stop): leadership moves without waiting out the

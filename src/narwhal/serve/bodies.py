@@ -37,7 +37,8 @@ async def read_body(
 
 async def read_limited_body(request: Request, limit: int, timeout_s: float) -> bytes:
     """``read_body`` of a framework route; a client that disconnects raises Starlette's
-    ``ClientDisconnect``, as ``Request.body`` does."""
+    ``ClientDisconnect``, as ``Request.body`` does. It reads ``request.receive`` itself: for a
+    body nothing has read yet (these routes read theirs once, first)."""
     try:
         return await read_body(
             request.receive, request.headers.get("content-length"), limit, timeout_s

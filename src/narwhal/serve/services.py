@@ -199,7 +199,8 @@ class Services:
     def hand_over_leadership(self) -> None:
         """At a drain's start (on the event loop): a coordinated replica leaves the election in
         the background, so that another replica runs the role controller while this one
-        finishes its requests (a drain lasts up to --drain-timeout)."""
+        finishes its requests (a drain lasts up to --drain-timeout). On the loop only: not
+        from a signal handler (uvicorn's handle_exit), which calls on_tick to do it."""
         coordinator = self.roles.coordinator
         if coordinator is None or coordinator.retired or self._stepping_down:
             return

@@ -10,6 +10,10 @@ __all__ = ["ephemeral_range_start", "free_ports"]
 
 # Ports handed out below the kernel's ephemeral range start here.
 _FIXED_PORTS_FROM = 10_000
+# Never handed out: the shipped local-sim configuration's own fixed ports (router 18080,
+# engines 181xx, NIXL side channels 182xx, sidecars 183xx), which `make demo`, `make qualify`
+# and tests/qualify/test_chain.py bind while tests in another worker draw ports.
+_SHIPPED_PORTS = range(18_000, 18_400)
 
 
 def ephemeral_range_start() -> int:
@@ -47,6 +51,8 @@ def free_ports(n: int) -> list[int]:
         return _kernel_ports(n)  # an unusual port range: fall back to the kernel's choice
     chosen: list[int] = []
     for port in random.SystemRandom().sample(ports, min(50 * n, 2000)):
+        if port in _SHIPPED_PORTS:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
