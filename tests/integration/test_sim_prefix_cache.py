@@ -127,18 +127,21 @@ def test_events_rebuild_the_engines_caches(fleet: SimFleet) -> None:
                     json={**body, "prompt": prompt, "kv_transfer_params": params},
                 )
                 assert r.status_code == 200
-                for attempt in range(100):
+                for attempt in range(200):
                     if index.match(chain_keys(prompt, BLOCK), 0.0) == {"e0": 4, "e1": 4}:
                         break
                     if attempt % 20 == 19:
                         # A SUB socket connects asynchronously: a batch published before it
                         # had is lost to it, and the next one seen replays it. On a loaded
-                        # host the prefill engine's only batch can be the lost one.
+                        # host either engine's only batch can be the lost one (the decode
+                        # engine's was, under two test workers): each gets a request of its
+                        # own, whose batch brings the lost one back.
                         nudge = [8000 + attempt + i for i in range(BLOCK)]
                         await client.post(
                             p + "/v1/completions",
                             json=prefill_leg_body({**body, "prompt": nudge}, chat=False),
                         )
+                        await client.post(d + "/v1/completions", json={**body, "prompt": nudge})
                     await asyncio.sleep(0.05)
         finally:
             for task in tasks:
