@@ -37,7 +37,13 @@ OUTCOMES = (
 )
 ROLES = ("prefill", "decode")
 LEGS = ("prefill", "decode")
-STRANDED_REASONS = ("decode_failed", "deadline_exceeded", "client_abort", "hedge_lost")
+STRANDED_REASONS = (
+    "decode_failed",
+    "decode_refused",
+    "deadline_exceeded",
+    "client_abort",
+    "hedge_lost",
+)
 # timeout: no answer within the probe's timeouts; unreachable: refused, reset or cut short;
 # status: an answer other than 200.
 HEALTH_PROBE_FAILURES = ("timeout", "unreachable", "status")
@@ -172,6 +178,13 @@ class RouterMetrics:
             "narwhal_stranded_handoffs",
             "Prefills whose KV was handed out but whose decode leg produced no token.",
             ["engine", "reason"],
+            registry=r,
+        )
+        self.kv_released = Counter(
+            "narwhal_kv_released",
+            "KV handed out for a decode leg its decode engine refused, pulled by a release leg"
+            " so that the prefill engine frees it.",
+            ["engine"],
             registry=r,
         )
         self.local_prefills = Counter(
@@ -409,6 +422,7 @@ class RouterMetrics:
                 self.leg_failures.labels(engine, leg)
             for reason in STRANDED_REASONS:
                 self.stranded.labels(engine, reason)
+            self.kv_released.labels(engine)
             for phase in ("prefill", "decode"):
                 self.latency_ratio.labels(engine, phase).set(1)
                 self.profile_drift.labels(engine, phase)

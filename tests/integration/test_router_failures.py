@@ -163,6 +163,87 @@ def test_decode_failure_before_first_token_retries_with_a_fresh_prefill(stack) -
     )
 
 
+def holds(fleet: SimFleet, engine: str) -> float:
+    text = httpx.get(fleet.engines[engine].url + "/metrics", timeout=5).text
+    return metric(text, "narwhal_sim:kv_holds")
+
+
+def test_a_decode_leg_the_engine_refuses_releases_the_prefilled_kv(stack) -> None:
+    # top_logprobs past the engine's max_logprobs is refused by the decode engine only (the
+    # prefill leg does not carry it): the KV the prefill handed out is pulled by a release leg
+    # at once, not held until its lease (30 s).
+    fleet, router = stack
+    before = router.metrics()
+    r = post(router, logprobs=50)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert "greater than max allowed" in error["message"]
+    assert error["type"] == "invalid_request_error"
+    end = end_of(router, r)
+    assert end["outcome"] == "client_error" and end["status"] == 400
+    prefill, decode = end["prefill_engine"], end["decode_engine"]
+    legs = [(a["leg"], a["engine"], a["outcome"]) for a in end["attempts"]]
+    assert ("handoff", prefill, "released") in legs, legs
+    assert not any(a["outcome"] == "stranded" for a in end["attempts"])
+    released = next(a for a in end["attempts"] if a["outcome"] == "released")
+    assert released["via"] == decode
+    assert wait_until(lambda: holds(fleet, prefill) == 0, 5), "the prefill engine still holds it"
+    after = router.metrics()
+    assert metric(after, "narwhal_kv_released_total", engine=prefill) == (
+        metric(before, "narwhal_kv_released_total", engine=prefill) + 1
+    )
+    assert metric(after, "narwhal_stranded_handoffs_total") == metric(
+        before, "narwhal_stranded_handoffs_total"
+    )
+    # vLLM refuses it in the decode leg's stream (a 200 whose only event is the 400): the
+    # client's error, not a failing decode engine. More of them than the breaker's threshold
+    # (3) open no breaker, and the next request is answered.
+    for _ in range(4):
+        assert post(router, logprobs=50).status_code == 400
+    after = router.metrics()
+    for engine in ("e2", "e3"):
+        assert metric(after, "narwhal_leg_failures_total", engine=engine, leg="decode") == (
+            metric(before, "narwhal_leg_failures_total", engine=engine, leg="decode")
+        )
+    assert all(e["breaker"] == "closed" for e in router.admin_state()["engines"])
+    assert post(router).status_code == 200
+
+
+def test_a_release_leg_that_cannot_pull_leaves_the_kv_stranded_as_refused(stack) -> None:
+    fleet, router = stack
+    for engine in ("e2", "e3"):  # the release leg's READ stalls past the 1 s deadline
+        admin(fleet.engines[engine].url, "POST", {"hang_kv_read_s": 3.0})
+    before = router.metrics()
+    r = post(router, logprobs=50)
+    assert r.status_code == 400, r.text
+    end = end_of(router, r)
+    assert end["outcome"] == "client_error"
+    prefill = end["prefill_engine"]
+    stranded = [a for a in end["attempts"] if a["outcome"] == "stranded"]
+    assert len(stranded) == 1 and stranded[0]["reason"] == "decode_refused"
+    assert stranded[0]["engine"] == prefill
+    assert not any(a["outcome"] == "released" for a in end["attempts"])
+    after = router.metrics()
+    assert metric(
+        after, "narwhal_stranded_handoffs_total", engine=prefill, reason="decode_refused"
+    ) == (
+        metric(before, "narwhal_stranded_handoffs_total", engine=prefill, reason="decode_refused")
+        + 1
+    )
+
+    # The abandoned release leg's READ ends on its own: the next test starts from an idle fleet
+    # as the router sees it (a decode engine still busy with it would not be picked).
+    def router_sees_idle() -> bool:
+        return all(
+            not e["scraped"]["running"]
+            and not e["scraped"]["waiting"]
+            and e["in_flight"] == {"prefill": 0, "decode": 0}
+            for e in router.admin_state()["engines"]
+        )
+
+    assert wait_until(router_sees_idle, 10)
+
+
 def test_first_token_deadline_aborts_and_retries_elsewhere(stack) -> None:
     fleet, router = stack
     admin(fleet.engines["e2"].url, "POST", {"stall_first_token_s": 3.0})

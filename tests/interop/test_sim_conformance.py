@@ -125,6 +125,36 @@ def test_stream_chunks_have_vllm_032_shape(fleet, chat: bool, include_usage: boo
         assert tokens[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"logprobs": 50}, "Requested sample logprobs of 50, which is greater than max allowed"),
+        ({"stop_token_ids": [10**8]}, "in stop_token_ids contain out-of-vocab token ids"),
+        ({"logit_bias": {"100000000": 1}}, "in logit_bias contain out-of-vocab token ids"),
+    ],
+    ids=["logprobs", "stop_token_ids", "logit_bias"],
+)
+def test_engine_side_refusals_come_in_the_stream_as_vllm_032_sends_them(
+    fleet, extra: dict[str, Any], message: str
+) -> None:
+    """vLLM 0.32 checks sampling parameters against the engine (SamplingParams.verify) once the
+    request reaches it: a whole request gets a 400, a streamed one a 200 whose only event is
+    the 400 error object, then [DONE] (seen on the interop suite's engines); a max_tokens past
+    the context is a 400 either way."""
+    url = fleet.engines["e1"].url + "/v1/completions"
+    with httpx.Client(timeout=30) as client:
+        whole = client.post(url, json=_body(False, **extra))
+        assert whole.status_code == 400
+        error = whole.json()["error"]
+        assert message in error["message"] and error["code"] == 400
+        with client.stream("POST", url, json=_body(False, stream=True, **extra)) as r:
+            assert r.status_code == 200
+            events = _events(r)
+        assert events == [{"error": error}, "[DONE]"]
+        late = client.post(url, json=_body(False, stream=True, max_tokens=10**7, **extra))
+        assert late.status_code == 400 and late.json()["error"]["param"] == "max_tokens"
+
+
 def test_decode_leg_body_round_trips_the_vllm_032_params() -> None:
     """What vLLM 0.32 returned (captured) goes to the decode engine unchanged."""
     captured = {

@@ -698,6 +698,51 @@ def test_routed_logprobs_equal_one_engine(pd: PD, chat: bool, stream: bool) -> N
     )
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_refused_decode_leg_releases_the_prefilled_kv(pd: PD, chat: bool) -> None:
+    """Logprobs past vLLM's ``--max-logprobs`` (20) are refused by the decode engine only (the
+    prefill leg does not carry them), after the prefill engine handed out the prompt's KV; vLLM
+    0.32 refuses them in the decode leg's stream (a 200 whose first event is a 400 error). The
+    client gets the 400, the decode engine is not counted failed, and the router's release leg
+    has the decode engine pull the KV (one NIXL transfer), so that the prefill engine frees it at
+    once instead of after ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` (480 s)."""
+
+    def prefill_holds_nothing() -> bool:
+        return metric(scrape(pd.prefill.url), "vllm:kv_cache_usage_perc") == 0
+
+    # The premise: KV the prefill engine handed out shows in its usage until a decode pulls it.
+    assert wait_until(prefill_holds_nothing, 15, interval=0.2)
+    leg = prefill_leg_body(pd.request_body(False, f"{tag()} {BODY_TEXT}"), False)
+    held = httpx.post(pd.prefill.url + "/v1/completions", json=leg, timeout=60)
+    assert held.status_code == 200, held.text
+    assert not prefill_holds_nothing()
+    pulled = httpx.post(
+        pd.decode.url + "/v1/completions",
+        json={**leg, "kv_transfer_params": held.json()["kv_transfer_params"]},
+        timeout=60,
+    )
+    assert pulled.status_code == 200, pulled.text
+    assert wait_until(prefill_holds_nothing, 15, interval=0.2)
+
+    extra: dict[str, Any] = {"logprobs": True, "top_logprobs": 50} if chat else {"logprobs": 50}
+    body = pd.request_body(chat, f"{tag()} {BODY_TEXT}", **extra)
+    before = nixl_counters(pd.decode.url)
+    failures = metric(pd.router.metrics(), "narwhal_leg_failures_total", leg="decode")
+    refused = pd.routed(body, chat)
+    assert refused.status == 400, refused.body
+    assert "greater than max allowed" in refused.body["error"]["message"], refused.body
+    end = pd.end_record(refused.request_id)
+    assert end["outcome"] == "client_error", end
+    outcomes = [(a["leg"], a["outcome"]) for a in end["attempts"]]
+    assert ("handoff", "released") in outcomes and ("handoff", "stranded") not in outcomes, end
+    moved = pd.wait_nixl(before, 1)
+    assert moved.transfers == 1 and moved.failed == 0, moved
+    assert wait_until(prefill_holds_nothing, 15, interval=0.2), "the prefill engine kept the KV"
+    assert metric(pd.router.metrics(), "narwhal_leg_failures_total", leg="decode") == failures
+    name = "chat" if chat else "completions"
+    pd.run.setdefault("refused_decode_released", {})[name] = refused.body["error"]["message"]
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_routed_response_format_equals_one_engine(pd: PD, stream: bool) -> None:
     """``response_format`` json_schema through P/D (guided on the decode engine only): the same

@@ -384,11 +384,12 @@ def test_kv_read_stalled_past_the_deadline(clean) -> None:
 # Decode rejecting before admission
 
 
-def test_decode_rejecting_before_admission_counts_the_stranded_handoff(clean) -> None:
+def test_decode_rejecting_before_admission_releases_the_handoff(clean) -> None:
     """A text prompt whose length the router cannot know passes its checks; the prefill leg
     (one token) fits, the decode leg (the client's max_tokens) does not, and the decode engine
-    refuses it before admission. The prefill's KV is then held by nobody until its lease
-    expires: the router passes the engine's 400 through and counts the stranded handoff."""
+    refuses it before admission. The prefill's KV would then be held by nobody until its lease
+    expires: the router passes the engine's 400 through and has the decode engine pull the KV
+    with a release leg (one token), so the prefill engine holds nothing."""
     fleet, router = clean
     prompt = " ".join(f"word{i}" for i in range(600))
     before = router.metrics()
@@ -401,22 +402,21 @@ def test_decode_rejecting_before_admission_counts_the_stranded_handoff(clean) ->
     legs = attempts(end)
     assert legs[0][0] == "prefill" and legs[0][2] == "ok"
     prefill = legs[0][1]
-    stranded = [a for a in end["attempts"] if a["outcome"] == "stranded"]
-    assert len(stranded) == 1 and stranded[0]["engine"] == prefill
+    assert legs[1:] == [("handoff", prefill, "released")], legs
     after = router.metrics()
-    assert (
-        metric_delta(
-            before, after, "narwhal_stranded_handoffs_total", engine=prefill, reason="decode_failed"
-        )
-        == 1
-    )
+    assert metric_delta(before, after, "narwhal_kv_released_total", engine=prefill) == 1
+    assert metric_delta(before, after, "narwhal_stranded_handoffs_total") == 0
     # No retry: the request, not an engine, is at fault, and the decode engine's breaker
     # is untouched.
     assert metric_delta(before, after, "narwhal_retries_total") == 0
     assert metric_delta(before, after, "narwhal_leg_failures_total") == 0
-    # The KV really is stranded: held on the prefill engine under the router's request id.
-    holds = sim_state(fleet.engines[prefill].url)["holds"]
-    assert any(h.startswith(end["id"]) for h in holds), holds
+    # Nothing is held on the prefill engine under the router's request id.
+    assert wait_until(
+        lambda: (
+            not any(h.startswith(end["id"]) for h in sim_state(fleet.engines[prefill].url)["holds"])
+        ),
+        5,
+    )
     # Nor does it stop the next request.
     assert post(router, body(2), timeout=BOUND_S).status_code == 200
 

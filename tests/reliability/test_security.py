@@ -30,7 +30,14 @@ import pytest
 from narwhal.journal import journal_files
 from narwhal.testing.fleet import SimFleet
 from narwhal.testing.procs import wait_until
-from tests.helpers import ADMIN_TOKEN, MODEL, RouterProcess, running_fleet, running_router
+from tests.helpers import (
+    ADMIN_TOKEN,
+    MODEL,
+    RouterProcess,
+    admin,
+    running_fleet,
+    running_router,
+)
 from tests.reliability.support import (
     ROUTER_ID_RE,
     body,
@@ -244,10 +251,15 @@ def test_client_request_ids_are_sanitised(keyed: RouterProcess, fleet: SimFleet)
     # Every journal line is still one well-formed record.
     assert all(isinstance(r, dict) and "type" in r for r in journal_records(router.journal))
 
-    # The engines get the router's id, not the client's: a stranded hold is named after it.
+    # The engines get the router's id, not the client's: a stranded hold is named after it (a
+    # decode leg refused, and the release leg's READ failing, so that the hold stays).
     head = b"X-Request-Id: client-chosen-id\r\n"
     stranded = json.dumps(body(16000, prompt="word " * 400)).encode()
-    status, headers, _ = raw_request(router.url, head, stranded)
+    admin(fleet.engines["e1"].url, "POST", {"hang_kv_read_s": 3600})
+    try:
+        status, headers, _ = raw_request(router.url, head, stranded)
+    finally:
+        admin(fleet.engines["e1"].url, "DELETE")
     assert status == 400
     rid = headers["x-request-id"]
     holds = [h for e in fleet.engines.values() for h in sim_state(e.url)["holds"]]

@@ -125,6 +125,28 @@ def test_vllm_refuses_these(
 
 
 @pytest.mark.parametrize(
+    ("body", "chat", "param"),
+    [
+        ({"logprobs": True, "top_logprobs": 21}, True, "logprobs"),
+        ({"logprobs": 50}, False, "logprobs"),
+        ({"logit_bias": {str(VOCAB.size + 5): 1}}, True, "logit_bias"),
+        ({"stop_token_ids": [VOCAB.size]}, False, "stop_token_ids"),
+    ],
+)
+def test_what_the_engine_refuses_a_stream_gets_in_the_stream(
+    body: dict[str, Any], chat: bool, param: str
+) -> None:
+    # vLLM 0.32's SamplingParams.verify: a whole request's 400, a streamed request's only event.
+    whole = error(body, chat)
+    assert not whole.in_stream and whole.param == param
+    streamed = error({**body, "stream": True}, chat)
+    assert streamed.in_stream and streamed.message == whole.message
+    # Every check of the HTTP layer comes first: a max_tokens past the context is a 400.
+    late = error({**body, "stream": True, "max_tokens": 10**7}, chat)
+    assert not late.in_stream and late.param == "max_tokens"
+
+
+@pytest.mark.parametrize(
     ("body", "param", "msg"),
     [
         ({"temperature": "hot"}, "body.temperature", "unable to parse string as a number"),

@@ -602,14 +602,21 @@ def router_overview() -> db.Dashboard:
             "Stranded handoffs",
             "Prefills whose KV was handed out but whose decode leg produced no token, per rate "
             "interval, by the prefill engine holding the KV and by reason "
-            "(narwhal_stranded_handoffs_total). That KV stays held until its lease expires.",
+            "(narwhal_stranded_handoffs_total). That KV stays held until its lease expires. "
+            "Beside them, `released`: KV handed out for a decode leg its engine refused, pulled by "
+            "a release leg and freed at once (narwhal_kv_released_total).",
             "short",
             [
                 _q(
                     _events("engine, reason", "narwhal_stranded_handoffs_total", engine=True),
                     "{{engine}} {{reason}}",
                     "A",
-                )
+                ),
+                _q(
+                    _events("engine", "narwhal_kv_released_total", engine=True),
+                    "{{engine}} released",
+                    "B",
+                ),
             ],
             bars=True,
         )

@@ -9,7 +9,11 @@ and output constraints would only cost time. Everything that renders into the pr
 (``messages``, ``tools``, ``tool_choice``, the chat template's arguments), so both engines see
 the same prompt tokens. Decode leg: the client's body plus the ``kv_transfer_params`` the
 prefill engine returned, unchanged, streamed with usage so the router sees every token, the
-first-token deadline and the completion token count whatever the client asked for.
+first-token deadline and the completion token count whatever the client asked for. Release leg:
+the prefill leg's body with the ``kv_transfer_params`` the prefill engine returned, sent to a
+decode engine that refused the decode leg (a field only that leg carries, or a ``max_tokens``
+past its context), so that it pulls the prompt's KV, and the prefill engine frees it, instead
+of the KV staying held until vLLM's abort timeout.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ __all__ = [
     "STRUCTURED_OUTPUT_FIELDS",
     "decode_leg_body",
     "prefill_leg_body",
+    "release_leg_body",
 ]
 
 PREFILL_KV_REQUEST: dict[str, Any] = {
@@ -68,6 +73,14 @@ def prefill_leg_body(client_body: dict[str, Any], chat: bool) -> dict[str, Any]:
         body["max_completion_tokens"] = 1
     body["stream"] = False
     body["kv_transfer_params"] = dict(PREFILL_KV_REQUEST)
+    return body
+
+
+def release_leg_body(
+    client_body: dict[str, Any], chat: bool, kv_transfer_params: Any
+) -> dict[str, Any]:
+    body = prefill_leg_body(client_body, chat)
+    body["kv_transfer_params"] = kv_transfer_params
     return body
 
 

@@ -20,7 +20,7 @@ import orjson
 
 from narwhal.contract import FleetContract
 from narwhal.engines.client import EnginePool
-from narwhal.engines.legs import decode_leg_body, prefill_leg_body
+from narwhal.engines.legs import decode_leg_body, prefill_leg_body, release_leg_body
 from narwhal.engines.sse import SseEventStream
 from narwhal.engines.transport import EngineResponse, EngineTransportError, read_prefix
 from narwhal.metrics import RouterMetrics
@@ -404,7 +404,7 @@ class PDRouter:
                 )
             except _EngineClientError as exc:
                 if params is not None:
-                    self._stranded(pair.prefill, "decode_failed", record)
+                    await self._release_refused_handoff(pair, request, record, params)
                 raise EngineRefused(exc.status, exc.body) from None
             except _LegFailure as exc:
                 decode_failures += 1
@@ -460,6 +460,53 @@ class PDRouter:
             f"prefill failed on every engine tried ({_legs(prefill_failures)}, the last "
             f"{last_error})",
         )
+
+    async def _release_refused_handoff(
+        self, pair: Pair, request: ClientRequest, record: RequestRecord, params: Any
+    ) -> None:
+        """The decode engine refused the decode leg before touching its KV (a field only that leg
+        carries, such as ``top_logprobs`` past its ``--max-logprobs`` or a grammar it cannot
+        compile; a ``max_tokens`` past its context): the prompt's KV would stay held on the
+        prefill engine until vLLM's abort timeout (``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s by
+        default), and a client repeating such a request could fill a prefill engine's cache with
+        KV nobody pulls. The same decode engine gets a release leg (the prefill leg's body and
+        the KV it was handed: nothing it refused is on it) and pulls the blocks, which frees
+        them on the prefill engine. The client's refusal waits for it, within the first-token
+        deadline: a client repeating bad requests is held back by its own."""
+        engine = pair.decode
+        path = "/v1/chat/completions" if request.chat else "/v1/completions"
+        body = orjson.dumps(release_leg_body(request.body, request.chat, params))
+        headers = {"X-Request-Id": record.id, "Content-Type": "application/json"}
+        started = record.since_arrival()
+        why: str | None = None
+        response: EngineResponse | None = None
+        try:
+            async with asyncio.timeout(self.fleet.engine.first_token_timeout_s):
+                response = await self.engines.client(engine).post(path, body, headers)
+                await read_prefix(response, _MAX_ERROR_BODY)
+            if response.status >= 400:
+                why = f"HTTP {response.status}"
+        except TimeoutError:
+            why = "timed out"
+        except EngineTransportError as exc:
+            why = exc.reason
+        finally:
+            if response is not None:
+                with contextlib.suppress(Exception):
+                    await response.aclose()
+        after_s = round(record.since_arrival() - started, 6)
+        if why is None:
+            self.metrics.kv_released.labels(pair.prefill).inc()
+            record.attempt("handoff", pair.prefill, "released", via=engine, after_s=after_s)
+            return
+        log.warning(
+            "request %s: release leg on %s for the KV %s handed out failed: %s",
+            record.id,
+            engine,
+            pair.prefill,
+            why,
+        )
+        self._stranded(pair.prefill, "decode_refused", record)
 
     def _stranded(self, prefill_id: str, reason: str, record: RequestRecord) -> None:
         # The prefill engine holds this KV until its lease expires: nobody will pull it.
@@ -780,7 +827,17 @@ class PDRouter:
                         data, raw = cut_prompt_ids(data)
                     obj = orjson.loads(data)
                     if isinstance(obj, dict) and "error" in obj:
-                        message = str((obj.get("error") or {}).get("message", obj["error"]))
+                        error = obj.get("error") or {}
+                        code = error.get("code") if isinstance(error, dict) else None
+                        if isinstance(code, int) and 400 <= code < 500:
+                            # vLLM checks sampling parameters against the engine (logprobs
+                            # past --max-logprobs, a grammar it cannot compile) as the stream
+                            # starts: a 200 whose first event is a 4xx error is a refusal,
+                            # the client's error, not a failing engine.
+                            raise _EngineClientError(code, data)
+                        message = str(
+                            error.get("message", error) if isinstance(error, dict) else error
+                        )
                         raise _LegFailure(f"engine error before the first token: {message}")
                     if isinstance(obj, dict) and obj.get("choices"):
                         if raw is None or client_ids:

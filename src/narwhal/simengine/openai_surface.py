@@ -98,6 +98,10 @@ class SurfaceOptions:
     logprobs: int | None = None
     guided: GuidedOutput | None = None
     forced: tuple[int, ...] | None = None  # the guided text's tokens
+    # What vLLM's SamplingParams.verify refuses as the request reaches the engine, after every
+    # check of the HTTP layer: a whole request gets it as a 400, a streamed one as the only
+    # event of a 200 stream (vLLM 0.32, checked against the engines: docs/vllm-interop.md).
+    refusal: Invalid | None = None
 
 
 # --- field types --------------------------------------------------------------------------
@@ -210,7 +214,7 @@ def _check_sampling(body: dict[str, Any], n: int) -> None:
         raise _vllm_error(f"n must be 1 when using greedy sampling, got {n}.")
 
 
-def _check_stops(body: dict[str, Any], vocab: Vocabulary) -> None:
+def _check_stops(body: dict[str, Any]) -> None:
     # Validated as vLLM validates them. The simulated model's words come from a hash, not a
     # distribution a stop could cut, so stop strings and ids are accepted but not applied.
     stop = body.get("stop")
@@ -245,28 +249,47 @@ def _check_stops(body: dict[str, Any], vocab: Vocabulary) -> None:
             raise _pydantic_error(
                 f"stop_token_ids.{i}", "int_type", "Input should be a valid integer", token
             )
+
+
+def _out_of_vocab(field: str, ids: list[int], vocab: Vocabulary) -> Invalid | None:
     bad = [t for t in ids if not 0 <= t < vocab.size]
-    if bad:
-        raise _vllm_error(
-            f"token_id(s) {bad} in stop_token_ids contain out-of-vocab token ids."
-            f" Vocabulary size: {vocab.size}",
-            "stop_token_ids",
-            bad,
-        )
+    if not bad:
+        return None
+    return _vllm_error(
+        f"token_id(s) {bad} in {field} contain out-of-vocab token ids."
+        f" Vocabulary size: {vocab.size}",
+        field,
+        bad,
+    )
 
 
-def _check_num_logprobs(count: int, vocab: Vocabulary) -> None:
-    requested = vocab.size if count == -1 else count
-    if requested > MAX_LOGPROBS:
-        raise _vllm_error(
-            f"Requested sample logprobs of {requested}, which is greater than max allowed:"
-            f" {MAX_LOGPROBS}",
-            "logprobs",
-            requested,
-        )
+def _engine_refusal(
+    body: dict[str, Any], logprobs: int | None, vocab: Vocabulary
+) -> Invalid | None:
+    """vLLM 0.32's ``SamplingParams.verify``, in its order (the checks the simulator models):
+    the logprobs against ``--max-logprobs``, then ``logit_bias`` and ``stop_token_ids`` against
+    the vocabulary."""
+    if logprobs is not None:
+        requested = vocab.size if logprobs == -1 else logprobs
+        if requested > MAX_LOGPROBS:
+            return _vllm_error(
+                f"Requested sample logprobs of {requested}, which is greater than max allowed:"
+                f" {MAX_LOGPROBS}",
+                "logprobs",
+                requested,
+            )
+    bias = body.get("logit_bias")
+    if isinstance(bias, dict):
+        keys = [int(k) for k in bias if isinstance(k, str) and k.lstrip("-").isdigit()]
+        if (refusal := _out_of_vocab("logit_bias", keys, vocab)) is not None:
+            return refusal
+    ids = body.get("stop_token_ids")
+    if isinstance(ids, list):
+        return _out_of_vocab("stop_token_ids", ids, vocab)
+    return None
 
 
-def _logprobs(body: dict[str, Any], chat: bool, vocab: Vocabulary) -> int | None:
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
     if chat:
         wanted = _boolean(body, "logprobs")
         top = body.get("top_logprobs")
@@ -284,7 +307,6 @@ def _logprobs(body: dict[str, Any], chat: bool, vocab: Vocabulary) -> int | None
             )
         if not wanted:
             return None
-        _check_num_logprobs(count, vocab)
         return count
     value = body.get("logprobs")
     if value is None:
@@ -295,7 +317,6 @@ def _logprobs(body: dict[str, Any], chat: bool, vocab: Vocabulary) -> int | None
     assert count is not None
     if count < 0 and count != -1:
         raise _vllm_error("`logprobs` must be a positive value or -1.", "logprobs", count)
-    _check_num_logprobs(count, vocab)
     return count
 
 
@@ -596,8 +617,8 @@ def parse_surface(
             "n",
         )
     _check_sampling(body, n)
-    _check_stops(body, vocab)
-    logprobs = _logprobs(body, chat, vocab)
+    _check_stops(body)
+    logprobs = _logprobs(body, chat)
     tools = tool_choice = None
     if chat:
         tools = _tools(body)
@@ -605,7 +626,8 @@ def parse_surface(
         _boolean(body, "parallel_tool_calls")
     guided = _guided(body, chat, tools, tool_choice)
     forced = None if guided is None else tuple(vocab.encode(guided.text))
-    return SurfaceOptions(n=n, logprobs=logprobs, guided=guided, forced=forced)
+    refusal = _engine_refusal(body, logprobs, vocab)
+    return SurfaceOptions(n=n, logprobs=logprobs, guided=guided, forced=forced, refusal=refusal)
 
 
 # --- building the answer ---------------------------------------------------------------------

@@ -26,12 +26,16 @@ class ProtocolError(Exception):
         status: int = 400,
         param: str | None = None,
         type_: str = "BadRequestError",
+        in_stream: bool = False,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
         self.type = type_
+        # A streamed request's refusal by the engine itself (SamplingParams.verify): vLLM
+        # answers 200 and sends it as the stream's only event, then [DONE].
+        self.in_stream = in_stream
 
 
 def error_body(message: str, type_: str, status: int, param: str | None = None) -> dict[str, Any]:
@@ -152,6 +156,8 @@ def parse_generation(
         raise ProtocolError(
             "Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt"
         )
+    if (refusal := surface.refusal) is not None:
+        raise ProtocolError(refusal.message, param=refusal.param, in_stream=stream)
     return GenerationParams(
         chat=chat,
         prompt=prompt,

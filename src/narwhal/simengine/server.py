@@ -410,6 +410,9 @@ def build_app(settings: SimEngineSettings) -> Starlette:
                 return _error("injected failure", "InternalServerError", faults.fail_status)
             params = parse_generation(body, vocab, chat, cfg.max_model_len)
         except ProtocolError as exc:
+            if exc.in_stream:
+                event = _sse(error_body(exc.message, exc.type, exc.status, exc.param))
+                return Response(event + b"data: [DONE]\n\n", media_type="text/event-stream")
             return _error(exc.message, exc.type, exc.status, exc.param)
         base_id = (
             _REQUEST_ID_RE.sub("", request.headers.get("x-request-id", ""))[:128]
