@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import asyncio
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.types import Receive
 
-from narwhal.serve.errors import BodyTimeout, PayloadTooLarge
+from narwhal.serve.errors import BodyTimeout, ClientClosedRequest, PayloadTooLarge
 
 __all__ = ["ClientGone", "read_body", "read_limited_body"]
 
@@ -36,15 +36,17 @@ async def read_body(
 
 
 async def read_limited_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    """``read_body`` of a framework route; a client that disconnects raises Starlette's
-    ``ClientDisconnect``, as ``Request.body`` does. It reads ``request.receive`` itself: for a
-    body nothing has read yet (these routes read theirs once, first)."""
+    """``read_body`` of a framework route, whose errors are all ``RouterError``s the route
+    answers with: a client that disconnects raises ``ClientClosedRequest`` (Starlette's own
+    ``ClientDisconnect`` would leave the route as an unhandled exception, a traceback per
+    client). It reads ``request.receive`` itself: for a body nothing has read yet (these routes
+    read theirs once, first)."""
     try:
         return await read_body(
             request.receive, request.headers.get("content-length"), limit, timeout_s
         )
     except ClientGone:
-        raise ClientDisconnect() from None
+        raise ClientClosedRequest() from None
 
 
 async def _read(receive: Receive, declared: bytes | str | None, limit: int) -> bytes:

@@ -35,6 +35,7 @@ from starlette.responses import Response
 __all__ = [
     "AdmissionRejected",
     "BodyTimeout",
+    "ClientClosedRequest",
     "ClientError",
     "Conflict",
     "EngineRefused",
@@ -143,6 +144,18 @@ class BodyTimeout(ClientError):
             f"the request body did not arrive within {timeout_s:g} s",
             headers={"Connection": "close"},
         )
+
+
+class ClientClosedRequest(ClientError):
+    """The client hung up while its request body arrived: nobody reads the answer (499, as
+    proxies log it), and the route ends quietly instead of raising out of the framework."""
+
+    status = 499
+    type = "invalid_request_error"
+    outcome = "client_abort"
+
+    def __init__(self) -> None:
+        super().__init__("the client closed the connection before its request body arrived")
 
 
 class EngineRefused(ClientError):
