@@ -178,7 +178,7 @@ def test_a_decode_leg_the_engine_refuses_releases_the_prefilled_kv(stack) -> Non
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert "greater than max allowed" in error["message"]
-    assert error["type"] == "invalid_request_error"
+    assert error["type"] == "invalid_request_error" and error["param"] == "logprobs"
     end = end_of(router, r)
     assert end["outcome"] == "client_error" and end["status"] == 400
     prefill, decode = end["prefill_engine"], end["decode_engine"]

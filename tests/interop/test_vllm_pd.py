@@ -731,6 +731,7 @@ def test_a_refused_decode_leg_releases_the_prefilled_kv(pd: PD, chat: bool) -> N
     refused = pd.routed(body, chat)
     assert refused.status == 400, refused.body
     assert "greater than max allowed" in refused.body["error"]["message"], refused.body
+    assert refused.body["error"]["param"] == "logprobs", refused.body
     end = pd.end_record(refused.request_id)
     assert end["outcome"] == "client_error", end
     outcomes = [(a["leg"], a["outcome"]) for a in end["attempts"]]

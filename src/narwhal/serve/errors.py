@@ -165,11 +165,15 @@ class EngineRefused(ClientError):
 
     def __init__(self, status: int, raw_body: bytes) -> None:
         message = f"engine refused the request (HTTP {status})"
+        param: str | None = None
         try:
             parsed = orjson.loads(raw_body)
             error = parsed.get("error") if isinstance(parsed, dict) else None
             if isinstance(error, dict) and isinstance(error.get("message"), str):
                 message = error["message"]
+                # The field vLLM names (``logprobs``, ``max_tokens``...): SDKs show it.
+                if isinstance(error.get("param"), str):
+                    param = error["param"]
             elif isinstance(parsed, dict) and isinstance(parsed.get("message"), str):
                 message = parsed["message"]
             elif isinstance(error, str):
@@ -190,7 +194,7 @@ class EngineRefused(ClientError):
             self.type = "upstream_error"  # type: ignore[misc]
             self.outcome = "internal_error"  # type: ignore[misc]
             return
-        super().__init__(message)
+        super().__init__(message, param)
         self.status = status  # type: ignore[misc]  # the engine's, per instance
 
 
