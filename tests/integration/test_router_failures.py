@@ -163,9 +163,16 @@ def test_decode_failure_before_first_token_retries_with_a_fresh_prefill(stack) -
     )
 
 
-def holds(fleet: SimFleet, engine: str) -> float:
-    text = httpx.get(fleet.engines[engine].url + "/metrics", timeout=5).text
-    return metric(text, "narwhal_sim:kv_holds")
+def holds(fleet: SimFleet, request_id: str) -> list[str]:
+    """The KV holds of ``request_id`` on every engine (those of earlier tests' stranded
+    handoffs wait out their lease)."""
+    return [
+        hold
+        for engine in fleet.engines.values()
+        if engine.alive
+        for hold in admin(engine.url, "GET", path="/sim/state").json()["holds"]
+        if hold.startswith(request_id)
+    ]
 
 
 def test_a_decode_leg_the_engine_refuses_releases_the_prefilled_kv(stack) -> None:
@@ -187,7 +194,7 @@ def test_a_decode_leg_the_engine_refuses_releases_the_prefilled_kv(stack) -> Non
     assert not any(a["outcome"] == "stranded" for a in end["attempts"])
     released = next(a for a in end["attempts"] if a["outcome"] == "released")
     assert released["via"] == decode
-    assert wait_until(lambda: holds(fleet, prefill) == 0, 5), "the prefill engine still holds it"
+    assert wait_until(lambda: not holds(fleet, end["id"]), 5), "the prefill engine still holds it"
     after = router.metrics()
     assert metric(after, "narwhal_kv_released_total", engine=prefill) == (
         metric(before, "narwhal_kv_released_total", engine=prefill) + 1
@@ -207,6 +214,29 @@ def test_a_decode_leg_the_engine_refuses_releases_the_prefilled_kv(stack) -> Non
         )
     assert all(e["breaker"] == "closed" for e in router.admin_state()["engines"])
     assert post(router).status_code == 200
+
+
+def test_every_choice_of_a_refused_request_releases_its_kv(stack) -> None:
+    # n = 3: three prefills, three refused decode legs. The first refusal ends the request and
+    # cancels the other choices; their release legs run on to their end all the same.
+    fleet, router = stack
+    before = router.metrics()
+    r = post(router, logprobs=50, n=3, temperature=1.0)
+    assert r.status_code == 400, r.text
+    end = end_of(router, r)
+    handoffs = [a["outcome"] for a in end["attempts"] if a["leg"] == "handoff"]
+    assert len(handoffs) == 3 and set(handoffs) <= {"released", "releasing"}, end["attempts"]
+
+    def released() -> float:
+        return metric(router.metrics(), "narwhal_kv_released_total") - metric(
+            before, "narwhal_kv_released_total"
+        )
+
+    assert wait_until(lambda: released() == 3, 10), released()
+    assert metric(router.metrics(), "narwhal_stranded_handoffs_total") == metric(
+        before, "narwhal_stranded_handoffs_total"
+    )
+    assert wait_until(lambda: not holds(fleet, end["id"]), 5), holds(fleet, end["id"])
 
 
 def test_a_release_leg_that_cannot_pull_leaves_the_kv_stranded_as_refused(stack) -> None:
@@ -466,6 +496,24 @@ def test_a_client_hanging_up_mid_body_on_the_other_routes_leaves_no_traceback(st
         log.seek(logged)
         tail = log.read().decode(errors="replace")
     assert "Traceback" not in tail and "ClientDisconnect" not in tail, tail
+
+
+def test_the_context_is_applied_as_vllm_032_applies_it(stack) -> None:
+    """A max_tokens past what the prompt leaves is cut to it, not refused (vLLM 0.32; the
+    router refused such token-id prompts); a max_tokens past the context, or a prompt that
+    leaves nothing, is refused before any engine."""
+    _, router = stack
+    context = 16384  # the test fleet's max_model_len
+    long_prompt = [300 + i % 9000 for i in range(context - 4)]
+    r = post(router, prompt=long_prompt, max_tokens=10, ignore_eos=True)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    r = post(router, max_tokens=context + 1)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert "cannot be greater than max_model_len" in r.json()["error"]["message"]
+    r = post(router, prompt=[300] * context, max_tokens=1)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
 
 
 def test_unknown_and_bad_requests_are_client_errors_without_5xx(stack) -> None:

@@ -705,7 +705,7 @@ def test_a_refused_decode_leg_releases_the_prefilled_kv(pd: PD, chat: bool) -> N
     0.32 refuses them in the decode leg's stream (a 200 whose first event is a 400 error). The
     client gets the 400, the decode engine is not counted failed, and the router's release leg
     has the decode engine pull the KV (one NIXL transfer), so that the prefill engine frees it at
-    once instead of after ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` (480 s)."""
+    once instead of when its lease expires (``kv_lease_duration``, 30 s)."""
 
     def prefill_holds_nothing() -> bool:
         return metric(scrape(pd.prefill.url), "vllm:kv_cache_usage_perc") == 0
@@ -742,6 +742,28 @@ def test_a_refused_decode_leg_releases_the_prefilled_kv(pd: PD, chat: bool) -> N
     assert metric(pd.router.metrics(), "narwhal_leg_failures_total", leg="decode") == failures
     name = "chat" if chat else "completions"
     pd.run.setdefault("refused_decode_released", {})[name] = refused.body["error"]["message"]
+
+
+def test_routed_context_cut_as_vllm_cuts_it(pd: PD) -> None:
+    """A token-id prompt whose max_tokens passes what it leaves of the context: vLLM 0.32 cuts
+    max_tokens to fit (the router refused it before); a max_tokens past the context is a 400
+    from the router, as from vLLM, naming max_tokens."""
+    context = vllm_engines.MAX_MODEL_LEN
+    prompt = [5 + i % 3000 for i in range(context - 6)]
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 50, "ignore_eos": True}
+    routed = pd.routed(body, False)
+    assert routed.status == 200, routed.body
+    assert routed.usage is not None
+    assert routed.usage["prompt_tokens"] == context - 6, routed.usage
+    assert routed.usage["completion_tokens"] == 6, routed.usage
+    direct = generate(pd.decode.url, {**body, "max_tokens": context + 1}, False)
+    refused = pd.routed({**body, "max_tokens": context + 1}, False)
+    assert direct.status == refused.status == 400, (direct.body, refused.body)
+    assert refused.body["error"]["param"] == direct.body["error"]["param"] == "max_tokens"
+    assert (
+        refused.body["error"]["message"].split(" Please")[0]
+        == (direct.body["error"]["message"].split(" Please")[0])
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

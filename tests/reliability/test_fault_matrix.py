@@ -386,16 +386,18 @@ def test_kv_read_stalled_past_the_deadline(clean) -> None:
 
 def test_decode_rejecting_before_admission_releases_the_handoff(clean) -> None:
     """A text prompt whose length the router cannot know passes its checks; the prefill leg
-    (one token) fits, the decode leg (the client's max_tokens) does not, and the decode engine
-    refuses it before admission. The prefill's KV would then be held by nobody until its lease
-    expires: the router passes the engine's 400 through and has the decode engine pull the KV
-    with a release leg (one token), so the prefill engine holds nothing."""
+    (one token, no min_tokens) fits, the decode leg does not: the engine cuts max_tokens to what
+    the prompt leaves of the context (vLLM 0.32), below the client's min_tokens, and refuses it
+    before admission. The prefill's KV would then be held by nobody until its lease expires:
+    the router passes the engine's 400 through and has the decode engine pull the KV with a
+    release leg (one token), so the prefill engine holds nothing."""
     fleet, router = clean
     prompt = " ".join(f"word{i}" for i in range(600))
     before = router.metrics()
-    r, elapsed = timed_post(router, body(16000, prompt=prompt), timeout=BOUND_S)
+    request = body(16000, prompt=prompt, min_tokens=16000)
+    r, elapsed = timed_post(router, request, timeout=BOUND_S)
     assert r.status_code == 400, r.text
-    assert "maximum context length" in r.json()["error"]["message"]
+    assert "min_tokens must be less than or equal to max_tokens" in r.json()["error"]["message"]
     assert elapsed < BOUND_S
     end = end_of(router, r.headers["x-request-id"])
     assert end["outcome"] == "client_error" and end["status"] == 400

@@ -141,7 +141,9 @@ def test_planted_secrets_never_reach_logs_journal_or_metrics(keyed: RouterProces
         assert all(r.headers.get("www-authenticate") == "Bearer" for r in refused[:3])
         # A prompt the engines refuse (their error goes back to the client and the journal).
         r = client.post(
-            "/v1/completions", headers=auth(), json=body(16000, prompt=f"{MARKER} " * 300)
+            "/v1/completions",
+            headers=auth(),
+            json=body(16000, prompt=f"{MARKER} " * 300, min_tokens=16000),
         )
         assert r.status_code == 400
         # Many requests, to rotate the journal (4 KiB files).
@@ -254,7 +256,7 @@ def test_client_request_ids_are_sanitised(keyed: RouterProcess, fleet: SimFleet)
     # The engines get the router's id, not the client's: a stranded hold is named after it (a
     # decode leg refused, and the release leg's READ failing, so that the hold stays).
     head = b"X-Request-Id: client-chosen-id\r\n"
-    stranded = json.dumps(body(16000, prompt="word " * 400)).encode()
+    stranded = json.dumps(body(16000, prompt="word " * 400, min_tokens=16000)).encode()
     admin(fleet.engines["e1"].url, "POST", {"hang_kv_read_s": 3600})
     try:
         status, headers, _ = raw_request(router.url, head, stranded)

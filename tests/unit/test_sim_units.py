@@ -501,7 +501,7 @@ def test_parse_generation_valid() -> None:
         ({"prompt": "x", "echo": True}, "echo", "echo"),
         ({"prompt": [300, VOCAB.size]}, "prompt", f"Token id {VOCAB.size} is out of vocabulary"),
         ({"prompt": [300, -1]}, "prompt", "out of vocabulary"),
-        ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens", "min_tokens"),
+        ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, None, "max_tokens=4, got 5"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens", "at least 1"),
         ({"prompt": "x", "max_tokens": "5"}, "max_tokens", "integer"),
@@ -515,14 +515,21 @@ def test_parse_generation_errors(body: dict[str, Any], param: str | None, words:
     assert words in err.message
 
 
-def test_too_long_prompt_names_the_context_length() -> None:
+def test_the_context_length_as_vllm_032_applies_it() -> None:
+    # Probed on vLLM 0.32: a prompt past the context is refused (input_tokens), one that fills
+    # it leaves max_tokens 0 (refused), a max_tokens past the context is refused whatever the
+    # prompt, and a max_tokens past what the prompt leaves is cut to it.
     err = parse_error({"prompt": [300] * 100, "max_tokens": 1}, max_model_len=64)
-    assert "maximum context length is 64 tokens" in err.message
-    assert err.param == "prompt"
-    # A prompt that fits but leaves no room for the completion blames max_tokens.
-    err = parse_error({"prompt": [300] * 60, "max_tokens": 10}, max_model_len=64)
-    assert "maximum context length" in err.message and "70 tokens" in err.message
-    assert err.param == "max_tokens"
+    assert "maximum context length is 64 tokens" in err.message and "at least 65" in err.message
+    assert err.param == "input_tokens"
+    err = parse_error({"prompt": [300] * 64, "max_tokens": 1}, max_model_len=64)
+    assert err.param == "max_tokens" and "at least 1, got 0" in err.message
+    err = parse_error({"prompt": [300] * 2, "max_tokens": 65}, max_model_len=64)
+    assert err.param == "max_tokens" and "cannot be greater than max_model_len=64" in err.message
+    cut = parse_generation({"prompt": [300] * 60, "max_tokens": 10}, VOCAB, False, 64)
+    assert cut.max_tokens == 4
+    err = parse_error({"prompt": [300] * 60, "max_tokens": 10, "min_tokens": 5}, max_model_len=64)
+    assert "min_tokens must be less than or equal to max_tokens=4, got 5." in err.message
 
 
 def test_chat_errors() -> None:
@@ -530,7 +537,10 @@ def test_chat_errors() -> None:
     bad_part = {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
     assert parse_error(bad_part, chat=True).param == "messages"
     too_few = {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2}
-    assert parse_error({**too_few, "min_completion_tokens": 3}, chat=True).param == "min_tokens"
+    assert (
+        "max_tokens=2, got 3"
+        in parse_error({**too_few, "min_completion_tokens": 3}, chat=True).message
+    )
     assert parse_error("not an object").param is None
 
 

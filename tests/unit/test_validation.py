@@ -58,7 +58,13 @@ def parse(body: object, chat: bool = False, max_len: int = 100):
         ({"model": MODEL, "prompt": "x", "kv_transfer_params": None}, 400, "kv_transfer_params"),
         ({"model": MODEL, "prompt": "x", "ec_transfer_params": {}}, 400, "ec_transfer_params"),
         ({"model": MODEL, "prompt": [5] * 100}, 400, "prompt"),
-        ({"model": MODEL, "prompt": [5] * 90, "max_tokens": 20}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": [5] * 9, "max_tokens": 101}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 101}, 400, "max_tokens"),
+        (
+            {"model": MODEL, "prompt": [5] * 90, "max_tokens": 20, "min_tokens": 11},
+            400,
+            "min_tokens",
+        ),
         ({"model": MODEL, "prompt": "y" * 1700}, 400, "prompt"),
     ],
 )
@@ -133,6 +139,19 @@ def test_accepted_requests() -> None:
         chat=True,
     )
     assert r.max_tokens == 4 and r.chat
+
+
+def test_a_max_tokens_past_what_the_prompt_leaves_is_cut_as_vllm_cuts_it() -> None:
+    # vLLM 0.32 serves prompt + max_tokens past the context with max_tokens cut to fit (only a
+    # max_tokens past the context itself is refused): the router plans with the cut value and
+    # sends the body as it is.
+    r = parse({"model": MODEL, "prompt": [5] * 90, "max_tokens": 20, "min_tokens": 10})
+    assert r.max_tokens == 10 and r.body["max_tokens"] == 20
+    r = parse({"model": MODEL, "prompt": [5] * 99, "max_tokens": 100})
+    assert r.max_tokens == 1
+    with pytest.raises(RouterError) as info:
+        parse({"model": MODEL, "prompt": "x", "max_tokens": 101})
+    assert "cannot be greater than max_model_len=100" in info.value.message
 
 
 @pytest.mark.parametrize(

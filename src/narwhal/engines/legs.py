@@ -11,9 +11,9 @@ the same prompt tokens. Decode leg: the client's body plus the ``kv_transfer_par
 prefill engine returned, unchanged, streamed with usage so the router sees every token, the
 first-token deadline and the completion token count whatever the client asked for. Release leg:
 the prefill leg's body with the ``kv_transfer_params`` the prefill engine returned, sent to a
-decode engine that refused the decode leg (a field only that leg carries, or a ``max_tokens``
-past its context), so that it pulls the prompt's KV, and the prefill engine frees it, instead
-of the KV staying held until vLLM's abort timeout.
+decode engine that refused the decode leg (a field only that leg carries), so that it pulls the
+prompt's KV, and the prefill engine frees it, instead of the KV staying held until its lease
+expires.
 """
 
 from __future__ import annotations

@@ -197,6 +197,9 @@ class PDRouter:
         self._capacity = capacity
         self._waiters: dict[Ticket, asyncio.Future[Verdict]] = {}
         self._pump: asyncio.Task[None] | None = None
+        # Release legs under way (``_release_refused_handoff``): held here, so that one whose
+        # request was cancelled still runs to its end.
+        self._releases: set[asyncio.Task[str | None]] = set()
         # Every migratable stream's stall deadline (stall_s), on one timer.
         self.stalls = StallSweeper(fleet.routing.migration.stall_floor_s / 4)
 
@@ -465,19 +468,41 @@ class PDRouter:
         self, pair: Pair, request: ClientRequest, record: RequestRecord, params: Any
     ) -> None:
         """The decode engine refused the decode leg before touching its KV (a field only that leg
-        carries, such as ``top_logprobs`` past its ``--max-logprobs`` or a grammar it cannot
-        compile; a ``max_tokens`` past its context): the prompt's KV would stay held on the
-        prefill engine until vLLM's abort timeout (``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s by
-        default), and a client repeating such a request could fill a prefill engine's cache with
-        KV nobody pulls. The same decode engine gets a release leg (the prefill leg's body and
-        the KV it was handed: nothing it refused is on it) and pulls the blocks, which frees
-        them on the prefill engine. The client's refusal waits for it, within the first-token
-        deadline: a client repeating bad requests is held back by its own."""
+        carries, such as ``logprobs`` past its ``--max-logprobs`` or a grammar it cannot compile;
+        a ``min_tokens`` past what the context leaves): the prompt's KV would stay held on the
+        prefill engine until its lease expires (vLLM 0.32's ``kv_lease_duration``, 30 s by
+        default), and a client repeating such a request could keep a prefill engine's cache full
+        of KV nobody pulls. The same decode engine gets a release leg (the prefill leg's body
+        and the KV it was handed: nothing it refused is on it) and pulls the blocks, which frees
+        them on the prefill engine. The client's refusal waits for it (a client repeating bad
+        requests is held back by its own); the release leg has a deadline of its own, the
+        first-token deadline, and runs to its end even when the request is cancelled (the
+        client left, the drain ran out, another choice of the request failed): cancelling it
+        would leave the KV held."""
+        task = asyncio.ensure_future(self._release_leg(pair, request, record.id, params))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+        started = record.since_arrival()
+        try:
+            why = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            record.attempt("handoff", pair.prefill, "releasing", via=pair.decode)
+            raise
+        after_s = round(record.since_arrival() - started, 6)
+        if why is None:
+            record.attempt("handoff", pair.prefill, "released", via=pair.decode, after_s=after_s)
+        else:
+            record.attempt("handoff", pair.prefill, "stranded", reason="decode_refused")
+
+    async def _release_leg(
+        self, pair: Pair, request: ClientRequest, request_id: str, params: Any
+    ) -> str | None:
+        """Send the release leg; None once the decode engine answered it (it pulled the KV), or
+        why not. Counted here, whether or not its request still waits for it."""
         engine = pair.decode
         path = "/v1/chat/completions" if request.chat else "/v1/completions"
         body = orjson.dumps(release_leg_body(request.body, request.chat, params))
-        headers = {"X-Request-Id": record.id, "Content-Type": "application/json"}
-        started = record.since_arrival()
+        headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
         why: str | None = None
         response: EngineResponse | None = None
         try:
@@ -494,19 +519,19 @@ class PDRouter:
             if response is not None:
                 with contextlib.suppress(Exception):
                     await response.aclose()
-        after_s = round(record.since_arrival() - started, 6)
         if why is None:
             self.metrics.kv_released.labels(pair.prefill).inc()
-            record.attempt("handoff", pair.prefill, "released", via=engine, after_s=after_s)
-            return
+            return None
+        self.metrics.stranded.labels(pair.prefill, "decode_refused").inc()
         log.warning(
-            "request %s: release leg on %s for the KV %s handed out failed: %s",
-            record.id,
-            engine,
+            "request %s: KV prefilled on %s stranded (decode_refused): the release leg on %s"
+            " failed: %s",
+            request_id,
             pair.prefill,
+            engine,
             why,
         )
-        self._stranded(pair.prefill, "decode_refused", record)
+        return why
 
     def _stranded(self, prefill_id: str, reason: str, record: RequestRecord) -> None:
         # The prefill engine holds this KV until its lease expires: nobody will pull it.

@@ -261,18 +261,33 @@ def parse_client_request(
     if chat:
         cap = _check_int(body, "max_completion_tokens", 1)
         max_tokens = cap if cap is not None else max_tokens
-    _check_int(body, "min_tokens", 0)
+    # vLLM 0.32 refuses a max_tokens past the context whatever the prompt, and otherwise cuts
+    # it to what the prompt leaves (the engines do; the router only plans with the cut value).
+    if max_tokens is not None and max_tokens > max_model_len:
+        raise InvalidRequest(
+            f"max_tokens={max_tokens} cannot be greater than max_model_len={max_model_len}."
+            " Please request fewer output tokens.",
+            "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
+        )
+    min_tokens = _check_int(body, "min_tokens", 0)
     prompts = _batch(body, chat)
     if n > 1 or len(prompts) > 1:
         return _fan_out(body, chat, served_model, max_model_len, n, prompts, stream, include_usage)
     exact, size = _prompt_length(body, chat)
     if exact is not None:
-        total = exact + (max_tokens or 0)
-        if exact >= max_model_len or total > max_model_len:
+        if exact >= max_model_len:
             raise InvalidRequest(
-                f"This model's maximum context length is {max_model_len} tokens; the request has"
-                f" {exact} prompt tokens and asks for {max_tokens or 0} more",
-                "prompt" if exact >= max_model_len else "max_tokens",
+                f"This model's maximum context length is {max_model_len} tokens; the prompt has"
+                f" {exact} tokens, which leaves none to generate",
+                "prompt",
+            )
+        if max_tokens is not None:
+            max_tokens = min(max_tokens, max_model_len - exact)
+        if min_tokens and max_tokens is not None and min_tokens > max_tokens:
+            raise InvalidRequest(
+                f"min_tokens must be less than or equal to max_tokens={max_tokens}, got"
+                f" {min_tokens}.",
+                "min_tokens",
             )
     else:
         floor = size / MAX_BYTES_PER_TOKEN

@@ -121,27 +121,45 @@ def parse_generation(
         surface = parse_surface(body, chat, vocab, body.get("kv_transfer_params"))
     except Invalid as exc:
         raise ProtocolError(exc.message, param=exc.param, type_=exc.type) from exc
-    prompt = _prompt_tokens(body, vocab, chat)
     max_tokens = _int_field(body, "max_tokens", 1)
     if chat:
         completion_cap = _int_field(body, "max_completion_tokens", 1)
         if completion_cap is not None:
             max_tokens = completion_cap
+    # vLLM 0.32 (probed on the interop suite's engines): a max_tokens past the context is
+    # refused whatever the prompt; a prompt past it is refused; otherwise max_tokens is cut to
+    # what the prompt leaves (a prompt that fills the context leaves 0: refused).
+    if max_tokens is not None and max_tokens > max_model_len:
+        raise ProtocolError(
+            f"max_tokens={max_tokens} cannot be greater than max_model_len={max_model_len}."
+            f" Please request fewer output tokens. (parameter=max_tokens, value={max_tokens})",
+            param="max_tokens",
+        )
+    prompt = _prompt_tokens(body, vocab, chat)
+    if len(prompt) > max_model_len:
+        shown = max_model_len + 1  # vLLM stops counting there
+        raise ProtocolError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your"
+            f" prompt contains at least {shown} input tokens, which exceeds this limit even"
+            " without any output tokens. Please reduce the length of the input prompt."
+            f" (parameter=input_tokens, value={shown})",
+            param="input_tokens",
+        )
     if max_tokens is None:
         max_tokens = max_model_len - len(prompt) if chat else DEFAULT_COMPLETION_MAX_TOKENS
-    if len(prompt) + max_tokens > max_model_len:
+    max_tokens = min(max_tokens, max_model_len - len(prompt))
+    if max_tokens < 1:
         raise ProtocolError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested"
-            f" {len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, {max_tokens} in"
-            " the completion). Please reduce the length of the messages or completion.",
-            param="max_tokens" if len(prompt) < max_model_len else "prompt",
+            f"max_tokens must be at least 1, got {max_tokens}. (parameter=max_tokens,"
+            f" value={max_tokens})",
+            param="max_tokens",
         )
     min_tokens = _int_field(body, "min_tokens", 0) or 0
     if chat:
         min_tokens = _int_field(body, "min_completion_tokens", 0) or min_tokens
     if min_tokens > max_tokens:
         raise ProtocolError(
-            "min_tokens must be less than or equal to max_tokens", param="min_tokens"
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}."
         )
     stream = _bool_field(body, "stream")
     options = body.get("stream_options") or {}
