@@ -513,7 +513,8 @@ def test_the_context_is_applied_as_vllm_032_applies_it(stack) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
     assert "cannot be greater than max_model_len" in r.json()["error"]["message"]
     r = post(router, prompt=[300] * context, max_tokens=1)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert "must be at least 1, got 0" in r.json()["error"]["message"]
 
 
 def test_unknown_and_bad_requests_are_client_errors_without_5xx(stack) -> None:

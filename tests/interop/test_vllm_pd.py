@@ -760,10 +760,15 @@ def test_routed_context_cut_as_vllm_cuts_it(pd: PD) -> None:
     refused = pd.routed({**body, "max_tokens": context + 1}, False)
     assert direct.status == refused.status == 400, (direct.body, refused.body)
     assert refused.body["error"]["param"] == direct.body["error"]["param"] == "max_tokens"
-    assert (
-        refused.body["error"]["message"].split(" Please")[0]
-        == (direct.body["error"]["message"].split(" Please")[0])
-    )
+    assert refused.body["error"]["message"] == direct.body["error"]["message"]
+    # A prompt past the context, and one that fills it: refused alike, before any engine.
+    for length in (context + 1, context):
+        over = {**body, "prompt": [5 + i % 3000 for i in range(length)], "max_tokens": 1}
+        direct = generate(pd.decode.url, over, False)
+        refused = pd.routed(over, False)
+        assert direct.status == refused.status == 400, (direct.body, refused.body)
+        assert refused.body["error"]["param"] == direct.body["error"]["param"]
+        assert refused.body["error"]["message"] == direct.body["error"]["message"]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

@@ -380,6 +380,17 @@ def test_text_prompts_are_estimated_until_a_prefill_leg_counts_them() -> None:
     )
 
 
+def test_max_tokens_is_planned_as_the_engines_cut_it_to_what_the_prompt_leaves() -> None:
+    lifecycle, _, _ = build(scheduler="v0")
+    context = lifecycle.state.fleet.model.max_model_len
+    near = lifecycle.arrive("r", max_tokens=context, prompt_tokens=context - 10)
+    assert lifecycle.shape(near).max_tokens == 10
+    text = lifecycle.arrive("t", max_tokens=context, prompt_bytes=4 * (context - 100))
+    assert lifecycle.shape(text).max_tokens == 100  # by the estimated length
+    short = lifecycle.arrive("s", max_tokens=50, prompt_tokens=100)
+    assert lifecycle.shape(short).max_tokens == 50
+
+
 def test_an_idle_pair_takes_an_over_budget_request_a_busy_one_does_not() -> None:
     lifecycle, _, _ = build(n_prefill=1, n_decode=1, ttft_s=0.001)  # no pair meets this
     first = lifecycle.arrive("r", max_tokens=4, prompt_tokens=100)

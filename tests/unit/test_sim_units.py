@@ -520,8 +520,11 @@ def test_the_context_length_as_vllm_032_applies_it() -> None:
     # it leaves max_tokens 0 (refused), a max_tokens past the context is refused whatever the
     # prompt, and a max_tokens past what the prompt leaves is cut to it.
     err = parse_error({"prompt": [300] * 100, "max_tokens": 1}, max_model_len=64)
-    assert "maximum context length is 64 tokens" in err.message and "at least 65" in err.message
+    assert "maximum context length is 64 tokens" in err.message
+    assert "your prompt contains 100 input tokens" in err.message  # ids: counted
     assert err.param == "input_tokens"
+    err = parse_error({"prompt": "word " * 100, "max_tokens": 1}, max_model_len=64)
+    assert "your prompt contains at least 65 input tokens" in err.message  # text: cut at 65
     err = parse_error({"prompt": [300] * 64, "max_tokens": 1}, max_model_len=64)
     assert err.param == "max_tokens" and "at least 1, got 0" in err.message
     err = parse_error({"prompt": [300] * 2, "max_tokens": 65}, max_model_len=64)
@@ -537,10 +540,13 @@ def test_chat_errors() -> None:
     bad_part = {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
     assert parse_error(bad_part, chat=True).param == "messages"
     too_few = {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2}
-    assert (
-        "max_tokens=2, got 3"
-        in parse_error({**too_few, "min_completion_tokens": 3}, chat=True).message
-    )
+    assert "max_tokens=2, got 3" in parse_error({**too_few, "min_tokens": 3}, chat=True).message
+    # vLLM 0.32 has no min_completion_tokens: ignored, as vLLM ignores unknown fields.
+    parse({**too_few, "min_completion_tokens": 3}, chat=True)
+    # The cap names the field it came from.
+    err = parse_error({**too_few, "max_completion_tokens": 10**6}, chat=True)
+    assert err.param == "max_completion_tokens"
+    assert err.message.startswith("max_completion_tokens=1000000 cannot be greater")
     assert parse_error("not an object").param is None
 
 

@@ -57,13 +57,14 @@ def parse(body: object, chat: bool = False, max_len: int = 100):
         ),
         ({"model": MODEL, "prompt": "x", "kv_transfer_params": None}, 400, "kv_transfer_params"),
         ({"model": MODEL, "prompt": "x", "ec_transfer_params": {}}, 400, "ec_transfer_params"),
-        ({"model": MODEL, "prompt": [5] * 100}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [5] * 100}, 400, "max_tokens"),  # it leaves none
+        ({"model": MODEL, "prompt": [5] * 101}, 400, "input_tokens"),
         ({"model": MODEL, "prompt": [5] * 9, "max_tokens": 101}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 101}, 400, "max_tokens"),
         (
             {"model": MODEL, "prompt": [5] * 90, "max_tokens": 20, "min_tokens": 11},
             400,
-            "min_tokens",
+            None,
         ),
         ({"model": MODEL, "prompt": "y" * 1700}, 400, "prompt"),
     ],
@@ -149,9 +150,24 @@ def test_a_max_tokens_past_what_the_prompt_leaves_is_cut_as_vllm_cuts_it() -> No
     assert r.max_tokens == 10 and r.body["max_tokens"] == 20
     r = parse({"model": MODEL, "prompt": [5] * 99, "max_tokens": 100})
     assert r.max_tokens == 1
+    # In vLLM 0.32's words (the same error from the router or an engine).
     with pytest.raises(RouterError) as info:
         parse({"model": MODEL, "prompt": "x", "max_tokens": 101})
-    assert "cannot be greater than max_model_len=100" in info.value.message
+    assert info.value.message == (
+        "max_tokens=101 cannot be greater than max_model_len=100. Please request fewer output"
+        " tokens. (parameter=max_tokens, value=101)"
+    )
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+    with pytest.raises(RouterError) as info:
+        parse({**chat, "max_tokens": 5, "max_completion_tokens": 101}, chat=True)
+    assert info.value.param == "max_completion_tokens"
+    assert info.value.message.startswith("max_completion_tokens=101 cannot be greater")
+    with pytest.raises(RouterError) as info:
+        parse({"model": MODEL, "prompt": [5] * 101})
+    assert "your prompt contains at least 101 input tokens" in info.value.message
+    with pytest.raises(RouterError) as info:
+        parse({"model": MODEL, "prompt": [5] * 150})
+    assert "your prompt contains 150 input tokens" in info.value.message
 
 
 @pytest.mark.parametrize(

@@ -219,17 +219,27 @@ class Lifecycle:
         """Requests waiting in the admission queue."""
         return len(self._queue)
 
+    def _max_tokens(self, ticket: Ticket, prompt_tokens: int) -> int:
+        """The engines cut max_tokens to what the prompt leaves of the context (vLLM 0.32): a
+        text prompt's is cut here by its length as known or estimated (validation cuts a
+        token-id prompt's)."""
+        return max(1, min(ticket.max_tokens, self.state.fleet.model.max_model_len - prompt_tokens))
+
+    def _prompt_tokens(self, ticket: Ticket) -> int:
+        if ticket.prompt_tokens is not None:
+            return ticket.prompt_tokens
+        return self.lengths.estimate(ticket.prompt_bytes)
+
     def shape(self, ticket: Ticket) -> RequestShape:
-        tokens = ticket.prompt_tokens
-        if tokens is None:
-            tokens = self.lengths.estimate(ticket.prompt_bytes)
+        tokens = self._prompt_tokens(ticket)
+        max_tokens = self._max_tokens(ticket, tokens)
         return RequestShape(
             tokens,
-            ticket.max_tokens,
+            max_tokens,
             self.clock.now() - ticket.arrival,
             ticket.local_ok,
             ticket.prefix,
-            self.outputs.expected(ticket.max_tokens),
+            self.outputs.expected(max_tokens),
         )
 
     def admit(self, ticket: Ticket) -> Verdict:
@@ -476,7 +486,7 @@ class Lifecycle:
             # foreseeing it gone that early let them assume the same, and the batch grew past
             # the budget under sustained overload (tests/reliability/test_overload.py).
             joins = now + pair.predicted_ttft_s
-            tokens = self.outputs.mean(ticket.max_tokens)
+            tokens = self.outputs.mean(self._max_tokens(ticket, self._prompt_tokens(ticket)))
             pace = max(pair.predicted_tpot_s, self.state.fleet.budgets.tpot_s)
             d.pending_spans[ticket.id] = (joins, joins + max(0.0, tokens - 1) * pace)
         p.breaker.on_dispatch()
@@ -827,14 +837,16 @@ class Lifecycle:
         # ends: its end is foreseen late rather than early. Over it, as late as it comes.
         pace = ticket.pair.predicted_tpot_s or 0.0
         predictor = self.predictor
+        prompt_tokens = self._prompt_tokens(ticket)
+        max_tokens = self._max_tokens(ticket, prompt_tokens)
         if predictor is not None and predictor.has(d.id):
-            context = (ticket.prompt_tokens or 0) + ticket.max_tokens / 2
+            context = (ticket.prompt_tokens or 0) + max_tokens / 2
             # predictor.decode(...).seconds, without its flags: this runs for every request
             model = predictor.models[d.id].decode
             pace = model.seconds_per_token(max(1, ticket.batch_at_start), context)
             pace *= predictor.ratio(d.id, "decode")
         tpot = max(pace, self.state.fleet.budgets.tpot_s)
-        tokens = self.outputs.expected(ticket.max_tokens)
+        tokens = self.outputs.expected(max_tokens)
         end = first_token_at + max(0, tokens - 1) * tpot
         d.foresee_decode_end(end)
         ticket.decode_end = end

@@ -203,6 +203,12 @@ class PDRouter:
         # Every migratable stream's stall deadline (stall_s), on one timer.
         self.stalls = StallSweeper(fleet.routing.migration.stall_floor_s / 4)
 
+    async def settle_releases(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) for the release legs under way: at shutdown, before the
+        engines' connections close under them."""
+        if self._releases:
+            await asyncio.wait(set(self._releases), timeout=timeout_s)
+
     def ticket(self, request: ClientRequest, record: RequestRecord) -> Ticket:
         default_max = DEFAULT_CHAT_MAX_TOKENS if request.chat else DEFAULT_COMPLETIONS_MAX_TOKENS
         index = self.state.prefix_index
@@ -515,6 +521,9 @@ class PDRouter:
             why = "timed out"
         except EngineTransportError as exc:
             why = exc.reason
+        except Exception as exc:  # nobody may await this task to see it
+            log.exception("request %s: release leg on %s raised", request_id, engine)
+            why = f"{type(exc).__name__}: {exc}"
         finally:
             if response is not None:
                 with contextlib.suppress(Exception):

@@ -214,6 +214,9 @@ class Services:
         deadline = time.monotonic() + self.settings.drain_timeout_s
         while ledger.active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        # Release legs whose requests ended first still free KV on the prefill engines: they
+        # end within their own deadline, before the engines' connections close.
+        await self.router.settle_releases(max(0.0, deadline - time.monotonic()))
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)

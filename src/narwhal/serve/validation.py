@@ -258,16 +258,19 @@ def parse_client_request(
             )
     include_usage = bool(options and options.get("include_usage"))
     max_tokens = _check_int(body, "max_tokens", 1)
+    cap_name = "max_tokens"
     if chat:
         cap = _check_int(body, "max_completion_tokens", 1)
-        max_tokens = cap if cap is not None else max_tokens
-    # vLLM 0.32 refuses a max_tokens past the context whatever the prompt, and otherwise cuts
-    # it to what the prompt leaves (the engines do; the router only plans with the cut value).
+        if cap is not None:
+            max_tokens, cap_name = cap, "max_completion_tokens"
+    # The context as vLLM 0.32 applies it, in its words: a max_tokens past it is refused
+    # whatever the prompt; otherwise the engines cut max_tokens to what the prompt leaves, and
+    # the router plans with the cut value.
     if max_tokens is not None and max_tokens > max_model_len:
         raise InvalidRequest(
-            f"max_tokens={max_tokens} cannot be greater than max_model_len={max_model_len}."
-            " Please request fewer output tokens.",
-            "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
+            f"{cap_name}={max_tokens} cannot be greater than max_model_len={max_model_len}."
+            f" Please request fewer output tokens. (parameter={cap_name}, value={max_tokens})",
+            cap_name,
         )
     min_tokens = _check_int(body, "min_tokens", 0)
     prompts = _batch(body, chat)
@@ -275,19 +278,26 @@ def parse_client_request(
         return _fan_out(body, chat, served_model, max_model_len, n, prompts, stream, include_usage)
     exact, size = _prompt_length(body, chat)
     if exact is not None:
-        if exact >= max_model_len:
+        if exact > max_model_len:
+            at_least = "at least " if exact == max_model_len + 1 else ""
             raise InvalidRequest(
-                f"This model's maximum context length is {max_model_len} tokens; the prompt has"
-                f" {exact} tokens, which leaves none to generate",
-                "prompt",
+                f"This model's maximum context length is {max_model_len} tokens. However, your"
+                f" prompt contains {at_least}{exact} input tokens, which exceeds this limit even"
+                " without any output tokens. Please reduce the length of the input prompt."
+                f" (parameter=input_tokens, value={exact})",
+                "input_tokens",
+            )
+        if exact == max_model_len:  # it leaves no token to generate
+            raise InvalidRequest(
+                "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+                "max_tokens",
             )
         if max_tokens is not None:
             max_tokens = min(max_tokens, max_model_len - exact)
         if min_tokens and max_tokens is not None and min_tokens > max_tokens:
             raise InvalidRequest(
                 f"min_tokens must be less than or equal to max_tokens={max_tokens}, got"
-                f" {min_tokens}.",
-                "min_tokens",
+                f" {min_tokens}."
             )
     else:
         floor = size / MAX_BYTES_PER_TOKEN

@@ -121,46 +121,6 @@ def parse_generation(
         surface = parse_surface(body, chat, vocab, body.get("kv_transfer_params"))
     except Invalid as exc:
         raise ProtocolError(exc.message, param=exc.param, type_=exc.type) from exc
-    max_tokens = _int_field(body, "max_tokens", 1)
-    if chat:
-        completion_cap = _int_field(body, "max_completion_tokens", 1)
-        if completion_cap is not None:
-            max_tokens = completion_cap
-    # vLLM 0.32 (probed on the interop suite's engines): a max_tokens past the context is
-    # refused whatever the prompt; a prompt past it is refused; otherwise max_tokens is cut to
-    # what the prompt leaves (a prompt that fills the context leaves 0: refused).
-    if max_tokens is not None and max_tokens > max_model_len:
-        raise ProtocolError(
-            f"max_tokens={max_tokens} cannot be greater than max_model_len={max_model_len}."
-            f" Please request fewer output tokens. (parameter=max_tokens, value={max_tokens})",
-            param="max_tokens",
-        )
-    prompt = _prompt_tokens(body, vocab, chat)
-    if len(prompt) > max_model_len:
-        shown = max_model_len + 1  # vLLM stops counting there
-        raise ProtocolError(
-            f"This model's maximum context length is {max_model_len} tokens. However, your"
-            f" prompt contains at least {shown} input tokens, which exceeds this limit even"
-            " without any output tokens. Please reduce the length of the input prompt."
-            f" (parameter=input_tokens, value={shown})",
-            param="input_tokens",
-        )
-    if max_tokens is None:
-        max_tokens = max_model_len - len(prompt) if chat else DEFAULT_COMPLETION_MAX_TOKENS
-    max_tokens = min(max_tokens, max_model_len - len(prompt))
-    if max_tokens < 1:
-        raise ProtocolError(
-            f"max_tokens must be at least 1, got {max_tokens}. (parameter=max_tokens,"
-            f" value={max_tokens})",
-            param="max_tokens",
-        )
-    min_tokens = _int_field(body, "min_tokens", 0) or 0
-    if chat:
-        min_tokens = _int_field(body, "min_completion_tokens", 0) or min_tokens
-    if min_tokens > max_tokens:
-        raise ProtocolError(
-            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}."
-        )
     stream = _bool_field(body, "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
@@ -173,6 +133,49 @@ def parse_generation(
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise ProtocolError(
             "Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt"
+        )
+    max_tokens = _int_field(body, "max_tokens", 1)
+    cap_name = "max_tokens"
+    if chat:
+        completion_cap = _int_field(body, "max_completion_tokens", 1)
+        if completion_cap is not None:
+            max_tokens, cap_name = completion_cap, "max_completion_tokens"
+    min_tokens = _int_field(body, "min_tokens", 0) or 0  # vLLM 0.32 has no min_completion_tokens
+    # vLLM 0.32 (probed on the interop suite's engines; vllm/renderers/params.py): a max_tokens
+    # past the context is refused whatever the prompt; a prompt past it is refused (a token-id
+    # prompt by its length, a text one tokenized to one token past the context: "at least");
+    # otherwise max_tokens is cut to what the prompt leaves (a prompt that fills the context
+    # leaves 0: refused).
+    if max_tokens is not None and max_tokens > max_model_len:
+        raise ProtocolError(
+            f"{cap_name}={max_tokens} cannot be greater than max_model_len={max_model_len}."
+            f" Please request fewer output tokens. (parameter={cap_name}, value={max_tokens})",
+            param=cap_name,
+        )
+    prompt = _prompt_tokens(body, vocab, chat)
+    if len(prompt) > max_model_len:
+        ids = not chat and isinstance(body.get("prompt"), list)
+        count = len(prompt) if ids else max_model_len + 1
+        at_least = "at least " if count == max_model_len + 1 else ""
+        raise ProtocolError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your"
+            f" prompt contains {at_least}{count} input tokens, which exceeds this limit even"
+            " without any output tokens. Please reduce the length of the input prompt."
+            f" (parameter=input_tokens, value={count})",
+            param="input_tokens",
+        )
+    if max_tokens is None:
+        max_tokens = max_model_len - len(prompt) if chat else DEFAULT_COMPLETION_MAX_TOKENS
+    max_tokens = min(max_tokens, max_model_len - len(prompt))
+    if max_tokens < 1:
+        raise ProtocolError(
+            f"max_tokens must be at least 1, got {max_tokens}. (parameter=max_tokens,"
+            f" value={max_tokens})",
+            param="max_tokens",
+        )
+    if min_tokens > max_tokens:
+        raise ProtocolError(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}."
         )
     if (refusal := surface.refusal) is not None:
         raise ProtocolError(refusal.message, param=refusal.param, in_stream=stream)
