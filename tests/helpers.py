@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from narwhal.journal import journal_files
 from narwhal.serve.cli import serve_command
 from narwhal.simengine.fleet import local_fleet_document
 from narwhal.testing import procs
@@ -59,6 +61,30 @@ def running_fleet(directory: Path, num_engines: int = 2, **kwargs: Any) -> Itera
         fleet.stop()
 
 
+def _journal_snapshot(journal: Path) -> list[tuple[Path, int]]:
+    """The journal's files and their inodes: a rotation renames them."""
+    out = []
+    for path in journal_files(journal):
+        with contextlib.suppress(FileNotFoundError):
+            out.append((path, path.stat().st_ino))
+    return out
+
+
+def journal_contents(journal: Path) -> list[tuple[Path, bytes]]:
+    """The journal's files (rotated ones first) and their bytes, as one consistent read: a
+    rotation while they are read (a file renamed, or not yet there) reads them all again."""
+    for _ in range(100):
+        files = _journal_snapshot(journal)
+        try:
+            contents = [(path, path.read_bytes()) for path, _ in files]
+        except FileNotFoundError:
+            time.sleep(0.01)
+            continue
+        if files == _journal_snapshot(journal):
+            return contents
+    raise AssertionError(f"the journal's files kept moving: {journal}")
+
+
 def metric(text: str, name: str, **labels: str) -> float:
     """Sum of the samples called ``name`` whose labels include ``labels``."""
     total = 0.0
@@ -100,14 +126,14 @@ class RouterProcess:
         self.admin_token = admin_token
 
     def records(self) -> list[dict[str, Any]]:
-        if not self.journal.exists():
-            return []
+        """Every record of the journal, its rotated files' first (oldest first)."""
         out = []
-        # The writer may be half way through the last line while a test reads the file: only
-        # what precedes the last newline is a complete record.
-        for line in self.journal.read_bytes().split(b"\n")[:-1]:
-            if line.strip():
-                out.append(json.loads(line))
+        for _, data in journal_contents(self.journal):
+            # The writer may be half way through the last line while a test reads the file:
+            # only what precedes the last newline is a complete record.
+            for line in data.split(b"\n")[:-1]:
+                if line.strip():
+                    out.append(json.loads(line))
         return out
 
     def ends(self) -> dict[str, dict[str, Any]]:

@@ -17,11 +17,10 @@ from typing import Any
 
 import httpx
 
-from narwhal.journal import journal_files
 from narwhal.testing.fleet import SimFleet
 from narwhal.testing.procfs import rss_kib
 from narwhal.testing.procs import wait_until
-from tests.helpers import MODEL, RouterProcess, admin, metric, start_router
+from tests.helpers import MODEL, RouterProcess, admin, journal_contents, metric, start_router
 
 # 120 token ids: 8 KV blocks of 16. Deterministic, in vocabulary.
 PROMPT = [300 + (i * 7) % 9000 for i in range(120)]
@@ -152,17 +151,6 @@ def attempts(end: dict[str, Any]) -> list[tuple[str, str, str]]:
 
 # --------------------------------------------------------------------------------------------
 # The journal across rotated files
-
-
-def journal_contents(path: Path) -> list[tuple[Path, bytes]]:
-    """The journal's files (rotated ones first) and their bytes. A rotation can rename a file
-    between listing and reading it: list again, a bounded number of times."""
-    for _ in range(100):
-        try:
-            return [(f, f.read_bytes()) for f in journal_files(path)]
-        except FileNotFoundError:
-            time.sleep(0.05)
-    raise AssertionError(f"the journal's files kept moving: {path}")
 
 
 def journal_records(path: Path) -> list[dict[str, Any]]:
