@@ -259,6 +259,18 @@ def test_what_needs_state_is_refused_with_the_field(stack, field, value, param) 
     assert end["outcome"] == "client_error" and end["status"] == 400
 
 
+def test_a_refusal_names_the_responses_field_not_the_chat_one(stack, client) -> None:
+    # max_output_tokens becomes the chat body's max_tokens; a refusal of it names the field
+    # the client sent, as vLLM's own Responses endpoint does.
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=10**6)
+    assert caught.value.param == "max_output_tokens"
+    assert "- max_output_tokens=1000000 cannot be greater" in caught.value.message
+    _, router = stack
+    rid = caught.value.response.headers["x-request-id"]
+    assert _end(router, rid)["outcome"] == "client_error"
+
+
 def test_the_sdk_raises_the_refusal(client) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(model=MODEL, input=QUESTION, previous_response_id="resp_1")

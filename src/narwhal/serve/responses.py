@@ -52,6 +52,7 @@ class _Exchange:
         self._response_id = ""
         self._passthrough = False
         self._start: Message | None = None  # a JSON answer's start, held until its body is known
+        self._refusal = False  # that answer is a 4xx (its fields named as the client named them)
         self._body: list[bytes] = []
         self._events: ResponseEventStream | None = None
         self._pending = b""
@@ -81,6 +82,10 @@ class _Exchange:
 
     async def _on_start(self, message: Message) -> None:
         headers: list[tuple[bytes, bytes]] = list(message.get("headers", []))
+        if 400 <= message["status"] < 500 and self.request is not None:
+            # A refusal of the translated chat body: held, to name the field the client sent.
+            self._start, self._refusal = message, True
+            return
         if message["status"] != 200 or self.request is None:
             # Errors are already in the OpenAI shape the Responses API uses: unchanged. (A
             # start the server refuses, the response having begun, leaves the stream translated.)
@@ -146,15 +151,45 @@ class _Exchange:
         start, request = self._start, self.request
         assert start is not None and request is not None  # set by _on_start
         status = 200
-        try:
-            body = orjson.dumps(response_object(orjson.loads(raw), request, self._response_id))
-        except Exception:  # a chat answer this cannot read: a 500, never a traceback
-            log.exception("request %s: chat answer not translatable", self._response_id)
-            status, body = 500, orjson.dumps(InternalError().body())
+        if self._refusal:
+            status, body = start["status"], _as_responses_refusal(raw)
+        else:
+            try:
+                body = orjson.dumps(response_object(orjson.loads(raw), request, self._response_id))
+            except Exception:  # a chat answer this cannot read: a 500, never a traceback
+                log.exception("request %s: chat answer not translatable", self._response_id)
+                status, body = 500, orjson.dumps(InternalError().body())
         headers = [(k, v) for k, v in start.get("headers", []) if k != b"content-length"]
         headers.append((b"content-length", b"%d" % len(body)))
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
         await self._send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+# Chat fields a refusal may name, and the Responses fields they were translated from.
+_RESPONSES_FIELD = {"max_tokens": "max_output_tokens", "messages": "input"}
+
+
+def _as_responses_refusal(raw: bytes) -> bytes:
+    """A refusal of the translated chat body, naming the field the client sent
+    (``max_output_tokens``, not the chat ``max_tokens`` it became), as vLLM's own Responses
+    endpoint names it; anything else unchanged."""
+    try:
+        doc = orjson.loads(raw)
+        error = doc["error"]
+        chat_field = error.get("param")
+        field = _RESPONSES_FIELD.get(chat_field) if isinstance(chat_field, str) else None
+    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+        return raw
+    if field is None:
+        return raw
+    error["param"] = field
+    if field == "max_output_tokens" and isinstance(error.get("message"), str):
+        error["message"] = (
+            error["message"]
+            .replace("max_tokens=", "max_output_tokens=")
+            .replace("parameter=max_tokens", "parameter=max_output_tokens")
+        )
+    return orjson.dumps(doc)
 
 
 class ResponsesEndpoint:
