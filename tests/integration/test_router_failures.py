@@ -539,7 +539,7 @@ def test_unknown_and_bad_requests_are_client_errors_without_5xx(stack) -> None:
             "kv_transfer_params",
         ),
         (json.dumps({"model": MODEL, "prompt": "a" * (16384 * 17)}).encode(), 400, "prompt"),
-        (json.dumps({"model": MODEL, "prompt": [1] * 20000}).encode(), 400, "prompt"),
+        (json.dumps({"model": MODEL, "prompt": [1] * 20000}).encode(), 400, "input_tokens"),
         (
             json.dumps({"model": MODEL, "prompt": "x", "stream_options": {}}).encode(),
             400,

@@ -210,12 +210,21 @@ def test_models_ready_health_admin(stack) -> None:
 def test_token_id_prompt_length_checked_before_any_engine(stack, tmp_path: Path) -> None:
     _, router = stack
     before = router.metrics()
+    # A prompt that fills the context leaves nothing to generate, one past it does not fit:
+    # refused as vLLM 0.32 refuses them (its messages and params).
     r = httpx.post(
         router.url + "/v1/completions",
         json={"model": MODEL, "prompt": [400] * 16384, "max_tokens": 1},
     )
     assert r.status_code == 400
-    assert r.json()["error"]["param"] == "prompt"
+    assert r.json()["error"]["param"] == "max_tokens"
+    r = httpx.post(
+        router.url + "/v1/completions",
+        json={"model": MODEL, "prompt": [400] * 16386, "max_tokens": 1},
+    )
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "input_tokens"
+    assert "your prompt contains 16386 input tokens" in r.json()["error"]["message"]
     after = router.metrics()
     # No engine leg was attempted for it.
     assert metric(after, "narwhal_prefill_seconds_count") == metric(

@@ -155,6 +155,61 @@ def test_engine_side_refusals_come_in_the_stream_as_vllm_032_sends_them(
         assert late.status_code == 400 and late.json()["error"]["param"] == "max_tokens"
 
 
+# A whole answer's top-level and usage keys as vLLM 0.32 answered the interop suite's engines.
+VLLM_032_ANSWER_KEYS = {
+    False: {
+        "id",
+        "object",
+        "created",
+        "model",
+        "choices",
+        "service_tier",
+        "system_fingerprint",
+        "usage",
+        "kv_transfer_params",
+        "ec_transfer_params",
+        "metrics",
+    },
+    True: {
+        "id",
+        "object",
+        "created",
+        "model",
+        "choices",
+        "service_tier",
+        "system_fingerprint",
+        "usage",
+        "prompt_logprobs",
+        "prompt_token_ids",
+        "prompt_text",
+        "kv_transfer_params",
+        "ec_transfer_params",
+        "metrics",
+    },
+}
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_whole_answer_has_vllm_032_keys(fleet, chat: bool) -> None:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    answer = httpx.post(fleet.engines["e1"].url + path, json=_body(chat), timeout=30).json()
+    assert set(answer) == VLLM_032_ANSWER_KEYS[chat]
+    assert set(answer["usage"]) == {
+        "prompt_tokens",
+        "total_tokens",
+        "completion_tokens",
+        "prompt_tokens_details",
+        "completion_tokens_details",
+    }
+    choice_keys = {"index", "logprobs", "finish_reason", "stop_reason", "token_ids"}
+    choice_keys |= (
+        {"message", "routed_experts"}
+        if chat
+        else {"text", "routed_experts", "prompt_logprobs", "prompt_token_ids"}
+    )
+    assert set(answer["choices"][0]) == choice_keys
+
+
 def test_decode_leg_body_round_trips_the_vllm_032_params() -> None:
     """What vLLM 0.32 returned (captured) goes to the decode engine unchanged."""
     captured = {

@@ -70,6 +70,12 @@ def error(body: dict[str, Any], chat: bool = True) -> ProtocolError:
         ({"n": 2, "temperature": 0}, True, "n must be 1 when using greedy sampling, got 2.", None),
         ({"stop": [""]}, True, "stop cannot contain an empty string.", None),
         ({"stop_token_ids": [VOCAB.size]}, True, "out-of-vocab token ids", "stop_token_ids"),
+        (
+            {"logit_bias": {"abc": 1, "5": 2}},
+            False,
+            "logit_bias contains key(s) that cannot be converted to integer token IDs: ['abc']",
+            "logit_bias",
+        ),
         ({"top_logprobs": 3}, True, "`logprobs` must be set to true", "top_logprobs"),
         ({"logprobs": True, "top_logprobs": -2}, True, "positive value or -1", "top_logprobs"),
         (

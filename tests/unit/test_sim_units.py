@@ -506,7 +506,8 @@ def test_parse_generation_valid() -> None:
         ({"prompt": "x", "max_tokens": 0}, "max_tokens", "at least 1"),
         ({"prompt": "x", "max_tokens": "5"}, "max_tokens", "integer"),
         ({"prompt": ["a", "b"]}, "prompt", "batched"),
-        ({"prompt": []}, "prompt", "prompt"),
+        ({"prompt": []}, None, "You must pass at least one prompt"),
+        ({"prompt": ""}, "prompt", "Either prompt or prompt_embeds must be provided"),
     ],
 )
 def test_parse_generation_errors(body: dict[str, Any], param: str | None, words: str) -> None:
@@ -536,7 +537,8 @@ def test_the_context_length_as_vllm_032_applies_it() -> None:
 
 
 def test_chat_errors() -> None:
-    assert parse_error({"messages": []}, chat=True).param == "messages"
+    empty = parse_error({"messages": []}, chat=True)
+    assert empty.param is None and "empty conversation" in empty.message
     bad_part = {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
     assert parse_error(bad_part, chat=True).param == "messages"
     too_few = {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2}

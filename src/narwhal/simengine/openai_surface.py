@@ -251,6 +251,26 @@ def _check_stops(body: dict[str, Any]) -> None:
             )
 
 
+def _token_key(key: Any) -> int | None:
+    try:
+        return int(key)
+    except (TypeError, ValueError):
+        return None
+
+
+def _check_logit_bias(body: dict[str, Any]) -> None:
+    """vLLM turns ``logit_bias`` keys into token ids before anything else (a 400 either way)."""
+    bias = body.get("logit_bias")
+    if isinstance(bias, dict):
+        bad = [key for key in bias if _token_key(key) is None]
+        if bad:
+            raise _vllm_error(
+                f"logit_bias contains key(s) that cannot be converted to integer token IDs: {bad}",
+                "logit_bias",
+                bad,
+            )
+
+
 def _out_of_vocab(field: str, ids: list[int], vocab: Vocabulary) -> Invalid | None:
     bad = [t for t in ids if not 0 <= t < vocab.size]
     if not bad:
@@ -280,7 +300,7 @@ def _engine_refusal(
             )
     bias = body.get("logit_bias")
     if isinstance(bias, dict):
-        keys = [int(k) for k in bias if isinstance(k, str) and k.lstrip("-").isdigit()]
+        keys = [key for key in map(_token_key, bias) if key is not None]
         if (refusal := _out_of_vocab("logit_bias", keys, vocab)) is not None:
             return refusal
     ids = body.get("stop_token_ids")
@@ -617,6 +637,7 @@ def parse_surface(
             "n",
         )
     _check_sampling(body, n)
+    _check_logit_bias(body)
     _check_stops(body)
     logprobs = _logprobs(body, chat)
     tools = tool_choice = None

@@ -81,11 +81,22 @@ def _bool_field(body: dict[str, Any], name: str) -> bool:
 
 def _prompt_tokens(body: dict[str, Any], vocab: Vocabulary, chat: bool) -> list[int]:
     if chat:
+        if body.get("messages") == []:
+            raise ProtocolError(
+                "Cannot apply chat template to an empty conversation. Provide at least one message."
+            )
         try:
             return vocab.encode(render_chat(body.get("messages")))
         except ChatTemplateError as exc:
             raise ProtocolError(str(exc), param="messages") from exc
     prompt = body.get("prompt")
+    if prompt == "":
+        raise ProtocolError(
+            "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)",
+            param="prompt",
+        )
+    if prompt == []:
+        raise ProtocolError("You must pass at least one prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
@@ -297,17 +308,25 @@ class ResponseBuilder:
             body: dict[str, Any] = {"id": self.response_id, "object": "chat.completion"}
         else:
             body = {"id": self.response_id, "object": "text_completion"}
+        usage = _usage(len(p.prompt), completion_tokens, self._cached())
+        usage["completion_tokens_details"] = None
         body.update(
             created=self.created,
             model=self.model,
             choices=choices,
             service_tier=None,
             system_fingerprint=None,
-            usage=_usage(len(p.prompt), completion_tokens, self._cached()),
-            prompt_logprobs=None,
-            prompt_token_ids=p.prompt if (p.chat and p.return_token_ids) else None,
-            kv_transfer_params=kv_transfer_params,
+            usage=usage,
         )
+        # vLLM 0.32's top-level fields: a chat answer's prompt fields are top-level, a
+        # completion's are in its choices.
+        if p.chat:
+            body.update(
+                prompt_logprobs=None,
+                prompt_token_ids=p.prompt if p.return_token_ids else None,
+                prompt_text=None,
+            )
+        body.update(kv_transfer_params=kv_transfer_params, ec_transfer_params=None, metrics=None)
         return body
 
     def _chunk(
