@@ -156,36 +156,25 @@ def test_engine_side_refusals_come_in_the_stream_as_vllm_032_sends_them(
 
 
 # A whole answer's top-level and usage keys as vLLM 0.32 answered the interop suite's engines.
+_COMMON_ANSWER_KEYS = frozenset(
+    [
+        "id",
+        "object",
+        "created",
+        "model",
+        "choices",
+        "service_tier",
+        "system_fingerprint",
+        "usage",
+        "kv_transfer_params",
+        "ec_transfer_params",
+        "metrics",
+    ]
+)
 VLLM_032_ANSWER_KEYS = {
-    False: {
-        "id",
-        "object",
-        "created",
-        "model",
-        "choices",
-        "service_tier",
-        "system_fingerprint",
-        "usage",
-        "kv_transfer_params",
-        "ec_transfer_params",
-        "metrics",
-    },
-    True: {
-        "id",
-        "object",
-        "created",
-        "model",
-        "choices",
-        "service_tier",
-        "system_fingerprint",
-        "usage",
-        "prompt_logprobs",
-        "prompt_token_ids",
-        "prompt_text",
-        "kv_transfer_params",
-        "ec_transfer_params",
-        "metrics",
-    },
+    False: _COMMON_ANSWER_KEYS,
+    # A chat answer's prompt fields are top-level (a completion's are in its choices).
+    True: _COMMON_ANSWER_KEYS | {"prompt_logprobs", "prompt_token_ids", "prompt_text"},
 }
 
 

@@ -20,6 +20,7 @@ import orjson
 
 from narwhal.contract import FleetContract
 from narwhal.engines.client import EnginePool
+from narwhal.engines.context import DEFAULT_COMPLETIONS_MAX_TOKENS
 from narwhal.engines.legs import decode_leg_body, prefill_leg_body, release_leg_body
 from narwhal.engines.sse import SseEventStream
 from narwhal.engines.transport import EngineResponse, EngineTransportError, read_prefix
@@ -62,7 +63,6 @@ log = logging.getLogger(__name__)
 _MAX_ERROR_BODY = 64 * 1024
 # What a chat request without a max_tokens is assumed to generate, for scheduling only.
 DEFAULT_CHAT_MAX_TOKENS = 256
-DEFAULT_COMPLETIONS_MAX_TOKENS = 16  # vLLM's completions default
 
 
 def _legs(count: int) -> str:

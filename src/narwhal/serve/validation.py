@@ -9,6 +9,13 @@ from typing import Any
 
 import orjson
 
+from narwhal.engines.context import (
+    DEFAULT_COMPLETIONS_MAX_TOKENS,
+    cut_max_tokens,
+    max_tokens_refusal,
+    min_tokens_refusal,
+    prompt_refusal,
+)
 from narwhal.routing.prompt_length import MAX_BYTES_PER_TOKEN
 from narwhal.serve.errors import InvalidRequest, NotFound
 
@@ -263,42 +270,28 @@ def parse_client_request(
         cap = _check_int(body, "max_completion_tokens", 1)
         if cap is not None:
             max_tokens, cap_name = cap, "max_completion_tokens"
-    # The context as vLLM 0.32 applies it, in its words: a max_tokens past it is refused
-    # whatever the prompt; otherwise the engines cut max_tokens to what the prompt leaves, and
-    # the router plans with the cut value.
-    if max_tokens is not None and max_tokens > max_model_len:
-        raise InvalidRequest(
-            f"{cap_name}={max_tokens} cannot be greater than max_model_len={max_model_len}."
-            f" Please request fewer output tokens. (parameter={cap_name}, value={max_tokens})",
-            cap_name,
-        )
+    # The context as vLLM 0.32 applies it, in its words (engines.context): the engines cut
+    # max_tokens to what the prompt leaves, and the router plans with the cut value.
+    if (refusal := max_tokens_refusal(max_tokens, cap_name, max_model_len)) is not None:
+        raise InvalidRequest(refusal.message, refusal.param)
     min_tokens = _check_int(body, "min_tokens", 0)
     prompts = _batch(body, chat)
     if n > 1 or len(prompts) > 1:
         return _fan_out(body, chat, served_model, max_model_len, n, prompts, stream, include_usage)
     exact, size = _prompt_length(body, chat)
     if exact is not None:
-        if exact > max_model_len:
-            at_least = "at least " if exact == max_model_len + 1 else ""
-            raise InvalidRequest(
-                f"This model's maximum context length is {max_model_len} tokens. However, your"
-                f" prompt contains {at_least}{exact} input tokens, which exceeds this limit even"
-                " without any output tokens. Please reduce the length of the input prompt."
-                f" (parameter=input_tokens, value={exact})",
-                "input_tokens",
-            )
-        if exact == max_model_len:  # it leaves no token to generate
-            raise InvalidRequest(
-                "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
-                "max_tokens",
-            )
+        if (refusal := prompt_refusal(exact, max_model_len, counted=True)) is not None:
+            raise InvalidRequest(refusal.message, refusal.param)
+        wanted = max_tokens
+        if wanted is None:
+            wanted = max_model_len if chat else DEFAULT_COMPLETIONS_MAX_TOKENS
+        cut, refusal = cut_max_tokens(wanted, exact, max_model_len)
+        if refusal is None and min_tokens:
+            refusal = min_tokens_refusal(min_tokens, cut)
+        if refusal is not None:
+            raise InvalidRequest(refusal.message, refusal.param)
         if max_tokens is not None:
-            max_tokens = min(max_tokens, max_model_len - exact)
-        if min_tokens and max_tokens is not None and min_tokens > max_tokens:
-            raise InvalidRequest(
-                f"min_tokens must be less than or equal to max_tokens={max_tokens}, got"
-                f" {min_tokens}."
-            )
+            max_tokens = cut
     else:
         floor = size / MAX_BYTES_PER_TOKEN
         if floor > max_model_len:

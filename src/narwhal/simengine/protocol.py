@@ -11,12 +11,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from narwhal.engines.context import (
+    DEFAULT_COMPLETIONS_MAX_TOKENS,
+    cut_max_tokens,
+    max_tokens_refusal,
+    min_tokens_refusal,
+    prompt_refusal,
+)
 from narwhal.simengine.openai_surface import Invalid, SurfaceOptions, parse_surface
 from narwhal.simengine.vocab import ChatTemplateError, Vocabulary, render_chat
 
 __all__ = ["GenerationParams", "ProtocolError", "ResponseBuilder", "error_body", "parse_generation"]
-
-DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
 class ProtocolError(Exception):
@@ -152,44 +157,23 @@ def parse_generation(
         if completion_cap is not None:
             max_tokens, cap_name = completion_cap, "max_completion_tokens"
     min_tokens = _int_field(body, "min_tokens", 0) or 0  # vLLM 0.32 has no min_completion_tokens
-    # vLLM 0.32 (probed on the interop suite's engines; vllm/renderers/params.py): a max_tokens
-    # past the context is refused whatever the prompt; a prompt past it is refused (a token-id
-    # prompt by its length, a text one tokenized to one token past the context: "at least");
-    # otherwise max_tokens is cut to what the prompt leaves (a prompt that fills the context
-    # leaves 0: refused).
-    if max_tokens is not None and max_tokens > max_model_len:
-        raise ProtocolError(
-            f"{cap_name}={max_tokens} cannot be greater than max_model_len={max_model_len}."
-            f" Please request fewer output tokens. (parameter={cap_name}, value={max_tokens})",
-            param=cap_name,
-        )
+    # vLLM 0.32's context rule, in its words (engines.context).
+    refusal = max_tokens_refusal(max_tokens, cap_name, max_model_len)
+    if refusal is not None:
+        raise ProtocolError(refusal.message, param=refusal.param)
     prompt = _prompt_tokens(body, vocab, chat)
-    if len(prompt) > max_model_len:
-        ids = not chat and isinstance(body.get("prompt"), list)
-        count = len(prompt) if ids else max_model_len + 1
-        at_least = "at least " if count == max_model_len + 1 else ""
-        raise ProtocolError(
-            f"This model's maximum context length is {max_model_len} tokens. However, your"
-            f" prompt contains {at_least}{count} input tokens, which exceeds this limit even"
-            " without any output tokens. Please reduce the length of the input prompt."
-            f" (parameter=input_tokens, value={count})",
-            param="input_tokens",
-        )
+    ids = not chat and isinstance(body.get("prompt"), list)
+    if (refusal := prompt_refusal(len(prompt), max_model_len, counted=ids)) is not None:
+        raise ProtocolError(refusal.message, param=refusal.param)
     if max_tokens is None:
-        max_tokens = max_model_len - len(prompt) if chat else DEFAULT_COMPLETION_MAX_TOKENS
-    max_tokens = min(max_tokens, max_model_len - len(prompt))
-    if max_tokens < 1:
-        raise ProtocolError(
-            f"max_tokens must be at least 1, got {max_tokens}. (parameter=max_tokens,"
-            f" value={max_tokens})",
-            param="max_tokens",
-        )
-    if min_tokens > max_tokens:
-        raise ProtocolError(
-            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}."
-        )
-    if (refusal := surface.refusal) is not None:
-        raise ProtocolError(refusal.message, param=refusal.param, in_stream=stream)
+        max_tokens = max_model_len if chat else DEFAULT_COMPLETIONS_MAX_TOKENS
+    max_tokens, refusal = cut_max_tokens(max_tokens, len(prompt), max_model_len)
+    if refusal is None:
+        refusal = min_tokens_refusal(min_tokens, max_tokens)
+    if refusal is not None:
+        raise ProtocolError(refusal.message, param=refusal.param)
+    if (engine_refusal := surface.refusal) is not None:
+        raise ProtocolError(engine_refusal.message, param=engine_refusal.param, in_stream=stream)
     return GenerationParams(
         chat=chat,
         prompt=prompt,

@@ -1,0 +1,88 @@
+"""vLLM 0.32's context rule, in its words: the one place the router's validation and the
+simulated engine take it from (probed on the interop suite's engines; vLLM's
+``renderers/params.py`` and ``get_max_tokens``).
+
+A ``max_tokens`` past ``max_model_len`` is refused whatever the prompt; a prompt past it is
+refused (a token-id prompt by its length, a text prompt tokenized to one token past the
+context: "at least"); otherwise ``max_tokens`` is cut to what the prompt leaves, and a prompt
+that fills the context leaves 0, refused; a ``min_tokens`` past the cut value is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "DEFAULT_COMPLETIONS_MAX_TOKENS",
+    "ContextRefusal",
+    "cut_max_tokens",
+    "max_tokens_refusal",
+    "min_tokens_refusal",
+    "prompt_refusal",
+]
+
+
+# vLLM's max_tokens for a completions request that sets none (a chat request's: the context
+# the prompt leaves).
+DEFAULT_COMPLETIONS_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class ContextRefusal:
+    """A 400 as vLLM words it: its message and the field it names (None: none)."""
+
+    message: str
+    param: str | None
+
+
+def max_tokens_refusal(
+    max_tokens: int | None, field: str, max_model_len: int
+) -> ContextRefusal | None:
+    """``field`` (``max_tokens``, or ``max_completion_tokens`` when a chat request set it)
+    past the context, whatever the prompt."""
+    if max_tokens is None or max_tokens <= max_model_len:
+        return None
+    return ContextRefusal(
+        f"{field}={max_tokens} cannot be greater than max_model_len={max_model_len}. Please"
+        f" request fewer output tokens. (parameter={field}, value={max_tokens})",
+        field,
+    )
+
+
+def prompt_refusal(prompt_tokens: int, max_model_len: int, counted: bool) -> ContextRefusal | None:
+    """A prompt past the context. ``counted``: its length is known (token ids); a text prompt
+    is tokenized to one token past the context, so vLLM says "at least" that."""
+    if prompt_tokens <= max_model_len:
+        return None
+    count = prompt_tokens if counted else max_model_len + 1
+    at_least = "at least " if count == max_model_len + 1 else ""
+    return ContextRefusal(
+        f"This model's maximum context length is {max_model_len} tokens. However, your prompt"
+        f" contains {at_least}{count} input tokens, which exceeds this limit even without any"
+        f" output tokens. Please reduce the length of the input prompt. (parameter=input_tokens,"
+        f" value={count})",
+        "input_tokens",
+    )
+
+
+def cut_max_tokens(
+    max_tokens: int, prompt_tokens: int, max_model_len: int
+) -> tuple[int, ContextRefusal | None]:
+    """``max_tokens`` cut to what a prompt that fits leaves of the context; refused when that
+    is nothing."""
+    cut = min(max_tokens, max_model_len - prompt_tokens)
+    if cut >= 1:
+        return cut, None
+    return cut, ContextRefusal(
+        f"max_tokens must be at least 1, got {cut}. (parameter=max_tokens, value={cut})",
+        "max_tokens",
+    )
+
+
+def min_tokens_refusal(min_tokens: int, max_tokens: int) -> ContextRefusal | None:
+    if min_tokens <= max_tokens:
+        return None
+    return ContextRefusal(
+        f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.",
+        None,
+    )
