@@ -29,6 +29,29 @@ TEST_TIME_SCALE = 50.0
 TIMER_SLACK_S = 0.005
 
 
+# A whole answer's top-level and usage keys as vLLM 0.32 answered the interop suite's engines.
+_COMMON_ANSWER_KEYS = frozenset(
+    [
+        "id",
+        "object",
+        "created",
+        "model",
+        "choices",
+        "service_tier",
+        "system_fingerprint",
+        "usage",
+        "kv_transfer_params",
+        "ec_transfer_params",
+        "metrics",
+    ]
+)
+VLLM_032_ANSWER_KEYS = {
+    False: _COMMON_ANSWER_KEYS,
+    # A chat answer's prompt fields are top-level (a completion's are in its choices).
+    True: _COMMON_ANSWER_KEYS | {"prompt_logprobs", "prompt_token_ids", "prompt_text"},
+}
+
+
 def write_fleet(directory: Path, num_engines: int, **kwargs: Any) -> Path:
     kv_events = kwargs.pop("kv_events", False)
     ports = free_ports(4 * num_engines if kv_events else 2 * num_engines)

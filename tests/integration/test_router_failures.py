@@ -218,8 +218,12 @@ def test_a_decode_leg_the_engine_refuses_releases_the_prefilled_kv(stack) -> Non
 
 def test_every_choice_of_a_refused_request_releases_its_kv(stack) -> None:
     # n = 3: three prefills, three refused decode legs. The first refusal ends the request and
-    # cancels the other choices; their release legs run on to their end all the same.
+    # cancels the other choices; their release legs run on to their end all the same. The
+    # decode engines' READs take 0.6 s (within the 1 s deadline), so that every choice has
+    # reached its release before the first one ends.
     fleet, router = stack
+    for engine in ("e2", "e3"):
+        admin(fleet.engines[engine].url, "POST", {"hang_kv_read_s": 0.6})
     before = router.metrics()
     r = post(router, logprobs=50, n=3, temperature=1.0)
     assert r.status_code == 400, r.text
@@ -538,7 +542,7 @@ def test_unknown_and_bad_requests_are_client_errors_without_5xx(stack) -> None:
             400,
             "kv_transfer_params",
         ),
-        (json.dumps({"model": MODEL, "prompt": "a" * (16384 * 17)}).encode(), 400, "prompt"),
+        (json.dumps({"model": MODEL, "prompt": "a" * (16384 * 17)}).encode(), 400, "input_tokens"),
         (json.dumps({"model": MODEL, "prompt": [1] * 20000}).encode(), 400, "input_tokens"),
         (
             json.dumps({"model": MODEL, "prompt": "x", "stream_options": {}}).encode(),

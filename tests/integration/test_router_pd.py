@@ -11,7 +11,14 @@ import pytest
 
 from narwhal.testing.fleet import SimFleet
 from narwhal.testing.procs import wait_until
-from tests.helpers import MODEL, RouterProcess, metric, running_fleet, running_router
+from tests.helpers import (
+    MODEL,
+    VLLM_032_ANSWER_KEYS,
+    RouterProcess,
+    metric,
+    running_fleet,
+    running_router,
+)
 
 PROMPT = " ".join(f"token{i} of a long prompt" for i in range(50))
 IDS = [300 + (i * 53) % 9000 for i in range(200)]
@@ -230,6 +237,22 @@ def test_token_id_prompt_length_checked_before_any_engine(stack, tmp_path: Path)
     assert metric(after, "narwhal_prefill_seconds_count") == metric(
         before, "narwhal_prefill_seconds_count"
     )
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_routed_whole_answer_has_vllm_032_keys(stack, chat: bool) -> None:
+    """The router builds a whole answer from the decode stream: with the keys vLLM 0.32's own
+    whole answer has (tests.helpers.VLLM_032_ANSWER_KEYS)."""
+    _, router = stack
+    body: dict[str, object] = {"model": MODEL, "max_tokens": 3}
+    if chat:
+        body["messages"] = [{"role": "user", "content": "hello"}]
+    else:
+        body["prompt"] = IDS
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    answer = httpx.post(router.url + path, json=body, timeout=30).json()
+    assert set(answer) == VLLM_032_ANSWER_KEYS[chat]
+    assert "completion_tokens_details" in answer["usage"]
 
 
 def test_prompt_token_ids_come_back_when_asked(stack) -> None:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from narwhal.engines.legs import decode_leg_body, prefill_leg_body
-from tests.helpers import MODEL, metric, running_fleet
+from tests.helpers import MODEL, VLLM_032_ANSWER_KEYS, metric, running_fleet
 
 # kv_transfer_params of a vLLM 0.32 prefill leg (NixlConnector, pull mode), field by field.
 VLLM_032_KV_TRANSFER_PARAMS: dict[str, type | tuple[type, ...]] = {
@@ -153,29 +153,6 @@ def test_engine_side_refusals_come_in_the_stream_as_vllm_032_sends_them(
         assert events == [{"error": error}, "[DONE]"]
         late = client.post(url, json=_body(False, stream=True, max_tokens=10**7, **extra))
         assert late.status_code == 400 and late.json()["error"]["param"] == "max_tokens"
-
-
-# A whole answer's top-level and usage keys as vLLM 0.32 answered the interop suite's engines.
-_COMMON_ANSWER_KEYS = frozenset(
-    [
-        "id",
-        "object",
-        "created",
-        "model",
-        "choices",
-        "service_tier",
-        "system_fingerprint",
-        "usage",
-        "kv_transfer_params",
-        "ec_transfer_params",
-        "metrics",
-    ]
-)
-VLLM_032_ANSWER_KEYS = {
-    False: _COMMON_ANSWER_KEYS,
-    # A chat answer's prompt fields are top-level (a completion's are in its choices).
-    True: _COMMON_ANSWER_KEYS | {"prompt_logprobs", "prompt_token_ids", "prompt_text"},
-}
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])

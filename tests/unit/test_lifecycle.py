@@ -385,8 +385,10 @@ def test_max_tokens_is_planned_as_the_engines_cut_it_to_what_the_prompt_leaves()
     context = lifecycle.state.fleet.model.max_model_len
     near = lifecycle.arrive("r", max_tokens=context, prompt_tokens=context - 10)
     assert lifecycle.shape(near).max_tokens == 10
-    text = lifecycle.arrive("t", max_tokens=context, prompt_bytes=4 * (context - 100))
-    assert lifecycle.shape(text).max_tokens == 100  # by the estimated length
+    # A text prompt's by the least it can be (16 bytes a token), not its estimate (4 bytes).
+    text = lifecycle.arrive("t", max_tokens=context, prompt_bytes=16 * (context - 100))
+    assert lifecycle.shape(text).max_tokens == 100
+    assert lifecycle.shape(text).prompt_tokens == 4 * (context - 100)
     short = lifecycle.arrive("s", max_tokens=50, prompt_tokens=100)
     assert lifecycle.shape(short).max_tokens == 50
 

@@ -66,7 +66,8 @@ def parse(body: object, chat: bool = False, max_len: int = 100):
             400,
             None,
         ),
-        ({"model": MODEL, "prompt": "y" * 1700}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "y" * 1700}, 400, "input_tokens"),
+        ({"model": MODEL, "prompt": "y", "max_tokens": 5, "min_tokens": 6}, 400, None),
     ],
 )
 def test_refused(body: object, status: int, param: str | None) -> None:

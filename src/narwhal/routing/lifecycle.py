@@ -32,7 +32,7 @@ from narwhal.routing.fleet_state import EngineState, FleetState, Role
 from narwhal.routing.output_length import OutputLengthEstimator
 from narwhal.routing.predictor import LatencyPredictor
 from narwhal.routing.prefix import TokenPrompt
-from narwhal.routing.prompt_length import PromptLengthEstimator
+from narwhal.routing.prompt_length import MAX_BYTES_PER_TOKEN, PromptLengthEstimator
 from narwhal.routing.roles import DemandTracker
 from narwhal.routing.scheduler import (
     NoPair,
@@ -219,20 +219,21 @@ class Lifecycle:
         """Requests waiting in the admission queue."""
         return len(self._queue)
 
-    def _max_tokens(self, ticket: Ticket, prompt_tokens: int) -> int:
-        """The engines cut max_tokens to what the prompt leaves of the context (vLLM 0.32): a
-        text prompt's is cut here by its length as known or estimated (validation cuts a
-        token-id prompt's)."""
-        return max(1, min(ticket.max_tokens, self.state.fleet.model.max_model_len - prompt_tokens))
-
-    def _prompt_tokens(self, ticket: Ticket) -> int:
-        if ticket.prompt_tokens is not None:
-            return ticket.prompt_tokens
-        return self.lengths.estimate(ticket.prompt_bytes)
+    def _max_tokens(self, ticket: Ticket) -> int:
+        """The engines cut max_tokens to what the prompt leaves of the context (vLLM 0.32),
+        planned so: by the prompt's length once counted (validation cuts a token-id prompt's),
+        a text prompt's by the least it can be (an estimate too high would cut it short and
+        foresee its decode ending early)."""
+        least = ticket.prompt_tokens
+        if least is None:
+            least = int(ticket.prompt_bytes / MAX_BYTES_PER_TOKEN)
+        return max(1, min(ticket.max_tokens, self.state.fleet.model.max_model_len - least))
 
     def shape(self, ticket: Ticket) -> RequestShape:
-        tokens = self._prompt_tokens(ticket)
-        max_tokens = self._max_tokens(ticket, tokens)
+        tokens = ticket.prompt_tokens
+        if tokens is None:
+            tokens = self.lengths.estimate(ticket.prompt_bytes)
+        max_tokens = self._max_tokens(ticket)
         return RequestShape(
             tokens,
             max_tokens,
@@ -486,7 +487,7 @@ class Lifecycle:
             # foreseeing it gone that early let them assume the same, and the batch grew past
             # the budget under sustained overload (tests/reliability/test_overload.py).
             joins = now + pair.predicted_ttft_s
-            tokens = self.outputs.mean(self._max_tokens(ticket, self._prompt_tokens(ticket)))
+            tokens = self.outputs.mean(self._max_tokens(ticket))
             pace = max(pair.predicted_tpot_s, self.state.fleet.budgets.tpot_s)
             d.pending_spans[ticket.id] = (joins, joins + max(0.0, tokens - 1) * pace)
         p.breaker.on_dispatch()
@@ -837,8 +838,7 @@ class Lifecycle:
         # ends: its end is foreseen late rather than early. Over it, as late as it comes.
         pace = ticket.pair.predicted_tpot_s or 0.0
         predictor = self.predictor
-        prompt_tokens = self._prompt_tokens(ticket)
-        max_tokens = self._max_tokens(ticket, prompt_tokens)
+        max_tokens = self._max_tokens(ticket)
         if predictor is not None and predictor.has(d.id):
             context = (ticket.prompt_tokens or 0) + max_tokens / 2
             # predictor.decode(...).seconds, without its flags: this runs for every request

@@ -61,6 +61,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _MAX_ERROR_BODY = 64 * 1024
+# The statuses of an engine refusing the request itself (its fields), not the caller or the
+# route: after one a release leg, which carries none of the decode leg's own fields, is served.
+_REFUSED_REQUEST = frozenset((400, 422))
 # What a chat request without a max_tokens is assumed to generate, for scheduling only.
 DEFAULT_CHAT_MAX_TOKENS = 256
 
@@ -205,9 +208,14 @@ class PDRouter:
 
     async def settle_releases(self, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) for the release legs under way: at shutdown, before the
-        engines' connections close under them."""
-        if self._releases:
-            await asyncio.wait(set(self._releases), timeout=timeout_s)
+        engines' connections close under them. Those still running then are cancelled (and
+        counted stranded)."""
+        if not self._releases:
+            return
+        _, pending = await asyncio.wait(set(self._releases), timeout=timeout_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
     def ticket(self, request: ClientRequest, record: RequestRecord) -> Ticket:
         default_max = DEFAULT_CHAT_MAX_TOKENS if request.chat else DEFAULT_COMPLETIONS_MAX_TOKENS
@@ -413,7 +421,10 @@ class PDRouter:
                 )
             except _EngineClientError as exc:
                 if params is not None:
-                    await self._release_refused_handoff(pair, request, record, params)
+                    if exc.status in _REFUSED_REQUEST:
+                        await self._release_refused_handoff(pair, request, record, params)
+                    else:  # it would refuse the release leg alike (401, 403, 404...)
+                        self._stranded(pair.prefill, "decode_refused", record)
                 raise EngineRefused(exc.status, exc.body) from None
             except _LegFailure as exc:
                 decode_failures += 1
@@ -524,6 +535,9 @@ class PDRouter:
         except Exception as exc:  # nobody may await this task to see it
             log.exception("request %s: release leg on %s raised", request_id, engine)
             why = f"{type(exc).__name__}: {exc}"
+        except asyncio.CancelledError:  # the router stops: the KV waits out its lease
+            self.metrics.stranded.labels(pair.prefill, "decode_refused").inc()
+            raise
         finally:
             if response is not None:
                 with contextlib.suppress(Exception):

@@ -733,7 +733,9 @@ async def aggregate(
             choice_out["prompt_logprobs"] = None
             choice_out["prompt_token_ids"] = prompt_token_ids
         out.append(choice_out)
-    return {
+    if isinstance(usage, dict):
+        usage.setdefault("completion_tokens_details", None)
+    answer: dict[str, Any] = {
         "id": head.get("id"),
         "object": "chat.completion" if chat else "text_completion",
         "created": head.get("created"),
@@ -742,7 +744,10 @@ async def aggregate(
         "service_tier": None,
         "system_fingerprint": None,
         "usage": usage,
-        "prompt_logprobs": None,
-        "prompt_token_ids": prompt_token_ids if chat else None,
-        "kv_transfer_params": None,
     }
+    # vLLM 0.32's whole answer: a chat answer's prompt fields are top-level, a completion's in
+    # its choices.
+    if chat:
+        answer.update(prompt_logprobs=None, prompt_token_ids=prompt_token_ids, prompt_text=None)
+    answer.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
+    return answer

@@ -15,6 +15,7 @@ writer.
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 import orjson
@@ -152,7 +153,10 @@ class _Exchange:
         assert start is not None and request is not None  # set by _on_start
         status = 200
         if self._refusal:
-            status, body = start["status"], _as_responses_refusal(raw)
+            sent = {"input"}
+            if request.echo.get("max_output_tokens") is not None:
+                sent.add("max_output_tokens")
+            status, body = start["status"], _as_responses_refusal(raw, sent)
         else:
             try:
                 body = orjson.dumps(response_object(orjson.loads(raw), request, self._response_id))
@@ -167,12 +171,13 @@ class _Exchange:
 
 # Chat fields a refusal may name, and the Responses fields they were translated from.
 _RESPONSES_FIELD = {"max_tokens": "max_output_tokens", "messages": "input"}
+_WORD_MAX_TOKENS = re.compile(r"\bmax_tokens\b")
 
 
-def _as_responses_refusal(raw: bytes) -> bytes:
+def _as_responses_refusal(raw: bytes, sent: set[str]) -> bytes:
     """A refusal of the translated chat body, naming the field the client sent
     (``max_output_tokens``, not the chat ``max_tokens`` it became), as vLLM's own Responses
-    endpoint names it; anything else unchanged."""
+    endpoint names it; anything else unchanged. ``sent``: the Responses fields the client set."""
     try:
         doc = orjson.loads(raw)
         error = doc["error"]
@@ -180,15 +185,11 @@ def _as_responses_refusal(raw: bytes) -> bytes:
         field = _RESPONSES_FIELD.get(chat_field) if isinstance(chat_field, str) else None
     except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
         return raw
-    if field is None:
+    if field is None or field not in sent:
         return raw
     error["param"] = field
     if field == "max_output_tokens" and isinstance(error.get("message"), str):
-        error["message"] = (
-            error["message"]
-            .replace("max_tokens=", "max_output_tokens=")
-            .replace("parameter=max_tokens", "parameter=max_output_tokens")
-        )
+        error["message"] = _WORD_MAX_TOKENS.sub("max_output_tokens", error["message"])
     return orjson.dumps(doc)
 
 

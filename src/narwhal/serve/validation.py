@@ -293,13 +293,17 @@ def parse_client_request(
         if max_tokens is not None:
             max_tokens = cut
     else:
-        floor = size / MAX_BYTES_PER_TOKEN
-        if floor > max_model_len:
-            raise InvalidRequest(
-                f"This model's maximum context length is {max_model_len} tokens; the prompt is"
-                f" at least {int(floor)} tokens long",
-                "messages" if chat else "prompt",
-            )
+        # A text prompt is counted only by the engines; one that cannot fit at 16 bytes a token
+        # is refused here, as vLLM refuses it once tokenized (one token past the context).
+        if size / MAX_BYTES_PER_TOKEN > max_model_len:
+            refusal = prompt_refusal(max_model_len + 1, max_model_len, counted=False)
+            assert refusal is not None
+            raise InvalidRequest(refusal.message, refusal.param)
+        # The cut can only lower max_tokens: a min_tokens past the client's own is refused by
+        # every engine, here before any leg.
+        refusal = min_tokens_refusal(min_tokens or 0, max_tokens) if max_tokens else None
+        if refusal is not None:
+            raise InvalidRequest(refusal.message, refusal.param)
     return ClientRequest(
         chat=chat,
         body=body,

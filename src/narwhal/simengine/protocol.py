@@ -162,7 +162,10 @@ def parse_generation(
     if refusal is not None:
         raise ProtocolError(refusal.message, param=refusal.param)
     prompt = _prompt_tokens(body, vocab, chat)
-    ids = not chat and isinstance(body.get("prompt"), list)
+    raw = body.get("prompt")
+    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str | list):
+        raw = raw[0]  # a batch of one
+    ids = not chat and isinstance(raw, list)
     if (refusal := prompt_refusal(len(prompt), max_model_len, counted=ids)) is not None:
         raise ProtocolError(refusal.message, param=refusal.param)
     if max_tokens is None:
