@@ -7,7 +7,9 @@ from narwhal.engines.context import (
     cut_max_tokens,
     max_tokens_refusal,
     min_tokens_refusal,
+    output_cap,
     prompt_refusal,
+    text_prompt_refusal,
 )
 
 
@@ -49,9 +51,16 @@ def test_a_prompt_past_the_context_is_counted_or_said_at_least() -> None:
     assert counted is not None and "contains 3000 input tokens" in counted.message
     text = prompt_refusal(3000, 2048, counted=False)  # tokenized to one past the context
     assert text is not None and "contains at least 2049 input tokens" in text.message
+    assert text_prompt_refusal(2048) == text
 
 
 def test_a_chat_cap_names_its_own_field() -> None:
     refusal = max_tokens_refusal(5000, "max_completion_tokens", 2048)
     assert refusal is not None and refusal.param == "max_completion_tokens"
     assert refusal.message.startswith("max_completion_tokens=5000 cannot be greater")
+
+
+def test_a_chat_requests_max_completion_tokens_caps_over_max_tokens() -> None:
+    assert output_cap(100, 50) == (50, "max_completion_tokens")
+    assert output_cap(100, None) == (100, "max_tokens")
+    assert output_cap(None, None) == (None, "max_tokens")

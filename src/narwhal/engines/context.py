@@ -18,7 +18,9 @@ __all__ = [
     "cut_max_tokens",
     "max_tokens_refusal",
     "min_tokens_refusal",
+    "output_cap",
     "prompt_refusal",
+    "text_prompt_refusal",
 ]
 
 
@@ -33,6 +35,15 @@ class ContextRefusal:
 
     message: str
     param: str | None
+
+
+def output_cap(max_tokens: int | None, max_completion_tokens: int | None) -> tuple[int | None, str]:
+    """The output cap a request set and the field that set it: a chat request's
+    ``max_completion_tokens`` over its ``max_tokens`` (pass None for a completions request,
+    which has no such field)."""
+    if max_completion_tokens is not None:
+        return max_completion_tokens, "max_completion_tokens"
+    return max_tokens, "max_tokens"
 
 
 def max_tokens_refusal(
@@ -50,11 +61,22 @@ def max_tokens_refusal(
 
 
 def prompt_refusal(prompt_tokens: int, max_model_len: int, counted: bool) -> ContextRefusal | None:
-    """A prompt past the context. ``counted``: its length is known (token ids); a text prompt
-    is tokenized to one token past the context, so vLLM says "at least" that."""
+    """A prompt past the context. ``counted``: its length is known (token ids); otherwise it is
+    a text prompt, refused as ``text_prompt_refusal`` words it."""
     if prompt_tokens <= max_model_len:
         return None
-    count = prompt_tokens if counted else max_model_len + 1
+    if not counted:
+        return text_prompt_refusal(max_model_len)
+    return _input_too_long(prompt_tokens, max_model_len)
+
+
+def text_prompt_refusal(max_model_len: int) -> ContextRefusal:
+    """A text prompt past the context: vLLM tokenizes it to one token past the context and says
+    "at least" that."""
+    return _input_too_long(max_model_len + 1, max_model_len)
+
+
+def _input_too_long(count: int, max_model_len: int) -> ContextRefusal:
     at_least = "at least " if count == max_model_len + 1 else ""
     return ContextRefusal(
         f"This model's maximum context length is {max_model_len} tokens. However, your prompt"

@@ -14,7 +14,9 @@ from narwhal.engines.context import (
     cut_max_tokens,
     max_tokens_refusal,
     min_tokens_refusal,
+    output_cap,
     prompt_refusal,
+    text_prompt_refusal,
 )
 from narwhal.routing.prompt_length import MAX_BYTES_PER_TOKEN
 from narwhal.serve.errors import InvalidRequest, NotFound
@@ -264,12 +266,10 @@ def parse_client_request(
                 "'stream_options' is only allowed when 'stream' is true", "stream_options"
             )
     include_usage = bool(options and options.get("include_usage"))
-    max_tokens = _check_int(body, "max_tokens", 1)
-    cap_name = "max_tokens"
-    if chat:
-        cap = _check_int(body, "max_completion_tokens", 1)
-        if cap is not None:
-            max_tokens, cap_name = cap, "max_completion_tokens"
+    max_tokens, cap_name = output_cap(
+        _check_int(body, "max_tokens", 1),
+        _check_int(body, "max_completion_tokens", 1) if chat else None,
+    )
     # The context as vLLM 0.32 applies it, in its words (engines.context): the engines cut
     # max_tokens to what the prompt leaves, and the router plans with the cut value.
     if (refusal := max_tokens_refusal(max_tokens, cap_name, max_model_len)) is not None:
@@ -296,8 +296,7 @@ def parse_client_request(
         # A text prompt is counted only by the engines; one that cannot fit at 16 bytes a token
         # is refused here, as vLLM refuses it once tokenized (one token past the context).
         if size / MAX_BYTES_PER_TOKEN > max_model_len:
-            refusal = prompt_refusal(max_model_len + 1, max_model_len, counted=False)
-            assert refusal is not None
+            refusal = text_prompt_refusal(max_model_len)
             raise InvalidRequest(refusal.message, refusal.param)
         # The cut can only lower max_tokens: a min_tokens past the client's own is refused by
         # every engine, here before any leg.

@@ -16,6 +16,7 @@ from narwhal.engines.context import (
     cut_max_tokens,
     max_tokens_refusal,
     min_tokens_refusal,
+    output_cap,
     prompt_refusal,
 )
 from narwhal.simengine.openai_surface import Invalid, SurfaceOptions, parse_surface
@@ -150,12 +151,10 @@ def parse_generation(
         raise ProtocolError(
             "Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt"
         )
-    max_tokens = _int_field(body, "max_tokens", 1)
-    cap_name = "max_tokens"
-    if chat:
-        completion_cap = _int_field(body, "max_completion_tokens", 1)
-        if completion_cap is not None:
-            max_tokens, cap_name = completion_cap, "max_completion_tokens"
+    max_tokens, cap_name = output_cap(
+        _int_field(body, "max_tokens", 1),
+        _int_field(body, "max_completion_tokens", 1) if chat else None,
+    )
     min_tokens = _int_field(body, "min_tokens", 0) or 0  # vLLM 0.32 has no min_completion_tokens
     # vLLM 0.32's context rule, in its words (engines.context).
     refusal = max_tokens_refusal(max_tokens, cap_name, max_model_len)
