@@ -182,8 +182,8 @@ class RouterMetrics:
         )
         self.kv_released = Counter(
             "narwhal_kv_released",
-            "KV handed out for a decode leg its decode engine refused, pulled by a release leg"
-            " so that the prefill engine frees it.",
+            "KV handed out for a decode leg its decode engine refused, or that never reached"
+            " it, pulled by a release leg so that the prefill engine frees it.",
             ["engine"],
             registry=r,
         )

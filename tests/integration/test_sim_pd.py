@@ -11,6 +11,7 @@ import pytest
 
 from narwhal.engines.legs import prefill_leg_body
 from narwhal.testing.fleet import SimFleet
+from narwhal.testing.procs import wait_until
 from tests.helpers import MODEL, admin, metric, running_fleet, sse_events
 
 LONG_TEXT = " ".join(f"word{i} about disaggregated serving" for i in range(60))
@@ -286,3 +287,40 @@ def test_answer_blocks_cached_after_a_twin_hold_the_right_kv(pd_fleet: SimFleet)
         assert long[:10] == short
         # Prompt + 30 answer tokens: 70 tokens, blocks 0-3 hit on the decode engine.
         assert pd(client, prompt + long[:30], 10) == long[30:40]
+
+
+def test_a_decode_leg_aborted_before_its_pull_frees_the_prefill_hold(tmp_path) -> None:
+    """As vLLM 0.32 (probed on the interop suite's engines): a decode leg whose client leaves
+    before it pulled the KV (here queued behind a running request) sends the prefill engine the
+    notification a pull would send, without the pull; the prefill engine frees the blocks at
+    once, not when their lease expires."""
+    lease = 30.0
+    sim = {"max_num_seqs": 1, "kv_lease_s": lease}
+    with running_fleet(tmp_path, 2, sim=sim) as fleet, httpx.Client(timeout=30) as client:
+        prefill_url, decode_url = urls(fleet)
+        # The decode engine's one sequence slot, taken by a long request of its own.
+        admin(decode_url, "POST", {"slowdown": 20})
+        long = {"model": MODEL, "prompt": "a", "max_tokens": 2000, "ignore_eos": True}
+        with client.stream("POST", decode_url + "/v1/completions", json={**long, "stream": True}):
+            body = {"model": MODEL, "prompt": TOKEN_PROMPT, "max_tokens": 8}
+            held = client.post(prefill_url + "/v1/completions", json=prefill_leg_body(body, False))
+            params = held.json()["kv_transfer_params"]
+            hold = params["remote_request_id"]
+            assert hold in admin(prefill_url, "GET", path="/sim/state").json()["holds"]
+            leg = {**body, "kv_transfer_params": params, "stream": True}
+            with client.stream("POST", decode_url + "/v1/completions", json=leg) as queued:
+                assert queued.status_code == 200
+                assert wait_until(
+                    lambda: admin(decode_url, "GET", path="/sim/state").json()["waiting"] == 1, 10
+                )
+            t0 = time.monotonic()  # the client has left (the stream closed)
+            assert wait_until(
+                lambda: hold not in admin(prefill_url, "GET", path="/sim/state").json()["holds"],
+                10,
+                interval=0.05,
+            ), "the prefill engine still holds the KV"
+            assert time.monotonic() - t0 < lease / 3
+            decode_metrics = client.get(decode_url + "/metrics").text
+            prefill_metrics = client.get(prefill_url + "/metrics").text
+    assert metric(decode_metrics, "vllm:nixl_xfer_time_seconds_count") == 0  # nothing pulled
+    assert metric(prefill_metrics, "vllm:nixl_num_kv_expired_reqs_total") == 0

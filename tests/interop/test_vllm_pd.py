@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -742,6 +743,53 @@ def test_a_refused_decode_leg_releases_the_prefilled_kv(pd: PD, chat: bool) -> N
     assert metric(pd.router.metrics(), "narwhal_leg_failures_total", leg="decode") == failures
     name = "chat" if chat else "completions"
     pd.run.setdefault("refused_decode_released", {})[name] = refused.body["error"]["message"]
+
+
+def test_a_decode_leg_left_before_its_pull_frees_the_prefilled_kv(pd: PD) -> None:
+    """What the router's release legs rest on (and the simulator copies): a decode leg whose
+    client closes the connection before the decode engine pulled the KV (here at once, and
+    once the answer's head arrived) is aborted, and vLLM's NixlConnector sends the prefill
+    engine its notification without a transfer (or, when the pull had begun, finishes it):
+    the prefill engine frees the KV at once. KV that no decode leg ever reached is held until
+    its lease (``kv_lease_duration``, 30 s)."""
+
+    def usage() -> float:
+        return metric(scrape(pd.prefill.url), "vllm:kv_cache_usage_perc")
+
+    def held() -> tuple[dict[str, Any], Any]:
+        leg = prefill_leg_body(pd.request_body(False, f"{tag()} {BODY_TEXT}"), False)
+        answer = httpx.post(pd.prefill.url + "/v1/completions", json=leg, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert usage() > 0
+        return leg, answer.json()["kv_transfer_params"]
+
+    def leave(leg: dict[str, Any], params: Any, wait_head: bool) -> None:
+        body = json.dumps({**decode_leg_body(leg, params), "stream": True}).encode()
+        with socket.create_connection(("127.0.0.1", pd.decode.port), timeout=30) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                % (len(body), body)
+            )
+            head = b""
+            while wait_head and b"\r\n\r\n" not in head:
+                head += sock.recv(4096)
+            assert not wait_head or head.startswith(b"HTTP/1.1 200"), head
+
+    assert wait_until(lambda: usage() == 0, 40, interval=0.2)
+    for wait_head in (False, True):
+        leave(*held(), wait_head=wait_head)
+        assert wait_until(lambda: usage() == 0, 5, interval=0.1), "the prefill engine kept it"
+    leg, params = held()  # never sent to a decode engine: held past a few seconds
+    before = nixl_counters(pd.decode.url)
+    time.sleep(3)
+    assert usage() > 0
+    assert nixl_counters(pd.decode.url).minus(before).transfers == 0
+    pulled = httpx.post(
+        pd.decode.url + "/v1/completions", json={**leg, "kv_transfer_params": params}, timeout=60
+    )
+    assert pulled.status_code == 200, pulled.text
+    assert wait_until(lambda: usage() == 0, 15, interval=0.2)
 
 
 def test_routed_context_cut_as_vllm_cuts_it(pd: PD) -> None:

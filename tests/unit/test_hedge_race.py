@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import orjson
@@ -71,8 +72,12 @@ class ScriptedEngine:
         self.engines = engines
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> _Answer:
-        # The first prefill leg sent follows the script's first entry, the hedge its second.
         engines = self.engines
+        params = orjson.loads(body).get("kv_transfer_params") or {}
+        if params.get("do_remote_prefill"):  # a release leg: pulls the KV, one token
+            engines.log.append(f"{self.id} releases from {params['remote_engine_id']}")
+            return _Answer(200, b'{"choices": [{"index": 0, "text": "x"}]}')
+        # The first prefill leg sent follows the script's first entry, the hedge its second.
         leg = engines.script[len(engines.prefills)]
         engines.prefills.append(self.id)
         try:
@@ -98,13 +103,28 @@ class ScriptedEngine:
         answer = {
             "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
             "usage": {"prompt_tokens": 3, "completion_tokens": 1},
-            "kv_transfer_params": {"remote_engine_id": self.id},
+            "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": self.id},
         }
         return _Answer(200, orjson.dumps(answer))
 
-    async def stream(self, path: str, body: bytes, headers: dict[str, str]) -> _Answer:
+    async def stream(
+        self,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        on_send: Callable[[], None] | None = None,
+    ) -> _Answer:
         params = orjson.loads(body)["kv_transfer_params"]
-        self.engines.log.append(f"{self.id} decodes from {params['remote_engine_id']}")
+        engines = self.engines
+        try:
+            await asyncio.sleep(engines.decode_connect_s)  # waiting for a connection
+            if on_send is not None:
+                on_send()
+            engines.log.append(f"{self.id} decodes from {params['remote_engine_id']}")
+            await asyncio.sleep(engines.decode_head_s)
+        except asyncio.CancelledError:
+            engines.log.append(f"{self.id} decode cancelled")
+            raise
         return _Answer(200, b"", [b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n'])
 
 
@@ -117,6 +137,8 @@ class ScriptedEngines:
         self.prefills: list[str] = []  # the engines prefill legs went to, in order
         self.log: list[str] = []
         self.cancel_when_hedge_answers: asyncio.Task[object] | None = None
+        self.decode_connect_s = 0.0  # before a decode leg is sent
+        self.decode_head_s = 0.0  # from then to its answer's head
 
     def client(self, engine_id: str) -> ScriptedEngine:
         return ScriptedEngine(engine_id, self)
@@ -156,6 +178,8 @@ async def _run(
     cancel_after_s: float | None = None,
     cancel_with_hedge: bool = False,
     snapshot_at_s: float | None = None,
+    decode_connect_s: float = 0.0,
+    decode_head_s: float = 0.0,
 ) -> Outcome:
     contract = fleet()
     clock = MonotonicClock()
@@ -171,6 +195,7 @@ async def _run(
         observer=MetricsObserver(metrics, capacity),
     )
     engines = ScriptedEngines(script)
+    engines.decode_connect_s, engines.decode_head_s = decode_connect_s, decode_head_s
     router = PDRouter(contract, lifecycle, engines, metrics, 30.0, capacity)  # type: ignore[arg-type]
     body = orjson.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 4})
     request = parse_client_request(body, False, MODEL, contract.model.max_model_len)
@@ -208,8 +233,19 @@ def run(
     cancel_after_s: float | None = None,
     cancel_with_hedge: bool = False,
     snapshot_at_s: float | None = None,
+    decode_connect_s: float = 0.0,
+    decode_head_s: float = 0.0,
 ) -> Outcome:
-    return asyncio.run(_run(script, cancel_after_s, cancel_with_hedge, snapshot_at_s))
+    return asyncio.run(
+        _run(
+            script,
+            cancel_after_s,
+            cancel_with_hedge,
+            snapshot_at_s,
+            decode_connect_s,
+            decode_head_s,
+        )
+    )
 
 
 def test_a_prompt_leg_is_never_hedged() -> None:
@@ -335,7 +371,7 @@ def test_a_request_cancelled_mid_race_cancels_both_legs() -> None:
 def test_a_client_leaving_as_the_hedge_answers_settles_the_hedge() -> None:
     """The client leaves in the moment the hedge answers, before the race hears of it: the
     hedge's engine served well (a success, not an abandoned request), its answer is the
-    prefill's, and its KV, which no decode leg will pull, is reported stranded."""
+    prefill's, and its KV, which no decode leg will pull, is released."""
     out = run([Leg("ok", 0.5), Leg("ok", 0.0)], cancel_with_hedge=True)
     slow, hedge = out.engines.prefills
     assert isinstance(out.error, asyncio.CancelledError)
@@ -344,9 +380,40 @@ def test_a_client_leaving_as_the_hedge_answers_settles_the_hedge() -> None:
     assert out.hedges("hedge") == 1
     assert out.state.engines[hedge].answered_at > -math.inf
     assert out.state.engines[hedge].breaker.consecutive_failures == 0
-    stranded = out.router.metrics.stranded.labels(hedge, "client_abort")._value.get()
-    assert stranded == 1
-    assert ("handoff", hedge, "stranded") in out.attempts()
+    # Its KV, which no decode leg will pull, is released (pulled by a release leg at once).
+    assert f"e2 releases from {hedge}" in out.engines.log
+    assert ("handoff", hedge, "releasing") in out.attempts()
+    assert out.router.metrics.kv_released.labels(hedge)._value.get() == 1
+    assert out.router.metrics.stranded.labels(hedge, "client_abort")._value.get() == 0
+
+
+def test_a_request_cancelled_before_its_decode_leg_was_sent_releases_the_kv() -> None:
+    """The client leaves while the decode leg waits for a connection to its engine: the KV the
+    prefill handed out would be held until its lease (nobody pulls it); a release leg to the
+    decode engine pulls it instead, and runs on after the request is gone."""
+    out = run([Leg("ok")], cancel_after_s=0.05, decode_connect_s=0.1)
+    (prefill,) = out.engines.prefills
+    assert isinstance(out.error, asyncio.CancelledError)
+    assert out.engines.log == [
+        f"{prefill} ok",
+        "e2 decode cancelled",
+        f"e2 releases from {prefill}",
+    ]
+    assert ("decode", "e2", "cancelled") in out.attempts()
+    assert ("handoff", prefill, "releasing") in out.attempts()
+    assert out.router.metrics.kv_released.labels(prefill)._value.get() == 1
+
+
+def test_a_request_cancelled_after_its_decode_leg_was_sent_leaves_the_kv_to_the_engine() -> None:
+    """Cancelled once the decode leg was written: the decode engine aborts it as the
+    connection closes and frees the prefill engine's KV itself (vLLM notifies the prefill
+    engine without a transfer): no release leg, which would pull freed blocks."""
+    out = run([Leg("ok")], cancel_after_s=0.05, decode_head_s=0.1)
+    (prefill,) = out.engines.prefills
+    assert isinstance(out.error, asyncio.CancelledError)
+    assert out.engines.log == [f"{prefill} ok", f"e2 decodes from {prefill}", "e2 decode cancelled"]
+    assert not any(a[0] == "handoff" for a in out.attempts()), out.attempts()
+    assert out.router.metrics.kv_released.labels(prefill)._value.get() == 0
 
 
 def test_how_a_hedge_ended_when_the_slow_leg_ended_first() -> None:

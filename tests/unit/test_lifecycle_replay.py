@@ -15,7 +15,7 @@ Both lifecycles report every decision to an observer; the two lists must be equa
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,7 +182,15 @@ class ReplayEngines:
         }
         return _Answer(orjson.dumps(answer), [])
 
-    async def stream(self, path: str, body: bytes, headers: dict[str, str]) -> _Answer:
+    async def stream(
+        self,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        on_send: Callable[[], None] | None = None,
+    ) -> _Answer:
+        if on_send is not None:
+            on_send()
         await self._gate(self.first_token, headers["X-Request-Id"])
         return _Answer(b"", [b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n'])
 

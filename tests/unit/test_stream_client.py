@@ -232,6 +232,37 @@ async def test_the_pool_limit_queues_a_request_for_the_next_free_connection() ->
         assert len(peers) == 1
 
 
+async def test_a_request_waiting_for_a_connection_is_not_sent_until_it_has_one() -> None:
+    """``on_send`` tells the router whether a decode leg may have reached its engine: not while
+    it waits for a free connection (cancelled there, it never did), once written it has."""
+    received: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async for _head, body in each_request(reader):
+            received.append(body)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    sends: list[str] = []
+    async with pool_for(handler, limit=1) as (pool, _peers):
+        first = await pool.post("/v1/completions", b"1", {}, lambda: sends.append("first"))
+        assert sends == ["first"]
+        waiting = asyncio.ensure_future(
+            pool.post("/v1/completions", b"2", {}, lambda: sends.append("second"))
+        )
+        assert await async_wait_until(lambda: len(pool._waiters) == 1, 5)
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        assert sends == ["first"]
+        assert await first.read() == b"ok"
+        first.release()
+        third = await pool.post("/v1/completions", b"3", {}, lambda: sends.append("third"))
+        assert await third.read() == b"ok"
+        third.release()
+        assert sends == ["first", "third"] and received == [b"1", b"3"]
+
+
 async def test_a_malformed_answer_is_a_transport_error() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)

@@ -24,7 +24,7 @@ import collections
 import logging
 import socket
 import ssl
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol, cast
 from urllib.parse import urlsplit
 
@@ -361,11 +361,20 @@ class EngineStreamPool:
         lines.append(body)
         return b"".join(lines)
 
-    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> EngineStreamConnection:
-        """Send a request and wait for the answer's head; the connection is the response."""
+    async def post(
+        self,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        on_send: Callable[[], None] | None = None,
+    ) -> EngineStreamConnection:
+        """Send a request and wait for the answer's head; the connection is the response.
+        ``on_send`` is called as the request is written (after any wait for a connection)."""
         request = self._request(path, body, headers)
         for attempt in range(2):
             conn = await self._acquire(fresh=attempt > 0)
+            if on_send is not None:
+                on_send()
             try:
                 await conn.begin(request)
             except BaseException as exc:

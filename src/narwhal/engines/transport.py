@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import socket
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Literal, Protocol
 
 import aiohttp
@@ -96,8 +96,16 @@ class EngineClient(Protocol):
         """Send ``body`` (JSON) and wait for the answer's head."""
         ...
 
-    async def stream(self, path: str, body: bytes, headers: dict[str, str]) -> EngineResponse:
-        """A ``POST`` whose answer is a long event stream (a decode leg)."""
+    async def stream(
+        self,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        on_send: Callable[[], None] | None = None,
+    ) -> EngineResponse:
+        """A ``POST`` whose answer is a long event stream (a decode leg). ``on_send`` is called
+        once the request may reach the engine (before its first byte is written): a stream
+        cancelled before that never reached it."""
         ...
 
     async def get(self, path: str) -> EngineResponse:
@@ -220,8 +228,14 @@ class AiohttpEngineClient:
             raise _aiohttp_error(exc) from exc
         return _AiohttpResponse(response)
 
-    async def stream(self, path: str, body: bytes, headers: dict[str, str]) -> EngineResponse:
-        return await self._streams.post(path, body, headers)
+    async def stream(
+        self,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        on_send: Callable[[], None] | None = None,
+    ) -> EngineResponse:
+        return await self._streams.post(path, body, headers, on_send)
 
     async def get(self, path: str) -> EngineResponse:
         session = self._open()
@@ -317,7 +331,15 @@ class HttpxEngineClient:
             self._client.build_request("POST", path, content=body, headers=headers)
         )
 
-    async def stream(self, path: str, body: bytes, headers: dict[str, str]) -> EngineResponse:
+    async def stream(
+        self,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        on_send: Callable[[], None] | None = None,
+    ) -> EngineResponse:
+        if on_send is not None:
+            on_send()  # httpx does not say when it writes: from the start, then
         return await self.post(path, body, headers)
 
     async def get(self, path: str) -> EngineResponse:

@@ -496,9 +496,7 @@ class PDRouter:
         first-token deadline, and runs to its end even when the request is cancelled (the
         client left, the drain ran out, another choice of the request failed): cancelling it
         would leave the KV held."""
-        task = asyncio.ensure_future(self._release_leg(pair, request, record.id, params))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
+        task = self._start_release(pair, request, record.id, params, "decode_refused")
         started = record.since_arrival()
         try:
             why = await asyncio.shield(task)
@@ -511,8 +509,29 @@ class PDRouter:
         else:
             record.attempt("handoff", pair.prefill, "stranded", reason="decode_refused")
 
+    def _release_unsent_handoff(
+        self, pair: Pair, request: ClientRequest, record: RequestRecord, params: Any
+    ) -> None:
+        """The request was cancelled (the client left, another choice of it failed) after its
+        prefill handed out KV and before its decode leg reached the decode engine: nobody will
+        pull that KV, and the prefill engine would hold it until its lease. A decode engine that
+        got the leg frees it as the leg is aborted (vLLM notifies the prefill engine, no
+        transfer); one that never got it is sent the release leg, which runs on by itself."""
+        self._start_release(pair, request, record.id, params, "client_abort")
+        record.attempt("handoff", pair.prefill, "releasing", via=pair.decode)
+
+    def _start_release(
+        self, pair: Pair, request: ClientRequest, request_id: str, params: Any, reason: str
+    ) -> asyncio.Task[str | None]:
+        """The release leg as a task of its own (``reason``: why the KV is stranded if the leg
+        fails)."""
+        task = asyncio.ensure_future(self._release_leg(pair, request, request_id, params, reason))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+        return task
+
     async def _release_leg(
-        self, pair: Pair, request: ClientRequest, request_id: str, params: Any
+        self, pair: Pair, request: ClientRequest, request_id: str, params: Any, reason: str
     ) -> str | None:
         """Send the release leg; None once the decode engine answered it (it pulled the KV), or
         why not. Counted here, whether or not its request still waits for it."""
@@ -536,7 +555,7 @@ class PDRouter:
             log.exception("request %s: release leg on %s raised", request_id, engine)
             why = f"{type(exc).__name__}: {exc}"
         except asyncio.CancelledError:  # the router stops: the KV waits out its lease
-            self.metrics.stranded.labels(pair.prefill, "decode_refused").inc()
+            self.metrics.stranded.labels(pair.prefill, reason).inc()
             raise
         finally:
             if response is not None:
@@ -545,12 +564,12 @@ class PDRouter:
         if why is None:
             self.metrics.kv_released.labels(pair.prefill).inc()
             return None
-        self.metrics.stranded.labels(pair.prefill, "decode_refused").inc()
+        self.metrics.stranded.labels(pair.prefill, reason).inc()
         log.warning(
-            "request %s: KV prefilled on %s stranded (decode_refused): the release leg on %s"
-            " failed: %s",
+            "request %s: KV prefilled on %s stranded (%s): the release leg on %s failed: %s",
             request_id,
             pair.prefill,
+            reason,
             engine,
             why,
         )
@@ -597,11 +616,13 @@ class PDRouter:
                 if task.uncancel() > 0:
                     # Cancelled from outside (the client left) in the moment the hedge
                     # answered: its engine served well, and the KV it holds no decode leg
-                    # will pull. A refusal ends the request as refused.
+                    # will pull: released. A refusal ends the request as refused.
                     if decided.exception() is None:
                         self.lifecycle.cancel(ticket, prefill_answered=True)
                         self.metrics.hedges.labels("prefill", "hedge").inc()
-                        self._stranded(race.pair.prefill, "client_abort", record)
+                        params = decided.result()[0]
+                        if params is not None:
+                            self._release_unsent_handoff(race.pair, request, record, params)
                     else:
                         with contextlib.suppress(_EngineClientError):
                             self._hedge_won(ticket, decided)
@@ -855,9 +876,15 @@ class PDRouter:
             "Accept": "text/event-stream",
         }
 
+        sent = False
+
+        def on_send() -> None:
+            nonlocal sent
+            sent = True
+
         async def first_event() -> tuple[EngineResponse, SseEventStream, list[bytes], bytes | None]:
             nonlocal response
-            response = await client.stream(path, body, headers)
+            response = await client.stream(path, body, headers, on_send)
             if response.status >= 400:
                 content = await read_prefix(response, _MAX_ERROR_BODY)
                 if response.status >= 500:
@@ -902,6 +929,8 @@ class PDRouter:
                 # leg was tried, and the journal says so.
                 since = round(record.since_arrival() - record.t_decode_start, 6)
                 record.attempt(leg, engine, "cancelled", after_s=since)
+                if params is not None and not sent:  # waiting for a connection to the engine
+                    self._release_unsent_handoff(pair, request, record, params)
                 raise
             except TimeoutError:
                 self.metrics.deadline_exceeded.labels(engine).inc()

@@ -262,6 +262,10 @@ class EngineCore:
         if request in self.waiting:
             # Off the queue now: an idle step loop (KV full of holds) may not admit for long.
             self.waiting.remove(request)
+            if request.remote is not None and not self._closed:
+                # Its KV is still held on the prefill engine: as vLLM's NixlConnector, the
+                # notification a pull would send, without the pull, frees it there at once.
+                self._spawn(self._decline_remote(request.remote))
         for queue in (self.prefilling, self.running):
             if request in queue:
                 queue.remove(request)
@@ -606,6 +610,22 @@ class EngineCore:
         self.running.append(request)
         self._refresh_gauges()
         self._wake.set()
+
+    async def _decline_remote(self, remote: RemoteKV) -> None:
+        timeout = self.config.kv_read_timeout_s
+        try:
+            peer = await asyncio.wait_for(self.peers.lookup(remote.host, remote.port), timeout)
+            if peer.engine_id != remote.engine_id:
+                raise KVTransferError(f"side channel is engine {peer.engine_id!r}")
+            await self.kv_agent.notify(peer, remote.request_id.encode(), timeout)
+        except (OSError, TimeoutError, ValueError, KVTransferError) as exc:
+            # The prefill engine frees the blocks when their lease expires.
+            log.warning(
+                "KV of %s on %s left to its lease: %s",
+                remote.request_id,
+                remote.engine_id,
+                str(exc) or type(exc).__name__,
+            )
 
     async def _pull(self, request: SimRequest, remote: RemoteKV) -> tuple[int, float, int]:
         """Pull the prompt's blocks this engine lacks: (bytes, seconds, blocks moved)."""

@@ -101,6 +101,13 @@ class _Read:
 
 
 @dataclass
+class _Notify:
+    peer: KVPeerInfo
+    notif: bytes
+    future: asyncio.Future[None]
+
+
+@dataclass
 class _PeerState:
     agent_name: str
     remote_dlist: Any
@@ -213,6 +220,20 @@ class KVTransferAgent:
                 f"KV read from {peer.engine_id} timed out after {timeout} s"
             ) from exc
 
+    async def notify(self, peer: KVPeerInfo, notif: bytes, timeout: float) -> None:
+        """Send ``peer`` the notification a reader sends once it has pulled, without a READ:
+        what vLLM's NixlConnector does for a decode request aborted before its pull, so that
+        the prefill engine frees the blocks at once instead of when their lease expires."""
+        assert self._loop is not None, "agent not started"
+        future: asyncio.Future[None] = self._loop.create_future()
+        self._commands.put(_Notify(peer=peer, notif=notif, future=future))
+        try:
+            await asyncio.wait_for(asyncio.shield(future), timeout)
+        except TimeoutError as exc:
+            raise KVTransferError(
+                f"notification to {peer.engine_id} not sent within {timeout} s"
+            ) from exc
+
     # --- the NIXL thread ---------------------------------------------------------------
 
     def _run(self) -> None:
@@ -242,6 +263,8 @@ class KVTransferAgent:
             while command is not None:
                 if isinstance(command, _Read):
                     self._post(agent, local_dlist, peers, command, active)
+                elif isinstance(command, _Notify):
+                    self._send_notif(agent, peers, command)
                 try:
                     command = self._commands.get_nowait()
                 except queue.Empty:
@@ -327,6 +350,17 @@ class KVTransferAgent:
             self._forget(agent, peers, op.peer)
             self._fail(agent, op, "transfer could not be posted")
 
+    def _send_notif(self, agent: Any, peers: dict[str, _PeerState], op: _Notify) -> None:
+        try:
+            state = self._peer(agent, peers, op.peer)
+            agent.send_notif(state.agent_name, op.notif)
+        except Exception as exc:
+            self._forget(agent, peers, op.peer)
+            why = f"notification to {op.peer.engine_id}: {type(exc).__name__}: {exc}"
+            self._resolve(op.future, None, KVTransferError(why))
+            return
+        self._resolve(op.future, None, None)
+
     def _check(
         self, agent: Any, peers: dict[str, _PeerState], op: _Read, active: list[_Read]
     ) -> None:
@@ -376,7 +410,7 @@ class KVTransferAgent:
 
     def _resolve(
         self,
-        future: asyncio.Future[KVReadResult],
+        future: asyncio.Future[Any],
         result: KVReadResult | None,
         error: BaseException | None,
     ) -> None:
@@ -386,7 +420,7 @@ class KVTransferAgent:
             if error is not None:
                 future.set_exception(error)
             else:
-                future.set_result(result)  # type: ignore[arg-type]  # set whenever error is None
+                future.set_result(result)
 
         assert self._loop is not None
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more

@@ -21,6 +21,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response
@@ -438,9 +439,17 @@ def build_app(settings: SimEngineSettings) -> Starlette:
             core().submit(each)
         choices = _choice_states(params, sim_requests, builder, vocab, core())
         if params.stream:
+            engine = core()
+
+            def abort_all() -> None:
+                # A client gone before the stream's first iteration never runs its finally.
+                for each in sim_requests:
+                    engine.abort(each)
+
             return DisconnectAwareStreamingResponse(
-                _stream(core(), sim_requests, builder, choices, faults),
+                _stream(engine, sim_requests, builder, choices, faults),
                 media_type="text/event-stream",
+                background=BackgroundTask(abort_all),
             )
         collect = asyncio.ensure_future(_collect(sim_requests, builder, choices, vocab, faults))
         disconnect = asyncio.ensure_future(_wait_disconnect(request))
