@@ -87,8 +87,12 @@ class ScriptedEngine:
             raise
         engines.log.append(f"{self.id} {leg.outcome}")
         if engines.cancel_when_hedge_answers is not None and len(engines.prefills) == 2:
-            # The client leaves in the moment the hedge answers: before the race hears of it.
-            asyncio.get_running_loop().call_soon(engines.cancel_when_hedge_answers.cancel)
+            # The client leaves in the moment the hedge answers: before the race hears of it
+            # (its callback runs first: call_soon), or after the request's task does (at once).
+            if engines.cancel_before_the_race_hears:
+                engines.cancel_when_hedge_answers.cancel()
+            else:
+                asyncio.get_running_loop().call_soon(engines.cancel_when_hedge_answers.cancel)
         if leg.outcome == "fail":
             raise EngineTransportError(
                 "ClientConnectorError: Cannot connect to host 10.20.0.7:8100",
@@ -117,11 +121,15 @@ class ScriptedEngine:
         params = orjson.loads(body)["kv_transfer_params"]
         engines = self.engines
         try:
-            await asyncio.sleep(engines.decode_connect_s)  # waiting for a connection
+            if engines.decode_connect_s:  # waiting for a connection
+                engines.decode_waits.set()
+                await asyncio.sleep(engines.decode_connect_s)
             if on_send is not None:
                 on_send()
             engines.log.append(f"{self.id} decodes from {params['remote_engine_id']}")
-            await asyncio.sleep(engines.decode_head_s)
+            if engines.decode_head_s:
+                engines.decode_waits.set()
+                await asyncio.sleep(engines.decode_head_s)
         except asyncio.CancelledError:
             engines.log.append(f"{self.id} decode cancelled")
             raise
@@ -137,8 +145,10 @@ class ScriptedEngines:
         self.prefills: list[str] = []  # the engines prefill legs went to, in order
         self.log: list[str] = []
         self.cancel_when_hedge_answers: asyncio.Task[object] | None = None
+        self.cancel_before_the_race_hears = False
         self.decode_connect_s = 0.0  # before a decode leg is sent
         self.decode_head_s = 0.0  # from then to its answer's head
+        self.decode_waits = asyncio.Event()  # a decode leg is in one of those two waits
 
     def client(self, engine_id: str) -> ScriptedEngine:
         return ScriptedEngine(engine_id, self)
@@ -180,7 +190,10 @@ async def _run(
     snapshot_at_s: float | None = None,
     decode_connect_s: float = 0.0,
     decode_head_s: float = 0.0,
+    at_once: bool = False,
 ) -> Outcome:
+    """``decode_connect_s`` / ``decode_head_s``: the request is cancelled once its decode leg
+    waits that long before it is sent / for its answer's head."""
     contract = fleet()
     clock = MonotonicClock()
     state = FleetState(contract, clock)
@@ -196,6 +209,7 @@ async def _run(
     )
     engines = ScriptedEngines(script)
     engines.decode_connect_s, engines.decode_head_s = decode_connect_s, decode_head_s
+    engines.cancel_before_the_race_hears = at_once
     router = PDRouter(contract, lifecycle, engines, metrics, 30.0, capacity)  # type: ignore[arg-type]
     body = orjson.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 4})
     request = parse_client_request(body, False, MODEL, contract.model.max_model_len)
@@ -212,6 +226,9 @@ async def _run(
         engines.cancel_when_hedge_answers = task
     if cancel_after_s is not None:
         await asyncio.sleep(cancel_after_s)
+        task.cancel()
+    if decode_connect_s or decode_head_s:
+        await asyncio.wait_for(engines.decode_waits.wait(), 30)
         task.cancel()
     try:
         stream = await task
@@ -235,6 +252,7 @@ def run(
     snapshot_at_s: float | None = None,
     decode_connect_s: float = 0.0,
     decode_head_s: float = 0.0,
+    at_once: bool = False,
 ) -> Outcome:
     return asyncio.run(
         _run(
@@ -244,6 +262,7 @@ def run(
             snapshot_at_s,
             decode_connect_s,
             decode_head_s,
+            at_once,
         )
     )
 
@@ -368,11 +387,12 @@ def test_a_request_cancelled_mid_race_cancels_both_legs() -> None:
     assert out.hedges("hedge") == out.hedges("original") == 0
 
 
-def test_a_client_leaving_as_the_hedge_answers_settles_the_hedge() -> None:
+@pytest.mark.parametrize("at_once", [False, True], ids=["race-hears-first", "request-first"])
+def test_a_client_leaving_as_the_hedge_answers_settles_the_hedge(at_once: bool) -> None:
     """The client leaves in the moment the hedge answers, before the race hears of it: the
     hedge's engine served well (a success, not an abandoned request), its answer is the
     prefill's, and its KV, which no decode leg will pull, is released."""
-    out = run([Leg("ok", 0.5), Leg("ok", 0.0)], cancel_with_hedge=True)
+    out = run([Leg("ok", 0.5), Leg("ok", 0.0)], cancel_with_hedge=True, at_once=at_once)
     slow, hedge = out.engines.prefills
     assert isinstance(out.error, asyncio.CancelledError)
     assert f"{slow} cancelled" in out.engines.log
@@ -391,7 +411,7 @@ def test_a_request_cancelled_before_its_decode_leg_was_sent_releases_the_kv() ->
     """The client leaves while the decode leg waits for a connection to its engine: the KV the
     prefill handed out would be held until its lease (nobody pulls it); a release leg to the
     decode engine pulls it instead, and runs on after the request is gone."""
-    out = run([Leg("ok")], cancel_after_s=0.05, decode_connect_s=0.1)
+    out = run([Leg("ok")], decode_connect_s=5.0)
     (prefill,) = out.engines.prefills
     assert isinstance(out.error, asyncio.CancelledError)
     assert out.engines.log == [
@@ -408,7 +428,7 @@ def test_a_request_cancelled_after_its_decode_leg_was_sent_leaves_the_kv_to_the_
     """Cancelled once the decode leg was written: the decode engine aborts it as the
     connection closes and frees the prefill engine's KV itself (vLLM notifies the prefill
     engine without a transfer): no release leg, which would pull freed blocks."""
-    out = run([Leg("ok")], cancel_after_s=0.05, decode_head_s=0.1)
+    out = run([Leg("ok")], decode_head_s=5.0)
     (prefill,) = out.engines.prefills
     assert isinstance(out.error, asyncio.CancelledError)
     assert out.engines.log == [f"{prefill} ok", f"e2 decodes from {prefill}", "e2 decode cancelled"]

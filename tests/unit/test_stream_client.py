@@ -263,6 +263,31 @@ async def test_a_request_waiting_for_a_connection_is_not_sent_until_it_has_one()
         assert sends == ["first", "third"] and received == [b"1", b"3"]
 
 
+async def test_a_connection_handed_to_a_request_cancelled_meanwhile_goes_to_the_next() -> None:
+    """A request handed the free connection in the moment it is cancelled (its client left):
+    the connection goes to the next waiting request, not lost to the pool until it idles out."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async for _request in each_request(reader):
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async with pool_for(handler, connect_s=30.0, limit=1) as (pool, peers):
+        first = await open_stream(pool)
+        assert await first.read() == b"ok"
+        cancelled = asyncio.ensure_future(open_stream(pool))
+        after = asyncio.ensure_future(open_stream(pool))
+        assert await async_wait_until(lambda: len(pool._waiters) == 2, 5)
+        first.release()  # handed to the first waiter...
+        cancelled.cancel()  # ...which is cancelled before it runs
+        with contextlib.suppress(asyncio.CancelledError):
+            await cancelled
+        second = await asyncio.wait_for(after, 10)  # not the 30 s connect timeout
+        assert await second.read() == b"ok"
+        second.release()
+        assert len(peers) == 1
+
+
 async def test_a_malformed_answer_is_a_transport_error() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)

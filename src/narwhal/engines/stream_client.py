@@ -403,11 +403,17 @@ class EngineStreamPool:
             try:
                 async with asyncio.timeout(self.timeouts.connect_s):
                     handed = await waiter
-            except TimeoutError:
-                late = waiter.result() if waiter.done() and not waiter.cancelled() else None
-                if late is not None:
-                    # Handed a connection just as the wait timed out: keep it for the next one.
-                    self._put_idle(late)
+            except (TimeoutError, asyncio.CancelledError) as exc:
+                if waiter.done() and not waiter.cancelled():
+                    # Handed a connection (or a free slot) just as the wait timed out or was
+                    # cancelled: passed on to the next request, or nobody would use it.
+                    late = waiter.result()
+                    if late is not None:
+                        self._put_idle(late)
+                    else:
+                        self._hand_over(None)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
                 raise EngineTransportError(
                     f"no free connection to the engine within {self.timeouts.connect_s} s",
                     timeout=True,

@@ -200,9 +200,10 @@ class PDRouter:
         self._capacity = capacity
         self._waiters: dict[Ticket, asyncio.Future[Verdict]] = {}
         self._pump: asyncio.Task[None] | None = None
-        # Release legs under way (``_release_refused_handoff``): held here, so that one whose
-        # request was cancelled still runs to its end.
+        # Release legs under way (``_start_release``): held here, so that one whose request was
+        # cancelled still runs to its end. Once settled (shutdown), none is sent any more.
         self._releases: set[asyncio.Task[str | None]] = set()
+        self._releases_settled = False
         # Every migratable stream's stall deadline (stall_s), on one timer.
         self.stalls = StallSweeper(fleet.routing.migration.stall_floor_s / 4)
 
@@ -210,6 +211,7 @@ class PDRouter:
         """Wait (at most ``timeout_s``) for the release legs under way: at shutdown, before the
         engines' connections close under them. Those still running then are cancelled (and
         counted stranded)."""
+        self._releases_settled = True
         if not self._releases:
             return
         _, pending = await asyncio.wait(set(self._releases), timeout=timeout_s)
@@ -542,11 +544,14 @@ class PDRouter:
         why: str | None = None
         response: EngineResponse | None = None
         try:
-            async with asyncio.timeout(self.fleet.engine.first_token_timeout_s):
-                response = await self.engines.client(engine).post(path, body, headers)
-                await read_prefix(response, _MAX_ERROR_BODY)
-            if response.status >= 400:
-                why = f"HTTP {response.status}"
+            if self._releases_settled:  # the engines' connections are closing
+                why = "the router is stopping"
+            else:
+                async with asyncio.timeout(self.fleet.engine.first_token_timeout_s):
+                    response = await self.engines.client(engine).post(path, body, headers)
+                    await read_prefix(response, _MAX_ERROR_BODY)
+                if response.status >= 400:
+                    why = f"HTTP {response.status}"
         except TimeoutError:
             why = "timed out"
         except EngineTransportError as exc:
@@ -612,17 +617,15 @@ class PDRouter:
             except asyncio.CancelledError:
                 decided = race.decided
                 if decided is None:
-                    raise  # cancelled from outside: the hedge is cancelled below
+                    # Cancelled from outside: the hedge is cancelled below, unless it answered
+                    # in this moment (its callback not run yet).
+                    self._client_left_as_hedge_answered(ticket, race, request, record)
+                    raise
                 if task.uncancel() > 0:
                     # Cancelled from outside (the client left) in the moment the hedge
-                    # answered: its engine served well, and the KV it holds no decode leg
-                    # will pull: released. A refusal ends the request as refused.
+                    # answered. A refusal ends the request as refused.
                     if decided.exception() is None:
-                        self.lifecycle.cancel(ticket, prefill_answered=True)
-                        self.metrics.hedges.labels("prefill", "hedge").inc()
-                        params = decided.result()[0]
-                        if params is not None:
-                            self._release_unsent_handoff(race.pair, request, record, params)
+                        self._client_left_as_hedge_answered(ticket, race, request, record)
                     else:
                         with contextlib.suppress(_EngineClientError):
                             self._hedge_won(ticket, decided)
@@ -639,8 +642,11 @@ class PDRouter:
                 self.lifecycle.slow_leg_failed(ticket)
                 second = race.second
                 race.closed = True
-                with contextlib.suppress(_LegFailure, _EngineClientError):
+                try:
                     await asyncio.wait((second,))
+                except asyncio.CancelledError:
+                    self._client_left_as_hedge_answered(ticket, race, request, record)
+                    raise
                 return (*self._hedge_won(ticket, second), race.pair)
             if race.second is None:
                 return (*result, pair)
@@ -653,6 +659,21 @@ class PDRouter:
             timer.cancel()
             if race.second is not None:
                 race.second.cancel()
+
+    def _client_left_as_hedge_answered(
+        self, ticket: Ticket, race: _HedgeRace, request: ClientRequest, record: RequestRecord
+    ) -> None:
+        """The request is cancelled from outside (the client left): if its hedge has answered
+        (in this same moment), that engine served well, and the KV it holds no decode leg will
+        pull: released."""
+        hedge = race.second
+        if hedge is None or not hedge.done() or hedge.cancelled() or hedge.exception() is not None:
+            return
+        self.lifecycle.cancel(ticket, prefill_answered=True)
+        self.metrics.hedges.labels("prefill", "hedge").inc()
+        params = hedge.result()[0]
+        if params is not None:
+            self._release_unsent_handoff(race.pair, request, record, params)
 
     def _slow_leg_decided(
         self,

@@ -620,6 +620,7 @@ class EngineCore:
             await self.kv_agent.notify(peer, remote.request_id.encode(), timeout)
         except (OSError, TimeoutError, ValueError, KVTransferError) as exc:
             # The prefill engine frees the blocks when their lease expires.
+            self.peers.invalidate(remote.host, remote.port)
             log.warning(
                 "KV of %s on %s left to its lease: %s",
                 remote.request_id,
