@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -496,6 +497,58 @@ def test_client_disconnect_mid_stream_aborts(pd: PD) -> None:
     router_metrics = pd.router.metrics()
     assert metric(router_metrics, "narwhal_in_flight") == 0
     pd.run["disconnect"] = {"chunks_read": chunks, "tokens_generated_on_d0": generated}
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_client_leaving_at_any_moment_leaves_no_kv_held(pd: PD, n: int) -> None:
+    """Clients that give up after 0 to 0.6 s (during the prefill leg, between the legs, while
+    the decode leg waits for its pull or its first token, or after it): every request ends
+    ``client_abort`` and the prefill engine holds none of the KV it handed out a few seconds
+    later (not the 30 s lease): each leg was aborted on its engine, the decode engine freed
+    what it had not pulled, or the router's release leg pulled it. With ``n = 2`` each choice
+    has legs of its own, and the first to end cancels its sibling wherever that one is."""
+
+    def prefill_holds_nothing() -> bool:
+        return metric(scrape(pd.prefill.url), "vllm:kv_cache_usage_perc") == 0
+
+    assert wait_until(prefill_holds_nothing, 40, interval=0.2)
+    wait_until(pd.ready, 60, interval=0.2)
+    ids = []
+    for i, leave_after_s in enumerate((0.01, 0.05, 0.1, 0.2, 0.3, 0.6)):
+        body = pd.request_body(
+            False,
+            f"{tag()} {BODY_TEXT}",
+            max_tokens=1500,
+            ignore_eos=True,
+            stream=True,
+            n=n,
+            temperature=1.0,
+        )
+        request_id = f"leave-{n}-{i}-{tag().strip('[]')}"
+        payload = json.dumps(body).encode()
+        # A socket of its own: the client leaves at its moment whatever has arrived by then.
+        port = urlsplit(pd.router.url).port
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Type: application/json\r\nX-Request-Id: %s\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (request_id.encode(), len(payload), payload)
+            )
+            time.sleep(leave_after_s)
+        ids.append(request_id)
+        assert wait_until(prefill_holds_nothing, 5, interval=0.1), (
+            f"left after {leave_after_s} s: the prefill engine still holds KV"
+        )
+
+    def ends() -> dict[str, dict[str, Any]]:
+        return {e.get("client_request_id"): e for e in pd.router.ends().values()}
+
+    assert wait_until(lambda: set(ids) <= set(ends()), 10), "a request.end is missing"
+    for request_id in ids:
+        end = ends()[request_id]
+        assert end["outcome"] == "client_abort", end
+        assert not any(a["outcome"] == "stranded" for a in end["attempts"]), end
+    assert wait_until(lambda: metric(pd.router.metrics(), "narwhal_in_flight") == 0, 10)
 
 
 # --- vLLM's output-shaping fields through P/D: tools, logprobs, response_format -------------
