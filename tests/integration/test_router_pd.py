@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -122,6 +123,26 @@ def test_stream_without_usage_gets_no_usage_chunk(stack) -> None:
         lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     assert not any('"choices":[]' in ln for ln in lines)
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_continuous_usage_only_for_a_client_that_asked_for_usage(stack, include_usage) -> None:
+    # vLLM: continuous_usage_stats counts usage in every chunk only with include_usage; the
+    # decode leg always asks for usage (the router counts with it), the client did not.
+    _, router = stack
+    options = {"continuous_usage_stats": True, "include_usage": include_usage}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "stream": True}
+    with httpx.stream(
+        "POST", router.url + "/v1/completions", timeout=30, json={**body, "stream_options": options}
+    ) as r:
+        events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+    with_choices = [e for e in events if e["choices"]]
+    assert len(with_choices) >= 3
+    if include_usage:
+        assert all(e.get("usage") for e in with_choices)
+        assert not events[-1]["choices"] and events[-1]["usage"]["completion_tokens"] == 3
+    else:
+        assert not any(e.get("usage") for e in events), events
 
 
 def test_journal_and_metrics_record_the_handoff(stack) -> None:
@@ -270,3 +291,26 @@ def test_prompt_token_ids_come_back_when_asked(stack) -> None:
         json={"model": MODEL, "prompt": IDS, "max_tokens": 3},
     )
     assert r.json()["choices"][0].get("prompt_token_ids") is None
+
+
+def test_a_chat_answer_without_a_generation_prompt_has_the_last_messages_role(stack) -> None:
+    # vLLM's get_chat_request_role: "assistant", or with add_generation_prompt false the last
+    # message's role, in the stream's first delta and in the whole answer the router rebuilds.
+    fleet, router = stack
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 4,
+        "add_generation_prompt": False,
+    }
+    path = "/v1/chat/completions"
+    direct = httpx.post(fleet.engines["e2"].url + path, json=body, timeout=30).json()
+    routed = httpx.post(router.url + path, json=body, timeout=30).json()
+    assert direct["choices"][0]["message"]["role"] == "user"
+    assert routed["choices"][0]["message"] == direct["choices"][0]["message"]
+    with httpx.stream("POST", router.url + path, json={**body, "stream": True}, timeout=30) as r:
+        events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+    assert events[0]["choices"][0]["delta"]["role"] == "user"
+    answer = {**body, "add_generation_prompt": True}
+    routed = httpx.post(router.url + path, json=answer, timeout=30).json()
+    assert routed["choices"][0]["message"]["role"] == "assistant"

@@ -92,6 +92,10 @@ def decode_leg_body(client_body: dict[str, Any], kv_transfer_params: Any) -> dic
         body.pop("kv_transfer_params", None)
     body["stream"] = True
     options = dict(client_body.get("stream_options") or {})
+    if not options.get("include_usage"):
+        # vLLM puts usage in every chunk only for a client that asked for usage at all; the
+        # leg asks for it (the router counts with it), so it must not ask for that too.
+        options.pop("continuous_usage_stats", None)
     options["include_usage"] = True
     body["stream_options"] = options
     return body

@@ -526,10 +526,15 @@ class _ChoiceParts:
     token_ids: list[int] | None = None
     finish_reason: str | None = None
     stop_reason: Any = None
+    # The first delta's: vLLM's "assistant", or with add_generation_prompt false the last
+    # message's role (as its unstreamed answer says too).
+    role: str = "assistant"
 
     def add(self, choice: dict[str, Any], chat: bool) -> None:
         if chat:
             delta = choice.get("delta") or {}
+            if isinstance(delta.get("role"), str):
+                self.role = delta["role"]
             if delta.get("content"):
                 self.texts.append(delta["content"])
             more = delta.get("reasoning") or delta.get("reasoning_content")
@@ -585,7 +590,7 @@ class _ChoiceParts:
         else:
             content = ""
         message: dict[str, Any] = {
-            "role": "assistant",
+            "role": self.role,
             "content": content,
             "refusal": None,
             "annotations": None,

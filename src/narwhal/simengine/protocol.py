@@ -63,6 +63,9 @@ class GenerationParams:
     cache_salt: str | None = None
     # n, logprobs and guided output; the default is a plain greedy request's.
     surface: SurfaceOptions = field(default_factory=SurfaceOptions)
+    # A chat answer's role: vLLM's "assistant", or with add_generation_prompt false the last
+    # message's (its get_chat_request_role).
+    role: str = "assistant"
 
 
 def _int_field(body: dict[str, Any], name: str, minimum: int) -> int | None:
@@ -91,8 +94,13 @@ def _prompt_tokens(body: dict[str, Any], vocab: Vocabulary, chat: bool) -> list[
             raise ProtocolError(
                 "Cannot apply chat template to an empty conversation. Provide at least one message."
             )
+        generation_prompt = body.get("add_generation_prompt", True)
+        if not isinstance(generation_prompt, bool):
+            raise ProtocolError(
+                "add_generation_prompt must be a boolean", param="add_generation_prompt"
+            )
         try:
-            return vocab.encode(render_chat(body.get("messages")))
+            return vocab.encode(render_chat(body.get("messages"), generation_prompt))
         except ChatTemplateError as exc:
             raise ProtocolError(str(exc), param="messages") from exc
     prompt = body.get("prompt")
@@ -189,7 +197,15 @@ def parse_generation(
         kv_transfer_params=body.get("kv_transfer_params"),
         cache_salt=salt,
         surface=surface,
+        role=_answer_role(body) if chat else "assistant",
     )
+
+
+def _answer_role(body: dict[str, Any]) -> str:
+    if body.get("add_generation_prompt", True):
+        return "assistant"
+    last = body["messages"][-1]  # rendered: a list of messages, each with a string role
+    return str(last["role"])
 
 
 def _usage(
@@ -251,7 +267,7 @@ class ResponseBuilder:
         ids = tokens if p.return_token_ids else None
         if p.chat:
             message: dict[str, Any] = {
-                "role": "assistant",
+                "role": p.role,
                 "content": text if content is None else content,
                 "refusal": None,
                 "annotations": None,
@@ -337,7 +353,7 @@ class ResponseBuilder:
             [
                 {
                     "index": index,
-                    "delta": {"role": "assistant", "content": ""},
+                    "delta": {"role": self.params.role, "content": ""},
                     "logprobs": None,
                     "finish_reason": None,
                 }
