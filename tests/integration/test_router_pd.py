@@ -314,3 +314,36 @@ def test_a_chat_answer_without_a_generation_prompt_has_the_last_messages_role(st
     answer = {**body, "add_generation_prompt": True}
     routed = httpx.post(router.url + path, json=answer, timeout=30).json()
     assert routed["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_loosely_typed_numbers_and_flags_are_read_as_vllm_reads_them(stack) -> None:
+    # vLLM's request models are pydantic in lax mode: max_tokens 2.0 (an agent framework that
+    # computes it), "3" or n 2.0 and stream "true" are served; 2.5 is refused, as by vLLM.
+    fleet, router = stack
+    base = {"model": MODEL, "prompt": PROMPT, "ignore_eos": True}
+    for url in (fleet.engines["e2"].url, router.url):
+        r = httpx.post(url + "/v1/completions", json={**base, "max_tokens": 2.0}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 2
+        r = httpx.post(
+            url + "/v1/completions", json={**base, "max_tokens": "3", "n": 2.0}, timeout=30
+        )
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 2 and r.json()["usage"]["completion_tokens"] == 6
+        r = httpx.post(url + "/v1/completions", json={**base, "max_tokens": 2.5}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    streamed = {**base, "max_tokens": 2, "stream": "true"}
+    with httpx.stream("POST", router.url + "/v1/completions", json=streamed, timeout=30) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    r = httpx.post(router.url + "/v1/completions", json={**streamed, "stream": "no"}, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    r = httpx.post(
+        router.url + "/v1/responses",
+        json={"model": MODEL, "input": PROMPT, "max_output_tokens": 4.0, "stream": "false"},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["output_tokens"] <= 4

@@ -504,7 +504,7 @@ def test_parse_generation_valid() -> None:
         ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, None, "max_tokens=4, got 5"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens", "at least 1"),
-        ({"prompt": "x", "max_tokens": "5"}, "max_tokens", "integer"),
+        ({"prompt": "x", "max_tokens": "five"}, "max_tokens", "integer"),
         ({"prompt": ["a", "b"]}, "prompt", "batched"),
         ({"prompt": []}, None, "You must pass at least one prompt"),
         ({"prompt": ""}, "prompt", "Either prompt or prompt_embeds must be provided"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from narwhal.engines.lax import lax_bool, lax_int
 from narwhal.serve.errors import InvalidRequest
 from narwhal.serve.validation import parse_json_object
 
@@ -420,8 +421,9 @@ def to_chat_body(body: dict[str, Any]) -> ResponsesRequest:
             "'disabled' and keep the input within the model's context",
             "truncation",
         )
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
+    raw_stream = body.get("stream")
+    stream = False if raw_stream is None else lax_bool(raw_stream)  # "true", 1: as vLLM
+    if stream is None:
         raise _refuse("'stream' must be a boolean", "stream")
     messages, continue_final = _messages(body)
     chat: dict[str, Any] = {"messages": messages}
@@ -429,9 +431,10 @@ def to_chat_body(body: dict[str, Any]) -> ResponsesRequest:
         chat["model"] = body["model"]  # checked by the chat path, as for /v1/chat/completions
     cap = body.get("max_output_tokens")
     if cap is not None:
-        if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
+        tokens = lax_int(cap)  # 4.0 or "4", as vLLM reads it
+        if tokens is None or tokens < 1:
             raise _refuse("'max_output_tokens' must be a positive integer", "max_output_tokens")
-        chat["max_tokens"] = cap
+        chat["max_tokens"] = tokens
     for name in _SAME_IN_CHAT:
         if body.get(name) is not None:
             chat[name] = body[name]

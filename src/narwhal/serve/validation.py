@@ -18,6 +18,7 @@ from narwhal.engines.context import (
     prompt_refusal,
     text_prompt_refusal,
 )
+from narwhal.engines.lax import lax_bool, lax_int
 from narwhal.routing.prompt_length import MAX_BYTES_PER_TOKEN
 from narwhal.serve.errors import InvalidRequest, NotFound
 
@@ -80,11 +81,14 @@ def _check_int(body: dict[str, Any], name: str, minimum: int) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool):
+    number = lax_int(value)
+    if number is None:
         raise InvalidRequest(f"'{name}' must be an integer", name)
-    if value < minimum:
-        raise InvalidRequest(f"'{name}' must be at least {minimum} (got {value})", name)
-    return value
+    if number < minimum:
+        raise InvalidRequest(f"'{name}' must be at least {minimum} (got {number})", name)
+    if number is not value:
+        body[name] = number  # 2.0 or "2", as vLLM reads it: the legs carry the integer
+    return number
 
 
 def _prompt_length(body: dict[str, Any], chat: bool) -> tuple[int | None, int]:
@@ -252,11 +256,12 @@ def parse_client_request(
     for name, why in _UNSUPPORTED.items():
         if name in body and (name.endswith("_transfer_params") or not _is_off(name, body[name])):
             raise InvalidRequest(why, name)
-    stream = body.get("stream", False)
+    raw_stream = body.get("stream", False)
+    stream = False if raw_stream is None else lax_bool(raw_stream)
     if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
         raise InvalidRequest("'stream' must be a boolean", "stream")
+    if raw_stream is not None and stream is not raw_stream:
+        body["stream"] = stream
     options = body.get("stream_options")
     if options is not None:
         if not isinstance(options, dict):

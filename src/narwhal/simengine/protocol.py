@@ -19,6 +19,7 @@ from narwhal.engines.context import (
     output_cap,
     prompt_refusal,
 )
+from narwhal.engines.lax import lax_bool, lax_int
 from narwhal.simengine.openai_surface import Invalid, SurfaceOptions, parse_surface
 from narwhal.simengine.vocab import ChatTemplateError, Vocabulary, render_chat
 
@@ -69,10 +70,11 @@ class GenerationParams:
 
 
 def _int_field(body: dict[str, Any], name: str, minimum: int) -> int | None:
-    value = body.get(name)
-    if value is None:
+    raw = body.get(name)
+    if raw is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool):
+    value = lax_int(raw)  # vLLM's pydantic, lax: 2.0, "2", true
+    if value is None:
         raise ProtocolError(f"{name} must be an integer", param=name)
     if value < minimum:
         raise ProtocolError(f"{name} must be at least {minimum}, got {value}", param=name)
@@ -80,10 +82,11 @@ def _int_field(body: dict[str, Any], name: str, minimum: int) -> int | None:
 
 
 def _bool_field(body: dict[str, Any], name: str) -> bool:
-    value = body.get(name, False)
-    if value is None:
+    raw = body.get(name, False)
+    if raw is None:
         return False
-    if not isinstance(value, bool):
+    value = lax_bool(raw)  # vLLM's pydantic, lax: "true", 1, "off"
+    if value is None:
         raise ProtocolError(f"{name} must be a boolean", param=name)
     return value
 
@@ -94,8 +97,8 @@ def _prompt_tokens(body: dict[str, Any], vocab: Vocabulary, chat: bool) -> list[
             raise ProtocolError(
                 "Cannot apply chat template to an empty conversation. Provide at least one message."
             )
-        generation_prompt = body.get("add_generation_prompt", True)
-        if not isinstance(generation_prompt, bool):
+        generation_prompt = lax_bool(body.get("add_generation_prompt", True))
+        if generation_prompt is None:
             raise ProtocolError(
                 "add_generation_prompt must be a boolean", param="add_generation_prompt"
             )
@@ -202,7 +205,7 @@ def parse_generation(
 
 
 def _answer_role(body: dict[str, Any]) -> str:
-    if body.get("add_generation_prompt", True):
+    if lax_bool(body.get("add_generation_prompt", True)):
         return "assistant"
     last = body["messages"][-1]  # rendered: a list of messages, each with a string role
     return str(last["role"])

@@ -1,0 +1,34 @@
+"""Request fields as vLLM reads them. Its OpenAI request models are pydantic models in lax mode:
+an integer field takes ``2.0``, ``"3"`` or ``true`` (not ``2.5``), a boolean field ``"true"``,
+``1`` or ``"off"`` (not ``2``). The router's validation and the simulated engine accept what vLLM
+accepts and refuse what it refuses (probed on vLLM 0.32 through the router: ``max_tokens: 2.0``
+from an agent framework that computes it was a 400 from the router, a 200 from vLLM)."""
+
+from __future__ import annotations
+
+from pydantic import TypeAdapter, ValidationError
+
+__all__ = ["lax_bool", "lax_int"]
+
+_INT: TypeAdapter[int] = TypeAdapter(int)
+_BOOL: TypeAdapter[bool] = TypeAdapter(bool)
+
+
+def lax_int(value: object) -> int | None:
+    """``value`` as a vLLM integer field reads it; None when vLLM refuses it."""
+    if type(value) is int:
+        return value
+    try:
+        return _INT.validate_python(value)
+    except ValidationError:
+        return None
+
+
+def lax_bool(value: object) -> bool | None:
+    """``value`` as a vLLM boolean field reads it; None when vLLM refuses it."""
+    if type(value) is bool:
+        return value
+    try:
+        return _BOOL.validate_python(value)
+    except ValidationError:
+        return None
