@@ -845,6 +845,32 @@ def test_a_decode_leg_left_before_its_pull_frees_the_prefilled_kv(pd: PD) -> Non
     assert wait_until(lambda: usage() == 0, 15, interval=0.2)
 
 
+def test_fields_the_router_reads_are_read_and_refused_as_vllm_does(pd: PD) -> None:
+    """The fields the router reads itself (it plans and fans out with them): loosely typed
+    values vLLM's pydantic reads are served, and a value below its range is refused with
+    vLLM's own message and param, compared whole with the engine's."""
+    base = {"model": MODEL_NAME, "prompt": f"{tag()} {BODY_TEXT}", "ignore_eos": True}
+    served = (
+        {"max_tokens": 2.0, "temperature": 0},
+        {"max_tokens": "3", "n": 2.0, "temperature": 1.0},
+        {"min_tokens": 2.0, "temperature": 0},
+    )
+    for extra in served:
+        routed = pd.routed({**base, **extra}, False)
+        direct = generate(pd.decode.url, {**base, **extra, "cache_salt": tag()}, False)
+        assert routed.status == direct.status == 200, (extra, routed.body, direct.body)
+        assert routed.usage is not None and direct.usage is not None
+        for count in ("prompt_tokens", "completion_tokens"):
+            assert routed.usage[count] == direct.usage[count], (extra, count)
+    for extra in ({"max_tokens": -1}, {"n": 0}, {"min_tokens": -1}, {"max_tokens": 2.5}):
+        routed = pd.routed({**base, **extra}, False)
+        direct = generate(pd.decode.url, {**base, **extra}, False)
+        assert routed.status == direct.status == 400, (extra, routed.body, direct.body)
+        if extra != {"max_tokens": 2.5}:  # vLLM's pydantic dump for a type: the router's own
+            assert routed.body["error"]["message"] == direct.body["error"]["message"]
+            assert routed.body["error"]["param"] == direct.body["error"]["param"]
+
+
 def test_routed_context_cut_as_vllm_cuts_it(pd: PD) -> None:
     """A token-id prompt whose max_tokens passes what it leaves of the context: vLLM 0.32 cuts
     max_tokens to fit (the router refused it before); a max_tokens past the context is a 400

@@ -4,11 +4,13 @@ suite (tiny model, max_model_len 2048): the router and the simulator both answer
 from __future__ import annotations
 
 from narwhal.engines.context import (
+    ContextRefusal,
     cut_max_tokens,
     max_tokens_refusal,
     min_tokens_refusal,
     output_cap,
     prompt_refusal,
+    range_refusal,
     text_prompt_refusal,
 )
 
@@ -64,3 +66,17 @@ def test_a_chat_requests_max_completion_tokens_caps_over_max_tokens() -> None:
     assert output_cap(100, 50) == (50, "max_completion_tokens")
     assert output_cap(100, None) == (100, "max_tokens")
     assert output_cap(None, None) == (None, "max_tokens")
+
+
+def test_a_count_below_its_range_is_refused_in_vllms_words() -> None:
+    # As vLLM 0.32 answered them through the router (SamplingParams._verify_args).
+    assert range_refusal("max_tokens", 1) is None and range_refusal("min_tokens", 0) is None
+    refusal = range_refusal("max_tokens", -1)
+    assert refusal == ContextRefusal(
+        "max_tokens must be at least 1, got -1. (parameter=max_tokens, value=-1)", "max_tokens"
+    )
+    assert range_refusal("max_completion_tokens", 0) == range_refusal("max_tokens", 0)
+    assert range_refusal("n", 0) == ContextRefusal("n must be at least 1, got 0.", None)
+    assert range_refusal("min_tokens", -1) == ContextRefusal(
+        "min_tokens must be greater than or equal to 0, got -1.", None
+    )

@@ -20,6 +20,7 @@ __all__ = [
     "min_tokens_refusal",
     "output_cap",
     "prompt_refusal",
+    "range_refusal",
     "text_prompt_refusal",
 ]
 
@@ -87,6 +88,30 @@ def _input_too_long(count: int, max_model_len: int) -> ContextRefusal:
     )
 
 
+# The least value of each count field vLLM checks (SamplingParams._verify_args).
+_LEAST = {"max_tokens": 1, "max_completion_tokens": 1, "n": 1, "min_tokens": 0}
+
+
+def range_refusal(name: str, value: int) -> ContextRefusal | None:
+    """A count field below its least value, in vLLM 0.32's words (probed through the router):
+    ``max_completion_tokens`` is named ``max_tokens``, as vLLM maps it."""
+    least = _LEAST[name]
+    if value >= least:
+        return None
+    if name in ("max_tokens", "max_completion_tokens"):
+        return _max_tokens_below_one(value)
+    if name == "n":
+        return ContextRefusal(f"n must be at least 1, got {value}.", None)
+    return ContextRefusal(f"min_tokens must be greater than or equal to 0, got {value}.", None)
+
+
+def _max_tokens_below_one(value: int) -> ContextRefusal:
+    return ContextRefusal(
+        f"max_tokens must be at least 1, got {value}. (parameter=max_tokens, value={value})",
+        "max_tokens",
+    )
+
+
 def cut_max_tokens(
     max_tokens: int, prompt_tokens: int, max_model_len: int
 ) -> tuple[int, ContextRefusal | None]:
@@ -95,10 +120,7 @@ def cut_max_tokens(
     cut = min(max_tokens, max_model_len - prompt_tokens)
     if cut >= 1:
         return cut, None
-    return cut, ContextRefusal(
-        f"max_tokens must be at least 1, got {cut}. (parameter=max_tokens, value={cut})",
-        "max_tokens",
-    )
+    return cut, _max_tokens_below_one(cut)
 
 
 def min_tokens_refusal(min_tokens: int, max_tokens: int) -> ContextRefusal | None:

@@ -16,6 +16,7 @@ from narwhal.engines.context import (
     min_tokens_refusal,
     output_cap,
     prompt_refusal,
+    range_refusal,
     text_prompt_refusal,
 )
 from narwhal.engines.lax import lax_bool, lax_int
@@ -77,15 +78,15 @@ class ClientRequest:
     choices_per_prompt: int = 1
 
 
-def _check_int(body: dict[str, Any], name: str, minimum: int) -> int | None:
+def _check_int(body: dict[str, Any], name: str) -> int | None:
     value = body.get(name)
     if value is None:
         return None
     number = lax_int(value)
     if number is None:
         raise InvalidRequest(f"'{name}' must be an integer", name)
-    if number < minimum:
-        raise InvalidRequest(f"'{name}' must be at least {minimum} (got {number})", name)
+    if (refusal := range_refusal(name, number)) is not None:
+        raise InvalidRequest(refusal.message, refusal.param)
     if number is not value:
         body[name] = number  # 2.0 or "2", as vLLM reads it: the legs carry the integer
     return number
@@ -252,7 +253,7 @@ def parse_client_request(
             "model",
             code="model_not_found",
         )
-    n = _check_int(body, "n", 1) or 1
+    n = _check_int(body, "n") or 1
     for name, why in _UNSUPPORTED.items():
         if name in body and (name.endswith("_transfer_params") or not _is_off(name, body[name])):
             raise InvalidRequest(why, name)
@@ -272,14 +273,14 @@ def parse_client_request(
             )
     include_usage = bool(options and options.get("include_usage"))
     max_tokens, cap_name = output_cap(
-        _check_int(body, "max_tokens", 1),
-        _check_int(body, "max_completion_tokens", 1) if chat else None,
+        _check_int(body, "max_tokens"),
+        _check_int(body, "max_completion_tokens") if chat else None,
     )
     # The context as vLLM 0.32 applies it, in its words (engines.context): the engines cut
     # max_tokens to what the prompt leaves, and the router plans with the cut value.
     if (refusal := max_tokens_refusal(max_tokens, cap_name, max_model_len)) is not None:
         raise InvalidRequest(refusal.message, refusal.param)
-    min_tokens = _check_int(body, "min_tokens", 0)
+    min_tokens = _check_int(body, "min_tokens")
     prompts = _batch(body, chat)
     if n > 1 or len(prompts) > 1:
         return _fan_out(body, chat, served_model, max_model_len, n, prompts, stream, include_usage)

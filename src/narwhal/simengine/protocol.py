@@ -18,6 +18,7 @@ from narwhal.engines.context import (
     min_tokens_refusal,
     output_cap,
     prompt_refusal,
+    range_refusal,
 )
 from narwhal.engines.lax import lax_bool, lax_int
 from narwhal.simengine.openai_surface import Invalid, SurfaceOptions, parse_surface
@@ -69,15 +70,15 @@ class GenerationParams:
     role: str = "assistant"
 
 
-def _int_field(body: dict[str, Any], name: str, minimum: int) -> int | None:
+def _int_field(body: dict[str, Any], name: str) -> int | None:
     raw = body.get(name)
     if raw is None:
         return None
     value = lax_int(raw)  # vLLM's pydantic, lax: 2.0, "2", true
     if value is None:
         raise ProtocolError(f"{name} must be an integer", param=name)
-    if value < minimum:
-        raise ProtocolError(f"{name} must be at least {minimum}, got {value}", param=name)
+    if (refusal := range_refusal(name, value)) is not None:
+        raise ProtocolError(refusal.message, param=refusal.param)
     return value
 
 
@@ -163,10 +164,10 @@ def parse_generation(
             "Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt"
         )
     max_tokens, cap_name = output_cap(
-        _int_field(body, "max_tokens", 1),
-        _int_field(body, "max_completion_tokens", 1) if chat else None,
+        _int_field(body, "max_tokens"),
+        _int_field(body, "max_completion_tokens") if chat else None,
     )
-    min_tokens = _int_field(body, "min_tokens", 0) or 0  # vLLM 0.32 has no min_completion_tokens
+    min_tokens = _int_field(body, "min_tokens") or 0  # vLLM 0.32 has no min_completion_tokens
     # vLLM 0.32's context rule, in its words (engines.context).
     refusal = max_tokens_refusal(max_tokens, cap_name, max_model_len)
     if refusal is not None:
