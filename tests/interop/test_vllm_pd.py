@@ -505,15 +505,20 @@ def test_a_client_leaving_at_any_moment_leaves_no_kv_held(pd: PD, n: int) -> Non
     the decode leg waits for its pull or its first token, or after it): every request ends
     ``client_abort`` and the prefill engine holds none of the KV it handed out a few seconds
     later (not the 30 s lease): each leg was aborted on its engine, the decode engine freed
-    what it had not pulled, or the router's release leg pulled it. With ``n = 2`` each choice
-    has legs of its own, and the first to end cancels its sibling wherever that one is."""
+    what it had not pulled, or the router's release leg pulled it; except a client that left in
+    the moment its prefill leg answered. With ``n = 2`` each choice has legs of its own, and the
+    first to end cancels its sibling wherever that one is."""
 
     def prefill_holds_nothing() -> bool:
         return metric(scrape(pd.prefill.url), "vllm:kv_cache_usage_perc") == 0
 
+    def ends() -> dict[str, dict[str, Any]]:
+        return {e.get("client_request_id"): e for e in pd.router.ends().values()}
+
     assert wait_until(prefill_holds_nothing, 40, interval=0.2)
     wait_until(pd.ready, 60, interval=0.2)
     ids = []
+    held_as_the_prefill_answered = []
     for i, leave_after_s in enumerate((0.01, 0.05, 0.1, 0.2, 0.3, 0.6)):
         body = pd.request_body(
             False,
@@ -536,12 +541,20 @@ def test_a_client_leaving_at_any_moment_leaves_no_kv_held(pd: PD, n: int) -> Non
             )
             time.sleep(leave_after_s)
         ids.append(request_id)
-        assert wait_until(prefill_holds_nothing, 5, interval=0.1), (
-            f"left after {leave_after_s} s: the prefill engine still holds KV"
-        )
-
-    def ends() -> dict[str, dict[str, Any]]:
-        return {e.get("client_request_id"): e for e in pd.router.ends().values()}
+        if wait_until(prefill_holds_nothing, 5, interval=0.1):
+            continue
+        # The one window the router cannot close (docs/router.md): the client left in the
+        # moment the prefill leg answered; the answer, and the kv_transfer_params a release
+        # leg needs, were dropped unread, and the KV waits out its lease. Anything else held
+        # is a leak.
+        assert wait_until(lambda rid=request_id: rid in ends(), 10), request_id
+        end = ends()[request_id]
+        cut = [a for a in end["attempts"] if a["leg"] == "prefill" and a["outcome"] == "cancelled"]
+        assert cut, f"left after {leave_after_s} s: KV held, not as the prefill answered: {end}"
+        held_as_the_prefill_answered.append(leave_after_s)
+        assert wait_until(prefill_holds_nothing, 40, interval=0.5)
+    # Rare (about one run in four of this test hits it once): never most of them.
+    assert len(held_as_the_prefill_answered) <= 2, held_as_the_prefill_answered
 
     assert wait_until(lambda: set(ids) <= set(ends()), 10), "a request.end is missing"
     for request_id in ids:
