@@ -31,7 +31,7 @@ from narwhal.simengine.faults import FaultSettings
 from narwhal.simengine.generation import ContextChain, GenerationModel, KVLayout
 from narwhal.simengine.kv_blocks import BlockPool
 from narwhal.simengine.kv_events import KVEventPublisher
-from narwhal.simengine.kv_transfer import KVTransferAgent, KVTransferError
+from narwhal.simengine.kv_transfer import KVPeerInfo, KVTransferAgent, KVTransferError
 from narwhal.simengine.metrics import EngineMetrics
 from narwhal.simengine.side_channel import PeerDirectory
 from narwhal.simengine.timing import CALIBRATION
@@ -614,9 +614,7 @@ class EngineCore:
     async def _decline_remote(self, remote: RemoteKV) -> None:
         timeout = self.config.kv_read_timeout_s
         try:
-            peer = await asyncio.wait_for(self.peers.lookup(remote.host, remote.port), timeout)
-            if peer.engine_id != remote.engine_id:
-                raise KVTransferError(f"side channel is engine {peer.engine_id!r}")
+            peer = await self._remote_peer(remote)
             await self.kv_agent.notify(peer, remote.request_id.encode(), timeout)
         except (OSError, TimeoutError, ValueError, KVTransferError) as exc:
             # The prefill engine frees the blocks when their lease expires.
@@ -627,6 +625,25 @@ class EngineCore:
                 remote.engine_id,
                 str(exc) or type(exc).__name__,
             )
+
+    async def _remote_peer(self, remote: RemoteKV) -> KVPeerInfo:
+        """The prefill engine that holds ``remote``'s KV, found through its NIXL side channel
+        (within ``kv_read_timeout_s``) and checked to be the engine the handoff names."""
+        try:
+            peer = await asyncio.wait_for(
+                self.peers.lookup(remote.host, remote.port), self.config.kv_read_timeout_s
+            )
+        except (OSError, TimeoutError, ValueError) as exc:
+            why = str(exc) or type(exc).__name__
+            raise KVTransferError(
+                f"NIXL side channel {remote.host}:{remote.port} unreachable: {why}"
+            ) from exc
+        if peer.engine_id != remote.engine_id:
+            raise KVTransferError(
+                f"side channel {remote.host}:{remote.port} is engine {peer.engine_id!r},"
+                f" not {remote.engine_id!r}"
+            )
+        return peer
 
     async def _pull(self, request: SimRequest, remote: RemoteKV) -> tuple[int, float, int]:
         """Pull the prompt's blocks this engine lacks: (bytes, seconds, blocks moved)."""
@@ -646,18 +663,7 @@ class EngineCore:
                 f"{len(remote.block_ids)} remote blocks for a {len(request.prompt)}-token prompt"
                 f" (expected {n})"
             )
-        try:
-            peer = await asyncio.wait_for(self.peers.lookup(remote.host, remote.port), timeout)
-        except (OSError, TimeoutError, ValueError) as exc:
-            why = str(exc) or type(exc).__name__
-            raise KVTransferError(
-                f"NIXL side channel {remote.host}:{remote.port} unreachable: {why}"
-            ) from exc
-        if peer.engine_id != remote.engine_id:
-            raise KVTransferError(
-                f"side channel {remote.host}:{remote.port} is engine {peer.engine_id!r},"
-                f" not {remote.engine_id!r}"
-            )
+        peer = await self._remote_peer(remote)
         # As vLLM's NixlConnector: blocks this engine already had cached are not pulled again;
         # the remote list is end-trimmed to the blocks still missing.
         hit = request.num_cached_tokens // self.config.block_size

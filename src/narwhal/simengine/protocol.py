@@ -82,26 +82,23 @@ def _int_field(body: dict[str, Any], name: str) -> int | None:
     return value
 
 
-def _bool_field(body: dict[str, Any], name: str) -> bool:
-    raw = body.get(name, False)
+def _bool_field(body: dict[str, Any], name: str, default: bool = False) -> bool:
+    raw = body.get(name, default)
     if raw is None:
-        return False
+        return default
     value = lax_bool(raw)  # vLLM's pydantic, lax: "true", 1, "off"
     if value is None:
         raise ProtocolError(f"{name} must be a boolean", param=name)
     return value
 
 
-def _prompt_tokens(body: dict[str, Any], vocab: Vocabulary, chat: bool) -> list[int]:
+def _prompt_tokens(
+    body: dict[str, Any], vocab: Vocabulary, chat: bool, generation_prompt: bool
+) -> list[int]:
     if chat:
         if body.get("messages") == []:
             raise ProtocolError(
                 "Cannot apply chat template to an empty conversation. Provide at least one message."
-            )
-        generation_prompt = lax_bool(body.get("add_generation_prompt", True))
-        if generation_prompt is None:
-            raise ProtocolError(
-                "add_generation_prompt must be a boolean", param="add_generation_prompt"
             )
         try:
             return vocab.encode(render_chat(body.get("messages"), generation_prompt))
@@ -172,7 +169,8 @@ def parse_generation(
     refusal = max_tokens_refusal(max_tokens, cap_name, max_model_len)
     if refusal is not None:
         raise ProtocolError(refusal.message, param=refusal.param)
-    prompt = _prompt_tokens(body, vocab, chat)
+    generation_prompt = chat and _bool_field(body, "add_generation_prompt", default=True)
+    prompt = _prompt_tokens(body, vocab, chat, generation_prompt)
     raw = body.get("prompt")
     if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str | list):
         raw = raw[0]  # a batch of one
@@ -201,15 +199,9 @@ def parse_generation(
         kv_transfer_params=body.get("kv_transfer_params"),
         cache_salt=salt,
         surface=surface,
-        role=_answer_role(body) if chat else "assistant",
+        # Rendered: a list of messages, each with a string role.
+        role="assistant" if generation_prompt or not chat else str(body["messages"][-1]["role"]),
     )
-
-
-def _answer_role(body: dict[str, Any]) -> str:
-    if lax_bool(body.get("add_generation_prompt", True)):
-        return "assistant"
-    last = body["messages"][-1]  # rendered: a list of messages, each with a string role
-    return str(last["role"])
 
 
 def _usage(
