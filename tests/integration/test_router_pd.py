@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+import narwhal
 from narwhal.testing.fleet import SimFleet
 from narwhal.testing.procs import wait_until
 from tests.helpers import (
@@ -224,6 +225,14 @@ def test_models_ready_health_admin(stack) -> None:
     assert httpx.get(router.url + "/health").status_code == 200
     ready = httpx.get(router.url + "/ready")
     assert ready.status_code == 200 and ready.json()["ready"] is True
+    # vLLM's /ping (GET and POST, SageMaker's probe) is the router's readiness.
+    for method in ("GET", "POST"):
+        ping = httpx.request(method, router.url + "/ping")
+        assert ping.status_code == 200 and ping.json()["ready"] is True
+    # vLLM's /version, and which contract this router runs.
+    version = httpx.get(router.url + "/version").json()
+    assert version["version"] == narwhal.__version__ and version["server"] == "narwhal-serve"
+    assert version["fleet_sha256"] == router.admin_state()["fleet"]["sha256"]
     assert httpx.get(router.url + "/admin/state").status_code == 401
     state = router.admin_state()
     assert {e["id"]: e["role"] for e in state["engines"]} == {

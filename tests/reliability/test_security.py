@@ -315,7 +315,7 @@ def test_metrics_and_health_public_or_protected(fleet: SimFleet, tmp_path: Path)
     open_dir.mkdir()
     closed_dir.mkdir()
     with running_router(open_dir, fleet.fleet_path, "--api-keys-file", str(keys)) as router:
-        for path in ("/metrics", "/health", "/ready"):
+        for path in ("/metrics", "/health", "/ready", "/ping", "/version"):
             assert httpx.get(router.url + path, timeout=5).status_code == 200, path
         # Serving endpoints need a key, whatever the monitoring ones do.
         assert httpx.get(router.url + "/v1/models", timeout=5).status_code == 401
@@ -339,7 +339,7 @@ def test_metrics_and_health_public_or_protected(fleet: SimFleet, tmp_path: Path)
             return False
 
         assert wait_until(up, 30)
-        for path in ("/metrics", "/health", "/ready"):
+        for path in ("/metrics", "/health", "/ready", "/ping", "/version"):
             r = httpx.get(router.url + path, timeout=5)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
             assert (

@@ -165,6 +165,24 @@ def _register_info_routes(app: FastAPI, services: Services) -> None:
     # (the server sends no body); outside the schema, one operation id per route.
     app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
     app.add_api_route("/ready", ready, methods=["HEAD"], include_in_schema=False)
+    # vLLM's /ping (the SageMaker probe, GET or POST): behind the router, "can it serve" is
+    # readiness, not the process being up.
+    app.add_api_route("/ping", ready, methods=["GET", "POST"], include_in_schema=False)
+
+    @app.get("/version")
+    async def version(request: Request) -> Response:
+        # vLLM's /version key, and what an operator asks next: which contract this router runs.
+        if settings.protect_health and not allowed(request):
+            return Unauthorized().response()
+        return json_response(
+            {
+                "version": __version__,
+                "server": "narwhal-serve",
+                "fleet": fleet.name,
+                "fleet_sha256": settings.fleet.sha256,
+                "profile_sha256": settings.profile_sha256,
+            }
+        )
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
