@@ -66,6 +66,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,10 @@ VOCABULARY = Vocabulary(0)  # the simulated engines' (their default vocab_seed)
 ROUTERS = ("narwhal", "vllm_router", "sglang_router")
 PEERS = ("vllm_router", "sglang_router")
 STALL_MS = 35.0
+# Meter.settle: a router is idle when it used under this share of a core over a window.
+SETTLE_WINDOW_S = 0.05
+SETTLE_IDLE_SHARE = 0.04
+SETTLE_MAX_S = 5.0
 MODES = ("streamed", "nonstreamed")
 REQUEST_TIMEOUT_S = 30.0
 LATENCY_BLOCK = 25
@@ -420,6 +425,33 @@ class Meter:
         self.router_cpu: Any = procfs.run_time_seconds if run_time else total_cpu_seconds
         if instructions is not None:
             self.router_cpu = instructions.read
+        # Per router: (CPU seconds, wall seconds, requests) over the blocks of the other
+        # targets: what it spends on requests it did not route (the KV events of the engines
+        # it follows), its idle loops included.
+        self.foreign: dict[str, list[float]] = {t: [0.0, 0.0, 0] for t in router_pids}
+        self._read_foreign = instructions is None
+        self.settle_s: list[float] = []  # how long each block took to settle (inf: never)
+
+    async def settle(self) -> None:
+        """Wait (at most ``SETTLE_MAX_S``) until every router is idle: a router that follows
+        the engines' KV events applies those of a block's last requests after the load ends,
+        which belong to that block, and would otherwise land in the next block, another
+        target's or its own. Each block is read after it settles and starts settled: its CPU is
+        its own requests' work (the events of requests routed by another target, which a
+        narwhal-serve replica also applies in a fleet of several, are reported apart)."""
+        # The engines too: one still publishing the block's last events is not done with it.
+        pids = [pid for group in self.router_pids.values() for pid in group]
+        pids += self.engine_pids
+        last = procfs.run_time_seconds(pids)
+        started = time.perf_counter()
+        while time.perf_counter() - started < SETTLE_MAX_S:
+            await asyncio.sleep(SETTLE_WINDOW_S)
+            now = procfs.run_time_seconds(pids)
+            if now - last < SETTLE_IDLE_SHARE * SETTLE_WINDOW_S:
+                self.settle_s.append(time.perf_counter() - started)
+                return
+            last = now
+        self.settle_s.append(math.inf)
 
     def snapshot(self, target: str) -> tuple[float, float, float, float, float]:
         pids = self.router_pids.get(target, [])
@@ -427,6 +459,25 @@ class Meter:
         engines = total_cpu_seconds(self.engine_pids)
         wakeups = procfs.voluntary_switches(pids)
         return (time.perf_counter(), router, engines, time.process_time(), wakeups)
+
+    async def block(self, tally: Tally, target: str, load: Awaitable[list[float]], n: int) -> None:
+        """One block of ``n`` requests against ``target`` (``load``), read settled: its wall
+        time ends with its last answer, its CPU once the routers are idle again."""
+        others = [t for t, pids in self.router_pids.items() if t != target and pids]
+        if not self._read_foreign:
+            others = []
+        others_before = [self.router_cpu(self.router_pids[t]) for t in others]
+        before = self.snapshot(target)
+        tally.latencies += await load
+        ended = time.perf_counter()
+        await self.settle()
+        after = self.snapshot(target)
+        Meter.add(tally, before, (ended, *after[1:]), n)
+        for t, cpu in zip(others, others_before, strict=True):
+            sums = self.foreign[t]
+            sums[0] += self.router_cpu(self.router_pids[t]) - cpu
+            sums[1] += after[0] - before[0]
+            sums[2] += n
 
     @staticmethod
     def add(tally: Tally, before: tuple[float, ...], after: tuple[float, ...], n: int) -> None:
@@ -462,9 +513,8 @@ async def measure(
             await run_load(pool, ep, "engine_alone", stream, warmup, 1)
             for phase, conc in (("c1", 1), ("cN", concurrency)):
                 tally = out.setdefault((mode, "engine_alone", phase), Tally())
-                before = meter.snapshot("engine_alone")
-                tally.latencies += await run_load(pool, ep, "engine_alone", stream, requests, conc)
-                Meter.add(tally, before, meter.snapshot("engine_alone"), requests)
+                load = run_load(pool, ep, "engine_alone", stream, requests, conc)
+                await meter.block(tally, "engine_alone", load, requests)
         for mode in MODES:
             stream = mode == "streamed"
             for target in targets:
@@ -486,9 +536,8 @@ async def measure(
                     for k in range(len(targets)):
                         target = targets[(b + k) % len(targets)]
                         tally = out.setdefault((mode, target, phase), Tally())
-                        before = meter.snapshot(target)
-                        tally.latencies += await run_load(pool, ep, target, stream, n, conc)
-                        Meter.add(tally, before, meter.snapshot(target), n)
+                        load = run_load(pool, ep, target, stream, n, conc)
+                        await meter.block(tally, target, load, n)
     finally:
         await pool.aclose()
     return out
@@ -569,6 +618,21 @@ def report(
         add("processes_started_during_run_not_measured", str(info["late"]))
     for target in ROUTERS:
         add(f"{target}_idle_cpu_ms_per_s", info["idle"][target])
+    # A router's CPU per request routed by the others (net of its idle rate): what following
+    # the engines' KV events costs it for requests it did not route (each replica of a fleet
+    # of several pays it for every other replica's requests). Not in its own figures: each
+    # block is read once every router is idle again (Meter.settle).
+    for target in ROUTERS:
+        cpu_s, wall_s, n = info["foreign"].get(target, (0.0, 0.0, 0))
+        if n:
+            net_ms = cpu_s * 1000 - info["idle"][target] * wall_s
+            add(f"{target}_cpu_ms_per_request_routed_by_others", net_ms / n)
+    settled = sorted(info["settles"])
+    if settled:
+        add(
+            "blocks_settled_s_median_max",
+            f"{percentile(settled, 50):.3f} / {settled[-1]:.3f} ({len(settled)} blocks)",
+        )
     add("bench_wall_s", info["elapsed"])
     # The load client alone against the decode engine (plain completions, no P/D).
     for mode in MODES:
@@ -984,6 +1048,8 @@ def main() -> int:
         pids_info: dict[str, str] = {}
         idle: dict[str, float] = {}
         elapsed = 0.0
+        foreign: dict[str, list[float]] = {}
+        settles: list[float] = []
         for round_index in range(rounds):
             start_routers(round_index)
             router_pids = {t: procfs.descendants(p.pid) for t, p in started.items()}
@@ -1020,6 +1086,10 @@ def main() -> int:
             )
             for key, tally in aio.run(coro).items():
                 results.setdefault(key, Tally()).merge(tally)
+            settles += meter.settle_s
+            for t, sums in meter.foreign.items():
+                acc = foreign.setdefault(t, [0.0, 0.0, 0])
+                acc[:] = [a + b for a, b in zip(acc, sums, strict=True)]
             elapsed += time.perf_counter() - t_start
             # Processes started during the run (none expected) are reported, not silently
             # missed.
@@ -1041,6 +1111,8 @@ def main() -> int:
             "pids": pids_info,
             "late": late,
             "idle": idle,
+            "foreign": foreign,
+            "settles": settles,
             "elapsed": elapsed,
             "router_cpus": "unpinned" if router_cpus is None else str(sorted(router_cpus)),
         }

@@ -4,6 +4,7 @@ engines, which validate their own fields (their 4xx answers reach the client unc
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -128,10 +129,15 @@ def _prompt_length(body: dict[str, Any], chat: bool) -> tuple[int | None, int]:
             raise InvalidRequest("'prompt' must not be empty", "prompt")
         return None, len(prompt.encode("utf-8", "surrogatepass"))
     if isinstance(prompt, list) and prompt:
-        # In C rather than a loop per token (a 12,000-token prompt: ~0.2 ms instead of ~0.4):
-        # every element exactly an int (JSON's true is a bool, not a token), none negative.
-        if set(map(type, prompt)) != {int} or min(prompt) < 0:
-            raise InvalidRequest("'prompt' token ids must be non-negative integers", "prompt")
+        # One C pass, no loop per token (a 12,000-token prompt: 0.07 ms, where checking each
+        # element's type and the minimum took 0.38): every element an integer in [0, 2**64).
+        # JSON's true and false pass as 1 and 0, as vLLM 0.32's lax list[int] reads them.
+        try:
+            array("Q", prompt)
+        except (TypeError, OverflowError):
+            raise InvalidRequest(
+                "'prompt' token ids must be non-negative integers", "prompt"
+            ) from None
         return len(prompt), 0
     raise InvalidRequest("'prompt' must be a string or a non-empty list of token ids", "prompt")
 

@@ -116,15 +116,13 @@ def _prompt_tokens(
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         return vocab.encode(prompt)
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
-        bad = vocab.check_ids(prompt)
+    # JSON's true and false are token ids 1 and 0 to vLLM 0.32 (its lax list[int]).
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        ids = [int(t) for t in prompt]
+        bad = vocab.check_ids(ids)
         if bad is not None:
             raise ProtocolError(f"Token id {bad} is out of vocabulary", param="prompt")
-        return list(prompt)
+        return ids
     if (
         isinstance(prompt, list)
         and len(prompt) > 1
