@@ -23,18 +23,25 @@ the client can show of any router. Then, in one run, for streamed (16 tokens, ``
   upstream requests per client request and one relayed response.
 
 Router CPU is read from ``/proc/<pid>/stat`` (utime + stime, which covers every thread of the
-process) summed over the router's whole process tree, before and after the measured requests;
-in the A/B mode (``--ab-routing``: two narwhal-serve processes) from the scheduler's nanosecond
-run time of each router's threads (``/proc/<pid>/task/<tid>/schedstat``) instead, with both
-routers pinned to one CPU and the engines and the client to the others, over ``--rounds`` pairs
-of fresh router processes (two processes of the same code differ by a few percent: the
-interval resamples rounds as well as blocks; each process's environment is padded by a random
-length and the start order alternates, so that layout differences between A's and B's command
-lines fall at random rather than the same way every round). With ``--instructions`` (A/B
-mode) the routers run under valgrind's callgrind and a block's cost is the instructions the
-router executed in it (``callgrind_control -d``): a count the machine's load does not move, of
-user space only, about 50 times slower (a few hundred requests; the routers' periodic probes
-are set to an hour).
+process) summed over the router's whole process tree, before and after the measured requests.
+Each block is read once the routers and the engines are idle again (``Meter.settle``, at most
+five seconds; the median and longest wait are printed): a narwhal-serve whose index follows the
+engines' KV events applies a block's last events after its last answer, and those belong to that
+block, not to the next (another target's, or its own). What a router spends during the other
+targets' blocks, net of its idle rate, is printed per request as
+``*_cpu_ms_per_request_routed_by_others``: for narwhal-serve with ``--kv-events``, the events of
+requests it did not route, which each replica of a fleet of several applies for every other
+replica's requests. In the A/B mode (``--ab-routing``: two narwhal-serve processes), CPU is read
+from the scheduler's nanosecond run time of each router's threads
+(``/proc/<pid>/task/<tid>/schedstat``) instead, with both routers pinned to one CPU and the
+engines and the client to the others, over ``--rounds`` pairs of fresh router processes (two
+processes of the same code differ by a few percent: the interval resamples rounds as well as
+blocks; each process's environment is padded by a random length and the start order alternates,
+so that layout differences between A's and B's command lines fall at random rather than the same
+way every round). With ``--instructions`` (A/B mode) the routers run under valgrind's callgrind
+and a block's cost is the instructions the router executed in it (``callgrind_control -d``): a
+count the machine's load does not move, of user space only, about 50 times slower (a few hundred
+requests; the routers' periodic probes are set to an hour).
 Latency is measured end to end by the client at concurrency 1 (after a warmup), in blocks that
 rotate over the three targets so drift hits all of them alike; "added" latency is the router's
 percentile minus direct's percentile. Requests/s is measured at concurrency 1 and at
