@@ -312,3 +312,106 @@ async def test_an_engine_that_closes_every_connection_unanswered_gets_two_tries(
             r = await getattr(c, leg)("/v1/completions", b"{}", {})
             await r.read()
     assert 1 <= requests <= 2
+
+
+@LEGS
+async def test_a_slow_answer_on_a_pooled_connection_is_not_sent_again(
+    transport: str, leg: str
+) -> None:
+    """A read timeout on a kept-alive connection is not the keep-alive race: the engine has the
+    request and may still be working on it, so a second copy (same request id) must not go."""
+    requests = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal requests
+        async for _head, body in each_request(reader):
+            requests += 1
+            if requests == 2:
+                await asyncio.sleep(1.0)  # longer than the read timeout, shorter than the test
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+
+    async with server(handler) as (base, peers), engine_client(transport, base, read_s=0.3) as c:
+        r = await getattr(c, leg)("/v1/completions", b"{}", {})
+        assert await r.read() == b"{}"
+        await r.aclose()
+        with pytest.raises(EngineTransportError) as info:
+            r = await getattr(c, leg)("/v1/completions", b"{}", {})
+            await r.read()
+        assert info.value.timeout
+        await asyncio.sleep(0.3)
+    assert requests == 2
+    assert len(peers) == 1
+
+
+@LEGS
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n",
+    ],
+    ids=["http10", "connection-close"],
+)
+async def test_an_answer_ended_by_the_engines_close_is_whole(
+    transport: str, leg: str, head: bytes
+) -> None:
+    """Neither Content-Length nor chunking (an HTTP/1.0 server, a proxy closing): the body is
+    what came before the orderly close, and the connection is not reused."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(head + b'{"a":')
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"1}")
+        await writer.drain()
+
+    async with server(handler) as (base, peers), engine_client(transport, base) as c:
+        for _ in range(2):
+            r = await getattr(c, leg)("/v1/completions", b"{}", {})
+            assert r.status == 200
+            assert await r.read() == b'{"a":1}'
+            await r.aclose()
+    assert len(peers) == 2
+
+
+@LEGS
+async def test_a_body_shorter_than_its_length_is_a_transport_error(
+    transport: str, leg: str
+) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\nConnection: close\r\n\r\nabc")
+        await writer.drain()
+
+    async with server(handler) as (base, _), engine_client(transport, base) as c:
+        r = await getattr(c, leg)("/v1/completions", b"{}", {})
+        with pytest.raises(EngineTransportError):
+            await r.read()
+        await r.aclose()
+
+
+@LEGS
+async def test_informational_heads_are_skipped_and_the_next_answer_is_its_own(
+    transport: str, leg: str
+) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        writer.write(b"HTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.1)  # the informational heads arrive on their own
+        writer.write(b"HTTP/1.1 201 Created\r\nContent-Length: 5\r\n\r\nfirst")
+        await writer.drain()
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nsecond")
+        await writer.drain()
+
+    async with server(handler) as (base, peers), engine_client(transport, base) as c:
+        for status, body in ((201, b"first"), (200, b"second")):
+            r = await getattr(c, leg)("/v1/completions", b"{}", {})
+            assert r.status == status
+            assert await r.read() == body
+            await r.aclose()
+    assert len(peers) == 1

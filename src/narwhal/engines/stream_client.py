@@ -1,5 +1,6 @@
-"""Decode legs over the router's own HTTP/1.1 connections, so a stream's bytes can be pushed
-to the client as they arrive instead of being pulled by a task.
+"""The router's own HTTP/1.1 connections to an engine, for the legs it sends: decode streams,
+whose bytes are pushed to the client as they arrive instead of being pulled by a task, and the
+prefill, release and tokenize legs, read whole.
 
 A decode stream carries one event per token for minutes. Pulled through a client library, each
 event costs a stream reader, a timer re-armed on every read, a task wake-up and the coroutine
@@ -11,10 +12,13 @@ like any response (``read_chunk``, the ``EngineResponse`` interface); the relay 
 sink inside ``data_received``, with no task in between.
 
 Connections are pooled per engine and reused (keep-alive), at most ``max_connections`` open at
-once; a request written into a pooled connection that the engine closed meanwhile is sent again
-on a new one, once, when no byte of an answer came back. A read stalled for the read timeout
-fails the leg (one timer per stream, re-armed only when it fires, not on every read). Every
-failure is an :class:`EngineTransportError`, like the other engine transports.
+once for all of an engine's legs together; a request written into a pooled connection that the
+engine closed meanwhile is sent again on a new one, once, when no byte of an answer came back
+and the read did not time out (a slow engine may still be working on it). A read stalled for
+the read timeout fails the leg (one timer per stream, re-armed only when it fires, not on every
+read). Informational heads (100, 103) are skipped; an answer with neither length nor chunking
+ends at the engine's orderly close. Every failure is an :class:`EngineTransportError`, like the
+other engine transports.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class EngineStreamConnection(asyncio.Protocol):
         "_head",
         "_keep_alive",
         "_last_data",
+        "_length_known",
         "_loop",
         "_parser",
         "_paused",
@@ -71,6 +76,7 @@ class EngineStreamConnection(asyncio.Protocol):
         "_released",
         "_sink",
         "_transport",
+        "_until_close",
         "_waiter",
         "_watchdog",
         "idle_since",
@@ -85,6 +91,8 @@ class EngineStreamConnection(asyncio.Protocol):
         self._parser: httptools.HttpResponseParser | None = None
         self.status = 0
         self._keep_alive = False
+        self._length_known = False  # the head had Content-Length or Transfer-Encoding
+        self._until_close = False  # the body ends when the engine closes the connection
         self._head: asyncio.Future[None] | None = None
         self._chunks: list[bytes] = []
         self._buffered = 0
@@ -130,16 +138,30 @@ class EngineStreamConnection(asyncio.Protocol):
         self._closed = True
         self._pool._forget(self)
         if not self._complete and self._error is None and not self._released:
+            if self._until_close and exc is None:
+                # A head with neither length nor chunking (HTTP/1.0, a proxy's
+                # "Connection: close"): the orderly close is the body's end.
+                self._complete = True
+                self._ended()
+                return
             why = f": {type(exc).__name__}: {exc}" if exc is not None else ""
             self._error = EngineTransportError(f"engine closed the connection mid-answer{why}")
         self._ended()
 
     # -- httptools callbacks -------------------------------------------------------------
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._length_known and name.lower() in (b"content-length", b"transfer-encoding"):
+            self._length_known = True
+
     def on_headers_complete(self) -> None:
         assert self._parser is not None
-        self.status = self._parser.get_status_code()
+        status = self._parser.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            return  # an informational head (100 Continue, 103 Early Hints): the answer follows
+        self.status = status
         self._keep_alive = self._parser.should_keep_alive()
+        self._until_close = not self._length_known and status not in (204, 304)
         if self._head is not None and not self._head.done():
             self._head.set_result(None)
 
@@ -149,6 +171,10 @@ class EngineStreamConnection(asyncio.Protocol):
         self._buffered += len(body)
 
     def on_message_complete(self) -> None:
+        if self.status == 0:
+            # An informational head ended: its headers say nothing of the answer's body.
+            self._length_known = False
+            return
         self._complete = True
         self._ended()
 
@@ -220,6 +246,8 @@ class EngineStreamConnection(asyncio.Protocol):
         assert self._transport is not None
         self._parser = httptools.HttpResponseParser(self)
         self.status = 0
+        self._length_known = False
+        self._until_close = False
         self._chunks = []
         self._buffered = 0
         self._complete = False
@@ -379,9 +407,16 @@ class EngineStreamPool:
                 await conn.begin(request)
             except BaseException as exc:
                 conn.release()
+                # Sent again only when the engine closed the idle connection as we wrote to
+                # it: not after a read timeout, when the engine may still be working on it.
                 stale = conn.reused and not conn.answered
-                if isinstance(exc, EngineTransportError) and attempt == 0 and stale:
-                    continue  # the engine closed the idle connection as we wrote to it
+                if (
+                    isinstance(exc, EngineTransportError)
+                    and not exc.timeout
+                    and attempt == 0
+                    and stale
+                ):
+                    continue
                 raise
             return conn
         raise AssertionError("unreachable")
