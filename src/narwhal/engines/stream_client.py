@@ -426,6 +426,8 @@ class EngineStreamPool:
             raise EngineTransportError("engine client is closed")
         loop = asyncio.get_running_loop()
         now = loop.time()
+        # One connect budget for the wait for a free slot and the connect that follows it.
+        deadline = now + self.timeouts.connect_s
         while self._idle and not fresh:
             conn = self._idle.pop()
             if conn.usable(now, self._keepalive_s):
@@ -436,7 +438,7 @@ class EngineStreamPool:
             waiter: asyncio.Future[EngineStreamConnection | None] = loop.create_future()
             self._waiters.append(waiter)
             try:
-                async with asyncio.timeout(self.timeouts.connect_s):
+                async with asyncio.timeout_at(deadline):
                     handed = await waiter
             except (TimeoutError, asyncio.CancelledError) as exc:
                 if waiter.done() and not waiter.cancelled():
@@ -462,7 +464,7 @@ class EngineStreamPool:
         self._opening += 1
         opened = False
         try:
-            async with asyncio.timeout(self.timeouts.connect_s):
+            async with asyncio.timeout_at(deadline):
                 _, conn = await loop.create_connection(
                     lambda: EngineStreamConnection(self),
                     self._host,
@@ -472,7 +474,7 @@ class EngineStreamPool:
             opened = True
         except TimeoutError:
             raise EngineTransportError(
-                f"connect to the engine timed out after {self.timeouts.connect_s} s", timeout=True
+                f"no connection to the engine within {self.timeouts.connect_s} s", timeout=True
             ) from None
         except OSError as exc:
             raise wrapped_transport_error(exc, timeout=False) from None
