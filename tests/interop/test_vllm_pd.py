@@ -867,6 +867,8 @@ def test_fields_the_router_reads_are_read_and_refused_as_vllm_does(pd: PD) -> No
         {"max_tokens": 2.0, "temperature": 0},
         {"max_tokens": "3", "n": 2.0, "temperature": 1.0},
         {"min_tokens": 2.0, "temperature": 0},
+        # Token ids: 5.0 and "6" are 5 and 6 (keyed and forwarded as integers).
+        {"prompt": [5.0, "6", 7, 8.0], "max_tokens": 2, "temperature": 0},
     )
     for extra in served:
         routed = pd.routed({**base, **extra}, False)
@@ -875,11 +877,12 @@ def test_fields_the_router_reads_are_read_and_refused_as_vllm_does(pd: PD) -> No
         assert routed.usage is not None and direct.usage is not None
         for count in ("prompt_tokens", "completion_tokens"):
             assert routed.usage[count] == direct.usage[count], (extra, count)
-    for extra in ({"max_tokens": -1}, {"n": 0}, {"min_tokens": -1}, {"max_tokens": 2.5}):
+    refused = ({"max_tokens": -1}, {"n": 0}, {"min_tokens": -1}, {"max_tokens": 2.5})
+    for extra in (*refused, {"prompt": [5, 6.5]}):
         routed = pd.routed({**base, **extra}, False)
         direct = generate(pd.decode.url, {**base, **extra}, False)
         assert routed.status == direct.status == 400, (extra, routed.body, direct.body)
-        if extra != {"max_tokens": 2.5}:  # vLLM's pydantic dump for a type: the router's own
+        if extra in refused[:3]:  # vLLM's pydantic dump for a type: the router's own
             assert routed.body["error"]["message"] == direct.body["error"]["message"]
             assert routed.body["error"]["param"] == direct.body["error"]["param"]
 

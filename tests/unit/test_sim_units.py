@@ -491,6 +491,10 @@ def test_parse_generation_valid() -> None:
     s = parse({"prompt": "x", "stream": True, "stream_options": {"include_usage": True}})
     assert s.stream and s.include_usage
     assert parse({"prompt": ["batch of one"]}).prompt == VOCAB.encode("batch of one")
+    # Token ids as vLLM 0.32's lax list[int] reads them: true is 1, 300.0 and "301" are 300, 301.
+    for prompt in ([300.0, "301", True], [[300.0, "301", True]]):
+        ids = parse({"prompt": prompt}).prompt
+        assert ids == [300, 301, 1] and all(type(t) is int for t in ids)
 
 
 @pytest.mark.parametrize(
@@ -501,6 +505,9 @@ def test_parse_generation_valid() -> None:
         ({"prompt": "x", "echo": True}, "echo", "echo"),
         ({"prompt": [300, VOCAB.size]}, "prompt", f"Token id {VOCAB.size} is out of vocabulary"),
         ({"prompt": [300, -1]}, "prompt", "out of vocabulary"),
+        ({"prompt": [300, 301.5]}, "prompt", "list of token ids"),
+        ({"prompt": [300, -1.0]}, "prompt", "list of token ids"),
+        ({"prompt": [300.0, VOCAB.size]}, "prompt", "out of vocabulary"),
         ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, None, "max_tokens=4, got 5"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens", "at least 1"),

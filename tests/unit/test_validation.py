@@ -30,7 +30,10 @@ def parse(body: object, chat: bool = False, max_len: int = 100):
         ({"model": MODEL, "prompt": ""}, 400, "prompt"),
         ({"model": MODEL, "prompt": [1, -2]}, 400, "prompt"),
         ({"model": MODEL, "prompt": [1, 2**64]}, 400, "prompt"),
-        ({"model": MODEL, "prompt": [1, 2.0]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [1, 2.5]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [1, -2.0]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [1.0, 2**64]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [1, "two"]}, 400, "prompt"),
         ({"model": MODEL, "prompt": [1, None]}, 400, "prompt"),
         ({"model": MODEL, "prompt": [1, {"id": 2}]}, 400, "prompt"),
         ({"model": MODEL, "prompt": "x", "n": 65}, 400, "n"),
@@ -144,6 +147,13 @@ def test_accepted_requests() -> None:
     # JSON's true and false among token ids: vLLM 0.32's lax list[int] reads 1 and 0.
     r = parse({"model": MODEL, "prompt": [1, True, False]})
     assert r.prompt_tokens_exact == 3
+    # And 2.0 and "3" as 2 and 3 (vLLM 0.32 serves [10.0, "11"] as [10, 11]): rewritten as
+    # integers for the engines, the prefix index and the lifecycle.
+    for prompt in ([1, 2.0, "3", True], [[1, 2.0, "3", True]]):
+        r = parse({"model": MODEL, "prompt": prompt})
+        ids = r.body["prompt"] if prompt[0] == 1 else r.body["prompt"][0]
+        assert ids == [1, 2, 3, 1] and all(type(t) is int for t in ids)
+        assert r.prompt_tokens_exact == 4
 
 
 def test_a_max_tokens_past_what_the_prompt_leaves_is_cut_as_vllm_cuts_it() -> None:

@@ -6,12 +6,15 @@ from an agent framework that computes it was a 400 from the router, a 200 from v
 
 from __future__ import annotations
 
-from pydantic import TypeAdapter, ValidationError
+from typing import Annotated
 
-__all__ = ["lax_bool", "lax_int"]
+from pydantic import Field, TypeAdapter, ValidationError
+
+__all__ = ["lax_bool", "lax_int", "lax_token_ids"]
 
 _INT: TypeAdapter[int] = TypeAdapter(int)
 _BOOL: TypeAdapter[bool] = TypeAdapter(bool)
+_TOKEN_IDS: TypeAdapter[list[int]] = TypeAdapter(list[Annotated[int, Field(ge=0)]])
 
 
 def lax_int(value: object) -> int | None:
@@ -30,5 +33,13 @@ def lax_bool(value: object) -> bool | None:
         return value
     try:
         return _BOOL.validate_python(value)
+    except ValidationError:
+        return None
+
+
+def lax_token_ids(value: list[object]) -> list[int] | None:
+    """A token-id prompt as vLLM reads it, every id an ``int``; None when vLLM refuses it."""
+    try:
+        return _TOKEN_IDS.validate_python(value)
     except ValidationError:
         return None

@@ -20,7 +20,7 @@ from narwhal.engines.context import (
     range_refusal,
     text_prompt_refusal,
 )
-from narwhal.engines.lax import lax_bool, lax_int
+from narwhal.engines.lax import lax_bool, lax_int, lax_token_ids
 from narwhal.routing.prompt_length import MAX_BYTES_PER_TOKEN
 from narwhal.serve.errors import InvalidRequest, NotFound
 
@@ -134,10 +134,19 @@ def _prompt_length(body: dict[str, Any], chat: bool) -> tuple[int | None, int]:
         # JSON's true and false pass as 1 and 0, as vLLM 0.32's lax list[int] reads them.
         try:
             array("Q", prompt)
-        except (TypeError, OverflowError):
+        except OverflowError:
             raise InvalidRequest(
                 "'prompt' token ids must be non-negative integers", "prompt"
             ) from None
+        except TypeError:
+            # Ids vLLM reads all the same (2.0, "2"): rewritten in place as integers, so the
+            # engines, the prefix index and the lifecycle see the ids vLLM would.
+            ids = lax_token_ids(prompt)
+            if ids is None or max(ids) >= 2**64:
+                raise InvalidRequest(
+                    "'prompt' token ids must be non-negative integers", "prompt"
+                ) from None
+            prompt[:] = ids
         return len(prompt), 0
     raise InvalidRequest("'prompt' must be a string or a non-empty list of token ids", "prompt")
 

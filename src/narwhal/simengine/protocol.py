@@ -20,7 +20,7 @@ from narwhal.engines.context import (
     prompt_refusal,
     range_refusal,
 )
-from narwhal.engines.lax import lax_bool, lax_int
+from narwhal.engines.lax import lax_bool, lax_int, lax_token_ids
 from narwhal.simengine.openai_surface import Invalid, SurfaceOptions, parse_surface
 from narwhal.simengine.vocab import ChatTemplateError, Vocabulary, render_chat
 
@@ -116,9 +116,14 @@ def _prompt_tokens(
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         return vocab.encode(prompt)
-    # JSON's true and false are token ids 1 and 0 to vLLM 0.32 (its lax list[int]).
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        ids = [int(t) for t in prompt]
+    # vLLM 0.32's lax list[int]: true and false are ids 1 and 0, 2.0 and "2" are 2.
+    ids: list[int] | None = None
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str | list):
+        if all(isinstance(t, int) for t in prompt):
+            ids = [int(t) for t in prompt]
+        else:
+            ids = lax_token_ids(prompt)
+    if ids is not None:
         bad = vocab.check_ids(ids)
         if bad is not None:
             raise ProtocolError(f"Token id {bad} is out of vocabulary", param="prompt")
