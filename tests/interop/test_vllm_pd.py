@@ -543,9 +543,9 @@ def test_a_client_leaving_at_any_moment_leaves_no_kv_held(pd: PD, n: int) -> Non
         ids.append(request_id)
         if wait_until(prefill_holds_nothing, 5, interval=0.1):
             continue
-        # The one window the router cannot close (docs/router.md): the client left in the
-        # moment the prefill leg answered; the answer, and the kv_transfer_params a release
-        # leg needs, were dropped unread, and the KV waits out its lease. Anything else held
+        # The one window the router cannot close (docs/router.md): the client left as the
+        # prefill engine finished, and its answer came after the router's grace (or the engine
+        # finished a request it was aborting); the KV waits out its lease. Anything else held
         # is a leak.
         assert wait_until(lambda rid=request_id: rid in ends(), 10), request_id
         end = ends()[request_id]

@@ -44,7 +44,8 @@ MODEL = "moonshotai/Kimi-K3"
 class Leg:
     """How one engine answers a prefill leg: after ``delay_s``, ``ok``, ``fail`` (the
     connection breaks), ``refuse`` (HTTP 400), ``malformed`` or ``no_choices`` (200, not a
-    completion)."""
+    completion), or ``orphaned`` (its answer arrives in the turn the request is cancelled:
+    handed to the caller's ``on_orphan``, as the router's own connections do)."""
 
     outcome: str = "ok"
     delay_s: float = 0.0
@@ -71,7 +72,13 @@ class ScriptedEngine:
         self.id = engine_id
         self.engines = engines
 
-    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> _Answer:
+    async def post(
+        self,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        on_orphan: Callable[[int, bytes], None] | None = None,
+    ) -> _Answer:
         engines = self.engines
         params = orjson.loads(body).get("kv_transfer_params") or {}
         if params.get("do_remote_prefill"):  # a release leg: pulls the KV, one token
@@ -109,6 +116,16 @@ class ScriptedEngine:
             "usage": {"prompt_tokens": 3, "completion_tokens": 1},
             "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": self.id},
         }
+        if leg.outcome == "orphaned":
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()  # the client leaves in this turn
+            try:
+                await asyncio.sleep(0)
+            except asyncio.CancelledError:
+                if on_orphan is not None:  # else the answer is dropped
+                    on_orphan(200, orjson.dumps(answer))
+                raise
         return _Answer(200, orjson.dumps(answer))
 
     async def stream(
@@ -480,3 +497,16 @@ def test_a_broken_stream_tells_its_client_the_kind_and_the_journal_the_address()
     assert renderer.detail is not None and "10.20.0.7" in renderer.detail
     failed = UpstreamFailed("stream_error", "decode stream broke: the kind", str(lost))
     assert "10.20.0.7" not in failed.message and "10.20.0.7" in failed.journal_error
+
+
+def test_a_prefill_answer_arriving_as_the_client_leaves_has_its_kv_released() -> None:
+    """The client leaves in the turn of the loop its prefill leg's whole answer arrives: the
+    answer is handed back rather than dropped, and the KV it hands out goes to a release leg
+    (the prefill engine would hold it for its lease otherwise)."""
+    out = run([Leg("orphaned", 0.0)])
+    assert isinstance(out.error, asyncio.CancelledError)
+    (prefill,) = out.engines.prefills
+    assert f"e2 releases from {prefill}" in out.engines.log
+    assert ("handoff", prefill, "releasing") in out.attempts()
+    assert not any("decodes" in line for line in out.engines.log)
+    assert out.router.metrics.kv_released.labels(prefill)._value.get() == 1

@@ -171,7 +171,9 @@ class ReplayEngines:
     def client(self, engine_id: str) -> ReplayEngines:
         return self
 
-    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> _Answer:
+    async def post(
+        self, path: str, body: bytes, headers: dict[str, str], on_orphan: object = None
+    ) -> _Answer:
         request_id = headers["X-Request-Id"]
         await self._gate(self.prefilled, request_id)
         prompt = orjson.loads(body)["prompt"]

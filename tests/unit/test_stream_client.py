@@ -12,6 +12,7 @@ import pytest
 
 from narwhal.engines.base import EngineTransportError, Timeouts
 from narwhal.engines.stream_client import (
+    ORPHAN_GRACE_S,
     READ_BUFFER_HIGH_WATER,
     EngineStreamConnection,
     EngineStreamPool,
@@ -351,3 +352,79 @@ async def test_an_unread_answer_stops_the_reading_above_the_high_water_mark() ->
         body = await asyncio.wait_for(conn.read(), 10)
         assert len(body) == size and written == size
         conn.release()
+
+
+async def test_a_whole_answer_whose_caller_is_cancelled_as_it_arrives_goes_to_on_orphan(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The caller's task is cancelled in the turn of the loop the answer arrives (a client
+    leaving as its prefill leg answers): the answer, read whole, goes to ``on_orphan`` instead
+    of being dropped, and the connection serves the next request. Cancelled before any answer,
+    there is nothing to hand."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async for _request in each_request(reader):
+            writer.write(b'HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n{"kv": 1}')
+            await writer.drain()
+
+    orphans: list[tuple[int, bytes]] = []
+    waiting: list[asyncio.Task[object]] = []
+    complete = EngineStreamConnection.on_message_complete
+
+    def complete_and_cancel(self: EngineStreamConnection) -> None:
+        complete(self)
+        if waiting:
+            waiting.pop().cancel()  # inside data_received: before the task hears of the head
+
+    monkeypatch.setattr(EngineStreamConnection, "on_message_complete", complete_and_cancel)
+    async with pool_for(handler) as (pool, peers):
+        task = asyncio.ensure_future(
+            pool.post("/v1/completions", b"{}", {}, on_orphan=lambda *a: orphans.append(a))
+        )
+        waiting.append(task)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert orphans == [(200, b'{"kv": 1}')]
+        conn = await open_stream(pool)  # the same connection, its answer read
+        assert await conn.read() == b'{"kv": 1}'
+        conn.release()
+        assert len(peers) == 1
+
+
+@pytest.mark.parametrize("late_s", [0.05, 0.6], ids=["within-grace", "past-grace"])
+async def test_an_answer_on_its_way_as_the_caller_is_cancelled_is_awaited_briefly(
+    late_s: float,
+) -> None:
+    """The engine had finished as the caller left; its answer comes a moment later: awaited
+    for ``ORPHAN_GRACE_S`` and handed to ``on_orphan``. Later than that, the connection is
+    dropped (the engine aborts the request) and nothing is handed."""
+    assert 0.05 < ORPHAN_GRACE_S < 0.6
+    requested = asyncio.Event()
+    closed = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async for _request in each_request(reader):
+            requested.set()
+            await asyncio.sleep(late_s)
+            writer.write(b'HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n{"kv": 1}')
+            await writer.drain()
+        closed.set()
+
+    orphans: list[tuple[int, bytes]] = []
+    async with pool_for(handler) as (pool, peers):
+        task = asyncio.ensure_future(
+            pool.post("/v1/completions", b"{}", {}, on_orphan=lambda *a: orphans.append(a))
+        )
+        await asyncio.wait_for(requested.wait(), 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        if late_s < ORPHAN_GRACE_S:
+            assert await async_wait_until(lambda: orphans == [(200, b'{"kv": 1}')], 5)
+            conn = await open_stream(pool)  # the connection went back to the pool
+            assert await conn.read() == b'{"kv": 1}'
+            conn.release()
+            assert len(peers) == 1 and not closed.is_set()
+        else:
+            await asyncio.wait_for(closed.wait(), 5)  # dropped once the grace ran out
+            assert orphans == []

@@ -41,6 +41,11 @@ __all__ = ["EngineStreamConnection", "EngineStreamPool", "StreamSink"]
 # Body bytes held for a reader that has not taken them; above this the connection stops reading
 # from the engine until it does (a client slower than its engine is held back, not buffered).
 READ_BUFFER_HIGH_WATER = 256 * 1024
+# How long an answer whose caller was cancelled is still awaited before the connection is
+# dropped (the engine then aborts the request): an engine that had finished it as the caller
+# left has its answer on the way, and the KV handoff in that answer would be lost; one still
+# working gets its abort this much later.
+ORPHAN_GRACE_S = 0.2
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +75,8 @@ class EngineStreamConnection(asyncio.Protocol):
         "_last_data",
         "_length_known",
         "_loop",
+        "_orphan",
+        "_orphan_timer",
         "_parser",
         "_paused",
         "_pool",
@@ -106,6 +113,8 @@ class EngineStreamConnection(asyncio.Protocol):
         self._paused = False
         self._last_data = 0.0
         self._watchdog: asyncio.TimerHandle | None = None
+        self._orphan: Callable[[int, bytes], None] | None = None
+        self._orphan_timer: asyncio.TimerHandle | None = None
         self.reused = False
         self.idle_since = 0.0
 
@@ -217,6 +226,10 @@ class EngineStreamConnection(asyncio.Protocol):
             self._sink = None
             sink.on_end(self._error if not self._complete else None)
         self._wake()
+        if self._orphan is not None:
+            # Not from inside the parser's callback: releasing may hand the connection to the
+            # next request at once.
+            self._loop.call_soon(self._settle_orphan)
 
     def _abort(self, error: EngineTransportError) -> None:
         if self._error is None and not self._complete:
@@ -267,6 +280,48 @@ class EngineStreamConnection(asyncio.Protocol):
     @property
     def answered(self) -> bool:
         return self._answered
+
+    def watch_orphan(self, on_orphan: Callable[[int, bytes], None]) -> bool:
+        """The caller was cancelled before reading the answer: a whole answer already here
+        goes to ``on_orphan`` now (False: the caller releases the connection); one still on
+        its way is awaited for ``ORPHAN_GRACE_S`` (True: the connection releases itself when
+        it ends, with the answer to ``on_orphan`` if it came whole)."""
+        if self._complete:
+            self._hand_orphan(on_orphan)
+            return False
+        if self._error is not None or self._closed or self._released:
+            return False
+        self._orphan = on_orphan
+        self._orphan_timer = self._loop.call_later(ORPHAN_GRACE_S, self._orphan_expired)
+        return True
+
+    def _orphan_expired(self) -> None:
+        self._orphan_timer = None
+        if self._orphan is not None:
+            self._orphan = None
+            self.release()  # not complete: dropped, and the engine aborts the request
+
+    def _settle_orphan(self) -> None:
+        on_orphan, self._orphan = self._orphan, None
+        if on_orphan is None:
+            return
+        if self._orphan_timer is not None:
+            self._orphan_timer.cancel()
+            self._orphan_timer = None
+        if self._complete:
+            self._hand_orphan(on_orphan)
+        self.release()
+
+    def _hand_orphan(self, on_orphan: Callable[[int, bytes], None]) -> None:
+        if self._error is not None or self.status < 200:
+            return
+        body = b"".join(self._chunks)
+        self._chunks = []
+        self._buffered = 0
+        try:
+            on_orphan(self.status, body)
+        except Exception:  # the caller is cancelled: nobody else would see it
+            log.exception("handling an answer whose request was cancelled failed")
 
     # -- EngineResponse ------------------------------------------------------------------
 
@@ -395,9 +450,13 @@ class EngineStreamPool:
         body: bytes,
         headers: dict[str, str],
         on_send: Callable[[], None] | None = None,
+        *,
+        on_orphan: Callable[[int, bytes], None] | None = None,
     ) -> EngineStreamConnection:
         """Send a request and wait for the answer's head; the connection is the response.
-        ``on_send`` is called as the request is written (after any wait for a connection)."""
+        ``on_send`` is called as the request is written (after any wait for a connection);
+        ``on_orphan(status, body)`` when the caller is cancelled before it read the answer and
+        the whole answer is here, or arrives within ``ORPHAN_GRACE_S``."""
         request = self._request(path, body, headers)
         for attempt in range(2):
             conn = await self._acquire(fresh=attempt > 0)
@@ -406,6 +465,12 @@ class EngineStreamPool:
             try:
                 await conn.begin(request)
             except BaseException as exc:
+                if (
+                    on_orphan is not None
+                    and isinstance(exc, asyncio.CancelledError)
+                    and conn.watch_orphan(on_orphan)
+                ):
+                    raise  # the connection releases itself once the answer ends or is late
                 conn.release()
                 # Sent again only when the engine closed the idle connection as we wrote to
                 # it: not after a read timeout, when the engine may still be working on it.

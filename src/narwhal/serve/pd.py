@@ -522,6 +522,20 @@ class PDRouter:
         self._start_release(pair, request, record.id, params, "client_abort")
         record.attempt("handoff", pair.prefill, "releasing", via=pair.decode)
 
+    def _orphaned_prefill(
+        self, pair: Pair, request: ClientRequest, record: RequestRecord, status: int, content: bytes
+    ) -> None:
+        """The request was cancelled (the client left) in the very moment its prefill leg's
+        whole answer arrived: the KV that answer hands out is released like an unsent one."""
+        if status >= 300:
+            return
+        try:
+            params = orjson.loads(content).get("kv_transfer_params")
+        except (orjson.JSONDecodeError, AttributeError):
+            return
+        if params is not None:
+            self._release_unsent_handoff(pair, request, record, params)
+
     def _start_release(
         self, pair: Pair, request: ClientRequest, request_id: str, params: Any, reason: str
     ) -> asyncio.Task[str | None]:
@@ -787,7 +801,14 @@ class PDRouter:
         response: EngineResponse | None = None
         try:
             async with asyncio.timeout(self.prefill_timeout_s):
-                response = await client.post(path, body, headers)
+                response = await client.post(
+                    path,
+                    body,
+                    headers,
+                    lambda status, content: self._orphaned_prefill(
+                        pair, request, record, status, content
+                    ),
+                )
                 if response.status >= 400:
                     content = await read_prefix(response, _MAX_ERROR_BODY)
                 else:
