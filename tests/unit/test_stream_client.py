@@ -428,3 +428,43 @@ async def test_an_answer_on_its_way_as_the_caller_is_cancelled_is_awaited_briefl
         else:
             await asyncio.wait_for(closed.wait(), 5)  # dropped once the grace ran out
             assert orphans == []
+
+
+async def test_a_body_cut_by_its_readers_cancellation_goes_whole_to_on_orphan() -> None:
+    """Cancelled between the head and the end of a large body (a prefill answer carrying the
+    prompt's ids): what was read stays with the connection, the rest is read past the
+    high-water mark (nobody would resume it) and the whole body goes to ``on_orphan``."""
+    body = b"x" * (READ_BUFFER_HIGH_WATER + 100_000)
+    first = 100_000
+    cancelled = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body))
+        writer.write(body[:first])
+        await writer.drain()
+        await cancelled.wait()
+        writer.write(body[first:])
+        await writer.drain()
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+
+    orphans: list[tuple[int, bytes]] = []
+    async with pool_for(handler) as (pool, peers):
+        conn = await open_stream(pool)
+        reading = asyncio.ensure_future(conn.read())
+        assert await async_wait_until(lambda: conn._buffered >= first, 5)
+        await asyncio.sleep(0.05)  # the reader has run and waits for the rest
+        assert not reading.done()
+        reading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+        assert conn.watch_orphan(lambda *a: orphans.append(a))
+        cancelled.set()
+        assert await async_wait_until(lambda: len(orphans) == 1, 5)
+        assert orphans[0] == (200, body)
+        again = await open_stream(pool)  # the connection went back to the pool
+        assert await again.read() == b"ok"
+        again.release()
+        assert len(peers) == 1

@@ -86,6 +86,7 @@ class EngineStreamConnection(asyncio.Protocol):
         "_until_close",
         "_waiter",
         "_watchdog",
+        "_whole",
         "idle_since",
         "reused",
         "status",
@@ -115,6 +116,7 @@ class EngineStreamConnection(asyncio.Protocol):
         self._watchdog: asyncio.TimerHandle | None = None
         self._orphan: Callable[[int, bytes], None] | None = None
         self._orphan_timer: asyncio.TimerHandle | None = None
+        self._whole = False  # the answer is wanted whole: no pause above the high-water mark
         self.reused = False
         self.idle_since = 0.0
 
@@ -195,7 +197,7 @@ class EngineStreamConnection(asyncio.Protocol):
             return
         sink = self._sink
         if sink is None:
-            if self._buffered > READ_BUFFER_HIGH_WATER:
+            if self._buffered > READ_BUFFER_HIGH_WATER and not self._whole:
                 self.pause_reading()  # read_chunk resumes it
             self._wake()
             return
@@ -267,6 +269,7 @@ class EngineStreamConnection(asyncio.Protocol):
         self._error = None
         self._released = False
         self._answered = False
+        self._whole = False
         self._head = self._loop.create_future()
         self._last_data = self._loop.time()
         self._watchdog = self._loop.call_later(self._pool.timeouts.read_s, self._check_stall)
@@ -293,13 +296,20 @@ class EngineStreamConnection(asyncio.Protocol):
             return False
         self._orphan = on_orphan
         self._orphan_timer = self._loop.call_later(ORPHAN_GRACE_S, self._orphan_expired)
+        self._whole = True
+        if self._paused:
+            self.resume_reading()
         return True
 
     def _orphan_expired(self) -> None:
         self._orphan_timer = None
-        if self._orphan is not None:
-            self._orphan = None
-            self.release()  # not complete: dropped, and the engine aborts the request
+        if self._orphan is None:
+            return
+        if self._complete:  # it ended in this same turn, its settling not run yet
+            self._settle_orphan()
+            return
+        self._orphan = None
+        self.release()  # not complete: dropped, and the engine aborts the request
 
     def _settle_orphan(self) -> None:
         on_orphan, self._orphan = self._orphan, None
@@ -345,10 +355,24 @@ class EngineStreamConnection(asyncio.Protocol):
                 self._waiter = None
 
     async def read(self) -> bytes:
-        parts = []
-        while chunk := await self.read_chunk():
-            parts.append(chunk)
-        return b"".join(parts)
+        # The body stays in the connection until it is whole (not paused above the high-water
+        # mark: it is wanted whole anyway), so a reader cancelled meanwhile leaves all of it
+        # to watch_orphan.
+        self._whole = True
+        if self._paused:
+            self.resume_reading()
+        while not self._complete:
+            if self._error is not None:
+                raise self._error
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        body = b"".join(self._chunks)
+        self._chunks = []
+        self._buffered = 0
+        return body
 
     async def aclose(self) -> None:
         self.release()

@@ -525,8 +525,9 @@ class PDRouter:
     def _orphaned_prefill(
         self, pair: Pair, request: ClientRequest, record: RequestRecord, status: int, content: bytes
     ) -> None:
-        """The request was cancelled (the client left) in the very moment its prefill leg's
-        whole answer arrived: the KV that answer hands out is released like an unsent one."""
+        """The prefill leg was cancelled (the client left; or a hedge won, or the leg's timeout
+        ran out) as its answer arrived: the KV that answer hands out is released like an
+        unsent one (a failed release counted stranded as ``client_abort``)."""
         if status >= 300:
             return
         try:
@@ -799,21 +800,28 @@ class PDRouter:
         client = self.engines.client(engine)
         headers = {"X-Request-Id": record.id, "Content-Type": "application/json"}
         response: EngineResponse | None = None
+
+        def on_orphan(status: int, content: bytes) -> None:
+            self._orphaned_prefill(pair, request, record, status, content)
+
         try:
             async with asyncio.timeout(self.prefill_timeout_s):
-                response = await client.post(
-                    path,
-                    body,
-                    headers,
-                    lambda status, content: self._orphaned_prefill(
-                        pair, request, record, status, content
-                    ),
-                )
+                response = await client.post(path, body, headers, on_orphan)
                 if response.status >= 400:
                     content = await read_prefix(response, _MAX_ERROR_BODY)
                 else:
                     content = await response.read()
         except asyncio.CancelledError:
+            # Cancelled while its body was on its way: the router's own connections await
+            # it briefly (as while the head was, in post) for the KV it hands out.
+            watch = getattr(response, "watch_orphan", None)
+            if (
+                response is not None
+                and response.status < 300
+                and watch is not None
+                and watch(on_orphan)
+            ):
+                response = None  # the connection settles itself
             if leg is None or leg.counted:  # a hedge race's legs: its `hedged` attempt says
                 since = round(record.since_arrival() - started, 6)
                 record.attempt("prefill", engine, "cancelled", after_s=since)
