@@ -36,7 +36,7 @@ import httptools
 
 from narwhal.engines.base import EngineTransportError, Timeouts, wrapped_transport_error
 
-__all__ = ["EngineStreamConnection", "EngineStreamPool", "StreamSink"]
+__all__ = ["EngineStreamConnection", "EngineStreamPool", "OrphanedAnswer", "StreamSink"]
 
 # Body bytes held for a reader that has not taken them; above this the connection stops reading
 # from the engine until it does (a client slower than its engine is held back, not buffered).
@@ -46,6 +46,10 @@ READ_BUFFER_HIGH_WATER = 256 * 1024
 # left has its answer on the way, and the KV handoff in that answer would be lost; one still
 # working gets its abort this much later.
 ORPHAN_GRACE_S = 0.2
+
+# Called with an answer's status and whole body when its caller let go of it unread (see
+# ``EngineStreamPool.post``).
+OrphanedAnswer = Callable[[int, bytes], None]
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +79,7 @@ class EngineStreamConnection(asyncio.Protocol):
         "_last_data",
         "_length_known",
         "_loop",
-        "_orphan",
+        "_on_orphan",
         "_orphan_timer",
         "_parser",
         "_paused",
@@ -83,7 +87,6 @@ class EngineStreamConnection(asyncio.Protocol):
         "_released",
         "_sink",
         "_transport",
-        "_until_close",
         "_waiter",
         "_watchdog",
         "_whole",
@@ -100,7 +103,6 @@ class EngineStreamConnection(asyncio.Protocol):
         self.status = 0
         self._keep_alive = False
         self._length_known = False  # the head had Content-Length or Transfer-Encoding
-        self._until_close = False  # the body ends when the engine closes the connection
         self._head: asyncio.Future[None] | None = None
         self._chunks: list[bytes] = []
         self._buffered = 0
@@ -114,8 +116,9 @@ class EngineStreamConnection(asyncio.Protocol):
         self._paused = False
         self._last_data = 0.0
         self._watchdog: asyncio.TimerHandle | None = None
-        self._orphan: Callable[[int, bytes], None] | None = None
-        self._orphan_timer: asyncio.TimerHandle | None = None
+        # Until the caller takes the answer: where it goes if the caller lets go of it unread.
+        self._on_orphan: OrphanedAnswer | None = None
+        self._orphan_timer: asyncio.TimerHandle | None = None  # set while an orphan is awaited
         self._whole = False  # the answer is wanted whole: no pause above the high-water mark
         self.reused = False
         self.idle_since = 0.0
@@ -149,7 +152,12 @@ class EngineStreamConnection(asyncio.Protocol):
         self._closed = True
         self._pool._forget(self)
         if not self._complete and self._error is None and not self._released:
-            if self._until_close and exc is None:
+            if (
+                exc is None
+                and self.status >= 200
+                and not self._length_known
+                and self.status not in (204, 304)
+            ):
                 # A head with neither length nor chunking (HTTP/1.0, a proxy's
                 # "Connection: close"): the orderly close is the body's end.
                 self._complete = True
@@ -172,7 +180,6 @@ class EngineStreamConnection(asyncio.Protocol):
             return  # an informational head (100 Continue, 103 Early Hints): the answer follows
         self.status = status
         self._keep_alive = self._parser.should_keep_alive()
-        self._until_close = not self._length_known and status not in (204, 304)
         if self._head is not None and not self._head.done():
             self._head.set_result(None)
 
@@ -228,7 +235,7 @@ class EngineStreamConnection(asyncio.Protocol):
             self._sink = None
             sink.on_end(self._error if not self._complete else None)
         self._wake()
-        if self._orphan is not None:
+        if self._orphan_timer is not None:
             # Not from inside the parser's callback: releasing may hand the connection to the
             # next request at once.
             self._loop.call_soon(self._settle_orphan)
@@ -256,13 +263,15 @@ class EngineStreamConnection(asyncio.Protocol):
     def usable(self, now: float, keepalive_s: float) -> bool:
         return not self._closed and now - self.idle_since < keepalive_s
 
-    def begin(self, request: bytes) -> asyncio.Future[None]:
+    def begin(
+        self, request: bytes, on_orphan: OrphanedAnswer | None = None
+    ) -> asyncio.Future[None]:
         """Write one request; the future resolves when the answer's head has arrived."""
         assert self._transport is not None
         self._parser = httptools.HttpResponseParser(self)
         self.status = 0
         self._length_known = False
-        self._until_close = False
+        self._on_orphan = on_orphan
         self._chunks = []
         self._buffered = 0
         self._complete = False
@@ -284,17 +293,19 @@ class EngineStreamConnection(asyncio.Protocol):
     def answered(self) -> bool:
         return self._answered
 
-    def watch_orphan(self, on_orphan: Callable[[int, bytes], None]) -> bool:
-        """The caller was cancelled before reading the answer: a whole answer already here
-        goes to ``on_orphan`` now (False: the caller releases the connection); one still on
-        its way is awaited for ``ORPHAN_GRACE_S`` (True: the connection releases itself when
-        it ends, with the answer to ``on_orphan`` if it came whole)."""
+    def _watch_orphan(self, on_orphan: OrphanedAnswer) -> bool:
+        """Released with the answer untaken (its caller was cancelled): a whole answer already
+        here goes to ``on_orphan`` now (False: release as usual); one still on its way is
+        awaited for ``ORPHAN_GRACE_S`` (True: the connection releases itself when it ends, with
+        the answer to ``on_orphan`` if it came whole, or when the grace runs out)."""
+        if self.status >= 300:
+            return False
         if self._complete:
             self._hand_orphan(on_orphan)
             return False
-        if self._error is not None or self._closed or self._released:
+        if self._error is not None or self._closed:
             return False
-        self._orphan = on_orphan
+        self._on_orphan = on_orphan
         self._orphan_timer = self._loop.call_later(ORPHAN_GRACE_S, self._orphan_expired)
         self._whole = True
         if self._paused:
@@ -302,27 +313,24 @@ class EngineStreamConnection(asyncio.Protocol):
         return True
 
     def _orphan_expired(self) -> None:
-        self._orphan_timer = None
-        if self._orphan is None:
-            return
         if self._complete:  # it ended in this same turn, its settling not run yet
             self._settle_orphan()
             return
-        self._orphan = None
+        self._orphan_timer = None
+        self._on_orphan = None
         self.release()  # not complete: dropped, and the engine aborts the request
 
     def _settle_orphan(self) -> None:
-        on_orphan, self._orphan = self._orphan, None
-        if on_orphan is None:
-            return
-        if self._orphan_timer is not None:
-            self._orphan_timer.cancel()
-            self._orphan_timer = None
-        if self._complete:
+        if self._orphan_timer is None:
+            return  # settled already
+        self._orphan_timer.cancel()
+        self._orphan_timer = None
+        on_orphan, self._on_orphan = self._on_orphan, None
+        if self._complete and on_orphan is not None:
             self._hand_orphan(on_orphan)
         self.release()
 
-    def _hand_orphan(self, on_orphan: Callable[[int, bytes], None]) -> None:
+    def _hand_orphan(self, on_orphan: OrphanedAnswer) -> None:
         if self._error is not None or self.status < 200:
             return
         body = b"".join(self._chunks)
@@ -341,6 +349,7 @@ class EngineStreamConnection(asyncio.Protocol):
                 chunk = b"".join(self._chunks) if len(self._chunks) > 1 else self._chunks[0]
                 self._chunks = []
                 self._buffered = 0
+                self._on_orphan = None  # the caller reads the answer itself
                 if self._paused:
                     self.resume_reading()
                 return chunk
@@ -357,7 +366,7 @@ class EngineStreamConnection(asyncio.Protocol):
     async def read(self) -> bytes:
         # The body stays in the connection until it is whole (not paused above the high-water
         # mark: it is wanted whole anyway), so a reader cancelled meanwhile leaves all of it
-        # to watch_orphan.
+        # to the orphan watch.
         self._whole = True
         if self._paused:
             self.resume_reading()
@@ -372,6 +381,7 @@ class EngineStreamConnection(asyncio.Protocol):
         body = b"".join(self._chunks)
         self._chunks = []
         self._buffered = 0
+        self._on_orphan = None
         return body
 
     async def aclose(self) -> None:
@@ -379,8 +389,12 @@ class EngineStreamConnection(asyncio.Protocol):
 
     def release(self) -> None:
         """Back to the pool after a complete answer; closed otherwise, so no later request can
-        read the rest of an abandoned one."""
+        read the rest of an abandoned one. An answer posted with ``on_orphan`` and not taken
+        goes there first (awaited briefly if still on its way)."""
         if self._released:
+            return
+        on_orphan, self._on_orphan = self._on_orphan, None
+        if on_orphan is not None and self._watch_orphan(on_orphan):
             return
         self._released = True
         self._sink = None
@@ -475,26 +489,22 @@ class EngineStreamPool:
         headers: dict[str, str],
         on_send: Callable[[], None] | None = None,
         *,
-        on_orphan: Callable[[int, bytes], None] | None = None,
+        on_orphan: OrphanedAnswer | None = None,
     ) -> EngineStreamConnection:
         """Send a request and wait for the answer's head; the connection is the response.
         ``on_send`` is called as the request is written (after any wait for a connection);
-        ``on_orphan(status, body)`` when the caller is cancelled before it read the answer and
-        the whole answer is here, or arrives within ``ORPHAN_GRACE_S``."""
+        ``on_orphan(status, body)`` when the caller releases a successful answer it did not take
+        (cancelled before or while reading it: a client leaving as its prefill leg answered)
+        and the whole answer is here, or arrives within ``ORPHAN_GRACE_S``: a KV handoff in it
+        is not lost."""
         request = self._request(path, body, headers)
         for attempt in range(2):
             conn = await self._acquire(fresh=attempt > 0)
             if on_send is not None:
                 on_send()
             try:
-                await conn.begin(request)
+                await conn.begin(request, on_orphan)
             except BaseException as exc:
-                if (
-                    on_orphan is not None
-                    and isinstance(exc, asyncio.CancelledError)
-                    and conn.watch_orphan(on_orphan)
-                ):
-                    raise  # the connection releases itself once the answer ends or is late
                 conn.release()
                 # Sent again only when the engine closed the idle connection as we wrote to
                 # it: not after a read timeout, when the engine may still be working on it.

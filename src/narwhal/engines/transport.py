@@ -35,7 +35,7 @@ import aiohttp
 import httpx
 
 from narwhal.engines.base import EngineTransportError, Timeouts, wrapped_transport_error
-from narwhal.engines.stream_client import EngineStreamPool
+from narwhal.engines.stream_client import EngineStreamPool, OrphanedAnswer
 
 __all__ = [
     "ENGINE_TRANSPORTS",
@@ -93,11 +93,6 @@ async def fetch(client: EngineClient, path: str) -> tuple[int, bytes]:
         await response.aclose()
 
 
-# Called with an answer's status and whole body when its caller was cancelled in the moment the
-# answer arrived (see ``EngineClient.post``).
-OrphanedAnswer = Callable[[int, bytes], None]
-
-
 class EngineClient(Protocol):
     async def post(
         self,
@@ -107,10 +102,10 @@ class EngineClient(Protocol):
         on_orphan: OrphanedAnswer | None = None,
     ) -> EngineResponse:
         """Send ``body`` (JSON) and wait for the answer's head. ``on_orphan(status, body)``:
-        called instead of dropping the answer when the caller is cancelled while the whole
-        answer had already arrived (its task not yet resumed: a client leaving in the moment
-        its prefill leg answered), so a KV handoff in it is not lost. A transport that cannot
-        tell (httpx) never calls it."""
+        called instead of dropping a successful answer the caller releases without having
+        read it (cancelled: a client leaving as its prefill leg answered), when it is whole or
+        arrives within a short grace, so a KV handoff in it is not lost. A transport that
+        cannot tell (httpx) never calls it."""
         ...
 
     async def stream(

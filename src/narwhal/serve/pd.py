@@ -812,16 +812,6 @@ class PDRouter:
                 else:
                     content = await response.read()
         except asyncio.CancelledError:
-            # Cancelled while its body was on its way: the router's own connections await
-            # it briefly (as while the head was, in post) for the KV it hands out.
-            watch = getattr(response, "watch_orphan", None)
-            if (
-                response is not None
-                and response.status < 300
-                and watch is not None
-                and watch(on_orphan)
-            ):
-                response = None  # the connection settles itself
             if leg is None or leg.counted:  # a hedge race's legs: its `hedged` attempt says
                 since = round(record.since_arrival() - started, 6)
                 record.attempt("prefill", engine, "cancelled", after_s=since)
