@@ -343,9 +343,10 @@ def test_loosely_typed_numbers_and_flags_are_read_as_vllm_reads_them(stack) -> N
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
         # Token ids too: 300.0 and "301" are 300 and 301; 301.5 is refused.
         ids = {**base, "prompt": [300.0, "301", 302], "max_tokens": 2}
-        r = httpx.post(url + "/v1/completions", json=ids, timeout=30)
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["prompt_tokens"] == 3
+        for prompt in ([300.0, "301", 302], ["300", 301, 302]):
+            r = httpx.post(url + "/v1/completions", json={**ids, "prompt": prompt}, timeout=30)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens"] == 3
         r = httpx.post(url + "/v1/completions", json={**ids, "prompt": [300, 301.5]}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     streamed = {**base, "max_tokens": 2, "stream": "true"}

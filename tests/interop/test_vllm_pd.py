@@ -869,6 +869,8 @@ def test_fields_the_router_reads_are_read_and_refused_as_vllm_does(pd: PD) -> No
         {"min_tokens": 2.0, "temperature": 0},
         # Token ids: 5.0 and "6" are 5 and 6 (keyed and forwarded as integers).
         {"prompt": [5.0, "6", 7, 8.0], "max_tokens": 2, "temperature": 0},
+        # And a first id given as a string: ids too (a list of strings only is text prompts).
+        {"prompt": ["5", 6, 7.0], "max_tokens": 2, "temperature": 0},
     )
     for extra in served:
         routed = pd.routed({**base, **extra}, False)

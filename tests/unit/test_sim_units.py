@@ -492,7 +492,7 @@ def test_parse_generation_valid() -> None:
     assert s.stream and s.include_usage
     assert parse({"prompt": ["batch of one"]}).prompt == VOCAB.encode("batch of one")
     # Token ids as vLLM 0.32's lax list[int] reads them: true is 1, 300.0 and "301" are 300, 301.
-    for prompt in ([300.0, "301", True], [[300.0, "301", True]]):
+    for prompt in ([300.0, "301", True], [[300.0, "301", True]], ["300", 301, 1]):
         ids = parse({"prompt": prompt}).prompt
         assert ids == [300, 301, 1] and all(type(t) is int for t in ids)
 

@@ -149,11 +149,14 @@ def test_accepted_requests() -> None:
     assert r.prompt_tokens_exact == 3
     # And 2.0 and "3" as 2 and 3 (vLLM 0.32 serves [10.0, "11"] as [10, 11]): rewritten as
     # integers for the engines, the prefix index and the lifecycle.
-    for prompt in ([1, 2.0, "3", True], [[1, 2.0, "3", True]]):
+    # A first id given as a string too (["1", 2.0, ...]: vLLM's union takes a list that is not
+    # all strings as ids, a list of strings only as a batch of text prompts).
+    for prompt in ([1, 2.0, "3", True], [[1, 2.0, "3", True]], ["1", 2.0, "3", True]):
         r = parse({"model": MODEL, "prompt": prompt})
-        ids = r.body["prompt"] if prompt[0] == 1 else r.body["prompt"][0]
+        ids = r.body["prompt"] if not isinstance(prompt[0], list) else r.body["prompt"][0]
         assert ids == [1, 2, 3, 1] and all(type(t) is int for t in ids)
         assert r.prompt_tokens_exact == 4
+    assert len(parse({"model": MODEL, "prompt": ["1", "2"]}).choices) == 2  # two text prompts
 
 
 def test_a_max_tokens_past_what_the_prompt_leaves_is_cut_as_vllm_cuts_it() -> None:

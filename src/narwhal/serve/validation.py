@@ -161,6 +161,10 @@ def _batch(body: dict[str, Any], chat: bool) -> list[Any]:
         # lists: a batch mixes none of them.
         kind = str if isinstance(prompt[0], str) else list
         if not all(isinstance(p, kind) for p in prompt):
+            if kind is str and lax_token_ids(prompt) is not None:
+                # Token ids, as vLLM 0.32's lax list[int] reads ["11", 10]: [11, 10] (a list of
+                # strings only is a batch of text prompts, as there).
+                return []
             raise InvalidRequest(
                 "'prompt' must be a string, a list of strings, a list of token ids or a list "
                 "of token-id lists, not a mix",

@@ -118,7 +118,8 @@ def _prompt_tokens(
         return vocab.encode(prompt)
     # vLLM 0.32's lax list[int]: true and false are ids 1 and 0, 2.0 and "2" are 2.
     ids: list[int] | None = None
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str | list):
+    # A list of strings only is text prompts (a batch); ["11", 10] is ids [11, 10].
+    if isinstance(prompt, list) and prompt and not all(isinstance(t, str) for t in prompt):
         if all(isinstance(t, int) for t in prompt):
             ids = [int(t) for t in prompt]
         else:
