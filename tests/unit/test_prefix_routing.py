@@ -482,6 +482,11 @@ def test_prompt_keys_of_client_requests() -> None:
     text = "x" * 200  # 3 blocks of 64 bytes
     assert len(prompt_keys({"prompt": text}, False, 16)) == 3
     assert prompt_keys({"prompt": [ids, ids]}, False, 16) == ()  # a batch: no one prefix
+    # JSON's true and false among ids are 1 and 0 to vLLM (the router forwards them as they
+    # came): the same keys, first id included.
+    assert prompt_keys({"prompt": [True, False, *ids[2:]]}, False, 16) == tuple(
+        chain_keys([1, 0, *ids[2:]], 16)
+    )
     system = {"role": "system", "content": "s" * 100}
     chat = {"messages": [system, {"role": "user", "content": "u"}]}
     longer = {"messages": [*chat["messages"], {"role": "user", "content": "more" * 40}]}

@@ -128,7 +128,8 @@ class TokenPrompt:
 def token_prompt(body: Mapping[str, Any]) -> TokenPrompt | None:
     """The request's prompt when it is token ids (not hashed: ``prompt_keys`` keys it)."""
     prompt = body.get("prompt")
-    if not (isinstance(prompt, list) and prompt and type(prompt[0]) is int):
+    # isinstance: JSON's true and false are ids 1 and 0 to vLLM (and hash as 1 and 0 here).
+    if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
         return None
     salt = body.get("cache_salt")
     return TokenPrompt(prompt, chain_root(salt if isinstance(salt, str) else None))
