@@ -239,7 +239,7 @@ def capacity(n_prefill: int, all_rows: list[Rows]) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--sizes", default="8,64")
     parser.add_argument("--workloads", default="code,conv,fixed")
     parser.add_argument("--systems", default=",".join(s for s in SYSTEMS if s != "v0"))

@@ -240,28 +240,70 @@ def fmt(x: float | None, digits: int = 2) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="8,64")
-    parser.add_argument("--traces", default="conversation,synthetic")
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument(
+        "--sizes", default="8,64", help="fleet sizes in engines, comma-separated (default 8,64)"
+    )
+    parser.add_argument(
+        "--traces",
+        default="conversation,synthetic",
+        help=f"Mooncake traces to replay, comma-separated, of {','.join(TRACES)}",
+    )
     parser.add_argument(
         "--systems", help=f"default: {','.join(SYSTEMS)} (--live: {','.join(LIVE_SYSTEMS)})"
     )
     parser.add_argument("--splits", default="0.25,0.375,0.5", help="prefill shares to try")
-    parser.add_argument("--cache-tokens", type=int, default=4_000_000, help="per engine")
-    parser.add_argument("--history-ttl-s", type=float, default=1800.0)
+    parser.add_argument(
+        "--cache-tokens",
+        type=int,
+        default=4_000_000,
+        help="each engine's prefix cache in tokens, least recently used out (default 4,000,000)",
+    )
+    parser.add_argument(
+        "--history-ttl-s",
+        type=float,
+        default=1800.0,
+        help="narwhal: how long its index keeps a routed prefix (routing.prefix.history_ttl_s)",
+    )
     parser.add_argument(
         "--requests-per-engine",
         type=int,
         default=60,
         help="a fleet the trace holds fewer requests an engine for gets it played back to back",
     )
-    parser.add_argument("--transfer-s-per-token", type=float, default=KV_BYTES_PER_TOKEN / 50e9)
-    parser.add_argument("--block", type=int, default=200)
-    parser.add_argument("--resamples", type=int, default=1000)
-    parser.add_argument("--precision", type=float, default=0.03)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--transfer-s-per-token",
+        type=float,
+        default=KV_BYTES_PER_TOKEN / 50e9,
+        help="KV transfer time per pulled token, seconds (default: 70,272 bytes over 50 GB/s)",
+    )
+    parser.add_argument(
+        "--block",
+        type=int,
+        default=200,
+        help="block bootstrap: consecutive requests resampled together (default 200)",
+    )
+    parser.add_argument(
+        "--resamples", type=int, default=1000, help="bootstrap resamples (default 1000)"
+    )
+    parser.add_argument(
+        "--precision",
+        type=float,
+        default=0.03,
+        help="relative precision the goodput search bisects to (default 0.03)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the simulator (random policies) and the bootstrap",
+    )
     add_patience_argument(parser, TTFT_S)
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="8 engines, the conversation trace, 200 resamples (every split still)",
+    )
     parser.add_argument(
         "--live",
         action="store_true",

@@ -306,7 +306,7 @@ def cpu(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--ttl", type=int, default=2, help="the replicas' lease TTL, seconds")

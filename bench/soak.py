@@ -604,7 +604,7 @@ def rss_report(rss: list[tuple[float, int]], warmup_s: float) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--clients", type=int, default=12)
     p.add_argument("--seed", type=int, default=1)

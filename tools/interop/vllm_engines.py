@@ -386,7 +386,9 @@ def fleet_document(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="vllm_engines.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="vllm_engines.py", description=" ".join(__doc__.split("\n\n")[0].split())
+    )
     p.add_argument("--model", type=Path, default=default_model_dir())
     p.add_argument("--dir", type=Path, required=True, help="run folder (logs, caches, fleet)")
     p.add_argument("--vllm-python", type=Path, default=default_vllm_python())
