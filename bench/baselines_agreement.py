@@ -243,15 +243,34 @@ def rel(des: float, live: float) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--time-scale", type=float, default=2.0)
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=2.0,
+        help="engines' time scale: wall seconds = model seconds / this (default %(default)s)",
+    )
     parser.add_argument("--requests", type=int, default=160, help="per trial")
     parser.add_argument("--repeats", type=int, default=1, help="new Poisson draws each")
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help="comma-separated vllm-router policies to compare (default %(default)s)",
+    )
     parser.add_argument(
         "--rates", default="0.85,1,1.15", help="trial rates, multiples of the simulator's crossing"
     )
-    parser.add_argument("--seed", type=int, default=11)
-    parser.add_argument("--keep-dir", action="store_true")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=11,
+        help="seed of the Poisson draws and prompt salts; each repeat adds 1000 (default "
+        "%(default)s)",
+    )
+    parser.add_argument(
+        "--keep-dir",
+        action="store_true",
+        help="keep the run's temporary directory instead of deleting it (its path is printed)",
+    )
     args = parser.parse_args()
     policies = [p for p in args.policies.split(",") if p]
     for p in policies:

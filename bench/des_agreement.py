@@ -233,18 +233,36 @@ def workload_specs(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--time-scale", type=float, default=2.0)
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=2.0,
+        help="engines' time scale: wall seconds = model seconds / this (default %(default)s)",
+    )
     parser.add_argument("--requests", type=int, default=240, help="per workload run")
     parser.add_argument("--repeats", type=int, default=3, help="runs per workload")
-    parser.add_argument("--workloads", default=",".join(NAMES))
-    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--workloads",
+        default=",".join(NAMES),
+        help="comma-separated workloads to run (default %(default)s)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=7,
+        help="seed of the calibration and the Poisson workloads' arrivals (default %(default)s)",
+    )
     parser.add_argument(
         "--azure-load",
         type=float,
         default=AZURE_LOAD,
         help="the azure workload's mean prefill pool load",
     )
-    parser.add_argument("--keep-dir", action="store_true")
+    parser.add_argument(
+        "--keep-dir",
+        action="store_true",
+        help="keep the run's temporary directory instead of deleting it (its path is printed)",
+    )
     args = parser.parse_args()
     names = [w for w in args.workloads.split(",") if w]
     for w in names:

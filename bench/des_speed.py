@@ -114,12 +114,34 @@ def workload(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=TARGET_REQUESTS)
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=TARGET_REQUESTS,
+        help="simulated requests to replay (default %(default)s)",
+    )
     parser.add_argument("--quick", action="store_true", help="100,000 requests")
-    parser.add_argument("--engines", type=int, default=1000)
-    parser.add_argument("--load", type=float, default=0.7)
-    parser.add_argument("--candidates", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--engines", type=int, default=1000, help="engines in the fleet (default %(default)s)"
+    )
+    parser.add_argument(
+        "--load",
+        type=float,
+        default=0.7,
+        help="offered rate as a fraction of the fleet's capacity (default %(default)s)",
+    )
+    parser.add_argument(
+        "--candidates",
+        type=int,
+        default=32,
+        help="engines per role scheduler v1 samples for each request (default %(default)s)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the arrivals, the request lengths and the simulation (default %(default)s)",
+    )
     parser.add_argument("--profile", help="write cProfile stats of run_des to this file")
     args = parser.parse_args()
     count = 100_000 if args.quick else args.requests

@@ -902,7 +902,12 @@ def fmt(x: float) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--time-scale", type=float, default=4.0)
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=4.0,
+        help="engines run this many times faster than the real fleet (default %(default)s)",
+    )
     parser.add_argument(
         "--durations",
         default="code=20,conv=70,fixed=45,mooncake_conv=300,mooncake_syn=150",
@@ -930,14 +935,41 @@ def main() -> int:
         default=",".join(DEFAULT_WORKLOADS),
         help=f"of {', '.join(WORKLOADS)} (mooncake_*: bench/prefix_goodput.py --live)",
     )
-    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS))
+    parser.add_argument(
+        "--systems",
+        default=",".join(DEFAULT_SYSTEMS),
+        help=f"comma-separated, of {', '.join(SYSTEMS)} (default %(default)s)",
+    )
     parser.add_argument("--prefill", type=int, default=4, help="engines in the prefill role")
-    parser.add_argument("--engines", type=int, default=8)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--num-blocks", type=int, default=65536)
-    parser.add_argument("--block-bytes", type=int, default=1024)
+    parser.add_argument(
+        "--engines", type=int, default=8, help="simulated engines in all (default %(default)s)"
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=64,
+        help="each engine's most sequences in a batch (default %(default)s)",
+    )
+    parser.add_argument(
+        "--num-blocks",
+        type=int,
+        default=65536,
+        help="KV cache blocks per engine (default %(default)s)",
+    )
+    parser.add_argument(
+        "--block-bytes",
+        type=int,
+        default=1024,
+        help="bytes of one KV block in the simulated engines (default %(default)s)",
+    )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=MAX_MODEL_LEN,
+        help="the engines' context length in tokens; trace prompts are clipped to it (default "
+        "%(default)s)",
+    )
     parser.add_argument(
         "--kv-events",
         action=argparse.BooleanOptionalAction,
@@ -945,9 +977,20 @@ def main() -> int:
         help="engines publish KV events (vLLM's --kv-events-config) and narwhal-serve's prefix"
         " index follows them; default: on with a mooncake workload",
     )
-    parser.add_argument("--bracket-step", type=float, default=1.25)
+    parser.add_argument(
+        "--bracket-step",
+        type=float,
+        default=1.25,
+        help="factor between rates while the crossing is not yet bracketed (default %(default)s)",
+    )
     parser.add_argument("--precision", type=float, default=0.06, help="bisection's relative end")
-    parser.add_argument("--start-fraction", type=float, default=0.8)
+    parser.add_argument(
+        "--start-fraction",
+        type=float,
+        default=0.8,
+        help="first search's starting rate, as a fraction of the capacity estimate (default "
+        "%(default)s)",
+    )
     parser.add_argument("--max-points", type=int, default=5, help="rates per search at most")
     parser.add_argument(
         "--blocks",
@@ -955,7 +998,12 @@ def main() -> int:
         default=10,
         help="bootstrap blocks per window's trial (consecutive shares of its requests)",
     )
-    parser.add_argument("--resamples", type=int, default=1000)
+    parser.add_argument(
+        "--resamples",
+        type=int,
+        default=1000,
+        help="bootstrap resamples for the goodput intervals (default %(default)s)",
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -965,8 +1013,19 @@ def main() -> int:
     parser.add_argument(
         "--profile-concurrency", default="1,2,4", help="as the qualification run profiles"
     )
-    parser.add_argument("--profile-decode-tokens", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--profile-decode-tokens",
+        type=int,
+        default=64,
+        help="narwhal-profile's --decode-tokens for the v1 profile store (default %(default)s)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=7,
+        help="seed of the fixed workload's arrivals, the prompts and the bootstrap (default "
+        "%(default)s)",
+    )
     parser.add_argument("--settle-s", type=float, default=1.0, help="idle pause before a trial")
     parser.add_argument(
         "--local-max-prompt",
@@ -974,7 +1033,12 @@ def main() -> int:
         default=1024,
         help="narwhal_v1_local: routing.local_prefill.max_prompt_tokens",
     )
-    parser.add_argument("--keep-dir", action="store_true")
+    parser.add_argument(
+        "--keep-dir",
+        action="store_true",
+        help="keep the run's temporary directory (logs, journals, client.jsonl); its path is "
+        "printed",
+    )
     args = parser.parse_args()
     if args.quick:
         given = " ".join(sys.argv)

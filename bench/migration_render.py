@@ -136,9 +136,25 @@ def instructions(args: argparse.Namespace, side: str, requests: int) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=16, help="tokens per answer")
-    parser.add_argument("--prompt-tokens", type=int, default=220)
-    parser.add_argument("--requests", type=int, default=3000)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=220,
+        help="prompt tokens per request, whose ids A's first chunk carries (default %(default)s)",
+    )
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=3000,
+        help="requests rendered per timed run or callgrind count (default %(default)s)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=7,
+        help="timed runs per side in each of two interleaved passes; the fastest counts "
+        "(default %(default)s)",
+    )
     parser.add_argument("--instructions", action="store_true", help="count under callgrind")
     parser.add_argument("--side", choices=["a", "b"], help=argparse.SUPPRESS)  # a child's
     args = parser.parse_args()

@@ -240,17 +240,61 @@ def capacity(n_prefill: int, all_rows: list[Rows]) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("--sizes", default="8,64")
-    parser.add_argument("--workloads", default="code,conv,fixed")
-    parser.add_argument("--systems", default=",".join(s for s in SYSTEMS if s != "v0"))
-    parser.add_argument("--windows", type=int, default=16)
-    parser.add_argument("--requests-per-engine", type=int, default=150)
-    parser.add_argument("--block", type=int, default=80)
-    parser.add_argument("--resamples", type=int, default=1000)
-    parser.add_argument("--precision", type=float, default=0.02)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--sizes",
+        default="8,64",
+        help="comma-separated fleet sizes in engines, half prefill (default %(default)s)",
+    )
+    parser.add_argument(
+        "--workloads",
+        default="code,conv,fixed",
+        help="comma-separated, of code, conv, fixed (default %(default)s)",
+    )
+    parser.add_argument(
+        "--systems",
+        default=",".join(s for s in SYSTEMS if s != "v0"),
+        help=f"comma-separated, of {', '.join(SYSTEMS)} (default %(default)s)",
+    )
+    parser.add_argument(
+        "--windows",
+        type=int,
+        default=16,
+        help="windows of each workload, as many as fit the trace (default %(default)s)",
+    )
+    parser.add_argument(
+        "--requests-per-engine",
+        type=int,
+        default=150,
+        help="a window's requests per engine of the fleet (default %(default)s)",
+    )
+    parser.add_argument(
+        "--block",
+        type=int,
+        default=80,
+        help="consecutive requests per bootstrap block (default %(default)s)",
+    )
+    parser.add_argument(
+        "--resamples", type=int, default=1000, help="bootstrap resamples (default %(default)s)"
+    )
+    parser.add_argument(
+        "--precision",
+        type=float,
+        default=0.02,
+        help="relative width at which the goodput bisection stops (default %(default)s)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the fixed workload's arrivals, the simulation and the bootstrap "
+        "(default %(default)s)",
+    )
     add_patience_argument(parser, TTFT_S)
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="8 engines, 3 windows, 200 resamples, v1 and the baselines",
+    )
     args = parser.parse_args()
     abandon = patience_of(parser, args)
     if args.quick:

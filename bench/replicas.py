@@ -307,12 +307,37 @@ def cpu(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("--replicas", type=int, default=3)
-    parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=3,
+        help="narwhal-serve replicas, at least 2 (default %(default)s)",
+    )
+    parser.add_argument(
+        "--kills",
+        type=int,
+        default=10,
+        help="times the leader is killed and failover timed (default %(default)s)",
+    )
     parser.add_argument("--ttl", type=int, default=2, help="the replicas' lease TTL, seconds")
-    parser.add_argument("--load-threads", type=int, default=3)
-    parser.add_argument("--cpu-requests", type=int, default=2400)
-    parser.add_argument("--cpu-rounds", type=int, default=8)
+    parser.add_argument(
+        "--load-threads",
+        type=int,
+        default=3,
+        help="client threads sending the light load over the replicas (default %(default)s)",
+    )
+    parser.add_argument(
+        "--cpu-requests",
+        type=int,
+        default=2400,
+        help="router_overhead.py --requests for the CPU A/B; 0 skips it (default %(default)s)",
+    )
+    parser.add_argument(
+        "--cpu-rounds",
+        type=int,
+        default=8,
+        help="router_overhead.py --rounds for the CPU A/B (default %(default)s)",
+    )
     args = parser.parse_args()
     if args.replicas < 2 or args.kills < 1 or args.ttl < 2:
         parser.error("--replicas at least 2, --kills at least 1, --ttl at least 2")

@@ -755,7 +755,11 @@ def ratio(a: float, b: float) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument(
+        "--settings",
+        default=",".join(SETTINGS),
+        help="comma-separated settings to run (default %(default)s)",
+    )
     parser.add_argument(
         "--load",
         type=float,
@@ -763,9 +767,23 @@ def main() -> int:
         help="offered work / bottleneck pool capacity of the 4/4 split",
     )
     parser.add_argument("--phase-s", type=float, default=450.0, help="des8 phase (real s)")
-    parser.add_argument("--des8-arrivals", default="trace,poisson")
-    parser.add_argument("--des512-phase-s", type=float, default=40.0)
-    parser.add_argument("--des512-candidates", type=int, default=8)
+    parser.add_argument(
+        "--des8-arrivals",
+        default="trace,poisson",
+        help="comma-separated arrival models des8 runs, of trace, poisson (default %(default)s)",
+    )
+    parser.add_argument(
+        "--des512-phase-s",
+        type=float,
+        default=40.0,
+        help="des512 phase (real s) (default %(default)s)",
+    )
+    parser.add_argument(
+        "--des512-candidates",
+        type=int,
+        default=8,
+        help="engines per role scheduler v1 samples at 512 (default %(default)s)",
+    )
     parser.add_argument(
         "--des512-roles",
         default="cooldown_s=1,dwell_s=120,tick_s=1",
@@ -777,19 +795,50 @@ def main() -> int:
         default=5,
         help="static splits simulated at 512 (hill climbing bound)",
     )
-    parser.add_argument("--live-phase-s", type=float, default=100.0)
-    parser.add_argument("--time-scale", type=float, default=2.0)
+    parser.add_argument(
+        "--live-phase-s",
+        type=float,
+        default=100.0,
+        help="live8 phase (real s) (default %(default)s)",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=2.0,
+        help="live8 engines run this many times faster than real time (default %(default)s)",
+    )
     parser.add_argument(
         "--tail-s",
         type=float,
         default=30.0,
         help="the run lasts this long (real s) after the window",
     )
-    parser.add_argument("--trace-start", type=int, default=0)
-    parser.add_argument("--settle-s", type=float, default=2.0)
-    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--trace-start",
+        type=int,
+        default=0,
+        help="first trace row of each phase's window (default %(default)s)",
+    )
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=2.0,
+        help="idle pause (wall s) after a live8 router is ready, before its run (default "
+        "%(default)s)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=7,
+        help="seed of the poisson arrival times and the live prompts' token ids (default "
+        "%(default)s)",
+    )
     parser.add_argument("--no-vllm", action="store_true", help="skip (d) vllm-router live")
-    parser.add_argument("--keep-dir", action="store_true")
+    parser.add_argument(
+        "--keep-dir",
+        action="store_true",
+        help="keep the run's temporary directory instead of deleting it (its path is printed)",
+    )
     args = parser.parse_args()
     settings = [s for s in args.settings.split(",") if s]
     for s in settings:

@@ -605,15 +605,34 @@ def rss_report(rss: list[tuple[float, int]], warmup_s: float) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    p.add_argument("--minutes", type=float, default=10.0)
-    p.add_argument("--clients", type=int, default=12)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--time-scale", type=float, default=50.0)
+    p.add_argument(
+        "--minutes", type=float, default=10.0, help="wall minutes of load (default %(default)s)"
+    )
+    p.add_argument(
+        "--clients", type=int, default=12, help="client threads sending (default %(default)s)"
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=1,
+        help="seed of the request mix, the faults and the flips (default %(default)s)",
+    )
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=50.0,
+        help="engines run this many times faster than the calibrated fleet (default %(default)s)",
+    )
     p.add_argument(
         "--fault-every", type=float, default=4.0, help="seconds between faults (0: none)"
     )
     p.add_argument("--flip-every", type=float, default=20.0, help="seconds between flips (0: none)")
-    p.add_argument("--journal-max-bytes", type=int, default=8 * 1024 * 1024)
+    p.add_argument(
+        "--journal-max-bytes",
+        type=int,
+        default=8 * 1024 * 1024,
+        help="the router's --journal-max-bytes: rotation size in bytes (default %(default)s)",
+    )
     p.add_argument(
         "--single-engine-faults",
         action="store_true",

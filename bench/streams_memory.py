@@ -560,8 +560,18 @@ def lag_report(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--streams", type=int, default=10_000)
-    parser.add_argument("--decode-engines", type=int, default=6)
+    parser.add_argument(
+        "--streams",
+        type=int,
+        default=10_000,
+        help="concurrent streams to open and hold (default %(default)s)",
+    )
+    parser.add_argument(
+        "--decode-engines",
+        type=int,
+        default=6,
+        help="decode engines the streams are spread over (default %(default)s)",
+    )
     parser.add_argument(
         "--token-interval", type=float, default=5.0, help="seconds per decode step (per token)"
     )
@@ -570,19 +580,44 @@ def main() -> int:
     )
     parser.add_argument("--open-timeout", type=float, default=60.0, help="bound per stream head")
     parser.add_argument("--max-failures", type=int, default=1000, help="stop the ramp after these")
-    parser.add_argument("--ramp-timeout", type=float, default=300.0)
+    parser.add_argument(
+        "--ramp-timeout",
+        type=float,
+        default=300.0,
+        help="seconds after which the ramp stops opening streams (default %(default)s)",
+    )
     parser.add_argument("--hold", type=float, default=15.0, help="seconds all streams stay open")
     parser.add_argument("--idle", type=float, default=3.0, help="idle probe seconds before ramp")
-    parser.add_argument("--teardown-timeout", type=float, default=60.0)
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--probe-interval", type=float, default=0.05)
+    parser.add_argument(
+        "--teardown-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait, after hanging up, for the router to have nothing in flight "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=20,
+        help="whole 2-token streams run before the baseline RSS (default %(default)s)",
+    )
+    parser.add_argument(
+        "--probe-interval",
+        type=float,
+        default=0.05,
+        help="seconds between the lag probe's GET /health requests (default %(default)s)",
+    )
     parser.add_argument(
         "--no-gc-trace",
         dest="gc_trace",
         action="store_false",
         help="run the router without the gc.callbacks hook that times its collections",
     )
-    parser.add_argument("--keep-dir", action="store_true")
+    parser.add_argument(
+        "--keep-dir",
+        action="store_true",
+        help="keep the run's temporary directory instead of deleting it (its path is printed)",
+    )
     parser.add_argument(
         "--router-arg",
         action="append",

@@ -326,7 +326,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     f = sub.add_parser("finalize-fleet", help="fill and check a fleet from its running engines")
-    f.add_argument("--fleet", required=True)
+    f.add_argument("--fleet", required=True, help="fleet contract JSON to finalize")
     f.add_argument("--out", help="where to write the finalized fleet (default: over --fleet)")
     f.add_argument("--live", help="live contract from `launch_plan.py capture` (default: read now)")
     f.add_argument("--timeout", type=positive(float), default=10.0, help="per-request bound (s)")

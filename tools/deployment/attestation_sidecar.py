@@ -592,29 +592,49 @@ def _seconds(text: str) -> float:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    p.add_argument("--engine-id", required=True)
+    p.add_argument("--engine-id", required=True, help="id of the engine this sidecar attests")
     p.add_argument("--checkpoint", required=True, help="directory with config.json and shards")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=_port, required=True)
-    p.add_argument("--model-id", required=True)
-    p.add_argument("--model-revision", required=True)
-    p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--port", type=_port, required=True, help="HTTP port to serve on")
+    p.add_argument("--model-id", required=True, help="model id the engine serves, as attested")
+    p.add_argument("--model-revision", required=True, help="model revision, as attested")
+    p.add_argument("--tp", type=int, required=True, help="the engine's tensor parallel size")
     p.add_argument("--gpu-arch", help="declared architecture; rocminfo's answer wins if present")
-    p.add_argument("--accelerator")
-    p.add_argument("--kv-connector", default="NixlConnector")
-    p.add_argument("--kv-role", default="kv_both")
-    p.add_argument("--nixl-host")
-    p.add_argument("--nixl-port", type=_port)
+    p.add_argument("--accelerator", help="accelerator name to attest (default: none)")
+    p.add_argument(
+        "--kv-connector",
+        default="NixlConnector",
+        help="the engine's KV connector, as attested (default %(default)s)",
+    )
+    p.add_argument(
+        "--kv-role",
+        default="kv_both",
+        help="the engine's KV transfer role, as attested (default %(default)s)",
+    )
+    p.add_argument("--nixl-host", help="the engine's NIXL side-channel host (with --nixl-port)")
+    p.add_argument(
+        "--nixl-port", type=_port, help="the engine's NIXL side-channel port (with --nixl-host)"
+    )
     p.add_argument("--image-digest", help="sha256:... of the engine's image (from the plan)")
     p.add_argument("--container", help="the engine's container: its image digest is read from it")
-    p.add_argument("--container-runtime", choices=("docker", "podman"), default="docker")
+    p.add_argument(
+        "--container-runtime",
+        choices=("docker", "podman"),
+        default="docker",
+        help="runtime that inspects --container (default %(default)s)",
+    )
     who = p.add_mutually_exclusive_group()
     who.add_argument("--engine-pid", type=int, help="the engine's process id")
     who.add_argument("--engine-pidfile", help="file holding the engine's pid (re-read each time)")
     p.add_argument("--generation", help="engine generation, instead of deriving it from the pid")
     p.add_argument("--cache", help="manifest cache file (default under ~/.cache/narwhal)")
     p.add_argument("--no-cache", action="store_true", help="always hash every shard at start")
-    p.add_argument("--hash-workers", type=int, default=min(8, os.cpu_count() or 1))
+    p.add_argument(
+        "--hash-workers",
+        type=int,
+        default=min(8, os.cpu_count() or 1),
+        help="threads hashing shards (default: the CPU count, at most 8; here %(default)s)",
+    )
     p.add_argument("--chunk-mib", type=int, default=8, help="read size per hashing call (MiB)")
     p.add_argument("--verify-interval", type=_seconds, default=60.0, help="seconds between checks")
     return p

@@ -295,7 +295,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("check", help="validate plans against a fleet file")
     c.add_argument("plans", nargs="+", metavar="PLAN")
-    c.add_argument("--fleet", required=True)
+    c.add_argument("--fleet", required=True, help="fleet contract JSON the plans must match")
     c.set_defaults(func=cmd_check)
     r = sub.add_parser("render", help="print each engine's exact command")
     r.add_argument("plan", metavar="PLAN")
@@ -312,7 +312,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=positive(float), default=120.0, help="health wait bound (s)")
     s.set_defaults(func=cmd_start)
     t = sub.add_parser("stop", help="stop the engines a start recorded in a run directory")
-    t.add_argument("--run-dir", required=True)
+    t.add_argument("--run-dir", required=True, help="run directory that start wrote")
     t.add_argument(
         "--timeout", type=positive(float), default=10.0, help="SIGTERM grace before SIGKILL"
     )
@@ -324,7 +324,7 @@ def _parser() -> argparse.ArgumentParser:
     w.set_defaults(func=cmd_wait)
     k = sub.add_parser("capture", help="read running engines' live facts into a JSON file")
     k.add_argument("plans", nargs="+", metavar="PLAN")
-    k.add_argument("--out", required=True)
+    k.add_argument("--out", required=True, help="where to write the live facts JSON")
     k.add_argument("--timeout", type=positive(float), default=10.0, help="per-request bound (s)")
     k.set_defaults(func=cmd_capture)
     return p

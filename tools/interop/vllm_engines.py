@@ -389,11 +389,28 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="vllm_engines.py", description=" ".join(__doc__.split("\n\n")[0].split())
     )
-    p.add_argument("--model", type=Path, default=default_model_dir())
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=default_model_dir(),
+        help="model directory (with config.json) both engines serve (default %(default)s; "
+        "NARWHAL_TINY_MODEL sets it)",
+    )
     p.add_argument("--dir", type=Path, required=True, help="run folder (logs, caches, fleet)")
-    p.add_argument("--vllm-python", type=Path, default=default_vllm_python())
+    p.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=default_vllm_python(),
+        help="the vLLM venv's python, which runs the engines (default %(default)s; "
+        "NARWHAL_VLLM_VENV names the venv)",
+    )
     p.add_argument("--port", type=int, action="append", help="HTTP ports: prefill, decode")
-    p.add_argument("--timeout", type=float, default=ENGINE_READY_TIMEOUT_S)
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=ENGINE_READY_TIMEOUT_S,
+        help="seconds to wait for both engines to answer /health (default %(default)s)",
+    )
     args = p.parse_args(argv)
     if not (args.model / "config.json").exists():
         print(f"vllm_engines.py: no model in {args.model} (make interop-model)", file=sys.stderr)

@@ -266,23 +266,70 @@ def xcheck(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument("--base", required=True)
-    p.add_argument("--model", required=True)
-    p.add_argument("--journal", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--input-tokens", type=positive(int), required=True)
-    p.add_argument("--output-tokens", type=positive(int), required=True)
-    p.add_argument("--rate", type=positive(float), required=True)
-    p.add_argument("--requests", type=positive(int), required=True)
-    p.add_argument("--timeout", type=positive(float), default=180.0)
-    p.add_argument("--seed", type=int, default=1729)
-    p.add_argument("--aiperf")
-    p.add_argument("--tokenizer", default=DEFAULT_NAME)
-    p.add_argument("--hf-home")
-    p.add_argument("--sim-tokenizer", action="store_true")
-    p.add_argument("--load-trial-summary")
-    p.add_argument("--ttft-rel", type=number_type(float, 0), default=0.3)
-    p.add_argument("--ttft-abs", type=number_type(float, 0), default=0.03)
+    p.add_argument(
+        "--base", required=True, help="narwhal-serve's base URL, e.g. http://127.0.0.1:8000"
+    )
+    p.add_argument("--model", required=True, help="model name aiperf requests")
+    p.add_argument("--journal", required=True, help="the router's journal (JSONL) to compare with")
+    p.add_argument(
+        "--out", required=True, help="output directory (created): xcheck.json, aiperf's artifacts"
+    )
+    p.add_argument(
+        "--input-tokens", type=positive(int), required=True, help="prompt tokens per request"
+    )
+    p.add_argument(
+        "--output-tokens",
+        type=positive(int),
+        required=True,
+        help="output tokens per request (sent with ignore_eos)",
+    )
+    p.add_argument(
+        "--rate", type=positive(float), required=True, help="Poisson arrival rate (requests/s)"
+    )
+    p.add_argument(
+        "--requests", type=positive(int), required=True, help="profiled requests, after 1 warmup"
+    )
+    p.add_argument(
+        "--timeout",
+        type=positive(float),
+        default=180.0,
+        help="aiperf's per-request timeout in seconds (default %(default)s)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=1729, help="aiperf's random seed (default %(default)s)"
+    )
+    p.add_argument(
+        "--aiperf",
+        help="aiperf executable (default: .venv/aiperf/bin/aiperf from make aiperf, else on PATH)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=DEFAULT_NAME,
+        help="tokenizer hub name (org/name) in HF_HOME's cache for aiperf (default %(default)s)",
+    )
+    p.add_argument("--hf-home", help="HF_HOME for aiperf (default: OUT/hf-home)")
+    p.add_argument(
+        "--sim-tokenizer",
+        action="store_true",
+        help="first install a tokenizer mirroring narwhal-sim's vocabulary as --tokenizer",
+    )
+    p.add_argument(
+        "--load-trial-summary",
+        help="a load_trial.py summary.json of the same workload shape, to compare with too",
+    )
+    p.add_argument(
+        "--ttft-rel",
+        type=number_type(float, 0),
+        default=0.3,
+        help="TTFT median tolerance, relative to the larger (default %(default)s)",
+    )
+    p.add_argument(
+        "--ttft-abs",
+        type=number_type(float, 0),
+        default=0.03,
+        help="TTFT median tolerance in seconds, if larger than the relative one (default "
+        "%(default)s)",
+    )
     args = p.parse_args(argv)
     try:
         return xcheck(args)

@@ -817,21 +817,52 @@ def build_parser() -> argparse.ArgumentParser:
     positive_seconds = positive(float)
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, help="narwhal-serve base URL")
-    p.add_argument("--model", required=True)
-    p.add_argument("--plan", required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument(
+        "--model", required=True, help="model to request; must be the plan's fleet's model id"
+    )
+    p.add_argument("--plan", required=True, help="benchmark plan JSON (narwhal.benchmark-plan/v1)")
+    p.add_argument(
+        "--out", required=True, help="output directory (created): evidence, reports, artifacts"
+    )
     p.add_argument(
         "--journal",
         help="the router's journal file (default: found through the router, see above)",
     )
     p.add_argument("--workload", help="a prepared workload dir (default: the plan's, or prepare)")
     p.add_argument("--tokenize-url", help="engine URL for prepare's /tokenize fallback")
-    p.add_argument("--scrape-interval", type=positive_seconds, default=1.0)
+    p.add_argument(
+        "--scrape-interval",
+        type=positive_seconds,
+        default=1.0,
+        help="seconds between scrapes of the router's and engines' /metrics (default %(default)s)",
+    )
     p.add_argument("--max-gap", type=positive_seconds, help="allowed scrape gap, s (2.5 intervals)")
-    p.add_argument("--ready-timeout", type=positive_seconds, default=60.0)
-    p.add_argument("--idle-timeout", type=positive_seconds, default=120.0)
-    p.add_argument("--drain-timeout", type=positive_seconds, default=300.0)
-    p.add_argument("--journal-timeout", type=positive_seconds, default=30.0)
+    p.add_argument(
+        "--ready-timeout",
+        type=positive_seconds,
+        default=60.0,
+        help="seconds to wait for the router's /ready before each point (default %(default)s)",
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=positive_seconds,
+        default=120.0,
+        help="seconds to wait for an idle fleet before each point (default %(default)s)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=positive_seconds,
+        default=300.0,
+        help="seconds to wait for the fleet to drain to idle after each point (default "
+        "%(default)s)",
+    )
+    p.add_argument(
+        "--journal-timeout",
+        type=positive_seconds,
+        default=30.0,
+        help="seconds to wait for the journal to hold every request.end of a point (default "
+        "%(default)s)",
+    )
     p.add_argument("--admin-token-file", help="snapshot /admin/state before and after each point")
     p.add_argument(
         "--api-key-env",
@@ -843,7 +874,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="make counter_missing a failed gate, not a diagnostic",
     )
-    p.add_argument("--skip-post-check", action="store_true")
+    p.add_argument(
+        "--skip-post-check",
+        action="store_true",
+        help="do not run narwhal-check --gates kv_transfer after the last point",
+    )
     return p
 
 

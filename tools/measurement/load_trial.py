@@ -241,14 +241,35 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prepare", help="write a workload (token-id prompts) to DIR")
     p.add_argument("--base", required=True, help="the router (or an engine) base URL")
-    p.add_argument("--out", required=True)
-    p.add_argument("--seed", type=int, required=True)
-    p.add_argument("--input-tokens", type=positive(int))
-    p.add_argument("--output-tokens", type=positive(int))
-    p.add_argument("--num-prompts", type=positive(int), default=256)
+    p.add_argument("--out", required=True, help="directory to write workload.json in")
+    p.add_argument(
+        "--seed", type=int, required=True, help="seed of the prompts drawn from the token pool"
+    )
+    p.add_argument(
+        "--input-tokens", type=positive(int), help="prompt tokens per request (without --trace)"
+    )
+    p.add_argument(
+        "--output-tokens", type=positive(int), help="output tokens per request (without --trace)"
+    )
+    p.add_argument(
+        "--num-prompts",
+        type=positive(int),
+        default=256,
+        help="prompts to write besides the warmup, without --trace (default %(default)s)",
+    )
     p.add_argument("--trace", help="an Azure-format trace CSV (TIMESTAMP,ContextTokens,...)")
-    p.add_argument("--trace-start", type=number_type(int, 0), default=0)
-    p.add_argument("--trace-rows", type=positive(int), default=200)
+    p.add_argument(
+        "--trace-start",
+        type=number_type(int, 0),
+        default=0,
+        help="first trace data row to use, 0 the first (default %(default)s)",
+    )
+    p.add_argument(
+        "--trace-rows",
+        type=positive(int),
+        default=200,
+        help="trace rows to use from --trace-start (default %(default)s)",
+    )
     p.add_argument("--model", help="default: the first model /v1/models lists")
     p.add_argument(
         "--max-model-len",
@@ -256,19 +277,34 @@ def build_parser() -> argparse.ArgumentParser:
         default=16384,
         help="used when /v1/models does not say",
     )
-    p.add_argument("--seed-prompt", default=DEFAULT_SEED_PROMPT)
+    p.add_argument(
+        "--seed-prompt",
+        default=DEFAULT_SEED_PROMPT,
+        help="text whose prompt token ids form the pool prompts are drawn from (default: a "
+        "sentence about narwhals)",
+    )
     p.add_argument(
         "--tokenize-url", help="an engine's or the router's URL whose /tokenize may be asked"
     )
     p.add_argument("--api-key-env", help="environment variable holding the API key")
-    p.add_argument("--http-timeout", type=positive(float), default=120.0)
+    p.add_argument(
+        "--http-timeout",
+        type=positive(float),
+        default=120.0,
+        help="seconds allowed for each call to the endpoint (default %(default)s)",
+    )
     p.set_defaults(func=prepare)
 
     r = sub.add_parser("run", help="run one open-loop load point")
-    r.add_argument("--base", required=True)
-    r.add_argument("--workload", required=True)
+    r.add_argument("--base", required=True, help="the router (or an engine) base URL")
+    r.add_argument("--workload", required=True, help="workload directory (or file) from prepare")
     r.add_argument("--rate", type=positive(float), help="offered requests/s (Poisson)")
-    r.add_argument("--requests", type=positive(int), required=True)
+    r.add_argument(
+        "--requests",
+        type=positive(int),
+        required=True,
+        help="requests to send: the workload's first K prompts, after its warmup",
+    )
     r.add_argument("--ttft", type=positive(float), required=True, help="TTFT budget, s")
     r.add_argument("--tpot", type=positive(float), required=True, help="TPOT budget, s")
     r.add_argument(
@@ -278,12 +314,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="target, 0-1",
     )
     r.add_argument("--timeout", type=positive(float), required=True, help="per request, s")
-    r.add_argument("--out", required=True)
+    r.add_argument(
+        "--out", required=True, help="directory (created) for client_records.jsonl and summary.json"
+    )
     r.add_argument("--model", help="default: the workload's model")
     r.add_argument("--seed", type=int, help="arrival seed (default: the workload's)")
     r.add_argument("--run-id", help="prefix of every X-Request-Id (the journal join key)")
-    r.add_argument("--arrivals", choices=("poisson", "trace"))
-    r.add_argument("--trace-speedup", type=positive(float), default=1.0)
+    r.add_argument(
+        "--arrivals",
+        choices=("poisson", "trace"),
+        help="arrival process (default: trace when the workload has arrival times, else poisson)",
+    )
+    r.add_argument(
+        "--trace-speedup",
+        type=positive(float),
+        default=1.0,
+        help="with trace arrivals, divide the inter-arrival times by this (default %(default)s)",
+    )
     r.add_argument("--api-key-env", help="environment variable holding the API key")
     r.set_defaults(func=run)
     return parser

@@ -79,9 +79,18 @@ def install(hf_home: Path, name: str = DEFAULT_NAME, vocab_seed: int = 0) -> Pat
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument("--hf-home", required=True)
-    p.add_argument("--name", default=DEFAULT_NAME)
-    p.add_argument("--vocab-seed", type=int, default=0)
+    p.add_argument("--hf-home", required=True, help="HF_HOME directory to install the tokenizer in")
+    p.add_argument(
+        "--name",
+        default=DEFAULT_NAME,
+        help="hub name (org/name) to install it as (default %(default)s)",
+    )
+    p.add_argument(
+        "--vocab-seed",
+        type=int,
+        default=0,
+        help="narwhal-sim's vocabulary seed to mirror (default %(default)s)",
+    )
     args = p.parse_args(argv)
     try:
         snapshot = install(Path(args.hf_home), args.name, args.vocab_seed)

@@ -468,7 +468,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--dashboards", type=Path, nargs="*", default=None, help="dashboard JSON files"
     )
     parser.add_argument("--rules", type=Path, nargs="*", default=None, help="rule files")
-    parser.add_argument("--require-finite", action="store_true")
+    parser.add_argument(
+        "--require-finite",
+        action="store_true",
+        help="a query must also return at least one finite value (use after real traffic)",
+    )
     args = parser.parse_args(argv)
     dashboards = args.dashboards
     if dashboards is None:

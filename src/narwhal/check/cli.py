@@ -64,16 +64,38 @@ def _parser() -> argparse.ArgumentParser:
         help="where to write the report (default %(default)s)",
     )
     p.add_argument("--plan", help="benchmark plan (narwhal.benchmark-plan/v1) for the slo gate")
-    p.add_argument("--health-timeout", type=float, default=d.health_timeout_s)
-    p.add_argument("--probe-timeout", type=float, default=d.probe_timeout_s)
-    p.add_argument("--generation-tokens", type=int, default=d.generation_tokens)
+    p.add_argument(
+        "--health-timeout",
+        type=float,
+        default=d.health_timeout_s,
+        help="seconds allowed for each health, attestation, /v1/models and metrics call "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--probe-timeout",
+        type=float,
+        default=d.probe_timeout_s,
+        help="seconds allowed for any single generation probe (default %(default)s)",
+    )
+    p.add_argument(
+        "--generation-tokens",
+        type=int,
+        default=d.generation_tokens,
+        help="greedy tokens each engine generates in the generation gate (default %(default)s)",
+    )
     p.add_argument(
         "--pace-tolerance",
         type=float,
         default=d.pace_tolerance,
         help="relative deviation allowed from the profile store (default %(default)s)",
     )
-    p.add_argument("--pace-repeats", type=int, default=d.pace_repeats)
+    p.add_argument(
+        "--pace-repeats",
+        type=int,
+        default=d.pace_repeats,
+        help="timed prefill probes per engine in the pace gate, after one warm-up (default "
+        "%(default)s)",
+    )
     p.add_argument(
         "--token-tolerance",
         type=float,
@@ -81,8 +103,19 @@ def _parser() -> argparse.ArgumentParser:
         help="relative error allowed in the router's prompt-length estimate",
     )
     p.add_argument("--kv-probes", type=int, default=d.kv_probes, help="handoffs per pair")
-    p.add_argument("--kv-prompt-tokens", type=int, default=None)
-    p.add_argument("--kv-output-tokens", type=int, default=d.kv_output_tokens)
+    p.add_argument(
+        "--kv-prompt-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens of each handoff probe (default: the plan's input_tokens, else the "
+        "store's longest profiled prompt, else 1024)",
+    )
+    p.add_argument(
+        "--kv-output-tokens",
+        type=int,
+        default=d.kv_output_tokens,
+        help="decode tokens streamed by each handoff probe (default %(default)s)",
+    )
     p.add_argument(
         "--kv-window",
         type=float,
@@ -95,7 +128,13 @@ def _parser() -> argparse.ArgumentParser:
         default=d.kv_margin,
         help="relative margin of a recommended deadline over the observed maximum",
     )
-    p.add_argument("--tpot-headroom", type=float, default=d.tpot_headroom)
+    p.add_argument(
+        "--tpot-headroom",
+        type=float,
+        default=d.tpot_headroom,
+        help="fraction of the TPOT budget the batch-1 decode time must leave free in the slo "
+        "gate (default %(default)s)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return p
 

@@ -34,25 +34,61 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--fleet", help="a fleet file (engines' sim blocks give their timing)")
     src.add_argument("--engines", help="a synthetic fleet: PREFILL:DECODE, e.g. 500:500")
     parser.add_argument("--trace", help="Azure-format trace CSV (else Poisson, see --rate)")
-    parser.add_argument("--rate-scale", type=positive(float), default=1.0)
-    parser.add_argument("--rate", type=positive(float), default=1.0)
-    parser.add_argument("--requests", type=positive(int), default=1000)
-    parser.add_argument("--prompt-tokens", type=positive(int), default=8192)
-    parser.add_argument("--output-tokens", type=positive(int), default=128)
+    parser.add_argument(
+        "--rate-scale",
+        type=positive(float),
+        default=1.0,
+        help="with --trace, divide its inter-arrival times by this (default %(default)s)",
+    )
+    parser.add_argument(
+        "--rate",
+        type=positive(float),
+        default=1.0,
+        help="Poisson arrival rate in requests/s, without --trace (default %(default)s)",
+    )
+    parser.add_argument(
+        "--requests",
+        type=positive(int),
+        default=1000,
+        help="requests to simulate: Poisson arrivals, or the first rows of --trace (default "
+        "%(default)s)",
+    )
+    parser.add_argument(
+        "--prompt-tokens",
+        type=positive(int),
+        default=8192,
+        help="prompt tokens of each Poisson request (default %(default)s)",
+    )
+    parser.add_argument(
+        "--output-tokens",
+        type=positive(int),
+        default=128,
+        help="output tokens of each Poisson request (default %(default)s)",
+    )
     parser.add_argument(
         "--scheduler",
         choices=["v1", "v0", *BASELINES],
         default="v1",
         help="Narwhal's scheduler (v1, v0) or a baseline policy of the routers it replaces",
     )
-    parser.add_argument("--no-flipping", action="store_true")
+    parser.add_argument(
+        "--no-flipping",
+        action="store_true",
+        help="run without the role controller: engines keep their roles (it runs only under v1)",
+    )
     parser.add_argument(
         "--ttft", type=positive(float), help="TTFT budget (s) of a synthetic fleet (default 10)"
     )
     parser.add_argument(
         "--tpot", type=positive(float), help="TPOT budget (s) of a synthetic fleet (default 0.3)"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the Poisson arrivals and the scheduler's random choices (default "
+        "%(default)s)",
+    )
     parser.add_argument(
         "--abandon-after-s",
         type=positive(float),

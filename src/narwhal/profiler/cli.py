@@ -49,15 +49,41 @@ def _int_list(text: str, name: str) -> list[int]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="narwhal-profile", description=__doc__.splitlines()[0])
-    p.add_argument("--fleet", required=True)
+    p.add_argument("--fleet", required=True, help="fleet contract JSON")
     p.add_argument("--limits", required=True, help="profiling limits JSON")
-    p.add_argument("--prefill-lens", default="256,1024,4096,8192")
-    p.add_argument("--decode-input-lens", default="512,4096,8192")
-    p.add_argument("--decode-concurrency", default="1,2,4")
-    p.add_argument("--decode-tokens", type=int, default=64)
-    p.add_argument("--prefill-repeats", type=int, default=3)
+    p.add_argument(
+        "--prefill-lens",
+        default="256,1024,4096,8192",
+        help="comma-separated prompt lengths in tokens of the prefill probes (default %(default)s)",
+    )
+    p.add_argument(
+        "--decode-input-lens",
+        default="512,4096,8192",
+        help="comma-separated prompt lengths in tokens of the decode probes (default %(default)s)",
+    )
+    p.add_argument(
+        "--decode-concurrency",
+        default="1,2,4",
+        help="comma-separated numbers of concurrent streams per decode probe (default %(default)s)",
+    )
+    p.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=64,
+        help="output tokens of each decode probe stream (default %(default)s)",
+    )
+    p.add_argument(
+        "--prefill-repeats",
+        type=int,
+        default=3,
+        help="times each prefill length is probed (default %(default)s)",
+    )
     p.add_argument("--engines", help="comma-separated engine ids (default: all)")
-    p.add_argument("--out", default="profile-store.json")
+    p.add_argument(
+        "--out",
+        default="profile-store.json",
+        help="where to write the profile store, with STORE.sha256 beside it (default %(default)s)",
+    )
     p.add_argument("--force", action="store_true", help="profile engines that are not idle")
     p.add_argument("--quiet", action="store_true", help="no per-probe progress")
     return p

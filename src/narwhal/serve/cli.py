@@ -73,8 +73,15 @@ class UsageError(Exception):
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="narwhal-serve", description="Narwhal P/D router.")
     p.add_argument("--fleet", required=True, help="fleet contract JSON")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default %(default)s; without API keys a non-loopback host "
+        "falls back to 127.0.0.1)",
+    )
+    p.add_argument(
+        "--port", type=int, default=8000, help="TCP port to listen on (default %(default)s)"
+    )
     p.add_argument("--journal", required=True, help="JSONL request journal path")
     p.add_argument("--profiles", help="profile store from narwhal-profile (enables scheduler v1)")
     p.add_argument(
@@ -99,7 +106,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--api-keys-file", help="file with one API key per line")
     p.add_argument("--admin-token-file", help="file holding the admin token for /admin/*")
-    p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=16 * 1024 * 1024,
+        help="largest request body accepted, in bytes (413 above it; default %(default)s)",
+    )
     p.add_argument(
         "--body-timeout",
         type=float,
@@ -117,8 +129,19 @@ def _parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds SIGTERM waits for in-flight requests",
     )
-    p.add_argument("--health-interval", type=float, default=1.0)
-    p.add_argument("--scrape-interval", type=float, default=1.0)
+    p.add_argument(
+        "--health-interval",
+        type=float,
+        default=1.0,
+        help="seconds between /health probes of every engine (default %(default)s)",
+    )
+    p.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=1.0,
+        help="seconds between scrapes of every engine's /metrics for its load (default "
+        "%(default)s)",
+    )
     p.add_argument(
         "--breaker-failures",
         type=int,
@@ -135,8 +158,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--protect-health", action="store_true", help="require an API key on /health and /ready"
     )
-    p.add_argument("--journal-fsync-interval", type=float, default=1.0)
-    p.add_argument("--journal-max-bytes", type=int, default=256 * 1024 * 1024)
+    p.add_argument(
+        "--journal-fsync-interval",
+        type=float,
+        default=1.0,
+        help="seconds between fsyncs of the journal file (default %(default)s)",
+    )
+    p.add_argument(
+        "--journal-max-bytes",
+        type=int,
+        default=256 * 1024 * 1024,
+        help="journal size in bytes at which it is rotated; five older files are kept (default "
+        "%(default)s)",
+    )
     p.add_argument(
         "--journal-on-error",
         choices=["fail_closed", "best_effort"],
@@ -186,6 +220,7 @@ def _parser() -> argparse.ArgumentParser:
         default="info",
         type=str.lower,
         choices=["critical", "error", "warning", "info", "debug"],
+        help="logging level (default %(default)s)",
     )
     return p
 

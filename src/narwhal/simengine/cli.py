@@ -53,15 +53,36 @@ def add_engine_parser(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument("--nixl-host", help="NIXL side-channel host (default 127.0.0.1)")
     p.add_argument("--nixl-port", type=_PORT, help="NIXL side-channel port")
     p.add_argument("--model", help="served model name")
-    p.add_argument("--model-revision")
-    p.add_argument("--max-model-len", type=number_type(int, 1))
+    p.add_argument(
+        "--model-revision",
+        help="model revision the attestation reports (default: the fleet's, else sim)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=number_type(int, 1),
+        help="longest prompt plus output, in tokens (default: the fleet's, else 16384)",
+    )
     p.add_argument(
         "--tp", type=number_type(int, 1), help="tensor parallel size reported in kv_transfer_params"
     )
-    p.add_argument("--gpu-arch")
-    p.add_argument("--accelerator")
-    p.add_argument("--config-sha256")
-    p.add_argument("--shard-manifest-sha256")
+    p.add_argument(
+        "--gpu-arch",
+        help="GPU architecture the attestation reports (default: the fleet's, else sim)",
+    )
+    p.add_argument(
+        "--accelerator",
+        help="accelerator the attestation reports (default: the fleet's, else simulated)",
+    )
+    p.add_argument(
+        "--config-sha256",
+        help="model config SHA-256 the attestation reports (default: the fleet's, else one "
+        "derived from the model name, max model length and vocabulary seed)",
+    )
+    p.add_argument(
+        "--shard-manifest-sha256",
+        help="weight shard manifest SHA-256 the attestation reports (default: the fleet's, else "
+        "one derived from the model seed)",
+    )
     p.add_argument(
         "--admin-token", help="enables /sim/faults and /sim/state with this bearer token"
     )
@@ -96,19 +117,52 @@ def add_engine_parser(sub: argparse._SubParsersAction[Any]) -> None:
     faults.add_argument(
         "--fault-fail-next", type=int, default=0, help="answer the next N requests 503"
     )
-    faults.add_argument("--fault-crash-on-prefill", action="store_true")
-    faults.add_argument("--fault-crash-on-kv-read", action="store_true")
-    faults.add_argument("--fault-crash-after-tokens", type=int)
-    faults.add_argument("--fault-hang-kv-read-s", type=float, default=0.0)
-    faults.add_argument("--fault-stall-first-token-s", type=float, default=0.0)
-    faults.add_argument("--fault-drop-stream-after-tokens", type=int)
+    faults.add_argument(
+        "--fault-crash-on-prefill",
+        action="store_true",
+        help="exit as a crash (code 137) when the next prompt starts computing",
+    )
+    faults.add_argument(
+        "--fault-crash-on-kv-read",
+        action="store_true",
+        help="exit as a crash (code 137) when a decode leg is about to pull remote KV",
+    )
+    faults.add_argument(
+        "--fault-crash-after-tokens",
+        type=int,
+        help="exit as a crash (code 137) once a stream has sent N tokens",
+    )
+    faults.add_argument(
+        "--fault-hang-kv-read-s",
+        type=float,
+        default=0.0,
+        help="seconds each KV read of a decode leg stalls, bounded by the KV read timeout "
+        "(default %(default)s)",
+    )
+    faults.add_argument(
+        "--fault-stall-first-token-s",
+        type=float,
+        default=0.0,
+        help="seconds the first token of each request is held back (default %(default)s)",
+    )
+    faults.add_argument(
+        "--fault-drop-stream-after-tokens",
+        type=int,
+        help="streams drop their connection, with no terminating chunk, after N tokens",
+    )
     faults.add_argument(
         "--fault-error-after-tokens",
         type=int,
         help="fail generation after N tokens: an error event (a 500 when not streamed)",
     )
-    faults.add_argument("--fault-metrics", choices=["ok", "lie", "stop", "hang"], default="ok")
-    p.add_argument("--log-level", default="warning")
+    faults.add_argument(
+        "--fault-metrics",
+        choices=["ok", "lie", "stop", "hang"],
+        default="ok",
+        help="/metrics: lie reports an idle engine, stop answers 503, hang never answers "
+        "(default %(default)s)",
+    )
+    p.add_argument("--log-level", default="warning", help="logging level (default %(default)s)")
 
 
 class _FlagsRefused(Exception):
