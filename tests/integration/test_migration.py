@@ -274,6 +274,45 @@ def test_engine_error_in_an_unstreamed_answer_is_continued(stack) -> None:
         assert end["outcome"] == "ok" and end["migrations"] >= 1
 
 
+def test_logprobs_offsets_and_usage_in_every_chunk_go_on_past_the_splice(stack) -> None:
+    """A completion with logprobs broken (once or twice) mid-stream: its text offsets and, for
+    a client that asked for usage in every chunk, each chunk's usage, equal the unbroken
+    answer's, streamed and not (offsets shifted by what the client had at each splice)."""
+    fleet, router = stack
+    options = {"include_usage": True, "continuous_usage_stats": True}
+
+    def streamed(prompt: list[int]) -> tuple[list[int], list[int], str]:
+        response = complete(router, prompt, logprobs=1, stream=True, stream_options=options)
+        assert response.status_code == 200, response.text
+        _, chunks, error = streamed_text(response)
+        assert not error, response.text[-500:]
+        choices = [(chunk, c) for chunk in chunks for c in chunk.get("choices") or ()]
+        offsets = [o for _, c in choices for o in (c.get("logprobs") or {})["text_offset"]]
+        usage = [chunk["usage"]["completion_tokens"] for chunk, _ in choices]
+        return offsets, usage, response.headers["x-request-id"]
+
+    def unstreamed(prompt: list[int]) -> tuple[list[int], str]:
+        response = complete(router, prompt, logprobs=1)
+        assert response.status_code == 200, response.text
+        offsets = response.json()["choices"][0]["logprobs"]["text_offset"]
+        return offsets, response.headers["x-request-id"]
+
+    prompts = PROMPTS[:2]
+    expected = [(streamed(p)[:2], unstreamed(p)[0]) for p in prompts]
+    for want_streamed, _ in expected:
+        assert len(want_streamed[0]) == MAX_TOKENS and want_streamed[1][-1] == MAX_TOKENS
+    for engine_id in ("e2", "e3"):
+        admin(fleet.engines[engine_id].url, "POST", {"error_after_tokens": 10})
+    for prompt, (want_streamed, want_offsets) in zip(prompts, expected, strict=True):
+        offsets, usage, rid = streamed(prompt)
+        assert (offsets, usage) == want_streamed
+        got, rid_unstreamed = unstreamed(prompt)
+        assert got == want_offsets
+        for request_id in (rid, rid_unstreamed):
+            assert wait_until(lambda r=request_id: r in router.ends(), 5)
+            assert router.ends()[request_id]["migrations"] >= 1
+
+
 def test_hung_prefill_engine_is_hedged_within_the_ttft_budget(stack) -> None:
     fleet, router = stack
     expected = baseline(router)

@@ -66,6 +66,21 @@ def test_a_stream_is_traced_and_continued_from_its_token_ids() -> None:
         assert cont.body[name] == body[name]
     assert "messages" not in cont.body and "max_completion_tokens" not in cont.body
     assert cont.prompt_tokens_exact == 5
+    # Usage in every chunk (vLLM's continuous_usage_stats, only with include_usage) goes on
+    # past the splice when the client asked for it.
+    for options, continuous in (
+        ({"include_usage": True, "continuous_usage_stats": True}, True),
+        ({"include_usage": "true", "continuous_usage_stats": "true"}, True),
+        ({"include_usage": False, "continuous_usage_stats": True}, False),
+        ({"include_usage": True}, False),
+    ):
+        streamed = {**body, "stream": True, "stream_options": options}
+        cont = continuation_request(_request(streamed, chat=True), trace)
+        assert cont.body["stream_options"] == (
+            {"include_usage": True, "continuous_usage_stats": True}
+            if continuous
+            else {"include_usage": True}
+        ), options
 
 
 def test_continuation_chunks_become_the_clients() -> None:
@@ -138,6 +153,28 @@ def test_completions_logprobs_offsets_continue_where_the_text_stopped() -> None:
     )
     assert out["choices"][0]["logprobs"]["text_offset"] == [3]
     assert out["id"] == "cmpl-a"
+    # The engine's offsets run on through the continuation's own text (from 0 at its start):
+    # shifted by what the client had at the splice, not by what it has now.
+    out = trace.translate(
+        {
+            "id": "cmpl-b",
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "fgh",
+                    "token_ids": [7, 8],
+                    "logprobs": {"text_offset": [2, 3]},
+                }
+            ],
+        }
+    )
+    assert out["choices"][0]["logprobs"]["text_offset"] == [5, 6]
+    # A second migration: its offsets from 0 again, after everything the client had.
+    trace.begin()
+    out = trace.translate(
+        {"id": "cmpl-c", "choices": [{"index": 0, "text": "i", "logprobs": {"text_offset": [0]}}]}
+    )
+    assert out["choices"][0]["logprobs"]["text_offset"] == [8]
 
 
 def test_ids_the_client_did_not_ask_for_are_blanked_as_vllm_sends_them() -> None:

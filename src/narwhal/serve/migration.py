@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from narwhal.contract import Migration
+from narwhal.engines.lax import lax_bool
 from narwhal.engines.legs import STRUCTURED_OUTPUT_FIELDS
 from narwhal.serve.errors import RouterError
 from narwhal.serve.pd import DEFAULT_COMPLETIONS_MAX_TOKENS, DecodeStream, PDRouter
@@ -111,6 +112,10 @@ class MigrationTrace:
     exact: bool = True  # False once the engine sent what a continuation cannot reproduce
     finished: bool = False  # a finish_reason arrived: the answer is whole
     text_chars: int = 0  # completions: characters received (logprobs text_offset)
+    # Characters the client had when the current continuation began: the engine's offsets
+    # count from 0 at its own start and run on through its text, so this, not text_chars
+    # (which grows with that text), is what they are shifted by.
+    text_shift: int = 0
     migrations: int = 0
     completion_offset: int = 0  # tokens the earlier legs generated (the client's usage)
 
@@ -281,7 +286,7 @@ class MigrationTrace:
                 }
                 logprobs = choice.get("logprobs")
                 if isinstance(logprobs, dict) and isinstance(logprobs.get("text_offset"), list):
-                    shift = self.text_chars
+                    shift = self.text_shift
                     rewritten["logprobs"] = {
                         **logprobs,
                         "text_offset": [o + shift for o in logprobs["text_offset"]],
@@ -294,6 +299,7 @@ class MigrationTrace:
         """A continuation starts: its chunks are translated from now on."""
         self.migrations += 1
         self.completion_offset = len(self.generated)
+        self.text_shift = self.text_chars
 
 
 def new_trace(
@@ -391,6 +397,14 @@ def continuation_request(request: ClientRequest, trace: MigrationTrace) -> Clien
     if not request.chat and body.get("logprobs") is not None:
         out["logprobs"] = body["logprobs"]
     out["stream_options"] = {"include_usage": True}
+    options = body.get("stream_options")
+    if (
+        request.include_usage
+        and isinstance(options, dict)
+        and lax_bool(options.get("continuous_usage_stats"))
+    ):
+        # Usage in every chunk, as the client asked: it goes on past the splice.
+        out["stream_options"]["continuous_usage_stats"] = True
     return ClientRequest(
         chat=False,
         body=out,
