@@ -149,6 +149,39 @@ def test_nixl_read_moves_exactly_the_prompt_blocks(pd_fleet: SimFleet) -> None:
     assert params["remote_request_id"] not in holds
 
 
+def test_a_restarted_prefill_engine_is_met_anew_by_its_decode_engine(tmp_path) -> None:
+    """vLLM gives every engine process a NIXL engine id of its own, so a decode engine
+    handshakes anew with a restarted prefill engine. The simulated engines keep their fleet
+    ids: a decode engine whose read from the old process's agent fails looks the prefill
+    engine up again and reads from the new one, instead of failing the request (the first
+    request after every prefill restart failed, and a router counted it against the decode
+    engine)."""
+    with running_fleet(tmp_path, 2) as fleet, httpx.Client(timeout=30) as client:
+        prefill_url, decode_url = urls(fleet)
+
+        def handoff(salt: str) -> httpx.Response:
+            body = {"model": MODEL, "prompt": TOKEN_PROMPT, "max_tokens": 4, "cache_salt": salt}
+            first = client.post(prefill_url + "/v1/completions", json=prefill_leg_body(body, False))
+            assert first.status_code == 200, first.text
+            params = first.json()["kv_transfer_params"]
+            return client.post(
+                decode_url + "/v1/completions", json={**body, "kv_transfer_params": params}
+            )
+
+        whole = handoff("before")
+        assert whole.status_code == 200, whole.text
+        fleet.restart("e0")
+        prefill_url = fleet.engines["e0"].url
+        again = handoff("after")
+        assert again.status_code == 200, again.text
+        assert again.json()["choices"][0]["text"] == whole.json()["choices"][0]["text"]
+        metrics = client.get(decode_url + "/metrics").text
+    # No failed transfer counted (the request did not fail); both reads moved verified data.
+    assert metric(metrics, "vllm:nixl_num_failed_transfers_total") == 0
+    assert metric(metrics, "vllm:nixl_bytes_transferred_count") == 2
+    assert metric(metrics, "narwhal_sim:kv_verify_failures_total") == 0
+
+
 def test_missing_or_invalid_params_prefill_locally(pd_fleet: SimFleet) -> None:
     _, decode_url = urls(pd_fleet)
     body = {"model": MODEL, "prompt": TOKEN_PROMPT, "max_tokens": 6}

@@ -613,9 +613,16 @@ class EngineCore:
 
     async def _decline_remote(self, remote: RemoteKV) -> None:
         timeout = self.config.kv_read_timeout_s
+        notif = remote.request_id.encode()
         try:
             peer = await self._remote_peer(remote)
-            await self.kv_agent.notify(peer, remote.request_id.encode(), timeout)
+            try:
+                await self.kv_agent.notify(peer, notif, timeout)
+            except KVTransferError:
+                restarted = await self._restarted_peer(remote, peer)
+                if restarted is None:
+                    raise
+                await self.kv_agent.notify(restarted, notif, timeout)
         except (OSError, TimeoutError, ValueError, KVTransferError) as exc:
             # The prefill engine frees the blocks when their lease expires.
             self.peers.invalidate(remote.host, remote.port)
@@ -645,6 +652,20 @@ class EngineCore:
             )
         return peer
 
+    async def _restarted_peer(self, remote: RemoteKV, known: KVPeerInfo) -> KVPeerInfo | None:
+        """After a transfer with ``known`` (the side channel's answer, as cached) failed: the
+        engine behind that side channel now, when it is another process than ``known`` (a
+        restarted engine), else None. vLLM gives every engine process a NIXL engine id of its
+        own, so its decode engines handshake anew with a restarted prefill engine; the
+        simulated engines keep their fleet ids, so a decode engine finds the new process
+        here instead of failing the request on the old one's agent."""
+        self.peers.invalidate(remote.host, remote.port)
+        try:
+            peer = await self._remote_peer(remote)
+        except KVTransferError:
+            return None
+        return peer if peer.agent_name != known.agent_name else None
+
     async def _pull(self, request: SimRequest, remote: RemoteKV) -> tuple[int, float, int]:
         """Pull the prompt's blocks this engine lacks: (bytes, seconds, blocks moved)."""
         timeout = self.config.kv_read_timeout_s
@@ -668,9 +689,14 @@ class EngineCore:
         # the remote list is end-trimmed to the blocks still missing.
         hit = request.num_cached_tokens // self.config.block_size
         local = request.blocks[:n]
-        result = await self.kv_agent.read(
-            peer, list(remote.block_ids[hit:]), local[hit:], remote.request_id.encode(), timeout
-        )
+        remote_blocks, notif = list(remote.block_ids[hit:]), remote.request_id.encode()
+        try:
+            result = await self.kv_agent.read(peer, remote_blocks, local[hit:], notif, timeout)
+        except KVTransferError:
+            restarted = await self._restarted_peer(remote, peer)
+            if restarted is None:
+                raise
+            result = await self.kv_agent.read(restarted, remote_blocks, local[hit:], notif, timeout)
         chains = self.layout.chains(request.prompt)
         expected = self.layout.contents(chains)
         if not np.array_equal(self.pool[local], expected):
