@@ -578,6 +578,43 @@ def test_unknown_and_bad_requests_are_client_errors_without_5xx(stack) -> None:
         assert metric(after, "narwhal_requests_total", outcome=outcome) == 0
 
 
+def test_a_body_not_sent_as_json_is_refused_as_vllm_refuses_it(stack) -> None:
+    """vLLM 0.32 answers 400 on its JSON routes to a request whose Content-Type is not
+    application/json (parameters and case aside), or that has none (``curl -d`` sends a form
+    type): so does the router, on every route it passes to the engines, journaled."""
+    _, router = stack
+    completion = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode()
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    bodies = {
+        "/v1/completions": completion,
+        "/v1/chat/completions": json.dumps(chat).encode(),
+        "/v1/responses": json.dumps(
+            {"model": MODEL, "input": "x", "max_output_tokens": 16}
+        ).encode(),
+        "/tokenize": json.dumps({"model": MODEL, "prompt": "x"}).encode(),
+    }
+    refused = [None, "", "text/plain", "application/x-www-form-urlencoded", "application/jsonx"]
+    served = ["application/json", "application/json; charset=utf-8", "Application/JSON"]
+    # The media type is checked before the body is read as JSON (vLLM's order).
+    bodies_not_json = {path: b"{not json" for path in bodies}
+    for path, raw in bodies_not_json.items():
+        r = httpx.post(router.url + path, content=raw, headers={"Content-Type": "text/plain"})
+        assert r.status_code == 400 and "Unsupported Media Type" in r.json()["error"]["message"]
+    for path, raw in bodies.items():
+        for content_type in refused + served:
+            headers = {} if content_type is None else {"Content-Type": content_type}
+            r = httpx.post(router.url + path, content=raw, headers=headers, timeout=30)
+            if content_type in served:
+                assert r.status_code == 200, (path, content_type, r.text)
+                continue
+            assert r.status_code == 400, (path, content_type, r.text)
+            error = r.json()["error"]
+            assert error["message"] == "Unsupported Media Type: Only 'application/json' is allowed"
+            assert error["param"] is None
+            if path != "/tokenize":  # not a generation: not journaled (docs/journal.md)
+                assert end_of(router, r)["outcome"] == "client_error"
+
+
 def test_dead_prefill_engine_fails_over_and_ready_tracks_pairs(tmp_path: Path) -> None:
     with (
         running_fleet(

@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
+from narwhal.engines.lax import NOT_JSON
 from narwhal.engines.legs import prefill_leg_body
 from narwhal.testing.fleet import SimFleet
 from narwhal.testing.procs import wait_until
@@ -180,6 +181,26 @@ def test_a_restarted_prefill_engine_is_met_anew_by_its_decode_engine(tmp_path) -
     assert metric(metrics, "vllm:nixl_num_failed_transfers_total") == 0
     assert metric(metrics, "vllm:nixl_bytes_transferred_count") == 2
     assert metric(metrics, "narwhal_sim:kv_verify_failures_total") == 0
+
+
+def test_a_body_not_sent_as_json_is_refused_in_vllm_words(pd_fleet: SimFleet) -> None:
+    """As vLLM 0.32's validate_json_request and its RequestValidationError handler answer
+    (tests/interop/test_vllm_pd.py pins the words on the real engine)."""
+    _, decode_url = urls(pd_fleet)
+    raw = b'{"model": "%s", "prompt": "x", "max_tokens": 1}' % MODEL.encode()
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        for headers in ({}, {"Content-Type": "text/plain"}):
+            r = httpx.post(decode_url + path, content=raw, headers=headers, timeout=30)
+            assert r.status_code == 400, (path, r.text)
+            assert r.json()["error"] == {
+                "message": f"1 validation error:\n  {NOT_JSON}",
+                "type": "Bad Request",
+                "param": None,
+                "code": 400,
+            }
+    headers = {"Content-Type": "application/json; charset=utf-8"}
+    r = httpx.post(decode_url + "/v1/completions", content=raw, headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
 
 
 def test_missing_or_invalid_params_prefill_locally(pd_fleet: SimFleet) -> None:

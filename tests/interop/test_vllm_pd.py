@@ -34,6 +34,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
+from narwhal.engines.lax import NOT_JSON
 from narwhal.engines.legs import decode_leg_body, prefill_leg_body
 from narwhal.testing.ports import free_ports
 from narwhal.testing.procfs import tree_rss_bytes
@@ -887,6 +888,34 @@ def test_fields_the_router_reads_are_read_and_refused_as_vllm_does(pd: PD) -> No
         if extra in refused[:3]:  # vLLM's pydantic dump for a type: the router's own
             assert routed.body["error"]["message"] == direct.body["error"]["message"]
             assert routed.body["error"]["param"] == direct.body["error"]["param"]
+
+
+def test_a_body_not_sent_as_json_is_refused_routed_as_direct(pd: PD) -> None:
+    """vLLM 0.32 refuses a request whose Content-Type is not application/json, or that has
+    none, with a 400 on its JSON routes; the router refuses it too (it served it before), and
+    the simulated engine words it as vLLM does (tests/integration/test_sim_pd.py)."""
+    wait_until(pd.ready, 60, interval=0.2)
+    completion = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 1}
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    cases = (
+        ("/v1/completions", completion),
+        ("/v1/chat/completions", chat),
+        ("/tokenize", {"model": MODEL_NAME, "prompt": "x"}),
+    )
+    for path, body in cases:
+        raw = json.dumps(body).encode()
+        for content_type in (None, "text/plain", "application/x-www-form-urlencoded"):
+            headers = {} if content_type is None else {"Content-Type": content_type}
+            routed = httpx.post(pd.router.url + path, content=raw, headers=headers, timeout=60)
+            direct = httpx.post(pd.decode.url + path, content=raw, headers=headers, timeout=60)
+            assert routed.status_code == direct.status_code == 400, (path, content_type)
+            assert direct.json()["error"]["message"] == f"1 validation error:\n  {NOT_JSON}"
+            assert routed.json()["error"]["message"] == NOT_JSON
+        for content_type in ("application/json; charset=utf-8", "Application/JSON"):
+            headers = {"Content-Type": content_type}
+            routed = httpx.post(pd.router.url + path, content=raw, headers=headers, timeout=60)
+            direct = httpx.post(pd.decode.url + path, content=raw, headers=headers, timeout=60)
+            assert routed.status_code == direct.status_code == 200, (path, content_type)
 
 
 def test_routed_context_cut_as_vllm_cuts_it(pd: PD) -> None:

@@ -10,7 +10,10 @@ from typing import Annotated
 
 from pydantic import Field, TypeAdapter, ValidationError
 
-__all__ = ["lax_bool", "lax_int", "lax_token_ids"]
+__all__ = ["NOT_JSON", "is_json", "lax_bool", "lax_int", "lax_token_ids"]
+
+# vLLM 0.32's words for a body that does not say it is JSON (its validate_json_request).
+NOT_JSON = "Unsupported Media Type: Only 'application/json' is allowed"
 
 _INT: TypeAdapter[int] = TypeAdapter(int)
 _BOOL: TypeAdapter[bool] = TypeAdapter(bool)
@@ -43,3 +46,14 @@ def lax_token_ids(value: list[object]) -> list[int] | None:
         return _TOKEN_IDS.validate_python(value)
     except ValidationError:
         return None
+
+
+def is_json(content_type: bytes | str | None) -> bool:
+    """Whether a request's Content-Type says JSON as vLLM reads it on its JSON routes: the
+    media type (before any parameter, case aside) is ``application/json``. A request without
+    one is not JSON either: vLLM refuses both with a 400, and so does the router."""
+    if not content_type:
+        return False
+    if isinstance(content_type, bytes):
+        content_type = content_type.decode("latin-1")
+    return content_type.split(";", 1)[0].strip().lower() == "application/json"

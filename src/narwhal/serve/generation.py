@@ -26,10 +26,12 @@ from typing import Any
 import orjson
 from starlette.types import Receive, Scope, Send
 
+from narwhal.engines.lax import NOT_JSON, is_json
 from narwhal.engines.stream_client import EngineStreamConnection
 from narwhal.serve.bodies import ClientGone, read_body
 from narwhal.serve.errors import (
     InternalError,
+    InvalidRequest,
     NotAccepting,
     RouterError,
     Unauthorized,
@@ -229,7 +231,7 @@ class GenerationEndpoint:
         if not services.journal.accepting:
             await _send_error(send, self._not_accepting("journal_unavailable", _JOURNAL_DOWN, 5))
             return
-        authorization = client_id = declared_length = None
+        authorization = client_id = declared_length = content_type = None
         for name, value in scope["headers"]:
             if name == b"authorization":
                 # The first, as every other route reads it (Starlette's headers.get).
@@ -239,6 +241,8 @@ class GenerationEndpoint:
                 client_id = value
             elif name == b"content-length":
                 declared_length = value
+            elif name == b"content-type" and content_type is None:
+                content_type = value  # the first, as the other routes read it
         record = RequestRecord(
             id=record_id,
             arrival=time.time(),
@@ -269,6 +273,8 @@ class GenerationEndpoint:
                 raw = await read_body(
                     receive, declared_length, settings.max_body_bytes, settings.body_timeout_s
                 )
+                if not is_json(content_type):
+                    raise InvalidRequest(NOT_JSON)
                 fleet = services.settings.fleet.contract
                 creq = parse_client_request(
                     raw, self.chat, fleet.model.id, fleet.model.max_model_len

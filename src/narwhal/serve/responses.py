@@ -23,6 +23,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 # The chat endpoint's own body reader: the same limit, the same 413, and a hang-up while the
 # body arrives raised as the exception that endpoint journals as a client abort.
+from narwhal.engines.lax import is_json
 from narwhal.serve.bodies import read_body
 from narwhal.serve.errors import InternalError, InvalidRequest
 from narwhal.serve.generation import GenerationEndpoint
@@ -44,10 +45,11 @@ def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
 class _Exchange:
     """One request: the translating ``receive`` and ``send`` the chat endpoint is called with."""
 
-    def __init__(self, receive: Receive, send: Send, limit: int) -> None:
+    def __init__(self, receive: Receive, send: Send, limit: int, json_body: bool) -> None:
         self._receive = receive
         self._send = send
         self._limit = limit
+        self._json_body = json_body
         self._body_read = False
         self.request: ResponsesRequest | None = None
         self._response_id = ""
@@ -64,6 +66,10 @@ class _Exchange:
         self._body_read = True
         # Within the generation route's own --body-timeout (it reads through this receive).
         raw = await read_body(self._receive, None, self._limit, None)
+        if not self._json_body:
+            # As it came: the chat endpoint refuses it for its Content-Type, before its body
+            # is read as JSON (as vLLM checks the media type first).
+            return {"type": "http.request", "body": raw, "more_body": False}
         self.request = parse_responses_request(raw)  # InvalidRequest: the endpoint answers 400
         try:
             body = orjson.dumps(self.request.chat_body)
@@ -204,5 +210,6 @@ class ResponsesEndpoint:
         self.limit = chat.services.settings.max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        exchange = _Exchange(receive, send, self.limit)
+        content_type = next((v for k, v in scope["headers"] if k == b"content-type"), None)
+        exchange = _Exchange(receive, send, self.limit, is_json(content_type))
         await self.chat(scope, exchange.receive, exchange.send)

@@ -23,11 +23,13 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
+from narwhal.engines.lax import NOT_JSON, is_json
 from narwhal.engines.transport import EngineTransportError
 from narwhal.routing.breaker import BreakerState
 from narwhal.routing.fleet_state import FleetState
 from narwhal.serve.bodies import read_limited_body
 from narwhal.serve.errors import (
+    InvalidRequest,
     NoEngineAvailable,
     RouterError,
     Unauthorized,
@@ -80,6 +82,8 @@ def register_tokenize_routes(app: FastAPI, services: Services) -> None:
             body = await read_limited_body(
                 request, settings.max_body_bytes, settings.body_timeout_s
             )
+            if not is_json(request.headers.get("content-type")):
+                raise InvalidRequest(NOT_JSON)
         except RouterError as exc:
             return exc.response()
         # No client X-Request-Id goes to an engine (docs/security.md): the engine names it.

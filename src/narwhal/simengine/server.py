@@ -29,6 +29,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from narwhal.asgi import DisconnectAwareStreamingResponse
+from narwhal.engines.lax import NOT_JSON, is_json
 from narwhal.simengine.engine import (
     CRASH_EXIT_CODE,
     EngineConfig,
@@ -263,6 +264,9 @@ def build_app(settings: SimEngineSettings) -> Starlette:
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     async def read_json(request: Request) -> Any:
+        if not is_json(request.headers.get("content-type")):
+            # vLLM's validate_json_request, refused by its RequestValidationError handler.
+            raise ProtocolError(f"1 validation error:\n  {NOT_JSON}", type_="Bad Request")
         raw = await request.body()
         try:
             return orjson.loads(raw)
