@@ -261,6 +261,30 @@ def test_structured_output_and_sampling_fields_pass_through(stack, clients) -> N
     assert set(json.loads(got["choices"][0]["message"]["content"])) == {"answer", "sure"}
 
 
+def test_stop_strings_end_the_answer_through_the_router(stack, clients) -> None:
+    """An agent's stop sequence, through the P/D router with the openai SDK: the answer ends
+    before it, streamed and not, as the decode engine's own answer does (the prefill leg
+    carries no stop: its one token is thrown away)."""
+    fleet, router = stack
+    routed, engine = clients(router.url), clients(fleet.engines["e2"].url)
+    body: dict[str, Any] = dict(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0)
+    full = routed.chat.completions.create(**body).choices[0].message.content
+    assert full
+    stop = full.split()[3][1:3]
+    body["stop"] = [stop]
+    got = routed.chat.completions.create(**body).model_dump()
+    expected = engine.chat.completions.create(**body).model_dump()
+    (choice,) = got["choices"]
+    assert choice["message"]["content"] == full[: full.index(stop)]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
+    assert _without_ids(choice) == _without_ids(expected["choices"][0])
+    assert got["usage"]["completion_tokens"] == 4
+    chunks = list(routed.chat.completions.create(stream=True, **body))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == full[: full.index(stop)]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [("temperature", "hot"), ("top_logprobs", 3), ("top_p", 0), ("tool_choice", "required")],

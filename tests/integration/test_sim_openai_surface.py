@@ -177,6 +177,67 @@ def test_logprobs_stream_equals_whole(client: httpx.Client, url: str, chat: bool
             assert lp["token_logprobs"] == [max(t.values()) for t in lp["top_logprobs"]]
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_stop_strings_end_the_answer_as_vllm_ends_it(
+    client: httpx.Client, url: str, chat: bool
+) -> None:
+    """A stop string cuts the text before it (through it with include_stop_str_in_output),
+    ends the choice with finish reason stop and the string as its stop reason, and counts the
+    tokens up to the one that completed it; not before min_tokens; a stream holds back what
+    could be a stop string's start, and aggregates to the whole answer."""
+    prompt = {"messages": MESSAGES} if chat else {"prompt": "a story about routers"}
+    base = {**prompt, "max_tokens": 30, "temperature": 0}
+
+    def text_of(answer: dict[str, Any]) -> str:
+        choice = answer["choices"][0]
+        return choice["message"]["content"] if chat else choice["text"]
+
+    whole = post(client, url, base, chat)
+    full = text_of(whole)
+    words = full.split()
+    stop = words[4][1:3]  # inside the fifth word: the text before it ends mid-word
+    at = full.index(stop)
+    cases = [
+        ({"stop": [stop]}, full[:at], "stop", stop),
+        (
+            {"stop": ["never", stop], "include_stop_str_in_output": True},
+            full[: at + 2],
+            "stop",
+            stop,
+        ),
+        ({"stop": stop}, full[:at], "stop", stop),
+        ({"stop": ["never appears"]}, full, "length", None),
+    ]
+    for extra, text, finish, reason in cases:
+        answer = post(client, url, {**base, **extra}, chat)
+        choice = answer["choices"][0]
+        assert (text_of(answer), choice["finish_reason"], choice["stop_reason"]) == (
+            text,
+            finish,
+            reason,
+        ), extra
+        tokens = answer["usage"]["completion_tokens"]
+        assert tokens == (30 if reason is None else len(full[: at + 2].split())), extra
+        events = stream(
+            client, url, {**base, **extra, "stream_options": {"include_usage": True}}, chat
+        )
+        streamed = aggregate(events, chat)[0]
+        assert (streamed["text"], streamed["finish"]) == (text, finish), extra
+        last = [e for e in events if e["choices"]][-1]["choices"][0]
+        assert last["stop_reason"] == reason
+        assert events[-1]["usage"]["completion_tokens"] == tokens
+        if reason is not None and "include_stop_str_in_output" not in extra:
+            # No chunk ever showed the stop string's first character after the cut.
+            seen = ""
+            for event in events:
+                for c in event["choices"]:
+                    seen += (c["delta"].get("content") or "") if chat else c["text"]
+                    assert text.startswith(seen) and len(seen) <= len(text)
+    # min_tokens past the stop string's token: not checked before it, so it runs on.
+    answer = post(client, url, {**base, "stop": [stop], "min_tokens": len(words)}, chat)
+    assert answer["choices"][0]["finish_reason"] == "length"
+
+
 @pytest.mark.parametrize(
     ("tool_choice", "finish", "arguments"),
     [

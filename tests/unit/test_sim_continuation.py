@@ -263,7 +263,7 @@ async def _stream(core: EngineCore, params: GenerationParams) -> list[Any]:
 
 async def _collect(core: EngineCore, params: GenerationParams) -> tuple[int, Any]:
     requests, builder, choices = _start(core, params)
-    response = await server._collect(requests, builder, choices, VOCAB, core.faults)
+    response = await server._collect(core, requests, builder, choices, VOCAB, core.faults)
     for request in requests:
         core.abort(request)  # as the route does
     return response.status_code, json.loads(bytes(response.body))

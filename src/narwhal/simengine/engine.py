@@ -273,6 +273,15 @@ class EngineCore:
         self.metrics.finished("abort").inc()
         self._refresh_gauges()
 
+    def stop(self, request: SimRequest) -> None:
+        """The frontend matched a stop string in the request's text (vLLM's output processor
+        does, then has the engine core end it): it ends as finished, reason ``stop``."""
+        if request.finished or request.aborted or request not in self.running:
+            self.abort(request)  # not running (a no-op once finished): as an abort
+            return
+        self._finish(request, "stop")
+        self._refresh_gauges()
+
     def on_notification(self, message: bytes) -> None:
         """A reader finished pulling a hold: free its blocks."""
         request_id = message.decode("utf-8", errors="replace")

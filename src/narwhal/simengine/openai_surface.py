@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from narwhal.engines.lax import lax_bool
 from narwhal.simengine.generation import GenerationModel
 from narwhal.simengine.vocab import NUM_BYTE_TOKENS, Vocabulary
 
@@ -102,6 +103,8 @@ class SurfaceOptions:
     # check of the HTTP layer: a whole request gets it as a 400, a streamed one as the only
     # event of a 200 stream (vLLM 0.32, checked against the engines: docs/vllm-interop.md).
     refusal: Invalid | None = None
+    stop: tuple[str, ...] = ()  # stop strings, applied as vLLM applies them (StopStrings)
+    include_stop_str_in_output: bool = False
 
 
 # --- field types --------------------------------------------------------------------------
@@ -214,9 +217,9 @@ def _check_sampling(body: dict[str, Any], n: int) -> None:
         raise _vllm_error(f"n must be 1 when using greedy sampling, got {n}.")
 
 
-def _check_stops(body: dict[str, Any]) -> None:
-    # Validated as vLLM validates them. The simulated model's words come from a hash, not a
-    # distribution a stop could cut, so stop strings and ids are accepted but not applied.
+def _check_stops(body: dict[str, Any]) -> tuple[str, ...]:
+    """The stop strings, validated as vLLM validates them (and stop_token_ids, which the
+    simulated model, whose words come from a hash, is not made to stop on)."""
     stop = body.get("stop")
     if isinstance(stop, list):
         for i, item in enumerate(stop):
@@ -241,7 +244,7 @@ def _check_stops(body: dict[str, Any]) -> None:
         raise _vllm_error("stop cannot contain an empty string.")
     ids = body.get("stop_token_ids")
     if ids is None:
-        return
+        return tuple(stops)
     if not isinstance(ids, list):
         raise _pydantic_error("stop_token_ids", "list_type", "Input should be a valid list", ids)
     for i, token in enumerate(ids):
@@ -249,6 +252,7 @@ def _check_stops(body: dict[str, Any]) -> None:
             raise _pydantic_error(
                 f"stop_token_ids.{i}", "int_type", "Input should be a valid integer", token
             )
+    return tuple(stops)
 
 
 def _token_key(key: Any) -> int | None:
@@ -638,7 +642,13 @@ def parse_surface(
         )
     _check_sampling(body, n)
     _check_logit_bias(body)
-    _check_stops(body)
+    stop = _check_stops(body)
+    include_stop = body.get("include_stop_str_in_output")
+    if include_stop is not None and lax_bool(include_stop) is None:
+        raise _pydantic_error(
+            "include_stop_str_in_output", "bool_parsing", "Input should be a valid boolean",
+            include_stop,
+        )  # fmt: skip
     logprobs = _logprobs(body, chat)
     tools = tool_choice = None
     if chat:
@@ -648,7 +658,17 @@ def parse_surface(
     guided = _guided(body, chat, tools, tool_choice)
     forced = None if guided is None else tuple(vocab.encode(guided.text))
     refusal = _engine_refusal(body, logprobs, vocab)
-    return SurfaceOptions(n=n, logprobs=logprobs, guided=guided, forced=forced, refusal=refusal)
+    return SurfaceOptions(
+        n=n,
+        logprobs=logprobs,
+        guided=guided,
+        forced=forced,
+        refusal=refusal,
+        # Guided output (a forced tool call, a response format) is written whole, as the
+        # grammar makes the model write it: stop strings are not applied to it here.
+        stop=stop if guided is None else (),
+        include_stop_str_in_output=bool(lax_bool(include_stop)),
+    )
 
 
 # --- building the answer ---------------------------------------------------------------------
@@ -657,13 +677,68 @@ def parse_surface(
 @dataclass
 class StepOutput:
     """One generated token as a stream chunk shows it; ``skip``: vLLM sends no chunk for it
-    (a required tool call whose first call is not yet streamable)."""
+    (a required tool call whose first call is not yet streamable); ``stop_reason``: the stop
+    string that ended the choice."""
 
     text: str
     finish_reason: str | None
     logprobs: dict[str, Any] | None = None
     delta: dict[str, Any] | None = None
     skip: bool = False
+    stop_reason: str | None = None
+
+
+@dataclass
+class StopStrings:
+    """A choice's stop strings as vLLM 0.32's detokenizer applies them
+    (``v1/engine/detokenizer.py``): checked after each token once the output holds more than
+    ``min_tokens`` tokens, in the text that token added (and the stop string's length before
+    it); the one that completes earliest wins (ties: the list's order); the text is cut before
+    it (after it with ``include_stop_str_in_output``) and the request ends with finish reason
+    ``stop`` and the string as its stop reason. A stream holds back the last ``len - 1``
+    characters of the longest stop string until the choice ends, so that a client never sees
+    the start of one that completes later (none held back with ``include_stop_str_in_output``)."""
+
+    stops: tuple[str, ...]
+    include: bool
+    min_tokens: int
+    text: str = ""
+    tokens: int = 0
+    released: int = 0  # characters a stream has sent
+    matched: str | None = None
+
+    @property
+    def holdback(self) -> int:
+        return 0 if self.include else max(len(s) for s in self.stops) - 1
+
+    def add(self, token_text: str) -> str | None:
+        """The text of the next token; the stop string it completed, or None."""
+        before = len(self.text)
+        self.text += token_text
+        self.tokens += 1
+        new = len(self.text) - before
+        if self.matched is not None or self.tokens <= self.min_tokens or not new:
+            return None
+        best: tuple[int, int, str] | None = None  # (end, start, string)
+        for stop in self.stops:
+            start = self.text.find(stop, 1 - new - len(stop))
+            if start != -1 and (best is None or start + len(stop) < best[0]):
+                best = (start + len(stop), start, stop)
+        if best is None:
+            return None
+        end, start, stop = best
+        self.text = self.text[:end] if self.include else self.text[:start]
+        self.matched = stop
+        return stop
+
+    def release(self, finished: bool) -> str:
+        """The text a stream sends now: what is new, less the hold-back until ``finished``."""
+        upto = len(self.text) - (0 if finished else self.holdback)
+        if upto <= self.released:
+            return ""
+        out = self.text[self.released : upto]
+        self.released = upto
+        return out
 
 
 def _tool_call_id(response_id: str, index: int) -> str:
@@ -690,6 +765,14 @@ class ChoiceState:
     pending: bytearray = field(default_factory=bytearray)
     text_offset: int = 0  # completions logprobs: where the next token's text starts
     tool_started: bool = False
+    min_tokens: int = 0
+    stop: StopStrings | None = None
+
+    def __post_init__(self) -> None:
+        if self.options.stop:
+            self.stop = StopStrings(
+                self.options.stop, self.options.include_stop_str_in_output, self.min_tokens
+            )
 
     def _decode(self, token: int, final: bool) -> str:
         """The text ``token`` releases: byte tokens are held until they complete a UTF-8
@@ -713,6 +796,12 @@ class ChoiceState:
             out += self.pending.decode("utf-8", errors="replace")
             self.pending.clear()
         return out
+
+    def stopped_by(self, token: int, final: bool) -> str | None:
+        """A non-streamed answer's next token: the stop string it completed, or None (the
+        text is read whole at the end: ``stop.text`` once a stop string ended it)."""
+        assert self.stop is not None
+        return self.stop.add(self._decode(token, final))
 
     def _entries(self, tokens: list[int], keys: list[bytes]) -> list[list[tuple[int, float]]]:
         k = self.options.logprobs or 0
@@ -770,7 +859,15 @@ class ChoiceState:
         self.tokens.append(token)
         before = self.text
         delta_text = self._decode(token, finish_reason is not None)
-        self.text += delta_text
+        stop_reason = None
+        if self.stop is not None:
+            stop_reason = self.stop.add(delta_text)
+            if stop_reason is not None:
+                finish_reason = "stop"
+            delta_text = self.stop.release(finish_reason is not None)
+            self.text = self.stop.text
+        else:
+            self.text += delta_text
         logprobs = None
         if self.options.logprobs is not None:
             logprobs = self.logprobs_for([token], [key], self.text_offset)
@@ -778,7 +875,7 @@ class ChoiceState:
                 self.text_offset += len(self.vocab.token_text(token))
         guided = self.options.guided
         if not self.chat or guided is None or guided.tool_mode is None:
-            return StepOutput(delta_text, finish_reason, logprobs)
+            return StepOutput(delta_text, finish_reason, logprobs, stop_reason=stop_reason)
         if guided.tool_mode == "named":
             call: dict[str, Any] = {"index": 0, "function": {"arguments": delta_text}}
             if not self.tool_started:

@@ -260,9 +260,11 @@ class ResponseBuilder:
         logprobs: dict[str, Any] | None = None,
         content: str | None = None,
         tool_calls: list[dict[str, Any]] | None = None,
+        stop_reason: str | None = None,
     ) -> dict[str, Any]:
         """One choice of a non-streamed response; ``content`` / ``tool_calls``: the chat
-        message's when a tool call replaces the text (None: the text, no calls)."""
+        message's when a tool call replaces the text (None: the text, no calls);
+        ``stop_reason``: the stop string that ended it."""
         p = self.params
         ids = tokens if p.return_token_ids else None
         if p.chat:
@@ -282,7 +284,7 @@ class ResponseBuilder:
                 "message": message,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
-                "stop_reason": None,
+                "stop_reason": stop_reason,
                 "token_ids": ids,
                 "routed_experts": None,
             }
@@ -291,7 +293,7 @@ class ResponseBuilder:
             "text": text,
             "logprobs": logprobs,
             "finish_reason": finish_reason,
-            "stop_reason": None,
+            "stop_reason": stop_reason,
             "token_ids": ids,
             "routed_experts": None,
             "prompt_logprobs": None,
@@ -373,6 +375,7 @@ class ResponseBuilder:
         logprobs: dict[str, Any] | None = None,
         delta: dict[str, Any] | None = None,
         first: bool = False,
+        stop_reason: str | None = None,
     ) -> dict[str, Any]:
         """A chunk of choice ``index``'s tokens; ``completion_tokens``: that choice's so far
         (what vLLM's continuous usage counts); ``delta``: a chat delta other than the text
@@ -395,7 +398,7 @@ class ResponseBuilder:
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
-        choice["stop_reason"] = None
+        choice["stop_reason"] = stop_reason
         if not p.chat:
             choice["prompt_token_ids"] = p.prompt if (first and p.return_token_ids) else None
         choice["token_ids"] = tokens if p.return_token_ids else None

@@ -455,7 +455,9 @@ def build_app(settings: SimEngineSettings) -> Starlette:
                 media_type="text/event-stream",
                 background=BackgroundTask(abort_all),
             )
-        collect = asyncio.ensure_future(_collect(sim_requests, builder, choices, vocab, faults))
+        collect = asyncio.ensure_future(
+            _collect(core(), sim_requests, builder, choices, vocab, faults)
+        )
         disconnect = asyncio.ensure_future(_wait_disconnect(request))
         await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
         if not collect.done():
@@ -619,6 +621,7 @@ def _choice_states(
             vocab,
             core.generation,
             builder.response_id,
+            min_tokens=params.min_tokens,
         )
         for i in range(len(requests))
     ]
@@ -664,6 +667,7 @@ _GENERATION_ERROR = ErrorEvent("Internal server error")
 
 
 async def _collect(
+    core: EngineCore,
     requests: list[SimRequest],
     builder: ResponseBuilder,
     choices: list[ChoiceState],
@@ -673,10 +677,13 @@ async def _collect(
     tokens: list[list[int]] = [[] for _ in requests]
     keys: list[list[bytes]] = [[] for _ in requests]
     finish: list[str | None] = [None] * len(requests)
+    stop_reasons: list[str | None] = [None] * len(requests)
     want_logprobs = builder.params.surface.logprobs is not None
     kv_transfer_params = None
     total = done = 0
     async for index, event in _choice_events(requests, faults):
+        if finish[index] is not None:
+            continue  # a choice a stop string ended: what its engine sent after it
         if isinstance(event, ErrorEvent):
             return _error(event.message, event.type, event.status)
         if _injected_error(faults, total):
@@ -691,9 +698,14 @@ async def _collect(
         builder.cached_tokens = requests[0].reported_cached_tokens
         if faults.crash_after_tokens is not None and total >= faults.crash_after_tokens:
             os._exit(CRASH_EXIT_CODE)
-        if event.finish_reason is not None:
-            finish[index] = event.finish_reason
-            if index == 0:
+        state = choices[index]
+        if state.stop is not None:
+            stop_reasons[index] = state.stopped_by(event.token, event.finish_reason is not None)
+            if stop_reasons[index] is not None and event.finish_reason is None:
+                core.stop(requests[index])
+        if event.finish_reason is not None or stop_reasons[index] is not None:
+            finish[index] = "stop" if stop_reasons[index] is not None else event.finish_reason
+            if index == 0 and stop_reasons[index] is None:
                 kv_transfer_params = event.kv_transfer_params
             done += 1
             if done == len(requests):
@@ -702,13 +714,19 @@ async def _collect(
         raise AssertionError("event stream ended without a finish")
     built = []
     logprobs = None
-    for state, ids, id_keys, reason in zip(choices, tokens, keys, finish, strict=True):
+    for state, ids, id_keys, reason, stop_reason in zip(
+        choices, tokens, keys, finish, stop_reasons, strict=True
+    ):
         assert reason is not None
-        text = vocab.decode(ids)
+        text = vocab.decode(ids) if stop_reason is None or state.stop is None else state.stop.text
         if state.options.logprobs is not None:
             logprobs = state.logprobs_for(ids, id_keys, 0)
         content, calls, reason = state.message(text, reason)
-        built.append(builder.full_choice(state.index, text, ids, reason, logprobs, content, calls))
+        built.append(
+            builder.full_choice(
+                state.index, text, ids, reason, logprobs, content, calls, stop_reason
+            )
+        )
     return _json(builder.full_choices(built, total, kv_transfer_params))
 
 
@@ -722,9 +740,12 @@ async def _stream(
     sent = done = 0
     params = builder.params
     opened = [False] * len(requests)  # whether the choice has sent a token chunk
+    stopped = [False] * len(requests)  # a stop string ended the choice
     try:
         role_sent = not params.chat
         async for index, event in _choice_events(requests, faults):
+            if stopped[index]:
+                continue  # what its engine sent after the stop string
             if _injected_error(faults, sent):
                 log.warning("fault injection: an error event after %d tokens", sent)
                 event = _GENERATION_ERROR
@@ -756,6 +777,7 @@ async def _stream(
                         step.logprobs,
                         step.delta,
                         first=not opened[index],
+                        stop_reason=step.stop_reason,
                     )
                 )
                 opened[index] = True
@@ -767,10 +789,15 @@ async def _stream(
                 and sent >= faults.drop_stream_after_tokens
             ):
                 raise _DroppedStream("fault injection: dropping the connection mid-stream")
-            if event.finish_reason is not None:
+            if step.stop_reason is not None and event.finish_reason is None:
+                stopped[index] = True
+                core.stop(requests[index])
+            if event.finish_reason is not None or step.stop_reason is not None:
                 done += 1
-                if done == len(requests) and params.include_usage:
-                    yield _sse(builder.usage_chunk(sent))
+                if done == len(requests):
+                    if params.include_usage:
+                        yield _sse(builder.usage_chunk(sent))
+                    break  # a choice a stop string ended sends no more events
         yield b"data: [DONE]\n\n"
     finally:
         for request in requests:
