@@ -65,3 +65,31 @@ def test_an_unknown_log_level_is_refused_by_the_parser(capsys: pytest.CaptureFix
         _parser().parse_args(["--fleet", "f", "--journal", "j", "--log-level", "DEBUG"]).log_level
         == "debug"
     )
+
+
+def test_a_journal_has_one_router_and_is_a_journal(tmp_path: Path) -> None:
+    """Two routers on one journal interleaved their records, and the second's recovery closed
+    the first's live requests (two terminal records for one request); a file that is not a
+    journal was appended to; an unwritable journal was a traceback at start."""
+    from narwhal.testing.ports import free_ports
+
+    journal = tmp_path / "j.jsonl"
+    base = ["--fleet", str(FLEET), "--skip-qualification", "--journal", str(journal)]
+    first = build_settings(_parser().parse_args([*base, "--port", str(free_ports(1)[0])]))[0]
+    assert first.journal_claim is not None and journal.exists()
+    assert (tmp_path / "j.jsonl.lock").read_text().strip().isdigit()  # the holder's pid
+    args = _parser().parse_args([*base, "--port", str(free_ports(1)[0])])
+    with pytest.raises(UsageError, match=r"^--journal: .* is in use by another router \(process"):
+        build_settings(args)
+    first.journal_claim.close()  # the first router exits
+    build_settings(args)[0].journal_claim.close()
+    fleet_copy = tmp_path / "fleet.json"
+    fleet_copy.write_bytes(FLEET.read_bytes())
+    args = _parser().parse_args([*base[:-1], str(fleet_copy), "--port", str(free_ports(1)[0])])
+    with pytest.raises(UsageError, match=r"is not a Narwhal journal \(its first line"):
+        build_settings(args)
+    assert fleet_copy.read_bytes() == FLEET.read_bytes()  # untouched
+    unwritable = Path("/proc/narwhal-test/j.jsonl")
+    args = _parser().parse_args([*base[:-1], str(unwritable), "--port", str(free_ports(1)[0])])
+    with pytest.raises(UsageError, match=r"^--journal: /proc/narwhal-test/j.jsonl: cannot write"):
+        build_settings(args)

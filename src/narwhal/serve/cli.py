@@ -30,6 +30,7 @@ from narwhal.asgi import tcp_bind_problem
 from narwhal.contract import DEFAULT_REPORT_NAME, ContractError, load_fleet
 from narwhal.contract.flags import out_of_range
 from narwhal.engines.client import ENGINE_TRANSPORTS
+from narwhal.journal.claim import JournalInUse, claim_journal, journal_problem
 
 __all__ = ["main", "serve_arguments", "serve_command"]
 
@@ -410,6 +411,8 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
             if not parent.is_dir():
                 raise UsageError(f"--journal: {parent} is not a directory")
             break
+    if (problem := journal_problem(journal)) is not None:
+        raise UsageError(f"--journal: {journal} is not a Narwhal journal ({problem})")
     blank = [k for k in args.api_key if not k.strip()]
     if blank:
         # An empty key would count as "keys configured" (no loopback fallback) yet admit no one.
@@ -457,6 +460,18 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
     # Before the warnings: a router that cannot listen says so in its one line.
     if (problem := tcp_bind_problem(host, args.port)) is not None:
         raise UsageError(f"--host/--port: {problem}")
+    # Last: every check above passed, so a refused start leaves no claim held.
+    try:
+        journal_claim = claim_journal(journal)
+    except JournalInUse as exc:
+        raise UsageError(
+            f"--journal: {journal} is in use by another router (process {exc.holder}): every"
+            " router writes a journal of its own"
+        ) from None
+    except OSError as exc:
+        raise UsageError(
+            f"--journal: {journal}: cannot write there: {exc.strerror or exc}"
+        ) from None
     for warning in warnings:
         log.warning("%s", warning)
     settings = ServeSettings(
@@ -488,6 +503,7 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
         coordination=coordination,
         replica_id=args.replica_id,
         coordination_lease_ttl_s=args.coordination_lease_ttl,
+        journal_claim=journal_claim,
     )
     return settings, host
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 from narwhal.contract import LoadedFleet
 from narwhal.engines.transport import EngineTransportName
@@ -51,3 +51,7 @@ class ServeSettings:
     coordination: tuple[str, ...] = ()
     replica_id: str | None = None
     coordination_lease_ttl_s: int = 5
+    # The claim on the journal (journal.claim.claim_journal) while the router runs: the
+    # command line takes it before anything reads or writes the journal; None: unclaimed
+    # (a router built in a test process).
+    journal_claim: BinaryIO | None = field(default=None, compare=False, repr=False)
