@@ -3,7 +3,9 @@ shown firing and not firing, and covering every alert the issue asks for."""
 
 from __future__ import annotations
 
+import json
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -79,3 +81,31 @@ def test_rules_answer_every_alert_the_issue_lists() -> None:
     for name, rule in alerts.items():
         assert rule["labels"]["severity"] in ("warning", "critical"), name
         assert rule["annotations"]["runbook"] == f"docs/operations.md#{name.lower()}", name
+
+
+def test_scrape_config_refuses_bad_input_in_one_line(tmp_path: Path) -> None:
+    """A bad fleet file, router address, interval or output path: exit 2 and one line naming
+    it (they were tracebacks, or a configuration Prometheus would refuse written silently)."""
+    from tools.observability import scrape_config
+
+    fleet = Path(__file__).resolve().parents[2] / "configs" / "fleet" / "local-sim.json"
+    duplicate = json.loads(fleet.read_text())
+    duplicate["engines"].append(duplicate["engines"][0])
+    dup_path = tmp_path / "dup.json"
+    dup_path.write_text(json.dumps(duplicate))
+    ok = ["--fleet", str(fleet), "--router", "127.0.0.1:9"]
+    for argv in (
+        ["--fleet", str(tmp_path / "missing.json"), "--router", "127.0.0.1:9"],
+        ["--fleet", str(dup_path), "--router", "127.0.0.1:9"],
+        ["--fleet", str(fleet), "--router", "notahostport"],
+        [*ok, "--interval", "abc"],
+        [*ok, "--out", "/proc/narwhal-test/prometheus.yml"],
+    ):
+        try:
+            code = scrape_config.main(argv)
+        except SystemExit as exc:  # argparse's usage errors
+            code = exc.code
+        assert code == 2, argv
+    out = tmp_path / "prometheus.yml"
+    assert scrape_config.main([*ok, "--interval", "1m30s", "--out", str(out)]) == 0
+    assert yaml.safe_load(out.read_text())["global"]["scrape_interval"] == "1m30s"

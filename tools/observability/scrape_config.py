@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -28,7 +29,12 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from narwhal.contract import ContractError, load_fleet
+
 __all__ = ["ENGINE_JOB", "ROUTER_JOB", "render", "scrape_config"]
+
+# Prometheus's duration syntax (units in descending order, each at most once).
+_DURATION = re.compile(r"(?=\d)(\d+y)?(\d+w)?(\d+d)?(\d+h)?(\d+m)?(\d+s)?(\d+ms)?")
 
 ROUTER_JOB = "narwhal-router"
 ENGINE_JOB = "narwhal-engine"
@@ -104,7 +110,7 @@ def render(config: Mapping[str, Any], source: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--fleet", type=Path, required=True, help="the fleet file")
     parser.add_argument(
         "--router", action="append", required=True, help="HOST:PORT of a router (repeat)"
@@ -113,6 +119,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--router-credentials-file", help="bearer token file (--protect-metrics)")
     parser.add_argument("--out", type=Path, help="write here (default: stdout)")
     args = parser.parse_args(argv)
+    if not _DURATION.fullmatch(args.interval):
+        parser.error(f"--interval: {args.interval!r} is not a Prometheus duration (5s, 1m30s)")
+    for router in args.router:
+        parts = urlsplit("//" + router)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if not parts.hostname or port is None or parts.path:
+            parser.error(f"--router: {router!r} is not HOST:PORT")
+    try:
+        # Checked as narwhal-serve checks it: a bad fleet file names the field and the reason.
+        load_fleet(args.fleet)
+    except ContractError as exc:
+        print(f"scrape_config.py: {exc}", file=sys.stderr)
+        return 2
     config = scrape_config(
         json.loads(args.fleet.read_text()),
         args.router,
@@ -122,9 +144,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = render(config, args.fleet.as_posix())
     if args.out is None:
         sys.stdout.write(text)
-    else:
+        return 0
+    try:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
+    except OSError as exc:
+        print(f"scrape_config.py: --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     return 0
 
 
