@@ -591,3 +591,18 @@ def test_an_output_directory_is_made_or_refused_naming_the_flag(tmp_path: Path) 
         prepare_out_dir(tmp_path / "f")
     with pytest.raises(OutDirError, match=r"^--out: cannot create .*/f/sub: Not a directory$"):
         prepare_out_dir(tmp_path / "f" / "sub")
+
+
+def test_load_trial_refuses_a_base_that_is_not_a_url_before_reading_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--base notaurl ran the trial and printed only '0/N within limits' (the reason in
+    client_records.jsonl)."""
+    from tools.measurement import load_trial
+
+    argv = ["run", "--base", "notaurl", "--workload", str(tmp_path / "none")]
+    argv += ["--out", str(tmp_path / "out"), "--requests", "1", "--ttft", "1", "--tpot", "1"]
+    argv += ["--attainment", "0.9", "--timeout", "5"]
+    assert load_trial.main(argv) == 2
+    assert "--base: 'notaurl' is not a router URL (http://HOST:PORT)" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

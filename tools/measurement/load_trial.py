@@ -24,8 +24,10 @@ import os
 import re
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 if __package__ in (None, ""):  # run by path: the repository root for `tools` (tools/__init__.py)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -61,6 +63,13 @@ SUMMARY_FILE = "summary.json"
 
 class UsageError(Exception):
     pass
+
+
+def _check_base(base: str) -> None:
+    """``--base`` as an HTTP(S) URL with a host (UsageError, exit 2, otherwise)."""
+    parts = urlsplit(base)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UsageError(f"--base: {base!r} is not a router URL (http://HOST:PORT)")
 
 
 class EndpointError(Exception):
@@ -155,6 +164,7 @@ def _run_id(out: Path) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    _check_base(args.base)
     wl = load_workload(Path(args.workload))
     if args.requests > len(wl.requests):
         raise UsageError(
@@ -226,6 +236,16 @@ def run(args: argparse.Namespace) -> int:
         return "-" if v is None else f"{v * 1000:.1f}"
 
     rate = summary.completed_rate_rps
+    failures = Counter(
+        f"{rec.outcome}: {rec.error}" if rec.error else rec.outcome
+        for rec in trial.records
+        if not rec.completed
+    )
+    if failures:
+        # The reason beside the verdict (every record is in client_records.jsonl): a wrong
+        # model or a router that is not there reads as "0/N" otherwise.
+        (why, count), *_ = failures.most_common(1)
+        print(f"{PROG}: {count} of the {len(trial.records)} requests failed with {why[:300]}")
     print(
         f"{PROG}: {summary.result}, verdict {summary.verdict}; completed "
         f"{summary.completed}/{summary.requests} at {rate or 0:.3f} req/s incl. drain; "

@@ -514,7 +514,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             texts.append(page.text)
         exported = exported_names(texts)
-    prometheus = Prometheus(args.prometheus)
+    try:
+        prometheus = Prometheus(args.prometheus)
+    except httpx.HTTPError as exc:  # a URL httpx cannot use (no scheme, an unknown one)
+        parser.error(f"--prometheus {args.prometheus}: {type(exc).__name__}: {exc}")
     try:
         problems = check(
             queries,
@@ -524,6 +527,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             recorded=recorded_names(rule_docs),
             require_finite=args.require_finite,
         )
+    except httpx.HTTPError as exc:
+        # Not a problem of a query: Prometheus itself cannot be asked (down, or not there).
+        print(f"promql_check.py: --prometheus {args.prometheus}: {type(exc).__name__}: {exc}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     finally:
         prometheus.close()
     for problem in problems:
