@@ -116,6 +116,9 @@ def test_profiler_bad_inputs(tmp_path: Path) -> None:
             (tmp_path, (), "is a directory"),
             (tmp_path / "a-file" / "store.json", (), "cannot write in"),
             (tmp_path / "y.json", ("--engines", ","), "--engines: no engine id given"),
+            # A plan field out of range names the flag that set it (it was pydantic's dump).
+            (tmp_path / "z.json", ("--decode-tokens", "0"), "--decode-tokens: Input should be"),
+            (tmp_path / "z.json", ("--prefill-repeats", "0"), "--prefill-repeats: Input should"),
         ):
             r = profile(fleet.fleet_path, write_limits(tmp_path), out, *extra)
             assert r.returncode == 2, r.stderr

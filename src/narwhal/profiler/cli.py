@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from narwhal.contract import (
     ContractError,
     load_fleet,
@@ -129,12 +131,12 @@ def run(args: argparse.Namespace) -> int:
             decode_concurrency=_int_list(args.decode_concurrency, "decode-concurrency"),
             decode_tokens=args.decode_tokens,
         )
-    except ValueError as exc:
-        first = str(exc).splitlines()
-        raise UsageError(
-            f"profiling plan: {first[1] if len(first) > 1 else exc}: "
-            f"{first[2].strip() if len(first) > 2 else ''}"
-        ) from None
+    except ValidationError as exc:
+        # Named by the flag that set the field (they are the plan's fields, dashed).
+        error = exc.errors()[0]
+        loc = error.get("loc") or ()
+        where = f"--{str(loc[0]).replace('_', '-')}" if loc else "profiling plan"
+        raise UsageError(f"{where}: {error['msg']}") from None
     longest = max(max(plan.prefill_lens), max(plan.decode_input_lens) + plan.decode_tokens)
     if longest > fleet.model.max_model_len:
         raise UsageError(
