@@ -55,6 +55,9 @@ def test_a_number_out_of_range_is_a_usage_error_naming_the_flag(
          "row 3: Invalid isoformat"),
         (HEADER + "2023-11-16 18:15:46.6805900,374\n", "row 2: invalid literal for int()"),
         (HEADER, "no requests in it"),
+        # Out of time order (replayed in file order, it would arrive before its time).
+        (HEADER + "2023-11-16 18:15:46.6,374,44\n2023-11-16 18:15:47.0,3,5\n"
+         "2023-11-16 18:15:46.9,3,5\n", "row 4: TIMESTAMP 2023-11-16 18:15:46.9 is before"),
     ],
 )  # fmt: skip
 def test_a_trace_that_is_not_one_is_named_with_its_row(

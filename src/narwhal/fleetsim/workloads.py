@@ -80,6 +80,12 @@ def _read_azure_rows(
                 generated = max(1, int(row["GeneratedTokens"] or ""))
             except ValueError as exc:
                 raise ValueError(f"{path}: row {reader.line_num}: {exc}") from None
+            if t0 is not None and rows and t - t0 < rows[-1][0]:
+                # Replayed in file order, a row out of order would arrive before its time.
+                raise ValueError(
+                    f"{path}: row {reader.line_num}: TIMESTAMP {stamp} is before the row above"
+                    " (a trace lists its requests in time order)"
+                )
             t0 = t if t0 is None else t0
             if max_prompt is not None:
                 prompt = min(prompt, max_prompt)
