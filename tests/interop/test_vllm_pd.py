@@ -918,6 +918,34 @@ def test_a_body_not_sent_as_json_is_refused_routed_as_direct(pd: PD) -> None:
             assert routed.status_code == direct.status_code == 200, (path, content_type)
 
 
+def test_a_stop_string_ends_the_routed_answer_as_the_engine_ends_it(pd: PD) -> None:
+    """An agent's stop sequence through the P/D router: the prefill leg carries none (its one
+    token must end on length for vLLM to hand the KV over), the decode leg does; the routed
+    answer equals the engine's own, streamed and not: text cut before the string, finish
+    reason stop, the string as stop_reason, the same token count. (The simulated engine
+    applies stop strings the same way: tests/integration/test_sim_openai_surface.py.)"""
+    base = pd.request_body(False, f"{tag()} {BODY_TEXT}", max_tokens=24, ignore_eos=True)
+    base.pop("return_token_ids")
+    full = generate(pd.decode.url, base, False)
+    assert full.status == 200 and len(full.text) > 8, full.body
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 2]
+    at = full.text.index(stop)
+    for stream in (False, True):
+        body = {**base, "stop": [stop], "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        routed = pd.routed(body, False)
+        direct = generate(pd.decode.url, body, False)
+        assert routed.status == direct.status == 200, (routed.body, direct.body)
+        assert routed.text == direct.text == full.text[:at], (stream, routed.text, direct.text)
+        assert routed.finish_reason == direct.finish_reason == "stop"
+        assert routed.usage is not None and direct.usage is not None
+        assert routed.usage["completion_tokens"] == direct.usage["completion_tokens"] < 24
+        if not stream:
+            assert routed.body["choices"][0]["stop_reason"] == stop
+            assert direct.body["choices"][0]["stop_reason"] == stop
+
+
 def test_routed_context_cut_as_vllm_cuts_it(pd: PD) -> None:
     """A token-id prompt whose max_tokens passes what it leaves of the context: vLLM 0.32 cuts
     max_tokens to fit (the router refused it before); a max_tokens past the context is a 400
