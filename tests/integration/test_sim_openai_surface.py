@@ -238,6 +238,44 @@ def test_stop_strings_end_the_answer_as_vllm_ends_it(
     assert answer["choices"][0]["finish_reason"] == "length"
 
 
+def test_stop_token_ids_end_the_answer_as_vllm_ends_it(client: httpx.Client, url: str) -> None:
+    """A stop token id ends the choice (finish reason stop, the id as stop reason), counted,
+    its text left out unless include_stop_str_in_output (vLLM's detokenizer skips a
+    stop-terminated request's last token); not before min_tokens."""
+    base = {"prompt": "a story about routers", "max_tokens": 30, "temperature": 0}
+    whole = post(client, url, {**base, "return_token_ids": True}, chat=False)["choices"][0]
+    ids, text = whole["token_ids"], whole["text"]
+    stop_id = ids[5]
+    cut = ids.index(stop_id)  # its first occurrence ends the answer
+    before = first_words(ids[:cut], text)
+    for extra, want in (
+        ({"stop_token_ids": [stop_id]}, before),
+        ({"stop_token_ids": [stop_id], "include_stop_str_in_output": True}, None),
+    ):
+        answer = post(client, url, {**base, **extra}, chat=False)
+        choice = answer["choices"][0]
+        assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop_id, extra
+        assert answer["usage"]["completion_tokens"] == cut + 1
+        if want is not None:
+            assert choice["text"] == want
+        else:
+            assert choice["text"].startswith(before) and len(choice["text"]) > len(before)
+        events = stream(
+            client, url, {**base, **extra, "stream_options": {"include_usage": True}}, False
+        )
+        assert aggregate(events, False)[0]["text"] == choice["text"]
+        assert [e for e in events if e["choices"]][-1]["choices"][0]["stop_reason"] == stop_id
+    late = post(client, url, {**base, "stop_token_ids": [stop_id], "min_tokens": cut + 2}, False)
+    assert late["choices"][0]["finish_reason"] == "length"
+
+
+def first_words(ids: list[int], text: str) -> str:
+    """The text of the first ``len(ids)`` tokens of an answer whose words are one token each
+    (the simulated model writes words with a leading space)."""
+    words = text.split(" ")[1:]
+    return "".join(" " + w for w in words[: len(ids)])
+
+
 @pytest.mark.parametrize(
     ("tool_choice", "finish", "arguments"),
     [

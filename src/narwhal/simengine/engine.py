@@ -78,6 +78,7 @@ class TokenEvent:
     finish_reason: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     key: bytes = b""
+    stop_token: bool = False  # the token is one of the request's stop_token_ids
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ class SimRequest:
     max_tokens: int
     min_tokens: int = 0
     ignore_eos: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
     kind: RequestKind = RequestKind.LOCAL
     remote: RemoteKV | None = None
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
@@ -467,6 +469,13 @@ class EngineCore:
             # As vLLM masks EOS below min_tokens (and ignore_eos never stops): the model's word.
             token = generation.word_at(key)
             eos = False
+        # vLLM's scheduler stops on a stop token id (check_stop), not below min_tokens (there
+        # it masks them; the simulated model, whose word is its hash's, emits it and goes on).
+        stop_token = (
+            token in request.stop_token_ids
+            and request.forced is None
+            and position >= request.min_tokens
+        )
         request.output.append(token)
         context.append(token)
         metrics = self.metrics
@@ -477,9 +486,15 @@ class EngineCore:
         elif request.last_token_at is not None:
             metrics.get(metrics.itl).observe(now - request.last_token_at)
         request.last_token_at = now
-        reason = "stop" if eos else "length" if len(request.output) >= request.max_tokens else None
+        reason = (
+            "stop"
+            if eos or stop_token
+            else "length"
+            if len(request.output) >= request.max_tokens
+            else None
+        )
         params = self._finish(request, reason) if reason is not None else None
-        request.events.put_nowait(TokenEvent(token, now, reason, params, key))
+        request.events.put_nowait(TokenEvent(token, now, reason, params, key, stop_token))
 
     def _finish(self, request: SimRequest, reason: str) -> dict[str, Any] | None:
         request.finished = True

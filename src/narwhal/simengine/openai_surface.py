@@ -104,6 +104,7 @@ class SurfaceOptions:
     # event of a 200 stream (vLLM 0.32, checked against the engines: docs/vllm-interop.md).
     refusal: Invalid | None = None
     stop: tuple[str, ...] = ()  # stop strings, applied as vLLM applies them (StopStrings)
+    stop_token_ids: frozenset[int] = frozenset()
     include_stop_str_in_output: bool = False
 
 
@@ -217,9 +218,8 @@ def _check_sampling(body: dict[str, Any], n: int) -> None:
         raise _vllm_error(f"n must be 1 when using greedy sampling, got {n}.")
 
 
-def _check_stops(body: dict[str, Any]) -> tuple[str, ...]:
-    """The stop strings, validated as vLLM validates them (and stop_token_ids, which the
-    simulated model, whose words come from a hash, is not made to stop on)."""
+def _check_stops(body: dict[str, Any]) -> tuple[tuple[str, ...], frozenset[int]]:
+    """The stop strings and stop token ids, validated as vLLM validates them."""
     stop = body.get("stop")
     if isinstance(stop, list):
         for i, item in enumerate(stop):
@@ -244,7 +244,7 @@ def _check_stops(body: dict[str, Any]) -> tuple[str, ...]:
         raise _vllm_error("stop cannot contain an empty string.")
     ids = body.get("stop_token_ids")
     if ids is None:
-        return tuple(stops)
+        return tuple(stops), frozenset()
     if not isinstance(ids, list):
         raise _pydantic_error("stop_token_ids", "list_type", "Input should be a valid list", ids)
     for i, token in enumerate(ids):
@@ -252,7 +252,7 @@ def _check_stops(body: dict[str, Any]) -> tuple[str, ...]:
             raise _pydantic_error(
                 f"stop_token_ids.{i}", "int_type", "Input should be a valid integer", token
             )
-    return tuple(stops)
+    return tuple(stops), frozenset(ids)
 
 
 def _token_key(key: Any) -> int | None:
@@ -642,7 +642,7 @@ def parse_surface(
         )
     _check_sampling(body, n)
     _check_logit_bias(body)
-    stop = _check_stops(body)
+    stop, stop_token_ids = _check_stops(body)
     include_stop = body.get("include_stop_str_in_output")
     if include_stop is not None and lax_bool(include_stop) is None:
         raise _pydantic_error(
@@ -667,6 +667,7 @@ def parse_surface(
         # Guided output (a forced tool call, a response format) is written whole, as the
         # grammar makes the model write it: stop strings are not applied to it here.
         stop=stop if guided is None else (),
+        stop_token_ids=stop_token_ids if guided is None else frozenset(),
         include_stop_str_in_output=bool(lax_bool(include_stop)),
     )
 
@@ -685,7 +686,7 @@ class StepOutput:
     logprobs: dict[str, Any] | None = None
     delta: dict[str, Any] | None = None
     skip: bool = False
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -854,16 +855,22 @@ class ChoiceState:
             "top_logprobs": [{token_text(t): lp for t, lp in ranked} for ranked in entries],
         }
 
-    def step(self, token: int, finish_reason: str | None, key: bytes) -> StepOutput:
-        """The stream chunk of the choice's next token, generated at context key ``key``."""
+    def step(
+        self, token: int, finish_reason: str | None, key: bytes, stop_token: bool = False
+    ) -> StepOutput:
+        """The stream chunk of the choice's next token, generated at context key ``key``;
+        ``stop_token``: it is one of the request's stop token ids (it ends the choice, its
+        text left out unless include_stop_str_in_output, as vLLM's detokenizer does)."""
         self.tokens.append(token)
         before = self.text
         delta_text = self._decode(token, finish_reason is not None)
-        stop_reason = None
+        if stop_token and not self.options.include_stop_str_in_output:
+            delta_text = ""
+        stop_reason: str | int | None = token if stop_token else None
         if self.stop is not None:
-            stop_reason = self.stop.add(delta_text)
-            if stop_reason is not None:
-                finish_reason = "stop"
+            matched = self.stop.add(delta_text)
+            if matched is not None:
+                finish_reason, stop_reason = "stop", matched
             delta_text = self.stop.release(finish_reason is not None)
             self.text = self.stop.text
         else:

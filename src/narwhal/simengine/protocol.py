@@ -260,11 +260,11 @@ class ResponseBuilder:
         logprobs: dict[str, Any] | None = None,
         content: str | None = None,
         tool_calls: list[dict[str, Any]] | None = None,
-        stop_reason: str | None = None,
+        stop_reason: str | int | None = None,
     ) -> dict[str, Any]:
         """One choice of a non-streamed response; ``content`` / ``tool_calls``: the chat
         message's when a tool call replaces the text (None: the text, no calls);
-        ``stop_reason``: the stop string that ended it."""
+        ``stop_reason``: the stop string or stop token id that ended it."""
         p = self.params
         ids = tokens if p.return_token_ids else None
         if p.chat:
@@ -375,7 +375,7 @@ class ResponseBuilder:
         logprobs: dict[str, Any] | None = None,
         delta: dict[str, Any] | None = None,
         first: bool = False,
-        stop_reason: str | None = None,
+        stop_reason: str | int | None = None,
     ) -> dict[str, Any]:
         """A chunk of choice ``index``'s tokens; ``completion_tokens``: that choice's so far
         (what vLLM's continuous usage counts); ``delta``: a chat delta other than the text

@@ -578,6 +578,7 @@ def _new_request(
         max_tokens=params.max_tokens,
         min_tokens=params.min_tokens,
         ignore_eos=params.ignore_eos,
+        stop_token_ids=params.surface.stop_token_ids,
         kind=kind,
         remote=remote,
         choice=choice,
@@ -677,7 +678,9 @@ async def _collect(
     tokens: list[list[int]] = [[] for _ in requests]
     keys: list[list[bytes]] = [[] for _ in requests]
     finish: list[str | None] = [None] * len(requests)
-    stop_reasons: list[str | None] = [None] * len(requests)
+    stop_reasons: list[str | int | None] = [None] * len(requests)
+    # Choices a stop token id ended: its text is left out (include_stop_str_in_output aside).
+    stop_tokens = [False] * len(requests)
     want_logprobs = builder.params.surface.logprobs is not None
     kv_transfer_params = None
     total = done = 0
@@ -699,13 +702,18 @@ async def _collect(
         if faults.crash_after_tokens is not None and total >= faults.crash_after_tokens:
             os._exit(CRASH_EXIT_CODE)
         state = choices[index]
-        if state.stop is not None:
+        if event.stop_token:
+            stop_reasons[index] = event.token
+            stop_tokens[index] = not state.options.include_stop_str_in_output
+        elif state.stop is not None:
             stop_reasons[index] = state.stopped_by(event.token, event.finish_reason is not None)
             if stop_reasons[index] is not None and event.finish_reason is None:
                 core.stop(requests[index])
         if event.finish_reason is not None or stop_reasons[index] is not None:
             finish[index] = "stop" if stop_reasons[index] is not None else event.finish_reason
-            if index == 0 and stop_reasons[index] is None:
+            if index == 0:
+                # The engine's, whatever the frontend's stop string made of the finish (as
+                # vLLM's: a prefill leg the engine ended on length holds its KV either way).
                 kv_transfer_params = event.kv_transfer_params
             done += 1
             if done == len(requests):
@@ -718,7 +726,12 @@ async def _collect(
         choices, tokens, keys, finish, stop_reasons, strict=True
     ):
         assert reason is not None
-        text = vocab.decode(ids) if stop_reason is None or state.stop is None else state.stop.text
+        if stop_tokens[state.index]:
+            text = vocab.decode(ids[:-1])
+        elif isinstance(stop_reason, str) and state.stop is not None:
+            text = state.stop.text
+        else:
+            text = vocab.decode(ids)
         if state.options.logprobs is not None:
             logprobs = state.logprobs_for(ids, id_keys, 0)
         content, calls, reason = state.message(text, reason)
@@ -761,7 +774,7 @@ async def _stream(
             sent += 1
             builder.cached_tokens = requests[0].reported_cached_tokens
             state = choices[index]
-            step = state.step(event.token, event.finish_reason, event.key)
+            step = state.step(event.token, event.finish_reason, event.key, event.stop_token)
             if step.skip and params.return_token_ids:
                 # vLLM sends a token the tool parser holds back when the token ids are asked
                 # for: an empty delta beside them.
