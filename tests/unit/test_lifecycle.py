@@ -441,11 +441,34 @@ def test_a_slow_prefill_is_hedged_on_another_prefill_engine() -> None:
     first = admitted(lifecycle, ticket)
     hedge = lifecycle.hedge_prefill(ticket, budget_left_s=1.5)
     assert isinstance(hedge, Pair) and hedge.prefill != first.prefill and not hedge.local
-    # The slow leg counts as failed on its engine; the hedge's is the one counted now.
-    assert observer.failed == [(first.prefill, "prefill")]
+    # The slow leg counts as failed on its engine's breaker at once; it is reported as a
+    # failed leg once the race shows it was one; the hedge's is the one counted now.
+    slow = lifecycle.state.engines[first.prefill]
+    assert slow.breaker.consecutive_failures == 1 and observer.failed == []
     assert ticket.phase == "prefill" and ticket.pair == hedge
     assert counts(lifecycle)[first.prefill] == (0, 0, 0, 0)
     assert counts(lifecycle)[hedge.prefill][0] == 1
+    lifecycle.cancel(ticket)
+    assert counts(lifecycle) == IDLE
+    # The hedge answers first: the slow leg lost to it, a failed leg.
+    ticket = lifecycle.arrive("r2", max_tokens=4, prompt_tokens=100)
+    first = admitted(lifecycle, ticket)
+    hedge = lifecycle.hedge_prefill(ticket, budget_left_s=1.5)
+    assert isinstance(hedge, Pair)
+    lifecycle.prefill_done(ticket, "ok", prompt_tokens=100)
+    assert observer.failed == [(first.prefill, "prefill")]
+    lifecycle.cancel(ticket)
+    # The slow leg answers first: its engine was slow, not hung; its breaker's count cleared
+    # (a burst hedging several legs of a healthy engine opened its breaker), nothing reported.
+    ticket = lifecycle.arrive("r3", max_tokens=4, prompt_tokens=100)
+    first = admitted(lifecycle, ticket)
+    hedge = lifecycle.hedge_prefill(ticket, budget_left_s=1.5)
+    assert isinstance(hedge, Pair)
+    slow = lifecycle.state.engines[first.prefill]
+    assert slow.breaker.consecutive_failures >= 1
+    lifecycle.prefill_done(ticket, "ok", prompt_tokens=100, hedge_ended="cancelled")
+    assert slow.breaker.consecutive_failures == 0
+    assert len(observer.failed) == 1  # r2's slow leg only
     lifecycle.cancel(ticket)
     assert counts(lifecycle) == IDLE
 

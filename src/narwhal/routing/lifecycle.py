@@ -370,7 +370,9 @@ class Lifecycle:
         slow_work = self.state.engines[ticket.pair.prefill].prefill_work.get(ticket.id)
         race = HedgeRace(ticket.pair, ticket.dispatched_at, slow_work=slow_work)
         self._settle_race(ticket, slow_holds=True)  # an earlier race's, had there been one
-        self._prefill_failed(ticket, runs_on=True)
+        # Its breaker counts it now (a hung engine stops getting work at once); the failed
+        # leg is reported when the race shows it was one (prefill_done, slow_leg_failed).
+        self._prefill_failed(ticket, runs_on=True, report=False)
         ticket.race = race
         self.observer.decided(ticket, pick)
         self._dispatch(ticket, pick)
@@ -531,6 +533,15 @@ class Lifecycle:
         by_slow_leg = hedge_ended is not None
         if by_slow_leg and (outcome not in ("ok", "refused") or race is None):
             raise ValueError(f"request {ticket.id} has no hedged leg that answered")
+        if race is not None and not race.slow_failed:
+            slow = self.state.engines[race.slow.prefill]
+            if by_slow_leg:
+                # The slow leg answered first: its engine was slow, not hung; the failure its
+                # breaker counted at the hedge is cleared (a burst that hedged several legs of
+                # a healthy engine opened its breaker and cut it off).
+                self._verdict(slow, ok=True)
+            else:
+                self.observer.leg_failed(slow.id, "prefill")  # it lost to its hedge
         # A leg cancelled keeps its claim (what it computed before the abort stays in the
         # engine's prefix cache); one that failed or was refused gives it back.
         self._settle_race(ticket, slow_holds=not (by_slow_leg and outcome == "refused"))
@@ -579,6 +590,7 @@ class Lifecycle:
         if race is None or race.slow_failed or ticket.phase != "prefill":
             raise ValueError(f"request {ticket.id} has no hedged leg running")
         race.slow_failed = True
+        self.observer.leg_failed(race.slow.prefill, "prefill")
         self._forget_slow(ticket, race, slow_holds=False)
 
     def hedge_failed(self, ticket: Ticket) -> None:
@@ -640,13 +652,16 @@ class Lifecycle:
             lost -= {ticket.pair.prefill, ticket.pair.decode}
         self._forget_routed(ticket, *lost, sent_at=race.slow_dispatched_at)
 
-    def _prefill_failed(self, ticket: Ticket, *, runs_on: bool, counted: bool = False) -> None:
+    def _prefill_failed(
+        self, ticket: Ticket, *, runs_on: bool, counted: bool = False, report: bool = True
+    ) -> None:
         """The prefill leg ended failed (``runs_on``: ended by a hedge, its request still
-        running on the engine), counted against its engine (unless ``counted`` already)."""
+        running on the engine), counted against its engine (unless ``counted`` already), and
+        reported as a failed leg unless not ``report``."""
         assert ticket.pair is not None
         p = self._end_prefill(ticket)
         if not counted:
-            self._verdict(p, ok=False, leg="prefill")
+            self._verdict(p, ok=False, leg="prefill", report=report)
         if not runs_on:
             # Neither engine will hold the prompt as the dispatch recorded: the prefill was
             # not done, so the decode engine pulls nothing.
@@ -866,14 +881,19 @@ class Lifecycle:
                 index.forget_routed(engine, ticket.prefix, stamp, ticket.prefix_exact)
 
     def _verdict(
-        self, engine: EngineState, ok: bool, leg: Literal["prefill", "decode"] = "decode"
+        self,
+        engine: EngineState,
+        ok: bool,
+        leg: Literal["prefill", "decode"] = "decode",
+        report: bool = True,
     ) -> None:
         if ok:
             engine.breaker.record_success()
             engine.answered_at = self.clock.now()
         else:
             engine.breaker.record_failure()
-            self.observer.leg_failed(engine.id, leg)
+            if report:
+                self.observer.leg_failed(engine.id, leg)
         self.observer.breaker(engine.id, engine.breaker.state)
 
     def _report_correction(self, engine: str, phase: str, ratio: float) -> None:
