@@ -244,3 +244,36 @@ def test_an_engine_that_publishes_garbage_is_counted_and_routed_by_history(
         line for line in router.log_path.read_text().splitlines() if "engine e0: KV event" in line
     ]
     assert 1 <= len(warnings) <= 2, warnings
+
+
+def test_a_restarted_engine_loses_its_entries_when_it_answers_again(tmp_path: Path) -> None:
+    """An engine that comes back after nothing listened is a new process, its cache empty: its
+    entries go as its health probe passes again, not when its first event batch (which a
+    restarted engine sent nothing never publishes) shows its sequence starting over; the other
+    engine keeps its own."""
+    sim = {"time_scale": 10.0, "enable_prompt_tokens_details": True}
+    with (
+        running_fleet(tmp_path, 2, sim=sim, kv_events=True) as fleet,
+        running_router(
+            tmp_path, fleet.fleet_path, "--skip-qualification", "--health-interval", "0.2"
+        ) as router,
+    ):
+
+        def ready() -> bool:
+            return httpx.get(router.url + "/ready", timeout=5).status_code == 200
+
+        assert wait_until(ready, 10)
+        post(router, prompt(50, 0))
+
+        def blocks(engine: str) -> float:
+            return metric(router.metrics(), "narwhal_prefix_index_blocks", engine=engine)
+
+        assert wait_until(lambda: blocks("e0") > 0 and blocks("e1") > 0, 10)
+        held = blocks("e1")
+        fleet.restart("e0")
+        assert wait_until(lambda: blocks("e0") == 0, 10), blocks("e0")
+        assert blocks("e1") == held
+        assert "answers again after being unreachable" in router.log_path.read_text()
+        # And it serves, its cache refilled by what it is sent.
+        assert wait_until(ready, 10)
+        assert post(router, prompt(50, 1))["outcome"] == "ok"

@@ -158,6 +158,9 @@ class EngineState:
     breaker: CircuitBreaker
     healthy: bool | None = None  # None until the first probe
     probe_timeouts: int = 0  # consecutive /health probes that timed out
+    # A /health probe found nothing listening (or the connection reset) since the engine was
+    # last seen up: when it answers again it is most likely a new process, its cache empty.
+    unreachable: bool = False
     # When a leg here last succeeded (the state clock): a busy engine's late /health probe is
     # not a hung engine's.
     answered_at: float = -math.inf

@@ -48,6 +48,11 @@ async def _probe(
         failure = "timeout" if exc.timeout else "unreachable"
     if failure is not None:
         metrics.health_probe_failures.labels(engine.id, failure).inc()
+    if failure == "unreachable":
+        engine.unreachable = True
+    elif failure is None and engine.unreachable:
+        engine.unreachable = False
+        _back_after_unreachable(engine, state, metrics)
     if failure == "timeout":
         engine.probe_timeouts += 1
         busy = engine.answered_at >= vouched_from
@@ -76,6 +81,24 @@ async def _probe(
         )
     metrics.engine_healthy.labels(engine.id).set(1 if ok else 0)
     metrics.breaker_state.labels(engine.id).set(int(engine.breaker.state))
+
+
+def _back_after_unreachable(engine: EngineState, state: FleetState, metrics: RouterMetrics) -> None:
+    """The engine answers again after nothing listened: most likely a restarted process, whose
+    prefix cache is empty. Its index entries go now rather than when its first event batch
+    shows the sequence starting over (a restarted engine that is sent nothing publishes
+    nothing, and was routed by blocks it no longer holds): the index under-reports rather than
+    claims what an engine lost. An engine that publishes events is indexed from them again."""
+    index = state.prefix_index
+    if index is None or not index.blocks_held(engine.id):
+        return
+    log.warning(
+        "engine %s answers again after being unreachable: its prefix index entries dropped "
+        "(a restarted engine holds no cache)",
+        engine.id,
+    )
+    index.clear(engine.id)
+    metrics.prefix_index_blocks.labels(engine.id).set(index.blocks_held(engine.id))
 
 
 async def probe_all(
