@@ -24,6 +24,9 @@ from narwhal.simengine.fleet import local_fleet_document
 
 PROMPT = 4000
 KEYS = tuple(chain_keys(list(range(PROMPT)), 16))  # 250 full blocks
+# What an engine holding the whole prompt serves from its cache: whole blocks within all but
+# the last token (vLLM's max_cache_hit_length = num_tokens - 1), 249 of the 250.
+HIT = (PROMPT - 1) // 16 * 16
 
 
 def models() -> EngineModels:
@@ -81,11 +84,11 @@ def test_a_cached_prefix_is_the_prefill_it_saves_and_the_blocks_it_spares() -> N
     assert isinstance(pick, Pair)
     assert (pick.prefill, pick.decode) == ("e1", "e3")
     assert pick.cached_tokens == 3200
-    assert pick.decode_cached_tokens == PROMPT - 1  # an engine always computes the last token
+    assert pick.decode_cached_tokens == HIT  # an engine always computes the last token
     # 800 tokens computed instead of 4,000: 0.01 + 1e-4 * 800.
     assert pick.predicted_prefill_s == pytest.approx(0.09)
-    # The handoff moves what e3 lacks: 1 token's worth of the learnt 0.02 s.
-    assert pick.predicted_ttft_s == pytest.approx(0.09 + 0.02 / PROMPT + 0.042)
+    # The handoff moves what e3 lacks: the last block's 16 tokens' worth of the learnt 0.02 s.
+    assert pick.predicted_ttft_s == pytest.approx(0.09 + 0.02 * (PROMPT - HIT) / PROMPT + 0.042)
     blind = scheduler().pick(fleet, RequestShape(prompt_tokens=PROMPT, max_tokens=10))
     assert isinstance(blind, Pair)
     assert blind.predicted_prefill_s == pytest.approx(0.41) and blind.cached_tokens == 0
@@ -107,7 +110,7 @@ def test_affinity_loses_to_a_cold_engine_only_when_its_queue_costs_too_much() ->
     # Ready at 1.31 s, 0.9 s after cold e0 (0.41 s): within the window, e1 still.
     fleet.engines["e1"].prefill_work["q"] = (1.3, 0.0)
     pick = scheduler().pick(fleet, shape)
-    assert isinstance(pick, Pair) and (pick.prefill, pick.cached_tokens) == ("e1", PROMPT - 1)
+    assert isinstance(pick, Pair) and (pick.prefill, pick.cached_tokens) == ("e1", HIT)
     # Ready at 1.51 s: past three quarters of the budget (and 1.1 s after e0): e0, cold and idle.
     fleet.engines["e1"].prefill_work["q"] = (1.5, 0.0)
     pick = scheduler().pick(fleet, shape)
@@ -138,7 +141,7 @@ def test_a_sampled_pool_still_scores_the_engines_holding_the_prefix() -> None:
         pick = sampled.pick(fleet, shape)
         assert isinstance(pick, Pair)
         assert (pick.prefill, pick.decode) == ("e1", "e3"), seed
-        assert pick.cached_tokens == PROMPT - 1
+        assert pick.cached_tokens == HIT
 
 
 def test_routing_prefix_off_or_caching_off_is_cache_blind() -> None:
@@ -167,7 +170,7 @@ def test_the_lifecycle_records_both_engines_of_a_handoff() -> None:
     lifecycle.finished(ticket, completion_tokens=10, complete=True)
     second = lifecycle.arrive("r2", max_tokens=10, prompt_tokens=PROMPT, prefix=KEYS)
     again = lifecycle.admit(second)
-    assert isinstance(again, Admit) and again.pair.cached_tokens == PROMPT - 1
+    assert isinstance(again, Admit) and again.pair.cached_tokens == HIT
 
 
 @pytest.mark.parametrize("events", [False, True], ids=["history", "events"])
@@ -433,7 +436,7 @@ def test_a_burst_follows_a_prompt_still_in_flight_to_engines_that_publish_events
     )
     assert isinstance(second, Admit)
     assert second.pair.prefill == first.pair.prefill
-    assert second.pair.cached_tokens == PROMPT - 1
+    assert second.pair.cached_tokens == HIT
     # No engine said it stored the prompt within the TTFT budget (2 s): nothing is held.
     clock.advance(2.01)
     assert index.match(KEYS, clock.now()) == {}
@@ -470,7 +473,7 @@ def test_the_lifecycle_matches_the_prefix_only_for_a_scheduler_that_did_not() ->
     assert isinstance(verdict, Admit) and not verdict.pair.prefix_looked
     assert lookups == [KEYS]  # the lifecycle's
     assert ticket.pair is not None
-    assert (ticket.pair.cached_tokens, ticket.pair.decode_cached_tokens) == (PROMPT - 1,) * 2
+    assert (ticket.pair.cached_tokens, ticket.pair.decode_cached_tokens) == (HIT,) * 2
 
 
 def test_prompt_keys_of_client_requests() -> None:

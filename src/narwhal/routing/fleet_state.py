@@ -350,12 +350,14 @@ class FleetState:
 
     def cached_tokens(self, keys: tuple[int, ...], prompt_tokens: int) -> dict[str, int]:
         """Per engine holding the prompt's first block: its prompt tokens in the engine's prefix
-        cache (at most all but the last token, which an engine always computes)."""
+        cache, as vLLM finds them: whole blocks within all but the last token, which an engine
+        always computes (``max_cache_hit_length = num_tokens - 1``: a prompt of exactly 190
+        blocks hits 189)."""
         index = self.prefix_index
         if index is None or not keys:
             return {}
         size = index.block_size
-        cap = max(0, prompt_tokens - 1)
+        cap = max(0, prompt_tokens - 1) // size * size
         return {
             e: min(blocks * size, cap) for e, blocks in index.match(keys, self.clock.now()).items()
         }
