@@ -21,9 +21,10 @@ import time
 import orjson
 from starlette.types import Message, Receive, Scope, Send
 
+from narwhal.engines.lax import is_json
+
 # The chat endpoint's own body reader: the same limit, the same 413, and a hang-up while the
 # body arrives raised as the exception that endpoint journals as a client abort.
-from narwhal.engines.lax import is_json
 from narwhal.serve.bodies import read_body
 from narwhal.serve.errors import InternalError, InvalidRequest
 from narwhal.serve.generation import GenerationEndpoint
@@ -210,6 +211,6 @@ class ResponsesEndpoint:
         self.limit = chat.services.settings.max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        content_type = next((v for k, v in scope["headers"] if k == b"content-type"), None)
-        exchange = _Exchange(receive, send, self.limit, is_json(content_type))
+        json_body = is_json(_header(scope["headers"], b"content-type"))
+        exchange = _Exchange(receive, send, self.limit, json_body)
         await self.chat(scope, exchange.receive, exchange.send)

@@ -19,9 +19,9 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -48,6 +48,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 CRASH_EXIT_CODE = 137
 
@@ -639,14 +640,7 @@ class EngineCore:
         timeout = self.config.kv_read_timeout_s
         notif = remote.request_id.encode()
         try:
-            peer = await self._remote_peer(remote)
-            try:
-                await self.kv_agent.notify(peer, notif, timeout)
-            except KVTransferError:
-                restarted = await self._restarted_peer(remote, peer)
-                if restarted is None:
-                    raise
-                await self.kv_agent.notify(restarted, notif, timeout)
+            await self._with_peer(remote, lambda peer: self.kv_agent.notify(peer, notif, timeout))
         except (OSError, TimeoutError, ValueError, KVTransferError) as exc:
             # The prefill engine frees the blocks when their lease expires.
             self.peers.invalidate(remote.host, remote.port)
@@ -676,19 +670,27 @@ class EngineCore:
             )
         return peer
 
-    async def _restarted_peer(self, remote: RemoteKV, known: KVPeerInfo) -> KVPeerInfo | None:
-        """After a transfer with ``known`` (the side channel's answer, as cached) failed: the
-        engine behind that side channel now, when it is another process than ``known`` (a
-        restarted engine), else None. vLLM gives every engine process a NIXL engine id of its
-        own, so its decode engines handshake anew with a restarted prefill engine; the
-        simulated engines keep their fleet ids, so a decode engine finds the new process
-        here instead of failing the request on the old one's agent."""
-        self.peers.invalidate(remote.host, remote.port)
+    async def _with_peer(
+        self, remote: RemoteKV, transfer: Callable[[KVPeerInfo], Awaitable[_T]]
+    ) -> _T:
+        """``transfer`` with the prefill engine that holds ``remote``'s KV. One that fails on
+        the agent the side channel named before (cached) is tried once more when another
+        process answers there now (a restarted engine): vLLM gives every engine process a
+        NIXL engine id of its own, so its decode engines handshake anew with a restarted
+        prefill engine; the simulated engines keep their fleet ids, so a decode engine finds
+        the new process here instead of failing the request on the old one's agent."""
+        known = await self._remote_peer(remote)
         try:
-            peer = await self._remote_peer(remote)
+            return await transfer(known)
         except KVTransferError:
-            return None
-        return peer if peer.agent_name != known.agent_name else None
+            self.peers.invalidate(remote.host, remote.port)
+            try:
+                peer = await self._remote_peer(remote)
+            except KVTransferError:
+                peer = known
+            if peer.agent_name == known.agent_name:
+                raise
+            return await transfer(peer)
 
     async def _pull(self, request: SimRequest, remote: RemoteKV) -> tuple[int, float, int]:
         """Pull the prompt's blocks this engine lacks: (bytes, seconds, blocks moved)."""
@@ -708,19 +710,15 @@ class EngineCore:
                 f"{len(remote.block_ids)} remote blocks for a {len(request.prompt)}-token prompt"
                 f" (expected {n})"
             )
-        peer = await self._remote_peer(remote)
         # As vLLM's NixlConnector: blocks this engine already had cached are not pulled again;
         # the remote list is end-trimmed to the blocks still missing.
         hit = request.num_cached_tokens // self.config.block_size
         local = request.blocks[:n]
         remote_blocks, notif = list(remote.block_ids[hit:]), remote.request_id.encode()
-        try:
-            result = await self.kv_agent.read(peer, remote_blocks, local[hit:], notif, timeout)
-        except KVTransferError:
-            restarted = await self._restarted_peer(remote, peer)
-            if restarted is None:
-                raise
-            result = await self.kv_agent.read(restarted, remote_blocks, local[hit:], notif, timeout)
+        result = await self._with_peer(
+            remote,
+            lambda peer: self.kv_agent.read(peer, remote_blocks, local[hit:], notif, timeout),
+        )
         chains = self.layout.chains(request.prompt)
         expected = self.layout.contents(chains)
         if not np.array_equal(self.pool[local], expected):

@@ -643,11 +643,12 @@ def parse_surface(
     _check_sampling(body, n)
     _check_logit_bias(body)
     stop, stop_token_ids = _check_stops(body)
-    include_stop = body.get("include_stop_str_in_output")
-    if include_stop is not None and lax_bool(include_stop) is None:
+    raw_include = body.get("include_stop_str_in_output")
+    include_stop = False if raw_include is None else lax_bool(raw_include)
+    if include_stop is None:
         raise _pydantic_error(
             "include_stop_str_in_output", "bool_parsing", "Input should be a valid boolean",
-            include_stop,
+            raw_include,
         )  # fmt: skip
     logprobs = _logprobs(body, chat)
     tools = tool_choice = None
@@ -668,7 +669,7 @@ def parse_surface(
         # grammar makes the model write it: stop strings are not applied to it here.
         stop=stop if guided is None else (),
         stop_token_ids=stop_token_ids if guided is None else frozenset(),
-        include_stop_str_in_output=bool(lax_bool(include_stop)),
+        include_stop_str_in_output=include_stop,
     )
 
 
@@ -679,7 +680,7 @@ def parse_surface(
 class StepOutput:
     """One generated token as a stream chunk shows it; ``skip``: vLLM sends no chunk for it
     (a required tool call whose first call is not yet streamable); ``stop_reason``: the stop
-    string that ended the choice."""
+    string or stop token id that ended the choice."""
 
     text: str
     finish_reason: str | None
