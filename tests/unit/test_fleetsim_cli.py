@@ -105,3 +105,21 @@ def test_the_simulator_refuses_a_patience_that_is_not_positive() -> None:
         with pytest.raises(ValueError, match="abandon_after_s must be greater than 0"):
             DesConfig(fleet, timings, abandon_after_s=bad)
     assert DesConfig(fleet, timings, abandon_after_s=10.0).abandon_after_s == 10.0
+
+
+def test_a_replay_says_how_many_prompts_it_clipped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fleet, _ = synthetic_fleet(1, 1, {"ttft_s": 10.0, "tpot_s": 0.3})
+    half = fleet.model.max_model_len // 2
+    trace = tmp_path / "trace.csv"
+    trace.write_text(
+        HEADER
+        + "2023-11-16 18:15:46.6805900,374,4\n"
+        + f"2023-11-16 18:15:47.1805900,{half + 1},4\n"
+        + f"2023-11-16 18:15:47.6805900,{half},4\n"
+    )
+    assert fleetsim_main(["--engines", "1:1", "--trace", str(trace)]) == 0
+    out = capsys.readouterr()
+    assert f"1 of 3 trace prompts clipped to {half:,} tokens" in out.err
+    assert '"trace_prompts_clipped": 1' in out.out

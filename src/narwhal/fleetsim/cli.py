@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.trace:
         try:
-            rows = read_azure_trace(args.trace, args.requests, fleet.model.max_model_len // 2)
+            rows = read_azure_trace(args.trace, args.requests)
         except OSError as exc:
             print(f"narwhal-fleetsim: --trace {args.trace}: cannot read: {exc.strerror or exc}",
                   file=sys.stderr)  # fmt: skip
@@ -144,6 +144,17 @@ def main(argv: list[str] | None = None) -> int:
         if not rows:
             print(f"narwhal-fleetsim: --trace {args.trace}: no requests in it", file=sys.stderr)
             return 2
+        # Half the context for the prompt leaves the answer room; a longer prompt is cut to it
+        # and counted (a replay that silently shortened its longest prompts reads optimistic).
+        max_prompt = fleet.model.max_model_len // 2
+        clipped = sum(1 for _, prompt, _ in rows if prompt > max_prompt)
+        if clipped:
+            rows = [(t, min(prompt, max_prompt), out) for t, prompt, out in rows]
+            print(
+                f"narwhal-fleetsim: {clipped:,} of {len(rows):,} trace prompts clipped to "
+                f"{max_prompt:,} tokens (half the fleet's max_model_len)",
+                file=sys.stderr,
+            )
         specs = trace_requests(rows, args.rate_scale)
     else:
         specs = poisson_requests(
@@ -158,7 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         abandon_after_s=args.abandon_after_s,
     )
     result = run_des(config, specs)
-    print(json.dumps(result.summary(), indent=2))
+    summary = result.summary()
+    if args.trace:
+        summary["trace_prompts_clipped"] = clipped
+    print(json.dumps(summary, indent=2))
     return 0
 
 
