@@ -174,6 +174,13 @@ class RouterMetrics:
             ["engine"],
             registry=r,
         )
+        self.first_token_waits = Counter(
+            "narwhal_first_token_waits",
+            "Decode legs (after a KV handoff or prefilling locally) whose wait for the first token"
+            " ended: in time or past first_token_timeout_s.",
+            ["engine"],
+            registry=r,
+        )
         self.stranded = Counter(
             "narwhal_stranded_handoffs",
             "Prefills whose KV was handed out but whose decode leg produced no token.",
@@ -337,7 +344,7 @@ class RouterMetrics:
         self.slo = Counter(
             "narwhal_slo_requests",
             "Finished requests by whether they met both TTFT and TPOT budgets "
-            "(rejected and failed requests count as missed).",
+            "(rejected and failed requests count as missed; client errors and aborts not at all).",
             ["result"],
             registry=r,
         )
@@ -401,6 +408,7 @@ class RouterMetrics:
             self.prefill.labels(engine)
             self.handoff.labels(engine)
             self.deadline_exceeded.labels(engine)
+            self.first_token_waits.labels(engine)
             self.local_prefills.labels(engine)
             self.prefix_prompt_tokens.labels(engine)
             for source in ("predicted", "reported"):

@@ -70,7 +70,9 @@ class RequestLedger:
             and record.t_first_token <= self.budgets.ttft_s
             and (tpot or 0.0) <= self.budgets.tpot_s
         )
-        if outcome != "client_error":  # a malformed request is nobody's latency
+        # A malformed request is nobody's latency, and a client that left is not the fleet's
+        # to answer for: the attainment alert and the dashboards leave both out.
+        if outcome not in ("client_error", "client_abort"):
             m.slo.labels("met" if met else "missed").inc()
         if outcome == "ok":
             if record.t_first_token is not None:

@@ -974,6 +974,7 @@ class PDRouter:
                 raise
             except TimeoutError:
                 self.metrics.deadline_exceeded.labels(engine).inc()
+                self.metrics.first_token_waits.labels(engine).inc()
                 # The tail of handoff latency includes the legs that missed (at least this
                 # long); and a missed deadline is a failed leg for the breaker, or a half-open
                 # probe that missed would hold its breaker half-open for good.
@@ -1010,6 +1011,7 @@ class PDRouter:
                 with contextlib.suppress(Exception):
                     await response.aclose()
         self.lifecycle.first_token(ticket)
+        self.metrics.first_token_waits.labels(engine).inc()
         first_token_s = record.since_arrival() - record.t_decode_start
         if pair.local:
             record.t_prefill_end = record.t_decode_start + first_token_s
