@@ -118,13 +118,14 @@ def test_budget_choices_are_bucket_bounds_spelt_as_exported() -> None:
     # The attainment queries select le="$ttft_budget" / le="$tpot_budget": a choice that is
     # not a bucket bound (or is spelt "10" where /metrics says "10.0") selects nothing.
     assert set(dashboards.LATENCY_BOUNDS) <= _le_values("narwhal_ttft_seconds")
-    assert set(dashboards.LATENCY_BOUNDS) <= _le_values("narwhal_kv_handoff_seconds")
     assert set(dashboards.TPOT_BOUNDS) <= _le_values("narwhal_tpot_seconds")
     overview = _docs()["narwhal-router-overview.json"]
     current = {v["name"]: v.get("current", {}).get("value") for v in overview["templating"]["list"]}
     assert current["ttft_budget"] == "10.0" and current["tpot_budget"] == "0.3"
+    # The rules carry no fleet's budget: they read the router's narwhal_fleet_budget and its
+    # count of requests within both budgets, so a fleet with other budgets needs no edit.
     rules = RULES.read_text()
-    assert 'le="10.0"' in rules and 'le="0.3"' in rules
+    assert "le=" not in rules and 'narwhal_fleet_budget{budget="attainment"}' in rules
 
 
 def _all_queries() -> list[Any]:

@@ -12,9 +12,11 @@ Label conventions (what ``scrape_config.py`` sets up): every scraped target carr
 (the fleet's name); engine targets also carry ``engine`` (the fleet's engine id, the same value
 the router uses in its own ``engine`` label), so ``vllm:*`` series and router series line up.
 
-Budgets are not exported by the router, so they are dashboard variables whose choices are bucket
-bounds of the router's histograms: the SLO-attainment queries select a bucket by its ``le``
-label, which only exists at those bounds (the values are spelt as prometheus_client spells them).
+The fleet's budgets are read from the router (``narwhal_fleet_budget``) and attainment from its
+count of requests within both (``narwhal_slo_requests_total``). Only the TTFT-alone and TPOT-alone
+attainment curves select a histogram bucket by its ``le`` label, which no query can take from a
+gauge: their budgets are dashboard variables whose choices are the bucket bounds (spelt as
+prometheus_client spells them).
 """
 
 from __future__ import annotations
@@ -50,8 +52,6 @@ TPOT_BOUNDS = ("0.05", "0.1", "0.15", "0.2", "0.225", "0.25", "0.275", "0.3", "0
 # The packaged fleet's budgets (configs/fleet/local-sim.json and the qualification runs).
 DEFAULT_TTFT = "10.0"
 DEFAULT_TPOT = "0.3"
-DEFAULT_DEADLINE = "2.5"
-DEFAULT_ATTAINMENT = "0.95"
 # The drift band of narwhal_profile_drift (docs/routing.md): drawn, not queried.
 DRIFT_LOW, DRIFT_HIGH = 0.67, 1.5
 
@@ -86,10 +86,8 @@ def _q(expr: str, legend: str, ref: str, instant: bool = False) -> prom.Dataquer
 
 
 # --- SLO attainment -------------------------------------------------------------------------
-# The router exports TTFT and TPOT as two histograms of successful requests, not a joint
-# "within both budgets" count, so joint attainment is bounded from below: a request is assumed
-# to miss TPOT only if it met TTFT (requests missing both are counted twice). The bound is
-# exact whenever at most one budget is missed per request, and errs toward alerting.
+# Joint attainment is exact: the router counts each request it answers for once, met or missed
+# (narwhal_slo_requests_total). Attainment of one budget alone reads its histogram's bucket.
 
 
 def _win(metric: str, *matchers: str) -> str:
@@ -101,7 +99,14 @@ _OK = _win("narwhal_requests_total", 'outcome="ok"')
 _TTFT_MET = _win("narwhal_ttft_seconds_bucket", 'le="$ttft_budget"')
 _TPOT_MET = _win("narwhal_tpot_seconds_bucket", 'le="$tpot_budget"')
 _TPOT_MISSED = f"({_win('narwhal_tpot_seconds_count')} - {_TPOT_MET})"
-ATTAINMENT = f"clamp_min({_TTFT_MET} - {_TPOT_MISSED}, 0) / {_COUNTED}"
+_SLO_MET = _win("narwhal_slo_requests_total", 'result="met"')
+ATTAINMENT = f"{_SLO_MET} / {_win('narwhal_slo_requests_total')}"
+
+
+def _budget(name: str) -> str:
+    """The fleet's budget ``name`` as the router exports it (every replica exports the same)."""
+    matcher = 'budget="' + name + '"'
+    return f"max({_sel('narwhal_fleet_budget', matcher)})"
 ATTAINMENT_TTFT = f"{_TTFT_MET} / {_COUNTED}"
 ATTAINMENT_TPOT = f"clamp_min({_OK} - {_TPOT_MISSED}, 0) / {_COUNTED}"
 
@@ -271,7 +276,11 @@ def common_variables() -> list[Builder[dm.VariableModel]]:
 
 
 def budget_variables() -> list[Builder[dm.VariableModel]]:
-    why = " The router does not export it; choices are bucket bounds of the histogram."
+    why = (
+        " For the attainment of this budget alone: a query selects the histogram's bucket by"
+        " it, so the choices are the bucket bounds (the dashed budget line reads the router's"
+        " narwhal_fleet_budget)."
+    )
     return [
         _custom(
             "ttft_budget",
@@ -286,20 +295,6 @@ def budget_variables() -> list[Builder[dm.VariableModel]]:
             "The fleet's TPOT budget (fleet file budgets.tpot_s)." + why,
             TPOT_BOUNDS,
             DEFAULT_TPOT,
-        ),
-        _custom(
-            "first_token_deadline",
-            "First-token deadline (s)",
-            "The fleet's engine.first_token_timeout_s, drawn on the KV handoff panel." + why,
-            LATENCY_BOUNDS,
-            DEFAULT_DEADLINE,
-        ),
-        _custom(
-            "attainment_target",
-            "Attainment target",
-            "The fleet's budgets.attainment: the share of requests that must meet both budgets.",
-            ("0.9", "0.95", "0.99", "0.999"),
-            DEFAULT_ATTAINMENT,
         ),
         _custom(
             "slo_window",
@@ -450,15 +445,15 @@ def router_overview() -> db.Dashboard:
             ids,
             "TTFT p50 / p95 / p99",
             "Time to first token as the client saw it, successful requests only "
-            "(narwhal_ttft_seconds), against the fleet's TTFT budget (dashed, variable "
-            "`ttft_budget`).",
+            "(narwhal_ttft_seconds), against the fleet's TTFT budget (dashed, "
+            "narwhal_fleet_budget).",
             "s",
             [
                 *[
                     _q(_quantile(q, "narwhal_ttft_seconds"), f"p{p}", r)
                     for q, p, r in (("0.5", "50", "A"), ("0.95", "95", "B"), ("0.99", "99", "C"))
                 ],
-                _q("vector($ttft_budget)", "budget", "D"),
+                _q(_budget("ttft_seconds"), "budget", "D"),
             ],
             budget_refs=["D"],
             minimum=0,
@@ -469,15 +464,15 @@ def router_overview() -> db.Dashboard:
             ids,
             "TPOT p50 / p95 / p99",
             "Time per output token after the first, each successful request's mean "
-            "(narwhal_tpot_seconds), against the fleet's TPOT budget (dashed, variable "
-            "`tpot_budget`).",
+            "(narwhal_tpot_seconds), against the fleet's TPOT budget (dashed, "
+            "narwhal_fleet_budget).",
             "s",
             [
                 *[
                     _q(_quantile(q, "narwhal_tpot_seconds"), f"p{p}", r)
                     for q, p, r in (("0.5", "50", "A"), ("0.95", "95", "B"), ("0.99", "99", "C"))
                 ],
-                _q("vector($tpot_budget)", "budget", "D"),
+                _q(_budget("tpot_seconds"), "budget", "D"),
             ],
             budget_refs=["D"],
             minimum=0,
@@ -489,10 +484,9 @@ def router_overview() -> db.Dashboard:
         .title("SLO attainment, last $slo_window")
         .description(
             "Share of the requests the fleet is answerable for (all but client_error and "
-            "client_abort) that met both the TTFT and the TPOT budget over `slo_window`. A "
-            "lower bound: the router exports the two latencies as separate histograms, so a "
-            "request missing both is counted as two misses. Red below 0.95 (the packaged "
-            "target)."
+            "client_abort) that met both the TTFT and the TPOT budget over `slo_window`, as "
+            "the router counts them (narwhal_slo_requests_total). Red below 0.95 (the packaged "
+            "target; the fleet's own is drawn on the graph beside)."
         )
         .datasource(DATASOURCE)
         .unit("percentunit")
@@ -508,15 +502,17 @@ def router_overview() -> db.Dashboard:
         graph(
             ids,
             "SLO attainment over time",
-            "Attainment over a sliding `slo_window`: TTFT budget alone, TPOT budget alone, both "
-            "(lower bound, see the attainment stat), and the target (dashed, variable "
-            "`attainment_target`). Failed and rejected requests count as misses.",
+            "Attainment over a sliding `slo_window`: both budgets (narwhal_slo_requests_total), "
+            "the TTFT budget alone and the TPOT budget alone (from the histograms, at the "
+            "variables `ttft_budget` and `tpot_budget`: set them to the fleet's), and the "
+            "fleet's target (dashed, narwhal_fleet_budget). Failed and rejected requests count "
+            "as misses.",
             "percentunit",
             [
                 _q(ATTAINMENT, "both budgets", "A"),
                 _q(ATTAINMENT_TTFT, "TTFT budget", "B"),
                 _q(ATTAINMENT_TPOT, "TPOT budget", "C"),
-                _q("vector($attainment_target)", "target", "D"),
+                _q(_budget("attainment"), "target", "D"),
             ],
             width=18,
             budget_refs=["D"],
@@ -545,8 +541,8 @@ def router_overview() -> db.Dashboard:
             "KV handoff latency",
             "Decode leg start to its first token: the KV pull plus the first decode step, the "
             "span the first-token deadline bounds (narwhal_kv_handoff_seconds, by decode "
-            "engine). p95 per engine, p99 over the fleet, and the deadline (dashed, variable "
-            "`first_token_deadline`).",
+            "engine). p95 per engine, p99 over the fleet, and the deadline (dashed, "
+            "narwhal_fleet_budget).",
             "s",
             [
                 _q(
@@ -555,7 +551,7 @@ def router_overview() -> db.Dashboard:
                     "A",
                 ),
                 _q(_quantile("0.99", "narwhal_kv_handoff_seconds", engine=True), "p99", "B"),
-                _q("vector($first_token_deadline)", "deadline", "C"),
+                _q(_budget("first_token_timeout_seconds"), "deadline", "C"),
             ],
             budget_refs=["C"],
             minimum=0,
