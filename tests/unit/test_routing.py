@@ -218,6 +218,9 @@ def test_scrape_parser_sums_ranks_and_ignores_junk() -> None:
     )
     assert parse_engine_load(text) == {"running": 5.0, "waiting": 4.0, "kv_cache_usage": 0.25}
     assert parse_engine_load(b"not a vllm page\n") is None
+    # Each data-parallel rank has its own cache: two full ranks are a full engine, not 2.
+    ranks = b'vllm:kv_cache_usage_perc{engine="0"} 1.0\nvllm:kv_cache_usage_perc{engine="1"} 0.5\n'
+    assert parse_engine_load(ranks)["kv_cache_usage"] == 0.75  # type: ignore[index]
 
 
 def test_sse_parser_handles_split_chunks_and_crlf() -> None:

@@ -36,11 +36,14 @@ def metric_sum(text: bytes | str, name: str) -> float | None:
 
 
 def parse_engine_load(text: bytes) -> dict[str, float] | None:
-    """Sum each load gauge over the engine's label sets (data-parallel ranks add up).
+    """The engine's load over its label sets (data-parallel ranks): requests running and
+    waiting add up; KV cache usage is the ranks' mean (each rank holds a cache of its own, of
+    one size, so a sum would read 2 for two full ranks).
 
     Returns None if the page carries none of the three gauges (not a vLLM engine's page).
     """
     found: dict[str, float] = {}
+    samples: dict[str, int] = {}
     for match in _LINE.finditer(text):
         try:
             value = float(match.group(2))
@@ -50,10 +53,12 @@ def parse_engine_load(text: bytes) -> dict[str, float] | None:
             continue
         key = match.group(1).decode()
         found[key] = found.get(key, 0.0) + value
+        samples[key] = samples.get(key, 0) + 1
     if not found:
         return None
+    usage = found.get("kv_cache_usage_perc", 0.0) / max(1, samples.get("kv_cache_usage_perc", 1))
     return {
         "running": found.get("num_requests_running", 0.0),
         "waiting": found.get("num_requests_waiting", 0.0),
-        "kv_cache_usage": found.get("kv_cache_usage_perc", 0.0),
+        "kv_cache_usage": usage,
     }
