@@ -313,6 +313,70 @@ def test_logprobs_offsets_and_usage_in_every_chunk_go_on_past_the_splice(stack) 
             assert router.ends()[request_id]["migrations"] >= 1
 
 
+def test_text_held_back_for_a_stop_string_reaches_the_client_past_the_splice(stack) -> None:
+    """With a stop string the engine holds back its text's last len(stop) - 1 characters
+    while their ids have gone out; a continuation starts after the ids, so the router
+    recovers that text (an engine's /detokenize) and sends it before the continuation's:
+    the answer equals the unbroken one, completions (streamed, with logprobs, unstreamed)
+    and chat."""
+    fleet, router = stack
+    stop = {"stop": ["qqqqqqqqqqqq", "zz"]}  # never matched: 11 characters held back
+
+    def streamed(prompt: list[int], **extra: Any) -> tuple[str, list[int], str]:
+        response = complete(router, prompt, stream=True, **stop, **extra)
+        assert response.status_code == 200, response.text
+        text, chunks, error = streamed_text(response)
+        assert not error, response.text[-500:]
+        offsets = [
+            o
+            for chunk in chunks
+            for c in chunk.get("choices") or ()
+            for o in (c.get("logprobs") or {}).get("text_offset") or ()
+        ]
+        return text, offsets, response.headers["x-request-id"]
+
+    def unstreamed(prompt: list[int]) -> tuple[str, str]:
+        response = complete(router, prompt, **stop)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"], response.headers["x-request-id"]
+
+    def chat(prompt: list[int]) -> tuple[str, str]:
+        text = " ".join(f"w{t}" for t in prompt[:40])
+        payload = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "stream": True,
+            **stop,
+        }
+        response = httpx.post(router.url + "/v1/chat/completions", json=payload, timeout=60)
+        assert response.status_code == 200, response.text
+        answer, _, error = streamed_text(response)
+        assert not error, response.text[-500:]
+        return answer, response.headers["x-request-id"]
+
+    prompt = PROMPTS[2]
+    want_text, want_offsets, _ = streamed(prompt, logprobs=1)
+    want_plain = streamed(prompt)[0]
+    want_chat = chat(prompt)[0]
+    assert len(want_text) > 40 and want_plain == want_text == unstreamed(prompt)[0]
+    for engine_id in ("e2", "e3"):
+        admin(fleet.engines[engine_id].url, "POST", {"error_after_tokens": 10})
+    text, offsets, rid_logprobs = streamed(prompt, logprobs=1)
+    assert (text, offsets) == (want_text, want_offsets)
+    plain, _, rid_plain = streamed(prompt)
+    assert plain == want_plain
+    whole, rid_whole = unstreamed(prompt)
+    assert whole == want_text
+    answer, rid_chat = chat(prompt)
+    assert answer == want_chat
+    for request_id in (rid_logprobs, rid_plain, rid_whole, rid_chat):
+        assert wait_until(lambda r=request_id: r in router.ends(), 5)
+        end = router.ends()[request_id]
+        assert end["outcome"] == "ok" and end["migrations"] >= 1
+
+
 def test_hung_prefill_engine_is_hedged_within_the_ttft_budget(stack) -> None:
     fleet, router = stack
     expected = baseline(router)

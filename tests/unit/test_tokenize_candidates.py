@@ -6,7 +6,7 @@ from narwhal.clock import VirtualClock
 from narwhal.contract import parse_fleet
 from narwhal.routing.breaker import BreakerState
 from narwhal.routing.fleet_state import FleetState
-from narwhal.serve.tokenize import tokenize_candidates
+from narwhal.serve.tokenizer_calls import tokenize_candidates
 from narwhal.simengine.fleet import local_fleet_document
 
 

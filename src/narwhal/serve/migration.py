@@ -19,14 +19,24 @@ restart mid-answer), chat logprobs (the completions format they would come back 
 order of equal-text alternatives), a choice of an ``n > 1`` or batched request (each choice is
 its own generation, seeded from the request: the continuation's is not), and any stream in
 which the engine sent reasoning or tool-call deltas. At temperature > 0 a continuation samples
-from the same distribution but not the same draw (a seed restarts with the continuation); stop
+from the same distribution but not the same draw (a seed restarts with the continuation).
+
+With stop strings the engine holds back the last ``len(longest stop) - 1`` characters of its
+text until no stop string can begin in them (vLLM's detokenizer), while their tokens' ids have
+gone out: the continuation starts after every id, so the router asks an engine to detokenize
+the ids and sends the client the characters it did not get before the continuation's text. Stop
 strings are matched in the continuation's text only, so one straddling the splice is missed.
+Presence and frequency penalties and multi-token ``bad_words`` apply to generated tokens only,
+and the continuation's prompt holds the ids generated before the splice: with them the answer
+past the splice may differ from the unbroken one even at temperature 0.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from narwhal.contract import Migration
 from narwhal.engines.lax import lax_bool
@@ -36,6 +46,7 @@ from narwhal.serve.pd import DEFAULT_COMPLETIONS_MAX_TOKENS, DecodeStream, PDRou
 from narwhal.serve.record import RequestRecord
 from narwhal.serve.stalls import StallDeadline, StallSweeper
 from narwhal.serve.token_ids import blank_token_ids, parse_ids
+from narwhal.serve.tokenizer_calls import ask_tokenizer
 from narwhal.serve.validation import ClientRequest
 
 __all__ = ["MigrationTrace", "Migrator", "continuation_request", "new_trace", "not_migratable"]
@@ -100,6 +111,10 @@ class MigrationTrace:
     max_tokens: int | None
     client_ids: bool  # the client asked for token ids: they stay in its chunks
     logprobs: bool  # completions with logprobs: their text_offset continues
+    # Characters the engine holds back while a stop string may begin in them (vLLM's
+    # detokenizer: the longest stop string's length - 1; 0 without stop strings, or when they
+    # are kept in the output).
+    holdback: int = 0
     # The prompt's ids: parsed, or (:meth:`keep_prompt_ids`) as the engine wrote them, parsed
     # when asked for (``prompt_ids``).
     _prompt_ids: list[int] | None = None
@@ -111,13 +126,26 @@ class MigrationTrace:
     head: dict[str, Any] | None = None  # id, object, created, model of the client's chunks
     exact: bool = True  # False once the engine sent what a continuation cannot reproduce
     finished: bool = False  # a finish_reason arrived: the answer is whole
-    text_chars: int = 0  # completions: characters received (logprobs text_offset)
+    # Characters of text the client received, counted when the trace observes text
+    # (``observes_text``): logprobs' text_offset, and the text an engine held back.
+    text_chars: int = 0
+    # Held-back text a migration recovered, sent with the continuation's first choice.
+    pending_text: str = ""
     # Characters the client had when the current continuation began: the engine's offsets
     # count from 0 at its own start and run on through its text, so this, not text_chars
     # (which grows with that text), is what they are shifted by.
     text_shift: int = 0
     migrations: int = 0
     completion_offset: int = 0  # tokens the earlier legs generated (the client's usage)
+
+    @property
+    def observes_text(self) -> bool:
+        """Every chunk is observed whole and its text counted (not only its ids kept)."""
+        return self.logprobs or self.holdback > 0
+
+    def held_back(self, text: str) -> str:
+        """What the client has not received of ``text``, the text of every generated id."""
+        return text[self.text_chars :] if self.holdback else ""
 
     def observe(self, obj: dict[str, Any]) -> None:
         """One chunk of the stream the client is receiving (already relayed as it came)."""
@@ -138,7 +166,9 @@ class MigrationTrace:
                     or delta.get("reasoning_content")
                 ):
                     self.exact = False
-            elif self.logprobs:
+                if self.holdback and delta:
+                    self.text_chars += len(delta.get("content") or "")
+            elif self.logprobs or self.holdback:
                 self.text_chars += len(choice.get("text") or "")
             if choice.get("finish_reason"):
                 self.finished = True
@@ -186,7 +216,7 @@ class MigrationTrace:
         """One chunk of a stream the router collects for a non-streamed answer (no client
         bytes to blank): the first (and every one with logprobs) observed, then only its ids
         kept, as the parse left them."""
-        if self.head is None or self.logprobs:
+        if self.head is None or self.observes_text:
             self.observe(obj)
             return
         for choice in obj.get("choices") or ():
@@ -266,6 +296,9 @@ class MigrationTrace:
             if ids:
                 self.generated.extend(ids)
             text = choice.get("text") or ""
+            if self.pending_text:
+                text = self.pending_text + text
+                self.pending_text = ""
             if choice.get("finish_reason"):
                 self.finished = True
             if self.chat:
@@ -281,6 +314,7 @@ class MigrationTrace:
                 rewritten = {
                     **choice,
                     "index": 0,
+                    "text": text,
                     "token_ids": ids if self.client_ids else None,
                     "prompt_token_ids": None,
                 }
@@ -291,15 +325,17 @@ class MigrationTrace:
                         **logprobs,
                         "text_offset": [o + shift for o in logprobs["text_offset"]],
                     }
-                self.text_chars += len(text)
+            self.text_chars += len(text)
             out.append(rewritten)
         return {**obj, **self.head, "choices": out}
 
-    def begin(self) -> None:
-        """A continuation starts: its chunks are translated from now on."""
+    def begin(self, held_back: str = "") -> None:
+        """A continuation starts: its chunks are translated from now on, the first choice's
+        text after ``held_back`` (:meth:`held_back`)."""
         self.migrations += 1
         self.completion_offset = len(self.generated)
-        self.text_shift = self.text_chars
+        self.pending_text = held_back
+        self.text_shift = self.text_chars + len(held_back)
 
 
 def new_trace(
@@ -314,7 +350,7 @@ def new_trace(
         max_tokens = DEFAULT_COMPLETIONS_MAX_TOKENS
     body = request.body
     # Positional: matching keywords would cost as much as making the object (one per request).
-    return MigrationTrace(
+    trace = MigrationTrace(
         request.chat,
         settings,
         max_model_len,
@@ -322,6 +358,11 @@ def new_trace(
         bool(body.get("return_token_ids")),  # client_ids
         not request.chat and body.get("logprobs") is not None,  # logprobs
     )
+    stop = body.get("stop")
+    if stop and not lax_bool(body.get("include_stop_str_in_output")):
+        stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else ()
+        trace.holdback = max(0, max((len(s) for s in stops if isinstance(s, str)), default=0) - 1)
+    return trace
 
 
 class Migrator:
@@ -368,6 +409,19 @@ class Migrator:
         trace = self.trace
         assert trace is not None
         number = trace.migrations + 1
+        held_back = ""
+        if trace.holdback and trace.generated:
+            text = await self._detokenize(trace.generated)
+            if text is None:
+                self.record.attempt(
+                    "migration",
+                    self.stream.engine,
+                    "failed",
+                    reason=reason,
+                    error="no engine detokenized the text the engine held back",
+                )
+                return None
+            held_back = trace.held_back(text)
         continuation = continuation_request(self.request, trace)
         try:
             stream = await self.router.continue_on(
@@ -378,10 +432,26 @@ class Migrator:
                 "migration", self.stream.engine, "failed", reason=reason, error=exc.message
             )
             return None
-        trace.begin()
+        trace.begin(held_back)
         self.stream = stream
         self.record.migrations = number
         return stream
+
+    async def _detokenize(self, ids: list[int]) -> str | None:
+        """The text of ``ids`` as an engine's tokenizer has it (vLLM's ``/detokenize``), from
+        another engine than the broken stream's; None when none answered it."""
+        router = self.router
+        body = orjson.dumps({"model": self.request.model, "tokens": ids})
+        answer, _ = await ask_tokenizer(
+            router.engines, router.state, "/detokenize", body, 0, avoid=self.stream.engine
+        )
+        if answer is None or answer[0] != 200:
+            return None
+        try:
+            text = orjson.loads(answer[1]).get("prompt")
+        except (ValueError, AttributeError):
+            return None
+        return text if isinstance(text, str) else None
 
 
 def continuation_request(request: ClientRequest, trace: MigrationTrace) -> ClientRequest:

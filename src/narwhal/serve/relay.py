@@ -194,7 +194,7 @@ class EventRenderer:
         if trace is not None:
             if trace.migrations:
                 translated = trace
-            elif trace.logprobs:
+            elif trace.observes_text:
                 observed = trace
             else:
                 kept = trace.kept_ids
