@@ -379,3 +379,24 @@ def test_models_are_listed_and_retrieved_and_unknown_routes_are_openai_errors(
     for path in ("/health", "/ready"):
         probed = httpx.head(router.url + path, timeout=10)
         assert probed.status_code == 200 and probed.content == b"", (path, probed)
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
+@pytest.mark.parametrize("model", [None, ""])
+def test_a_request_without_a_model_is_served_by_the_fleets_model(stack, route, model) -> None:
+    """vLLM serves a request whose model is missing or empty with its one model (its
+    ``_is_model_supported``): so does the router, the answer naming the served model."""
+    _, router = stack
+    body: dict[str, Any] = {"max_tokens": 3}
+    if route == "/v1/completions":
+        body["prompt"] = "hello"
+    elif route == "/v1/chat/completions":
+        body["messages"] = [{"role": "user", "content": "hello"}]
+    else:
+        body = {"input": "hello", "max_output_tokens": 3}
+    if model is not None:
+        body["model"] = model
+    response = httpx.post(router.url + route, json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == MODEL
+    assert _end(router, response.headers["x-request-id"])["outcome"] == "ok"

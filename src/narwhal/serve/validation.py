@@ -261,9 +261,10 @@ def parse_client_request(
     except TypeError:
         raise InvalidRequest("request body is nested too deeply") from None
     model = body.get("model")
-    if model is None:
-        # OpenAI answers a request without a model 400 (there is nothing to look up).
-        raise InvalidRequest(f"'model' is required; this router serves '{served_model}'", "model")
+    if model is None or model == "":
+        # vLLM serves a request without a model (or with an empty one) by its one model; the
+        # legs name it, so every engine reads the same request.
+        model = body["model"] = served_model
     if not isinstance(model, str):
         raise InvalidRequest("'model' must be a string", "model")
     if model != served_model:

@@ -275,7 +275,7 @@ def build_app(settings: SimEngineSettings) -> Starlette:
 
     def check_model(body: Any) -> None:
         model = body.get("model") if isinstance(body, dict) else None
-        if model is not None and model != cfg.served_model_name:
+        if model and model != cfg.served_model_name:  # vLLM: none or "" is the served model
             raise ProtocolError(
                 f"The model `{model}` does not exist.",
                 status=404,
