@@ -239,7 +239,6 @@ def test_a_named_function_tool_gives_a_function_call(stack, client) -> None:
 @pytest.mark.parametrize(
     ("field", "value", "param"),
     [
-        ("previous_response_id", "resp_123", "previous_response_id"),
         ("background", True, "background"),
         ("tools", [{"type": "web_search"}], "tools[0]"),
     ],
@@ -273,9 +272,20 @@ def test_a_refusal_names_the_responses_field_not_the_chat_one(stack, client) -> 
 
 def test_the_sdk_raises_the_refusal(client) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
-        client.responses.create(model=MODEL, input=QUESTION, previous_response_id="resp_1")
-    assert caught.value.param == "previous_response_id"
+        client.responses.create(model=MODEL, input=QUESTION, conversation="conv_1")
+    assert caught.value.param == "conversation"
     assert "conversation state" in caught.value.message
+    # As vLLM answers an id its store does not hold (the router holds none).
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.responses.create(model=MODEL, input=QUESTION, previous_response_id="resp_1")
+    assert missing.value.param == "previous_response_id"
+    assert "stores no responses" in missing.value.message
+
+
+def test_store_true_is_answered_without_storing(client) -> None:
+    """vLLM without its store (its default) serves store: true, answering store false."""
+    answer = client.responses.create(model=MODEL, input=QUESTION, store=True, max_output_tokens=4)
+    assert answer.store is False and answer.status in ("completed", "incomplete")
 
 
 def test_bad_json_is_a_400_in_the_chat_paths_shape(stack) -> None:

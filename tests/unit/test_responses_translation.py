@@ -11,7 +11,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from narwhal.serve.errors import InvalidRequest
+from narwhal.serve.errors import InvalidRequest, NotFound
 from narwhal.serve.responses_output import ResponseEventStream, response_object
 from narwhal.serve.responses_request import (
     ResponsesRequest,
@@ -150,16 +150,17 @@ def test_an_absent_store_is_stateless_and_echoed_false() -> None:
     request = to_chat_body({"model": MODEL, "input": "q"})
     assert request.echo["store"] is False and "store" not in request.chat_body
     assert to_chat_body({"model": MODEL, "input": "q", "store": False}).echo["store"] is False
+    # vLLM without its store (its default) serves store: true as false rather than refuse it.
+    stored = to_chat_body({"model": MODEL, "input": "q", "store": True})
+    assert stored.echo["store"] is False and "store" not in stored.chat_body
 
 
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"conversation": "conv_1"}, "conversation"),
         ({"conversation": {"id": "conv_1"}}, "conversation"),
         ({"background": True}, "background"),
-        ({"store": True}, "store"),
         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
         ({"truncation": "auto"}, "truncation"),
         ({"kv_transfer_params": {}}, "kv_transfer_params"),
@@ -205,6 +206,9 @@ def test_what_cannot_be_served_is_refused_naming_the_field(fields, param) -> Non
 
 def test_a_refusal_says_why() -> None:
     with pytest.raises(InvalidRequest, match="keeps no conversation state"):
+        to_chat_body({"model": MODEL, "input": "q", "conversation": "conv_1"})
+    # An id the router cannot hold is vLLM's 404 for an id its store does not hold.
+    with pytest.raises(NotFound, match="'resp_1' not found: the router stores no responses"):
         to_chat_body({"model": MODEL, "input": "q", "previous_response_id": "resp_1"})
     with pytest.raises(InvalidRequest, match="built-in tool 'web_search'"):
         to_chat_body({"model": MODEL, "input": "q", "tools": [{"type": "web_search"}]})

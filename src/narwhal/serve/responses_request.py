@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from narwhal.engines.lax import lax_bool, lax_int
-from narwhal.serve.errors import InvalidRequest
+from narwhal.serve.errors import InvalidRequest, NotFound
 from narwhal.serve.validation import parse_json_object
 
 __all__ = ["ResponsesRequest", "parse_responses_request", "to_chat_body"]
@@ -23,8 +23,6 @@ __all__ = ["ResponsesRequest", "parse_responses_request", "to_chat_body"]
 # Fields that need state the router does not keep, or run work it does not run; any value but
 # "off" (None, False, empty) is refused.
 _STATEFUL: dict[str, str] = {
-    "previous_response_id": "previous_response_id is not supported: the router keeps no "
-    "conversation state (responses are not stored); send the whole conversation in 'input'",
     "conversation": "conversation is not supported: the router keeps no conversation state; "
     "send the whole conversation in 'input'",
     "background": "background mode is not supported: it needs a stored response to poll, and "
@@ -404,17 +402,20 @@ def _echo(body: dict[str, Any]) -> dict[str, Any]:
 
 def to_chat_body(body: dict[str, Any]) -> ResponsesRequest:
     """The chat-completions request that serves ``body`` (raises :class:`InvalidRequest` naming
-    the field for what it cannot serve). An absent ``store`` is taken as false: the router
-    stores nothing, so a client relying on OpenAI's default (true) gets a stateless answer."""
+    the field for what it cannot serve). ``store`` is answered false whatever was asked, as
+    vLLM answers without its store (its default): the router stores nothing, and a client that
+    sends OpenAI's default (true) gets a stateless answer rather than an error."""
+    previous = body.get("previous_response_id")
+    if not _is_off(previous):
+        # vLLM's answer to an id its store does not hold (404), and why none is held here.
+        raise NotFound(
+            f"Response with id '{previous}' not found: the router stores no responses; send "
+            "the whole conversation in 'input'",
+            "previous_response_id",
+        )
     for name, why in _STATEFUL.items():
         if name in body and (name == "kv_transfer_params" or not _is_off(body[name])):
             raise _refuse(why, name)
-    if body.get("store") is True:
-        raise _refuse(
-            "store: true is not supported: the router keeps no responses; send store: false "
-            "(or omit it)",
-            "store",
-        )
     if body.get("truncation") not in (None, "disabled"):
         raise _refuse(
             "truncation 'auto' is not supported: the router does not cut conversations; send "
