@@ -337,3 +337,80 @@ def test_a_killed_chain_stops_everything_it_started(tmp_path: Path) -> None:
     ledger = json.loads((run_dir / "steps.json").read_text())
     assert "workload" in ledger["steps"] and "benchmark" not in ledger["steps"]
     assert ledger["runs"][-1]["outcome"] == "interrupted"
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for a parent that is gone to reap it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def _step_processes(run_dir: Path) -> list[int]:
+    """The benchmark step's processes working in ``run_dir`` (the runner, its load generator)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            cmdline = (entry / "cmdline").read_bytes()
+            if b"benchmark_runner.py" not in cmdline and b"load_trial.py" not in cmdline:
+                continue
+            if Path(os.readlink(entry / "cwd")) == run_dir.resolve():
+                found.append(int(entry.name))
+    return found
+
+
+def test_a_step_a_chain_killed_outright_left_running_is_stopped_by_the_next(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL to narwhal-qualify mid-benchmark leaves the step running (its own session:
+    nothing stops it); the next chain on the run directory stops it before anything runs, so
+    its load never reaches the new router and the evidence is the new chain's alone."""
+    run_file = variant(tmp_path, points=[{"name": "r2", "rate": 2, "requests": 20}])
+    run_dir = tmp_path / "run"
+    argv = [QUALIFY, str(run_file), "--run-dir", str(run_dir)]
+    killed = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=ROOT)
+    rerun = None
+    try:
+        deadline = time.monotonic() + 300
+        # The benchmark's runner (the workload step before it runs load_trial.py too).
+        while not _processes_mentioning("benchmark_runner.py") or not _step_processes(run_dir):
+            assert killed.poll() is None and time.monotonic() < deadline, "never reached benchmark"
+            time.sleep(0.2)
+        time.sleep(2)  # its load generator started
+        killed.kill()
+        killed.wait(timeout=30)
+        time.sleep(1)
+        left = _step_processes(run_dir)
+        assert left, "the benchmark step died with the chain: nothing to show"
+        rerun = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT, text=True
+        )
+        out, _ = rerun.communicate(timeout=600)
+    finally:
+        if killed.poll() is None:
+            killed.kill()
+        if rerun is not None and rerun.poll() is None:
+            rerun.send_signal(signal.SIGTERM)
+            try:
+                rerun.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                rerun.kill()
+        for pid in _step_processes(run_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert rerun.returncode == 0, out
+    assert "stopping the step an earlier run here left running" in out, out
+    assert not any(_alive(pid) for pid in left)
+    assert nothing_serves()
+    # The journal the evidence holds: the rerun's requests only (one run id), all of them.
+    starts = [
+        json.loads(line)
+        for line in (run_dir / "router-journal.jsonl").read_text().splitlines()
+        if '"request.start"' in line
+    ]
+    runs = {r["client_request_id"].rsplit("-", 1)[0] for r in starts if r.get("client_request_id")}
+    assert len(runs) == 1, runs

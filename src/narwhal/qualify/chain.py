@@ -29,7 +29,7 @@ from typing import IO, Any
 import httpx
 
 from narwhal.contract import load_fleet
-from narwhal.qualify.layout import FLEET_FINAL, FLEET_QUALIFIED, JOURNAL, ROUTER_PID
+from narwhal.qualify.layout import FLEET_FINAL, FLEET_QUALIFIED, JOURNAL, ROUTER_PID, STEP_PID
 from narwhal.qualify.ledger import Ledger, StepRecord, content_sha256, step_key, utc_now
 from narwhal.qualify.runfile import LoadedRun
 from narwhal.qualify.steps import Step, console_script
@@ -390,11 +390,39 @@ class Chain:
                 stderr=f,
                 start_new_session=True,
             )
+            # In a session of its own: a chain killed outright leaves it running, and the
+            # next chain here stops it (_stop_orphan_step) by this file.
+            (self.rd / STEP_PID).write_text(f"{self.current.pid}\n")
             assert self.current.stdout is not None
             if self.watch.problem is not None:  # found while the step was being started
                 self._kill_current()
             self._relay(self.current.stdout, f, step.echo)
-            return self.current.wait()
+            code = self.current.wait()
+        (self.rd / STEP_PID).unlink(missing_ok=True)
+        return code
+
+    def _stop_orphan_step(self) -> None:
+        """The step command (and its children: a benchmark's load generator) an earlier chain
+        here started and never stopped (it was killed): left running, its load would reach
+        this chain's router and its output this chain's evidence."""
+        try:
+            group = int((self.rd / STEP_PID).read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return
+        members = _group_members(group, self.rd.resolve())
+        if members:
+            self.say(
+                f"        stopping the step an earlier run here left running "
+                f"(process group {group}: {len(members)} process(es))"
+            )
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while _group_members(group, self.rd.resolve()) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+        (self.rd / STEP_PID).unlink(missing_ok=True)
 
     def _kill_current(self) -> None:
         proc = self.current
@@ -479,6 +507,7 @@ class Chain:
 
     def run(self) -> ChainResult:
         result = self.result
+        self._stop_orphan_step()
         # Observers (capture, finalize) are looked at only when a step after them must run:
         # their output alone (live.json's capture time) never brings the fleet up.
         steps = [s for s in self.steps if s.not_declared is None and not s.observes]
@@ -547,6 +576,27 @@ def _last_line(log: Path, default: str) -> str:
         first = said[max(0, len(said) - 1 - n)]
         return first[:400] + (f" (and {n - 1} more)" if n > 1 else "")
     return said[-1][:400]
+
+
+def _group_members(group: int, cwd: Path) -> list[int]:
+    """Live processes of process group ``group`` working in ``cwd`` (a recycled group id
+    elsewhere is not ours)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # The fields after the command's name (in parentheses, which may hold spaces):
+            # state, ppid, pgrp.
+            stat = (entry / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[2]) != group or fields[0] == "Z":
+                continue
+            if Path(os.readlink(entry / "cwd")) == cwd:
+                members.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return members
 
 
 def _stop(proc: subprocess.Popen[Any], grace: float) -> None:

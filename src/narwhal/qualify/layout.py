@@ -12,6 +12,7 @@ __all__ = [
     "PLAN",
     "PROFILE_STORE",
     "ROUTER_PID",
+    "STEP_PID",
     "WORKLOAD",
 ]
 
@@ -24,3 +25,4 @@ JOURNAL = "router-journal.jsonl"
 WORKLOAD = "workload"
 BENCHMARK = "benchmark"
 ROUTER_PID = "router.pid"  # the router this run started, while it runs
+STEP_PID = "step.pid"  # the step command running now: its process group, while it runs
