@@ -268,6 +268,25 @@ def test_a_decode_retry_prefills_on_another_engine_when_there_is_one(n_prefill: 
     assert prefill.breaker.consecutive_failures == 0
 
 
+def test_a_decode_retry_with_no_other_decode_engine_takes_another_prefill_engine() -> None:
+    """The only decode engine's leg failed before its first token, perhaps reading the KV of a
+    prefill engine that died once it answered: the retry goes to the same decode engine with
+    another prefill engine rather than fail the request."""
+    lifecycle, _, observer = build(n_prefill=2, n_decode=1)
+    ticket = lifecycle.arrive("r", max_tokens=4, prompt_tokens=3000)
+    pair = admitted(lifecycle, ticket)
+    lifecycle.prefill_done(ticket, "ok")
+    lifecycle.decode_failed(ticket, "failed")
+    retry = lifecycle.retry(ticket)
+    assert isinstance(retry, Pair) and not retry.local
+    assert (retry.prefill, retry.decode) == ("e1" if pair.prefill == "e0" else "e0", pair.decode)
+    # Failed again there: it was the decode engine after all, and no other pair is left.
+    lifecycle.prefill_done(ticket, "ok")
+    lifecycle.decode_failed(ticket, "failed")
+    assert isinstance(lifecycle.retry(ticket), NoPair) and ticket.phase == "done"
+    assert observer.failed == [(pair.decode, "decode")] * 2
+
+
 def test_no_pair_left_after_failures_ends_the_ticket() -> None:
     lifecycle, _, _ = build(n_prefill=1, n_decode=1)
     ticket = lifecycle.arrive("r", max_tokens=4, prompt_tokens=100)

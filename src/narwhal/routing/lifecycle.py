@@ -335,6 +335,18 @@ class Lifecycle:
             # first; the same one, not counted as failed, when no other will do.
             avoid = ticket.failed_prefill | {last.prefill}
             pick = self.scheduler.pick(self.state, shape, avoid, ticket.failed_decode)
+            if not isinstance(pick, Pair):
+                # No other decode engine will do: the same one, with another prefill engine,
+                # before giving up (a prefill engine that died once it answered fails its decode
+                # engine's read, which is not that engine's fault). The suspect prefill engine is
+                # not tried again for this request (nor counted failed on its breaker), so a
+                # second failure there finds no such pair: it was the decode engine.
+                again = self.scheduler.pick(
+                    self.state, shape, avoid, ticket.failed_decode - {last.decode}
+                )
+                if isinstance(again, Pair) and not again.local:
+                    pick = again
+                    ticket.failed_prefill = avoid
         if not isinstance(pick, Pair):
             pick = self.scheduler.pick(
                 self.state, shape, ticket.failed_prefill, ticket.failed_decode
