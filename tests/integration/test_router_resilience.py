@@ -429,6 +429,11 @@ def test_sigkill_mid_stream_then_restart_closes_each_cut_off_request_once(
                 if r["type"] == "request.end" and r["outcome"] == "router_restart"
             ]
             assert all(starts_idx[0] < i < starts_idx[1] for i in restart_ends)
+            # The outcome counter has them too: one per request that reached a router.
+            restarts = metric(
+                restarted.metrics(), "narwhal_requests_total", outcome="router_restart"
+            )
+            assert restarts == len(cut_off)
 
             # The engines let go of the dead router's legs.
             for engine in fleet.engines.values():

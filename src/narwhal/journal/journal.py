@@ -104,6 +104,7 @@ class Journal:
         self.max_queue = max_queue
         self.on_error: OnError = on_error
         self.recovery: RecoveryResult | None = None
+        self.recovered_closed = 0  # requests the recovery closed here as router_restart
         # Guarded by the writer's lock, so a request's state and its record change together:
         self._encoder = RecordEncoder(wall_clock, stamp)
         self._open: dict[str, Any] = {}  # request id -> arrival
@@ -166,7 +167,7 @@ class Journal:
         )
         if result is not None:
             journal.recovery = result
-            closed = journal.close_recovered(result)
+            closed = journal.recovered_closed = journal.close_recovered(result)
             log_recovery(result, closed)
         return journal
 

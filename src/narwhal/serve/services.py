@@ -100,6 +100,9 @@ class Services:
             on_error=settings.journal_on_error,
             on_write=on_journal_write,
         )
+        # The requests a killed router left open end here (the journal's router_restart): the
+        # outcome counter has one per request that reached a router, as the journal does.
+        metrics.requests.labels("router_restart").inc(journal.recovered_closed)
         predictor: LatencyPredictor | None = None
         scheduler: SchedulerV0 | SchedulerV1 = SchedulerV0()
         if settings.scheduler == "v1":
