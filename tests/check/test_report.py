@@ -96,6 +96,10 @@ def test_report_model_refuses_inconsistent_documents(tmp_path: Path) -> None:
         (lambda d: d["gates"].reverse(), "gates must be exactly"),
         (lambda d: d["gates"][0].update(verdict="fail"), "a failure (and only a failure)"),
         (lambda d: d.update(extra=1), "unknown field"),
+        # Strict types, as in the fleet file: a hand-edited report is not coerced.
+        (lambda d: d.update(complete="yes"), "complete"),
+        (lambda d: d.update(duration_s="12.5"), "duration_s"),
+        (lambda d: d["gates"][0].update(duration_s="0.1"), "duration_s"),
     ):
         doc = json.loads(json.dumps(good))
         mutate(doc)

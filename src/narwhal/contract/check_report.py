@@ -60,8 +60,10 @@ SkipKind = Literal["not_requested", "no_input", "blocked"]
 
 
 class _Model(BaseModel):
+    # Strict, as the fleet file's models: "yes" is not a verdict's boolean, nor "12.5" a
+    # duration (a report edited by hand is refused naming the field).
     model_config = ConfigDict(
-        extra="forbid", frozen=True, populate_by_name=True, serialize_by_alias=True
+        extra="forbid", frozen=True, strict=True, populate_by_name=True, serialize_by_alias=True
     )
 
 
