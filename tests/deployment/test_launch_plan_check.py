@@ -291,8 +291,12 @@ def test_render_simulated_plan_prints_narwhal_sim_commands(
     assert len(lines) == 4
     argv = shlex.split(lines[0])
     assert argv[:2] == ["env", "UCX_NET_DEVICES=lo"]
-    sim = argv[argv.index("narwhal-sim") :]
-    assert sim[:4] == ["narwhal-sim", "engine", "--engine-id", "e0"]
+    sim = argv[argv.index("engine") - 1 :]
+    # This venv's simulator by its path, as `start` runs it: a line pasted into a shell where
+    # the venv is not active (docs/deployment.md, restarting an engine) runs as it does here.
+    assert Path(sim[0]).is_absolute() and Path(sim[0]).name == "narwhal-sim"
+    assert Path(sim[0]).exists()
+    assert sim[1:4] == ["engine", "--engine-id", "e0"]
     assert sim[sim.index("--nixl-port") + 1] == "18200"
     assert sim[sim.index("--time-scale") + 1] == "10"
 

@@ -18,6 +18,7 @@ import functools
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,10 @@ def cmd_render(args: argparse.Namespace) -> int:
     rendered: list[dict[str, Any]] = []
     for eng in lp.plan.engines:
         cmd = render_engine(lp.plan, eng)
+        if lp.plan.kind != "container":
+            # The simulator as `start` runs it (this venv's): a line pasted into a shell where
+            # the venv is not active runs as it does here.
+            cmd = replace(cmd, argv=_sim_program() + cmd.argv[1:])
         item: dict[str, Any] = {
             "engine_id": eng.id,
             "host": eng.host,

@@ -107,6 +107,8 @@ def _budget(name: str) -> str:
     """The fleet's budget ``name`` as the router exports it (every replica exports the same)."""
     matcher = 'budget="' + name + '"'
     return f"max({_sel('narwhal_fleet_budget', matcher)})"
+
+
 ATTAINMENT_TTFT = f"{_TTFT_MET} / {_COUNTED}"
 ATTAINMENT_TPOT = f"clamp_min({_OK} - {_TPOT_MISSED}, 0) / {_COUNTED}"
 
