@@ -155,6 +155,19 @@ def test_an_absent_store_is_stateless_and_echoed_false() -> None:
     assert stored.echo["store"] is False and "store" not in stored.chat_body
 
 
+@pytest.mark.parametrize("cap", ["2", 2.0, 2])
+def test_the_response_repeats_the_cap_and_top_logprobs_as_applied(cap: Any) -> None:
+    """As vLLM's from_request: the output cap it used (an integer, whatever form was sent),
+    and top logprobs only when logprobs are included (they are not computed otherwise)."""
+    body = {"model": MODEL, "input": "q", "max_output_tokens": cap, "top_logprobs": 3}
+    request = to_chat_body(body)
+    assert request.echo["max_output_tokens"] == 2 and type(request.echo["max_output_tokens"]) is int
+    assert request.echo["top_logprobs"] is None
+    included = to_chat_body({**body, "include": ["message.output_text.logprobs"]})
+    assert included.echo["top_logprobs"] == 3
+    assert to_chat_body({"model": MODEL, "input": "q"}).echo["max_output_tokens"] is None
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [

@@ -375,8 +375,10 @@ def _include(body: dict[str, Any]) -> bool:
     return logprobs
 
 
-def _echo(body: dict[str, Any]) -> dict[str, Any]:
-    """The request fields a ``response`` object repeats (as vLLM's ``from_request`` does)."""
+def _echo(body: dict[str, Any], max_tokens: int | None, logprobs: bool) -> dict[str, Any]:
+    """The request fields a ``response`` object repeats, as vLLM's ``from_request`` does: the
+    output cap and top logprobs as applied (``4``, not the ``"4"`` sent; top logprobs only when
+    logprobs are included)."""
     parallel = body.get("parallel_tool_calls")
     return {
         "instructions": body.get("instructions"),
@@ -387,14 +389,14 @@ def _echo(body: dict[str, Any]) -> dict[str, Any]:
         "tools": body.get("tools") or [],
         "top_p": body.get("top_p"),
         "background": False,
-        "max_output_tokens": body.get("max_output_tokens"),
+        "max_output_tokens": max_tokens,
         "max_tool_calls": body.get("max_tool_calls"),
         "previous_response_id": None,
         "reasoning": body.get("reasoning"),
         "service_tier": body.get("service_tier") or "auto",
         "store": False,
         "text": body.get("text") or {"format": {"type": "text"}},
-        "top_logprobs": body.get("top_logprobs"),
+        "top_logprobs": lax_int(body.get("top_logprobs")) if logprobs else None,
         "truncation": "disabled",
         "user": body.get("user"),
     }
@@ -474,7 +476,10 @@ def to_chat_body(body: dict[str, Any]) -> ResponsesRequest:
         # The usage of a Responses stream is in its response.completed event: always ask.
         chat["stream_options"] = {"include_usage": True}
     return ResponsesRequest(
-        chat_body=chat, stream=bool(stream), logprobs=logprobs, echo=_echo(body)
+        chat_body=chat,
+        stream=bool(stream),
+        logprobs=logprobs,
+        echo=_echo(body, chat.get("max_tokens"), logprobs),
     )
 
 
