@@ -534,7 +534,7 @@ def test_unknown_and_bad_requests_are_client_errors_without_5xx(stack) -> None:
     _, router = stack
     cases = [
         (b"{not json", 400, None),
-        (json.dumps({"prompt": "x"}).encode(), 400, "model"),
+        (json.dumps({"model": 3, "prompt": "x"}).encode(), 400, "model"),
         (json.dumps({"model": "other", "prompt": "x"}).encode(), 404, "model"),
         (json.dumps({"model": MODEL, "prompt": "x", "n": 65}).encode(), 400, "n"),
         (json.dumps({"model": MODEL, "prompt": "x", "best_of": 3}).encode(), 400, "best_of"),

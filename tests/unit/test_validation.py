@@ -22,8 +22,6 @@ def parse(body: object, chat: bool = False, max_len: int = 100):
     [
         (b"{", 400, None),
         ([], 400, None),
-        ({"prompt": "x"}, 400, "model"),
-        ({"model": None, "prompt": "x"}, 400, "model"),
         ({"model": "other", "prompt": "x"}, 404, "model"),
         ({"model": 3, "prompt": "x"}, 400, "model"),
         ({"model": MODEL}, 400, "prompt"),
@@ -244,3 +242,21 @@ def test_n_and_batches_fan_out_one_request_per_choice() -> None:
         parse({"model": MODEL, "prompt": "x", "n": 0})
     assert info.value.param is None  # vLLM 0.32: "n must be at least 1, got 0.", no param
     assert str(info.value) == "n must be at least 1, got 0."
+
+
+@pytest.mark.parametrize("temperature", [0, 0.0, "0", "0.0", False])
+def test_n_above_one_at_greedy_temperature_is_refused_however_zero_is_written(
+    temperature: object,
+) -> None:
+    # vLLM reads "0" (and false) as 0.0 and refuses n greedy choices; the router did only 0.
+    with pytest.raises(RouterError) as info:
+        parse({"model": MODEL, "prompt": "x", "n": 2, "temperature": temperature})
+    assert str(info.value) == "n must be 1 when using greedy sampling, got 2."
+    assert len(parse({"model": MODEL, "prompt": "x", "n": 2, "temperature": "0.5"}).choices) == 2
+
+
+@pytest.mark.parametrize("body", [{"prompt": "x"}, {"model": None, "prompt": "x"}, {"model": ""}])
+def test_a_request_without_a_model_is_for_the_served_model(body: dict[str, object]) -> None:
+    # vLLM's _is_model_supported: no model, or an empty one, is the base model.
+    request = parse({"prompt": "x", **body})
+    assert request.model == MODEL and request.body["model"] == MODEL

@@ -10,12 +10,13 @@ from typing import Annotated
 
 from pydantic import Field, TypeAdapter, ValidationError
 
-__all__ = ["NOT_JSON", "is_json", "lax_bool", "lax_int", "lax_token_ids"]
+__all__ = ["NOT_JSON", "is_json", "lax_bool", "lax_float", "lax_int", "lax_token_ids"]
 
 # vLLM 0.32's words for a body that does not say it is JSON (its validate_json_request).
 NOT_JSON = "Unsupported Media Type: Only 'application/json' is allowed"
 
 _INT: TypeAdapter[int] = TypeAdapter(int)
+_FLOAT: TypeAdapter[float] = TypeAdapter(float)
 _BOOL: TypeAdapter[bool] = TypeAdapter(bool)
 _TOKEN_IDS: TypeAdapter[list[int]] = TypeAdapter(list[Annotated[int, Field(ge=0)]])
 
@@ -26,6 +27,16 @@ def lax_int(value: object) -> int | None:
         return value
     try:
         return _INT.validate_python(value)
+    except ValidationError:
+        return None
+
+
+def lax_float(value: object) -> float | None:
+    """``value`` as a vLLM float field reads it (``"0"``, ``true``); None when vLLM refuses it."""
+    if type(value) is float:
+        return value
+    try:
+        return _FLOAT.validate_python(value)
     except ValidationError:
         return None
 

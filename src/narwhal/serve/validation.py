@@ -20,7 +20,7 @@ from narwhal.engines.context import (
     range_refusal,
     text_prompt_refusal,
 )
-from narwhal.engines.lax import lax_bool, lax_int, lax_token_ids
+from narwhal.engines.lax import lax_bool, lax_float, lax_int, lax_token_ids
 from narwhal.routing.prompt_length import MAX_BYTES_PER_TOKEN
 from narwhal.serve.errors import InvalidRequest, NotFound
 
@@ -185,8 +185,8 @@ def _fan_out(
     include_usage: bool,
 ) -> ClientRequest:
     """One request per choice, each checked as if sent alone (an error names the prompt)."""
-    temperature = body.get("temperature")
-    if n > 1 and isinstance(temperature, int | float) and temperature < 1e-5:
+    temperature = lax_float(body.get("temperature"))  # "0" is 0.0 to vLLM
+    if n > 1 and temperature is not None and temperature < 1e-5:
         # vLLM's own refusal (sampling_params.py): n greedy choices would be one choice n times.
         raise InvalidRequest(f"n must be 1 when using greedy sampling, got {n}.", "n")
     count = n * max(1, len(prompts))
