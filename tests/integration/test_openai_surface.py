@@ -400,3 +400,14 @@ def test_a_request_without_a_model_is_served_by_the_fleets_model(stack, route, m
     assert response.status_code == 200, response.text
     assert response.json()["model"] == MODEL
     assert _end(router, response.headers["x-request-id"])["outcome"] == "ok"
+
+
+@pytest.mark.parametrize("fields", [{"echo": 0}, {"echo": "false"}, {"best_of": "1"}])
+def test_an_unsupported_field_set_off_is_served_through_to_the_engine(stack, fields) -> None:
+    """vLLM reads 0 and "false" as false, "1" as 1: the router and the simulated engine
+    accept the field off however it is written, as vLLM does."""
+    _, router = stack
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 2, **fields}
+    response = httpx.post(router.url + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    assert _end(router, response.headers["x-request-id"])["outcome"] == "ok"

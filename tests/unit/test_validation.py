@@ -260,3 +260,19 @@ def test_a_request_without_a_model_is_for_the_served_model(body: dict[str, objec
     # vLLM's _is_model_supported: no model, or an empty one, is the base model.
     request = parse({"prompt": "x", **body})
     assert request.model == MODEL and request.body["model"] == MODEL
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"echo": 0},
+        {"echo": "false"},
+        {"use_beam_search": "off"},
+        {"best_of": "1"},
+        {"best_of": 1.0},
+    ],
+)
+def test_an_unsupported_field_set_off_as_vllm_reads_it_is_accepted(
+    fields: dict[str, object],
+) -> None:
+    assert parse({"model": MODEL, "prompt": "x", **fields}).model == MODEL

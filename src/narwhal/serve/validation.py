@@ -54,12 +54,20 @@ _UNSUPPORTED: dict[str, str] = {
 }
 
 
+# Unsupported fields that vLLM types as booleans: "off" is whatever it reads as false (0, "0",
+# "false", "off").
+_BOOLEAN_FIELDS = frozenset({"echo", "use_beam_search"})
+
+
 def _is_off(name: str, value: Any) -> bool:
-    """Values of unsupported fields that mean "off" and are harmless to accept."""
+    """Values of unsupported fields that mean "off" and are harmless to accept, as vLLM reads
+    them."""
     if value is None or value is False:
         return True
     if name == "best_of":
-        return type(value) is int and value == 1
+        return lax_int(value) == 1
+    if name in _BOOLEAN_FIELDS:
+        return lax_bool(value) is False
     return isinstance(value, list) and not value
 
 

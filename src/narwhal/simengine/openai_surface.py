@@ -608,7 +608,7 @@ def parse_surface(
     body: dict[str, Any], chat: bool, vocab: Vocabulary, kv_transfer_params: Any
 ) -> SurfaceOptions:
     """Validate the request's OpenAI fields as vLLM 0.32 does (raises :class:`Invalid`)."""
-    if body.get("use_beam_search"):
+    if body.get("use_beam_search") is not None and lax_bool(body["use_beam_search"]) is not False:
         raise Invalid("use_beam_search is not supported by the simulator", "use_beam_search")
     if body.get("prompt_logprobs") is not None:
         raise Invalid("prompt_logprobs is not supported by the simulator", "prompt_logprobs")

@@ -143,9 +143,10 @@ def parse_generation(
 ) -> GenerationParams:
     if not isinstance(body, dict):
         raise ProtocolError("request body must be a JSON object")
-    if body.get("best_of") not in (None, 1):
+    # Off as vLLM reads it (1.0 and "1" are 1; 0, "false" and "off" are false).
+    if body.get("best_of") is not None and lax_int(body["best_of"]) != 1:
         raise ProtocolError("best_of is not supported", param="best_of")
-    if body.get("echo"):
+    if body.get("echo") is not None and lax_bool(body["echo"]) is not False:
         raise ProtocolError("echo is not supported by the simulator", param="echo")
     try:
         surface = parse_surface(body, chat, vocab, body.get("kv_transfer_params"))
