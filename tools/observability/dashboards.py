@@ -759,13 +759,17 @@ def fleet_and_roles() -> db.Dashboard:
         graph(
             ids,
             "Role flips",
-            "Role flips per rate interval by direction (narwhal_flips_total), forced or decided "
-            "by the role controller; the role generation (narwhal_role_generation) counts every "
-            "flip since the router started.",
+            "Role flips per rate interval by direction (narwhal_flips_total, the most any "
+            "replica counted: each counts every flip it applies), forced or decided by the role "
+            "controller; the role generation (narwhal_role_generation) counts every flip since "
+            "the router started.",
             "short",
             [
                 _q(
-                    _events("from_role, to_role", "narwhal_flips_total"),
+                    # Every replica counts each flip it applies (its own or one it read from
+                    # etcd): the fleet's flips are the most any replica counted, not the sum.
+                    "max by (from_role, to_role) "
+                    f"({_rate('narwhal_flips_total', fn='increase')})",
                     "{{from_role}} → {{to_role}}",
                     "A",
                 ),
