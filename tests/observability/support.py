@@ -35,6 +35,7 @@ def expositions(engines: tuple[str, ...] = ("e0", "e1")) -> list[str]:
     series they know of exists from the start."""
     router = RouterMetrics(engines, "fleet", "0" * 64, None)
     engine = EngineMetrics("model", "0")
+    engine.cache_config(16, 1024, True)  # as the server sets it at start (its info gauge)
     return [
         generate_latest(router.registry).decode(),
         generate_latest(engine.registry).decode(),
