@@ -105,7 +105,13 @@ MIGRATION_REASONS = ("connection", "engine_error", "malformed", "stall")
 HEDGE_OUTCOMES = ("hedge", "original", "failed", "refused")
 # The router's background loops (narwhal.serve.supervisor), besides one KV event subscription
 # per engine that publishes them (``kv_events_task``).
-FLEET_BACKGROUND_TASKS = ("health_probes", "engine_scrapes", "role_controller", "etcd_coordination")
+FLEET_BACKGROUND_TASKS = (
+    "health_probes",
+    "engine_scrapes",
+    "role_controller",
+    "etcd_coordination",
+    "generation_watch",
+)
 
 
 def kv_events_task(engine: str) -> str:
@@ -238,8 +244,15 @@ class RouterMetrics:
         self.background_task_restarts = Counter(
             "narwhal_background_task_restarts",
             "Background loops started again after a fault (health_probes, engine_scrapes, "
-            "role_controller, etcd_coordination, kv_events/<engine>).",
+            "role_controller, etcd_coordination, generation_watch, kv_events/<engine>).",
             ["task"],
+            registry=r,
+        )
+        self.profile_stale = Gauge(
+            "narwhal_engine_profile_stale",
+            "1 while the engine runs another generation than the one its profile was measured "
+            "at (restarted since profiling: re-profile it).",
+            ["engine"],
             registry=r,
         )
         self.prefix_index_blocks = Gauge(
@@ -408,6 +421,7 @@ class RouterMetrics:
             self.prefill.labels(engine)
             self.handoff.labels(engine)
             self.deadline_exceeded.labels(engine)
+            self.profile_stale.labels(engine)
             self.first_token_waits.labels(engine)
             self.local_prefills.labels(engine)
             self.prefix_prompt_tokens.labels(engine)

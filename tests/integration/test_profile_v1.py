@@ -19,7 +19,14 @@ from narwhal.contract import canonical_json, read_json_document, sha256_hex
 from narwhal.profiles.store import ProfileStore, parse_profile_store
 from narwhal.testing import profiling
 from narwhal.testing.procs import wait_until
-from tests.helpers import MODEL, running_fleet, running_router, start_router, stop_router
+from tests.helpers import (
+    MODEL,
+    metric,
+    running_fleet,
+    running_router,
+    start_router,
+    stop_router,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -238,7 +245,19 @@ def test_router_refuses_bad_or_stale_profile_stores(tmp_path: Path) -> None:
             )
             assert p.returncode == 2 and words in p.stderr
             assert len(p.stderr.strip().splitlines()) == 1, p.stderr
-        fleet.restart("e1")  # a new generation: the store no longer describes it
+        # A router running when an engine restarts (a new generation) flags it, as it
+        # would have refused to start with it.
+        with running_router(
+            tmp_path, fleet.fleet_path, "--profiles", str(out), "--health-interval", "0.2"
+        ) as router:
+
+            def stale(engine: str) -> float:
+                return metric(router.metrics(), "narwhal_engine_profile_stale", engine=engine)
+
+            assert stale("e0") == 0 and stale("e1") == 0
+            fleet.restart("e1")  # a new generation: the store no longer describes it
+            assert wait_until(lambda: stale("e1") == 1, 15)
+            assert stale("e0") == 0
         p = subprocess.run(
             [
                 sys.executable,

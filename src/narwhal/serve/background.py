@@ -1,11 +1,14 @@
-"""The router's background loops: active health probes, engine /metrics scrapes, and the
-subscriptions to engines' KV cache events that keep the prefix index precise."""
+"""The router's background loops: active health probes, engine /metrics scrapes, the watch of
+engines' generations against their profiles, and the subscriptions to engines' KV cache events
+that keep the prefix index precise."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+
+import httpx
 
 from narwhal.engines.client import EnginePool
 from narwhal.engines.kv_events import KVEventSubscriber, ReadEvent, apply_kv_events
@@ -15,7 +18,13 @@ from narwhal.metrics import RouterMetrics
 from narwhal.routing.fleet_state import EngineState, FleetState
 from narwhal.routing.prefix import PrefixIndex
 
-__all__ = ["kv_event_subscribers", "probe_all", "run_health_loop", "run_scrape_loop"]
+__all__ = [
+    "kv_event_subscribers",
+    "probe_all",
+    "run_generation_watch",
+    "run_health_loop",
+    "run_scrape_loop",
+]
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +152,44 @@ async def run_scrape_loop(
     while True:
         await asyncio.gather(*(_scrape(e, state, pool, metrics) for e in state.engines.values()))
         await asyncio.sleep(interval_s)
+
+
+async def run_generation_watch(
+    attestations: Mapping[str, str],
+    profiled: Mapping[str, str],
+    metrics: RouterMetrics,
+    interval_s: float,
+) -> None:
+    """Each engine's generation, as its attestation endpoint (``attestations``) reports it,
+    against the one its profile was measured at (``profiled``). The router checks them when it
+    starts; an engine restarted since runs another generation, possibly at another speed, and
+    the router goes on routing it by the old profile (the online correction absorbs a
+    different speed): it is flagged (``narwhal_engine_profile_stale``, a warning in the log)
+    until it runs the profiled generation again. An attestation that does not answer changes
+    nothing."""
+    stale: set[str] = set()
+    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+        while True:
+            await asyncio.sleep(interval_s)
+            for engine_id, url in attestations.items():
+                try:
+                    live = str((await client.get(url)).json()["generation"])
+                except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                    continue
+                now = live != profiled[engine_id]
+                if now and engine_id not in stale:
+                    stale.add(engine_id)
+                    log.warning(
+                        "engine %s runs generation %s, profiled at %s (restarted): it is routed "
+                        "by its old profile until re-profiled (narwhal-profile)",
+                        engine_id,
+                        live,
+                        profiled[engine_id],
+                    )
+                elif not now and engine_id in stale:
+                    stale.discard(engine_id)
+                    log.info("engine %s runs its profiled generation again", engine_id)
+                metrics.profile_stale.labels(engine_id).set(1 if now else 0)
 
 
 def kv_event_subscribers(state: FleetState, metrics: RouterMetrics) -> list[KVEventSubscriber]:

@@ -27,6 +27,7 @@ from narwhal.serve.auth import Auth
 from narwhal.serve.background import (
     kv_event_subscribers,
     probe_all,
+    run_generation_watch,
     run_health_loop,
     run_scrape_loop,
 )
@@ -39,6 +40,11 @@ from narwhal.serve.supervisor import supervise
 __all__ = ["Services"]
 
 log = logging.getLogger("narwhal.serve")
+
+
+# Health probes per look at the engines' attestations (a restart takes an engine down for at
+# least one probe; its attestation need not be read as often).
+GENERATION_WATCH_PROBES = 5
 
 
 @dataclass
@@ -180,6 +186,25 @@ class Services:
         ]
         if (coordinator := self.roles.coordinator) is not None:
             loops.append(("etcd_coordination", coordinator.run))
+        if settings.profiles is not None:
+            profiled = {
+                engine_id: profile.generation
+                for engine_id, profile in settings.profiles.engines.items()
+                if profile.generation is not None
+            }
+            attestations = {
+                e.id: e.attestation_url
+                for e in fleet.engines
+                if e.attestation_url and e.id in profiled
+            }
+            if attestations:
+                every = GENERATION_WATCH_PROBES * settings.health_interval_s
+                loops.append(
+                    (
+                        "generation_watch",
+                        lambda: run_generation_watch(attestations, profiled, metrics, every),
+                    )
+                )
         loops += [
             (kv_events_task(subscriber.engine_id), subscriber.run)
             for subscriber in kv_event_subscribers(state, metrics)
