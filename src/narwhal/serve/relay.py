@@ -739,6 +739,8 @@ async def aggregate(
             choice_out["prompt_token_ids"] = prompt_token_ids
         out.append(choice_out)
     if isinstance(usage, dict):
+        # vLLM's whole answer has both (null when not reported); its stream leaves them out.
+        usage.setdefault("prompt_tokens_details", None)
         usage.setdefault("completion_tokens_details", None)
     answer: dict[str, Any] = {
         "id": head.get("id"),
