@@ -50,6 +50,14 @@ VLLM_032_ANSWER_KEYS = {
     # A chat answer's prompt fields are top-level (a completion's are in its choices).
     True: _COMMON_ANSWER_KEYS | {"prompt_logprobs", "prompt_token_ids", "prompt_text"},
 }
+# The usage of vLLM 0.32's whole answer (null details included).
+VLLM_032_USAGE_KEYS = {
+    "prompt_tokens",
+    "total_tokens",
+    "completion_tokens",
+    "prompt_tokens_details",
+    "completion_tokens_details",
+}
 
 
 def write_fleet(directory: Path, num_engines: int, **kwargs: Any) -> Path:

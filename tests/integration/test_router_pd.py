@@ -16,6 +16,7 @@ from narwhal.testing.procs import wait_until
 from tests.helpers import (
     MODEL,
     VLLM_032_ANSWER_KEYS,
+    VLLM_032_USAGE_KEYS,
     RouterProcess,
     metric,
     running_fleet,
@@ -282,14 +283,7 @@ def test_a_routed_whole_answer_has_vllm_032_keys(stack, chat: bool) -> None:
     path = "/v1/chat/completions" if chat else "/v1/completions"
     answer = httpx.post(router.url + path, json=body, timeout=30).json()
     assert set(answer) == VLLM_032_ANSWER_KEYS[chat]
-    # vLLM 0.32's whole answer's usage (tests/interop/test_sim_conformance.py holds the same).
-    assert set(answer["usage"]) == {
-        "prompt_tokens",
-        "total_tokens",
-        "completion_tokens",
-        "prompt_tokens_details",
-        "completion_tokens_details",
-    }
+    assert set(answer["usage"]) == VLLM_032_USAGE_KEYS
 
 
 def test_prompt_token_ids_come_back_when_asked(stack) -> None:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from narwhal.engines.legs import decode_leg_body, prefill_leg_body
-from tests.helpers import MODEL, VLLM_032_ANSWER_KEYS, metric, running_fleet
+from tests.helpers import MODEL, VLLM_032_ANSWER_KEYS, VLLM_032_USAGE_KEYS, metric, running_fleet
 
 # kv_transfer_params of a vLLM 0.32 prefill leg (NixlConnector, pull mode), field by field.
 VLLM_032_KV_TRANSFER_PARAMS: dict[str, type | tuple[type, ...]] = {
@@ -160,13 +160,7 @@ def test_a_whole_answer_has_vllm_032_keys(fleet, chat: bool) -> None:
     path = "/v1/chat/completions" if chat else "/v1/completions"
     answer = httpx.post(fleet.engines["e1"].url + path, json=_body(chat), timeout=30).json()
     assert set(answer) == VLLM_032_ANSWER_KEYS[chat]
-    assert set(answer["usage"]) == {
-        "prompt_tokens",
-        "total_tokens",
-        "completion_tokens",
-        "prompt_tokens_details",
-        "completion_tokens_details",
-    }
+    assert set(answer["usage"]) == VLLM_032_USAGE_KEYS
     choice_keys = {"index", "logprobs", "finish_reason", "stop_reason", "token_ids"}
     choice_keys |= (
         {"message", "routed_experts"}
