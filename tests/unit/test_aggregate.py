@@ -78,7 +78,9 @@ def test_tool_calls_are_assembled_by_index() -> None:
         "prompt_tokens": 11,
         "completion_tokens": 7,
         "total_tokens": 18,
-        "completion_tokens_details": None,  # as vLLM 0.32 writes a whole answer's usage
+        # as vLLM 0.32 writes a whole answer's usage
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
     }
     # a tool-call delta is output: the first token is the first tool-call delta
     assert tally.token_events == 6 and tally.first_token_at is not None
