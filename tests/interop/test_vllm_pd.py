@@ -1254,7 +1254,9 @@ def test_decode_engine_killed_mid_stream_completes_elsewhere(pd: PD) -> None:
     left (p0, as a local leg: no decode engine survives), and the client's answer is the one
     engine's, token for token, in one stream with one id and one usage chunk. (Chat only: each
     case kills d0, and a restart is most of a minute on 2 cores; completions share the path.
-    The module's last test: d0 is not restarted.)"""
+    The module's last test: d0 is not restarted.) With a stop string that never matches: d0
+    holds back its text's last len(stop) - 1 characters while their ids have gone out, and the
+    router has an engine detokenize the ids to send them past the splice."""
     chat = True
     body = pd.request_body(
         chat,
@@ -1262,6 +1264,7 @@ def test_decode_engine_killed_mid_stream_completes_elsewhere(pd: PD) -> None:
         max_tokens=MIGRATED_TOKENS,
         stream=True,
         stream_options={"include_usage": True},
+        stop=["\u241e\u241e\u241e\u241e\u241e\u241e"],
     )
     reference = pd.reference(body, chat)  # on d0, before it dies
     assert reference.finish_reason == "length"
