@@ -99,6 +99,7 @@ test-env: $(STAMP) typecheck test-deps aiperf interop-env
 
 check: $(STAMP) typecheck
 	$(PY) -m ruff check src tests bench tools
+	$(PY) -m ruff format --check src tests bench tools
 	@$(call two_passes,and not slow)
 
 lint: $(STAMP) typecheck

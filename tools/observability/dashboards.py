@@ -768,8 +768,7 @@ def fleet_and_roles() -> db.Dashboard:
                 _q(
                     # Every replica counts each flip it applies (its own or one it read from
                     # etcd): the fleet's flips are the most any replica counted, not the sum.
-                    "max by (from_role, to_role) "
-                    f"({_rate('narwhal_flips_total', fn='increase')})",
+                    f"max by (from_role, to_role) ({_rate('narwhal_flips_total', fn='increase')})",
                     "{{from_role}} → {{to_role}}",
                     "A",
                 ),
