@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from narwhal.testing.ports import free_ports
-from tests.helpers import running_fleet, running_router
+from tests.helpers import running_fleet, running_router, start_router, stop_router
 from tests.measurement.support import TOOLS
 from tools.measurement._router_journal import (
     JournalNotFound,
@@ -40,6 +40,26 @@ def test_the_router_listening_on_the_port_names_its_journal(tmp_path: Path) -> N
         assert "no process of this user listens on port" in str(exc)
     else:
         raise AssertionError("found a journal with no router")
+
+
+def test_a_router_given_a_relative_journal_names_it_absolutely_in_its_admin_state(
+    tmp_path: Path,
+) -> None:
+    """A runner working in another directory reads /admin/state's journal path: the router
+    started with ``--journal runs/j.jsonl`` names the file it writes, not one relative to
+    whoever reads (a runner whose directory held a runs/ of its own read that one)."""
+    elsewhere = tmp_path / "router-cwd"
+    (elsewhere / "runs").mkdir(parents=True)
+    with running_fleet(tmp_path, 2) as fleet:
+        router = start_router(
+            tmp_path, fleet.fleet_path, journal=Path("runs/j.jsonl"), cwd=elsewhere
+        )
+        try:
+            path, how = find_router_journal(router.url, tmp_path / "admin-token")
+        finally:
+            stop_router(router)
+    assert how == "the router's /admin/state"
+    assert path == elsewhere / "runs" / "j.jsonl" and path.is_file()
 
 
 def test_the_runner_without_journal_and_without_router_refuses_in_one_line(

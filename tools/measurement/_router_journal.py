@@ -105,9 +105,14 @@ def _from_admin(base: str, token_file: Path) -> Path:
     if "error" in state:
         raise JournalNotFound(f"GET {base}/admin/state: {state['error']}")
     try:
-        return Path(state["journal"]["path"])
+        path = Path(state["journal"]["path"])
     except (KeyError, TypeError):
         raise JournalNotFound(f"GET {base}/admin/state has no journal.path") from None
+    if not path.is_absolute():
+        # A router older than the absolute path: relative to its working directory, which
+        # /admin/state does not say (read from here, it could name another run's journal).
+        raise JournalNotFound(f"GET {base}/admin/state names a relative journal path ({path})")
+    return path
 
 
 def _from_process(base: str, proc: Path) -> Path:

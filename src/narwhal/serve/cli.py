@@ -311,7 +311,7 @@ def _verify_report(
     )
     return {
         "status": "qualified",
-        "report": path,
+        "report": str(Path(path).absolute()),  # for tools that read it from elsewhere
         "report_sha256": digest,
         "report_created_at": report.created_at,
         "fleet_sha256": report.fleet.sha256,
@@ -476,7 +476,9 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
         log.warning("%s", warning)
     settings = ServeSettings(
         fleet=fleet,
-        journal_path=journal,
+        # Absolute: /admin/state and router.start name it for tools that run elsewhere (a
+        # benchmark runner finds the journal there); the router's own cwd does not move.
+        journal_path=journal.absolute(),
         api_key_hashes=tuple(hash_secret(k.strip()) for k in keys),
         admin_token_hash=admin_hash,
         max_body_bytes=args.max_body_bytes,
