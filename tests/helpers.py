@@ -218,6 +218,7 @@ def start_router(
     journal = journal or directory / "journal.jsonl"
     token_file = directory / "admin-token"
     token_file.write_text(ADMIN_TOKEN + "\n")
+    token_file.chmod(0o600)
     log_path = directory / f"router-{port}.log"
     process = procs.start(
         router_command(fleet_path, port, journal, token_file, *extra), log_path, **start

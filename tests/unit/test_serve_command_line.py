@@ -93,3 +93,37 @@ def test_a_journal_has_one_router_and_is_a_journal(tmp_path: Path) -> None:
     args = _parser().parse_args([*base[:-1], str(unwritable), "--port", str(free_ports(1)[0])])
     with pytest.raises(UsageError, match=r"^--journal: /proc/narwhal-test/j.jsonl: cannot write"):
         build_settings(args)
+
+
+def test_keys_a_client_could_never_send_and_an_empty_key_list_are_usage_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key with a non-ASCII character never matched (clients send Latin-1 bytes, the file
+    is UTF-8); NARWHAL_API_KEYS of separators alone configured no key, and the router served
+    unauthenticated with a warning."""
+    base = ["--fleet", str(FLEET), "--skip-qualification", "--journal", str(tmp_path / "j.jsonl")]
+    keys = tmp_path / "keys"
+    keys.write_text("cl\u00e9-key\n", encoding="utf-8")
+    keys.chmod(0o600)
+    args = _parser().parse_args([*base, "--api-keys-file", str(keys)])
+    with pytest.raises(UsageError, match="an API key must be printable ASCII"):
+        build_settings(args)
+    monkeypatch.setenv("NARWHAL_API_KEYS", " , ,")
+    with pytest.raises(UsageError, match="^NARWHAL_API_KEYS: no API key in it"):
+        build_settings(_parser().parse_args(base))
+
+
+def test_a_secrets_file_other_users_may_read_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from narwhal.testing.ports import free_ports
+
+    keys = tmp_path / "keys"
+    keys.write_text("k-1\n")
+    keys.chmod(0o644)
+    base = ["--fleet", str(FLEET), "--skip-qualification", "--journal", str(tmp_path / "j.jsonl")]
+    args = [*base, "--api-keys-file", str(keys), "--port", str(free_ports(1)[0])]
+    with caplog.at_level("WARNING"):
+        settings = build_settings(_parser().parse_args(args))[0]
+    settings.journal_claim.close()
+    assert f"{keys}: other users may read the API keys (mode 644): chmod 600" in caplog.text

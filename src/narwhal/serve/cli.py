@@ -226,15 +226,27 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _read_secrets(path: str, what: str) -> list[str]:
+def _read_secrets(path: str, what: str, warnings: list[str]) -> list[str]:
     try:
         text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise UsageError(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
+        mode = Path(path).stat().st_mode
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise UsageError(f"{path}: cannot read {what}: {why or exc}") from None
     values = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
     if not values:
         raise UsageError(f"{path}: no {what} in the file")
+    if mode & 0o077:
+        warnings.append(
+            f"{path}: other users may read the {what} (mode {mode & 0o777:o}): chmod 600"
+        )
     return values
+
+
+def _header_safe(secret: str) -> bool:
+    """What a client can send in an Authorization header as written: visible ASCII. A key
+    with other characters could never match (clients send them as Latin-1 bytes, or not)."""
+    return all("!" <= c <= "~" for c in secret)
 
 
 def live_generations(fleet: Any, timeout: float = 3.0) -> dict[str, str | None]:
@@ -418,15 +430,31 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
         # An empty key would count as "keys configured" (no loopback fallback) yet admit no one.
         raise UsageError("--api-key: an API key must not be empty")
     keys = list(args.api_key)
-    if args.api_keys_file:
-        keys += _read_secrets(args.api_keys_file, "API keys")
-    keys += [k.strip() for k in os.environ.get("NARWHAL_API_KEYS", "").split(",") if k.strip()]
-    admin_hash = None
-    if args.admin_token_file:
-        admin_hash = hash_secret(_read_secrets(args.admin_token_file, "admin token")[0])
-    host = args.host
     # Warnings wait until every check passed: a refused start prints only its one line.
     warnings: list[str] = []
+    if args.api_keys_file:
+        keys += _read_secrets(args.api_keys_file, "API keys", warnings)
+    from_env = os.environ.get("NARWHAL_API_KEYS")
+    if from_env is not None:
+        env_keys = [k.strip() for k in from_env.split(",") if k.strip()]
+        if from_env.strip() and not env_keys:
+            raise UsageError("NARWHAL_API_KEYS: no API key in it (comma-separated keys)")
+        keys += env_keys
+    for key in keys:
+        if not _header_safe(key):
+            raise UsageError(
+                "an API key must be printable ASCII without spaces (an HTTP header carries no "
+                "other bytes as they were written)"
+            )
+    admin_hash = None
+    if args.admin_token_file:
+        token = _read_secrets(args.admin_token_file, "admin token", warnings)[0]
+        if not _header_safe(token):
+            raise UsageError(
+                f"{args.admin_token_file}: the admin token must be printable ASCII without spaces"
+            )
+        admin_hash = hash_secret(token)
+    host = args.host
     if not keys and not _is_loopback(host):
         warnings.append(f"no API keys configured: binding to 127.0.0.1 instead of {host}")
         host = "127.0.0.1"
