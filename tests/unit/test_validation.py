@@ -276,3 +276,13 @@ def test_an_unsupported_field_set_off_as_vllm_reads_it_is_accepted(
     fields: dict[str, object],
 ) -> None:
     assert parse({"model": MODEL, "prompt": "x", **fields}).model == MODEL
+
+
+@pytest.mark.parametrize("name", ["kv_transfer_params", "ec_transfer_params"])
+def test_transfer_params_inside_vllm_xargs_are_refused(name: str) -> None:
+    # vLLM takes vllm_xargs as its extra args, where it reads the transfer parameters the
+    # router did not set (a local leg; the encoder cache): a client's would reach the engine.
+    with pytest.raises(RouterError) as info:
+        parse({"model": MODEL, "prompt": "x", "vllm_xargs": {name: "10.9.9.9"}})
+    assert info.value.param == f"vllm_xargs.{name}"
+    assert parse({"model": MODEL, "prompt": "x", "vllm_xargs": {"k": 1}}).model == MODEL

@@ -285,6 +285,13 @@ def parse_client_request(
     for name, why in _UNSUPPORTED.items():
         if name in body and (name.endswith("_transfer_params") or not _is_off(name, body[name])):
             raise InvalidRequest(why, name)
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict):
+        # vLLM reads its extra args as the request's transfer parameters where the router set
+        # none (a local leg, the encoder cache): a client's would point an engine elsewhere.
+        for name in ("kv_transfer_params", "ec_transfer_params"):
+            if name in xargs:
+                raise InvalidRequest(_UNSUPPORTED[name], f"vllm_xargs.{name}")
     raw_stream = body.get("stream", False)
     stream = False if raw_stream is None else lax_bool(raw_stream)
     if stream is None:
