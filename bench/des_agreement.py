@@ -89,6 +89,7 @@ from narwhal.testing.journals import journal_ends
 from narwhal.testing.ports import free_ports
 from narwhal.testing.profiling import profile_fleet
 from narwhal.testing.routers import router_ready
+from narwhal.testing.traces import trace_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "moonshotai/Kimi-K3"
@@ -105,7 +106,7 @@ WORKLOADS = {
     "saturated": (8.0, 4096, 16),
 }
 NAMES = [*WORKLOADS, "azure"]
-AZURE_CODE = ROOT.parent / "shared" / "data" / "azure-llm-2023" / "AzureLLMInferenceTrace_code.csv"
+AZURE_CODE = trace_dir("azure-llm-2023", ROOT) / "AzureLLMInferenceTrace_code.csv"
 AZURE_LOAD = 0.65
 AZURE_MAX_OUTPUT = 128
 

@@ -45,8 +45,9 @@ from pathlib import Path
 from narwhal.fleetsim.simulator import DesConfig, RequestSpec, run_des
 from narwhal.fleetsim.workloads import read_azure_trace, synthetic_fleet
 from narwhal.simengine.timing import CALIBRATION
+from narwhal.testing.traces import trace_dir
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "azure-llm-2023"
+DATA_DIR = trace_dir("azure-llm-2023", Path(__file__).resolve().parents[1])
 TRACES = ("AzureLLMInferenceTrace_code.csv", "AzureLLMInferenceTrace_conv.csv")
 TTFT_S, TPOT_S = 10.0, 0.3
 MAX_NUM_SEQS = 64

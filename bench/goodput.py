@@ -133,17 +133,18 @@ from narwhal.testing.provenance import git
 from narwhal.testing.rawhttp import TRANSPORT_ERRORS, post_stream
 from narwhal.testing.routers import peer_router_command, router_ready
 from narwhal.testing.stats import percentile
+from narwhal.testing.traces import trace_dir
 
 MODEL = "moonshotai/Kimi-K3"
 REAL_TTFT_S = 10.0
 REAL_TPOT_S = 0.3
 ATTAINMENT = 0.95
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "azure-llm-2023"
+DATA_DIR = trace_dir("azure-llm-2023", Path(__file__).resolve().parents[1])
 TRACES = {
     "code": "AzureLLMInferenceTrace_code.csv",
     "conv": "AzureLLMInferenceTrace_conv.csv",
 }
-MOONCAKE_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake-fast25"
+MOONCAKE_DIR = trace_dir("mooncake-fast25", Path(__file__).resolve().parents[1])
 MOONCAKE = {"mooncake_conv": "conversation_trace.jsonl", "mooncake_syn": "synthetic_trace.jsonl"}
 WORKLOADS = ("code", "conv", "fixed", *MOONCAKE)
 DEFAULT_WORKLOADS = ("code", "conv", "fixed")

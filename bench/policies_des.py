@@ -100,8 +100,9 @@ from narwhal.testing.goodput import (
     search_crossing,
     to_blocks,
 )
+from narwhal.testing.traces import trace_dir
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "azure-llm-2023"
+DATA_DIR = trace_dir("azure-llm-2023", Path(__file__).resolve().parents[1])
 TRACES = {"code": "AzureLLMInferenceTrace_code.csv", "conv": "AzureLLMInferenceTrace_conv.csv"}
 TTFT_S, TPOT_S, TARGET = 10.0, 0.3, 0.95
 MAX_PROMPT = 8192

@@ -99,8 +99,9 @@ from narwhal.testing.goodput import (
     search_crossing,
     to_blocks,
 )
+from narwhal.testing.traces import trace_dir
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake-fast25"
+DATA_DIR = trace_dir("mooncake-fast25", Path(__file__).resolve().parents[1])
 TRACES = {"conversation": "conversation_trace.jsonl", "synthetic": "synthetic_trace.jsonl"}
 TTFT_S, TPOT_S, TARGET = 10.0, 0.3, 0.95
 MAX_MODEL_LEN = 32768

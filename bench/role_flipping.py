@@ -109,6 +109,7 @@ from narwhal.testing.profiling import profile_fleet
 from narwhal.testing.rawhttp import TRANSPORT_ERRORS, StreamTimes, post_stream
 from narwhal.testing.routers import peer_router_command, router_ready
 from narwhal.testing.stats import median
+from narwhal.testing.traces import trace_dir
 
 MODEL = "moonshotai/Kimi-K3"
 REAL_TTFT_S = 10.0
@@ -118,7 +119,7 @@ MAX_MODEL_LEN = 16384
 MAX_PROMPT = MAX_MODEL_LEN // 2
 MAX_NUM_SEQS = 64
 BASE_ENGINES = 8
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "azure-llm-2023"
+DATA_DIR = trace_dir("azure-llm-2023", Path(__file__).resolve().parents[1])
 TRACES = {"code": "AzureLLMInferenceTrace_code.csv", "conv": "AzureLLMInferenceTrace_conv.csv"}
 ATTRIBUTION = (
     'Azure LLM inference traces 2023-11-16 (Patel et al., "Splitwise: Efficient generative LLM '

@@ -20,6 +20,7 @@ import pytest
 
 from narwhal.testing.ports import free_ports
 from narwhal.testing.procs import wait_until
+from narwhal.testing.traces import trace_dir
 from tests.helpers import admin, running_fleet, start_router, stop_router
 from tests.measurement.support import (
     SIM,
@@ -36,10 +37,7 @@ from tests.measurement.support import (
 )
 
 AZURE_CODE = (
-    Path(__file__).resolve().parents[3]
-    / "shared"
-    / "data"
-    / "azure-llm-2023"
+    trace_dir("azure-llm-2023", Path(__file__).resolve().parents[2])
     / "AzureLLMInferenceTrace_code.csv"
 )
 IN, OUT = 1024, 32

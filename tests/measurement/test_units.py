@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from narwhal.contract import Budgets
+from narwhal.testing.traces import trace_dir
 from tools.measurement._runner_collect import (
     Sample,
     counter_missing,
@@ -40,7 +41,7 @@ from tools.measurement._trial_workload import (
 from tools.measurement.benchmark_plan import PlanError, load_plan
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools" / "measurement"
-AZURE = Path(__file__).resolve().parents[3] / "shared" / "data" / "azure-llm-2023"
+AZURE = trace_dir("azure-llm-2023", Path(__file__).resolve().parents[2])
 SHA = "a" * 64
 
 

@@ -109,7 +109,7 @@ def test_keys_a_client_could_never_send_and_an_empty_key_list_are_usage_errors(
     with pytest.raises(UsageError, match="an API key must be printable ASCII"):
         build_settings(args)
     monkeypatch.setenv("NARWHAL_API_KEYS", " , ,")
-    with pytest.raises(UsageError, match="^NARWHAL_API_KEYS: no API key in it"):
+    with pytest.raises(UsageError, match=r"^NARWHAL_API_KEYS: no API key in it"):
         build_settings(_parser().parse_args(base))
 
 
