@@ -117,7 +117,8 @@ def _parser() -> argparse.ArgumentParser:
         "--body-timeout",
         type=float,
         default=60.0,
-        help="seconds to receive a request's whole body (408 and the connection closed past it)",
+        help="seconds to receive a request's whole head, and then its whole body (408 and the "
+        "connection closed past either; default 60)",
     )
     p.add_argument(
         "--prefill-timeout",
@@ -573,6 +574,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from narwhal.asgi import HotRouteDispatch
     from narwhal.serve.app import build_app
+    from narwhal.serve.http_protocol import bounded_http_protocol
 
     app = build_app(settings)
     if args.gc == "tuned":
@@ -626,7 +628,9 @@ def main(argv: list[str] | None = None) -> int:
         access_log=False,
         timeout_graceful_shutdown=max(1, math.ceil(args.drain_timeout)),
         loop="uvloop",
-        http="httptools",
+        # uvicorn's httptools protocol, bounded: a request's head within --body-timeout and
+        # 64 KiB, and disconnects told to pipelined requests (serve/http_protocol.py).
+        http=bounded_http_protocol(args.body_timeout),
         lifespan="on",
     )
     server = Server(config)

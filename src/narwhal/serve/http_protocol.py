@@ -1,0 +1,199 @@
+"""uvicorn's httptools protocol with the bounds a public endpoint needs and the disconnects it
+misses. What the stock protocol leaves open (found by a security review, uvicorn 0.55):
+
+- A request head has no size limit and no time limit: a client that sends header bytes and
+  never ends the head makes the router hold them all (httptools buffers a header until it is
+  whole), with no API key needed. Here a head is at most ``max_head_bytes`` (431 past it) and
+  must be whole within ``head_timeout_s`` of the connection's start or the request's first
+  byte (408 past it, the connection closed); a connection that sends nothing at all is closed
+  at the same deadline.
+- With pipelined requests the stock protocol marks only the newest request disconnected when
+  the connection is lost: the one being answered never hears of it, so its generation runs on
+  for nobody and its writes meet a closed transport. Here every request of the connection not
+  yet answered is told.
+- A response sent before the request's body was read (a 401, a 413, a 405) left the connection
+  open, and a client that trickles the rest of its body one byte at a time keeps it open for
+  good (each byte re-arms keep-alive). Here such a connection is closed once the response is
+  out.
+
+Refusals before the head is whole are the HTTP server's, like uvicorn's own 400 for an
+unparsable request: no request reached the router, so none is journaled; the body is the
+OpenAI error shape every other refusal has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from typing import Any, ClassVar
+
+import orjson
+from uvicorn.protocols.http.httptools_impl import (
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
+
+__all__ = ["MAX_HEAD_BYTES", "BoundedHttpProtocol", "bounded_http_protocol"]
+
+# A request line and headers: an API key, a request id and the usual headers take a few KiB.
+MAX_HEAD_BYTES = 64 * 1024
+
+
+class BoundedHttpProtocol(HttpToolsProtocol):
+    """See the module. Configured by :func:`bounded_http_protocol`."""
+
+    max_head_bytes: ClassVar[int] = MAX_HEAD_BYTES
+    head_timeout_s: ClassVar[float] = 60.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_head = True
+        self._head_bytes = 0  # bytes received since the head began (while it is incomplete)
+        self._head_size = 0  # the parsed head's URL and headers
+        self._refused = False
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._cycles: weakref.WeakSet[RequestResponseCycle] = weakref.WeakSet()
+
+    # --- the head's bounds ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if self._in_head:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        # Still in an unfinished head (a read may also end a head and carry body bytes: then
+        # the head is measured as parsed, in on_headers_complete).
+        if self._in_head and self._head_bytes > self.max_head_bytes:
+            self._refuse(431, self._too_large)
+
+    @property
+    def _too_large(self) -> str:
+        return f"the request head is larger than {self.max_head_bytes} bytes"
+
+    def on_message_begin(self) -> None:
+        if self._refused:
+            return
+        super().on_message_begin()
+        self._in_head = True
+        self._head_size = 0
+        self._arm_head_timer()
+
+    def on_url(self, url: bytes) -> None:
+        if self._refused:
+            return
+        super().on_url(url)
+        self._head_size += len(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._refused:
+            return
+        super().on_header(name, value)
+        self._head_size += len(name) + len(value) + 4
+
+    def on_headers_complete(self) -> None:
+        if self._refused:
+            return  # a request pipelined behind a refused one: the connection is closing
+        self._in_head = False
+        self._head_bytes = 0
+        self._cancel_head_timer()
+        if self._head_size > self.max_head_bytes:
+            self._refuse(431, self._too_large)
+            return
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._refused:
+            return
+        super().on_message_complete()
+        self._in_head = True  # the next request's head, if one comes (pipelined or kept alive)
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self._in_head and self._head_bytes:
+            self._refuse(408, f"the request head was not whole within {self.head_timeout_s:g} s")
+        elif self._in_head and not self.tasks and not self.transport.is_closing():
+            # Nothing sent at all: nothing to answer.
+            self.transport.close()
+
+    def _refuse(self, status: int, message: str) -> None:
+        self._refused = True
+        self._cancel_head_timer()
+        if self.transport.is_closing():
+            return
+        body = orjson.dumps(
+            {
+                "error": {
+                    "message": message,
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": status,
+                }
+            }
+        )
+        self.transport.write(
+            b"".join(
+                (
+                    STATUS_LINE[status],
+                    b"content-type: application/json\r\n",
+                    b"content-length: %d\r\n" % len(body),
+                    b"connection: close\r\n\r\n",
+                    body,
+                )
+            )
+        )
+        self.transport.close()
+
+    # --- disconnects the stock protocol misses ----------------------------------------------
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        self._cycles.add(cycle)
+        super()._start_asgi_task(cycle, app)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+        # Every request of this connection not yet answered, not only the newest.
+        for cycle in list(self._cycles):
+            if not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        cycle = self.cycle
+        if (
+            cycle is not None
+            and cycle.response_complete
+            and cycle.more_body
+            and not self.transport.is_closing()
+        ):
+            # Answered before its body was read: the rest of it is not worth reading.
+            self.transport.close()
+
+
+def bounded_http_protocol(head_timeout_s: float, max_head_bytes: int = MAX_HEAD_BYTES) -> type:
+    """The protocol class for uvicorn's ``http=`` with these bounds."""
+    return type(
+        "BoundedHttpProtocol",
+        (BoundedHttpProtocol,),
+        {"head_timeout_s": head_timeout_s, "max_head_bytes": max_head_bytes},
+    )

@@ -1,0 +1,156 @@
+"""What a client can do to the router's HTTP server, on raw sockets (serve/http_protocol.py):
+a request head too large or too slow is refused and its connection closed, a connection that
+sends nothing is closed, a response sent before the body was read closes the connection, and
+pipelined requests whose client hung up end as client aborts (not internal errors, not a
+generation run for nobody)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from narwhal.testing.fleet import SimFleet
+from narwhal.testing.procs import wait_until
+from tests.helpers import MODEL, RouterProcess, running_fleet, running_router
+
+KEY = "sk-bounds-key-1"
+HEAD_TIMEOUT_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimFleet]:
+    # A decode step of about 20 ms: 100 tokens outlast the client that hangs up at 0.3 s.
+    with running_fleet(
+        tmp_path_factory.mktemp("bounds-fleet"), 2, sim={"time_scale": 2.0}
+    ) as fleet:
+        yield fleet
+
+
+@pytest.fixture(scope="module")
+def router(fleet: SimFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
+    directory = tmp_path_factory.mktemp("bounds")
+    keys = directory / "keys"
+    keys.write_text(KEY + "\n")
+    keys.chmod(0o600)
+    with running_router(
+        directory,
+        fleet.fleet_path,
+        "--api-keys-file",
+        str(keys),
+        "--body-timeout",
+        str(HEAD_TIMEOUT_S),
+    ) as router:
+        yield router
+
+
+def connect(router: RouterProcess) -> socket.socket:
+    host, port = router.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def read_all(sock: socket.socket, within_s: float = 10) -> bytes:
+    """Everything until the router closes the connection (fails if it does not)."""
+    sock.settimeout(within_s)
+    out = b""
+    while chunk := sock.recv(65536):
+        out += chunk
+    return out
+
+
+def status_and_error(raw: bytes) -> tuple[int, dict[str, object]]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), json.loads(body)["error"]
+
+
+def test_a_head_that_grows_without_end_is_refused(router: RouterProcess) -> None:
+    with connect(router) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        with pytest.raises(OSError):  # the router closes before 1 MB has gone
+            for _ in range(16):
+                sock.sendall(b"a" * 65536)
+                time.sleep(0.01)
+        status, error = status_and_error(read_all(sock))
+    assert status == 431 and "larger than 65536 bytes" in str(error["message"])
+
+
+def test_a_whole_head_too_large_is_refused(router: RouterProcess) -> None:
+    with connect(router) as sock:
+        sock.sendall(
+            b"GET /health HTTP/1.1\r\nHost: x\r\n"
+            + b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 1000) for i in range(100))
+            + b"\r\n"
+        )
+        status, _ = status_and_error(read_all(sock))
+    assert status == 431
+
+
+def test_a_head_not_whole_in_time_is_408_and_an_idle_connection_is_closed(
+    router: RouterProcess,
+) -> None:
+    with connect(router) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        t0 = time.monotonic()
+        status, error = status_and_error(read_all(sock))
+        waited = time.monotonic() - t0
+    assert status == 408 and "not whole within" in str(error["message"])
+    assert waited >= HEAD_TIMEOUT_S * 0.8
+    with connect(router) as sock:
+        assert read_all(sock) == b""  # nothing sent, nothing answered: closed
+
+
+def test_an_answer_before_the_body_closes_the_connection(router: RouterProcess) -> None:
+    """A 401 sent before the body was read: a client trickling the rest of its body kept the
+    connection for good (each byte re-armed keep-alive)."""
+    with connect(router) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000\r\n\r\n{"
+        )
+        sock.settimeout(0.2)
+        t0 = time.monotonic()
+        raw = b""
+        closed = False
+        while not closed and time.monotonic() - t0 < 4:
+            try:
+                sock.sendall(b" ")
+                chunk = sock.recv(65536)
+                raw += chunk
+                closed = not chunk
+            except TimeoutError:
+                continue  # open, nothing to read
+            except OSError:
+                closed = True  # reset
+    assert raw.startswith(b"HTTP/1.1 401") and closed
+
+
+def test_pipelined_requests_whose_client_hung_up_end_as_client_aborts(
+    router: RouterProcess, fleet: SimFleet
+) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "hello there", "max_tokens": 100}).encode()
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s"
+    ) % (KEY.encode(), len(body), body)
+    before = {r["id"] for r in router.records() if r["type"] == "request.start"}
+    with connect(router) as sock:
+        sock.sendall(request + request)
+        time.sleep(0.3)
+    # The request being answered ends as the client's abort: no answer to a closed
+    # connection recorded as ok, no internal error, no traceback.
+    assert wait_until(
+        lambda: any(r["type"] == "request.end" and r["id"] not in before for r in router.records()),
+        10,
+    )
+    time.sleep(0.5)
+    ends = [r for r in router.records() if r["type"] == "request.end" and r["id"] not in before]
+    assert ends and all(e["outcome"] == "client_abort" for e in ends), ends
+    assert all(e["status"] is None for e in ends), ends
+    log = Path(router.log_path).read_text()
+    assert "Traceback" not in log and "internal_error" not in log
