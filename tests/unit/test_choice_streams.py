@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
 
 import orjson
@@ -43,3 +45,55 @@ def test_every_chunk_carries_the_first_chunks_id_and_created() -> None:
     assert {c["created"] for c in seen} == {100}
     assert {c["id"] for c in seen} == {"cmpl-abc"}
     assert [c["choices"][0]["index"] for c in seen] == [0, 1, 1, 0]
+
+
+class _EndlessEvents:
+    """An engine stream that always has another batch ready, counting the batches read."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.read = 0
+
+    async def next_batch(self) -> list[bytes]:
+        self.read += 1
+        await asyncio.sleep(0)
+        return [_chunk(self.request_id, 100, "x" * 100)]
+
+
+class _EndlessStream:
+    def __init__(self, request_id: str) -> None:
+        self.first_events: list[bytes] = [_chunk(request_id, 100, "x")]
+        self.events = _EndlessEvents(request_id)
+
+
+def test_a_client_that_stops_reading_stops_the_engines_being_read() -> None:
+    """``send`` waits while the client's buffer is full (uvicorn's flow control): the choices'
+    engine streams must wait too, not be read on into memory (an unbounded queue held every
+    choice's whole answer for a client that stopped reading)."""
+    n = 4
+    records = [RequestRecord(f"abc-{i}", 0.0, 0.0, "/v1/completions") for i in range(n)]
+    streams = [_EndlessStream(f"abc-{i}") for i in range(n)]
+    choices = ChoiceSet(
+        router=None,  # type: ignore[arg-type]
+        request=None,  # type: ignore[arg-type]
+        records=records,
+        streams=streams,  # type: ignore[arg-type]
+        tallies=[StreamTally() for _ in range(n)],
+    )
+    merged = ChoiceStreams(choices, include_usage=False)
+
+    async def scenario() -> int:
+        client_reads = asyncio.Event()  # never set: the client stopped reading
+
+        async def send(message: Any) -> None:
+            await client_reads.wait()
+
+        task = asyncio.ensure_future(merged.run(send, lambda: None))
+        await asyncio.sleep(0.2)  # thousands of loop turns: an unbounded reader runs on
+        read = sum(s.events.read for s in streams)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return read
+
+    assert asyncio.run(scenario()) <= 2 * n

@@ -274,8 +274,14 @@ class ChoiceStreams:
         """Send every choice's events as they come, then the usage and ``[DONE]``; a choice
         that breaks ends the stream with an error event (``failure`` says why).
         ``before_last`` runs just before the last piece is sent."""
-        queue: asyncio.Queue[tuple[int, list[bytes] | BaseException]] = asyncio.Queue()
         streams = self.choices.streams
+        # Bounded: while the client is slow to read (``send`` waits on its flow control), the
+        # pumps wait too and stop reading the engines, whose connections then push back; an
+        # unbounded queue held the whole answer of every choice for a client that stopped
+        # reading.
+        queue: asyncio.Queue[tuple[int, list[bytes] | BaseException]] = asyncio.Queue(
+            maxsize=len(streams)
+        )
 
         async def pump(i: int) -> None:
             await queue.put((i, streams[i].first_events))
