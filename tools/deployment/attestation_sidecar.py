@@ -627,7 +627,11 @@ def _parser() -> argparse.ArgumentParser:
     who.add_argument("--engine-pid", type=int, help="the engine's process id")
     who.add_argument("--engine-pidfile", help="file holding the engine's pid (re-read each time)")
     p.add_argument("--generation", help="engine generation, instead of deriving it from the pid")
-    p.add_argument("--cache", help="manifest cache file (default under ~/.cache/narwhal)")
+    p.add_argument(
+        "--cache",
+        help="manifest cache file (default: ~/.cache/narwhal/attestation/KEY.json, KEY from the "
+        "checkpoint's path)",
+    )
     p.add_argument("--no-cache", action="store_true", help="always hash every shard at start")
     p.add_argument(
         "--hash-workers",

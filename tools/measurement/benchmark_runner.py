@@ -826,7 +826,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--journal",
-        help="the router's journal file (default: found through the router, see above)",
+        help="the router's journal file (default: the path the router's /admin/state names, with "
+        "--admin-token-file, else the --journal of the process listening on --base's port)",
     )
     p.add_argument("--workload", help="a prepared workload dir (default: the plan's, or prepare)")
     p.add_argument("--tokenize-url", help="engine URL for prepare's /tokenize fallback")

@@ -129,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
         "--drain-timeout",
         type=float,
         default=30.0,
-        help="seconds SIGTERM waits for in-flight requests",
+        help="seconds SIGTERM waits for in-flight requests (default 30)",
     )
     p.add_argument(
         "--health-interval",
@@ -148,17 +148,19 @@ def _parser() -> argparse.ArgumentParser:
         "--breaker-failures",
         type=int,
         default=3,
-        help="consecutive failures that open an engine's circuit breaker",
+        help="consecutive failures that open an engine's circuit breaker (default 3)",
     )
     p.add_argument(
         "--breaker-open-seconds",
         type=float,
         default=5.0,
-        help="how long an open breaker waits before a half-open probe",
+        help="seconds an open breaker waits before a half-open probe (default 5)",
     )
     p.add_argument("--protect-metrics", action="store_true", help="require an API key on /metrics")
     p.add_argument(
-        "--protect-health", action="store_true", help="require an API key on /health and /ready"
+        "--protect-health",
+        action="store_true",
+        help="require an API key on /health, /ready, /ping and /version",
     )
     p.add_argument(
         "--journal-fsync-interval",
