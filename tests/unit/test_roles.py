@@ -194,7 +194,13 @@ def test_admission_verdicts() -> None:
     assert isinstance(admit(over, queue, 1), Queue)
     assert admit(over, queue, 2).reason == "queue_full"  # type: ignore[union-attr]
     assert isinstance(admit(over, queue, 2, waited_s=1.0, in_queue=True), Queue)
-    assert admit(over, queue, 2, waited_s=5.0, in_queue=True).reason == "queue_timeout"  # type: ignore[union-attr]
+    timed_out = admit(over, queue, 2, waited_s=5.0, in_queue=True)
+    assert timed_out.reason == "queue_timeout"  # type: ignore[union-attr]
+    # The wait is said: a predicted TTFT counts from now, not from the request's arrival.
+    assert timed_out.message == (  # type: ignore[union-attr]
+        "no capacity within the admission queue's 5 s (waited 5 s; the TTFT below counts from "
+        "now, after the wait): too slow"
+    )
 
 
 # --- decode pressure above the model's floor -----------------------------------------------

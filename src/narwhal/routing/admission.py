@@ -64,8 +64,9 @@ def admit(
         if waited_s >= policy.queue_timeout_s:
             return Reject(
                 "queue_timeout",
-                f"no capacity within the admission queue's "
-                f"{policy.queue_timeout_s} s: {pick.reason}",
+                f"no capacity within the admission queue's {policy.queue_timeout_s:g} s "
+                f"(waited {waited_s:.3g} s; the TTFT below counts from now, after the wait): "
+                f"{pick.reason}",
             )
         return Queue(pick.reason)
     if queued >= policy.queue_max:
