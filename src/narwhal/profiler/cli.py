@@ -111,12 +111,18 @@ def _table(store: ProfileStore) -> str:
                 f"{p.decode_fit.intercept:.5f}",
                 f"{p.decode_fit.slope:.6f}",
                 f"{p.decode_fit.ctx_coef:.3e}",
-                f"{p.prefill_fit.r2:.4f}",
-                f"{p.decode_fit.r2:.4f}",
+                _r2(p.prefill_fit.r2),
+                _r2(p.decode_fit.r2),
             ]
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+
+
+def _r2(value: float) -> str:
+    """An R² to four places; one that rounds to zero is 0.0000, not -0.0000 (a fit no better
+    than the mean, as a decode time flat in the batch gives)."""
+    return f"{0.0 if abs(value) < 5e-5 else value:.4f}"
 
 
 def run(args: argparse.Namespace) -> int:

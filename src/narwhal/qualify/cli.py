@@ -135,7 +135,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{PROG}: interrupted; rerun resumes after the last done step", file=sys.stderr)
         sys.exit(130)
     rd = loaded.run_dir
-    print(f"\n{PROG}: ran {len(result.ran)} step(s), skipped {len(result.skipped)}")
+    not_declared = len(steps) - len(result.ran) - len(result.skipped)
+    print(
+        f"\n{PROG}: ran {len(result.ran)} step(s), skipped {len(result.skipped)}"
+        + (f", {not_declared} not declared in the run file" if not_declared else "")
+    )
     for title in ("Measured points", "State timeline"):
         lines = _section(rd / BENCHMARK / "report.md", title)
         if lines:
