@@ -244,6 +244,17 @@ def test_dry_run_prints_every_step_and_runs_none(
         assert option in copy
     assert copy.split(": ", 1)[1].startswith("scp ")
     assert not (tmp_path / "remote").exists()
+    # Before the keys exist (docs/deployment.md has them made later): the steps all the same,
+    # the missing key named; a real run refuses it.
+    sshd.client_key.unlink()
+    result = deploy(
+        "--deployment", str(deployment), "--commit", commit, "--repo", str(repo), "--dry-run"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "identity_file" in result.stderr and "does not exist" in result.stderr
+    assert sum(line.startswith("[h1]") for line in result.stdout.splitlines()) == 6
+    result = deploy("--deployment", str(deployment), "--commit", commit, "--repo", str(repo))
+    assert result.returncode == 2 and "does not exist" in result.stderr
 
 
 def test_refuses_a_dirty_tree_and_a_commit_that_is_not_head(

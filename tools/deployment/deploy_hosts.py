@@ -145,7 +145,10 @@ class DeploymentFile(BaseModel):
         return self
 
 
-def load_deployment(path: Path) -> DeploymentFile:
+def load_deployment(path: Path, missing: list[str] | None = None) -> DeploymentFile:
+    """The deployment file, its key files resolved (relative to it) and checked; with
+    ``missing`` (a dry run), a key file that does not exist is listed there instead of
+    refused."""
     try:
         raw = yaml.safe_load(path.read_text())
     except OSError as exc:
@@ -170,7 +173,10 @@ def load_deployment(path: Path) -> DeploymentFile:
             if value is not None:
                 resolved = (path.parent / Path(value).expanduser()).resolve()
                 if not resolved.is_file():
-                    raise UsageError(f"{path}: host {h.name}: {key} {resolved} does not exist")
+                    problem = f"{path}: host {h.name}: {key} {resolved} does not exist"
+                    if missing is None:
+                        raise UsageError(problem)
+                    missing.append(problem)
                 updates[key] = str(resolved)
         if h.transport == "local":
             for key in ("venv", "stage_dir"):
@@ -338,7 +344,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    deployment = load_deployment(Path(args.deployment))
+    missing: list[str] = []
+    deployment = load_deployment(Path(args.deployment), missing if args.dry_run else None)
+    for problem in missing:  # a dry run shows the steps anyway: the keys may come later
+        print(f"{PROG}: dry run: {problem}", file=sys.stderr)
     repo = Path(args.repo).resolve()
     try:
         commit = verify_tree(repo, args.commit)
