@@ -154,3 +154,46 @@ def test_pipelined_requests_whose_client_hung_up_end_as_client_aborts(
     assert all(e["status"] is None for e in ends), ends
     log = Path(router.log_path).read_text()
     assert "Traceback" not in log and "internal_error" not in log
+
+
+def test_an_idle_connection_is_closed_while_others_are_served(router: RouterProcess) -> None:
+    """The deadline is the connection's own: another connection's request in flight (a
+    stream here) does not keep an idle one open."""
+    body = json.dumps(
+        {"model": MODEL, "prompt": "hello there", "max_tokens": 200, "stream": True}
+    ).encode()
+    with connect(router) as busy:
+        busy.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s"
+            % (KEY.encode(), len(body), body)
+        )
+        with connect(router) as idle:
+            t0 = time.monotonic()
+            assert read_all(idle) == b""
+            assert time.monotonic() - t0 < HEAD_TIMEOUT_S * 4
+
+
+def test_a_head_begun_behind_another_request_is_held_to_the_deadline(
+    router: RouterProcess,
+) -> None:
+    """A second head that starts in the same read as a whole request, then trickles: its
+    time bound holds (the read's bytes went to the first request's count)."""
+    with connect(router) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\nX-A: 1")
+        t0 = time.monotonic()
+        sock.settimeout(0.5)
+        raw = b""
+        closed = False
+        while not closed and time.monotonic() - t0 < HEAD_TIMEOUT_S * 6:
+            try:
+                sock.sendall(b"1")  # one more byte of the header, now and then
+                chunk = sock.recv(65536)
+                raw += chunk
+                closed = not chunk
+            except TimeoutError:
+                continue
+            except OSError:
+                closed = True
+    assert closed, raw
+    assert raw.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 408" in raw

@@ -287,6 +287,34 @@ def test_a_decode_retry_with_no_other_decode_engine_takes_another_prefill_engine
     assert observer.failed == [(pair.decode, "decode")] * 2
 
 
+class _OverBudgetElsewhere:
+    """Decode engines e2 (it fits) and e3 (over budget); prefill e0 and e1."""
+
+    def pick(self, state, shape, exclude_prefill=(), exclude_decode=()):  # type: ignore[no-untyped-def]
+        prefill = [p for p in ("e0", "e1") if p not in exclude_prefill]
+        if not prefill:
+            return NoPair("no prefill engine")
+        if "e2" not in exclude_decode:
+            return Pair(prefill[0], "e2", 0.0)
+        if "e3" not in exclude_decode:
+            return NoPair("over budget", over_budget=Pair(prefill[0], "e3", -0.1))
+        return NoPair("no decode engine")
+
+
+def test_a_decode_retry_takes_another_decode_engine_over_budget_before_the_failed_one() -> None:
+    """The same decode engine is retried only when no other can serve at all: another one
+    over the budgets is still another engine (under overload, pairs are over budget)."""
+    lifecycle, _, _ = build(n_prefill=2, n_decode=2)
+    lifecycle.scheduler = _OverBudgetElsewhere()  # type: ignore[assignment]
+    ticket = lifecycle.arrive("r", max_tokens=4, prompt_tokens=3000)
+    pair = admitted(lifecycle, ticket)
+    assert pair.decode == "e2"
+    lifecycle.prefill_done(ticket, "ok")
+    lifecycle.decode_failed(ticket, "failed")
+    retry = lifecycle.retry(ticket)
+    assert isinstance(retry, Pair) and retry.decode == "e3"
+
+
 def test_no_pair_left_after_failures_ends_the_ticket() -> None:
     lifecycle, _, _ = build(n_prefill=1, n_decode=1)
     ticket = lifecycle.arrive("r", max_tokens=4, prompt_tokens=100)

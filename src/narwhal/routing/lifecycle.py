@@ -335,12 +335,13 @@ class Lifecycle:
             # first; the same one, not counted as failed, when no other will do.
             avoid = ticket.failed_prefill | {last.prefill}
             pick = self.scheduler.pick(self.state, shape, avoid, ticket.failed_decode)
-            if not isinstance(pick, Pair):
-                # No other decode engine will do: the same one, with another prefill engine,
-                # before giving up (a prefill engine that died once it answered fails its decode
-                # engine's read, which is not that engine's fault). The suspect prefill engine is
-                # not tried again for this request (nor counted failed on its breaker), so a
-                # second failure there finds no such pair: it was the decode engine.
+            if isinstance(pick, NoPair) and pick.over_budget is None:
+                # No other decode engine can serve at all (one over budget is still taken
+                # below): the same one, with another prefill engine, before giving up (a
+                # prefill engine that died once it answered fails its decode engine's read,
+                # which is not that engine's fault). The suspect prefill engine is not tried
+                # again for this request (nor counted failed on its breaker); the retries stay
+                # bounded by routing.max_decode_attempts.
                 again = self.scheduler.pick(
                     self.state, shape, avoid, ticket.failed_decode - {last.decode}
                 )

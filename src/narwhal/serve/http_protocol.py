@@ -51,6 +51,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._in_head = True
         self._head_bytes = 0  # bytes received since the head began (while it is incomplete)
         self._head_size = 0  # the parsed head's URL and headers
+        self._head_started = False  # a request's first byte came, its head is not whole yet
         self._refused = False
         self._head_timer: asyncio.TimerHandle | None = None
         self._cycles: weakref.WeakSet[RequestResponseCycle] = weakref.WeakSet()
@@ -81,6 +82,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             return
         super().on_message_begin()
         self._in_head = True
+        self._head_started = True
         self._head_size = 0
         self._arm_head_timer()
 
@@ -100,6 +102,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         if self._refused:
             return  # a request pipelined behind a refused one: the connection is closing
         self._in_head = False
+        self._head_started = False
         self._head_bytes = 0
         self._cancel_head_timer()
         if self._head_size > self.max_head_bytes:
@@ -128,16 +131,33 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if self._in_head and self._head_bytes:
+        if self._refused or self.transport.is_closing():
+            return
+        if self._head_started:
+            if self._answering:
+                # A head pipelined behind a response still being written: judged again once
+                # that response is out (nothing can be written into it).
+                self._arm_head_timer()
+                return
             self._refuse(408, f"the request head was not whole within {self.head_timeout_s:g} s")
-        elif self._in_head and not self.tasks and not self.transport.is_closing():
-            # Nothing sent at all: nothing to answer.
+        elif self.cycle is None:
+            # Nothing sent on this connection at all: nothing to answer. (Between requests of
+            # a kept-alive connection, uvicorn's keep-alive timeout closes it.)
             self.transport.close()
+
+    @property
+    def _answering(self) -> bool:
+        """A response of this connection is being written."""
+        return self.cycle is not None and not self.cycle.response_complete
 
     def _refuse(self, status: int, message: str) -> None:
         self._refused = True
         self._cancel_head_timer()
         if self.transport.is_closing():
+            return
+        if self._answering:
+            # A refusal cannot go into the middle of another response: the connection ends.
+            self.transport.close()
             return
         body = orjson.dumps(
             {
@@ -161,6 +181,15 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             )
         )
         self.transport.close()
+
+    def _should_upgrade(self) -> bool:
+        # A refused head is not upgraded (uvicorn would build the upgrade from a scope the
+        # refusal left unfinished), nor warned about.
+        return not self._refused and super()._should_upgrade()
+
+    def _unsupported_upgrade_warning(self) -> None:
+        if not self._refused:
+            super()._unsupported_upgrade_warning()
 
     # --- disconnects the stock protocol misses ----------------------------------------------
 
