@@ -417,3 +417,26 @@ def test_ids_spelled_with_spaces_are_kept_by_a_parse_and_blanked_all_the_same() 
         assert ids == ([[5], [6, 7]] if asked else [None, None])
         assert "".join(c["text"] for e in events for c in e["choices"]) == "ab"
         assert trace.generated == [5, 6, 7] and trace.remaining() == 2
+
+
+def test_held_back_text_is_taken_only_from_a_decoding_that_begins_as_the_client_received() -> None:
+    """With stop strings the engine held back text whose ids went out; the router recovers it
+    from a detokenized text, but only one that begins with exactly what the client received
+    (a tokenizer that decodes the ids alone without their leading space would shift it)."""
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 10,
+        "stop": ["@@@@"],  # 3 characters held back
+    }
+    trace = _trace(body, chat=True)
+    assert trace.holdback == 3 and trace.observes_text
+    trace.observe(_chat_chunk(" Hel", [1, 2]))
+    trace.observe(_chat_chunk("lo w", [3, 4]))  # the client has " Hello w"
+    assert trace.text_chars == 8 and trace.sent_tail == " Hello w"
+    assert trace.held_back(" Hello world") == "orld"
+    assert trace.held_back("Hello world") is None  # its leading space dropped: misaligned
+    assert trace.held_back(" Hello") is None  # shorter than what was received
+    # Without stop strings nothing is held back, and nothing is recovered.
+    plain = _trace({k: v for k, v in body.items() if k != "stop"}, chat=True)
+    assert plain.holdback == 0 and not plain.observes_text

@@ -78,6 +78,13 @@ _CARRIED = (
 
 
 _STRUCTURED_OUTPUT = frozenset(STRUCTURED_OUTPUT_FIELDS)
+# Received characters a recovered text must end with, beyond the holdback.
+_TAIL_CHARS = 32
+# Prompt ids decoded before the generated ones when the held-back text is recovered (vLLM's
+# incremental detokenizer starts from the prompt's last few tokens).
+_CONTEXT_IDS = 8
+# Per engine asked to detokenize at a migration (the client waits on it).
+_DETOKENIZE_TIMEOUT_S = 5.0
 
 
 def not_migratable(request: ClientRequest) -> str | None:
@@ -131,6 +138,9 @@ class MigrationTrace:
     text_chars: int = 0
     # Held-back text a migration recovered, sent with the continuation's first choice.
     pending_text: str = ""
+    # The last characters the client received (with a holdback): what a detokenized text must
+    # end its received part with, or it is not the text the client had.
+    sent_tail: str = ""
     # Characters the client had when the current continuation began: the engine's offsets
     # count from 0 at its own start and run on through its text, so this, not text_chars
     # (which grows with that text), is what they are shifted by.
@@ -143,9 +153,20 @@ class MigrationTrace:
         """Every chunk is observed whole and its text counted (not only its ids kept)."""
         return self.logprobs or self.holdback > 0
 
-    def held_back(self, text: str) -> str:
-        """What the client has not received of ``text``, the text of every generated id."""
-        return text[self.text_chars :] if self.holdback else ""
+    def held_back(self, text: str) -> str | None:
+        """What the client has not received of ``text``, the text of every generated id as a
+        tokenizer decoded it; None when ``text`` does not begin with what the client received
+        (a tokenizer that decodes the ids alone otherwise than in the stream: a leading
+        space, special tokens)."""
+        received = text[: self.text_chars]
+        if len(received) < self.text_chars or not received.endswith(self.sent_tail):
+            return None
+        return text[self.text_chars :]
+
+    def _sent(self, text: str) -> None:
+        if text:
+            self.text_chars += len(text)
+            self.sent_tail = (self.sent_tail + text)[-(self.holdback + _TAIL_CHARS) :]
 
     def observe(self, obj: dict[str, Any]) -> None:
         """One chunk of the stream the client is receiving (already relayed as it came)."""
@@ -167,8 +188,10 @@ class MigrationTrace:
                 ):
                     self.exact = False
                 if self.holdback and delta:
-                    self.text_chars += len(delta.get("content") or "")
-            elif self.logprobs or self.holdback:
+                    self._sent(delta.get("content") or "")
+            elif self.holdback:
+                self._sent(choice.get("text") or "")
+            elif self.logprobs:
                 self.text_chars += len(choice.get("text") or "")
             if choice.get("finish_reason"):
                 self.finished = True
@@ -325,7 +348,10 @@ class MigrationTrace:
                         **logprobs,
                         "text_offset": [o + shift for o in logprobs["text_offset"]],
                     }
-            self.text_chars += len(text)
+            if self.holdback:
+                self._sent(text)
+            else:
+                self.text_chars += len(text)
             out.append(rewritten)
         return {**obj, **self.head, "choices": out}
 
@@ -411,17 +437,17 @@ class Migrator:
         number = trace.migrations + 1
         held_back = ""
         if trace.holdback and trace.generated:
-            text = await self._detokenize(trace.generated)
-            if text is None:
+            recovered = await self._recover_held_back(trace)
+            if recovered is None:
                 self.record.attempt(
                     "migration",
                     self.stream.engine,
                     "failed",
                     reason=reason,
-                    error="no engine detokenized the text the engine held back",
+                    error="the text the engine held back could not be recovered",
                 )
                 return None
-            held_back = trace.held_back(text)
+            held_back = recovered
         continuation = continuation_request(self.request, trace)
         try:
             stream = await self.router.continue_on(
@@ -437,13 +463,38 @@ class Migrator:
         self.record.migrations = number
         return stream
 
+    async def _recover_held_back(self, trace: MigrationTrace) -> str | None:
+        """The text the engine held back, from an engine's tokenizer. Decoded as vLLM's
+        detokenizer decodes a stream, after a few of the prompt's ids (a tokenizer that
+        drops a text's leading space keeps it there), and failing that the generated ids
+        alone; either only when it begins with what the client received."""
+        generated = trace.generated
+        context = (trace.prompt_ids or [])[-_CONTEXT_IDS:]
+        if context:
+            before = await self._detokenize(context)
+            whole = await self._detokenize(context + generated)
+            if before is not None and whole is not None and whole.startswith(before):
+                held = trace.held_back(whole[len(before) :])
+                if held is not None:
+                    return held
+        alone = await self._detokenize(generated)
+        return None if alone is None else trace.held_back(alone)
+
     async def _detokenize(self, ids: list[int]) -> str | None:
         """The text of ``ids`` as an engine's tokenizer has it (vLLM's ``/detokenize``), from
-        another engine than the broken stream's; None when none answered it."""
+        another engine than the broken stream's; None when none answered it in time (a
+        migration waits on it: a few seconds, two engines)."""
         router = self.router
         body = orjson.dumps({"model": self.request.model, "tokens": ids})
         answer, _ = await ask_tokenizer(
-            router.engines, router.state, "/detokenize", body, 0, avoid=self.stream.engine
+            router.engines,
+            router.state,
+            "/detokenize",
+            body,
+            0,
+            avoid=self.stream.engine,
+            attempts=2,
+            attempt_timeout_s=_DETOKENIZE_TIMEOUT_S,
         )
         if answer is None or answer[0] != 200:
             return None

@@ -53,15 +53,18 @@ async def ask_tokenizer(
     body: bytes,
     turn: int,
     avoid: str | None = None,
+    attempts: int = MAX_ATTEMPTS,
+    attempt_timeout_s: float = ATTEMPT_TIMEOUT_S,
 ) -> tuple[tuple[int, bytes] | None, list[str]]:
     """The first answer below 500 to ``body`` on ``path`` (status, content) from the engines
-    in :func:`tokenize_candidates` order, but ``avoid``; and each failed attempt's engine and
-    reason (the answer is None when every attempt failed, or no engine was left to ask)."""
+    in :func:`tokenize_candidates` order, but ``avoid``, at most ``attempts`` of them; and each
+    failed attempt's engine and reason (the answer is None when every attempt failed, or no
+    engine was left to ask)."""
     failures: list[str] = []
     candidates = [e for e in tokenize_candidates(state, turn) if e != avoid]
-    for engine_id in candidates[:MAX_ATTEMPTS]:
+    for engine_id in candidates[:attempts]:
         try:
-            async with asyncio.timeout(ATTEMPT_TIMEOUT_S):
+            async with asyncio.timeout(attempt_timeout_s):
                 response = await engines.client(engine_id).post(path, body, _HEADERS)
                 try:
                     content = await response.read()
