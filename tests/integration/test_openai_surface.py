@@ -400,6 +400,18 @@ def test_a_request_without_a_model_is_served_by_the_fleets_model(stack, route, m
     assert response.status_code == 200, response.text
     assert response.json()["model"] == MODEL
     assert _end(router, response.headers["x-request-id"])["outcome"] == "ok"
+    # Streamed: every chunk (every Responses event's response) names the served model.
+    streamed = httpx.post(router.url + route, json={**body, "stream": True}, timeout=30)
+    assert streamed.status_code == 200, streamed.text
+    events = [
+        json.loads(line[6:])
+        for line in streamed.text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
+    models = {e.get("model") or (e.get("response") or {}).get("model") for e in events}
+    assert models - {None} == {MODEL}
+    if route == "/v1/responses":
+        assert {e["response"]["model"] for e in events if "response" in e} == {MODEL}
 
 
 @pytest.mark.parametrize("fields", [{"echo": 0}, {"echo": "false"}, {"best_of": "1"}])

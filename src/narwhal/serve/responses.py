@@ -46,11 +46,14 @@ def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
 class _Exchange:
     """One request: the translating ``receive`` and ``send`` the chat endpoint is called with."""
 
-    def __init__(self, receive: Receive, send: Send, limit: int, json_body: bool) -> None:
+    def __init__(
+        self, receive: Receive, send: Send, limit: int, json_body: bool, model: str
+    ) -> None:
         self._receive = receive
         self._send = send
         self._limit = limit
         self._json_body = json_body
+        self._model = model  # the fleet's: a stream that started was for it
         self._body_read = False
         self.request: ResponsesRequest | None = None
         self._response_id = ""
@@ -107,8 +110,9 @@ class _Exchange:
         if not content_type.startswith(b"text/event-stream"):
             self._start = message
             return
+        # The model the chat path served (a request without one, or with "", is the fleet's).
         self._events = ResponseEventStream(
-            self.request, self._response_id, int(time.time()), self.request.chat_body.get("model")
+            self.request, self._response_id, int(time.time()), self._model
         )
         await self._send(message)
         await self._send(
@@ -209,8 +213,9 @@ class ResponsesEndpoint:
             raise ValueError("the Responses API runs on the chat-completions endpoint")
         self.chat = chat
         self.limit = chat.services.settings.max_body_bytes
+        self.model = chat.services.settings.fleet.contract.model.id
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         json_body = is_json(_header(scope["headers"], b"content-type"))
-        exchange = _Exchange(receive, send, self.limit, json_body)
+        exchange = _Exchange(receive, send, self.limit, json_body, self.model)
         await self.chat(scope, exchange.receive, exchange.send)
