@@ -203,6 +203,14 @@ def router_command(
     )
 
 
+def api_keys_file(directory: Path, *keys: str) -> Path:
+    """A keys file for ``--api-keys-file`` holding ``keys``, private as docs/security.md asks."""
+    path = directory / "keys"
+    path.write_text("# API keys\n" + "".join(k + "\n" for k in keys))
+    path.chmod(0o600)
+    return path
+
+
 def start_router(
     directory: Path,
     fleet_path: Path,

@@ -16,7 +16,7 @@ import pytest
 
 from narwhal.testing.fleet import SimFleet
 from narwhal.testing.procs import wait_until
-from tests.helpers import MODEL, RouterProcess, running_fleet, running_router
+from tests.helpers import MODEL, RouterProcess, api_keys_file, running_fleet, running_router
 
 KEY = "sk-bounds-key-1"
 HEAD_TIMEOUT_S = 1.0
@@ -34,14 +34,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimFleet]:
 @pytest.fixture(scope="module")
 def router(fleet: SimFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
     directory = tmp_path_factory.mktemp("bounds")
-    keys = directory / "keys"
-    keys.write_text(KEY + "\n")
-    keys.chmod(0o600)
     with running_router(
         directory,
         fleet.fleet_path,
         "--api-keys-file",
-        str(keys),
+        str(api_keys_file(directory, KEY)),
         "--body-timeout",
         str(HEAD_TIMEOUT_S),
     ) as router:

@@ -35,6 +35,7 @@ from tests.helpers import (
     MODEL,
     RouterProcess,
     admin,
+    api_keys_file,
     running_fleet,
     running_router,
 )
@@ -67,14 +68,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimFleet]:
 def keyed(fleet: SimFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
     """A router with API keys, a small journal (it rotates), logging at debug."""
     directory = tmp_path_factory.mktemp("security")
-    keys = directory / "keys"
-    keys.write_text(f"# planted keys\n{KEY}\n{OTHER_KEY}\n")
-    keys.chmod(0o600)
     with running_router(
         directory,
         fleet.fleet_path,
         "--api-keys-file",
-        str(keys),
+        str(api_keys_file(directory, KEY, OTHER_KEY)),
         "--journal-max-bytes",
         "4096",
         "--log-level",
