@@ -106,7 +106,7 @@ def test_keys_a_client_could_never_send_and_an_empty_key_list_are_usage_errors(
     keys.write_text("cl\u00e9-key\n", encoding="utf-8")
     keys.chmod(0o600)
     args = _parser().parse_args([*base, "--api-keys-file", str(keys)])
-    with pytest.raises(UsageError, match="an API key must be printable ASCII"):
+    with pytest.raises(UsageError, match=f"^{keys}: an API key must be printable ASCII"):
         build_settings(args)
     monkeypatch.setenv("NARWHAL_API_KEYS", " , ,")
     with pytest.raises(UsageError, match=r"^NARWHAL_API_KEYS: no API key in it"):

@@ -432,23 +432,26 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
     if blank:
         # An empty key would count as "keys configured" (no loopback fallback) yet admit no one.
         raise UsageError("--api-key: an API key must not be empty")
-    keys = list(args.api_key)
     # Warnings wait until every check passed: a refused start prints only its one line.
     warnings: list[str] = []
+    sources = [("--api-key", list(args.api_key))]
     if args.api_keys_file:
-        keys += _read_secrets(args.api_keys_file, "API keys", warnings)
+        keys_file = args.api_keys_file
+        sources.append((keys_file, _read_secrets(keys_file, "API keys", warnings)))
     from_env = os.environ.get("NARWHAL_API_KEYS")
     if from_env is not None:
         env_keys = [k.strip() for k in from_env.split(",") if k.strip()]
         if from_env.strip() and not env_keys:
             raise UsageError("NARWHAL_API_KEYS: no API key in it (comma-separated keys)")
-        keys += env_keys
-    for key in keys:
-        if not _header_safe(key):
+        sources.append(("NARWHAL_API_KEYS", env_keys))
+    keys: list[str] = []
+    for source, given in sources:
+        if not all(_header_safe(key) for key in given):
             raise UsageError(
-                "an API key must be printable ASCII without spaces (an HTTP header carries no "
-                "other bytes as they were written)"
+                f"{source}: an API key must be printable ASCII without spaces (an HTTP header "
+                "carries no other bytes as they were written)"
             )
+        keys += given
     admin_hash = None
     if args.admin_token_file:
         token = _read_secrets(args.admin_token_file, "admin token", warnings)[0]
