@@ -15,7 +15,13 @@ import pytest
 
 from narwhal.testing.fleet import SimFleet
 from narwhal.testing.procs import wait_until
-from tests.helpers import MODEL, RouterProcess, running_fleet, running_router
+from tests.helpers import (
+    MODEL,
+    VLLM_032_USAGE_KEYS,
+    RouterProcess,
+    running_fleet,
+    running_router,
+)
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +73,8 @@ def test_n_choices_are_fanned_out_and_numbered(stack, clients) -> None:
     assert end["outcome"] == "ok" and end["choices"] == 3
     assert end["completion_tokens"] == 3 * one.usage.completion_tokens
     assert {a["choice"] for a in end["attempts"]} == {0, 1, 2}
+    # The usage keys of vLLM's whole answer, as a lone request's.
+    assert set(raw.http_response.json()["usage"]) == VLLM_032_USAGE_KEYS
 
 
 def test_batched_prompts_with_n_stream_as_one(stack, clients) -> None:

@@ -218,7 +218,12 @@ async def aggregate_choices(choices: ChoiceSet, chat: bool) -> dict[str, Any]:
         for choice in result["choices"]:
             merged.append({**choice, "index": i})
     out["choices"] = merged
-    out["usage"] = choices.usage([r.get("usage") for r in results])
+    usage = choices.usage([r.get("usage") for r in results])
+    if usage is not None:
+        # vLLM's whole answer has both details (null when not reported), as each choice's had.
+        usage.setdefault("prompt_tokens_details", None)
+        usage.setdefault("completion_tokens_details", None)
+    out["usage"] = usage
     return out
 
 
