@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from narwhal.qualify.report import PLOT_IDS
+from narwhal.testing.procfs import stat_fields
 from tests.qualify.browser import load_page
 
 pytestmark = pytest.mark.slow
@@ -341,11 +342,8 @@ def test_a_killed_chain_stops_everything_it_started(tmp_path: Path) -> None:
 
 def _alive(pid: int) -> bool:
     """Running, not a zombie waiting for a parent that is gone to reap it."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def _step_processes(run_dir: Path) -> list[int]:

@@ -33,6 +33,7 @@ past the splice may differ from the unbroken one even at temperature 0.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -471,8 +472,10 @@ class Migrator:
         generated = trace.generated
         context = (trace.prompt_ids or [])[-_CONTEXT_IDS:]
         if context:
-            before = await self._detokenize(context)
-            whole = await self._detokenize(context + generated)
+            # Two independent calls: the client waits on them, so at once.
+            before, whole = await asyncio.gather(
+                self._detokenize(context), self._detokenize(context + generated)
+            )
             if before is not None and whole is not None and whole.startswith(before):
                 held = trace.held_back(whole[len(before) :])
                 if held is not None:
