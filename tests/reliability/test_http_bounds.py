@@ -11,6 +11,7 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -133,20 +134,28 @@ def test_pipelined_requests_whose_client_hung_up_end_as_client_aborts(
     body = json.dumps({"model": MODEL, "prompt": "hello there", "max_tokens": 100}).encode()
     request = (
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s"
+        b"Authorization: Bearer %s\r\nX-Request-Id: pipelined-hang-up\r\n"
+        b"Content-Length: %d\r\n\r\n%s"
     ) % (KEY.encode(), len(body), body)
-    before = {r["id"] for r in router.records() if r["type"] == "request.start"}
     with connect(router) as sock:
         sock.sendall(request + request)
         time.sleep(0.3)
+
     # The request being answered ends as the client's abort: no answer to a closed
     # connection recorded as ok, no internal error, no traceback.
-    assert wait_until(
-        lambda: any(r["type"] == "request.end" and r["id"] not in before for r in router.records()),
-        10,
-    )
+    # This test's own requests, by their id: an earlier test's refusal may be journaled after
+    # this one began (the journal is written asynchronously), so "not seen before" would not be
+    # "this test's". (The pipelined one behind never starts: the connection is gone first.)
+    def own_ends() -> list[dict[str, Any]]:
+        return [
+            r
+            for r in router.records()
+            if r["type"] == "request.end" and r.get("client_request_id") == "pipelined-hang-up"
+        ]
+
+    assert wait_until(lambda: bool(own_ends()), 10)
     time.sleep(0.5)
-    ends = [r for r in router.records() if r["type"] == "request.end" and r["id"] not in before]
+    ends = own_ends()
     assert ends and all(e["outcome"] == "client_abort" for e in ends), ends
     assert all(e["status"] is None for e in ends), ends
     log = Path(router.log_path).read_text()
