@@ -156,6 +156,41 @@ def test_without_events_routing_history_serves(stack: tuple[SimFleet, Path]) -> 
     assert metric(metrics, "narwhal_kv_event_batches_total") == 0
 
 
+def test_a_chats_predicted_hit_is_what_its_engine_reports(stack: tuple[SimFleet, Path]) -> None:
+    """A chat's keys are blocks of its text's bytes, learnt from routing history: what they
+    stand for in tokens follows the bytes per token the engines' counts taught (the simulated
+    tokenizer takes about one byte a token, where 4 were assumed: a quarter of the hit)."""
+    fleet, store = stack
+    directory = fleet.fleet_path.parent / "chat"
+    directory.mkdir()
+    path = _fleet_copy(fleet, directory, None)
+    system = " ".join(f"rule{i % 97} applies to case{i}" for i in range(300))
+    with running_router(
+        directory, path, "--profiles", str(store), "--skip-qualification"
+    ) as router:
+        ends = []
+        for turn in range(2):
+            assert wait_until(lambda: _router_sees_idle(router), 10), router.admin_state()
+            body = {
+                "model": MODEL,
+                "max_tokens": 4,
+                "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": f"turn {turn}"},
+                ],
+            }
+            r = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            rid = r.headers["x-request-id"]
+            assert wait_until(lambda rid=rid: rid in router.ends(), 10)
+            ends.append(router.ends()[rid])
+    second = ends[1]
+    assert second["prefill_engine"] == ends[0]["prefill_engine"], ends
+    reported, predicted = second["cached_tokens_reported"], second["cached_tokens_predicted"]
+    assert reported > 0.8 * second["prompt_tokens"], second
+    assert abs(predicted - reported) <= 0.1 * reported, second
+
+
 def test_an_engine_that_publishes_nothing_leaves_routing_correct(
     stack: tuple[SimFleet, Path],
 ) -> None:

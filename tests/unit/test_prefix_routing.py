@@ -476,6 +476,36 @@ def test_the_lifecycle_matches_the_prefix_only_for_a_scheduler_that_did_not() ->
     assert (ticket.pair.cached_tokens, ticket.pair.decode_cached_tokens) == (HIT,) * 2
 
 
+@pytest.mark.parametrize("scheduler_kind", ["v1", "v0"])
+def test_a_text_prompts_hits_are_counted_at_the_bytes_per_token_learnt(scheduler_kind: str) -> None:
+    """A text prompt's keys are blocks of 64 bytes: what they stand for in tokens follows the
+    router's bytes per token, as its prompt's length does. At one byte a token (a byte-level
+    tokenizer) a block is 64 tokens, not 16: the prediction read a quarter of the hit."""
+    clock = VirtualClock(0.0)
+    fleet = state(clock)
+    index = fleet.prefix_index
+    assert index is not None
+    text = "".join(chr(ord("a") + i % 26) for i in range(6400))  # 100 blocks of 64 bytes
+    keys = tuple(text_keys([text], 16))
+    assert len(keys) == 100
+    for engine in fleet.engines:
+        index.record_routed(engine, keys, 0.0, exact=False)
+    lifecycle = Lifecycle(fleet, scheduler() if scheduler_kind == "v1" else SchedulerV0())
+    lifecycle.lengths.observe(6400, 6400)  # the engines counted a token a byte
+    ticket = lifecycle.arrive(
+        "r1", max_tokens=10, prompt_bytes=6400 + 8, prefix=keys, prefix_exact=False
+    )
+    assert isinstance(lifecycle.admit(ticket), Admit) and ticket.pair is not None
+    # 6,400 of the 6,408 estimated tokens, in whole blocks of 16 within all but the last one.
+    assert (ticket.pair.cached_tokens, ticket.pair.decode_cached_tokens) == (6400, 6400)
+    lifecycle.lengths.bytes_per_token = 4.0  # 4 bytes a token: a key is a block of 16
+    again = lifecycle.arrive(
+        "r2", max_tokens=10, prompt_bytes=6408, prefix=keys, prefix_exact=False
+    )
+    assert isinstance(lifecycle.admit(again), Admit) and again.pair is not None
+    assert again.pair.cached_tokens == 1600
+
+
 def test_prompt_keys_of_client_requests() -> None:
     ids = list(range(100))
     assert prompt_keys({"prompt": ids}, False, 16) == tuple(chain_keys(ids, 16))

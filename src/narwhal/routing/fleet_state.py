@@ -348,18 +348,25 @@ class FleetState:
         for engine in self.engines.values():
             self._by_role[engine.role].append(engine)
 
-    def cached_tokens(self, keys: tuple[int, ...], prompt_tokens: int) -> dict[str, int]:
+    def cached_tokens(
+        self, keys: tuple[int, ...], prompt_tokens: int, tokens_per_key: float | None = None
+    ) -> dict[str, int]:
         """Per engine holding the prompt's first block: its prompt tokens in the engine's prefix
         cache, as vLLM finds them: whole blocks within all but the last token, which an engine
         always computes (``max_cache_hit_length = num_tokens - 1``: a prompt of exactly 190
-        blocks hits 189)."""
+        blocks hits 189). ``tokens_per_key``: the tokens a key stands for when it is not a
+        block of token ids (``RequestShape.tokens_per_key``), counted down to whole blocks."""
         index = self.prefix_index
         if index is None or not keys:
             return {}
         size = index.block_size
         cap = max(0, prompt_tokens - 1) // size * size
+        matched = index.match(keys, self.clock.now())
+        if tokens_per_key is None:
+            return {e: min(blocks * size, cap) for e, blocks in matched.items()}
         return {
-            e: min(blocks * size, cap) for e, blocks in index.match(keys, self.clock.now()).items()
+            e: min(int(blocks * tokens_per_key) // size * size, cap)
+            for e, blocks in matched.items()
         }
 
     def in_role(self, role: Role) -> list[EngineState]:

@@ -31,7 +31,7 @@ from narwhal.routing.breaker import BreakerState
 from narwhal.routing.fleet_state import EngineState, FleetState, Role
 from narwhal.routing.output_length import OutputLengthEstimator
 from narwhal.routing.predictor import LatencyPredictor
-from narwhal.routing.prefix import TokenPrompt
+from narwhal.routing.prefix import TEXT_BYTES_PER_TOKEN, TokenPrompt
 from narwhal.routing.prompt_length import MAX_BYTES_PER_TOKEN, PromptLengthEstimator
 from narwhal.routing.roles import DemandTracker
 from narwhal.routing.scheduler import (
@@ -241,7 +241,18 @@ class Lifecycle:
             ticket.local_ok,
             ticket.prefix,
             self.outputs.expected(max_tokens),
+            self._tokens_per_key(ticket),
         )
+
+    def _tokens_per_key(self, ticket: Ticket) -> float | None:
+        """What one of the ticket's prefix keys stands for in tokens (``RequestShape``): a text
+        prompt's keys are blocks of bytes, counted at the bytes per token the engines' reports
+        taught (a tokenizer of one byte a token made a chat's hits read a quarter of their
+        size where 4 bytes a token were assumed)."""
+        index = self.state.prefix_index
+        if ticket.prefix_exact or index is None:
+            return None
+        return index.block_size * TEXT_BYTES_PER_TOKEN / self.lengths.bytes_per_token
 
     def admit(self, ticket: Ticket) -> Verdict:
         """The first decision on a request. ``Admit``: its first leg is dispatched (counted on
@@ -461,8 +472,9 @@ class Lifecycle:
                 # A scheduler that routes without the index (v0, a baseline): what the engines
                 # hold all the same, for the journal and the metrics. One that looked (v1) has
                 # said what they hold, nothing included: not matched again.
+                prompt_tokens = ticket.prompt_tokens or self.lengths.estimate(ticket.prompt_bytes)
                 hits = self.state.cached_tokens(
-                    ticket.prefix, ticket.prompt_tokens or index.block_size * len(ticket.prefix)
+                    ticket.prefix, prompt_tokens, self._tokens_per_key(ticket)
                 )
                 if hits:
                     pair = ticket.pair = replace(

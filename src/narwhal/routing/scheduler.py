@@ -45,6 +45,10 @@ class RequestShape:
     # The tokens it is expected to generate (``narwhal.routing.output_length``); None: all of
     # ``max_tokens``.
     expected_tokens: int | None = None
+    # Prompt tokens one key of ``prefix`` stands for: None for token-id keys (a block of
+    # ``block_size`` tokens); for a text prompt's keys (blocks of bytes) the estimate from the
+    # router's bytes per token, as ``prompt_tokens`` is estimated.
+    tokens_per_key: float | None = None
 
 
 @dataclass(frozen=True)
@@ -329,7 +333,7 @@ class SchedulerV1:
         stale = state.scrape_stale_s
         n = shape.prompt_tokens
         # Prompt tokens each engine holds in its prefix cache (only those holding some).
-        hits = state.cached_tokens(shape.prefix, n) if shape.prefix else None
+        hits = state.cached_tokens(shape.prefix, n, shape.tokens_per_key) if shape.prefix else None
         holders = hits.keys() if hits else ()
         prefills = self._eligible(state, "prefill", exclude_prefill, now, stale, holders)
         decodes = self._eligible(state, "decode", exclude_decode, now, stale, holders)
