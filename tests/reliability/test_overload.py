@@ -324,7 +324,14 @@ def test_client_disconnect_while_queued_in_admission(profiled) -> None:
             assert end is not None
             assert end["outcome"] == "client_abort" and end["status"] is None
             assert end["prefill_engine"] is None and end["decode_engine"] is None
-            assert not end.get("attempts"), end.get("attempts")
+            # No leg: only its wait in the queue (about the client's 0.6 s).
+            [queued] = end["attempts"]
+            assert (queued["leg"], queued["engine"], queued["outcome"]) == (
+                "admission",
+                "",
+                "queued",
+            )
+            assert queued["admitted"] is False and 0.4 <= queued["waited_s"] < 3, queued
             assert metric(router.metrics(), "narwhal_admission_queue") == 0
 
             t0 = time.monotonic()
@@ -333,7 +340,12 @@ def test_client_disconnect_while_queued_in_admission(profiled) -> None:
             assert r.status_code == 429 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["code"] == "queue_timeout"
             assert 2.0 <= waited < 5.0
-            assert end_of(router, r.headers["x-request-id"])["outcome"] == "rejected"
+            rejected = end_of(router, r.headers["x-request-id"])
+            assert rejected["outcome"] == "rejected"
+            assert [(a["outcome"], a["admitted"]) for a in rejected["attempts"]] == [
+                ("queued", False)
+            ]
+            assert rejected["attempts"][0]["waited_s"] >= 2.0
         busy_end = end_of(router, busy_id)
         assert ("admission", "e0", "idle_pair") in [
             (a["leg"], a["engine"], a["outcome"]) for a in busy_end["attempts"]

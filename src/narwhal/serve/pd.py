@@ -324,13 +324,18 @@ class PDRouter:
     async def _admit(self, ticket: Ticket, record: RequestRecord) -> Pair:
         """The first decision, under admission control: reject, or wait in the queue."""
         verdict = self.lifecycle.admit(ticket)
+        queued_at: float | None = None
         if isinstance(verdict, Queue):
             waiter = asyncio.get_running_loop().create_future()
             self._waiters[ticket] = waiter
             if self._pump is None or self._pump.done():
                 self._pump = asyncio.create_task(self._run_queue())
+            queued_at = self.lifecycle.clock.now()
             try:
                 verdict = await waiter
+            except asyncio.CancelledError:
+                self._left_queue(record, queued_at)  # its client left while it waited
+                raise
             finally:
                 self._waiters.pop(ticket, None)
         if isinstance(verdict, Admit):
@@ -344,10 +349,18 @@ class PDRouter:
                     "admission", pair.prefill, "queued", waited_s=round(ticket.waited_s, 6)
                 )
             return pair
+        if queued_at is not None:
+            self._left_queue(record, queued_at)
         if isinstance(verdict, Reject):
             self.metrics.admission_rejections.labels(verdict.reason).inc()
             raise AdmissionRejected(verdict.reason, verdict.message)
         raise NoEligiblePair(verdict.message)
+
+    def _left_queue(self, record: RequestRecord, queued_at: float) -> None:
+        """A request that waited in the admission queue and left it unadmitted (turned away,
+        or its client gone) says how long it waited, as an admitted one does: no engine."""
+        waited = round(self.lifecycle.clock.now() - queued_at, 6)
+        record.attempt("admission", "", "queued", waited_s=waited, admitted=False)
 
     async def _run_queue(self) -> None:
         """Decide on the queued requests whenever a leg ends, and at least every
