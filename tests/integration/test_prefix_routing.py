@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -64,6 +63,10 @@ def post(router: RouterProcess, ids: list[int], stream: bool = False) -> dict[st
     return router.ends()[rid]
 
 
+def _prefills_in_flight(router: RouterProcess) -> int:
+    return sum(e["in_flight"]["prefill"] for e in router.admin_state()["engines"])
+
+
 def _router_sees_idle(router: RouterProcess) -> bool:
     return all(
         not e["scraped"]["running"]
@@ -83,8 +86,11 @@ def routed_by_prefix(router: RouterProcess, fleet: SimFleet, base: int) -> list[
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             first = pool.submit(post, router, prompt(base, 0))
-            time.sleep(0.2)
-            firsts = [first.result(), post(router, prompt(base + 1, 0))]
+            # The second is sent while the first's prefill leg is held open (not after a
+            # sleep: on a loaded host the first may not have been routed yet).
+            assert wait_until(lambda: _prefills_in_flight(router) == 1, 10, interval=0.01)
+            second = post(router, prompt(base + 1, 0))
+            firsts = [first.result(), second]
     finally:
         for engine in ("e0", "e1"):
             admin(fleet.engines[engine].url, "DELETE")

@@ -1007,6 +1007,44 @@ def test_routed_response_format_equals_one_engine(pd: PD, stream: bool) -> None:
         _same_choice(routed.body["choices"][0], reference.body["choices"][0])
 
 
+def test_routed_responses_equal_one_engines_own_responses(pd: PD) -> None:
+    """``POST /v1/responses`` through the router (served as a chat request on P/D) against the
+    decode engine's own ``/v1/responses``: the same prompt tokens (vLLM's Responses path adds
+    special tokens where its chat path does not) and the same greedy answer."""
+    body = {
+        "model": MODEL_NAME,
+        "input": f"{tag()} {BODY_TEXT}",
+        "instructions": "Answer briefly.",
+        "max_output_tokens": 8,
+        "temperature": 0,
+    }
+    wait_until(pd.ready, 60, interval=0.2)
+    routed = httpx.post(pd.router.url + "/v1/responses", json=body, timeout=120)
+    assert routed.status_code == 200, routed.text
+    reference = httpx.post(pd.decode.url + "/v1/responses", json=body, timeout=120)
+    assert reference.status_code == 200, reference.text
+    mine, theirs = routed.json(), reference.json()
+    _save("responses-whole.json", {"request": body, "routed": mine, "reference": theirs})
+
+    def text(obj: dict[str, Any]) -> str:
+        return "".join(
+            part.get("text", "")
+            for item in obj["output"]
+            if item["type"] == "message"
+            for part in item["content"]
+        )
+
+    assert mine["usage"]["input_tokens"] == theirs["usage"]["input_tokens"], (mine, theirs)
+    assert mine["usage"]["output_tokens"] == theirs["usage"]["output_tokens"]
+    assert text(mine) == text(theirs) and text(mine)
+    assert (mine["status"], mine["incomplete_details"]) == (
+        theirs["status"],
+        theirs["incomplete_details"],
+    )
+    assert [i["status"] for i in mine["output"]] == [i["status"] for i in theirs["output"]]
+    assert mine["tool_choice"] == theirs["tool_choice"]
+
+
 # --- narwhal-profile and narwhal-check against real engines -------------------------------
 
 

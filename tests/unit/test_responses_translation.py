@@ -43,6 +43,8 @@ def test_a_string_input_with_instructions() -> None:
         ],
         "max_tokens": 5,
         "temperature": 0.2,
+        # vLLM's Responses path adds special tokens (its chat path does not).
+        "add_special_tokens": True,
     }
 
 
@@ -290,9 +292,17 @@ def test_a_cut_completion_is_incomplete() -> None:
         "choices": [{"message": {"content": "par"}, "finish_reason": "length"}],
         "usage": USAGE,
     }
-    got = sdk(response_object(chat, request_of(max_output_tokens=4), "resp_x"))
+    obj = response_object(chat, request_of(max_output_tokens=4), "resp_x")
+    got = sdk(obj)
     assert got.status == "incomplete" and got.incomplete_details.reason == "max_output_tokens"
     assert got.max_output_tokens == 4
+    # As vLLM 0.32 answers: the message item is completed (the response says incomplete), its
+    # text part names logprobs (null, not asked for), and without tools the choice is none.
+    assert obj["output"][0]["status"] == "completed"
+    assert obj["output"][0]["content"][0]["logprobs"] is None
+    assert obj["tool_choice"] == "none" and obj["tools"] == []
+    with_tools = response_object(chat, request_of(tools=[WEATHER]), "resp_y")
+    assert with_tools["tool_choice"] == "auto"
 
 
 def test_tool_calls_are_function_call_items() -> None:
@@ -426,9 +436,14 @@ def test_streamed_tool_calls_are_function_call_events() -> None:
 def test_a_cut_stream_completes_incomplete_and_an_error_is_an_error_event() -> None:
     stream = ResponseEventStream(request_of(stream=True), "resp_x", 5, MODEL)
     stream.chunk(_chunk({"content": "par"}, "length"))
-    final = _events(stream.finish())[-1]["response"]
+    events = _events(stream.finish())
+    final = events[-1]["response"]
     assert final["status"] == "incomplete"
     assert final["incomplete_details"] == {"reason": "max_output_tokens"}
+    # The message item is done as completed, as vLLM's stream says it (the response is not).
+    done = [e for e in events if e["type"] == "response.output_item.done"]
+    assert [e["item"]["status"] for e in done] == ["completed"]
+    assert final["output"][0]["status"] == "completed"
     broken = ResponseEventStream(request_of(stream=True), "resp_x", 5, MODEL)
     broken.chunk(_chunk({"content": "par"}))
     (event,) = _events(

@@ -100,10 +100,8 @@ def _reasoning_of(message: dict[str, Any]) -> str | None:
 
 
 def _text_part(text: str, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
-    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
-    if logprobs is not None:
-        part["logprobs"] = logprobs
-    return part
+    # vLLM's part names its logprobs, null when not asked for.
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
 
 
 def _envelope(
@@ -159,7 +157,9 @@ def response_object(
                 "id": _item_id("msg"),
                 "type": "message",
                 "role": "assistant",
-                "status": status,
+                # vLLM's message item is completed even when the answer was cut (the
+                # response's own status says incomplete).
+                "status": "completed",
                 "content": [_text_part(content, logprobs)],
             }
         )
@@ -285,7 +285,6 @@ class ResponseEventStream:
         if kind is None:
             return b""
         self._kind = None
-        item_status = "incomplete" if self.finish_reason == "length" else "completed"
         if kind == "function_call":
             item = {**self._call, "arguments": self._text, "status": "completed"}
             out = self._event(
@@ -315,7 +314,7 @@ class ResponseEventStream:
                 "type": "message",
                 "role": "assistant",
                 "content": [part],
-                "status": item_status,
+                "status": "completed",  # as vLLM's, a cut answer's too
             }
             out = self._event(
                 "response.output_text.done",

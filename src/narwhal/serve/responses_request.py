@@ -385,7 +385,8 @@ def _echo(body: dict[str, Any], max_tokens: int | None, logprobs: bool) -> dict[
         "metadata": body.get("metadata"),
         "parallel_tool_calls": True if parallel is None else parallel,
         "temperature": body.get("temperature"),
-        "tool_choice": body.get("tool_choice") or "auto",
+        # vLLM's check_tool_usage: without tools, auto (the default) and none read as none.
+        "tool_choice": (body.get("tool_choice") or "auto") if body.get("tools") else "none",
         "tools": body.get("tools") or [],
         "top_p": body.get("top_p"),
         "background": False,
@@ -429,7 +430,11 @@ def to_chat_body(body: dict[str, Any]) -> ResponsesRequest:
     if stream is None:
         raise _refuse("'stream' must be a boolean", "stream")
     messages, continue_final = _messages(body)
-    chat: dict[str, Any] = {"messages": messages}
+    # vLLM's Responses path tokenizes the rendered conversation with special tokens added
+    # (its TokenizeParams default; the chat path's default is off): the engines get the
+    # prompt tokens vLLM's own /v1/responses would give them (a BOS more, for a template
+    # that writes its own).
+    chat: dict[str, Any] = {"messages": messages, "add_special_tokens": True}
     if "model" in body:
         chat["model"] = body["model"]  # checked by the chat path, as for /v1/chat/completions
     cap = body.get("max_output_tokens")
