@@ -525,5 +525,17 @@ def test_prompt_keys_of_client_requests() -> None:
     longer = {"messages": [*chat["messages"], {"role": "user", "content": "more" * 40}]}
     a, b = prompt_keys(chat, True, 16), prompt_keys(longer, True, 16)
     assert a and b[: len(a)] == a  # a conversation's next turn extends its prefix
+    # Special tokens added to a chat (a Responses request's translation) begin other tokens
+    # from the first: no match with the same chat without them. The routes' defaults are
+    # keyed as if unsaid.
+    assert not set(prompt_keys({**chat, "add_special_tokens": True}, True, 16)) & set(a)
+    assert prompt_keys({**chat, "add_special_tokens": False}, True, 16) == a
+    plain = {"prompt": text}
+    assert prompt_keys({**plain, "add_special_tokens": True}, False, 16) == prompt_keys(
+        plain, False, 16
+    )
+    assert prompt_keys({**plain, "add_special_tokens": False}, False, 16) != prompt_keys(
+        plain, False, 16
+    )
     # Text keys never match token keys, whatever the bytes.
     assert not set(text_keys([text], 16)) & set(chain_keys(list(text.encode()), 16))

@@ -140,6 +140,11 @@ def prompt_keys(body: Mapping[str, Any], chat: bool, block_size: int) -> tuple[i
     (a chat's roles and contents in order); () when the prompt is neither (a batch, images)."""
     salt = body.get("cache_salt")
     salt = salt if isinstance(salt, str) else None
+    special = body.get("add_special_tokens")
+    if special is not None and bool(special) != (not chat):
+        # Special tokens added where the route's default adds none (a Responses request's
+        # chat), or left out where it adds them: the same text, other tokens from the first.
+        salt = (salt or "") + "\0special" + ("+" if special else "-")
     if chat:
         parts: list[str] = []
         for message in body.get("messages") or ():
