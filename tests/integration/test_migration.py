@@ -51,7 +51,9 @@ def stack(
             tpot_s=0.2,
             routing=ROUTING,
             # A decode step of about 50 ms: 48 tokens take long enough to break mid-stream.
-            sim={"time_scale": 5.0},
+            # Usage names the prompt's cached tokens, as vLLM's does with this flag on: a
+            # migrated answer's must too.
+            sim={"time_scale": 5.0, "enable_prompt_tokens_details": True},
         ) as fleet,
         running_router(
             directory, fleet.fleet_path, *ROUTER_ARGS, "--relay", request.param
@@ -141,11 +143,18 @@ def baseline(router: RouterProcess, chat: bool = False) -> list[str]:
 
 
 def under_fault(
-    router: RouterProcess, fault: Any, chat: bool = False, after_s: float = 0.3
+    router: RouterProcess, fault: Any, chat: bool = False, after_s: float = 0.2
 ) -> list[httpx.Response]:
-    """Every prompt streamed at once; ``fault()`` runs ``after_s`` into the streams."""
+    """Every prompt streamed at once; ``fault()`` runs ``after_s`` after the first stream
+    reached its decode engine (waited for: on a loaded host a fixed sleep could end before any
+    had, or after all were done)."""
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
         futures = [pool.submit(stream_request, router, p, chat) for p in PROMPTS]
+        assert wait_until(
+            lambda: any(e["in_flight"]["decode"] for e in router.admin_state()["engines"]),
+            30,
+            interval=0.02,
+        )
         time.sleep(after_s)
         fault()
         return [f.result() for f in futures]
@@ -171,6 +180,10 @@ def check_answers(
         assert text == want
         usage = [c["usage"] for c in chunks if c.get("usage")]
         assert len(usage) == 1 and usage[0]["completion_tokens"] == MAX_TOKENS
+        # The client's prompt's details (its first prefill's), a migrated answer's too: not the
+        # continuation prompt's, and not left out.
+        assert isinstance(usage[0].get("prompt_tokens_details"), dict), usage
+        assert isinstance(usage[0]["prompt_tokens_details"].get("cached_tokens"), int), usage
         roles = [
             c
             for chunk in chunks

@@ -148,6 +148,9 @@ class MigrationTrace:
     text_shift: int = 0
     migrations: int = 0
     completion_offset: int = 0  # tokens the earlier legs generated (the client's usage)
+    # The client's prompt's usage details (its first prefill leg's), which a continuation's
+    # usage reports in place of its own prompt's; None: not known (left out).
+    prompt_details: dict[str, Any] | None = None
 
     @property
     def observes_text(self) -> bool:
@@ -303,8 +306,11 @@ class MigrationTrace:
             prompt = len(self.prompt_ids)
             completion = (usage.get("completion_tokens") or 0) + self.completion_offset
             # The continuation's prompt details (its cached tokens) are not the client's
-            # prompt's: left out, as an engine leaves out what it does not report.
+            # prompt's: the first prefill leg's stand in, or, unknown, they are left out as an
+            # engine leaves out what it does not report.
             usage = {k: v for k, v in usage.items() if k != "prompt_tokens_details"}
+            if self.prompt_details is not None:
+                usage["prompt_tokens_details"] = self.prompt_details
             obj["usage"] = {
                 **usage,
                 "prompt_tokens": prompt,
@@ -449,6 +455,8 @@ class Migrator:
                 )
                 return None
             held_back = recovered
+        if trace.prompt_details is None:
+            trace.prompt_details = self.record.prefill_prompt_details
         continuation = continuation_request(self.request, trace)
         try:
             stream = await self.router.continue_on(

@@ -873,6 +873,9 @@ class PDRouter:
         record.attempt("prefill", engine, "ok")
         if counted is not None:
             record.prompt_tokens = counted
+        details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+        if isinstance(details, dict):
+            record.prefill_prompt_details = details
         # vLLM returns kv_transfer_params only when the prefill stopped on its length cap with
         # blocks to hand over; without them the decode engine prefills the prompt itself.
         record.handoff = "nixl" if params is not None else "local"

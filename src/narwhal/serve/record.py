@@ -22,6 +22,7 @@ _LEG_FIELDS = (
     "handoff_first_token_s",
     "cached_tokens_predicted",
     "kv_blocks_predicted",
+    "prefill_prompt_details",
 )
 
 
@@ -60,6 +61,9 @@ class RequestRecord:
     cached_tokens_predicted: int | None = None
     cached_tokens_reported: int | None = None
     kv_blocks_predicted: int | None = None
+    # The prefill leg's usage.prompt_tokens_details (not journaled): what a migrated answer's
+    # usage reports for the client's prompt, whose continuation prompt is another.
+    prefill_prompt_details: dict[str, Any] | None = None
     # Choices answered (n times the prompts of a batch): each ran as a P/D request of its own,
     # whose legs are this record's attempts; the engines and times above are choice 0's.
     choices: int = 1
