@@ -286,3 +286,12 @@ def test_transfer_params_inside_vllm_xargs_are_refused(name: str) -> None:
         parse({"model": MODEL, "prompt": "x", "vllm_xargs": {name: "10.9.9.9"}})
     assert info.value.param == f"vllm_xargs.{name}"
     assert parse({"model": MODEL, "prompt": "x", "vllm_xargs": {"k": 1}}).model == MODEL
+
+
+def test_a_body_after_a_utf8_byte_order_mark_is_read_as_vllm_reads_it() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    req = parse_client_request(b"\xef\xbb\xbf" + json.dumps(body).encode(), True, "m", 4096)
+    assert req.body["messages"] == body["messages"]
+    with pytest.raises(RouterError) as refused:  # the mark alone is no JSON object
+        parse_client_request(b"\xef\xbb\xbf", True, "m", 4096)
+    assert refused.value.status == 400

@@ -248,7 +248,10 @@ def _fan_out(
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """A request body that must be one JSON object, or the 400 that says why not."""
+    """A request body that must be one JSON object, or the 400 that says why not. A UTF-8
+    byte order mark before it is read past, as vLLM's JSON reader (Python's) reads past it."""
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
