@@ -357,6 +357,10 @@ def test_routed_output_equals_one_engine(pd: PD, chat: bool, mode: str) -> None:
     assert routed.text == reference.text
     assert routed.token_ids == reference.token_ids
     assert routed.finish_reason == "length"
+    if mode == "whole":
+        # The engine's fingerprint, as a whole answer carries it (from the stream's last chunk).
+        fingerprint = reference.body["system_fingerprint"]
+        assert fingerprint and routed.body["system_fingerprint"] == fingerprint
 
     # usage: prompt as the prefill engine counted it, completion as the decode engine did.
     prompt_tokens = reference.usage["prompt_tokens"]

@@ -642,6 +642,9 @@ async def aggregate(
     choices: dict[int, _ChoiceParts] = {}
     usage: dict[str, Any] | None = None
     head: dict[str, Any] | None = None
+    # vLLM stamps its whole answers with the engine's fingerprint; a stream carries it on its
+    # last chunk (the usage chunk, which the decode leg always asks for).
+    fingerprint: Any = None
     trace = migrator.trace
     stream = migrator.stream
     # Renders nothing here: its trace observes the chunks and it says when a break can be
@@ -693,6 +696,8 @@ async def aggregate(
                 head = head or obj
                 if obj.get("usage") and not obj.get("choices"):
                     usage = obj["usage"]
+                if obj.get("system_fingerprint") is not None:
+                    fingerprint = obj["system_fingerprint"]
                 note_chunk(tally, obj, time.monotonic())
                 for choice in obj.get("choices") or ():
                     if isinstance(choice, dict):
@@ -749,7 +754,7 @@ async def aggregate(
         "model": head.get("model"),
         "choices": out,
         "service_tier": None,
-        "system_fingerprint": None,
+        "system_fingerprint": fingerprint,
         "usage": usage,
     }
     # vLLM 0.32's whole answer: a chat answer's prompt fields are top-level, a completion's in
