@@ -16,6 +16,7 @@ import pytest
 from narwhal.coordination import Coordinator, EtcdClient, EtcdUnavailable, SharedRoles
 from narwhal.coordination.etcd import Compare, Operation
 from narwhal.testing.etcd import EtcdServer, etcd_binary
+from narwhal.testing.procs import async_wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -170,7 +171,10 @@ def test_a_draining_leader_steps_down_at_once_and_keeps_following(etcd: EtcdServ
         await until(lambda: bool(seen_a) and seen_a[-1].generation == 1)
         # b goes too: a, retired, does not take the leadership back.
         await b.step_down()
-        await asyncio.sleep(0.5)
+        # a sees the key go (etcd's watch, however long a loaded host makes it), then stays
+        # without a leader: it does not campaign within the half second after.
+        await until(lambda: a.leader_id is None, timeout=5)
+        assert not await async_wait_until(lambda: a.is_leader or a.leader_id is not None, 0.5)
         assert a.leader_id is None and not a.is_leader
         for task in tasks:
             task.cancel()

@@ -80,10 +80,24 @@ def test_traffic_shift_flips_an_engine_toward_decode(tmp_path: Path) -> None:
                     flipped = any(rec["type"] == "role.flip" for rec in router.records())
             client.close()
             assert flipped, "no flip toward decode within 40 s of decode-heavy traffic"
+            # Roles pinned: the controller (ticking every 0.5 s) flips no more, so the state,
+            # the metrics and the journal read below describe the same flips.
+            pinned = httpx.post(
+                router.url + "/admin/roles/pin",
+                json={"pinned": True},
+                headers={"Authorization": f"Bearer {router.admin_token}"},
+                timeout=10,
+            )
+            assert pinned.status_code == 200 and pinned.json() == {"pinned": True}
             state = router.admin_state()
             metrics = router.metrics()
             n = len(statuses)
             assert wait_until(lambda: len(router.ends()) == n, 10)
+            # Each flip's record is written behind it by the journal's thread.
+            flipped_n = len(state["roles"]["history"])
+            assert wait_until(
+                lambda: sum(r["type"] == "role.flip" for r in router.records()) == flipped_n, 10
+            )
     assert statuses == [200] * len(statuses)
     ends = router.ends()
     assert all(e["outcome"] == "ok" for e in ends.values())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -219,11 +220,12 @@ def test_a_decode_leg_the_engine_refuses_releases_the_prefilled_kv(stack) -> Non
 def test_every_choice_of_a_refused_request_releases_its_kv(stack) -> None:
     # n = 3: three prefills, three refused decode legs. The first refusal ends the request and
     # cancels the other choices; their release legs run on to their end all the same. The
-    # decode engines' READs take 0.6 s (within the 1 s deadline), so that every choice has
-    # reached its release before the first one ends.
+    # decode engines' READs take 0.3 s, so that every choice has reached its release before
+    # the first one ends (the choices reach theirs within milliseconds of each other), and
+    # each release leg still has 0.7 s of its 1 s deadline for a loaded host's overhead.
     fleet, router = stack
     for engine in ("e2", "e3"):
-        admin(fleet.engines[engine].url, "POST", {"hang_kv_read_s": 0.6})
+        admin(fleet.engines[engine].url, "POST", {"hang_kv_read_s": 0.3})
     before = router.metrics()
     r = post(router, logprobs=50, n=3, temperature=1.0)
     assert r.status_code == 400, r.text
@@ -284,19 +286,20 @@ def test_first_token_deadline_aborts_and_retries_elsewhere(stack) -> None:
     before = router.metrics()
     retried = None
     for _ in range(6):
-        t0 = time.monotonic()
         r = post(router, stream=True)
-        elapsed = time.monotonic() - t0
         assert r.status_code == 200, r.text
         end = end_of(router, r)
         if any(a["outcome"] == "deadline_exceeded" for a in end["attempts"]):
             retried = end
-            assert elapsed < 3.0  # the stalled leg was abandoned, not waited out
             break
     assert retried is not None
     assert retried["outcome"] == "ok" and retried["decode_engine"] == "e3"
     deadline = next(a for a in retried["attempts"] if a["outcome"] == "deadline_exceeded")
     assert deadline["engine"] == "e2" and deadline["after_s"] >= 1.0 - TIMER_SLACK_S
+    # The stalled leg was abandoned at its deadline, not waited out: the router's own clock
+    # (the leg's time since its start) is below the 3 s first-token stall. The client's wall
+    # clock would add the retry's fresh prefill and decode, whatever a loaded host makes them.
+    assert deadline["after_s"] < 3.0, deadline
     after = router.metrics()
     missed = metric(after, "narwhal_first_token_deadline_exceeded_total", engine="e2") - metric(
         before, "narwhal_first_token_deadline_exceeded_total", engine="e2"
@@ -380,17 +383,33 @@ def test_client_disconnect_during_prefill_closes_the_prefill_leg(stack) -> None:
     fleet, router = stack
     for engine in ("e0", "e1"):
         admin(fleet.engines[engine].url, "POST", {"slowdown": 5000.0})
-    ids_before = set(router.ends())
-    with pytest.raises(httpx.ReadTimeout):
-        post(router, timeout=0.5)
+    # Hang up once the router has the prefill leg in flight, not on a client timer (on a busy
+    # host a timer can fire before the leg was sent). The record is found by the client's
+    # X-Request-Id: an earlier test's request may be journaled late.
+    client_id = f"disconnect-in-prefill-{uuid.uuid4().hex}"
+    payload = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 4}).encode()
+    host, port = router.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nX-Request-Id: {client_id}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        assert wait_until(
+            lambda: any(e["in_flight"]["prefill"] for e in router.admin_state()["engines"]),
+            5,
+            interval=0.01,
+        )
 
     def aborted() -> dict[str, Any] | None:
-        new = [e for rid, e in router.ends().items() if rid not in ids_before]
-        return new[0] if new and new[0]["outcome"] == "client_abort" else None
+        return next(
+            (e for e in router.ends().values() if e["client_request_id"] == client_id), None
+        )
 
     assert wait_until(lambda: aborted() is not None, 5)
     end = aborted()
-    assert end is not None and end["status"] is None
+    assert end is not None
+    assert end["outcome"] == "client_abort" and end["status"] is None
     # The prefill leg the client left is in the journal as tried.
     assert [(a["leg"], a["outcome"]) for a in end["attempts"]] == [("prefill", "cancelled")]
     for engine in ("e0", "e1"):
@@ -453,7 +472,14 @@ def test_http_oddities_are_refused_alike_on_every_route(stack, tmp_path: Path) -
                 router.url + "/admin/roles/pin", json={"pinned": True}, headers=token, timeout=10
             )
             assert pinned.status_code == 200 and pinned.json() == {"pinned": True}
-        assert sum(r["type"] == "role.pin" for r in router.records()) == 1
+
+        def pins() -> int:
+            return sum(r["type"] == "role.pin" for r in router.records())
+
+        # The journal is written behind the answer (a thread, in order): the first pin's
+        # record lands a moment later; a record of the second would follow it (checked below,
+        # once a later request's record is in).
+        assert wait_until(lambda: pins() >= 1, 5)
         # A body that stops arriving: a 408 after --body-timeout and the connection closed (a
         # stalled client held its request slot, and any drain, for as long as it liked).
         host, port = router.url.removeprefix("http://").split(":")
@@ -477,8 +503,10 @@ def test_http_oddities_are_refused_alike_on_every_route(stack, tmp_path: Path) -
             ]
 
         # The journal is written behind the answer: its record may land a moment later.
-        wait_until(lambda: len(stalled()) >= 1, 10)
+        assert wait_until(lambda: len(stalled()) >= 1, 10)
         assert len(stalled()) == 1
+        # Journaled in order: any record of the second (unchanged) pin precedes this one.
+        assert pins() == 1
     finally:
         stop_router(router)
 
@@ -635,10 +663,15 @@ def test_dead_prefill_engine_fails_over_and_ready_tracks_pairs(tmp_path: Path) -
         for _ in range(4):
             r = post(router)
             assert r.status_code == 200, r.text
-        state = router.admin_state()
-        e0 = next(e for e in state["engines"] if e["id"] == "e0")
-        assert e0["healthy"] is False
-        assert metric(router.metrics(), "narwhal_engine_healthy", engine="e0") == 0
+
+        def e0_healthy() -> bool:
+            return next(e for e in router.admin_state()["engines"] if e["id"] == "e0")["healthy"]
+
+        # The health probe (every 0.2 s), not the requests, marks it: wait for the probe.
+        assert wait_until(lambda: e0_healthy() is False, 5)
+        assert wait_until(
+            lambda: metric(router.metrics(), "narwhal_engine_healthy", engine="e0") == 0, 5
+        )
         fleet.kill("e2")
         assert wait_until(lambda: httpx.get(router.url + "/ready").status_code == 503, 5)
         assert "decode" in httpx.get(router.url + "/ready").json()["reason"]

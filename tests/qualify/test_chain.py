@@ -26,6 +26,7 @@ import yaml
 
 from narwhal.qualify.report import PLOT_IDS
 from narwhal.testing.procfs import stat_fields
+from narwhal.testing.procs import wait_until
 from tests.qualify.browser import load_page
 
 pytestmark = pytest.mark.slow
@@ -250,7 +251,8 @@ def _restart(pid: int) -> subprocess.Popen[bytes]:
     env = dict(e.split(b"=", 1) for e in raw_env if b"=" in e)
     cwd = os.readlink(f"/proc/{pid}/cwd")
     os.kill(pid, signal.SIGKILL)
-    time.sleep(0.5)
+    # Gone (or a zombie: its sockets closed) before its replacement binds the same ports.
+    assert wait_until(lambda: not _alive(pid), 10), f"engine pid {pid} outlived SIGKILL"
     return subprocess.Popen(
         [a.decode() for a in argv],
         env={k.decode(): v.decode() for k, v in env.items()},
@@ -325,7 +327,9 @@ def test_a_killed_chain_stops_everything_it_started(tmp_path: Path) -> None:
             assert proc.poll() is None and time.monotonic() < deadline, "never reached benchmark"
             time.sleep(0.2)
         time.sleep(2)
-        assert _processes_mentioning("benchmark_runner.py"), "the benchmark step is not running"
+        assert _step_processes(run_dir, (b"benchmark_runner.py",)), (
+            "the benchmark step is not running"
+        )
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
     finally:
@@ -346,15 +350,19 @@ def _alive(pid: int) -> bool:
     return fields is not None and fields[0] != "Z"
 
 
-def _step_processes(run_dir: Path) -> list[int]:
-    """The benchmark step's processes working in ``run_dir`` (the runner, its load generator)."""
+def _step_processes(
+    run_dir: Path, scripts: tuple[bytes, ...] = (b"benchmark_runner.py", b"load_trial.py")
+) -> list[int]:
+    """The benchmark step's processes working in ``run_dir`` (the runner, its load generator):
+    those running one of ``scripts``. The working directory tells this run's from another
+    test worker's."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         with contextlib.suppress(OSError):
             cmdline = (entry / "cmdline").read_bytes()
-            if b"benchmark_runner.py" not in cmdline and b"load_trial.py" not in cmdline:
+            if not any(script in cmdline for script in scripts):
                 continue
             if Path(os.readlink(entry / "cwd")) == run_dir.resolve():
                 found.append(int(entry.name))
@@ -374,8 +382,9 @@ def test_a_step_a_chain_killed_outright_left_running_is_stopped_by_the_next(
     rerun = None
     try:
         deadline = time.monotonic() + 300
-        # The benchmark's runner (the workload step before it runs load_trial.py too).
-        while not _processes_mentioning("benchmark_runner.py") or not _step_processes(run_dir):
+        # This run's benchmark runner (the workload step before it runs load_trial.py too;
+        # another test worker's runner works in another directory).
+        while not _step_processes(run_dir, (b"benchmark_runner.py",)):
             assert killed.poll() is None and time.monotonic() < deadline, "never reached benchmark"
             time.sleep(0.2)
         time.sleep(2)  # its load generator started
