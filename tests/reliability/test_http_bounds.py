@@ -205,3 +205,39 @@ def test_a_head_begun_behind_another_request_is_held_to_the_deadline(
                 closed = True
     assert closed, raw
     assert raw.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 408" in raw
+
+
+def test_an_unreadable_request_is_refused_in_the_openai_shape(router: RouterProcess) -> None:
+    """uvicorn's own answer is plain text: the router's has the shape of every other error."""
+    with connect(router) as sock:
+        sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        status, error = status_and_error(read_all(sock))
+    assert status == 400 and error["type"] == "invalid_request_error", error
+    assert "Invalid HTTP request" in str(error["message"])
+
+
+def test_a_websocket_upgrade_is_answered_as_http(router: RouterProcess) -> None:
+    """The router serves no WebSocket: an Upgrade header is ignored (a bodiless request is
+    answered by its route, then the connection closes: nothing after the head can be read as
+    HTTP), and a request with a body, which the parser would not read, is refused saying why.
+    uvicorn answered an empty 403, and told the operator's log to install a WebSocket
+    library."""
+    upgrade = (
+        b"Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+    )
+    with connect(router) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n" + upgrade + b"\r\n")
+        raw = read_all(sock)
+    assert raw.startswith(b"HTTP/1.1 200"), raw
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+    with connect(router) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer %s\r\n%sContent-Length: %d\r\n\r\n%s"
+            % (KEY.encode(), upgrade, len(body), body)
+        )
+        status, error = status_and_error(read_all(sock))
+    assert status == 400 and "upgrades are not supported" in str(error["message"]), error
+    log = Path(router.log_path).read_text()
+    assert "Unsupported upgrade" not in log and "WebSocket library" not in log

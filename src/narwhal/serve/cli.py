@@ -636,6 +636,7 @@ def main(argv: list[str] | None = None) -> int:
         # uvicorn's httptools protocol, bounded: a request's head within --body-timeout and
         # 64 KiB, and disconnects told to pipelined requests (serve/http_protocol.py).
         http=bounded_http_protocol(args.body_timeout),
+        ws="none",  # no WebSocket routes: an upgrade is answered as the HTTP request it is
         lifespan="on",
     )
     server = Server(config)

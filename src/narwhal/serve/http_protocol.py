@@ -16,9 +16,13 @@ misses. What the stock protocol leaves open (found by a security review, uvicorn
   good (each byte re-arms keep-alive). Here such a connection is closed once the response is
   out.
 
-Refusals before the head is whole are the HTTP server's, like uvicorn's own 400 for an
-unparsable request: no request reached the router, so none is journaled; the body is the
-OpenAI error shape every other refusal has.
+- uvicorn answers a request its parser cannot read with a plain-text 400, and a WebSocket
+  upgrade (the router serves none) with an empty 403. Here the 400 has the OpenAI error shape
+  and an Upgrade header is ignored: the request is answered as HTTP by the route it names.
+
+Refusals before the head is whole are the HTTP server's, as the 400 for an unparsable request
+is: no request reached the router, so none is journaled; the body is the OpenAI error shape
+every other refusal has.
 """
 
 from __future__ import annotations
@@ -108,7 +112,23 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         if self._head_size > self.max_head_bytes:
             self._refuse(431, self._too_large)
             return
+        if self.parser.should_upgrade() and self._declares_body():
+            # The parser reads no body past an Upgrade request's head: the request would reach
+            # its route without the body it sent.
+            self._refuse(
+                400,
+                "protocol upgrades are not supported: send the request without an Upgrade header",
+            )
+            return
         super().on_headers_complete()
+
+    def _declares_body(self) -> bool:
+        for name, value in self.headers:
+            if name == b"transfer-encoding" or (
+                name == b"content-length" and value.strip() != b"0"
+            ):
+                return True
+        return False
 
     def on_body(self, body: bytes) -> None:
         if not self._refused:
@@ -182,14 +202,19 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         )
         self.transport.close()
 
+    def send_400_response(self, msg: str) -> None:
+        # A request the parser cannot read: the OpenAI error shape (uvicorn's is plain text).
+        self._refuse(400, msg)
+
     def _should_upgrade(self) -> bool:
-        # A refused head is not upgraded (uvicorn would build the upgrade from a scope the
-        # refusal left unfinished), nor warned about.
-        return not self._refused and super()._should_upgrade()
+        # The router serves no WebSocket (uvicorn runs with ws="none"): an Upgrade header is
+        # ignored and the request answered as HTTP, by the route it names.
+        return False
 
     def _unsupported_upgrade_warning(self) -> None:
-        if not self._refused:
-            super()._unsupported_upgrade_warning()
+        # uvicorn warns of every such request, and tells to install a WebSocket library: a
+        # client's header is not the operator's business (nor worth a log line each).
+        pass
 
     # --- disconnects the stock protocol misses ----------------------------------------------
 
@@ -209,13 +234,14 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     def on_response_complete(self) -> None:
         super().on_response_complete()
         cycle = self.cycle
-        if (
-            cycle is not None
-            and cycle.response_complete
-            and cycle.more_body
-            and not self.transport.is_closing()
-        ):
+        if self.transport.is_closing() or cycle is None or not cycle.response_complete:
+            return
+        if cycle.more_body:
             # Answered before its body was read: the rest of it is not worth reading.
+            self.transport.close()
+        elif self.parser.should_upgrade():
+            # The parser stops at an Upgrade request's head: nothing more on this connection
+            # can be read as HTTP (a body of its own included).
             self.transport.close()
 
 
