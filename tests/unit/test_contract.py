@@ -18,6 +18,7 @@ from narwhal.contract import (
     canonical_json,
     load_fleet,
     parse_fleet,
+    read_json_document,
     sha256_hex,
 )
 
@@ -660,7 +661,29 @@ def test_duplicate_key_is_rejected(tmp_path: Path) -> None:
 def test_non_finite_number_is_rejected(tmp_path: Path) -> None:
     path = tmp_path / "fleet.json"
     path.write_text(SIM_FLEET.read_text().replace('"tpot_s": 0.3', '"tpot_s": NaN'))
-    assert str(_load_error(path)) == f"{path}: invalid JSON: NaN is not a number"
+    assert str(_load_error(path)) == f"{path}: invalid JSON: NaN is not a finite number"
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        ("1e999", "1e999 is not a finite number"),  # valid JSON that reads as infinity
+        ("-1e999", "-1e999 is not a finite number"),
+        ("9" * 5000, "a number too long to read"),  # past Python's 4,300 digits
+    ],
+)
+def test_a_number_no_field_can_hold_is_refused_naming_the_file(
+    tmp_path: Path, value: str, reason: str
+) -> None:
+    """Found by a CLI fuzz pass: these were tracebacks (a profile store, a check report, a
+    limits file: infinity reached the hashing; 5,000 digits Python's int conversion)."""
+    path = tmp_path / "fleet.json"
+    path.write_text(SIM_FLEET.read_text().replace('"tpot_s": 0.3', f'"tpot_s": {value}'))
+    assert str(_load_error(path)) == f"{path}: invalid JSON: {reason}"
+    store = tmp_path / "store.json"
+    store.write_text(f'{{"wall_s": {value}}}')
+    with pytest.raises(ContractError, match="invalid JSON"):
+        read_json_document(store)
 
 
 def test_not_utf8(tmp_path: Path) -> None:

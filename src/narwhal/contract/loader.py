@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -231,6 +232,16 @@ def _reject_constant(token: str) -> NoReturn:
     raise _NonFiniteError(token)
 
 
+def _finite_float(token: str) -> float:
+    # 1e999 is valid JSON that Python reads as infinity: as out of range as the spelling
+    # Infinity (a budget or a latency of inf disables every check downstream, and no hash of
+    # the document can be written).
+    value = float(token)
+    if not math.isfinite(value):
+        raise _NonFiniteError(token)
+    return value
+
+
 def _parse_json(data: bytes, source: str) -> object:
     try:
         text = data.decode("utf-8")
@@ -238,7 +249,10 @@ def _parse_json(data: bytes, source: str) -> object:
         raise ContractError(source, "", f"not UTF-8 (byte {exc.start}: {exc.reason})") from None
     try:
         return json.loads(
-            text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant
+            text,
+            object_pairs_hook=_no_duplicate_keys,
+            parse_constant=_reject_constant,
+            parse_float=_finite_float,
         )
     except json.JSONDecodeError as exc:
         raise ContractError(
@@ -247,9 +261,15 @@ def _parse_json(data: bytes, source: str) -> object:
     except _DuplicateKeyError as exc:
         raise ContractError(source, "", f"invalid JSON: duplicate key {exc.key!r}") from None
     except _NonFiniteError as exc:
-        raise ContractError(source, "", f"invalid JSON: {exc.token} is not a number") from None
+        raise ContractError(
+            source, "", f"invalid JSON: {exc.token[:40]} is not a finite number"
+        ) from None
     except RecursionError:
         raise ContractError(source, "", "invalid JSON: nested too deeply") from None
+    except ValueError:
+        # Python's bound on the digits of an integer it converts (4,300): no field of any
+        # Narwhal file needs a number that long.
+        raise ContractError(source, "", "invalid JSON: a number too long to read") from None
 
 
 def _error_from(source: str, problems: list[tuple[Loc, str]]) -> ContractError:
