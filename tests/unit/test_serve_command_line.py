@@ -3,6 +3,7 @@ number out of range refused naming its flag."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -127,3 +128,27 @@ def test_a_secrets_file_other_users_may_read_is_warned_about(
         settings = build_settings(_parser().parse_args(args))[0]
     settings.journal_claim.close()
     assert f"{keys}: other users may read the API keys (mode 644): chmod 600" in caplog.text
+
+
+def test_an_indented_comment_is_no_key_and_a_file_without_end_is_refused(tmp_path: Path) -> None:
+    """Found by a CLI fuzz pass: an indented '#revoked' line was read as a valid API key; a
+    FIFO named as the keys file blocked the start for good, /dev/zero read without end."""
+    from narwhal.serve.auth import Auth
+
+    base = ["--fleet", str(FLEET), "--skip-qualification", "--journal", str(tmp_path / "j.jsonl")]
+    keys = tmp_path / "keys"
+    keys.write_text("k-live\n   # k-revoked\n\t#k-old\n")
+    keys.chmod(0o600)
+    settings = build_settings(_parser().parse_args([*base, "--api-keys-file", str(keys)]))[0]
+    settings.journal_claim.close()
+    auth = Auth(settings.api_key_hashes, None)
+    assert len(settings.api_key_hashes) == 1 and auth.client_allowed("Bearer k-live")
+    assert not auth.client_allowed("Bearer # k-revoked") and not auth.client_allowed(
+        "Bearer #k-old"
+    )
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (fifo, Path("/dev/zero")):
+        args = _parser().parse_args([*base, "--api-keys-file", str(path)])
+        with pytest.raises(UsageError, match=f"^{path}: cannot read API keys: not a regular file"):
+            build_settings(args)

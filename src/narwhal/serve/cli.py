@@ -21,6 +21,7 @@ import os
 import re
 import shlex
 import socket
+import stat
 import sys
 import time
 from pathlib import Path
@@ -229,14 +230,29 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# A file of keys or a token is a few KiB at most: what is past this is not such a file.
+_MAX_SECRETS_FILE_BYTES = 1 << 20
+
+
 def _read_secrets(path: str, what: str, warnings: list[str]) -> list[str]:
     try:
-        text = Path(path).read_text(encoding="utf-8")
         mode = Path(path).stat().st_mode
+        if not stat.S_ISREG(mode):
+            # A FIFO would block the start until something wrote to it; a device such as
+            # /dev/zero has no end.
+            raise UsageError(f"{path}: cannot read {what}: not a regular file")
+        with open(path, "rb") as file:
+            data = file.read(_MAX_SECRETS_FILE_BYTES + 1)
+        if len(data) > _MAX_SECRETS_FILE_BYTES:
+            raise UsageError(f"{path}: cannot read {what}: larger than 1 MiB")
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
         raise UsageError(f"{path}: cannot read {what}: {why or exc}") from None
-    values = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+    # A comment is a line whose first visible character is '#', indented or not (an indented
+    # '#revoked-key' was read as a key).
+    lines = (ln.strip() for ln in text.splitlines())
+    values = [ln for ln in lines if ln and not ln.startswith("#")]
     if not values:
         raise UsageError(f"{path}: no {what} in the file")
     if mode & 0o077:
