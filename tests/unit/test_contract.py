@@ -486,6 +486,25 @@ INVALID_CASES: list[tuple[str, Callable[[Doc], None], str]] = [
         _set("engines.1.attestation_url", "file:///etc/passwd"),
         "engines[1].attestation_url: URL scheme must be http or https (got 'file:///etc/passwd')",
     ),
+    # Accepted, then tracebacks in narwhal-serve and narwhal-check (a CLI fuzz pass).
+    (
+        "attestation-url-port-not-a-number",
+        _set("engines.1.attestation_url", "http://h:8a/attestation"),
+        "engines[1].attestation_url: URL port is not a number from 1 to 65535 "
+        "(got 'http://h:8a/attestation')",
+    ),
+    (
+        "attestation-url-port-zero",
+        _set("engines.1.attestation_url", "http://h:0/attestation"),
+        "engines[1].attestation_url: URL port is not a number from 1 to 65535 "
+        "(got 'http://h:0/attestation')",
+    ),
+    (
+        "attestation-url-port-past-65535",
+        _set("engines.1.attestation_url", "http://h:99999/attestation"),
+        "engines[1].attestation_url: URL port is not a number from 1 to 65535 "
+        "(got 'http://h:99999/attestation')",
+    ),
     (
         "attainment-above-one",
         _set("budgets.attainment", 1.5),

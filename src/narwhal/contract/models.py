@@ -105,6 +105,12 @@ def _split_http_url(value: str) -> SplitResult:
         raise _error("URL must not carry credentials")
     if not parts.hostname:
         raise _error(f"URL has no host (got {value!r})")
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raise _error(f"URL port is not a number from 1 to 65535 (got {value!r})")
     return parts
 
 
@@ -263,15 +269,10 @@ class EngineSpec(_Model):
     @field_validator("url")
     @classmethod
     def _url(cls, value: str) -> str:
-        parts = _split_http_url(value)
-        try:
-            port = parts.port
-        except ValueError:
-            raise _error(f"URL port is not a number from 1 to 65535 (got {value!r})") from None
+        parts = _split_http_url(value)  # a port it names is a number from 1 to 65535
+        port = parts.port
         if port is None:
             raise _error(f"URL must name a port (got {value!r})")
-        if not 1 <= port <= 65535:
-            raise _error(f"URL port is not a number from 1 to 65535 (got {value!r})")
         if parts.path not in ("", "/"):
             raise _error(f"URL must not have a path (got {value!r})")
         if parts.query or parts.fragment or value.endswith(("?", "#")):
