@@ -488,6 +488,11 @@ INVALID_CASES: list[tuple[str, Callable[[Doc], None], str]] = [
     ),
     # Accepted, then tracebacks in narwhal-serve and narwhal-check (a CLI fuzz pass).
     (
+        "key-file-with-a-nul",
+        _set("engine.api_key_file", "a\u0000b"),
+        "engine.api_key_file: path must not contain a NUL character",
+    ),
+    (
         "attestation-url-port-not-a-number",
         _set("engines.1.attestation_url", "http://h:8a/attestation"),
         "engines[1].attestation_url: URL port is not a number from 1 to 65535 "
@@ -776,3 +781,20 @@ def test_engine_api_key_file_must_not_be_empty_in_the_document() -> None:
     doc = minimal_doc()
     doc["engine"]["api_key_file"] = ""
     assert parse_error(doc) == "fleet.json: engine.api_key_file: must not be empty"
+
+
+def test_a_path_in_the_home_of_an_unknown_user_names_its_field(tmp_path: Path) -> None:
+    """``~nosuchuser/k`` was a RuntimeError traceback wherever the file was opened."""
+    doc = json.loads(SIM_FLEET.read_text())
+    doc["engine"]["api_key_file"] = "~narwhal-no-such-user/k"
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(doc))
+    assert str(_load_error(path)) == (
+        f"{path}: engine.api_key_file: names the home of a user this host does not know "
+        "(got '~narwhal-no-such-user/k')"
+    )
+    del doc["engine"]["api_key_file"]
+    doc["profile_store"] = {"path": "~narwhal-no-such-user/s.json", "sha256": "0" * 64}
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ContractError, match=r"profile_store\.path: names the home of a user"):
+        _ = load_fleet(path).profile_store_path

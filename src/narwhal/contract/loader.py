@@ -110,7 +110,14 @@ class LoadedFleet:
         ref = self.contract.profile_store
         if ref is None:
             return None
-        return os.fspath(self.path.parent / Path(ref.path).expanduser())
+        try:
+            return os.fspath(self.path.parent / Path(ref.path).expanduser())
+        except RuntimeError:  # ~user of a user this host does not know
+            raise ContractError(
+                os.fspath(self.path),
+                "profile_store.path",
+                f"names the home of a user this host does not know (got {ref.path!r})",
+            ) from None
 
 
 ENGINE_API_KEY_FIELD = "engine.api_key_file"
@@ -135,7 +142,11 @@ def load_fleet(path: str | os.PathLike[str]) -> LoadedFleet:
 def _read_api_key(fleet_path: Path, key_file: str, source: str) -> str:
     """The key in ``key_file`` (relative to the fleet file's directory), surrounding
     whitespace removed; the messages name the file, never its content."""
-    resolved = fleet_path.parent / Path(key_file).expanduser()
+    try:
+        resolved = fleet_path.parent / Path(key_file).expanduser()
+    except RuntimeError:  # ~user of a user this host does not know
+        reason = f"names the home of a user this host does not know (got {key_file!r})"
+        raise ContractError(source, ENGINE_API_KEY_FIELD, reason) from None
     try:
         text = resolved.read_text(encoding="utf-8")
     except OSError as exc:

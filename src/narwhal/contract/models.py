@@ -90,6 +90,15 @@ def _check_sha256(value: str | None) -> str | None:
     return value
 
 
+def _check_file_path(value: str | None) -> str | None:
+    """A path field a tool opens: one the operating system can name (a NUL was a traceback
+    where the file is read). Whether a ``~user`` exists is the loader's to find (it looks the
+    user up)."""
+    if value is not None and "\0" in value:
+        raise _error("path must not contain a NUL character")
+    return value
+
+
 def _split_http_url(value: str) -> SplitResult:
     """Parse an http(s) URL that names a host; raise a worded error otherwise."""
     try:
@@ -172,6 +181,11 @@ class EngineDefaults(_Model):
     # relative to the fleet file, never the key itself: the fleet file is hashed, journaled
     # and shared, and a secret in it would travel with it. ``load_fleet`` reads it.
     api_key_file: str | None = Field(default=None, min_length=1)
+
+    @field_validator("api_key_file")
+    @classmethod
+    def _api_key_file(cls, value: str | None) -> str | None:
+        return _check_file_path(value)
 
 
 class NixlSideChannel(_Model):
@@ -408,6 +422,12 @@ class RoutingPolicy(_Model):
 class ProfileStoreRef(_Model):
     path: str = Field(min_length=1)
     sha256: str
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, value: str) -> str:
+        _check_file_path(value)
+        return value
 
     @field_validator("sha256")
     @classmethod
