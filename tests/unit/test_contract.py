@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -798,3 +799,14 @@ def test_a_path_in_the_home_of_an_unknown_user_names_its_field(tmp_path: Path) -
     path.write_text(json.dumps(doc))
     with pytest.raises(ContractError, match=r"profile_store\.path: names the home of a user"):
         _ = load_fleet(path).profile_store_path
+
+
+def test_a_file_that_is_not_regular_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """A FIFO named as the fleet blocked every tool until something wrote to it; a device
+    such as /dev/zero was read without end (a CLI fuzz pass)."""
+    fifo = tmp_path / "fleet.json"
+    os.mkfifo(fifo)
+    for path in (fifo, Path("/dev/zero")):
+        assert str(_load_error(path)) == f"{path}: cannot read: not a regular file"
+        with pytest.raises(ContractError, match="not a regular file"):
+            read_json_document(path)

@@ -152,3 +152,11 @@ def test_an_indented_comment_is_no_key_and_a_file_without_end_is_refused(tmp_pat
         args = _parser().parse_args([*base, "--api-keys-file", str(path)])
         with pytest.raises(UsageError, match=f"^{path}: cannot read API keys: not a regular file"):
             build_settings(args)
+
+
+def test_a_journal_that_is_not_a_regular_file_is_refused(tmp_path: Path) -> None:
+    """--journal /dev/null started a router whose every fsync failed: each request a 503."""
+    base = ["--fleet", str(FLEET), "--skip-qualification"]
+    args = _parser().parse_args([*base, "--journal", "/dev/null"])
+    with pytest.raises(UsageError, match=r"^--journal: /dev/null is not a regular file"):
+        build_settings(args)

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import stat
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -127,11 +128,7 @@ def load_fleet(path: str | os.PathLike[str]) -> LoadedFleet:
     """Read, parse and validate the fleet contract at ``path``, and read the engine API key
     file it names; ContractError on any problem."""
     source = os.fspath(path)
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise ContractError(source, "", f"cannot read: {exc.strerror or exc}") from None
-    raw = _parse_json(data, source)
+    raw = _parse_json(_read_file(path, source), source)
     loaded = parse_fleet(raw, source, path=Path(path))
     key_file = loaded.contract.engine.api_key_file
     if key_file is None:
@@ -199,11 +196,20 @@ def read_json_document(path: str | os.PathLike[str]) -> object:
     """Read a JSON file with the fleet loader's strictness (UTF-8, no duplicate keys, no NaN);
     every problem is a one-line ContractError naming the file."""
     source = os.fspath(path)
+    return _parse_json(_read_file(path, source), source)
+
+
+def _read_file(path: str | os.PathLike[str], source: str) -> bytes:
+    """A file's bytes, only from a regular file: a FIFO would block until something wrote
+    to it, a device such as /dev/zero has no end."""
     try:
-        data = Path(path).read_bytes()
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise ContractError(source, "", "cannot read: not a regular file")
+        return Path(path).read_bytes()
     except OSError as exc:
         raise ContractError(source, "", f"cannot read: {exc.strerror or exc}") from None
-    return _parse_json(data, source)
+    except ValueError as exc:  # a NUL in the path
+        raise ContractError(source, "", f"cannot read: {exc}") from None
 
 
 def validate_document(raw: object, model: type[ModelT], source: str) -> ModelT:

@@ -435,8 +435,18 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
             f"--replica-id: {args.replica_id!r} is not a name of letters, digits, '.', '_', '-'"
         )
     journal = Path(args.journal)
-    if journal.exists() and journal.is_dir():
+    try:
+        journal_mode: int | None = journal.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        journal_mode = None  # a new journal (or a parent that is no directory: said below)
+    except (OSError, ValueError) as exc:  # a loop of links, a name too long, a NUL
+        why = exc.strerror if isinstance(exc, OSError) else str(exc)
+        raise UsageError(f"--journal: {journal}: {why or exc}") from None
+    if journal_mode is not None and stat.S_ISDIR(journal_mode):
         raise UsageError(f"--journal: {journal} is a directory")
+    if journal_mode is not None and not stat.S_ISREG(journal_mode):
+        # /dev/null took every record and failed each fsync: the router answered 503 to all.
+        raise UsageError(f"--journal: {journal} is not a regular file")
     for parent in journal.parents:
         if parent.exists():
             if not parent.is_dir():
