@@ -26,6 +26,7 @@ import httpx
 
 from narwhal.asgi import tcp_bind_problem
 from narwhal.contract import ContractError, load_fleet
+from narwhal.contract.flags import number_type
 from narwhal.engines.scrape import metric_sum
 from narwhal.serve.cli import serve_command
 from narwhal.testing import procs
@@ -199,7 +200,13 @@ def run(fleet_path: str, port: int, once: bool) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fleet", default="configs/fleet/local-sim.json")
-    parser.add_argument("--port", type=int, default=int(os.environ.get("DEMO_PORT", "8000")))
+    # DEMO_PORT goes through the flag's own check (a port of letters was a traceback).
+    parser.add_argument(
+        "--port",
+        type=number_type(int, 1, 65535),
+        default=os.environ.get("DEMO_PORT", "8000"),
+        help="the router's port (default: $DEMO_PORT, else 8000)",
+    )
     args = parser.parse_args()
     once = os.environ.get("DEMO_ONCE", "") not in ("", "0")
     try:

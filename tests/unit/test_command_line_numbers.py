@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from narwhal.contract.flags import number_type, out_of_range, positive
+from narwhal.contract.flags import base_url, number_type, out_of_range, positive
 from narwhal.fleetsim import cli as fleetsim_cli
 from tools.deployment import (
     attestation_contract,
@@ -164,3 +164,45 @@ def test_fleetsim_refuses_what_it_would_ignore_or_cannot_hold(
         sys.exit(fleetsim_cli.main(argv))
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("http://127.0.0.1:8a", "not a URL with a port from 1 to 65535"),
+        ("http://127.0.0.1:0", "not a URL with a port from 1 to 65535"),
+        ("http://127.0.0.1:99999", "not a URL with a port from 1 to 65535"),
+        ("ftp://h", "expected an http(s) URL naming a host"),
+        ("127.0.0.1:8000", "expected an http(s) URL naming a host"),
+    ],
+)
+def test_a_base_url_a_tool_cannot_use_is_refused(
+    text: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A port of letters was a traceback where the URL was first used (benchmark_runner's
+    ValueError, load_trial's httpx.InvalidURL; a CLI fuzz pass)."""
+    for argv, parse in (
+        (
+            ["--base", text, "--model", "m", "--plan", "p"],
+            benchmark_runner.build_parser().parse_args,
+        ),
+        (["prepare", "--base", text, "--out", "o"], load_trial.build_parser().parse_args),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            parse(argv)
+        assert exit_.value.code == 2
+        assert f"argument --base: {message}" in capsys.readouterr().err
+    assert base_url("http://127.0.0.1:8000") == "http://127.0.0.1:8000"
+
+
+def test_a_demo_port_of_letters_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from narwhal import demo
+
+    monkeypatch.setenv("DEMO_PORT", "abc")
+    monkeypatch.setattr(sys, "argv", ["demo"])
+    with pytest.raises(SystemExit) as exit_:
+        demo.main()
+    assert exit_.value.code == 2
+    assert "argument --port: expected an integer, got 'abc'" in capsys.readouterr().err

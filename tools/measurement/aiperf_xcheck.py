@@ -42,7 +42,7 @@ from typing import Any
 if __package__ in (None, ""):  # run by path: the repository root for `tools` (tools/__init__.py)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from narwhal.contract.flags import number_type, positive
+from narwhal.contract.flags import base_url, number_type, positive
 from narwhal.testing import procs
 from tools.measurement._out_dir import OutDirError, prepare_out_dir
 from tools.measurement._runner_journal import read_journal
@@ -267,7 +267,10 @@ def xcheck(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--base", required=True, help="narwhal-serve's base URL, e.g. http://127.0.0.1:8000"
+        "--base",
+        required=True,
+        type=base_url,
+        help="narwhal-serve's base URL, e.g. http://127.0.0.1:8000",
     )
     p.add_argument("--model", required=True, help="model name aiperf requests")
     p.add_argument("--journal", required=True, help="the router's journal (JSONL) to compare with")

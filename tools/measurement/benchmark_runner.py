@@ -49,7 +49,7 @@ if __package__ in (None, ""):  # run by path: the repository root for `tools` (t
 import httpx
 
 from narwhal.contract import ContractError, LoadedFleet, load_fleet
-from narwhal.contract.flags import positive
+from narwhal.contract.flags import base_url, positive
 from narwhal.testing import procs
 from tools.measurement._out_dir import OutDirError, prepare_out_dir
 from tools.measurement._provenance import git_commit, versions
@@ -816,7 +816,7 @@ def router_inputs(
 def build_parser() -> argparse.ArgumentParser:
     positive_seconds = positive(float)
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument("--base", required=True, help="narwhal-serve base URL")
+    p.add_argument("--base", required=True, type=base_url, help="narwhal-serve base URL")
     p.add_argument(
         "--model", required=True, help="model to request; must be the plan's fleet's model id"
     )

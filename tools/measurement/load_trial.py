@@ -35,7 +35,7 @@ if __package__ in (None, ""):  # run by path: the repository root for `tools` (t
 import httpx
 
 from narwhal.contract import Budgets
-from narwhal.contract.flags import number_type, positive
+from narwhal.contract.flags import base_url, number_type, positive
 from tools.measurement._out_dir import OutDirError, prepare_out_dir
 from tools.measurement._provenance import versions
 from tools.measurement._trial_client import TrialConfig, poisson_schedule, run_trial
@@ -260,7 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prepare", help="write a workload (token-id prompts) to DIR")
-    p.add_argument("--base", required=True, help="the router (or an engine) base URL")
+    p.add_argument(
+        "--base", required=True, type=base_url, help="the router (or an engine) base URL"
+    )
     p.add_argument("--out", required=True, help="directory to write workload.json in")
     p.add_argument(
         "--seed", type=int, required=True, help="seed of the prompts drawn from the token pool"
@@ -316,7 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=prepare)
 
     r = sub.add_parser("run", help="run one open-loop load point")
-    r.add_argument("--base", required=True, help="the router (or an engine) base URL")
+    r.add_argument(
+        "--base", required=True, type=base_url, help="the router (or an engine) base URL"
+    )
     r.add_argument("--workload", required=True, help="workload directory (or file) from prepare")
     r.add_argument("--rate", type=positive(float), help="offered requests/s (Poisson)")
     r.add_argument(

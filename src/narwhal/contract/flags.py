@@ -1,6 +1,6 @@
-"""Numbers a person types on a command line, checked as the fleet file's are: a value out of
-range is refused with the reason, never passed on to fail later as a traceback, a hang or a
-run that measures nothing. NaN is out of every range (each comparison with it is false)."""
+"""Numbers and URLs a person types on a command line, checked as the fleet file's are: a value
+out of range is refused with the reason, never passed on to fail later as a traceback, a hang or
+a run that measures nothing. NaN is out of every range (each comparison with it is false)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import argparse
 import math
 from collections.abc import Callable
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 NumberT = TypeVar("NumberT", int, float)
 
@@ -78,3 +79,20 @@ def number_type(
 def positive(kind: type[NumberT]) -> Callable[[str], NumberT]:
     """An argparse ``type``: a number of ``kind`` greater than 0."""
     return number_type(kind, 0, low_allowed=False)
+
+
+def base_url(text: str) -> str:
+    """An argparse ``type``: an http(s) URL naming a host, its port (if any) a number from 1 to
+    65535 (a port of letters was a traceback where the URL was first used)."""
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a URL with a port from 1 to 65535: {text!r}"
+        ) from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"expected an http(s) URL naming a host, got {text!r}")
+    if port is not None and not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"not a URL with a port from 1 to 65535: {text!r}")
+    return text
