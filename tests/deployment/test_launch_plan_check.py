@@ -227,6 +227,14 @@ def test_a_plan_file_that_does_not_parse_is_an_input_error(
     assert err == [
         f"launch_plan.py: {path}: invalid YAML at line 3 column 1: duplicate key 'name' (line 3)"
     ]
+    # A list as a key, and a document nested past Python's recursion: TypeError and
+    # RecursionError tracebacks before (a CLI fuzz pass).
+    path.write_text("? [a]\n: b\n")
+    assert launch_plan.main(["check", str(path), "--fleet", str(SIM_FLEET)]) == 2
+    assert "a key must be a plain value" in capsys.readouterr().err
+    path.write_text("a: " + "[" * 5000 + "]" * 5000 + "\n")
+    assert launch_plan.main(["check", str(path), "--fleet", str(SIM_FLEET)]) == 2
+    assert "nested too deeply" in capsys.readouterr().err
     path.write_text("schema: narwhal.launch/v1\nname: a\nkind: container\ntp: eight\n")
     assert launch_plan.main(["check", str(path), "--fleet", str(SIM_FLEET)]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -145,3 +145,20 @@ def test_a_relative_run_dir_on_the_command_line_is_where_the_operator_is(tmp_pat
     assert not (ROOT / "here").exists() and not (tmp_path / "here").exists()
     loaded = load_run_file(SHIPPED, ROOT, str(tmp_path / "here"))
     assert loaded.run_dir == tmp_path / "here"
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        # Last one won without a word (launch plans and fleets refuse it).
+        ("schema: narwhal.qualify/v1\nname: a\nname: b\n", "duplicate key 'name' (line 3)"),
+        ("? [a]\n: b\n", "a key must be a plain value"),
+        ("a: " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply"),  # a RecursionError
+    ],
+)
+def test_yaml_a_person_could_not_mean_is_refused(tmp_path: Path, text: str, needle: str) -> None:
+    path = tmp_path / "RUN.yaml"
+    path.write_text(text)
+    with pytest.raises(RunFileError) as info:
+        load_run_file(path, ROOT)
+    assert any(needle in p for p in info.value.problems), info.value.problems

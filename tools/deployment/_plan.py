@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from narwhal.contract.yamlfile import load_yaml
+
 __all__ = [
     "PLAN_SCHEMA",
     "ArgValue",
@@ -156,29 +158,6 @@ class LoadedPlan:
         self.sha256 = sha256
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys (PyYAML keeps the last one without a word)."""
-
-
-def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
-        if key in seen:
-            mark = key_node.start_mark
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (line {mark.line + 1})", mark
-            )
-        seen.add(key)
-    return loader.construct_mapping(node, deep=True)  # type: ignore[no-untyped-call]
-
-
-_UniqueKeyLoader.add_constructor(
-    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
-    _construct_mapping,  # type: ignore[arg-type]
-)
-
-
 def _loc(loc: tuple[Any, ...]) -> str:
     out = ""
     for part in loc:
@@ -197,7 +176,7 @@ def load_plan(path: str | Path) -> LoadedPlan:
     except OSError as exc:
         raise PlanError([f"{source}: cannot read: {exc.strerror or exc}"]) from None
     try:
-        raw = yaml.load(data, Loader=_UniqueKeyLoader)
+        raw = load_yaml(data)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""

@@ -42,6 +42,7 @@ from pydantic import (
 )
 
 from narwhal.contract.flags import positive
+from narwhal.contract.yamlfile import load_yaml
 from tools.deployment._deploy_build import Build, BuildError, build_steps, build_wheel, verify_tree
 
 __all__ = ["DeploymentFile", "HostSpec", "host_steps", "main"]
@@ -150,7 +151,7 @@ def load_deployment(path: Path, missing: list[str] | None = None) -> DeploymentF
     ``missing`` (a dry run), a key file that does not exist is listed there instead of
     refused."""
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = load_yaml(path.read_text())
     except OSError as exc:
         raise UsageError(f"{path}: cannot read: {exc.strerror}") from None
     except yaml.YAMLError as exc:

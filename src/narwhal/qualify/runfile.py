@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from narwhal.contract import ContractError, LoadedFleet, load_fleet
 from narwhal.contract.models import format_loc
+from narwhal.contract.yamlfile import StrictYamlLoader, load_yaml
 
 __all__ = [
     "RUN_SCHEMA",
@@ -169,7 +170,7 @@ def _resolve(checkout: Path, value: str) -> Path:
     return p if p.is_absolute() else checkout / p
 
 
-class _RunFileLoader(yaml.SafeLoader):
+class _RunFileLoader(StrictYamlLoader):
     """YAML 1.1 (PyYAML) reads ``1e3`` and ``5e-1`` as strings (a float needs a dot and a
     signed exponent there); YAML 1.2 and JSON read them as the numbers an operator meant, and
     the run file's strict schema would refuse the strings."""
@@ -185,7 +186,7 @@ _RunFileLoader.add_implicit_resolver(
 def parse_run_file(text: str, source: str) -> RunFile:
     """The run file's model, or RunFileError with one line per schema problem."""
     try:
-        raw = yaml.load(text, Loader=_RunFileLoader)  # a SafeLoader
+        raw = load_yaml(text, _RunFileLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
