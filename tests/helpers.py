@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -261,3 +263,21 @@ def running_router(
         yield router
     finally:
         stop_router(router)
+
+
+@contextlib.contextmanager
+def raw_completion(router: RouterProcess, body: dict[str, Any], tag: str) -> Iterator[str]:
+    """A completions request sent on a socket of its own, which the block holds and closes
+    at its end (the client hanging up whenever the test says, not on a client timer). Yields
+    the request's X-Request-Id, unique and prefixed ``tag``: its journal record is the one
+    whose ``client_request_id`` it is (an earlier test's request may be journaled late)."""
+    client_id = f"{tag}-{uuid.uuid4().hex}"
+    payload = json.dumps(body).encode()
+    host, port = router.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nX-Request-Id: {client_id}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        yield client_id

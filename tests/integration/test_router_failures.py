@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import socket
 import time
-import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,6 +23,7 @@ from tests.helpers import (
     RouterProcess,
     admin,
     metric,
+    raw_completion,
     running_fleet,
     running_router,
     start_router,
@@ -386,15 +386,8 @@ def test_client_disconnect_during_prefill_closes_the_prefill_leg(stack) -> None:
     # Hang up once the router has the prefill leg in flight, not on a client timer (on a busy
     # host a timer can fire before the leg was sent). The record is found by the client's
     # X-Request-Id: an earlier test's request may be journaled late.
-    client_id = f"disconnect-in-prefill-{uuid.uuid4().hex}"
-    payload = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 4}).encode()
-    host, port = router.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as conn:
-        conn.sendall(
-            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nX-Request-Id: {client_id}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
-            + payload
-        )
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}
+    with raw_completion(router, body, "disconnect-in-prefill") as client_id:
         assert wait_until(
             lambda: any(e["in_flight"]["prefill"] for e in router.admin_state()["engines"]),
             5,

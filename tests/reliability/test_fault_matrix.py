@@ -36,11 +36,8 @@ and during the first-token wait; the journal's file size limit under both polici
 from __future__ import annotations
 
 import contextlib
-import json
-import socket
 import threading
 import time
-import uuid
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +56,7 @@ from tests.helpers import (
     RouterProcess,
     admin,
     metric,
+    raw_completion,
     running_fleet,
     running_router,
     stop_router,
@@ -677,17 +675,9 @@ def test_client_disconnect_during_the_handoff(clean, phase: str, fault: dict[str
     before = router.metrics()
     # The record is found by the client's X-Request-Id: an earlier test's request (answered,
     # its record not yet written) may be journaled after this one started.
-    client_id = f"handoff-disconnect-{phase}-{uuid.uuid4().hex}"
     # Hang up once the decode engine holds the leg (its READ, or its first token, stalled),
     # not on a timer: on a busy host a timer can fire before the leg ever got there.
-    payload = json.dumps(body(5)).encode()
-    host, port = router.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as conn:
-        conn.sendall(
-            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nX-Request-Id: {client_id}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
-            + payload
-        )
+    with raw_completion(router, body(5), f"handoff-disconnect-{phase}") as client_id:
         assert wait_until(
             lambda: (
                 any(sim_state(fleet.engines[d].url)["waiting"] for d in DECODE)
