@@ -123,3 +123,29 @@ def test_a_replay_says_how_many_prompts_it_clipped(
     out = capsys.readouterr()
     assert f"1 of 3 trace prompts clipped to {half:,} tokens" in out.err
     assert '"trace_prompts_clipped": 1' in out.out
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        # A request no engine would take, reported "completed" (a CLI fuzz pass).
+        (["--prompt-tokens", "1000000"], "exceed the fleet's max_model_len 16384"),
+        # Simulated for hours: the controllers tick through every simulated second.
+        (["--output-tokens", "99999999999"], "exceed the fleet's max_model_len"),
+        (["--rate", "1e-300"], "at most 1e+07 s are simulated"),
+    ],
+)
+def test_a_poisson_run_that_could_not_be_served_or_would_not_end_is_refused(
+    capsys: pytest.CaptureFixture[str], extra: list[str], says: str
+) -> None:
+    assert fleetsim_main([*BASE, *extra]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_trace_answer_longer_than_the_context_is_cut_to_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "trace.csv"
+    trace.write_text(HEADER + "2023-11-16 18:15:46.68,374,99999999999\n")
+    assert fleetsim_main(["--engines", "1:1", "--trace", str(trace), "--requests", "1"]) == 0
+    assert '"completed": 1' in capsys.readouterr().out

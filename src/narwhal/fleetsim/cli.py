@@ -26,6 +26,10 @@ __all__ = ["main"]
 MAX_ENGINES = 4_096
 
 
+# Simulated time a Poisson run may span (about 116 days): longer took hours of wall time.
+MAX_SIMULATED_S = 1e7
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="narwhal-fleetsim", description="Virtual-time fleet simulation of Narwhal's routing."
@@ -155,8 +159,29 @@ def main(argv: list[str] | None = None) -> int:
                 f"{max_prompt:,} tokens (half the fleet's max_model_len)",
                 file=sys.stderr,
             )
+        # An answer is bounded by the context as an engine bounds it (a trace's output of
+        # 10^11 tokens ran the simulator for good).
+        limit = fleet.model.max_model_len
+        rows = [(t, prompt, min(out, limit - prompt)) for t, prompt, out in rows]
         specs = trace_requests(rows, args.rate_scale)
     else:
+        limit = fleet.model.max_model_len
+        if args.prompt_tokens + args.output_tokens > limit:
+            # An engine refuses such a request: simulating it served would measure nothing.
+            print(
+                f"narwhal-fleetsim: --prompt-tokens {args.prompt_tokens} + --output-tokens "
+                f"{args.output_tokens} exceed the fleet's max_model_len {limit}",
+                file=sys.stderr,
+            )
+            return 2
+        if args.requests / args.rate > MAX_SIMULATED_S:
+            # The role controller and the scrapes tick through every simulated second.
+            print(
+                f"narwhal-fleetsim: --requests {args.requests} at --rate {args.rate:g} span "
+                f"{args.requests / args.rate:.3g} s; at most {MAX_SIMULATED_S:.0e} s are simulated",
+                file=sys.stderr,
+            )
+            return 2
         specs = poisson_requests(
             args.rate, args.requests, args.prompt_tokens, args.output_tokens, args.seed
         )
