@@ -343,3 +343,21 @@ def test_a_plan_whose_prefix_caching_disagrees_with_the_fleet_is_refused(tmp_pat
     assert len(lines) == 5, lines  # one per engine, and the count
     assert "engines[0]: e0 runs with prefix caching on" in lines[0]
     assert "engine.prefix_caching.enabled is false" in lines[0]
+
+
+def test_stop_names_a_run_directory_it_cannot_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A mistyped --run-dir said 'nothing recorded' and exited 0 (the engines may run on); a
+    corrupt run.json was a JSONDecodeError, TypeError or AttributeError traceback (a CLI fuzz
+    pass)."""
+    missing = tmp_path / "nowhere"
+    assert launch_plan.main(["stop", "--run-dir", str(missing)]) == 2
+    assert f"--run-dir {missing}: no such directory" in capsys.readouterr().err
+    state = tmp_path / "run.json"
+    for content in ("[1, 2", "[1, 2]", '{"e0": {"pid": 1}}'):
+        state.write_text(content)
+        assert launch_plan.main(["stop", "--run-dir", str(tmp_path)]) == 2
+        assert f"{state}: not a launch_plan.py run state" in capsys.readouterr().err
+    state.unlink()
+    assert launch_plan.main(["stop", "--run-dir", str(tmp_path)]) == 0  # nothing to stop

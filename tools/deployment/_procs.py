@@ -62,12 +62,23 @@ def save_run(run_dir: Path, records: dict[str, RunRecord]) -> None:
     tmp.replace(run_dir / STATE_FILE)
 
 
+class RunStateError(Exception):
+    """A run directory's state file that cannot be read as one."""
+
+
 def load_run(run_dir: Path) -> dict[str, RunRecord]:
+    """The engines a start recorded in ``run_dir`` ({} when none); RunStateError when its
+    state file is not one (hand-edited, truncated, another file's)."""
     path = run_dir / STATE_FILE
     if not path.exists():
         return {}
-    data = json.loads(path.read_text())
-    return {k: RunRecord(**v) for k, v in data.items()}
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise TypeError("not a JSON object")
+        return {k: RunRecord(**v) for k, v in data.items()}
+    except (ValueError, TypeError) as exc:  # JSONDecodeError, a record of other fields
+        raise RunStateError(f"{path}: not a launch_plan.py run state ({exc})") from None
 
 
 def _tail(path: str, lines: int = 3) -> str:

@@ -35,6 +35,7 @@ from tools.deployment._live import LIVE_SCHEMA, Declared, capture_engine
 from tools.deployment._plan import LoadedPlan, PlanError, load_plan
 from tools.deployment._plan_check import kv_transfer_config, plans_problems
 from tools.deployment._procs import (
+    RunStateError,
     alive,
     load_run,
     save_run,
@@ -175,6 +176,9 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 def cmd_stop(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        # A mistyped directory is not "nothing to stop": the engines may still be running.
+        raise UsageError(f"--run-dir {run_dir}: no such directory")
     records = load_run(run_dir)
     if not records:
         print(f"nothing recorded in {run_dir}")
@@ -343,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         for line in exc.problems:
             _err(line)
         return 2
-    except (ContractError, UsageError) as exc:
+    except (ContractError, UsageError, RunStateError) as exc:
         _err(str(exc))
         return 2
     except OSError as exc:
