@@ -160,3 +160,19 @@ def test_a_journal_that_is_not_a_regular_file_is_refused(tmp_path: Path) -> None
     args = _parser().parse_args([*base, "--journal", "/dev/null"])
     with pytest.raises(UsageError, match=r"^--journal: /dev/null is not a regular file"):
         build_settings(args)
+
+
+def test_the_push_relay_over_httpx_is_refused_and_the_default_follows_the_transport(
+    tmp_path: Path,
+) -> None:
+    """--relay push with --engine-transport httpx was accepted and quietly pulled (a CLI fuzz
+    pass); without --relay the transport's own relay is taken."""
+    base = ["--fleet", str(FLEET), "--skip-qualification", "--journal", str(tmp_path / "j.jsonl")]
+    args = _parser().parse_args([*base, "--relay", "push", "--engine-transport", "httpx"])
+    with pytest.raises(UsageError, match=r"^--relay push: needs --engine-transport aiohttp"):
+        build_settings(args)
+    for transport, relay in (("httpx", "asgi"), ("aiohttp", "push")):
+        args = _parser().parse_args([*base, "--engine-transport", transport])
+        settings = build_settings(args)[0]
+        settings.journal_claim.close()
+        assert settings.relay == relay

@@ -25,7 +25,7 @@ import stat
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from narwhal.asgi import tcp_bind_problem
 from narwhal.contract import DEFAULT_REPORT_NAME, ContractError, load_fleet
@@ -191,9 +191,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--relay",
         choices=["push", "asgi"],
-        default="push",
+        default=None,
         help="how decode events reach the client: pushed from the engine connection as they "
-        "arrive (needs --engine-transport aiohttp), or pulled by a task per stream",
+        "arrive (needs --engine-transport aiohttp; its default), or pulled by a task per "
+        "stream (the default with httpx)",
     )
     p.add_argument(
         "--gc",
@@ -417,6 +418,15 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
         reason = out_of_range(args.prefill_timeout, 0, low_allowed=False)
         if reason is not None:
             raise UsageError(f"--prefill-timeout: {reason}")
+    relay: Literal["push", "asgi"] = args.relay or (
+        "push" if args.engine_transport == "aiohttp" else "asgi"
+    )
+    if relay == "push" and args.engine_transport != "aiohttp":
+        # Pushing rides the router's own engine connections; over httpx it would quietly be
+        # the pull relay.
+        raise UsageError(
+            f"--relay push: needs --engine-transport aiohttp (got {args.engine_transport})"
+        )
     coordination: tuple[str, ...] = ()
     if args.coordination:
         from narwhal.coordination import parse_coordination_url
@@ -560,7 +570,7 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
         scheduler=scheduler,
         qualification=qualification,
         engine_transport=args.engine_transport,
-        relay=args.relay,
+        relay=relay,
         command=getattr(args, "command", None),
         coordination=coordination,
         replica_id=args.replica_id,
