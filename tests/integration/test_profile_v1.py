@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from narwhal.contract import canonical_json, read_json_document, sha256_hex
+from narwhal.contract import ContractError, canonical_json, read_json_document, sha256_hex
 from narwhal.profiles.store import ProfileStore, parse_profile_store
 from narwhal.testing import profiling
 from narwhal.testing.procs import wait_until
@@ -225,6 +225,11 @@ def test_router_refuses_bad_or_stale_profile_stores(tmp_path: Path) -> None:
         stop_router(router)
         corrupt = tmp_path / "corrupt.json"
         corrupt.write_text(out.read_text()[:-20])
+        # Read without coercion, as a file people can edit: true is no number (it read as 1).
+        coerced = json.loads(out.read_text())
+        next(iter(coerced["engines"].values()))["wall_s"] = True
+        with pytest.raises(ContractError, match=r"wall_s: expected a number \(got true\)"):
+            parse_profile_store(coerced, "coerced.json")
         for store, words in ((corrupt, "invalid JSON"),):
             p = subprocess.run(
                 [

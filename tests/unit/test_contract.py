@@ -21,6 +21,7 @@ from narwhal.contract import (
     parse_fleet,
     read_json_document,
     sha256_hex,
+    validate_document,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -810,3 +811,19 @@ def test_a_file_that_is_not_regular_is_refused_not_waited_on(tmp_path: Path) -> 
         assert str(_load_error(path)) == f"{path}: cannot read: not a regular file"
         with pytest.raises(ContractError, match="not a regular file"):
             read_json_document(path)
+
+
+def test_a_profile_store_or_limits_file_is_read_without_coercion(tmp_path: Path) -> None:
+    """true was read as 1 for a number in a profile store or a limits file (a CLI fuzz pass):
+    files people can edit are read strictly, as the fleet is."""
+    from narwhal.profiles.store import ProfilingLimits
+
+    # (A store: tests/integration/test_profile_v1.py, on one narwhal-profile wrote.)
+    limits = {
+        "schema": "narwhal.profiling-limits/v1",
+        "max_wall_s_per_engine": 10,
+        "max_tokens_per_engine": 1000,
+        "probe_timeout_s": True,
+    }
+    with pytest.raises(ContractError, match=r"probe_timeout_s: expected a number \(got true\)"):
+        validate_document(limits, ProfilingLimits, "limits.json", strict=True)

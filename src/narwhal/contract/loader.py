@@ -212,12 +212,16 @@ def _read_file(path: str | os.PathLike[str], source: str) -> bytes:
         raise ContractError(source, "", f"cannot read: {exc}") from None
 
 
-def validate_document(raw: object, model: type[ModelT], source: str) -> ModelT:
-    """Validate any Narwhal file format against its pydantic model, with one-line errors."""
+def validate_document(
+    raw: object, model: type[ModelT], source: str, strict: bool | None = None
+) -> ModelT:
+    """Validate any Narwhal file format against its pydantic model, with one-line errors.
+    ``strict``: no coercion (``true`` is no number, ``"5"`` no integer) where the model's own
+    configuration allows it."""
     if not isinstance(raw, dict):
         raise ContractError(source, "", f"top level must be a JSON object (got {_describe(raw)})")
     try:
-        return model.model_validate(raw)
+        return model.model_validate(raw, strict=strict)
     except ValidationError as exc:
         raise _error_from(source, _problems(raw, exc.errors())) from None
 

@@ -128,7 +128,9 @@ def _r2(value: float) -> str:
 def run(args: argparse.Namespace) -> int:
     loaded = load_fleet(args.fleet)
     fleet = loaded.contract
-    limits = validate_document(read_json_document(args.limits), ProfilingLimits, args.limits)
+    limits = validate_document(
+        read_json_document(args.limits), ProfilingLimits, args.limits, strict=True
+    )
     try:
         plan = ProfilingPlan(
             prefill_lens=_int_list(args.prefill_lens, "prefill-lens"),

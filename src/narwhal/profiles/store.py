@@ -206,7 +206,9 @@ def store_bytes(store: ProfileStore) -> bytes:
 
 def parse_profile_store(raw: object, source: str) -> tuple[ProfileStore, str]:
     """Validate a parsed store document: (store, sha256). Pure."""
-    store = validate_document(raw, ProfileStore, source)
+    # Strict as a file people can edit: true was read as 1 for a number (the store's models
+    # coerce, for the profiler's own values).
+    store = validate_document(raw, ProfileStore, source, strict=True)
     return store, sha256_hex(raw)
 
 
