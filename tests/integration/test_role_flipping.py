@@ -48,6 +48,9 @@ def test_traffic_shift_flips_an_engine_toward_decode(tmp_path: Path) -> None:
             store,
             prefill_lens="128,1024,4096",
             decode_lens="128,512",
+            # Long enough that the 4 probes decode together for a while however a loaded host
+            # staggers their prefills (16 tokens: the profiler found no such window, a flake).
+            decode_tokens="48",
         )
         assert r.returncode == 0, r.stderr
         with running_router(tmp_path, fleet.fleet_path, "--profiles", str(store)) as router:
