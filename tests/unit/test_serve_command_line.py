@@ -176,3 +176,22 @@ def test_the_push_relay_over_httpx_is_refused_and_the_default_follows_the_transp
         settings = build_settings(args)[0]
         settings.journal_claim.close()
         assert settings.relay == relay
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        # Accepted without --coordination, a mistake waiting for the day it is turned on.
+        (["--coordination-lease-ttl", "-1"], "--coordination-lease-ttl: at least 2 seconds"),
+        # The limit was not in the message (a CLI fuzz pass).
+        (["--replica-id", "r" * 64], "is not a name of at most 63 letters"),
+        # Bound every interface without a word.
+        (["--host", ""], "--host: empty"),
+    ],
+)
+def test_values_that_could_never_be_meant_are_usage_errors(
+    tmp_path: Path, extra: list[str], says: str
+) -> None:
+    base = ["--fleet", str(FLEET), "--skip-qualification", "--journal", str(tmp_path / "j.jsonl")]
+    with pytest.raises(UsageError, match=re.escape(says)):
+        build_settings(_parser().parse_args([*base, *extra]))

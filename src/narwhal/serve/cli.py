@@ -437,13 +437,19 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
             raise UsageError(f"--coordination: {exc}") from None
         if not args.replica_id:
             raise UsageError("--coordination needs --replica-id ID (unique among the replicas)")
-        if args.coordination_lease_ttl < 2:
-            raise UsageError("--coordination-lease-ttl: at least 2 seconds")
+    # Checked with or without --coordination: a value that could never work is a mistake now,
+    # not when coordination is turned on.
+    if args.coordination_lease_ttl < 2:
+        raise UsageError("--coordination-lease-ttl: at least 2 seconds")
     replica_name = r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}"
     if args.replica_id is not None and not re.fullmatch(replica_name, args.replica_id):
         raise UsageError(
-            f"--replica-id: {args.replica_id!r} is not a name of letters, digits, '.', '_', '-'"
+            f"--replica-id: {args.replica_id!r} is not a name of at most 63 letters, digits, "
+            "'.', '_', '-' (beginning with a letter or digit)"
         )
+    if not args.host.strip():
+        # An empty host is every interface to the server: say so, don't do it by accident.
+        raise UsageError("--host: empty (name the address to listen on; 0.0.0.0 for every one)")
     journal = Path(args.journal)
     try:
         journal_mode: int | None = journal.stat().st_mode
