@@ -34,6 +34,11 @@ def test_cli_input_errors_are_one_line_exit_2(
         (["--fleet", str(fleet), "--kv-margin", "nan"], "--kv-margin: must be a finite number"),
         (["--fleet", str(fleet), "--kv-probes", "x"], "invalid int value"),
         (["--fleet", str(fleet), "--report", str(tmp_path)], "is a directory"),
+        # Refused before the gates run (it failed after them, saying "File exists").
+        (
+            ["--fleet", str(fleet), "--report", str(store_path / "r.json")],
+            f"--report: {store_path} is not a directory",
+        ),
         (["--gates", "health"], "the following arguments are required: --fleet"),
     ]
     good_plan = tmp_path / "good-plan.json"

@@ -121,7 +121,7 @@ def test_profiler_bad_inputs(tmp_path: Path) -> None:
         (tmp_path / "a-file").write_text("")
         for out, extra, words in (
             (tmp_path, (), "is a directory"),
-            (tmp_path / "a-file" / "store.json", (), "cannot write in"),
+            (tmp_path / "a-file" / "store.json", (), "a-file is not a directory"),
             (tmp_path / "y.json", ("--engines", ","), "--engines: no engine id given"),
             # A plan field out of range names the flag that set it (it was pydantic's dump).
             (tmp_path / "z.json", ("--decode-tokens", "0"), "--decode-tokens: Input should be"),

@@ -35,6 +35,7 @@ from narwhal.contract import (
     sha256_hex,
     validate_document,
 )
+from narwhal.contract.paths import why_unwritable
 from narwhal.profiles.store import parse_profile_store
 
 __all__ = ["main"]
@@ -237,8 +238,10 @@ def run(args: argparse.Namespace) -> int:
     settings = _settings(args)
     inputs, requested = build_inputs(args)
     out = Path(args.report)
-    if out.is_dir():
-        raise UsageError(f"--report: {out} is a directory")
+    # Before the gates run (minutes): a report that cannot be written fails now.
+    why = why_unwritable(out)
+    if why is not None:
+        raise UsageError(f"--report: {why}")
 
     def progress(line: str) -> None:
         if not args.quiet:

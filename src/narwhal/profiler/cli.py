@@ -15,7 +15,6 @@ import asyncio
 import datetime as dt
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -27,6 +26,7 @@ from narwhal.contract import (
     sha256_hex,
     validate_document,
 )
+from narwhal.contract.paths import why_unwritable
 from narwhal.profiler.runner import profile_fleet
 from narwhal.profiles.store import ProfileStore, ProfilingLimits, ProfilingPlan, store_bytes
 
@@ -216,14 +216,9 @@ def run(args: argparse.Namespace) -> int:
 def _check_writable(out: Path) -> None:
     """Before any engine is probed (a run takes minutes): ``--out`` names a file this process
     can write, its directory created if missing."""
-    if out.is_dir():
-        raise UsageError(f"--out: {out} is a directory; name the store's file")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=".narwhal-profile-"):
-            pass
-    except OSError as exc:
-        raise UsageError(f"--out: cannot write in {out.parent}: {exc.strerror or exc}") from None
+    why = why_unwritable(out)
+    if why is not None:
+        raise UsageError(f"--out: {why}")
 
 
 def _write(path: Path, data: bytes) -> None:
