@@ -3,6 +3,7 @@ number out of range refused naming its flag."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -195,3 +196,16 @@ def test_values_that_could_never_be_meant_are_usage_errors(
     base = ["--fleet", str(FLEET), "--skip-qualification", "--journal", str(tmp_path / "j.jsonl")]
     with pytest.raises(UsageError, match=re.escape(says)):
         build_settings(_parser().parse_args([*base, *extra]))
+
+
+def test_a_missing_store_the_fleet_pins_names_the_field(tmp_path: Path) -> None:
+    """'sub/nope.json: cannot read' did not say the fleet's profile_store.path named it."""
+    doc = json.loads(FLEET.read_text())
+    doc["profile_store"] = {"path": "sub/nope.json", "sha256": "0" * 64}
+    fleet = tmp_path / "fleet.json"
+    fleet.write_text(json.dumps(doc))
+    args = _parser().parse_args(
+        ["--fleet", str(fleet), "--skip-qualification", "--journal", str(tmp_path / "j.jsonl")]
+    )
+    with pytest.raises(UsageError, match=re.escape(f"{fleet}: profile_store.path: ")):
+        build_settings(args)

@@ -208,6 +208,9 @@ def build_inputs(args: argparse.Namespace) -> tuple[CheckInputs, list[str]]:
     fleet = loaded.contract
     store = store_ref = None
     store_path = args.profiles or loaded.profile_store_path
+    if store_path and not args.profiles and not Path(store_path).exists():
+        # The fleet's own pin: say which field named it (the path alone read as a flag's).
+        raise UsageError(f"{loaded.path}: profile_store.path: {store_path}: no such file")
     if store_path:
         store, digest = parse_profile_store(read_json_document(store_path), store_path)
         if not store.complete:

@@ -510,6 +510,9 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
         warnings.append("no API keys configured: any local client can use this router")
     profiles, profile_sha = None, None
     store_path = args.profiles or fleet.profile_store_path
+    if store_path and not args.profiles and not Path(store_path).exists():
+        # The fleet's own pin: say which field named it (the path alone read as a flag's).
+        raise UsageError(f"{fleet.path}: profile_store.path: {store_path}: no such file")
     if store_path:
         profiles, profile_sha = _load_profiles(fleet, store_path)
     scheduler = args.scheduler
