@@ -42,6 +42,7 @@ import sys
 import time
 from pathlib import Path
 
+from narwhal.contract.flags import number_type, positive
 from narwhal.fleetsim.simulator import DesConfig, RequestSpec, run_des
 from narwhal.fleetsim.workloads import read_azure_trace, synthetic_fleet
 from narwhal.simengine.timing import CALIBRATION
@@ -117,23 +118,26 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--requests",
-        type=int,
+        type=positive(int),
         default=TARGET_REQUESTS,
         help="simulated requests to replay (default %(default)s)",
     )
     parser.add_argument("--quick", action="store_true", help="100,000 requests")
     parser.add_argument(
-        "--engines", type=int, default=1000, help="engines in the fleet (default %(default)s)"
+        "--engines",
+        type=number_type(int, 2),
+        default=1000,
+        help="engines in the fleet (default %(default)s)",
     )
     parser.add_argument(
         "--load",
-        type=float,
+        type=positive(float),
         default=0.7,
         help="offered rate as a fraction of the fleet's capacity (default %(default)s)",
     )
     parser.add_argument(
         "--candidates",
-        type=int,
+        type=positive(int),
         default=32,
         help="engines per role scheduler v1 samples for each request (default %(default)s)",
     )

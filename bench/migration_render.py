@@ -34,6 +34,7 @@ from collections.abc import Callable
 import orjson
 
 from narwhal.contract import Migration
+from narwhal.contract.flags import positive
 from narwhal.serve.migration import new_trace
 from narwhal.serve.relay import EventRenderer, StreamTally
 from narwhal.serve.token_ids import cut_prompt_ids
@@ -135,22 +136,22 @@ def instructions(args: argparse.Namespace, side: str, requests: int) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=16, help="tokens per answer")
+    parser.add_argument("--tokens", type=positive(int), default=16, help="tokens per answer")
     parser.add_argument(
         "--prompt-tokens",
-        type=int,
+        type=positive(int),
         default=220,
         help="prompt tokens per request, whose ids A's first chunk carries (default %(default)s)",
     )
     parser.add_argument(
         "--requests",
-        type=int,
+        type=positive(int),
         default=3000,
         help="requests rendered per timed run or callgrind count (default %(default)s)",
     )
     parser.add_argument(
         "--repeats",
-        type=int,
+        type=positive(int),
         default=7,
         help="timed runs per side in each of two interleaved passes; the fastest counts "
         "(default %(default)s)",

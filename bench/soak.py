@@ -55,6 +55,7 @@ from typing import Any
 
 import httpx
 
+from narwhal.contract.flags import number_type, positive
 from narwhal.engines.scrape import metric_sum
 from narwhal.journal import journal_files
 from narwhal.serve.cli import serve_command
@@ -606,10 +607,16 @@ def rss_report(rss: list[tuple[float, int]], warmup_s: float) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument(
-        "--minutes", type=float, default=10.0, help="wall minutes of load (default %(default)s)"
+        "--minutes",
+        type=positive(float),
+        default=10.0,
+        help="wall minutes of load (default %(default)s)",
     )
     p.add_argument(
-        "--clients", type=int, default=12, help="client threads sending (default %(default)s)"
+        "--clients",
+        type=positive(int),
+        default=12,
+        help="client threads sending (default %(default)s)",
     )
     p.add_argument(
         "--seed",
@@ -619,14 +626,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--time-scale",
-        type=float,
+        type=positive(float),
         default=50.0,
         help="engines run this many times faster than the calibrated fleet (default %(default)s)",
     )
     p.add_argument(
-        "--fault-every", type=float, default=4.0, help="seconds between faults (0: none)"
+        "--fault-every",
+        type=number_type(float, 0),
+        default=4.0,
+        help="seconds between faults (0: none)",
     )
-    p.add_argument("--flip-every", type=float, default=20.0, help="seconds between flips (0: none)")
+    p.add_argument(
+        "--flip-every",
+        type=number_type(float, 0),
+        default=20.0,
+        help="seconds between flips (0: none)",
+    )
     p.add_argument(
         "--journal-max-bytes",
         type=int,

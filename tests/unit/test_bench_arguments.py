@@ -77,3 +77,25 @@ def test_virtual_benchmarks_refuse_a_number_they_cannot_run_with(
     result = run(script, *args)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == f"{script}: error: {says}"
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "says"),
+    [
+        # TypeError, ZeroDivisionError, AssertionError, KeyError before (a CLI fuzz pass).
+        ("des_speed.py", ["--requests", "0"], "--requests: must be greater than 0, got 0"),
+        ("des_speed.py", ["--engines", "1"], "--engines: must be at least 2, got 1"),
+        ("des_speed.py", ["--load", "nan"], "--load: must be greater than 0, got nan"),
+        ("des_speed.py", ["--candidates", "0"], "--candidates: must be greater than 0"),
+        ("migration_render.py", ["--repeats", "0"], "--repeats: must be greater than 0, got 0"),
+        ("migration_render.py", ["--requests", "0"], "--requests: must be greater than 0"),
+        ("migration_render.py", ["--tokens", "0"], "--tokens: must be greater than 0, got 0"),
+        ("soak.py", ["--minutes", "nan"], "--minutes: must be greater than 0, got nan"),
+        ("soak.py", ["--fault-every", "-1"], "--fault-every: must be at least 0, got -1"),
+    ],
+)
+def test_the_other_benchmarks_refuse_degenerate_arguments(
+    script: str, args: list[str], says: str
+) -> None:
+    r = run(script, *args)
+    assert r.returncode == 2 and says in r.stderr, r.stderr
