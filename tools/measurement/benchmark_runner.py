@@ -41,7 +41,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 if __package__ in (None, ""):  # run by path: the repository root for `tools` (tools/__init__.py)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -49,7 +48,7 @@ if __package__ in (None, ""):  # run by path: the repository root for `tools` (t
 import httpx
 
 from narwhal.contract import ContractError, LoadedFleet, load_fleet
-from narwhal.contract.flags import base_url, positive
+from narwhal.contract.flags import http_url_problem, positive
 from narwhal.testing import procs
 from tools.measurement._out_dir import OutDirError, prepare_out_dir
 from tools.measurement._provenance import git_commit, versions
@@ -816,7 +815,7 @@ def router_inputs(
 def build_parser() -> argparse.ArgumentParser:
     positive_seconds = positive(float)
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument("--base", required=True, type=base_url, help="narwhal-serve base URL")
+    p.add_argument("--base", required=True, help="narwhal-serve base URL")
     p.add_argument(
         "--model", required=True, help="model to request; must be the plan's fleet's model id"
     )
@@ -889,8 +888,7 @@ def _input_problem(
     """What is wrong with the run's inputs before anything is sent: a router URL that is not
     one, a token file, a journal or a key variable that is not there (each found only
     mid-point before)."""
-    url = urlsplit(base)
-    if url.scheme not in ("http", "https") or not url.hostname:
+    if http_url_problem(base) is not None:  # a port of letters too
         return f"--base: {base!r} is not a router URL (http://HOST:PORT)"
     if api_key_env is not None and not os.environ.get(api_key_env):
         return f"--api-key-env {api_key_env}: the variable is not set"

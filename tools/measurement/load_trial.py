@@ -27,7 +27,6 @@ import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 if __package__ in (None, ""):  # run by path: the repository root for `tools` (tools/__init__.py)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -35,7 +34,7 @@ if __package__ in (None, ""):  # run by path: the repository root for `tools` (t
 import httpx
 
 from narwhal.contract import Budgets
-from narwhal.contract.flags import base_url, number_type, positive
+from narwhal.contract.flags import http_url_problem, number_type, positive
 from tools.measurement._out_dir import OutDirError, prepare_out_dir
 from tools.measurement._provenance import versions
 from tools.measurement._trial_client import TrialConfig, poisson_schedule, run_trial
@@ -67,8 +66,7 @@ class UsageError(Exception):
 
 def _check_base(base: str) -> None:
     """``--base`` as an HTTP(S) URL with a host (UsageError, exit 2, otherwise)."""
-    parts = urlsplit(base)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    if http_url_problem(base) is not None:  # a port of letters too
         raise UsageError(f"--base: {base!r} is not a router URL (http://HOST:PORT)")
 
 
@@ -87,6 +85,7 @@ def _served_model(client: httpx.Client) -> tuple[str, int | None]:
 
 
 def prepare(args: argparse.Namespace) -> int:
+    _check_base(args.base)  # httpx.InvalidURL's traceback for a port of letters, otherwise
     headers = _auth_headers(args.api_key_env)
     # Inputs first: a bad trace file is a usage error, whatever the endpoint does.
     trace = read_trace(Path(args.trace), args.trace_start, args.trace_rows) if args.trace else None
@@ -260,9 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prepare", help="write a workload (token-id prompts) to DIR")
-    p.add_argument(
-        "--base", required=True, type=base_url, help="the router (or an engine) base URL"
-    )
+    p.add_argument("--base", required=True, help="the router (or an engine) base URL")
     p.add_argument("--out", required=True, help="directory to write workload.json in")
     p.add_argument(
         "--seed", type=int, required=True, help="seed of the prompts drawn from the token pool"
@@ -318,9 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=prepare)
 
     r = sub.add_parser("run", help="run one open-loop load point")
-    r.add_argument(
-        "--base", required=True, type=base_url, help="the router (or an engine) base URL"
-    )
+    r.add_argument("--base", required=True, help="the router (or an engine) base URL")
     r.add_argument("--workload", required=True, help="workload directory (or file) from prepare")
     r.add_argument("--rate", type=positive(float), help="offered requests/s (Poisson)")
     r.add_argument(

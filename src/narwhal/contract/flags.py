@@ -81,18 +81,24 @@ def positive(kind: type[NumberT]) -> Callable[[str], NumberT]:
     return number_type(kind, 0, low_allowed=False)
 
 
-def base_url(text: str) -> str:
-    """An argparse ``type``: an http(s) URL naming a host, its port (if any) a number from 1 to
-    65535 (a port of letters was a traceback where the URL was first used)."""
+def http_url_problem(text: str) -> str | None:
+    """Why ``text`` is not an http(s) URL naming a host, its port (if any) a number from 1 to
+    65535 (a port of letters was a traceback where the URL was first used), or None."""
     try:
         parts = urlsplit(text)
         port = parts.port
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"not a URL with a port from 1 to 65535: {text!r}"
-        ) from None
+        return f"not a URL with a port from 1 to 65535: {text!r}"
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise argparse.ArgumentTypeError(f"expected an http(s) URL naming a host, got {text!r}")
+        return f"expected an http(s) URL naming a host, got {text!r}"
     if port is not None and not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"not a URL with a port from 1 to 65535: {text!r}")
+        return f"not a URL with a port from 1 to 65535: {text!r}"
+    return None
+
+
+def base_url(text: str) -> str:
+    """An argparse ``type``: :func:`http_url_problem` as a usage error."""
+    problem = http_url_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
     return text
