@@ -802,15 +802,23 @@ def test_a_path_in_the_home_of_an_unknown_user_names_its_field(tmp_path: Path) -
         _ = load_fleet(path).profile_store_path
 
 
-def test_a_file_that_is_not_regular_is_refused_not_waited_on(tmp_path: Path) -> None:
-    """A FIFO named as the fleet blocked every tool until something wrote to it; a device
-    such as /dev/zero was read without end (a CLI fuzz pass)."""
-    fifo = tmp_path / "fleet.json"
-    os.mkfifo(fifo)
-    for path in (fifo, Path("/dev/zero")):
-        assert str(_load_error(path)) == f"{path}: cannot read: not a regular file"
-        with pytest.raises(ContractError, match="not a regular file"):
-            read_json_document(path)
+def test_a_device_is_refused_and_a_pipe_is_read(tmp_path: Path) -> None:
+    """/dev/zero was read without end (a CLI fuzz pass); a pipe, as a shell's process
+    substitution gives one (``--fleet <(jq ... fleet.json)``), is read to its end."""
+    path = Path("/dev/zero")
+    assert str(_load_error(path)) == f"{path}: cannot read: not a regular file or a pipe"
+    with pytest.raises(ContractError, match="not a regular file or a pipe"):
+        read_json_document(path)
+    read, write = os.pipe()
+    try:
+        os.write(write, SIM_FLEET.read_bytes())
+        os.close(write)
+        write = -1
+        assert load_fleet(f"/dev/fd/{read}").contract.name == "local-sim"
+    finally:
+        os.close(read)
+        if write != -1:
+            os.close(write)
 
 
 def test_a_profile_store_or_limits_file_is_read_without_coercion(tmp_path: Path) -> None:

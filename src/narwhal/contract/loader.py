@@ -200,11 +200,13 @@ def read_json_document(path: str | os.PathLike[str]) -> object:
 
 
 def _read_file(path: str | os.PathLike[str], source: str) -> bytes:
-    """A file's bytes, only from a regular file: a FIFO would block until something wrote
-    to it, a device such as /dev/zero has no end."""
+    """A file's bytes, from a regular file or a pipe (a shell's process substitution,
+    ``--fleet <(jq ... fleet.json)``); a device such as /dev/zero, which has no end, is
+    refused."""
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise ContractError(source, "", "cannot read: not a regular file")
+        mode = os.stat(path).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+            raise ContractError(source, "", "cannot read: not a regular file or a pipe")
         return Path(path).read_bytes()
     except OSError as exc:
         raise ContractError(source, "", f"cannot read: {exc.strerror or exc}") from None

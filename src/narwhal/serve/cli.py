@@ -238,10 +238,10 @@ _MAX_SECRETS_FILE_BYTES = 1 << 20
 def _read_secrets(path: str, what: str, warnings: list[str]) -> list[str]:
     try:
         mode = Path(path).stat().st_mode
-        if not stat.S_ISREG(mode):
-            # A FIFO would block the start until something wrote to it; a device such as
-            # /dev/zero has no end.
-            raise UsageError(f"{path}: cannot read {what}: not a regular file")
+        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+            # A device such as /dev/zero has no end. A pipe is read (a shell's process
+            # substitution, --api-keys-file <(vault read ...), keeps a secret off the disk).
+            raise UsageError(f"{path}: cannot read {what}: not a regular file or a pipe")
         with open(path, "rb") as file:
             data = file.read(_MAX_SECRETS_FILE_BYTES + 1)
         if len(data) > _MAX_SECRETS_FILE_BYTES:
@@ -256,7 +256,7 @@ def _read_secrets(path: str, what: str, warnings: list[str]) -> list[str]:
     values = [ln for ln in lines if ln and not ln.startswith("#")]
     if not values:
         raise UsageError(f"{path}: no {what} in the file")
-    if mode & 0o077:
+    if stat.S_ISREG(mode) and mode & 0o077:
         warnings.append(
             f"{path}: other users may read the {what} (mode {mode & 0o777:o}): chmod 600"
         )
