@@ -261,6 +261,20 @@ class RouterMetrics:
             ["engine"],
             registry=r,
         )
+        self.kv_events_configured = Gauge(
+            "narwhal_kv_events_configured",
+            "1 when the fleet names the engine's KV event stream (kv_events) and the router "
+            "follows it (prefix routing on).",
+            ["engine"],
+            registry=r,
+        )
+        self.kv_events_followed = Gauge(
+            "narwhal_kv_events_followed",
+            "1 while the prefix index's entries for the engine come from its KV events, 0 while "
+            "they come from routing history (no event stream, none read yet, or reset).",
+            ["engine"],
+            registry=r,
+        )
         self.retries = Counter(
             "narwhal_retries", "Legs retried on another engine.", ["leg"], registry=r
         )
@@ -431,6 +445,8 @@ class RouterMetrics:
             self.kv_event_resets.labels(engine)
             self.kv_event_unreadable.labels(engine)
             self.prefix_index_blocks.labels(engine)
+            self.kv_events_configured.labels(engine)
+            self.kv_events_followed.labels(engine)
             self.engine_healthy.labels(engine)
             for reason in HEALTH_PROBE_FAILURES:
                 self.health_probe_failures.labels(engine, reason)

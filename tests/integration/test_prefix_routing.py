@@ -125,6 +125,9 @@ def test_requests_follow_their_prefix_learnt_from_kv_events(stack: tuple[SimFlee
         assert metric(metrics, "narwhal_kv_event_batches_total", engine=engine) > 0
         assert metric(metrics, "narwhal_prefix_index_blocks", engine=engine) >= 128
         assert metric(metrics, "narwhal_kv_event_resets_total", engine=engine) == 0
+        # The dashboard's "Prefix index source" and NarwhalKVEventsNotFollowed read these.
+        assert metric(metrics, "narwhal_kv_events_configured", engine=engine) == 1
+        assert metric(metrics, "narwhal_kv_events_followed", engine=engine) == 1
         reported = metric(
             metrics, "narwhal_prefix_cached_tokens_total", engine=engine, source="reported"
         )
@@ -160,6 +163,8 @@ def test_without_events_routing_history_serves(stack: tuple[SimFleet, Path]) -> 
         routed_by_prefix(router, fleet, base=20)
         metrics = router.metrics()
     assert metric(metrics, "narwhal_kv_event_batches_total") == 0
+    assert metric(metrics, "narwhal_kv_events_configured") == 0
+    assert metric(metrics, "narwhal_kv_events_followed") == 0
 
 
 def test_a_chats_predicted_hit_is_what_its_engine_reports(stack: tuple[SimFleet, Path]) -> None:
@@ -221,6 +226,12 @@ def test_an_engine_that_publishes_nothing_leaves_routing_correct(
     assert all(e["outcome"] == "ok" for e in ends)
     assert metric(metrics, "narwhal_kv_event_batches_total", engine="e0") == 0
     assert metric(metrics, "narwhal_kv_event_batches_total", engine="e1") > 0
+    # What NarwhalKVEventsNotFollowed reads: e0 is meant to publish, is not followed, and
+    # prefilled prompts (its condition, the 10 minutes aside); e1 is followed.
+    assert metric(metrics, "narwhal_kv_events_configured", engine="e0") == 1
+    assert metric(metrics, "narwhal_kv_events_followed", engine="e0") == 0
+    assert metric(metrics, "narwhal_prefix_prompt_tokens_total", engine="e0") > 0
+    assert metric(metrics, "narwhal_kv_events_followed", engine="e1") == 1
 
 
 def test_an_engine_that_publishes_garbage_is_counted_and_routed_by_history(
@@ -279,6 +290,7 @@ def test_an_engine_that_publishes_garbage_is_counted_and_routed_by_history(
     unreadable = metric(metrics, "narwhal_kv_event_unreadable_batches_total", engine="e0")
     assert metric(metrics, "narwhal_kv_event_resets_total", engine="e0") >= unreadable >= 20
     assert metric(metrics, "narwhal_kv_event_batches_total", engine="e0") == 0
+    assert metric(metrics, "narwhal_kv_events_followed", engine="e0") == 0
     assert metric(metrics, "narwhal_kv_event_unreadable_batches_total", engine="e1") == 0
     assert metric(metrics, "narwhal_background_task_restarts_total") == 0
     warnings = [

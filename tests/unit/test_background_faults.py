@@ -10,10 +10,10 @@ import asyncio
 import pytest
 from prometheus_client import generate_latest
 
-from narwhal.engines.kv_events import StoredBlocks, apply_kv_events
+from narwhal.engines.kv_events import StoredBlocks
 from narwhal.metrics import RouterMetrics
 from narwhal.routing.prefix import PrefixIndex, chain_keys
-from narwhal.serve.background import _resetter
+from narwhal.serve.background import _applier, _resetter
 from narwhal.serve.supervisor import supervise
 from tests.helpers import metric
 
@@ -87,9 +87,12 @@ def test_a_kv_event_reset_routes_the_engine_by_history_until_its_next_batch() ->
     reset()  # never precise: the history stays
     assert index.match(first, 1.0) == {"e0": 2}
     tokens = list(range(8))
-    apply_kv_events(index, "e0", [StoredBlocks([b"h0", b"h1"], None, tokens, 4, None)])
+    _applier(index, "e0", metrics)([StoredBlocks([b"h0", b"h1"], None, tokens, 4, None)])
     assert index.match(chain_keys(tokens, 4), 1.0) == {"e0": 2}
+    followed = 'narwhal_kv_events_followed{engine="e0"}'
+    assert f"{followed} 1.0" in generate_latest(metrics.registry).decode()
     reset()
+    assert f"{followed} 0.0" in generate_latest(metrics.registry).decode()
     assert not index.is_precise("e0") and index.match(chain_keys(tokens, 4), 1.0) == {}
     later = chain_keys(list(range(200, 208)), 4)
     index.record_routed("e0", later, 2.0)

@@ -620,6 +620,123 @@ def router_overview() -> db.Dashboard:
         )
     )
 
+    d = d.with_row(db.Row("Prefix cache").id(ids.take()))
+    prompt = f"sum by (engine) ({_rate('narwhal_prefix_prompt_tokens_total', engine=True)})"
+    fleet_prompt = f"sum({_rate('narwhal_prefix_prompt_tokens_total', engine=True)})"
+
+    def cached(source: str, by: str = "engine") -> str:
+        rate = _rate("narwhal_prefix_cached_tokens_total", f'source="{source}"', engine=True)
+        return f"sum by ({by}) ({rate})" if by else f"sum({rate})"
+
+    d = d.with_panel(
+        graph(
+            ids,
+            "Prefix hit rate",
+            "Share of the prompt tokens of finished requests that the prefilling engine found "
+            "in its prefix cache: per engine as the engine reported it "
+            '(narwhal_prefix_cached_tokens_total{source="reported"} over '
+            "narwhal_prefix_prompt_tokens_total), and over the fleet as reported and as the "
+            "router's prefix index predicted at each pick. Predicted above reported: the index "
+            "claims blocks the engines no longer hold (see NarwhalPrefixHitsOverPredicted). "
+            "Engines report it only with --enable-prompt-tokens-details.",
+            "percentunit",
+            [
+                _q(f"{cached('reported')} / {prompt}", "{{engine}}", "A"),
+                _q(f"{cached('reported', '')} / {fleet_prompt}", "fleet, reported", "B"),
+                _q(f"{cached('predicted', '')} / {fleet_prompt}", "fleet, predicted", "C"),
+            ],
+            minimum=0,
+            maximum=1,
+        )
+    )
+    d = d.with_panel(
+        graph(
+            ids,
+            "Cached prompt tokens, predicted and reported",
+            "Prompt tokens per second found in the prefilling engine's prefix cache, as the "
+            "router's prefix index predicted at the pick and as the engine reported "
+            "(narwhal_prefix_cached_tokens_total, by engine and source). The two lines of an "
+            "engine apart: its index entries are off (lost KV events, a history TTL longer "
+            "than the engine keeps blocks, a cache smaller than the fleet file says).",
+            "short",
+            [
+                _q(cached("predicted", "engine"), "{{engine}} predicted", "A"),
+                _q(cached("reported", "engine"), "{{engine}} reported", "B"),
+            ],
+            minimum=0,
+        )
+    )
+    d = d.with_panel(
+        timeline(
+            ids,
+            "Prefix index source",
+            "Where the router's prefix index takes each engine's entries from "
+            "(narwhal_kv_events_followed): the engine's KV events, or the router's own routing "
+            "history (an engine that publishes none, one whose stream sent nothing readable "
+            "yet, or one reset after lost events or a restart until its next batch). An engine "
+            "the fleet says publishes (narwhal_kv_events_configured) that stays on history "
+            "while it serves: see NarwhalKVEventsNotFollowed.",
+            [
+                _q(
+                    f"max by (engine) ({_sel('narwhal_kv_events_followed', engine=True)})",
+                    "{{engine}}",
+                    "A",
+                )
+            ],
+            _INDEX_SOURCE_STATES,
+        )
+    )
+    d = d.with_panel(
+        graph(
+            ids,
+            "KV event batches and index resets",
+            "KV event batches applied to the prefix index per second, by publishing engine "
+            "(narwhal_kv_event_batches_total); and, per rate interval, the times an engine's "
+            "entries were dropped (narwhal_kv_event_resets_total: events lost beyond the "
+            "engine's replay buffer, an unreadable batch, an engine restart) and the batches "
+            "that could not be read (narwhal_kv_event_unreadable_batches_total).",
+            "short",
+            [
+                _q(
+                    f"sum by (engine) ({_rate('narwhal_kv_event_batches_total', engine=True)})",
+                    "{{engine}} batches/s",
+                    "A",
+                ),
+                _q(
+                    _events("engine", "narwhal_kv_event_resets_total", engine=True),
+                    "{{engine}} resets",
+                    "B",
+                ),
+                _q(
+                    _events("engine", "narwhal_kv_event_unreadable_batches_total", engine=True),
+                    "{{engine}} unreadable",
+                    "C",
+                ),
+            ],
+            minimum=0,
+        )
+    )
+    d = d.with_panel(
+        graph(
+            ids,
+            "Prefix index blocks",
+            "KV blocks the router's prefix index holds per engine (narwhal_prefix_index_blocks; "
+            "the largest over the router's replicas, each of which keeps its own index). "
+            "Bounded by the engine's KV capacity (engine.prefix_caching.capacity_blocks).",
+            "short",
+            [
+                _q(
+                    f"max by (engine) ({_sel('narwhal_prefix_index_blocks', engine=True)})",
+                    "{{engine}}",
+                    "A",
+                )
+            ],
+            width=24,
+            height=6,
+            minimum=0,
+        )
+    )
+
     d = d.with_row(db.Row("Journal").id(ids.take()))
     d = d.with_panel(
         graph(
@@ -709,6 +826,7 @@ _ROLE_STATES = {
 _UP_STATES = {"0": ("down", "red"), "1": ("up", "green")}
 _BREAKER_STATES = {"0": ("closed", "green"), "1": ("half-open", "orange"), "2": ("open", "red")}
 _DRIFT_STATES = {"0": ("in band", "green"), "1": ("drift", "orange")}
+_INDEX_SOURCE_STATES = {"0": ("routing history", "blue"), "1": ("KV events", "green")}
 
 
 def fleet_and_roles() -> db.Dashboard:

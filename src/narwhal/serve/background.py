@@ -203,6 +203,7 @@ def kv_event_subscribers(state: FleetState, metrics: RouterMetrics) -> list[KVEv
     for spec in state.fleet.engines:
         if spec.kv_events is None:
             continue
+        metrics.kv_events_configured.labels(spec.id).set(1)
         out.append(
             KVEventSubscriber(
                 spec.id,
@@ -222,6 +223,7 @@ def _applier(
 ) -> Callable[[list[ReadEvent]], None]:
     batches = metrics.kv_event_batches.labels(engine_id)
     blocks = metrics.prefix_index_blocks.labels(engine_id)
+    followed = metrics.kv_events_followed.labels(engine_id)
     warned = False
 
     def apply(events: list[ReadEvent]) -> None:
@@ -238,6 +240,7 @@ def _applier(
             )
         batches.inc()
         blocks.set(index.blocks_held(engine_id))
+        followed.set(1)
 
     return apply
 
@@ -249,6 +252,7 @@ def _resetter(index: PrefixIndex, engine_id: str, metrics: RouterMetrics) -> Cal
         # (one that never sent a readable batch keeps the history it has: an unreadable
         # batch says nothing about where the router sent prompts).
         index.set_precise(engine_id, False)
+        metrics.kv_events_followed.labels(engine_id).set(0)
         metrics.kv_event_resets.labels(engine_id).inc()
         metrics.prefix_index_blocks.labels(engine_id).set(index.blocks_held(engine_id))
 
