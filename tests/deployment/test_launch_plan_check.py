@@ -361,3 +361,117 @@ def test_stop_names_a_run_directory_it_cannot_read(
         assert f"{state}: not a launch_plan.py run state" in capsys.readouterr().err
     state.unlink()
     assert launch_plan.main(["stop", "--run-dir", str(tmp_path)]) == 0  # nothing to stop
+
+
+def _kv_aware(plan: dict[str, Any], fleet: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The production pair with KV-cache-aware routing turned on, as docs/deployment.md says:
+    engines that cache prefixes and publish their KV events where the fleet reads them."""
+    plan, fleet = copy.deepcopy(plan), copy.deepcopy(fleet)
+    # The docs' own snippets, so that what an operator copies is what passes.
+    text = (ROOT / "docs" / "deployment.md").read_text()
+    section = text[text.index("**KV-cache-aware routing.**") :]
+    yaml_part = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    json_part = section.split("```json\n", 1)[1].split("```", 1)[0]
+    del plan["vllm_args"]["--no-enable-prefix-caching"]
+    plan["vllm_args"].update(yaml.safe_load(yaml_part)["vllm_args"])
+    documented = json.loads("{" + json_part + "}")
+    fleet["engine"]["prefix_caching"] = documented["engine"]["prefix_caching"]
+    pattern = documented["engines"][0]["kv_events"]
+    for engine in fleet["engines"]:
+        engine["kv_events"] = {
+            key: value.replace("10.20.0.11", engine["host"]) for key, value in pattern.items()
+        }
+    return plan, fleet
+
+
+def test_a_kv_aware_plan_and_fleet_that_agree_pass(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    prod: tuple[dict[str, Any], dict[str, Any]],
+) -> None:
+    plan, fleet = _kv_aware(*prod)
+    assert _check(capsys, *_write(tmp_path, plan, fleet)) == (0, [])
+    # Per engine, as engines sharing a host need: e1 binds its own ports.
+    plan["engines"][1]["args"] = {
+        "--kv-events-config": json.dumps(
+            {
+                "enable_kv_cache_events": True,
+                "endpoint": "tcp://0.0.0.0:6557",
+                "replay_endpoint": "tcp://0.0.0.0:6558",
+            }
+        )
+    }
+    fleet["engines"][1]["kv_events"] = {
+        "endpoint": "tcp://10.20.0.12:6557",
+        "replay_endpoint": "tcp://10.20.0.12:6558",
+    }
+    assert _check(capsys, *_write(tmp_path, plan, fleet)) == (0, [])
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        (
+            lambda p, f: p["vllm_args"].pop("--kv-events-config"),
+            "engines[0]: e0 publishes no KV events but the fleet reads them at "
+            "tcp://10.20.0.11:5557 (engines[0].kv_events)",
+        ),
+        (
+            lambda p, f: p["vllm_args"]["--kv-events-config"].update(publisher="null"),
+            "engines[0]: e0 publishes no KV events",
+        ),
+        (
+            lambda p, f: p["vllm_args"]["--kv-events-config"].update(endpoint="tcp://*:5559"),
+            "engines[0]: --kv-events-config.endpoint: e0 binds tcp://*:5559 but the fleet reads "
+            "tcp://10.20.0.11:5557 (engines[0].kv_events.endpoint)",
+        ),
+        (
+            lambda p, f: p["vllm_args"]["--kv-events-config"].pop("replay_endpoint"),
+            "engines[0]: --kv-events-config.replay_endpoint: e0 binds none but the fleet reads "
+            "tcp://10.20.0.11:5558",
+        ),
+        (
+            lambda p, f: p["vllm_args"]["--kv-events-config"].update(topic="kv"),
+            "engines[0]: --kv-events-config.topic: 'kv' differs from the fleet's ''",
+        ),
+        (
+            lambda p, f: f["engines"][0].pop("kv_events"),
+            "engines[0]: e0 publishes KV events (--kv-events-config) but the fleet names none "
+            "for it (engines[0].kv_events)",
+        ),
+        (
+            lambda p, f: p["vllm_args"].update({"--block-size": 64}),
+            "engines[0]: e0 runs with --block-size 64 but the fleet's "
+            "engine.prefix_caching.block_size is 16",
+        ),
+        (
+            lambda p, f: p["vllm_args"].update({"--kv-events-config": "{not json"}),
+            "engines[0]: --kv-events-config: must be a mapping or a JSON object",
+        ),
+    ],
+    ids=[
+        "not-published",
+        "null-publisher",
+        "other-port",
+        "no-replay",
+        "topic",
+        "unread",
+        "block-size",
+        "not-json",
+    ],
+)
+def test_kv_events_the_fleet_cannot_read_are_refused_by_name(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    prod: tuple[dict[str, Any], dict[str, Any]],
+    change: Callable[[dict[str, Any], dict[str, Any]], object],
+    says: str,
+) -> None:
+    """ZMQ connects without complaint to an address nobody publishes on: a plan and a fleet
+    that disagree on where an engine's KV events are would leave the router routing it by
+    history, seen only later in NarwhalKVEventsNotFollowed. The check names the mismatch."""
+    plan, fleet = _kv_aware(*prod)
+    change(plan, fleet)
+    code, lines = _check(capsys, *_write(tmp_path, plan, fleet))
+    assert code == 1
+    assert any(says in line for line in lines), lines

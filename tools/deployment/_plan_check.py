@@ -57,6 +57,9 @@ _RESERVED_SIM = {
     "--shard-manifest-sha256": "the attestation sidecar",
 }
 KV_TRANSFER_FLAG = "--kv-transfer-config"
+KV_EVENTS_FLAG = "--kv-events-config"
+# vLLM's KVEventsConfig defaults for what a plan leaves out.
+_VLLM_KV_EVENTS_DEFAULTS = {"endpoint": "tcp://*:5557"}
 
 
 def kv_transfer_config(plan: LaunchPlan) -> dict[str, Any] | None:
@@ -328,6 +331,22 @@ def _fleet_rules(plan: LaunchPlan, loaded: LoadedFleet, add: Any) -> None:
                 f"engine {eng.id!r} is not in the fleet (its engines: {', '.join(known)})",
             )
             continue
+        fleet_path = f"engines[{fleet.engines.index(spec)}]"
+        if plan.kind == "container":
+            _kv_events_rules(i, eng, {**shared, **eng.args}, spec.kv_events, fleet_path, add)
+        size = {**shared, **eng.args}.get("--block-size")
+        if (
+            caching
+            and size is not None
+            and str(size) != str(fleet.engine.prefix_caching.block_size)
+        ):
+            add(
+                f"engines[{i}]",
+                f"{eng.id} runs with --block-size {size} but the fleet's "
+                f"engine.prefix_caching.block_size is {fleet.engine.prefix_caching.block_size}: "
+                "the router's prefix index keys blocks of the fleet's size and would match none "
+                "of the engine's",
+            )
         url = urlsplit(spec.url)
         if (url.hostname, url.port) != (eng.host, eng.port):
             add(
@@ -354,6 +373,96 @@ def _fleet_rules(plan: LaunchPlan, loaded: LoadedFleet, add: Any) -> None:
                         f"{eng.id} sidecar at {eng.host}:{eng.attestation_port}; the fleet's "
                         f"attestation_url is {spec.attestation_url}",
                     )
+
+
+def _kv_events_config(args: dict[str, Any]) -> dict[str, Any] | None:
+    """An engine's ``--kv-events-config`` as a mapping: None when absent, {} when not JSON."""
+    value = args.get(KV_EVENTS_FLAG)
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _port_of(endpoint: Any) -> tuple[str, int] | None:
+    """(host, port) of a ``tcp://host:port`` ZMQ address, or None."""
+    if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+        return None
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    return (host, int(port)) if host and port.isdigit() else None
+
+
+def _kv_events_rules(
+    i: int,
+    eng: EnginePlan,
+    args: dict[str, Any],
+    fleet_events: Any,
+    fleet_path: str,
+    add: Any,
+) -> None:
+    """A vLLM engine publishes its KV events where the fleet tells the router to read them
+    (``engines[].kv_events``), and publishes none the fleet leaves unread: ZMQ connects without
+    complaint to an address nobody publishes on, so a mismatch shows only as a router that
+    routes the engine by history (NarwhalKVEventsNotFollowed, after the fact)."""
+    where = f"engines[{i}]"
+    cfg = _kv_events_config(args)
+    publishes = (
+        cfg is not None
+        and cfg.get("enable_kv_cache_events") is True
+        and cfg.get("publisher", "zmq") == "zmq"
+    )
+    if fleet_events is None:
+        if publishes:
+            add(
+                where,
+                f"{eng.id} publishes KV events ({KV_EVENTS_FLAG}) but the fleet names none for "
+                f"it ({fleet_path}.kv_events): the router would not read them and would route "
+                "its prefixes by history; add kv_events to the fleet or drop the flag",
+            )
+        return
+    wanted = f"the fleet reads them at {fleet_events.endpoint} ({fleet_path}.kv_events)"
+    if cfg == {}:
+        add(f"{where}: {KV_EVENTS_FLAG}", "must be a mapping or a JSON object")
+        return
+    if not publishes:
+        add(
+            where,
+            f"{eng.id} publishes no KV events but {wanted}: give it {KV_EVENTS_FLAG} with "
+            '"enable_kv_cache_events": true and "publisher": "zmq"',
+        )
+        return
+    assert cfg is not None
+    for key, fleet_value in (
+        ("endpoint", fleet_events.endpoint),
+        ("replay_endpoint", fleet_events.replay_endpoint),
+    ):
+        if fleet_value is None:
+            continue
+        fleet_host, fleet_port = _port_of(fleet_value) or ("", 0)
+        bound = _port_of(cfg.get(key, _VLLM_KV_EVENTS_DEFAULTS.get(key)))
+        if bound is None:
+            add(
+                f"{where}: {KV_EVENTS_FLAG}.{key}",
+                f"{eng.id} binds none but the fleet reads {fleet_value} "
+                f"({fleet_path}.kv_events.{key})",
+            )
+        elif bound[1] != fleet_port or bound[0] not in ("*", "0.0.0.0", fleet_host, eng.host):
+            add(
+                f"{where}: {KV_EVENTS_FLAG}.{key}",
+                f"{eng.id} binds tcp://{bound[0]}:{bound[1]} but the fleet reads {fleet_value} "
+                f"({fleet_path}.kv_events.{key})",
+            )
+    topic = cfg.get("topic", "")
+    if topic != fleet_events.topic:
+        add(
+            f"{where}: {KV_EVENTS_FLAG}.topic",
+            f"{topic!r} differs from the fleet's {fleet_events.topic!r} "
+            f"({fleet_path}.kv_events.topic)",
+        )
 
 
 def _prefix_caching(shared: dict[str, Any], own: dict[str, Any]) -> bool:
