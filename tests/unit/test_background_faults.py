@@ -13,7 +13,7 @@ from prometheus_client import generate_latest
 from narwhal.engines.kv_events import StoredBlocks
 from narwhal.metrics import RouterMetrics
 from narwhal.routing.prefix import PrefixIndex, chain_keys
-from narwhal.serve.background import _applier, _resetter
+from narwhal.serve.background import _applier, _resetter, run_generation_watch
 from narwhal.serve.supervisor import supervise
 from tests.helpers import metric
 
@@ -155,3 +155,66 @@ def test_a_cancellation_the_task_was_not_asked_for_is_a_fault() -> None:
     assert len(starts) == 2
     text = generate_latest(metrics.registry).decode()
     assert metric(text, "narwhal_background_task_restarts_total", task="etcd_coordination") == 1
+
+
+def test_a_hung_attestation_sidecar_does_not_hold_back_the_other_engines() -> None:
+    """The generation watch reads every engine's attestation at once: e0's sidecar accepts and
+    never answers, and e1, restarted into another generation, is flagged stale while e0's read
+    still hangs (read one after the other, e1 waited each round for e0's 5 s timeout)."""
+
+    async def scenario() -> tuple[float, bool]:
+        hung: list[asyncio.StreamWriter] = []
+        gave_up: list[bool] = []
+
+        async def never_answers(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            hung.append(writer)
+            await reader.read()  # until the client gives up and closes
+            gave_up.append(True)
+
+        async def attests(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            body = b'{"generation": "g2"}'
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                + body
+            )
+            await writer.drain()
+            writer.close()
+
+        silent = await asyncio.start_server(never_answers, "127.0.0.1", 0)
+        sidecar = await asyncio.start_server(attests, "127.0.0.1", 0)
+        urls = {
+            e: f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}/attestation"
+            for e, s in (("e0", silent), ("e1", sidecar))
+        }
+        metrics = RouterMetrics(["e0", "e1"], "test", "0" * 64, None)
+        watch = asyncio.create_task(
+            run_generation_watch(urls, {"e0": "g1", "e1": "g1"}, metrics, 0.01)
+        )
+
+        def stale() -> float:
+            return metric(
+                generate_latest(metrics.registry).decode(),
+                "narwhal_engine_profile_stale",
+                engine="e1",
+            )
+
+        try:
+            for _ in range(1000):  # 10 s at most, twice the read timeout
+                if stale() == 1 or watch.done():
+                    break
+                await asyncio.sleep(0.01)
+            return stale(), bool(hung) and not gave_up
+        finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+            for writer in hung:
+                writer.close()
+            for server in (silent, sidecar):
+                server.close()
+                await server.wait_closed()
+
+    flagged, e0_still_hanging = asyncio.run(scenario())
+    assert flagged == 1
+    assert e0_still_hanging

@@ -169,27 +169,32 @@ async def run_generation_watch(
     nothing."""
     stale: set[str] = set()
     async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+
+        async def check(engine_id: str, url: str) -> None:
+            try:
+                live = str((await client.get(url)).json()["generation"])
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                return
+            now = live != profiled[engine_id]
+            if now and engine_id not in stale:
+                stale.add(engine_id)
+                log.warning(
+                    "engine %s runs generation %s, profiled at %s (restarted): it is routed "
+                    "by its old profile until re-profiled (narwhal-profile)",
+                    engine_id,
+                    live,
+                    profiled[engine_id],
+                )
+            elif not now and engine_id in stale:
+                stale.discard(engine_id)
+                log.info("engine %s runs its profiled generation again", engine_id)
+            metrics.profile_stale.labels(engine_id).set(1 if now else 0)
+
         while True:
             await asyncio.sleep(interval_s)
-            for engine_id, url in attestations.items():
-                try:
-                    live = str((await client.get(url)).json()["generation"])
-                except (httpx.HTTPError, ValueError, KeyError, TypeError):
-                    continue
-                now = live != profiled[engine_id]
-                if now and engine_id not in stale:
-                    stale.add(engine_id)
-                    log.warning(
-                        "engine %s runs generation %s, profiled at %s (restarted): it is routed "
-                        "by its old profile until re-profiled (narwhal-profile)",
-                        engine_id,
-                        live,
-                        profiled[engine_id],
-                    )
-                elif not now and engine_id in stale:
-                    stale.discard(engine_id)
-                    log.info("engine %s runs its profiled generation again", engine_id)
-                metrics.profile_stale.labels(engine_id).set(1 if now else 0)
+            # Every engine at once, each judged as its answer comes: one sidecar that hangs
+            # would otherwise hold back the engines after it by its timeout, every round.
+            await asyncio.gather(*(check(e, url) for e, url in attestations.items()))
 
 
 def kv_event_subscribers(state: FleetState, metrics: RouterMetrics) -> list[KVEventSubscriber]:
