@@ -83,6 +83,10 @@ TTL_1 = ["--coordination-lease-ttl", "1"]
     [
         (["--coordination", "http://127.0.0.1:2379", "--replica-id", "a"], "--coordination: "),
         (["--coordination", "etcd://127.0.0.1:2379"], "needs --replica-id"),
+        (
+            ["--coordination", "etcd://127.0.0.1:0", "--replica-id", "a"],
+            "--coordination: etcd member '127.0.0.1:0': port is not 1-65535",
+        ),
         (["--replica-id", "a b"], "--replica-id: 'a b' is not a name"),
         (
             ["--coordination", "etcd://127.0.0.1:2379", "--replica-id", "a", *TTL_1],

@@ -33,6 +33,10 @@ def test_api_keys_on_the_command_line_are_masked() -> None:
         ("--breaker-failures", "0"),
         ("--breaker-open-seconds", "-1"),
         ("--health-interval", "nan"),
+        # Finite, but past a day: the probes (the fsyncs) would in effect never run again.
+        ("--health-interval", "1e20"),
+        ("--scrape-interval", "86401"),
+        ("--journal-fsync-interval", "1e9"),
         ("--prefill-timeout", "nan"),
     ],
 )

@@ -96,6 +96,8 @@ def parse_coordination_url(url: str) -> list[str]:
             port = None
         if not parts.hostname or port is None or parts.path:
             raise ValueError(f"etcd member {member!r} is not HOST:PORT")
+        if not 1 <= port <= 65535:
+            raise ValueError(f"etcd member {member!r}: port is not 1-65535")
         endpoints.append(f"http://{member.strip()}")
     return endpoints
 

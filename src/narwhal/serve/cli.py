@@ -233,6 +233,8 @@ def _parser() -> argparse.ArgumentParser:
 
 # A file of keys or a token is a few KiB at most: what is past this is not such a file.
 _MAX_SECRETS_FILE_BYTES = 1 << 20
+# The longest interval a background loop (health probes, scrapes, journal fsync) may be set to.
+MAX_INTERVAL_S = 86400.0
 
 
 def _read_secrets(path: str, what: str, warnings: list[str]) -> list[str]:
@@ -411,7 +413,10 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
         "breaker_failures",
         "breaker_open_seconds",
     ):
-        reason = out_of_range(getattr(args, name), 0, low_allowed=False)
+        # A loop's interval past a day is a slip of the exponent (1e20 is a finite number): its
+        # loop would in effect never run again (no health probe, no fsync) without a word.
+        high = MAX_INTERVAL_S if name.endswith("interval") else None
+        reason = out_of_range(getattr(args, name), 0, high, low_allowed=False)
         if reason is not None:
             raise UsageError(f"--{name.replace('_', '-')}: {reason}")
     if args.prefill_timeout is not None:
