@@ -130,6 +130,12 @@ def test_the_run_directory_is_the_runs_alone(tmp_path: Path) -> None:
         assert any(f"run_dir: {run_dir} {needle}" in p for p in info.value.problems), (
             info.value.problems
         )
+    # Under a regular file: it could not be made, which the run found only part way.
+    with pytest.raises(RunFileError) as info:
+        load_run_file(SHIPPED, ROOT, str(a_file / "run"))
+    assert any(f"run_dir: {a_file} is not a directory" in p for p in info.value.problems), (
+        info.value.problems
+    )
 
 
 def test_a_relative_run_dir_on_the_command_line_is_where_the_operator_is(tmp_path: Path) -> None:

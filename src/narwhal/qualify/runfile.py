@@ -279,6 +279,12 @@ def _run_dir_problems(source: str, run_dir: Path, checkout: Path) -> list[str]:
         return [f"{source}: run_dir: {run_dir} holds the checkout; give the run a directory"]
     if where.exists() and not where.is_dir():
         return [f"{source}: run_dir: {run_dir} is not a directory"]
+    for parent in where.parents:
+        # Under a regular file it could not be made: found only part way through the run.
+        if parent.exists():
+            if not parent.is_dir():
+                return [f"{source}: run_dir: {parent} is not a directory"]
+            break
     if where.is_dir() and any(where.iterdir()) and not (where / "steps.json").exists():
         return [
             f"{source}: run_dir: {run_dir} holds other files and no steps.json: not a "
