@@ -7,6 +7,7 @@ its parsed document, which is what a fleet's ``profile_store.sha256`` pins.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Literal
 
@@ -100,6 +101,21 @@ class PrefillFit(_Model):
     max_rel_residual: float = Field(ge=0)
     samples: int = Field(gt=0)
 
+    @model_validator(mode="after")
+    def _a_time(self) -> PrefillFit:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens {self.min_tokens} is above max_tokens {self.max_tokens}")
+        n = self.max_tokens
+        _finite_positive(self.a + self.b * n + self.c * n * n, f"a prefill of {n} tokens")
+        return self
+
+
+def _finite_positive(seconds: float, what: str) -> None:
+    # NaN or infinity (a coefficient of 1e308 squared) would break every comparison the
+    # scheduler makes; 0 s would make the engine look infinitely fast and draw all the work.
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"predicts {seconds:g} s for {what}: no engine takes that")
+
 
 class DecodeFit(_Model):
     intercept: float = Field(ge=0)
@@ -110,6 +126,13 @@ class DecodeFit(_Model):
     r2: float
     max_rel_residual: float = Field(ge=0)
     samples: int = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _a_time(self) -> DecodeFit:
+        b, ctx = self.max_batch, self.max_context
+        seconds = self.intercept + self.slope * b + self.ctx_coef * ctx
+        _finite_positive(seconds, f"a token at batch {b} and context {ctx}")
+        return self
 
 
 class EngineProfile(_Model):
