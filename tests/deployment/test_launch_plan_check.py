@@ -396,8 +396,8 @@ def test_a_kv_aware_plan_and_fleet_that_agree_pass(
         "--kv-events-config": json.dumps(
             {
                 "enable_kv_cache_events": True,
-                "endpoint": "tcp://0.0.0.0:6557",
-                "replay_endpoint": "tcp://0.0.0.0:6558",
+                "endpoint": "tcp://[::]:6557",  # vLLM binds a wildcard or IPv6 address
+                "replay_endpoint": "tcp://0.0.0.0:6558",  # the replay socket: any bound form
             }
         )
     }
@@ -424,6 +424,29 @@ def test_a_kv_aware_plan_and_fleet_that_agree_pass(
             lambda p, f: p["vllm_args"]["--kv-events-config"].update(endpoint="tcp://*:5559"),
             "engines[0]: --kv-events-config.endpoint: e0 binds tcp://*:5559 but the fleet reads "
             "tcp://10.20.0.11:5557 (engines[0].kv_events.endpoint)",
+        ),
+        (
+            # vLLM connects, rather than binds, a publisher given a host: nobody listens.
+            lambda p, f: p["vllm_args"]["--kv-events-config"].update(endpoint="tcp://0.0.0.0:5557"),
+            "engines[0]: --kv-events-config.endpoint: tcp://0.0.0.0:5557 makes vLLM connect its "
+            "publisher to that address rather than bind it",
+        ),
+        (
+            # Its KV events on its own HTTP port: vLLM would fail to bind one of the two.
+            lambda p, f: (
+                p["engines"][1].update(
+                    args={
+                        "--kv-events-config": {
+                            "enable_kv_cache_events": True,
+                            "endpoint": "tcp://*:8000",
+                            "replay_endpoint": "tcp://*:5558",
+                        }
+                    }
+                ),
+                f["engines"][1]["kv_events"].update(endpoint="tcp://10.20.0.12:8000"),
+            ),
+            "engines[1].--kv-events-config.endpoint: port 8000 on 10.20.0.12 collides with "
+            "engines[1].port (e1)",
         ),
         (
             lambda p, f: p["vllm_args"]["--kv-events-config"].pop("replay_endpoint"),
@@ -453,6 +476,8 @@ def test_a_kv_aware_plan_and_fleet_that_agree_pass(
         "not-published",
         "null-publisher",
         "other-port",
+        "connects",
+        "port-collision",
         "no-replay",
         "topic",
         "unread",

@@ -30,16 +30,25 @@ def test_the_profilers_own_fits_are_read() -> None:
     ("fit", "changes", "says"),
     [
         ("prefill_fit", {"c": 1e308}, "engines.e0.prefill_fit: .*predicts inf s for a prefill"),
-        ("prefill_fit", {"a": 0.0, "b": 0.0, "c": 0.0}, "predicts 0 s for a prefill of 8192"),
+        ("prefill_fit", {"a": 0.0, "b": 0.0, "c": 0.0}, "predicts 0 s for a prefill of 16384"),
+        # Finite at max_tokens, infinite where the router extrapolates to (twice as far).
+        ("prefill_fit", {"c": 2e300}, "predicts inf s for a prefill of 16384 tokens"),
         ("prefill_fit", {"min_tokens": 9000}, "min_tokens 9000 is above max_tokens 8192"),
         ("decode_fit", {"slope": 1e308, "intercept": 1e308}, "predicts inf s for a token"),
         (
             "decode_fit",
             {"intercept": 0.0, "slope": 0.0, "ctx_coef": 0.0},
-            "predicts 0 s for a token at batch 4",
+            "predicts 0 s for a token at batch 8",
         ),
     ],
-    ids=["prefill-inf", "prefill-zero", "prefill-range", "decode-inf", "decode-zero"],
+    ids=[
+        "prefill-inf",
+        "prefill-zero",
+        "prefill-extrapolated-inf",
+        "prefill-range",
+        "decode-inf",
+        "decode-zero",
+    ],
 )
 def test_a_fit_that_describes_no_engine_is_refused_by_name(
     fit: str, changes: dict[str, float], says: str

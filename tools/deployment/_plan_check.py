@@ -250,7 +250,7 @@ def _gpu_sharing(plan: LaunchPlan, add: Any) -> None:
             owner.setdefault(key, eng.id)
 
 
-def _engine_ports(eng: EnginePlan) -> list[tuple[str, str, int]]:
+def _engine_ports(plan: LaunchPlan, eng: EnginePlan) -> list[tuple[str, str, int]]:
     # (what, address, port). vLLM's NIXL handshake listens on the base side-channel port per
     # data-parallel rank; these plans run DP 1, so one port.
     ports = [
@@ -259,6 +259,14 @@ def _engine_ports(eng: EnginePlan) -> list[tuple[str, str, int]]:
     ]
     if eng.attestation_port is not None:
         ports.append(("attestation_port", eng.host, eng.attestation_port))
+    if plan.kind == "container":
+        # KV event sockets vLLM binds (on every address: the engine's host is what they take).
+        cfg = _kv_events_config({**plan.vllm_args, **eng.args})
+        if cfg and cfg.get("enable_kv_cache_events") is True:
+            for key in ("endpoint", "replay_endpoint"):
+                address = _port_of(cfg.get(key, _VLLM_KV_EVENTS_DEFAULTS.get(key)))
+                if address is not None and (key == "replay_endpoint" or _binds(address[0])):
+                    ports.append((f"{KV_EVENTS_FLAG}.{key}", eng.host, address[1]))
     return ports
 
 
@@ -266,7 +274,7 @@ def _port_problems(engines: list[tuple[LoadedPlan, int, EnginePlan]]) -> list[st
     out: list[str] = []
     taken: dict[tuple[str, int], str] = {}
     for lp, i, eng in engines:
-        for what, address, port in _engine_ports(eng):
+        for what, address, port in _engine_ports(lp.plan, eng):
             key = (address, port)
             here = f"engines[{i}].{what}"
             if key in taken:
@@ -389,11 +397,21 @@ def _kv_events_config(args: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _port_of(endpoint: Any) -> tuple[str, int] | None:
-    """(host, port) of a ``tcp://host:port`` ZMQ address, or None."""
+    """(host, port) of a ``tcp://host:port`` ZMQ address (an IPv6 host without its
+    brackets), or None."""
     if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
         return None
     host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
     return (host, int(port)) if host and port.isdigit() else None
+
+
+def _binds(host: str) -> bool:
+    """Whether vLLM's publisher binds its PUB socket on an address of this host: only a
+    wildcard (``*``) or an IPv6 one (``::``); any other host it connects to
+    (``ZmqEventPublisher._is_bind_endpoint``), and nobody then listens where the router
+    connects."""
+    return "*" in host or "::" in host
 
 
 def _kv_events_rules(
@@ -443,17 +461,28 @@ def _kv_events_rules(
         if fleet_value is None:
             continue
         fleet_host, fleet_port = _port_of(fleet_value) or ("", 0)
-        bound = _port_of(cfg.get(key, _VLLM_KV_EVENTS_DEFAULTS.get(key)))
+        value = cfg.get(key, _VLLM_KV_EVENTS_DEFAULTS.get(key))
+        bound = _port_of(value)
         if bound is None:
             add(
                 f"{where}: {KV_EVENTS_FLAG}.{key}",
                 f"{eng.id} binds none but the fleet reads {fleet_value} "
                 f"({fleet_path}.kv_events.{key})",
             )
-        elif bound[1] != fleet_port or bound[0] not in ("*", "0.0.0.0", fleet_host, eng.host):
+        elif key == "endpoint" and not _binds(bound[0]):
+            # The replay socket is always bound; the PUB socket only on these.
             add(
                 f"{where}: {KV_EVENTS_FLAG}.{key}",
-                f"{eng.id} binds tcp://{bound[0]}:{bound[1]} but the fleet reads {fleet_value} "
+                f"{value} makes vLLM connect its publisher to that address rather than bind it "
+                "(it binds only a wildcard, tcp://*:PORT, or an IPv6 address): nobody listens "
+                f"where the router connects; use tcp://*:{fleet_port}",
+            )
+        elif bound[1] != fleet_port or not (
+            _binds(bound[0]) or bound[0] in ("0.0.0.0", fleet_host, eng.host)
+        ):
+            add(
+                f"{where}: {KV_EVENTS_FLAG}.{key}",
+                f"{eng.id} binds {value} but the fleet reads {fleet_value} "
                 f"({fleet_path}.kv_events.{key})",
             )
     topic = cfg.get("topic", "")

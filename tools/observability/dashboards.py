@@ -673,12 +673,13 @@ def router_overview() -> db.Dashboard:
             "Where the router's prefix index takes each engine's entries from "
             "(narwhal_kv_events_followed): the engine's KV events, or the router's own routing "
             "history (an engine that publishes none, one whose stream sent nothing readable "
-            "yet, or one reset after lost events or a restart until its next batch). An engine "
-            "the fleet says publishes (narwhal_kv_events_configured) that stays on history "
-            "while it serves: see NarwhalKVEventsNotFollowed.",
+            "yet, or one reset after lost events or a restart until its next batch); with "
+            "several router replicas, history as long as any of them is not following. An "
+            "engine the fleet says publishes (narwhal_kv_events_configured) that stays on "
+            "history while it serves: see NarwhalKVEventsNotFollowed.",
             [
                 _q(
-                    f"max by (engine) ({_sel('narwhal_kv_events_followed', engine=True)})",
+                    f"min by (engine) ({_sel('narwhal_kv_events_followed', engine=True)})",
                     "{{engine}}",
                     "A",
                 )

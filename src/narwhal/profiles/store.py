@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from narwhal.contract import canonical_json, sha256_hex, validate_document
 from narwhal.profiles.models import (
+    DEFAULT_MAX_EXTRAPOLATION,
     DecodeLatencyModel,
     EngineModels,
     FitQuality,
@@ -105,8 +106,9 @@ class PrefillFit(_Model):
     def _a_time(self) -> PrefillFit:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens {self.min_tokens} is above max_tokens {self.max_tokens}")
-        n = self.max_tokens
-        _finite_positive(self.a + self.b * n + self.c * n * n, f"a prefill of {n} tokens")
+        # As far as the router extrapolates the fit (PrefillLatencyModel.predict).
+        n = self.max_tokens * DEFAULT_MAX_EXTRAPOLATION
+        _finite_positive(self.a + self.b * n + self.c * n * n, f"a prefill of {n:g} tokens")
         return self
 
 
@@ -129,9 +131,10 @@ class DecodeFit(_Model):
 
     @model_validator(mode="after")
     def _a_time(self) -> DecodeFit:
-        b, ctx = self.max_batch, self.max_context
+        b = self.max_batch * DEFAULT_MAX_EXTRAPOLATION
+        ctx = self.max_context * DEFAULT_MAX_EXTRAPOLATION
         seconds = self.intercept + self.slope * b + self.ctx_coef * ctx
-        _finite_positive(seconds, f"a token at batch {b} and context {ctx}")
+        _finite_positive(seconds, f"a token at batch {b:g} and context {ctx:g}")
         return self
 
 

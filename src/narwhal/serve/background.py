@@ -194,7 +194,11 @@ async def run_generation_watch(
             await asyncio.sleep(interval_s)
             # Every engine at once, each judged as its answer comes: one sidecar that hangs
             # would otherwise hold back the engines after it by its timeout, every round.
-            await asyncio.gather(*(check(e, url) for e, url in attestations.items()))
+            # A task group: a fault in one check cancels the others before the loop ends (its
+            # supervisor starts it again), rather than leave them reading on a closed client.
+            async with asyncio.TaskGroup() as group:
+                for engine_id, url in attestations.items():
+                    group.create_task(check(engine_id, url))
 
 
 def kv_event_subscribers(state: FleetState, metrics: RouterMetrics) -> list[KVEventSubscriber]:
