@@ -229,6 +229,28 @@ def test_finalize_fills_the_fleet_from_the_running_engines(deployment: Deploymen
     assert before == after
 
 
+def test_finalize_refuses_a_live_contract_captured_elsewhere(deployment: Deployment) -> None:
+    """A live contract whose engine URLs are not the fleet's (another deployment's capture, or
+    an emptied field) describes other engines: refused, naming the engine."""
+    live = json.loads(deployment.live.read_text())
+    live["engines"][1]["url"] = ""
+    other = deployment.directory / "live-elsewhere.json"
+    other.write_text(json.dumps(live))
+    done = tool(
+        "attestation_contract.py",
+        "finalize-fleet",
+        "--fleet",
+        str(deployment.fleet),
+        "--out",
+        str(deployment.directory / "never.json"),
+        "--live",
+        str(other),
+    )
+    assert done.returncode == 1, done.stderr
+    assert f"e1: the live contract {other} captured it at ''; the fleet says" in done.stderr
+    assert not (deployment.directory / "never.json").exists()
+
+
 def test_the_reference_runs_finalize_and_profile_commands_as_written(
     deployment: Deployment,
 ) -> None:

@@ -119,6 +119,13 @@ def collect(
                 live = live_doc.engine(spec.id)
                 if live is None:
                     problems.append(f"{spec.id}: not in the live contract {live_source}")
+                elif live.url.rstrip("/") != spec.url.rstrip("/"):
+                    # Captured from another deployment (or a hand-edited file): its facts are
+                    # not this engine's.
+                    problems.append(
+                        f"{spec.id}: the live contract {live_source} captured it at "
+                        f"{live.url!r}; the fleet says {spec.url}"
+                    )
             else:
                 declared = Declared(
                     nixl_host=spec.nixl.host,
