@@ -173,6 +173,11 @@ def test_hash_ignores_key_order_and_whitespace(tmp_path: Path) -> None:
     spaced.write_text(json.dumps(doc, indent=7) + "\n\n")
     assert load_fleet(compact).sha256 == load_fleet(SIM_FLEET).sha256
     assert load_fleet(spaced).sha256 == load_fleet(SIM_FLEET).sha256
+    # A byte order mark (some editors save one) is read past; it was "Unexpected UTF-8 BOM
+    # (decode using utf-8-sig)", an instruction to the wrong reader.
+    marked = tmp_path / "marked.json"
+    marked.write_bytes(b"\xef\xbb\xbf" + json.dumps(doc).encode())
+    assert load_fleet(marked).sha256 == load_fleet(SIM_FLEET).sha256
 
 
 def test_hash_changes_when_a_value_changes() -> None:

@@ -267,7 +267,9 @@ def _finite_float(token: str) -> float:
 
 def _parse_json(data: bytes, source: str) -> object:
     try:
-        text = data.decode("utf-8")
+        # A byte order mark before the document (what some editors save) is read past, as
+        # JSON allows and vLLM's reader does; the document's hash is of its content.
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise ContractError(source, "", f"not UTF-8 (byte {exc.start}: {exc.reason})") from None
     try:
