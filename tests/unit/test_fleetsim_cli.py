@@ -54,6 +54,8 @@ def test_a_number_out_of_range_is_a_usage_error_naming_the_flag(
         (HEADER + "2023-11-16 18:15:46.6805900,374,44\nyesterday,3,5\n",
          "row 3: Invalid isoformat"),
         (HEADER + "2023-11-16 18:15:46.6805900,374\n", "row 2: invalid literal for int()"),
+        (HEADER + "2023-11-16 18:15:46.6805900,-374,44\n", "row 2: ContextTokens -374 is negative"),
+        (HEADER + "2023-11-16 18:15:46.6805900,374,-1\n", "row 2: GeneratedTokens -1 is negative"),
         (HEADER, "no requests in it"),
         # Out of time order (replayed in file order, it would arrive before its time).
         (HEADER + "2023-11-16 18:15:46.6,374,44\n2023-11-16 18:15:47.0,3,5\n"

@@ -76,8 +76,12 @@ def _read_azure_rows(
                 head, _, frac = stamp.partition(".")
                 frac = (frac.split("+")[0] + "000000")[:6]
                 t = datetime.fromisoformat(f"{head}.{frac}").timestamp()
-                prompt = max(1, int(row["ContextTokens"] or ""))
-                generated = max(1, int(row["GeneratedTokens"] or ""))
+                context, output = int(row["ContextTokens"] or ""), int(row["GeneratedTokens"] or "")
+                for column, count in (("ContextTokens", context), ("GeneratedTokens", output)):
+                    if count < 0:
+                        raise ValueError(f"{column} {count} is negative")
+                # A zero the traces do hold (an answer cut at once) is one token.
+                prompt, generated = max(1, context), max(1, output)
             except ValueError as exc:
                 raise ValueError(f"{path}: row {reader.line_num}: {exc}") from None
             if t0 is not None and rows and t - t0 < rows[-1][0]:
