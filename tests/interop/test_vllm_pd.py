@@ -419,6 +419,11 @@ def test_prefix_cache_on_real_engines(pd: PD) -> None:
     # Both engines published the prompt's blocks (the decode engine caches what it pulled).
     assert wait_until(indexed, 30, interval=0.2), text
     assert metric(text, "narwhal_kv_event_resets_total") == 0
+    # What the dashboard's "Prefix index source" and NarwhalKVEventsNotFollowed read, from
+    # real engines' streams.
+    for e in ("p0", "d0"):
+        assert metric(text, "narwhal_kv_events_configured", engine=e) == 1
+        assert metric(text, "narwhal_kv_events_followed", engine=e) == 1
     # The same first three blocks, another tail.
     second_ids = ids[: 3 * block] + [950 + i % 40 for i in range(block + 20)]
     before = nixl_counters(pd.decode.url)
