@@ -1178,6 +1178,11 @@ def test_profile_and_check_pass_on_real_engines(pd: PD) -> None:
         for engine_id, seen in kv_gate["evidence"]["kv_events"].items():
             assert seen["stored_blocks"] > 0 and seen["replay"] == "ok", (engine_id, seen)
             assert seen["block_sizes"] == [pd.kv.block_size], (engine_id, seen)
+        # The engines run with --enable-prompt-tokens-details: read from vLLM's own prefill
+        # answers, and no note says otherwise.
+        for name, pair in kv_gate["evidence"]["pairs"].items():
+            assert all(p["reports_cached_tokens"] is True for p in pair["probes"]), (name, pair)
+        assert not [n for n in kv_gate["notes"] if "prompt_tokens_details" in n], kv_gate
     pd.run["qualification"] = {
         "profile_s": round(profile_s, 1),
         "check_s": round(check_s, 1),

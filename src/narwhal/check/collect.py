@@ -399,13 +399,20 @@ class Collector:
         if r.status_code != 200:
             return HandoffProbe(prefill_s, error=f"prefill leg on {prefill}: {error_message(r)}")
         try:
-            params = r.json().get("kv_transfer_params")
+            answer = r.json()
+            params = answer.get("kv_transfer_params")
         except (ValueError, AttributeError):
             return HandoffProbe(prefill_s, error=f"prefill leg on {prefill}: not JSON")
+        usage = answer.get("usage")
+        details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+        reports = isinstance(details, dict) and isinstance(details.get("cached_tokens"), int)
+
+        def probe(first: float | None, tokens: int, error: str | None = None) -> HandoffProbe:
+            return HandoffProbe(prefill_s, first, tokens, error, reports)
+
         if not isinstance(params, dict):
-            return HandoffProbe(
-                prefill_s,
-                error=f"{prefill} returned no kv_transfer_params (is its KV connector on?)",
+            return probe(
+                None, 0, f"{prefill} returned no kv_transfer_params (is its KV connector on?)"
             )
         first: float | None = None
         streamed = 0
@@ -443,23 +450,21 @@ class Collector:
         try:
             await self._bounded(run(), window_s)
         except ProbeError as exc:
-            return HandoffProbe(prefill_s, first, streamed, str(exc))
+            return probe(first, streamed, str(exc))
         except TimeoutError:
             if first is None:
                 why = f"no first token within the {window_s:g} s observation window"
             else:
                 why = f"the decode stream did not finish within the {window_s:g} s window"
-            return HandoffProbe(prefill_s, first, streamed, why)
+            return probe(first, streamed, why)
         except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
-            return HandoffProbe(prefill_s, first, streamed, f"decode leg on {decode}: {_why(exc)}")
+            return probe(first, streamed, f"decode leg on {decode}: {_why(exc)}")
         count = usage_tokens if usage_tokens is not None else streamed
         if first is None:
-            return HandoffProbe(prefill_s, None, count, "the decode stream ended without a token")
+            return probe(None, count, "the decode stream ended without a token")
         if count != tokens:
-            return HandoffProbe(
-                prefill_s, first, count, f"decode leg streamed {count} tokens, {tokens} requested"
-            )
-        return HandoffProbe(prefill_s, first, count)
+            return probe(first, count, f"decode leg streamed {count} tokens, {tokens} requested")
+        return probe(first, count)
 
     def watch_kv_events(self) -> KVEventsWatch:
         """A subscription to every engine's KV events (the fleet's ``kv_events``), to hold

@@ -99,6 +99,9 @@ class HandoffProbe:
     first_token_s: float | None = None  # decode leg start to its first token (the deadline's)
     tokens: int = 0  # tokens the decode leg streamed
     error: str | None = None
+    # Whether the prefill leg's usage had prompt_tokens_details.cached_tokens (vLLM's
+    # --enable-prompt-tokens-details); None when its answer was not read.
+    reports_cached_tokens: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -174,3 +174,28 @@ def test_kv_events_are_not_judged_where_the_router_would_not_read_them() -> None
     assert notes == ["e0: KV events not judged: the fleet's routing.prefix is off"]
     failures, notes, _ = kv_events_findings(_events_fleet(), [silent], {"e0"}, 8)
     assert failures == [] and "the probes' 8-token prompts fill no 16-token block" in notes[-1]
+
+
+def test_prefill_engines_that_report_no_cached_tokens_get_a_note() -> None:
+    """vLLM reports usage.prompt_tokens_details.cached_tokens only with
+    --enable-prompt-tokens-details: routing works without it, but the router's predicted hits
+    have nothing to be compared with. A note (not a failure) names the prefill engines."""
+    fleet = loaded(fleet_doc(3)).contract
+
+    def pair(p: str, d: str, reports: bool | None) -> PairResult:
+        probes = [
+            HandoffProbe(prefill_s=0.1, first_token_s=0.2, tokens=2, reports_cached_tokens=reports)
+        ] * 2
+        return PairResult(p, d, probes, 2.0, 1e6, 0.0)
+
+    pairs = [pair("e0", "e1", False), pair("e1", "e2", True), pair("e2", "e0", None)]
+    out = kv_transfer_gate(fleet, pairs, 1024, "plan", 10.0, 0.6, None)
+    assert out.verdict == "pass"
+    said = [n for n in out.notes if "prompt_tokens_details" in n]
+    assert len(said) == 1 and said[0].startswith("e0: no usage.prompt_tokens_details")
+    assert out.evidence["pairs"]["e0->e1"]["probes"][0]["reports_cached_tokens"] is False
+    # Not judged where the router indexes no prefixes.
+    off = fleet_doc(3)
+    off["engine"]["prefix_caching"] = {"enabled": False}
+    out = kv_transfer_gate(loaded(off).contract, pairs, 1024, "plan", 10.0, 0.6, None)
+    assert not [n for n in out.notes if "prompt_tokens_details" in n]

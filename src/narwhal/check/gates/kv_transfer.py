@@ -18,6 +18,7 @@ from narwhal.profiles.store import ProfileStore
 
 __all__ = [
     "DeadlineAdvice",
+    "cached_tokens_notes",
     "kv_events_findings",
     "kv_prompt_tokens",
     "kv_transfer_gate",
@@ -168,6 +169,7 @@ def kv_transfer_gate(
                     "first_token_s": rounded(p.first_token_s),
                     "tokens": p.tokens,
                     "error": p.error,
+                    "reports_cached_tokens": p.reports_cached_tokens,
                 }
                 for p in pair.probes
             ],
@@ -235,6 +237,7 @@ def kv_transfer_gate(
     )
     failures += event_failures
     notes += event_notes
+    notes += cached_tokens_notes(fleet, pairs)
     dist = _dist(all_first)
     evidence = {
         "first_token_timeout_s": deadline,
@@ -259,6 +262,30 @@ def kv_transfer_gate(
             f"recommended engine.first_token_timeout_s: {recommended:g} s ({advice['how']})"
         )
     return outcome(summary, failures, notes, evidence)
+
+
+def cached_tokens_notes(fleet: FleetContract, pairs: Sequence[PairResult]) -> list[str]:
+    """Prefill engines whose answers carry no ``usage.prompt_tokens_details.cached_tokens``
+    (vLLM reports it only with ``--enable-prompt-tokens-details``), where the router indexes
+    prefixes: a note, as routing works without it, but the router cannot set its predicted
+    hits beside the engine's (the journal's ``cached_tokens_reported``, the hit rate panel,
+    NarwhalPrefixHitsOverPredicted)."""
+    if not (fleet.engine.prefix_caching.enabled and fleet.routing.prefix.enabled):
+        return []
+    seen: dict[str, set[bool]] = {}
+    for pair in pairs:
+        for probe in pair.probes:
+            if probe.reports_cached_tokens is not None:
+                seen.setdefault(pair.prefill, set()).add(probe.reports_cached_tokens)
+    silent = sorted(e for e, answers in seen.items() if answers == {False})
+    if not silent:
+        return []
+    return [
+        f"{', '.join(silent)}: no usage.prompt_tokens_details.cached_tokens in the prefill "
+        "answers (vLLM's --enable-prompt-tokens-details): the router cannot compare its "
+        "predicted prefix hits with the engine's (cached_tokens_reported, the Prefix hit rate "
+        "panel, NarwhalPrefixHitsOverPredicted)"
+    ]
 
 
 def kv_events_findings(
