@@ -396,8 +396,8 @@ def test_a_kv_aware_plan_and_fleet_that_agree_pass(
         "--kv-events-config": json.dumps(
             {
                 "enable_kv_cache_events": True,
-                "endpoint": "tcp://[::]:6557",  # vLLM binds a wildcard or IPv6 address
-                "replay_endpoint": "tcp://0.0.0.0:6558",  # the replay socket: any bound form
+                "endpoint": "tcp://*:6557",  # the publisher: vLLM binds only a wildcard
+                "replay_endpoint": "tcp://0.0.0.0:6558",  # the replay socket: any bindable form
             }
         )
     }
@@ -430,6 +430,12 @@ def test_a_kv_aware_plan_and_fleet_that_agree_pass(
             lambda p, f: p["vllm_args"]["--kv-events-config"].update(endpoint="tcp://0.0.0.0:5557"),
             "engines[0]: --kv-events-config.endpoint: tcp://0.0.0.0:5557 makes vLLM connect its "
             "publisher to that address rather than bind it",
+        ),
+        (
+            # vLLM turns ZMQ's IPv6 on only for tcp://*:0: an IPv6 address fails to bind.
+            lambda p, f: p["vllm_args"]["--kv-events-config"].update(endpoint="tcp://[::]:5557"),
+            "engines[0]: --kv-events-config.endpoint: tcp://[::]:5557: vLLM binds its KV event "
+            "sockets without ZMQ's IPv6",
         ),
         (
             # Its KV events on its own HTTP port: vLLM would fail to bind one of the two.
@@ -477,6 +483,7 @@ def test_a_kv_aware_plan_and_fleet_that_agree_pass(
         "null-publisher",
         "other-port",
         "connects",
+        "ipv6",
         "port-collision",
         "no-replay",
         "topic",

@@ -4,6 +4,7 @@ shown firing and not firing, and covering every alert the issue asks for."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -109,3 +110,39 @@ def test_scrape_config_refuses_bad_input_in_one_line(tmp_path: Path) -> None:
     out = tmp_path / "prometheus.yml"
     assert scrape_config.main([*ok, "--interval", "1m30s", "--out", str(out)]) == 0
     assert yaml.safe_load(out.read_text())["global"]["scrape_interval"] == "1m30s"
+
+
+def test_scrape_config_reads_its_fleet_once(tmp_path: Path) -> None:
+    """The fleet is read once, as narwhal-serve reads it: a file with a byte order mark (read
+    past since JSON files may carry one; the second read was Python's own traceback) and a pipe
+    (a shell's process substitution, which cannot be read twice) both give the configuration."""
+    from tools.observability import scrape_config
+
+    fleet = Path(__file__).resolve().parents[2] / "configs" / "fleet" / "local-sim.json"
+    marked = tmp_path / "marked.json"
+    marked.write_bytes(b"\xef\xbb\xbf" + fleet.read_bytes())
+    plain, bom = tmp_path / "plain.yml", tmp_path / "bom.yml"
+    assert (
+        scrape_config.main(["--fleet", str(fleet), "--router", "127.0.0.1:9", "--out", str(plain)])
+        == 0
+    )
+    assert (
+        scrape_config.main(["--fleet", str(marked), "--router", "127.0.0.1:9", "--out", str(bom)])
+        == 0
+    )
+    assert yaml.safe_load(bom.read_text()) == yaml.safe_load(plain.read_text())
+    read_fd, write_fd = os.pipe()
+    with os.fdopen(write_fd, "wb") as writer:
+        writer.write(fleet.read_bytes())
+    piped = tmp_path / "piped.yml"
+    try:
+        code = scrape_config.main(
+            ["--fleet", f"/dev/fd/{read_fd}", "--router", "127.0.0.1:9", "--out", str(piped)]
+        )
+    finally:
+        os.close(read_fd)
+    assert code == 0
+    assert (
+        yaml.safe_load(piped.read_text())["scrape_configs"]
+        == yaml.safe_load(plain.read_text())["scrape_configs"]
+    )

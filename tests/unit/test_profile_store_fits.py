@@ -34,6 +34,9 @@ def test_the_profilers_own_fits_are_read() -> None:
         # Finite at max_tokens, infinite where the router extrapolates to (twice as far).
         ("prefill_fit", {"c": 2e300}, "predicts inf s for a prefill of 16384 tokens"),
         ("prefill_fit", {"min_tokens": 9000}, "min_tokens 9000 is above max_tokens 8192"),
+        # JSON reads a 400-digit integer; no float holds it (it was an OverflowError traceback).
+        ("prefill_fit", {"max_tokens": 10**400}, "max_tokens is too large to be a profiled range"),
+        ("decode_fit", {"max_context": 10**400}, "max_context is too large to be a profiled range"),
         ("decode_fit", {"slope": 1e308, "intercept": 1e308}, "predicts inf s for a token"),
         (
             "decode_fit",
@@ -46,6 +49,8 @@ def test_the_profilers_own_fits_are_read() -> None:
         "prefill-zero",
         "prefill-extrapolated-inf",
         "prefill-range",
+        "prefill-huge",
+        "decode-huge",
         "decode-inf",
         "decode-zero",
     ],

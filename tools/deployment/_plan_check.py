@@ -262,7 +262,7 @@ def _engine_ports(plan: LaunchPlan, eng: EnginePlan) -> list[tuple[str, str, int
     if plan.kind == "container":
         # KV event sockets vLLM binds (on every address: the engine's host is what they take).
         cfg = _kv_events_config({**plan.vllm_args, **eng.args})
-        if cfg and cfg.get("enable_kv_cache_events") is True:
+        if cfg is not None and _publishes(cfg):
             for key in ("endpoint", "replay_endpoint"):
                 address = _port_of(cfg.get(key, _VLLM_KV_EVENTS_DEFAULTS.get(key)))
                 if address is not None and (key == "replay_endpoint" or _binds(address[0])):
@@ -414,6 +414,20 @@ def _binds(host: str) -> bool:
     return "*" in host or "::" in host
 
 
+def _ipv6(host: str) -> bool:
+    # vLLM turns ZMQ's IPv6 on only for tcp://*:0: any other IPv6 address fails to bind.
+    return ":" in host
+
+
+def _publishes(cfg: dict[str, Any] | None) -> bool:
+    """Whether vLLM started with this ``--kv-events-config`` publishes over ZMQ."""
+    return (
+        cfg is not None
+        and cfg.get("enable_kv_cache_events") is True
+        and cfg.get("publisher", "zmq") == "zmq"
+    )
+
+
 def _kv_events_rules(
     i: int,
     eng: EnginePlan,
@@ -428,11 +442,7 @@ def _kv_events_rules(
     routes the engine by history (NarwhalKVEventsNotFollowed, after the fact)."""
     where = f"engines[{i}]"
     cfg = _kv_events_config(args)
-    publishes = (
-        cfg is not None
-        and cfg.get("enable_kv_cache_events") is True
-        and cfg.get("publisher", "zmq") == "zmq"
-    )
+    publishes = _publishes(cfg)
     if fleet_events is None:
         if publishes:
             add(
@@ -469,17 +479,21 @@ def _kv_events_rules(
                 f"{eng.id} binds none but the fleet reads {fleet_value} "
                 f"({fleet_path}.kv_events.{key})",
             )
+        elif _ipv6(bound[0]):
+            add(
+                f"{where}: {KV_EVENTS_FLAG}.{key}",
+                f"{value}: vLLM binds its KV event sockets without ZMQ's IPv6 (only tcp://*:0 "
+                f"turns it on), so an IPv6 address fails to bind; use tcp://*:{fleet_port}",
+            )
         elif key == "endpoint" and not _binds(bound[0]):
             # The replay socket is always bound; the PUB socket only on these.
             add(
                 f"{where}: {KV_EVENTS_FLAG}.{key}",
                 f"{value} makes vLLM connect its publisher to that address rather than bind it "
-                "(it binds only a wildcard, tcp://*:PORT, or an IPv6 address): nobody listens "
-                f"where the router connects; use tcp://*:{fleet_port}",
+                "(it binds a wildcard, tcp://*:PORT): nobody listens where the router "
+                f"connects; use tcp://*:{fleet_port}",
             )
-        elif bound[1] != fleet_port or not (
-            _binds(bound[0]) or bound[0] in ("0.0.0.0", fleet_host, eng.host)
-        ):
+        elif bound[1] != fleet_port or bound[0] not in ("*", "0.0.0.0", fleet_host, eng.host):
             add(
                 f"{where}: {KV_EVENTS_FLAG}.{key}",
                 f"{eng.id} binds {value} but the fleet reads {fleet_value} "

@@ -19,7 +19,6 @@ router's is kept as ``exported_fleet``, shown next to it on the Router overview 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -131,12 +130,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--router: {router!r} is not HOST:PORT")
     try:
         # Checked as narwhal-serve checks it: a bad fleet file names the field and the reason.
-        load_fleet(args.fleet)
+        loaded = load_fleet(args.fleet)
     except ContractError as exc:
         print(f"scrape_config.py: {exc}", file=sys.stderr)
         return 2
     config = scrape_config(
-        json.loads(args.fleet.read_text()),
+        # The document as read once (a pipe cannot be read twice; a BOM is read past).
+        loaded.raw,
         args.router,
         interval=args.interval,
         router_credentials_file=args.router_credentials_file,

@@ -107,9 +107,18 @@ class PrefillFit(_Model):
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens {self.min_tokens} is above max_tokens {self.max_tokens}")
         # As far as the router extrapolates the fit (PrefillLatencyModel.predict).
-        n = self.max_tokens * DEFAULT_MAX_EXTRAPOLATION
+        n = _extrapolated(self.max_tokens, "max_tokens")
         _finite_positive(self.a + self.b * n + self.c * n * n, f"a prefill of {n:g} tokens")
         return self
+
+
+def _extrapolated(limit: int, name: str) -> float:
+    """How far the router extrapolates a fit past its range's end ``limit``; ValueError for an
+    integer too large for a float (JSON reads 10**400 as one): no engine's range either."""
+    try:
+        return limit * DEFAULT_MAX_EXTRAPOLATION
+    except OverflowError:
+        raise ValueError(f"{name} is too large to be a profiled range") from None
 
 
 def _finite_positive(seconds: float, what: str) -> None:
@@ -131,8 +140,8 @@ class DecodeFit(_Model):
 
     @model_validator(mode="after")
     def _a_time(self) -> DecodeFit:
-        b = self.max_batch * DEFAULT_MAX_EXTRAPOLATION
-        ctx = self.max_context * DEFAULT_MAX_EXTRAPOLATION
+        b = _extrapolated(self.max_batch, "max_batch")
+        ctx = _extrapolated(self.max_context, "max_context")
         seconds = self.intercept + self.slope * b + self.ctx_coef * ctx
         _finite_positive(seconds, f"a token at batch {b:g} and context {ctx:g}")
         return self
