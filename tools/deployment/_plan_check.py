@@ -62,15 +62,20 @@ KV_EVENTS_FLAG = "--kv-events-config"
 _VLLM_KV_EVENTS_DEFAULTS = {"endpoint": "tcp://*:5557"}
 
 
-def kv_transfer_config(plan: LaunchPlan) -> dict[str, Any] | None:
-    """The plan's ``--kv-transfer-config`` as a mapping (None if absent or not JSON)."""
-    value = plan.vllm_args.get(KV_TRANSFER_FLAG)
+def _mapping_flag(value: Any) -> dict[str, Any] | None:
+    """A vLLM flag whose value is a mapping, given as one or as a JSON string: the mapping, or
+    None when absent or not JSON."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except ValueError:
             return None
     return value if isinstance(value, dict) else None
+
+
+def kv_transfer_config(plan: LaunchPlan) -> dict[str, Any] | None:
+    """The plan's ``--kv-transfer-config`` as a mapping (None if absent or not JSON)."""
+    return _mapping_flag(plan.vllm_args.get(KV_TRANSFER_FLAG))
 
 
 def plans_problems(plans: list[LoadedPlan], fleet: LoadedFleet | None) -> list[str]:
@@ -261,7 +266,7 @@ def _engine_ports(plan: LaunchPlan, eng: EnginePlan) -> list[tuple[str, str, int
         ports.append(("attestation_port", eng.host, eng.attestation_port))
     if plan.kind == "container":
         # KV event sockets vLLM binds (on every address: the engine's host is what they take).
-        cfg = _kv_events_config({**plan.vllm_args, **eng.args})
+        cfg = _mapping_flag({**plan.vllm_args, **eng.args}.get(KV_EVENTS_FLAG))
         if cfg is not None and _publishes(cfg):
             for key in ("endpoint", "replay_endpoint"):
                 address = _port_of(cfg.get(key, _VLLM_KV_EVENTS_DEFAULTS.get(key)))
@@ -330,19 +335,19 @@ def _fleet_rules(plan: LaunchPlan, loaded: LoadedFleet, add: Any) -> None:
                 f"engine.prefix_caching.enabled is {str(caching).lower()}: the router's prefix "
                 "index would describe caches that are not there",
             )
-    known = {e.id: e for e in fleet.engines}
+    known = {e.id: (k, e) for k, e in enumerate(fleet.engines)}
     for i, eng in enumerate(plan.engines):
-        spec = known.get(eng.id)
-        if spec is None:
+        if eng.id not in known:
             add(
                 f"engines[{i}]",
                 f"engine {eng.id!r} is not in the fleet (its engines: {', '.join(known)})",
             )
             continue
-        fleet_path = f"engines[{fleet.engines.index(spec)}]"
+        k, spec = known[eng.id]
+        args = {**shared, **eng.args}
         if plan.kind == "container":
-            _kv_events_rules(i, eng, {**shared, **eng.args}, spec.kv_events, fleet_path, add)
-        size = {**shared, **eng.args}.get("--block-size")
+            _kv_events_rules(i, eng, args, spec.kv_events, f"engines[{k}]", add)
+        size = args.get("--block-size")
         if (
             caching
             and size is not None
@@ -381,19 +386,6 @@ def _fleet_rules(plan: LaunchPlan, loaded: LoadedFleet, add: Any) -> None:
                         f"{eng.id} sidecar at {eng.host}:{eng.attestation_port}; the fleet's "
                         f"attestation_url is {spec.attestation_url}",
                     )
-
-
-def _kv_events_config(args: dict[str, Any]) -> dict[str, Any] | None:
-    """An engine's ``--kv-events-config`` as a mapping: None when absent, {} when not JSON."""
-    value = args.get(KV_EVENTS_FLAG)
-    if value is None:
-        return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            return {}
-    return value if isinstance(value, dict) else {}
 
 
 def _port_of(endpoint: Any) -> tuple[str, int] | None:
@@ -441,7 +433,7 @@ def _kv_events_rules(
     complaint to an address nobody publishes on, so a mismatch shows only as a router that
     routes the engine by history (NarwhalKVEventsNotFollowed, after the fact)."""
     where = f"engines[{i}]"
-    cfg = _kv_events_config(args)
+    cfg = _mapping_flag(args.get(KV_EVENTS_FLAG))
     publishes = _publishes(cfg)
     if fleet_events is None:
         if publishes:
@@ -453,7 +445,7 @@ def _kv_events_rules(
             )
         return
     wanted = f"the fleet reads them at {fleet_events.endpoint} ({fleet_path}.kv_events)"
-    if cfg == {}:
+    if cfg is None and args.get(KV_EVENTS_FLAG) is not None:
         add(f"{where}: {KV_EVENTS_FLAG}", "must be a mapping or a JSON object")
         return
     if not publishes:

@@ -7,18 +7,24 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-__all__ = ["why_unwritable"]
+__all__ = ["file_in_the_way", "why_unwritable"]
+
+
+def file_in_the_way(path: Path) -> Path | None:
+    """The nearest existing ancestor of ``path`` when it is not a directory (a regular file:
+    ``path`` can never be made under it), else None."""
+    for parent in path.parents:
+        if parent.exists():
+            return None if parent.is_dir() else parent
+    return None
 
 
 def why_unwritable(out: Path) -> str | None:
     """Why a file cannot be written at ``out`` (its missing directories created), or None."""
     if out.is_dir():
         return f"{out} is a directory; name the file to write"
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                return f"{parent} is not a directory"
-            break
+    if (blocker := file_in_the_way(out)) is not None:
+        return f"{blocker} is not a directory"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out.parent, prefix=".narwhal-"):

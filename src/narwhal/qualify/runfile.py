@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from narwhal.contract import ContractError, LoadedFleet, load_fleet
 from narwhal.contract.models import format_loc
+from narwhal.contract.paths import file_in_the_way
 from narwhal.contract.yamlfile import StrictYamlLoader, load_yaml
 
 __all__ = [
@@ -279,12 +280,9 @@ def _run_dir_problems(source: str, run_dir: Path, checkout: Path) -> list[str]:
         return [f"{source}: run_dir: {run_dir} holds the checkout; give the run a directory"]
     if where.exists() and not where.is_dir():
         return [f"{source}: run_dir: {run_dir} is not a directory"]
-    for parent in where.parents:
+    if (blocker := file_in_the_way(where)) is not None:
         # Under a regular file it could not be made: found only part way through the run.
-        if parent.exists():
-            if not parent.is_dir():
-                return [f"{source}: run_dir: {parent} is not a directory"]
-            break
+        return [f"{source}: run_dir: {blocker} is not a directory"]
     if where.is_dir() and any(where.iterdir()) and not (where / "steps.json").exists():
         return [
             f"{source}: run_dir: {run_dir} holds other files and no steps.json: not a "

@@ -232,7 +232,11 @@ def _applier(
 ) -> Callable[[list[ReadEvent]], None]:
     batches = metrics.kv_event_batches.labels(engine_id)
     blocks = metrics.prefix_index_blocks.labels(engine_id)
-    followed = metrics.kv_events_followed.labels(engine_id)
+    # Read from the index at each scrape: whether its entries for the engine come from the
+    # engine's events is the index's own state (set by each batch, cleared by a reset).
+    metrics.kv_events_followed.labels(engine_id).set_function(
+        lambda: 1.0 if index.is_precise(engine_id) else 0.0
+    )
     warned = False
 
     def apply(events: list[ReadEvent]) -> None:
@@ -249,7 +253,6 @@ def _applier(
             )
         batches.inc()
         blocks.set(index.blocks_held(engine_id))
-        followed.set(1)
 
     return apply
 
@@ -261,7 +264,6 @@ def _resetter(index: PrefixIndex, engine_id: str, metrics: RouterMetrics) -> Cal
         # (one that never sent a readable batch keeps the history it has: an unreadable
         # batch says nothing about where the router sent prompts).
         index.set_precise(engine_id, False)
-        metrics.kv_events_followed.labels(engine_id).set(0)
         metrics.kv_event_resets.labels(engine_id).inc()
         metrics.prefix_index_blocks.labels(engine_id).set(index.blocks_held(engine_id))
 

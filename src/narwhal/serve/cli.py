@@ -30,6 +30,7 @@ from typing import Any, Literal
 from narwhal.asgi import tcp_bind_problem
 from narwhal.contract import DEFAULT_REPORT_NAME, ContractError, load_fleet
 from narwhal.contract.flags import out_of_range
+from narwhal.contract.paths import file_in_the_way
 from narwhal.engines.client import ENGINE_TRANSPORTS
 from narwhal.journal.claim import JournalInUse, claim_journal, journal_problem
 
@@ -468,11 +469,8 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
     if journal_mode is not None and not stat.S_ISREG(journal_mode):
         # /dev/null took every record and failed each fsync: the router answered 503 to all.
         raise UsageError(f"--journal: {journal} is not a regular file")
-    for parent in journal.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise UsageError(f"--journal: {parent} is not a directory")
-            break
+    if (blocker := file_in_the_way(journal)) is not None:
+        raise UsageError(f"--journal: {blocker} is not a directory")
     if (problem := journal_problem(journal)) is not None:
         raise UsageError(f"--journal: {journal} is not a Narwhal journal ({problem})")
     blank = [k for k in args.api_key if not k.strip()]
