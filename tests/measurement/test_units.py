@@ -143,8 +143,40 @@ def test_azure_trace_rows_and_workload(tmp_path: Path) -> None:
     assert wl.trace is not None and wl.trace.capped_prompts == 1 and wl.has_arrivals
     bad = tmp_path / "bad.csv"
     bad.write_text("time,a,b\n1,2,3\n")
-    with pytest.raises(WorkloadError, match="header"):
+    with pytest.raises(WorkloadError, match="not an Azure LLM inference trace: no TIMESTAMP"):
         read_trace(bad, 0, 1)
+
+
+@pytest.mark.parametrize(
+    ("row", "says"),
+    [
+        # The 2024 Azure traces write an offset after the fraction: it was 'cannot parse'.
+        ("2024-05-10 00:00:00.009930+00:00,374,44", None),
+        ("2023-11-16 18:17:03.97,-5,44", "row 3: ContextTokens -5 is negative"),  # was read as 1
+        ("2023-11-16 18:17:03.97,12,", "row 3: GeneratedTokens '' is not a whole number"),
+        ("2023-11-16 18:17:03.97,12", "row 3: no GeneratedTokens"),
+        ("0001-01-01 00:00:00,12,3", "row 3: TIMESTAMP '0001-01-01 00:00:00' is not a date"),
+    ],
+)
+def test_a_trace_row_is_read_as_narwhal_fleetsim_reads_it(
+    tmp_path: Path, row: str, says: str | None
+) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text(f"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9,1,1\n{row}\n")
+    if says is None:
+        rows, _ = read_trace(trace, 1, 1)
+        assert [(r.t_s, r.context_tokens, r.generated_tokens) for r in rows] == [(0.0, 374, 44)]
+    else:
+        with pytest.raises(WorkloadError) as refused:
+            read_trace(trace, 0, 5)
+        assert f"{trace}: {says}" in str(refused.value)
+
+
+def test_a_trace_that_is_not_utf8_is_refused_not_a_traceback(tmp_path: Path) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_bytes(b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9,\xff,1\n")
+    with pytest.raises(WorkloadError, match="not a readable CSV file"):
+        read_trace(trace, 0, 5)
 
 
 @pytest.mark.skipif(not AZURE.exists(), reason="shared Azure traces not present")

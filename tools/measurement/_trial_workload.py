@@ -10,13 +10,10 @@ repeated-token prompt.
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import json
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,6 +21,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from narwhal.contract.hashing import sha256_hex
+from narwhal.fleetsim.workloads import read_azure_trace
 
 __all__ = [
     "DEFAULT_SEED_PROMPT",
@@ -279,46 +277,23 @@ class TraceRow:
     generated_tokens: int
 
 
-def _parse_timestamp(text: str) -> float:
-    # Azure traces carry 7 fractional digits ("2023-11-16 18:17:03.9799600"): parse the whole
-    # seconds with datetime and add the fraction ourselves.
-    text = text.strip()
-    whole, _, frac = text.partition(".")
-    base = datetime.fromisoformat(whole).timestamp()
-    return base + (float("0." + frac) if frac else 0.0)
-
-
 def read_trace(path: Path, first_row: int, rows: int) -> tuple[list[TraceRow], str]:
     """Rows ``first_row`` .. ``first_row + rows - 1`` (0 = the first data row) of an Azure-format
-    trace (``TIMESTAMP, ContextTokens, GeneratedTokens``), and the file's SHA-256."""
+    trace (``TIMESTAMP, ContextTokens, GeneratedTokens``), times from the first of them, and the
+    file's SHA-256. Read by narwhal-fleetsim's reader, so both tools take and refuse the same
+    files with the same words (the row, the column, why)."""
     try:
         data = path.read_bytes()
+        read = read_azure_trace(path, limit=first_row + rows)
     except OSError as exc:
         raise WorkloadError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    lines: Iterator[str] = iter(data.decode("utf-8-sig").splitlines())
-    reader = csv.reader(lines)
-    header = [h.strip() for h in next(reader, [])]
-    want = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
-    if header[:3] != want:
-        raise WorkloadError(f"{path}: header must start with {','.join(want)}, not {header[:3]}")
-    out: list[TraceRow] = []
-    t0: float | None = None
-    for index, row in enumerate(reader):
-        if index < first_row:
-            continue
-        if len(out) >= rows:
-            break
-        try:
-            t = _parse_timestamp(row[0])
-            ctx, gen = int(row[1]), int(row[2])
-        except (ValueError, IndexError):
-            raise WorkloadError(f"{path}: data row {index}: cannot parse {row!r}") from None
-        t0 = t if t0 is None else t0
-        if t < t0:
-            raise WorkloadError(f"{path}: data row {index}: timestamps go backwards")
-        out.append(TraceRow(t - t0, max(1, ctx), max(1, gen)))
-    if not out:
+    except ValueError as exc:
+        raise WorkloadError(str(exc)) from None
+    window = read[first_row:]
+    if not window:
         raise WorkloadError(f"{path}: no data rows from row {first_row}")
+    t0 = window[0][0]
+    out = [TraceRow(t - t0, context, generated) for t, context, generated in window]
     return out, hashlib.sha256(data).hexdigest()
 
 

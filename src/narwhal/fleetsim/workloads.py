@@ -59,7 +59,8 @@ def _read_azure_rows(
     path: str | Path, limit: int | None, max_prompt: int | None
 ) -> list[tuple[float, int, int]]:
     rows: list[tuple[float, int, int]] = []
-    with open(path, newline="") as f:
+    # utf-8-sig: a header some editors mark with a byte order mark still names its columns.
+    with open(path, newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f)
         missing = [c for c in AZURE_TRACE_COLUMNS if c not in (reader.fieldnames or ())]
         if missing:
@@ -72,14 +73,9 @@ def _read_azure_rows(
         for row in reader:
             try:
                 stamp = (row["TIMESTAMP"] or "").strip()
-                # Nanosecond fractions: keep microseconds for datetime.
-                head, _, frac = stamp.partition(".")
-                frac = (frac.split("+")[0] + "000000")[:6]
-                t = datetime.fromisoformat(f"{head}.{frac}").timestamp()
-                context, output = int(row["ContextTokens"] or ""), int(row["GeneratedTokens"] or "")
-                for column, count in (("ContextTokens", context), ("GeneratedTokens", output)):
-                    if count < 0:
-                        raise ValueError(f"{column} {count} is negative")
+                t = _trace_time(stamp)
+                context = _token_count(row, "ContextTokens")
+                output = _token_count(row, "GeneratedTokens")
                 # A zero the traces do hold (an answer cut at once) is one token.
                 prompt, generated = max(1, context), max(1, output)
             except ValueError as exc:
@@ -97,6 +93,33 @@ def _read_azure_rows(
             if limit is not None and len(rows) >= limit:
                 break
     return rows
+
+
+def _trace_time(stamp: str) -> float:
+    """A TIMESTAMP as seconds since the epoch (the traces write nanosecond fractions and an
+    offset: microseconds kept, for datetime)."""
+    head, _, frac = stamp.partition(".")
+    frac = (frac.split("+")[0] + "000000")[:6]
+    try:
+        return datetime.fromisoformat(f"{head}.{frac}").timestamp()
+    except (ValueError, OverflowError, OSError) as exc:
+        # Python's own words ("year 0 is out of range") do not say which field.
+        raise ValueError(
+            f"TIMESTAMP {stamp!r} is not a date and time (YYYY-MM-DD HH:MM:SS[.fraction]): {exc}"
+        ) from None
+
+
+def _token_count(row: dict[str, str | None], column: str) -> int:
+    value = row.get(column)
+    if value is None:
+        raise ValueError(f"no {column} (the row has fewer fields than the header)")
+    try:
+        count = int(value)
+    except ValueError:
+        raise ValueError(f"{column} {value!r} is not a whole number of tokens") from None
+    if count < 0:
+        raise ValueError(f"{column} {count} is negative")
+    return count
 
 
 def trace_requests(
