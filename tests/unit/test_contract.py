@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from narwhal.contract import (
+    CheckReport,
     ContractError,
     FleetContract,
     LoadedFleet,
@@ -840,3 +841,20 @@ def test_a_profile_store_or_limits_file_is_read_without_coercion(tmp_path: Path)
     }
     with pytest.raises(ContractError, match=r"probe_timeout_s: expected a number \(got true\)"):
         validate_document(limits, ProfilingLimits, "limits.json", strict=True)
+
+
+@pytest.mark.parametrize(
+    ("doc", "says"),
+    [
+        # The schema key last: the first problem was "engines: unknown field".
+        (
+            {"engines": [], "fits": {}, "schema": "narwhal.profile-store/v1"},
+            "schema: must be narwhal.check-report/v1 (got 'narwhal.profile-store/v1')",
+        ),
+        ({"engines": [], "fits": {}}, "schema: required field is missing"),
+    ],
+)
+def test_a_file_of_another_format_is_named_by_its_schema_first(doc: Doc, says: str) -> None:
+    with pytest.raises(ContractError) as refused:
+        validate_document(doc, CheckReport, "r.json")
+    assert str(refused.value).startswith(f"r.json: {says} (and ")

@@ -320,8 +320,12 @@ def _problems(raw: Mapping[str, Any], errors: Iterable[Mapping[str, Any]]) -> li
         else:
             reason = _reason(err)
         found.append((loc, reason))
-    # Python's sort is stable: equal positions keep pydantic's (field definition) order.
-    return sorted(found, key=lambda item: _document_position(raw, item[0]))
+    # Python's sort is stable: equal positions keep pydantic's (field definition) order. A
+    # wrong or missing schema leads wherever its key stands: a file of another format (a fleet
+    # given for a check report) is named so, not by the first of its fields this one lacks.
+    return sorted(
+        found, key=lambda item: (item[0] != ("schema",), _document_position(raw, item[0]))
+    )
 
 
 def _strip_union_tag(loc: Loc) -> tuple[Loc, str | None]:

@@ -34,6 +34,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from narwhal.contract import ContractError, LoadedFleet, load_fleet
+from narwhal.contract.loader import validation_reasons
 from narwhal.contract.models import format_loc
 from narwhal.contract.paths import file_in_the_way
 from narwhal.contract.yamlfile import StrictYamlLoader, load_yaml
@@ -199,11 +200,14 @@ def parse_run_file(text: str, source: str) -> RunFile:
     try:
         return RunFile.model_validate(raw)
     except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            where = format_loc(tuple(err.get("loc", ()))) or "(document)"
-            lines.append(f"{source}: {where}: {err.get('msg', 'invalid')}")
-        raise RunFileError(lines) from None
+        # In the fleet loader's words ("expected an object (got 5)"), not pydantic's, which
+        # name its classes ("a valid dictionary or instance of Workload").
+        raise RunFileError(
+            [
+                f"{source}: {format_loc(loc) or '(document)'}: {reason}"
+                for loc, reason in validation_reasons(exc)
+            ]
+        ) from None
 
 
 def load_run_file(
