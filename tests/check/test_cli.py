@@ -34,6 +34,8 @@ def test_cli_input_errors_are_one_line_exit_2(
         (["--fleet", str(fleet), "--kv-margin", "nan"], "--kv-margin: must be a finite number"),
         (["--fleet", str(fleet), "--kv-probes", "x"], "invalid int value"),
         (["--fleet", str(fleet), "--report", str(tmp_path)], "is a directory"),
+        # A device or a pipe swallows the report or fails its write, after the gates ran.
+        (["--fleet", str(fleet), "--report", "/dev/null"], "/dev/null is a character device"),
         # Refused before the gates run (it failed after them, saying "File exists").
         (
             ["--fleet", str(fleet), "--report", str(store_path / "r.json")],

@@ -124,8 +124,10 @@ def test_profiler_bad_inputs(tmp_path: Path) -> None:
             (tmp_path / "a-file" / "store.json", (), "a-file is not a directory"),
             (tmp_path / "y.json", ("--engines", ","), "--engines: no engine id given"),
             # A plan field out of range names the flag that set it (it was pydantic's dump).
-            (tmp_path / "z.json", ("--decode-tokens", "0"), "--decode-tokens: Input should be"),
-            (tmp_path / "z.json", ("--prefill-repeats", "0"), "--prefill-repeats: Input should"),
+            (tmp_path / "z.json", ("--decode-tokens", "0"), "--decode-tokens: must be greater"),
+            (tmp_path / "z.json", ("--prefill-repeats", "0"), "--prefill-repeats: must be"),
+            # A device takes the open and fails the write: that was found after the probes.
+            (Path("/dev/full"), (), "--out: /dev/full is a character device, not a regular"),
         ):
             r = profile(fleet.fleet_path, write_limits(tmp_path), out, *extra)
             assert r.returncode == 2, r.stderr

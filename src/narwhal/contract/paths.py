@@ -23,6 +23,10 @@ def why_unwritable(out: Path) -> str | None:
     """Why a file cannot be written at ``out`` (its missing directories created), or None."""
     if out.is_dir():
         return f"{out} is a directory; name the file to write"
+    if out.exists() and not out.is_file():
+        # A device or a pipe takes the open and fails the write (/dev/full), or swallows a
+        # document that is to be read back and hashed; either only after the work is done.
+        return f"{out} is {_kind(out)}, not a regular file; name the file to write"
     if (blocker := file_in_the_way(out)) is not None:
         return f"{blocker} is not a directory"
     try:
@@ -32,3 +36,15 @@ def why_unwritable(out: Path) -> str | None:
     except OSError as exc:
         return f"cannot write in {out.parent}: {exc.strerror or exc}"
     return None
+
+
+def _kind(path: Path) -> str:
+    if path.is_char_device():
+        return "a character device"
+    if path.is_block_device():
+        return "a block device"
+    if path.is_fifo():
+        return "a named pipe"
+    if path.is_socket():
+        return "a socket"
+    return "a special file"

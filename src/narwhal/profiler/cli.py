@@ -26,6 +26,7 @@ from narwhal.contract import (
     sha256_hex,
     validate_document,
 )
+from narwhal.contract.loader import validation_reasons
 from narwhal.contract.paths import why_unwritable
 from narwhal.profiler.runner import profile_fleet
 from narwhal.profiles.store import ProfileStore, ProfilingLimits, ProfilingPlan, store_bytes
@@ -141,10 +142,9 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValidationError as exc:
         # Named by the flag that set the field (they are the plan's fields, dashed).
-        error = exc.errors()[0]
-        loc = error.get("loc") or ()
+        loc, reason = validation_reasons(exc)[0]
         where = f"--{str(loc[0]).replace('_', '-')}" if loc else "profiling plan"
-        raise UsageError(f"{where}: {error['msg']}") from None
+        raise UsageError(f"{where}: {reason}") from None
     longest = max(max(plan.prefill_lens), max(plan.decode_input_lens) + plan.decode_tokens)
     if longest > fleet.model.max_model_len:
         raise UsageError(
