@@ -207,6 +207,36 @@ def test_generation_follows_the_engine_process(tmp_path: Path) -> None:
     assert doc["engine_alive"] is False and doc["generation"] is None
 
 
+def test_a_pidfile_that_holds_no_pid_is_said_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    pidfile = tmp_path / "engine.pid"
+    args = sidecar._parser().parse_args(
+        [
+            *("--engine-id", "e0", "--checkpoint", str(ckpt), "--port", "1", "--model-id", "m"),
+            *("--model-revision", "r", "--tp", "8", "--gpu-arch", "sim"),
+            *("--engine-pidfile", str(pidfile), "--no-cache"),
+        ]
+    )
+    att = sidecar.Attestor(sidecar._settings(args))
+    # Not written yet, or empty while being written: no pid, nothing to say.
+    assert att.engine_doc()["pid"] is None
+    pidfile.write_text("")
+    assert att.engine_doc()["pid"] is None
+    assert capsys.readouterr().err == ""
+    # Garbage (a path, a negative number) was read as no pid without a word.
+    for garbage in ("/run/engine.pid\n", "-5\n"):
+        pidfile.write_text(garbage)
+        doc = att.engine_doc()
+        att.engine_doc()  # said once per content, not at every read
+        assert doc["pid"] is None and doc["generation"] is None
+        err = capsys.readouterr().err
+        assert err.count("not a process id") == 1 and repr(garbage) in err
+    pidfile.write_text(f"{os.getpid()}\n")
+    assert att.engine_doc()["pid"] == os.getpid()
+
+
 def test_unusable_checkpoint_is_an_input_error(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     code = sidecar.main(

@@ -338,6 +338,7 @@ class Attestor:
         self.verified_at: float | None = None
         self.error: str | None = None
         self.stop = threading.Event()
+        self._bad_pidfile: str | None = None  # the pidfile's last content that held no pid
 
     # -- computing -------------------------------------------------------------------------
     def build_baseline(self, use_cache: bool = True) -> None:
@@ -448,10 +449,7 @@ class Attestor:
         pid = self.s.engine_pid
         if self.s.engine_pidfile is not None:
             # Re-read every time: a restarted engine writes a new pid, which is a new generation.
-            try:
-                pid = int(self.s.engine_pidfile.read_text().split()[0])
-            except (OSError, ValueError, IndexError):
-                pid = None
+            pid = self._pid_from_file(self.s.engine_pidfile)
         ident = process_identity(pid) if pid is not None else None
         generation = self.s.generation
         if generation is None and ident is not None:
@@ -463,6 +461,32 @@ class Attestor:
             "started_at": ident[1] if ident else None,
             "engine_alive": ident is not None if pid is not None else None,
         }
+
+    def _pid_from_file(self, path: Path) -> int | None:
+        """The pid the engine's pidfile holds; None while it holds none (not written yet, or
+        empty while being written). Anything else there is said once per content: read as no
+        pid without a word, it left the generation unknown and restarts unseen."""
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            return None
+        words = text.split()
+        if not words:
+            return None
+        try:
+            pid = int(words[0])
+        except ValueError:
+            pid = 0
+        if pid > 0:
+            self._bad_pidfile = None
+            return pid
+        if text != self._bad_pidfile:
+            self._bad_pidfile = text
+            _log(
+                f"--engine-pidfile {path} holds {text[:40]!r}, not a process id: the engine's"
+                " generation is unknown (its restarts go unseen) until it does"
+            )
+        return None
 
     def attestation(self) -> tuple[int, dict[str, Any]]:
         if self.error is not None:
