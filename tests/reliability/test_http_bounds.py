@@ -241,3 +241,40 @@ def test_a_websocket_upgrade_is_answered_as_http(router: RouterProcess) -> None:
     assert status == 400 and "upgrades are not supported" in str(error["message"]), error
     log = Path(router.log_path).read_text()
     assert "Unsupported upgrade" not in log and "WebSocket library" not in log
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_an_http10_client_gets_its_stream_unchunked_and_ended_by_the_close(
+    router: RouterProcess, path: str
+) -> None:
+    """HTTP/1.0 has no chunked encoding (nginx proxies with HTTP/1.0 by default): the chunk
+    sizes were read as part of the event stream."""
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 5, "stream": True}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "hello"}]
+    else:
+        body["prompt"] = "hello"
+    data = json.dumps(body).encode()
+    with connect(router) as sock:
+        sock.sendall(
+            f"POST {path} HTTP/1.0\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+        raw = read_all(sock)  # the router ends the body by closing
+    head, _, stream = raw.partition(b"\r\n\r\n")
+    headers = head.lower().split(b"\r\n")
+    assert headers[0].startswith(b"http/1.1 200"), head
+    assert b"transfer-encoding: chunked" not in headers and b"connection: close" in headers
+    events = [line for line in stream.split(b"\n") if line]
+    assert all(line.startswith(b"data: ") for line in events), stream[:200]
+    assert events[-1] == b"data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in events[:-1]]
+    assert chunks and all(
+        c["object"] in ("text_completion", "chat.completion.chunk") for c in chunks
+    )
+    # A response of known length (an error, here) is as before: its Content-Length.
+    with connect(router) as sock:
+        sock.sendall(f"POST {path} HTTP/1.0\r\nHost: x\r\nContent-Length: 2\r\n\r\n{{}}".encode())
+        status, error = status_and_error(read_all(sock))
+    assert status == 401 and error["type"]

@@ -20,6 +20,11 @@ misses. What the stock protocol leaves open (found by a security review, uvicorn
   upgrade (the router serves none) with an empty 403. Here the 400 has the OpenAI error shape
   and an Upgrade header is ignored: the request is answered as HTTP by the route it names.
 
+- uvicorn streams a response of unknown length chunked whatever the request's HTTP version,
+  and HTTP/1.0 has no chunked encoding: an HTTP/1.0 client (nginx's ``proxy_pass`` by default,
+  ``proxy_http_version 1.0``) read the chunk sizes as part of the event stream. Here such a
+  response to an HTTP/1.0 request is sent as it is, ended by closing the connection.
+
 Refusals before the head is whole are the HTTP server's, as the 400 for an unparsable request
 is: no request reached the router, so none is journaled; the body is the OpenAI error shape
 every other refusal has.
@@ -38,7 +43,12 @@ from uvicorn.protocols.http.httptools_impl import (
     RequestResponseCycle,
 )
 
-__all__ = ["MAX_HEAD_BYTES", "BoundedHttpProtocol", "bounded_http_protocol"]
+__all__ = [
+    "MAX_HEAD_BYTES",
+    "BoundedHttpProtocol",
+    "Http10ResponseCycle",
+    "bounded_http_protocol",
+]
 
 # A request line and headers: an API key, a request id and the usual headers take a few KiB.
 MAX_HEAD_BYTES = 64 * 1024
@@ -220,6 +230,10 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
         self._cycles.add(cycle)
+        if cycle.scope["http_version"] == "1.0":
+            # uvicorn builds its cycle inside on_headers_complete; its class is swapped here,
+            # before the cycle's task first runs, rather than that method copied whole.
+            cycle.__class__ = Http10ResponseCycle
         super()._start_asgi_task(cycle, app)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -243,6 +257,41 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             # The parser stops at an Upgrade request's head: nothing more on this connection
             # can be read as HTTP (a body of its own included).
             self.transport.close()
+
+
+class Http10ResponseCycle(RequestResponseCycle):
+    """An HTTP/1.0 request's cycle: a response of unknown length is sent close-delimited, as
+    HTTP/1.0 ends such a body (uvicorn sends it chunked; the connection closes after every
+    HTTP/1.0 response there already). Streams take the ASGI relay, not the direct writer,
+    which writes chunks."""
+
+    _close_delimited = False
+
+    async def send(self, message: Any) -> None:
+        kind = message["type"]
+        if kind == "http.response.start" and not self.response_started:
+            names = {name.lower() for name, _ in message.get("headers", ())}
+            if (
+                b"content-length" not in names
+                and b"transfer-encoding" not in names
+                and self.scope["method"] != "HEAD"
+                and message["status"] not in (204, 304)
+            ):
+                # Not chunked, and a length uvicorn's body accounting never runs out of; the
+                # last body message sets it to what is left.
+                self.chunked_encoding = False
+                self.expected_content_length = _UNKNOWN_LENGTH
+                self._close_delimited = True
+        elif (
+            kind == "http.response.body"
+            and self._close_delimited
+            and not message.get("more_body", False)
+        ):
+            self.expected_content_length = len(message.get("body", b""))
+        await super().send(message)
+
+
+_UNKNOWN_LENGTH = 1 << 62
 
 
 def bounded_http_protocol(head_timeout_s: float, max_head_bytes: int = MAX_HEAD_BYTES) -> type:
