@@ -1,6 +1,7 @@
-"""The fluid bound on goodput for the Mooncake traces at the simulator's calibration: what no
-router can beat, for a given prefix hit rate, so that issue 19's goals have a ceiling beside
-them.
+"""The fluid bound on goodput for the Mooncake traces at the simulator's calibration.
+
+What no router can beat for a given prefix hit rate, so that issue 19's goals have a ceiling
+beside them.
 
 A fluid fleet has no queues and no bursts: each prefill engine prefills one request after
 another without a gap, each decode engine holds as many sequences as the TPOT budget allows,
