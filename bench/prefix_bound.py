@@ -32,11 +32,13 @@ Contacts nothing; reads the traces in ``../shared/data/mooncake-fast25``; a few 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from narwhal.fleetsim.workloads import MOONCAKE_BLOCK_TOKENS, read_mooncake_trace
+from narwhal.fleetsim.workloads import ideal_cached_tokens, read_mooncake_trace
 from narwhal.simengine.timing import CALIBRATION
 from narwhal.testing.traces import trace_dir
 
@@ -55,28 +57,23 @@ class Request:
 
 def requests_of(path: Path) -> list[Request]:
     trace = read_mooncake_trace(path, MAX_MODEL_LEN)
-    seen: set[int] = set()
-    out = []
-    for _, prompt, output, keys in trace.rows:
-        usable = keys[: (prompt - 1) // MOONCAKE_BLOCK_TOKENS]
-        blocks = 0
-        for key in usable:
-            if key not in seen:
-                break
-            blocks += 1
-        seen.update(keys)
-        out.append(Request(prompt, output, blocks * MOONCAKE_BLOCK_TOKENS))
-    return out
+    cached = ideal_cached_tokens(trace.rows, None, trace.block_tokens)
+    return [
+        Request(prompt, output, hit)
+        for (_, prompt, output, _), hit in zip(trace.rows, cached, strict=True)
+    ]
 
 
 def prefill_seconds(prompt: int, cached: int) -> float:
-    """The calibration's time to prefill ``prompt`` tokens after ``cached`` of them, in chunks
-    of at most the engine's batched tokens (the last token is always computed)."""
+    """The least time the calibration's engines spend prefilling ``prompt`` tokens after
+    ``cached`` of them (the last token is always computed): each token's own cost, and the
+    step's fixed cost as a share of a full step (an engine charges it once per step, shared
+    by every prompt it packs into one; a bound takes every step full)."""
     model = CALIBRATION.prefill
     offset, total = min(cached, prompt - 1), 0.0
     while offset < prompt:
         n = min(model.max_tokens, prompt - offset)
-        total += model.chunk_seconds(offset, n)
+        total += model.chunk_seconds(offset, n) - model.a * (1 - n / model.max_tokens)
         offset += n
     return total
 
@@ -116,6 +113,18 @@ def bound_at(requests: list[Request], ideal: float, hit_rate: float) -> Bound:
     return Bound(hit_rate, prefill_s, batch / (mean_output * TPOT_S), batch)
 
 
+def _numbers(
+    parser: argparse.ArgumentParser, flag: str, text: str, kind: type[int] | type[float]
+) -> list[Any]:
+    try:
+        values = [kind(x) for x in text.split(",") if x]
+    except ValueError:
+        parser.error(f"{flag}: comma-separated numbers, got {text!r}")
+    if any(not math.isfinite(v) for v in values):
+        parser.error(f"{flag}: finite numbers, got {text!r}")
+    return values
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--traces", default="conversation,synthetic")
@@ -137,16 +146,23 @@ def main() -> int:
     args = parser.parse_args()
     traces = [t for t in args.traces.split(",") if t]
     unknown = [t for t in traces if t not in TRACES]
-    if unknown:
-        parser.error(f"--traces: unknown {', '.join(unknown)} (known: {', '.join(TRACES)})")
-    try:
-        sizes = [int(s) for s in args.sizes.split(",") if s]
-        rates = [float(h) for h in args.hit_rates.split(",") if h]
-        measured = {k: float(v) for k, v in (m.split("=", 1) for m in args.measured)}
-    except ValueError as exc:
-        parser.error(str(exc))
-    if any(s < 2 for s in sizes) or any(not 0 <= h <= 1 for h in rates):
-        parser.error("--sizes must be at least 2 and --hit-rates within 0..1")
+    if unknown or not traces:
+        parser.error(f"--traces: one or more of {', '.join(TRACES)}, got {args.traces!r}")
+    sizes = _numbers(parser, "--sizes", args.sizes, int)
+    rates = _numbers(parser, "--hit-rates", args.hit_rates, float)
+    if not sizes or any(s < 2 for s in sizes):
+        parser.error(f"--sizes: fleets of at least 2 engines, got {args.sizes!r}")
+    if any(not 0 <= h <= 1 for h in rates):
+        parser.error(f"--hit-rates: shares of prompt tokens, 0 to 1, got {args.hit_rates!r}")
+    measured: dict[str, float] = {}
+    for item in args.measured:
+        name, _, value = item.partition("=")
+        try:
+            measured[name] = float(value)
+        except ValueError:
+            parser.error(f"--measured: NAME=REQ_S, got {item!r}")
+        if not name or not math.isfinite(measured[name]) or measured[name] <= 0:
+            parser.error(f"--measured: a name and a goodput above 0, got {item!r}")
     if measured and (len(traces) != 1 or len(sizes) != 1):
         parser.error("--measured needs one trace and one size")
     if not DATA_DIR.exists():
@@ -155,6 +171,10 @@ def main() -> int:
     for trace in traces:
         requests = requests_of(DATA_DIR / TRACES[trace])
         ideal = sum(r.cached for r in requests) / sum(r.prompt for r in requests)
+        above = [h for h in rates if h > ideal]
+        if above:
+            # No router finds more than an unbounded cache holds.
+            parser.error(f"--hit-rates: {trace}'s ideal is {ideal:.3f}, got {above[0]}")
         bounds = [bound_at(requests, ideal, h) for h in (ideal, *rates)]
         print(
             f"{trace}: {len(requests)} requests, ideal hit rate (unbounded cache) {ideal:.3f};"

@@ -31,15 +31,19 @@ def test_the_split_arithmetic() -> None:
     assert b.static(8)[0] <= rate
 
 
-def test_prefill_charges_only_the_uncached_tokens_chunk_by_chunk() -> None:
+def test_prefill_charges_only_the_uncached_tokens_and_a_full_step_s_share_of_its_cost() -> None:
     model = CALIBRATION.prefill
     n = model.max_tokens
+    # Full chunks pay the step's fixed cost whole: two steps.
     assert bound.prefill_seconds(2 * n, 0) == pytest.approx(
         model.chunk_seconds(0, n) + model.chunk_seconds(n, n)
     )
     assert bound.prefill_seconds(2 * n, n) == pytest.approx(model.chunk_seconds(n, n))
-    # A prompt found whole still computes its last token.
-    assert bound.prefill_seconds(100, 100) == pytest.approx(model.chunk_seconds(99, 1))
+    # A short tail shares its step with others: its tokens' share of the fixed cost only
+    # (the simulator charges it once per step, whatever the step packs).
+    tail = bound.prefill_seconds(100, 99)
+    assert tail == pytest.approx(model.chunk_seconds(99, 1) - model.a + model.a / n)
+    assert tail < model.chunk_seconds(99, 1)
 
 
 def test_a_lower_hit_rate_never_raises_the_bound() -> None:
@@ -51,14 +55,66 @@ def test_a_lower_hit_rate_never_raises_the_bound() -> None:
     assert top.static(8)[0] >= low.static(8)[0]
 
 
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120
+    )
+
+
 @pytest.mark.skipif(not bound.DATA_DIR.exists(), reason="the Mooncake traces are not present")
-def test_the_conversation_figures_the_docs_quote() -> None:
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--traces", "conversation", "--sizes", "8",
-         "--hit-rates", "0.18", "--measured", "round_robin=1.540"],
-        capture_output=True, text=True, timeout=120, check=True,
-    ).stdout  # fmt: skip
-    assert "ideal hit rate (unbounded cache) 0.382" in out
-    assert "bound 2.312 req/s at 1.91P (fluid split), 2.277 at 2P/6D" in out
-    assert "bound_ratio_ideal_over_hit_0.180_conversation_8: 1.079 (fluid split), 1.200" in out
-    assert "bound_over_measured_round_robin_conversation_8: 1.501" in out
+@pytest.mark.parametrize(
+    ("args", "lines"),
+    [
+        (
+            ["--traces", "conversation", "--sizes", "8", "--hit-rates", "0.18",
+             "--measured", "power_of_two=1.658", "--measured", "round_robin=1.540"],
+            ["ideal hit rate (unbounded cache) 0.382",
+             "bound 2.321 req/s at 1.88P (fluid split), 2.277 at 2P/6D",
+             "bound_ratio_ideal_over_hit_0.180_conversation_8: 1.080 (fluid split), 1.200",
+             "bound_over_measured_power_of_two_conversation_8: 1.400",
+             "bound_over_measured_round_robin_conversation_8: 1.507"],
+        ),
+        (
+            ["--traces", "conversation", "--sizes", "64", "--hit-rates", "0.084",
+             "--measured", "power_of_two=13.967", "--measured", "round_robin=12.85"],
+            ["bound 18.572 req/s at 15.05P (fluid split), 18.505 at 15P/49D",
+             "bound 16.685 req/s at 20.03P (fluid split), 16.663 at 20P/44D",
+             "bound_ratio_ideal_over_hit_0.084_conversation_64: 1.113 (fluid split), 1.111",
+             "bound_over_measured_power_of_two_conversation_64: 1.330",
+             "bound_over_measured_round_robin_conversation_64: 1.445"],
+        ),
+        (
+            ["--traces", "synthetic", "--sizes", "8", "--hit-rates", "0.299"],
+            ["bound 4.500 req/s at 2.84P (fluid split), 4.359 at 3P/5D",
+             "bound_ratio_ideal_over_hit_0.299_synthetic_8: 1.359 (fluid split), 1.383"],
+        ),
+    ],
+)  # fmt: skip
+def test_the_figures_the_docs_quote(args: list[str], lines: list[str]) -> None:
+    out = run(*args)
+    assert out.returncode == 0, out.stderr
+    for line in lines:
+        assert line in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--measured", "foo"], "--measured: NAME=REQ_S, got 'foo'"),
+        (["--measured", "x=0"], "--measured: a name and a goodput above 0, got 'x=0'"),
+        (["--sizes", "abc"], "--sizes: comma-separated numbers, got 'abc'"),
+        (["--sizes", "1"], "--sizes: fleets of at least 2 engines, got '1'"),
+        (["--hit-rates", "nan"], "--hit-rates: finite numbers, got 'nan'"),
+        (["--traces", "x"], "--traces: one or more of conversation, synthetic, got 'x'"),
+    ],
+)
+def test_arguments_it_cannot_run_with_are_named(args: list[str], says: str) -> None:
+    out = run(*args)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == f"prefix_bound.py: error: {says}"
+
+
+@pytest.mark.skipif(not bound.DATA_DIR.exists(), reason="the Mooncake traces are not present")
+def test_a_hit_rate_above_the_ideal_is_refused() -> None:
+    out = run("--traces", "conversation", "--sizes", "8", "--hit-rates", "0.5")
+    assert out.returncode == 2 and "conversation's ideal is 0.382, got 0.5" in out.stderr

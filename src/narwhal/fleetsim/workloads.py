@@ -24,6 +24,7 @@ __all__ = [
     "MOONCAKE_BLOCK_TOKENS",
     "PrefixTrace",
     "back_to_back",
+    "ideal_cached_tokens",
     "ideal_hit_rate",
     "kv_blocks_of",
     "mooncake_requests",
@@ -295,9 +296,21 @@ def ideal_hit_rate(
     ``capacity_tokens`` (None: unbounded) would find them, least recently used out: what a
     fleet whose caches added up to one could at best reach (vLLM's rule kept: the prompt's
     last token is always computed)."""
+    total = sum(prompt for _, prompt, _, _ in rows)
+    hit = sum(ideal_cached_tokens(rows, capacity_tokens, block_tokens))
+    return hit / total if total else 0.0
+
+
+def ideal_cached_tokens(
+    rows: list[tuple[float, int, int, tuple[int, ...]]],
+    capacity_tokens: int | None,
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+) -> list[int]:
+    """Each request's prompt tokens that one prefix cache of ``capacity_tokens`` (None:
+    unbounded) holds when it arrives (``ideal_hit_rate``'s cache), in whole blocks."""
     cache: OrderedDict[int, None] = OrderedDict()
     limit = None if capacity_tokens is None else capacity_tokens // block_tokens
-    hit = total = 0
+    out = []
     for _, prompt, _, keys in rows:
         usable = keys[: (prompt - 1) // block_tokens]
         n = 0
@@ -305,12 +318,11 @@ def ideal_hit_rate(
             if key not in cache:
                 break
             n += 1
-        hit += n * block_tokens
-        total += prompt
+        out.append(n * block_tokens)
         for key in reversed(keys):
             cache[key] = None
             cache.move_to_end(key)
         if limit is not None:
             while len(cache) > limit:
                 cache.popitem(last=False)
-    return hit / total if total else 0.0
+    return out
