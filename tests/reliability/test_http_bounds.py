@@ -276,5 +276,26 @@ def test_an_http10_client_gets_its_stream_unchunked_and_ended_by_the_close(
     # A response of known length (an error, here) is as before: its Content-Length.
     with connect(router) as sock:
         sock.sendall(f"POST {path} HTTP/1.0\r\nHost: x\r\nContent-Length: 2\r\n\r\n{{}}".encode())
-        status, error = status_and_error(read_all(sock))
+        raw = read_all(sock)
+    status, error = status_and_error(raw)
     assert status == 401 and error["type"]
+    assert b"content-length: " in raw.partition(b"\r\n\r\n")[0].lower()
+
+
+def test_http10_keep_alive_and_pipelining_get_one_answer_each_connection(
+    router: RouterProcess,
+) -> None:
+    """An HTTP/1.0 client asking to keep the connection, with a second request pipelined behind
+    a stream: the stream is ended by the close (HTTP/1.0 has no other end for it), so the
+    second request is not answered on that connection, and nothing hangs."""
+    body = json.dumps({"model": MODEL, "max_tokens": 3, "stream": True, "prompt": "hello"}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.0\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Connection: keep-alive\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with connect(router) as sock:
+        sock.sendall(head + body + head + body)
+        raw = read_all(sock)
+    assert raw.count(b"HTTP/1.1 200") == 1 and raw.endswith(b"data: [DONE]\n\n")
+    assert b"transfer-encoding" not in raw.lower()

@@ -33,6 +33,7 @@ every other refusal has.
 from __future__ import annotations
 
 import asyncio
+import logging
 import weakref
 from typing import Any, ClassVar
 
@@ -50,6 +51,8 @@ __all__ = [
     "bounded_http_protocol",
 ]
 
+log = logging.getLogger(__name__)
+
 # A request line and headers: an API key, a request id and the usual headers take a few KiB.
 MAX_HEAD_BYTES = 64 * 1024
 
@@ -59,6 +62,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     max_head_bytes: ClassVar[int] = MAX_HEAD_BYTES
     head_timeout_s: ClassVar[float] = 60.0
+    _swap_refused: ClassVar[bool] = False  # warned once per process (Http10ResponseCycle)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -230,10 +234,19 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
         self._cycles.add(cycle)
-        if cycle.scope["http_version"] == "1.0":
+        if cycle.scope["http_version"] == "1.0" and type(cycle) is RequestResponseCycle:
             # uvicorn builds its cycle inside on_headers_complete; its class is swapped here,
-            # before the cycle's task first runs, rather than that method copied whole.
-            cycle.__class__ = Http10ResponseCycle
+            # before the cycle's task first runs, rather than that method copied whole. A
+            # uvicorn whose cycle refuses it (slots) streams chunked, as it did before.
+            try:
+                cycle.__class__ = Http10ResponseCycle
+            except TypeError:
+                if not BoundedHttpProtocol._swap_refused:
+                    BoundedHttpProtocol._swap_refused = True
+                    log.warning(
+                        "this uvicorn's response cycle cannot be adapted: HTTP/1.0 clients get"
+                        " streamed answers chunked, which they cannot read"
+                    )
         super()._start_asgi_task(cycle, app)
 
     def connection_lost(self, exc: Exception | None) -> None:
