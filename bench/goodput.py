@@ -87,8 +87,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
-import datetime as dt
 import json
 import math
 import os
@@ -111,7 +109,12 @@ import numpy as np
 import orjson
 
 from narwhal.engines.scrape import metric_sum
-from narwhal.fleetsim.workloads import MOONCAKE_BLOCK_TOKENS, ideal_hit_rate, read_mooncake_trace
+from narwhal.fleetsim.workloads import (
+    MOONCAKE_BLOCK_TOKENS,
+    ideal_hit_rate,
+    read_azure_trace,
+    read_mooncake_trace,
+)
 from narwhal.serve.cli import serve_command
 from narwhal.simengine.timing import CALIBRATION
 from narwhal.simengine.vocab import Vocabulary
@@ -208,26 +211,25 @@ class Workload:
 
 
 def load_trace(name: str, start: int, max_model_len: int) -> Workload:
+    """An Azure trace from row ``start`` (0: the first data row), read by narwhal-fleetsim's
+    reader (its refusals and words), its times from that row's, prompts clipped so that
+    prompt and output fit ``max_model_len``."""
     path = DATA_DIR / TRACES[name]
+    try:
+        rows = read_azure_trace(path)[start:]
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"{path}: {exc}") from None
     offsets: list[float] = []
     prompts: list[int] = []
     gens: list[int] = []
-    t0 = None
     clipped = 0
-    with open(path, newline="") as f:
-        for i, row in enumerate(csv.DictReader(f)):
-            if i < start:
-                continue
-            stamp = dt.datetime.fromisoformat(row["TIMESTAMP"].strip()[:26])
-            t0 = t0 or stamp
-            gen = max(1, int(row["GeneratedTokens"]))
-            ctx = max(1, int(row["ContextTokens"]))
-            if ctx + gen > max_model_len:
-                clipped += 1
-                ctx = max_model_len - gen
-            offsets.append((stamp - t0).total_seconds())
-            prompts.append(ctx)
-            gens.append(gen)
+    for t, ctx, gen in rows:
+        if ctx + gen > max_model_len:
+            clipped += 1
+            ctx = max_model_len - gen
+        offsets.append(t - rows[0][0])
+        prompts.append(ctx)
+        gens.append(gen)
     if len(offsets) < 100:
         raise SystemExit(f"{path}: fewer than 100 requests from row {start}")
     return Workload(name, offsets, prompts, gens, clipped=clipped, start_row=start)

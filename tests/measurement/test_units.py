@@ -152,10 +152,10 @@ def test_azure_trace_rows_and_workload(tmp_path: Path) -> None:
     [
         # The 2024 Azure traces write an offset after the fraction: it was 'cannot parse'.
         ("2024-05-10 00:00:00.009930+00:00,374,44", None),
-        ("2023-11-16 18:17:03.97,-5,44", "row 3: ContextTokens -5 is negative"),  # was read as 1
-        ("2023-11-16 18:17:03.97,12,", "row 3: GeneratedTokens '' is not a whole number"),
-        ("2023-11-16 18:17:03.97,12", "row 3: no GeneratedTokens"),
-        ("0001-01-01 00:00:00,12,3", "row 3: TIMESTAMP '0001-01-01 00:00:00' is not a date"),
+        ("2023-11-16 18:17:03.97,-5,44", "line 3: ContextTokens -5 is negative"),  # was read as 1
+        ("2023-11-16 18:17:03.97,12,", "line 3: GeneratedTokens '' is not a whole number"),
+        ("2023-11-16 18:17:03.97,12", "line 3: no GeneratedTokens"),
+        ("2023-13-01 00:00:00,12,3", "line 3: TIMESTAMP '2023-13-01 00:00:00' is not a date"),
     ],
 )
 def test_a_trace_row_is_read_as_narwhal_fleetsim_reads_it(

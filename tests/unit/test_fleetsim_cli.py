@@ -4,6 +4,7 @@ abandoned every request before it arrived)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -50,21 +51,24 @@ def test_a_number_out_of_range_is_a_usage_error_naming_the_flag(
          " GeneratedTokens columns (columns: a, b)"),
         ("TIMESTAMP,ContextTokens\n2023-11-16 18:15:46.68,374\n", "no GeneratedTokens column "),
         (HEADER + "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:47.0,abc,5\n",
-         "row 3: ContextTokens 'abc' is not a whole number of tokens"),
+         "line 3: ContextTokens 'abc' is not a whole number of tokens"),
         (HEADER + "2023-11-16 18:15:46.6805900,374,44\nyesterday,3,5\n",
-         "row 3: TIMESTAMP 'yesterday' is not a date and time"),
-        # Python's own words alone named no field.
-        (HEADER + "0001-01-01 00:00:00,3,5\n",
-         "row 2: TIMESTAMP '0001-01-01 00:00:00' is not a date and time"),
+         "line 3: TIMESTAMP 'yesterday' is not a date and time"),
+        # Python's own words alone ('month must be in 1..12') named no field.
+        (HEADER + "2023-13-01 00:00:00,3,5\n",
+         "line 2: TIMESTAMP '2023-13-01 00:00:00' is not a date and time"),
         (HEADER + "2023-11-16 18:15:46.6805900,374\n",
-         "row 2: no GeneratedTokens (the row has fewer fields than the header)"),
-        (HEADER + "2023-11-16 18:15:46.6805900,,4\n", "row 2: ContextTokens '' is not a whole"),
-        (HEADER + "2023-11-16 18:15:46.6805900,-374,44\n", "row 2: ContextTokens -374 is negative"),
-        (HEADER + "2023-11-16 18:15:46.6805900,374,-1\n", "row 2: GeneratedTokens -1 is negative"),
+         "line 2: no GeneratedTokens (the row has fewer fields than the header)"),
+        (HEADER + "2023-11-16 18:15:46.6805900,,4\n", "line 2: ContextTokens '' is not a whole"),
+        (HEADER + "2023-11-16 18:15:46.68,-374,44\n", "line 2: ContextTokens -374 is negative"),
+        (HEADER + "2023-11-16 18:15:46.6805900,374,-1\n", "line 2: GeneratedTokens -1 is negative"),
         (HEADER, "no requests in it"),
+        # The offset is applied: 12:00 at -05:00 is after 16:00 at +00:00.
+        (HEADER + "2023-11-16 16:00:00.5+00:00,374,44\n2023-11-16 12:00:00.1-05:00,3,5\n"
+         "2023-11-16 16:00:00.2Z,3,5\n", "line 4: TIMESTAMP 2023-11-16 16:00:00.2Z is before"),
         # Out of time order (replayed in file order, it would arrive before its time).
         (HEADER + "2023-11-16 18:15:46.6,374,44\n2023-11-16 18:15:47.0,3,5\n"
-         "2023-11-16 18:15:46.9,3,5\n", "row 4: TIMESTAMP 2023-11-16 18:15:46.9 is before"),
+         "2023-11-16 18:15:46.9,3,5\n", "line 4: TIMESTAMP 2023-11-16 18:15:46.9 is before"),
     ],
 )  # fmt: skip
 def test_a_trace_that_is_not_one_is_named_with_its_row(
@@ -156,3 +160,20 @@ def test_a_trace_answer_longer_than_the_context_is_cut_to_it(
     trace.write_text(HEADER + "2023-11-16 18:15:46.68,374,99999999999\n")
     assert fleetsim_main(["--engines", "1:1", "--trace", str(trace), "--requests", "1"]) == 0
     assert '"completed": 1' in capsys.readouterr().out
+
+
+def test_times_without_an_offset_are_utc_not_the_host_s_zone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read in the host's zone, a trace crossing its daylight-saving change gained an hour
+    between two rows an hour apart (New York, 2023-11-05: 01:30 EDT, then 02:30 EST)."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text(HEADER + "2023-11-05 01:30:00.0,374,44\n2023-11-05 02:30:00.0,3,5\n")
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    try:
+        rows = read_azure_trace(trace)
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    assert rows[1][0] == 3600.0

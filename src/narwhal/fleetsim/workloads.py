@@ -7,9 +7,10 @@ from __future__ import annotations
 import csv
 import json
 import random
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -80,11 +81,11 @@ def _read_azure_rows(
                 # A zero the traces do hold (an answer cut at once) is one token.
                 prompt, generated = max(1, context), max(1, output)
             except ValueError as exc:
-                raise ValueError(f"{path}: row {reader.line_num}: {exc}") from None
+                raise ValueError(f"{path}: line {reader.line_num}: {exc}") from None
             if t0 is not None and rows and t - t0 < rows[-1][0]:
                 # Replayed in file order, a row out of order would arrive before its time.
                 raise ValueError(
-                    f"{path}: row {reader.line_num}: TIMESTAMP {stamp} is before the row above"
+                    f"{path}: line {reader.line_num}: TIMESTAMP {stamp} is before the row above"
                     " (a trace lists its requests in time order)"
                 )
             t0 = t if t0 is None else t0
@@ -96,17 +97,28 @@ def _read_azure_rows(
     return rows
 
 
+# YYYY-MM-DD HH:MM:SS, a fraction of any length, an offset (the 2024 traces write +00:00).
+_TRACE_TIME = re.compile(r"^(\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:?\d\d)?$")
+
+
 def _trace_time(stamp: str) -> float:
-    """A TIMESTAMP as seconds since the epoch (the traces write nanosecond fractions and an
-    offset: microseconds kept, for datetime)."""
-    head, _, frac = stamp.partition(".")
-    frac = (frac.split("+")[0] + "000000")[:6]
+    """A TIMESTAMP as seconds since the epoch: its offset applied, a time without one read as
+    UTC (not the host's zone, whose daylight-saving change would put an hour into a trace that
+    crosses it), its fraction kept to the microsecond (what datetime holds)."""
+    match = _TRACE_TIME.match(stamp)
     try:
-        return datetime.fromisoformat(f"{head}.{frac}").timestamp()
+        if match is None:
+            raise ValueError("not in that form")
+        head, frac, zone = match.groups()
+        moment = datetime.fromisoformat(f"{head}.{((frac or '') + '000000')[:6]}{zone or ''}")
+        if moment.tzinfo is None:
+            moment = moment.replace(tzinfo=UTC)
+        return moment.timestamp()
     except (ValueError, OverflowError, OSError) as exc:
         # Python's own words ("year 0 is out of range") do not say which field.
         raise ValueError(
-            f"TIMESTAMP {stamp!r} is not a date and time (YYYY-MM-DD HH:MM:SS[.fraction]): {exc}"
+            f"TIMESTAMP {stamp!r} is not a date and time"
+            f" (YYYY-MM-DD HH:MM:SS[.fraction][+HH:MM]): {exc}"
         ) from None
 
 
