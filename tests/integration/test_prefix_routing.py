@@ -165,6 +165,8 @@ def test_without_events_routing_history_serves(stack: tuple[SimFleet, Path]) -> 
     assert metric(metrics, "narwhal_kv_event_batches_total") == 0
     assert metric(metrics, "narwhal_kv_events_configured") == 0
     assert metric(metrics, "narwhal_kv_events_followed") == 0
+    # What the index holds from history shows (it read 0 without events).
+    assert metric(metrics, "narwhal_prefix_index_blocks") > 0
 
 
 def test_a_chats_predicted_hit_is_what_its_engine_reports(stack: tuple[SimFleet, Path]) -> None:

@@ -128,6 +128,40 @@ def test_an_answer_before_the_body_closes_the_connection(router: RouterProcess) 
             except OSError:
                 closed = True  # reset
     assert raw.startswith(b"HTTP/1.1 401") and closed
+    # And it says so: a pooling client sent its next request into the closing connection.
+    assert b"\r\nconnection: close\r\n" in raw.partition(b"\r\n\r\n")[0].lower() + b"\r\n"
+
+
+def read_response(sock: socket.socket) -> tuple[bytes, bytes]:
+    """One response of known length: (head, body)."""
+    sock.settimeout(10)
+    raw = b""
+    while b"\r\n\r\n" not in raw:
+        raw += sock.recv(65536)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head, body
+
+
+def test_a_body_that_comes_after_its_head_keeps_the_connection(router: RouterProcess) -> None:
+    """Keep-alive is held back only while a body is on its way: a request whose body arrives
+    in a later segment, answered once it is read, leaves the connection open for the next."""
+    data = json.dumps({"model": MODEL, "max_tokens": 2, "prompt": "hello"}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    ).encode()
+    with connect(router) as sock:
+        for _ in range(2):
+            sock.sendall(head)
+            time.sleep(0.2)  # the route is waiting for the body by now
+            sock.sendall(data)
+            response_head, body = read_response(sock)
+            assert response_head.startswith(b"HTTP/1.1 200"), response_head
+            assert b"connection: close" not in response_head.lower()
+            assert json.loads(body)["choices"]
 
 
 def test_pipelined_requests_whose_client_hung_up_end_as_client_aborts(

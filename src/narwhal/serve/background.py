@@ -5,6 +5,7 @@ that keep the prefix index precise."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Mapping
 
@@ -61,7 +62,7 @@ async def _probe(
         engine.unreachable = True
     elif failure is None and engine.unreachable:
         engine.unreachable = False
-        _back_after_unreachable(engine, state, metrics)
+        _back_after_unreachable(engine, state)
     if failure == "timeout":
         engine.probe_timeouts += 1
         busy = engine.answered_at >= vouched_from
@@ -92,7 +93,7 @@ async def _probe(
     metrics.breaker_state.labels(engine.id).set(int(engine.breaker.state))
 
 
-def _back_after_unreachable(engine: EngineState, state: FleetState, metrics: RouterMetrics) -> None:
+def _back_after_unreachable(engine: EngineState, state: FleetState) -> None:
     """The engine answers again after nothing listened: most likely a restarted process, whose
     prefix cache is empty. Its index entries go now rather than when its first event batch
     shows the sequence starting over (a restarted engine that is sent nothing publishes
@@ -107,7 +108,6 @@ def _back_after_unreachable(engine: EngineState, state: FleetState, metrics: Rou
         engine.id,
     )
     index.clear(engine.id)
-    metrics.prefix_index_blocks.labels(engine.id).set(index.blocks_held(engine.id))
 
 
 async def probe_all(
@@ -210,6 +210,11 @@ def kv_event_subscribers(state: FleetState, metrics: RouterMetrics) -> list[KVEv
         return []
     out = []
     for spec in state.fleet.engines:
+        # Read from the index at each scrape, whatever feeds it (events or routing history):
+        # set only as batches applied, it read 0 for an engine indexed from history.
+        metrics.prefix_index_blocks.labels(spec.id).set_function(
+            functools.partial(_blocks_held, index, spec.id)
+        )
         if spec.kv_events is None:
             continue
         metrics.kv_events_configured.labels(spec.id).set(1)
@@ -227,11 +232,14 @@ def kv_event_subscribers(state: FleetState, metrics: RouterMetrics) -> list[KVEv
     return out
 
 
+def _blocks_held(index: PrefixIndex, engine_id: str) -> float:
+    return float(index.blocks_held(engine_id))
+
+
 def _applier(
     index: PrefixIndex, engine_id: str, metrics: RouterMetrics
 ) -> Callable[[list[ReadEvent]], None]:
     batches = metrics.kv_event_batches.labels(engine_id)
-    blocks = metrics.prefix_index_blocks.labels(engine_id)
     # Read from the index at each scrape: whether its entries for the engine come from the
     # engine's events is the index's own state (set by each batch, cleared by a reset).
     metrics.kv_events_followed.labels(engine_id).set_function(
@@ -252,7 +260,6 @@ def _applier(
                 index.block_size,
             )
         batches.inc()
-        blocks.set(index.blocks_held(engine_id))
 
     return apply
 
@@ -265,6 +272,5 @@ def _resetter(index: PrefixIndex, engine_id: str, metrics: RouterMetrics) -> Cal
         # batch says nothing about where the router sent prompts).
         index.set_precise(engine_id, False)
         metrics.kv_event_resets.labels(engine_id).inc()
-        metrics.prefix_index_blocks.labels(engine_id).set(index.blocks_held(engine_id))
 
     return reset

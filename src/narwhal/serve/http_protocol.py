@@ -14,7 +14,8 @@ misses. What the stock protocol leaves open (found by a security review, uvicorn
 - A response sent before the request's body was read (a 401, a 413, a 405) left the connection
   open, and a client that trickles the rest of its body one byte at a time keeps it open for
   good (each byte re-arms keep-alive). Here such a connection is closed once the response is
-  out.
+  out, and the response says so (``Connection: close``): without it a client that pools
+  connections sent its next request into the closing one and read a reset.
 
 - uvicorn answers a request its parser cannot read with a plain-text 400, and a WebSocket
   upgrade (the router serves none) with an empty 403. Here the 400 has the OpenAI error shape
@@ -73,6 +74,10 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._refused = False
         self._head_timer: asyncio.TimerHandle | None = None
         self._cycles: weakref.WeakSet[RequestResponseCycle] = weakref.WeakSet()
+        # The cycle whose keep-alive waits for its body (on_headers_complete), and whether the
+        # server is shutting down (uvicorn then ends keep-alive for good).
+        self._keep_alive_held: RequestResponseCycle | None = None
+        self._shutting_down = False
 
     # --- the head's bounds ------------------------------------------------------------------
 
@@ -135,6 +140,12 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             )
             return
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.keep_alive:
+            # Until its body is whole, an answer to this request ends the connection and says
+            # so (on_response_complete closes it); the body's end gives keep-alive back.
+            cycle.keep_alive = False
+            self._keep_alive_held = cycle
 
     def _declares_body(self) -> bool:
         for name, value in self.headers:
@@ -152,6 +163,9 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         if self._refused:
             return
         super().on_message_complete()
+        held, self._keep_alive_held = self._keep_alive_held, None
+        if held is not None and not held.response_started and not self._shutting_down:
+            held.keep_alive = True
         self._in_head = True  # the next request's head, if one comes (pipelined or kept alive)
 
     def _arm_head_timer(self) -> None:
@@ -257,6 +271,10 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             if not cycle.response_complete:
                 cycle.disconnected = True
                 cycle.message_event.set()
+
+    def shutdown(self) -> None:
+        self._shutting_down = True
+        super().shutdown()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
