@@ -264,6 +264,8 @@ def test_a_websocket_upgrade_is_answered_as_http(router: RouterProcess) -> None:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n" + upgrade + b"\r\n")
         raw = read_all(sock)
     assert raw.startswith(b"HTTP/1.1 200"), raw
+    # The connection closes after it, and its answer says so.
+    assert b"\r\nconnection: close\r\n" in raw.partition(b"\r\n\r\n")[0].lower() + b"\r\n"
     body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
     with connect(router) as sock:
         sock.sendall(

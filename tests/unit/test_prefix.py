@@ -74,6 +74,18 @@ def test_history_entries_expire_and_are_bounded_by_capacity() -> None:
     assert idx.match(keys, now=22.0) == {}
 
 
+def test_blocks_held_at_a_time_leaves_out_expired_history() -> None:
+    """What the index holds, as narwhal_prefix_index_blocks reads it: history that expired is
+    not counted (expiry is lazy, on the engine's next prompt, so it was while none came)."""
+    idx = index(ttl=1.0)
+    keys = chain_keys(list(range(12)), BS)  # 3 blocks
+    idx.record_routed("p0", keys, now=0.0)
+    assert idx.blocks_held("p0", now=0.5) == 3
+    assert idx.match(keys, now=5.0) == {}
+    assert idx.blocks_held("p0", now=5.0) == 0
+    assert idx.match(keys, now=5.0) == {} and idx.blocks_held("p0") == 0
+
+
 def test_published_events_place_blocks_by_their_tokens() -> None:
     idx = index()
     tokens = list(range(12))

@@ -331,9 +331,15 @@ class PrefixIndex:
     def engines(self) -> list[str]:
         return list(self._engines)
 
-    def blocks_held(self, engine_id: str) -> int:
+    def blocks_held(self, engine_id: str, now: float | None = None) -> int:
+        """The engine's entries; at ``now``, without the routing history that expired by then
+        (expiry is otherwise lazy: the next prompt sent there)."""
         entries = self._engines.get(engine_id)
-        return 0 if entries is None else len(entries.keys) + len(entries.by_engine_hash)
+        if entries is None:
+            return 0
+        if now is not None:
+            self._expire(entries, now)
+        return len(entries.keys) + len(entries.by_engine_hash)
 
     # --- lookups -------------------------------------------------------------------------------
 

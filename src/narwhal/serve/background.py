@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 
 import httpx
 
+from narwhal.clock import Clock
 from narwhal.engines.client import EnginePool
 from narwhal.engines.kv_events import KVEventSubscriber, ReadEvent, apply_kv_events
 from narwhal.engines.scrape import parse_engine_load
@@ -213,7 +214,7 @@ def kv_event_subscribers(state: FleetState, metrics: RouterMetrics) -> list[KVEv
         # Read from the index at each scrape, whatever feeds it (events or routing history):
         # set only as batches applied, it read 0 for an engine indexed from history.
         metrics.prefix_index_blocks.labels(spec.id).set_function(
-            functools.partial(_blocks_held, index, spec.id)
+            functools.partial(_blocks_held, index, spec.id, state.clock)
         )
         if spec.kv_events is None:
             continue
@@ -232,8 +233,9 @@ def kv_event_subscribers(state: FleetState, metrics: RouterMetrics) -> list[KVEv
     return out
 
 
-def _blocks_held(index: PrefixIndex, engine_id: str) -> float:
-    return float(index.blocks_held(engine_id))
+def _blocks_held(index: PrefixIndex, engine_id: str, clock: Clock) -> float:
+    # Read on the event loop (/metrics is an async route): expiring history here is safe.
+    return float(index.blocks_held(engine_id, clock.now()))
 
 
 def _applier(

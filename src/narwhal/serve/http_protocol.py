@@ -15,7 +15,9 @@ misses. What the stock protocol leaves open (found by a security review, uvicorn
   open, and a client that trickles the rest of its body one byte at a time keeps it open for
   good (each byte re-arms keep-alive). Here such a connection is closed once the response is
   out, and the response says so (``Connection: close``): without it a client that pools
-  connections sent its next request into the closing one and read a reset.
+  connections sent its next request into the closing one and read a reset. (An answer that
+  starts before its request's body ended closes the connection too, even if the body then
+  ends first: its head went out saying so. No route answers before reading its body.)
 
 - uvicorn answers a request its parser cannot read with a plain-text 400, and a WebSocket
   upgrade (the router serves none) with an empty 403. Here the 400 has the OpenAI error shape
@@ -139,9 +141,10 @@ class BoundedHttpProtocol(HttpToolsProtocol):
                 "protocol upgrades are not supported: send the request without an Upgrade header",
             )
             return
+        before = self.cycle
         super().on_headers_complete()
         cycle = self.cycle
-        if cycle is not None and cycle.keep_alive:
+        if cycle is not None and cycle is not before and cycle.keep_alive:
             # Until its body is whole, an answer to this request ends the connection and says
             # so (on_response_complete closes it); the body's end gives keep-alive back.
             cycle.keep_alive = False
@@ -164,7 +167,14 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             return
         super().on_message_complete()
         held, self._keep_alive_held = self._keep_alive_held, None
-        if held is not None and not held.response_started and not self._shutting_down:
+        if (
+            held is not None
+            and not held.response_started
+            and not self._shutting_down
+            # The parser stops at an Upgrade request's head: on_response_complete closes its
+            # connection, so its answer says so.
+            and not self.parser.should_upgrade()
+        ):
             held.keep_alive = True
         self._in_head = True  # the next request's head, if one comes (pipelined or kept alive)
 
