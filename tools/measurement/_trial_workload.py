@@ -284,7 +284,7 @@ def read_trace(path: Path, first_row: int, rows: int) -> tuple[list[TraceRow], s
     files with the same words (the row, the column, why)."""
     try:
         data = path.read_bytes()
-        read = read_azure_trace(path, limit=first_row + rows)
+        read = read_azure_trace(path, limit=first_row + rows, data=data)
     except OSError as exc:
         raise WorkloadError(f"{path}: cannot read: {exc.strerror or exc}") from None
     except ValueError as exc:

@@ -5,6 +5,7 @@ their prompts' shared prefixes), Poisson arrivals, synthetic fleets of any size,
 from __future__ import annotations
 
 import csv
+import io
 import json
 import random
 import re
@@ -46,23 +47,27 @@ def read_azure_trace(
     path: str | Path,
     limit: int | None = None,
     max_prompt: int | None = None,
+    data: bytes | None = None,
 ) -> list[tuple[float, int, int]]:
     """(seconds since the first request, context tokens, generated tokens) from an Azure
     LLM inference trace (TIMESTAMP, ContextTokens, GeneratedTokens). A file that is not one
     raises ``ValueError`` naming the path, the row and what is wrong (``OSError`` when it
-    cannot be read)."""
+    cannot be read). ``data``: the file's bytes, when the caller has read them already (to
+    hash what is parsed, not a second read of a file that may have changed or a pipe)."""
     try:
-        return _read_azure_rows(path, limit, max_prompt)
+        return _read_azure_rows(path, limit, max_prompt, data)
     except (UnicodeDecodeError, csv.Error) as exc:
         raise ValueError(f"{path}: not a readable CSV file: {exc}") from None
 
 
 def _read_azure_rows(
-    path: str | Path, limit: int | None, max_prompt: int | None
+    path: str | Path, limit: int | None, max_prompt: int | None, data: bytes | None
 ) -> list[tuple[float, int, int]]:
     rows: list[tuple[float, int, int]] = []
+    if data is None:
+        data = Path(path).read_bytes()  # a trace is a few MB
     # utf-8-sig: a header some editors mark with a byte order mark still names its columns.
-    with open(path, newline="", encoding="utf-8-sig") as f:
+    with io.StringIO(data.decode("utf-8-sig"), newline="") as f:
         reader = csv.DictReader(f)
         missing = [c for c in AZURE_TRACE_COLUMNS if c not in (reader.fieldnames or ())]
         if missing:

@@ -65,7 +65,6 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     max_head_bytes: ClassVar[int] = MAX_HEAD_BYTES
     head_timeout_s: ClassVar[float] = 60.0
-    _swap_refused: ClassVar[bool] = False  # warned once per process (Http10ResponseCycle)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -258,19 +257,14 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
         self._cycles.add(cycle)
-        if cycle.scope["http_version"] == "1.0" and type(cycle) is RequestResponseCycle:
+        if (
+            _HTTP10_ADAPTABLE
+            and cycle.scope["http_version"] == "1.0"
+            and type(cycle) is RequestResponseCycle
+        ):
             # uvicorn builds its cycle inside on_headers_complete; its class is swapped here,
-            # before the cycle's task first runs, rather than that method copied whole. A
-            # uvicorn whose cycle refuses it (slots) streams chunked, as it did before.
-            try:
-                cycle.__class__ = Http10ResponseCycle
-            except TypeError:
-                if not BoundedHttpProtocol._swap_refused:
-                    BoundedHttpProtocol._swap_refused = True
-                    log.warning(
-                        "this uvicorn's response cycle cannot be adapted: HTTP/1.0 clients get"
-                        " streamed answers chunked, which they cannot read"
-                    )
+            # before the cycle's task first runs, rather than that method copied whole.
+            cycle.__class__ = Http10ResponseCycle
         super()._start_asgi_task(cycle, app)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -335,8 +329,27 @@ class Http10ResponseCycle(RequestResponseCycle):
 _UNKNOWN_LENGTH = 1 << 62
 
 
+def _adaptable() -> bool:
+    """Whether this uvicorn's cycle takes the HTTP/1.0 class (one whose cycle has slots would
+    refuse it): tried once, on a bare instance."""
+    probe = RequestResponseCycle.__new__(RequestResponseCycle)
+    try:
+        probe.__class__ = Http10ResponseCycle
+    except TypeError:
+        return False
+    return True
+
+
+_HTTP10_ADAPTABLE = _adaptable()
+
+
 def bounded_http_protocol(head_timeout_s: float, max_head_bytes: int = MAX_HEAD_BYTES) -> type:
     """The protocol class for uvicorn's ``http=`` with these bounds."""
+    if not _HTTP10_ADAPTABLE:
+        log.warning(
+            "this uvicorn's response cycle cannot be adapted: HTTP/1.0 clients get streamed"
+            " answers chunked, which they cannot read"
+        )
     return type(
         "BoundedHttpProtocol",
         (BoundedHttpProtocol,),
