@@ -60,11 +60,18 @@ Printed (stdout): per fleet size and workload, each system's goodput with its in
 attainment per window at the rate measured just below its goodput, that point's misses
 (rejected, TTFT late, TPOT late, failed) and the pools' utilisation there (their busy time
 over the run: low on the Azure traces, whose bursts decide), and the ratio lines
-``ratio_goodput_v1[_variant]_over_best_baseline_<workload>_<size>`` with their intervals.
+``ratio_goodput_v1[_variant]_over_best_baseline_<workload>_<size>`` with their intervals, and
+the lines ``fluid_bound_<workload>_<size>``: the fluid bound on the same windows
+(``narwhal.testing.fluid_bound``: no queues, no bursts, the costliest 5% of requests missed),
+at the half split every system runs, at the best split of whole engines and at a fluid one,
+and how far the best baseline and v1 are from it. The most any router could gain over the
+best baseline here is that quotient; the trace's bursts, which the bound does not see, keep
+every system well below it on the code trace at 8 engines. ``--bound-only``: the bound alone,
+no simulation (seconds; a minute at 512 engines).
 
     .venv/bin/python bench/policies_des.py [--sizes 8,64] [--workloads code,conv,fixed]
         [--systems v1,v1_oracle,round_robin,...] [--windows 16] [--requests-per-engine 150]
-        [--abandon-after-s 10] [--quick]
+        [--abandon-after-s 10] [--quick] [--bound-only]
 
 Contacts nothing; one process. Run times are in docs/routing.md beside the figures.
 ``--quick``: 8 engines, 3 windows, 200 resamples, v1 and the baselines.
@@ -86,6 +93,7 @@ from narwhal.fleetsim.workloads import poisson_requests, read_azure_trace, synth
 from narwhal.profiles.models import EngineModels
 from narwhal.routing.baselines import BASELINES
 from narwhal.simengine.timing import CALIBRATION
+from narwhal.testing.fluid_bound import FluidFleet, Window
 from narwhal.testing.goodput import (
     RatePoint,
     add_patience_argument,
@@ -239,6 +247,36 @@ def capacity(n_prefill: int, all_rows: list[Rows]) -> float:
     return n_prefill / mean_s
 
 
+def fluid_bound(size: int, all_rows: list[Rows], goodputs: dict[str, float]) -> str:
+    """The fluid bound (``narwhal.testing.fluid_bound``) on these windows' requests at this
+    fleet size, against the systems measured: what no router reaches at any rate, at the half
+    split every system here runs, at the best split of whole engines, and at a fluid one."""
+    offered = [Window([(t, p, 0, g) for t, p, g in rows]) for rows in all_rows]
+    cost = [
+        FluidFleet.of(offered, CALIBRATION.prefill, CALIBRATION.decode, TTFT_S, TPOT_S, share)[0]
+        for share in (TARGET, 1.0)
+    ]
+    half = size // 2
+    at_half, every_half = (c.at_split(half, size - half) for c in cost)
+    whole, whole_p = cost[0].static(size)
+    fluid = cost[0].fractional(size)[0]
+    line = (
+        f"{at_half:.3f} req/s at {half}P/{size - half}D ({TARGET:.0%} met, the costliest"
+        f" missed; {every_half:.3f} meeting every request), {whole:.3f} at the best split of"
+        f" whole engines ({whole_p}P/{size - whole_p}D), {fluid:.3f} at a fluid split"
+    )
+    baselines = {s: g for s, g in goodputs.items() if s in BASELINES}
+    if baselines:
+        best = max(baselines, key=baselines.__getitem__)
+        line += (
+            f"; over the best baseline ({best}) {at_half / baselines[best]:.2f}"
+            f" [{every_half / baselines[best]:.2f} meeting every request]"
+        )
+    for name in (s for s in V1_SYSTEMS if s in goodputs):
+        line += f"; {name} at {goodputs[name] / at_half:.2f} of it"
+    return line
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument(
@@ -296,6 +334,11 @@ def main() -> int:
         action="store_true",
         help="8 engines, 3 windows, 200 resamples, v1 and the baselines",
     )
+    parser.add_argument(
+        "--bound-only",
+        action="store_true",
+        help="print the fluid bound on the windows and simulate nothing (seconds)",
+    )
     args = parser.parse_args()
     abandon = patience_of(parser, args)
     if args.quick:
@@ -314,7 +357,7 @@ def main() -> int:
         sizes = number_list(args.sizes, "--sizes", int, 2)
     except ValueError as exc:
         parser.error(str(exc))
-    systems = [s for s in args.systems.split(",") if s]
+    systems = [] if args.bound_only else [s for s in args.systems.split(",") if s]
     for s in systems:
         if s not in SYSTEMS:
             parser.error(f"unknown system {s}: one of {', '.join(SYSTEMS)}")
@@ -338,6 +381,7 @@ def main() -> int:
               "attainment_per_window", "rejected", "ttft_late", "tpot_late", "failed",
               "util_prefill", "util_decode", "runs")]  # fmt: skip
     ratios: list[str] = []
+    bounds: list[str] = []
     for size in sizes:
         n_prefill = size // 2
         fleet, timings = synthetic_fleet(
@@ -360,6 +404,10 @@ def main() -> int:
                     file=sys.stderr,
                     flush=True,
                 )
+            goodputs = {s: g for s, (g, _) in found.items()}
+            bounds.append(f"fluid_bound_{workload}_{size}: {fluid_bound(size, all_rows, goodputs)}")
+            if not found:
+                continue
             blocks = len(next(iter(found.values()))[1][0].met)
             draws = bootstrap_draws(blocks, args.resamples, rng)
             resampled = {
@@ -377,7 +425,6 @@ def main() -> int:
                     str(len(points)),
                 ))  # fmt: skip
             baselines = [s for s in found if s in BASELINES]
-            goodputs = {s: g for s, (g, _) in found.items()}
             for name in (s for s in V1_SYSTEMS if s in found):
                 r = paired_ratio(goodputs, resampled, name, baselines)
                 if r is None:
@@ -391,11 +438,15 @@ def main() -> int:
     header.append(f"bench_wall_s: {time.perf_counter() - started:.0f}")
     print("\n".join(header))
     print()
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    for row in table:
-        print("  ".join(c.ljust(widths[i]) for i, c in enumerate(row)).rstrip())
-    print()
-    print("\n".join(ratios))
+    if len(table) > 1:
+        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+        for row in table:
+            print("  ".join(c.ljust(widths[i]) for i, c in enumerate(row)).rstrip())
+        print()
+    if ratios:
+        print("\n".join(ratios))
+        print()
+    print("\n".join(bounds))
     return 0
 
 
