@@ -41,6 +41,10 @@ from narwhal.profiles.store import (
 __all__ = ["EngineProfilingError", "profile_engine", "profile_fleet"]
 
 Progress = Callable[[str], None]
+# How long a profile run waits for an attestation sidecar still hashing the engine's files (a
+# run started with the fleet's launch), and how often it asks.
+ATTESTATION_WAIT_S = 120.0
+ATTESTATION_POLL_S = 0.5
 
 
 class EngineProfilingError(Exception):
@@ -95,15 +99,61 @@ async def _token_pool(client: httpx.AsyncClient, model: str) -> list[int]:
     return pool
 
 
-async def _generation(spec: EngineSpec) -> str | None:
+def _hashing(r: httpx.Response) -> tuple[int, int] | None:
+    """(hashed, total) bytes when an attestation sidecar answers that it is still hashing
+    the engine's files (503, ``state`` "hashing"), else None."""
+    if r.status_code != 503:
+        return None
+    try:
+        doc = r.json()
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or doc.get("state") != "hashing":
+        return None
+    hashed, total = doc.get("hashed_bytes"), doc.get("total_bytes")
+    return (
+        hashed if isinstance(hashed, int) else 0,
+        total if isinstance(total, int) else 0,
+    )
+
+
+async def _generation(
+    spec: EngineSpec,
+    progress: Progress,
+    wait_s: float = ATTESTATION_WAIT_S,
+    poll_s: float = ATTESTATION_POLL_S,
+) -> str | None:
+    """The engine's attested generation. A sidecar started with its engine hashes the model's
+    files first (503 "hashing"): waited for, up to ``wait_s``, as a profile run started right
+    after a launch would otherwise fail on it."""
     if not spec.attestation_url:
         return spec.generation
+    deadline = time.monotonic() + wait_s
+    said = False
     async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+        while True:
+            try:
+                r = await client.get(spec.attestation_url)
+            except httpx.HTTPError as exc:
+                raise EngineProfilingError(f"attestation unreachable: {exc}") from None
+            hashing = _hashing(r)
+            if hashing is None:
+                break
+            hashed, total = hashing
+            share = f" ({hashed / total:.0%} of {total:,} bytes)" if total > 0 else ""
+            if time.monotonic() >= deadline:
+                raise EngineProfilingError(
+                    f"attestation at {spec.attestation_url} still hashing the engine's files"
+                    f" after {wait_s:g} s{share}: profile it once the sidecar answers ready"
+                )
+            if not said:
+                progress(f"{spec.id}: waiting for its attestation sidecar to hash its files{share}")
+                said = True
+            await asyncio.sleep(poll_s)
         try:
-            r = await client.get(spec.attestation_url)
             r.raise_for_status()
             return str(r.json()["generation"])
-        except (httpx.HTTPError, KeyError, ValueError) as exc:
+        except (httpx.HTTPError, KeyError, ValueError, TypeError) as exc:
             raise EngineProfilingError(f"attestation unreachable: {exc}") from None
 
 
@@ -134,7 +184,7 @@ async def profile_engine(
     ) as client:
         if not force and (why := await check_idle(client)) is not None:
             raise EngineProfilingError(f"refusing to profile: {why} (use --force)")
-        generation = await _generation(spec)
+        generation = await _generation(spec, progress)
         prompts = _Prompts(await _token_pool(client, model), seed)
         salt = f"narwhal-profile-{spec.id}-{random.Random(seed).getrandbits(64):x}"
         probe = 0
