@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from narwhal.fleetsim.simulator import DesConfig, RequestSpec, run_des
+from narwhal.fleetsim.workloads import synthetic_fleet
 from narwhal.simengine.timing import CALIBRATION
 from narwhal.testing.fluid_bound import FluidFleet, Window, decode_batch, prefill_seconds
 from narwhal.testing.traces import trace_dir
@@ -64,21 +66,52 @@ def test_a_split_s_bound_is_the_min_max_over_every_subset_it_may_keep() -> None:
             )  # fmt: skip
             bound = fleet.at_split(p_engines, d_engines)
             assert bound >= best * (1 - 1e-4)
-            # The relaxation keeps at most one request in part: never above the best integer
-            # choice by more than that request's share.
-            assert bound <= best * (1 + 1 / fleet.kept) * (1 + 1e-4)
+            # The relaxation's optimum keeps at most two requests in part (two constraints):
+            # never above the best integer choice by more than their share.
+            assert bound <= best * (1 + 2 / fleet.kept) * (1 + 1e-4)
 
 
-def test_the_best_split_is_the_best_of_every_split() -> None:
+def test_beyond_64_engines_the_walk_finds_the_best_split() -> None:
+    # Beyond 64 engines ``static`` walks out from the fractional optimum instead of trying
+    # every split: on a workload whose rate rises then falls with the prefill share, it finds
+    # what trying every split finds.
     rng = random.Random(3)
-    for engines in (2, 5, 9):
-        prefill = tuple(rng.uniform(0.1, 1.0) for _ in range(40))
-        decode = tuple(rng.uniform(0.1, 3.0) for _ in range(40))
-        fleet = FluidFleet(prefill, decode, 0.95)
-        every = max((fleet.at_split(n, engines - n), n) for n in range(1, engines))
-        rate, n = fleet.static(engines)
-        assert rate == pytest.approx(every[0]) and n == every[1]
-        assert rate <= fleet.fractional(engines)[0] * (1 + 1e-4)
+    prefill = tuple(rng.uniform(0.1, 1.0) for _ in range(200))
+    decode = tuple(rng.uniform(0.1, 3.0) for _ in range(200))
+    fleet = FluidFleet(prefill, decode, 0.95)
+    engines = 80
+    every = max((fleet.at_split(n, engines - n), n) for n in range(1, engines))
+    rate, n = fleet.static(engines)
+    assert rate == pytest.approx(every[0]) and n == every[1]
+    assert rate <= fleet.fractional(engines)[0] * (1 + 1e-4)
+
+
+def test_a_rate_that_fits_again_above_the_bisection_s_is_found() -> None:
+    class Islands(FluidFleet):
+        # Fits up to 4 and again from 4.3 to 4.45 (the shape a window's drain can give).
+        def _fits(self, rate: float, prefill_engines: float, decode_engines: float) -> bool:
+            return rate <= 4.0 or 4.3 <= rate <= 4.45
+
+    bound = Islands((1.0,), (1.0,)).at_split(1, 1)
+    assert bound == pytest.approx(4.45, rel=1e-4)
+
+
+def test_no_schedule_in_the_simulator_passes_it() -> None:
+    """The simulator's own schedules against the bound, on the workload a review found to
+    beat an earlier version (decode charged at a batch rounded down): 1 prefill and 1 decode
+    engine, 3,000 evenly spaced requests of 100 prompt and 200 output tokens. Offered 0.3% above
+    the bound meeting every request, round robin does not meet them all; offered 0.3% above the
+    bound at 95%, it does not meet 95%."""
+    fleet, timings = synthetic_fleet(1, 1, {"ttft_s": 10.0, "tpot_s": 0.3})
+    window = Window([(float(i), 100, 0, 200) for i in range(3000)])
+    for share in (1.0, 0.95):
+        bound = FluidFleet.of([window], CALIBRATION.prefill, CALIBRATION.decode, 10.0, 0.3, share)[
+            0
+        ].at_split(1, 1)
+        rate = bound * 1.003
+        config = DesConfig(fleet, timings, scheduler="round_robin", flipping=False)
+        result = run_des(config, [RequestSpec(i / rate, 100, 200) for i in range(3000)])
+        assert result.attainment < share, (share, bound, result.attainment)
 
 
 def test_prefill_charges_only_the_uncached_tokens_and_a_full_step_s_share_of_its_cost() -> None:
@@ -96,15 +129,17 @@ def test_prefill_charges_only_the_uncached_tokens_and_a_full_step_s_share_of_its
     assert tail < model.chunk_seconds(99, 1)
 
 
-def test_the_decode_batch_is_the_largest_within_the_budget() -> None:
+def test_decode_is_charged_at_the_batch_whose_step_is_the_budget() -> None:
     model = CALIBRATION.decode
-    batch = decode_batch(model, 10_000, 0.3)
-    fits = model.seconds_per_token(batch, 10_000)
-    assert fits <= 0.3 < model.seconds_per_token(batch + 1, 10_000)
-    window = Window([(0.0, 1000, 0, 300), (1.0, 1000, 0, 300)])
+    batch = decode_batch(model, 1000, 0.3)
+    assert model.seconds_per_token(batch, 1000) == pytest.approx(0.3)
+    assert 39 < batch < 40  # not rounded down: batches of 39 and 40 in turn average to it
+    # At the shortest prompt's context (no batch's mean is below it), not the mean.
+    window = Window([(0.0, 1000, 0, 300), (1.0, 30_000, 0, 300)])
     fleet, charged = FluidFleet.of([window], CALIBRATION.prefill, model, 10.0, 0.3)
-    assert charged == decode_batch(model, 1000 + 150, 0.3)
-    assert list(fleet.decode_s) == [pytest.approx(300 * 0.3 / charged)] * 2
+    assert charged == pytest.approx(batch)
+    # Tokens after the first at the budget's pace; the first at the least a token costs.
+    assert list(fleet.decode_s) == [pytest.approx(299 * 0.3 / batch + model.slope)] * 2
 
 
 def test_a_window_s_drain_counts() -> None:
@@ -193,6 +228,6 @@ def test_policies_des_prints_the_bounds_docs_routing_quotes() -> None:
     out = bound_lines("--sizes", "8", "--workloads", "code,conv")
     for line in (
         "fluid_bound_code_8: 26.817 req/s at 4P/4D (95% met, the costliest missed; 20.992",
-        "fluid_bound_conv_8: 3.500 req/s at 4P/4D (95% met, the costliest missed; 2.889",
+        "fluid_bound_conv_8: 3.636 req/s at 4P/4D (95% met, the costliest missed; 2.993",
     ):
         assert line in out, out

@@ -47,19 +47,19 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
             ["--traces", "conversation", "--sizes", "8", "--hit-rates", "0.18",
              "--measured", "power_of_two=1.658", "--measured", "round_robin=1.540"],
             ["ideal hit rate (unbounded cache) 0.382",
-             "bound 2.744 req/s at 1.81P (fluid split), 2.720 at 2P/6D (whole engines)"
-             " [2.359; 2.323 at 2P/6D]",
-             "bound 2.515 req/s at 2.33P (fluid split), 2.331 at 2P/6D (whole engines)",
-             "bound_ratio_ideal_over_hit_0.180_conversation_8: 1.091 (fluid split), 1.167"
-             " (whole engines) [1.082 (fluid split), 1.204 (whole engines)]",
-             "bound_over_measured_power_of_two_conversation_8: 1.655 (fluid split), 1.640",
-             "bound_over_measured_round_robin_conversation_8: 1.782 (fluid split), 1.766"],
+             "bound 2.801 req/s at 1.84P (fluid split), 2.784 at 2P/6D (whole engines)"
+             " [2.406; 2.385 at 2P/6D]",
+             "bound 2.563 req/s at 2.38P (fluid split), 2.331 at 2P/6D (whole engines)",
+             "bound_ratio_ideal_over_hit_0.180_conversation_8: 1.093 (fluid split), 1.194"
+             " (whole engines) [1.084 (fluid split), 1.204 (whole engines)]",
+             "bound_over_measured_power_of_two_conversation_8: 1.689 (fluid split), 1.679",
+             "bound_over_measured_round_robin_conversation_8: 1.819 (fluid split), 1.808"],
         ),
         (
             ["--traces", "synthetic", "--sizes", "8", "--hit-rates", "0.299"],
-            ["bound 5.527 req/s at 2.93P (fluid split), 5.523 at 3P/5D (whole engines)"
-             " [4.548; 4.424 at 3P/5D]",
-             "bound_ratio_ideal_over_hit_0.299_synthetic_8: 1.444 (fluid split), 1.460"],
+            ["bound 5.643 req/s at 2.98P (fluid split), 5.643 at 3P/5D (whole engines)"
+             " [4.640; 4.567 at 3P/5D]",
+             "bound_ratio_ideal_over_hit_0.299_synthetic_8: 1.454 (fluid split), 1.472"],
         ),
     ],
 )  # fmt: skip
@@ -79,11 +79,11 @@ def test_the_64_engine_figures_the_docs_quote() -> None:
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     for line in (
-        "bound 26.169 req/s at 16.72P (fluid split), 26.159 at 17P/47D (whole engines)"
-        " [21.570; 21.262 at 17P/47D]",
-        "bound 22.230 req/s at 22.59P (fluid split), 22.205 at 23P/41D (whole engines)",
-        "bound_over_measured_power_of_two_conversation_64: 1.874 (fluid split), 1.873",
-        "bound_over_measured_round_robin_conversation_64: 2.036 (fluid split), 2.036",
+        "bound 26.797 req/s at 17.11P (fluid split), 26.796 at 17P/47D (whole engines)"
+        " [22.053; 21.832 at 18P/46D]",
+        "bound 22.672 req/s at 23.01P (fluid split), 22.672 at 23P/41D (whole engines)",
+        "bound_over_measured_power_of_two_conversation_64: 1.919 (fluid split), 1.919",
+        "bound_over_measured_round_robin_conversation_64: 2.085 (fluid split), 2.085",
     ):
         assert line in out.stdout, out.stdout
 
@@ -110,3 +110,13 @@ def test_arguments_it_cannot_run_with_are_named(args: list[str], says: str) -> N
 def test_a_hit_rate_above_the_ideal_is_refused() -> None:
     out = run("--traces", "conversation", "--sizes", "8", "--hit-rates", "0.5")
     assert out.returncode == 2 and "conversation's ideal is 0.382, got 0.5" in out.stderr
+
+
+@pytest.mark.skipif(not bound.DATA_DIR.exists(), reason="the Mooncake traces are not present")
+def test_a_fleet_the_benchmark_plays_the_trace_back_to_back_for_is_refused() -> None:
+    out = run("--traces", "synthetic", "--sizes", "67")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        "prefix_bound.py: error: --sizes: synthetic's 3993 requests are one copy of the trace"
+        " up to 66 engines (bench/prefix_goodput.py plays it back to back beyond), got 67"
+    )

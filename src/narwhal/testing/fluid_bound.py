@@ -4,8 +4,7 @@ A fluid fleet has no queues and no bursts: each prefill engine prefills one requ
 another without a gap, each decode engine holds as many sequences as the TPOT budget allows,
 always. A request costs its prefill engine the calibration's time for its uncached tokens
 (``prefill_seconds``) and its decode engine a slot for its output's length at the budget's
-pace (``output x tpot / batch`` engine-seconds, ``batch`` the largest whose step fits the
-budget at the workload's time-weighted mean context).
+pace (about ``output x tpot / batch`` engine-seconds; "Decode" below).
 
 A window of ``n`` requests offered at ``r`` requests/s arrives over ``n / r`` seconds (its
 recorded pattern compressed or stretched, as the benchmarks replay it), and its last requests
@@ -31,15 +30,19 @@ window's last arrival as limited by all its requests' budgets (not only those ke
 window's deadlines as one pool's time (relaxations: each can only raise the bound). With
 ``met_share`` 1 it is the bound of a router that meets every request.
 
-Not counted (the bound holds to within them): the decode batch is one number for the
-workload, at its time-weighted mean context, where a router keeping only requests of short
-context could fit a sequence more (at the calibration 40 against 39 at no context: up to 2.6%
-more decode); and TPOT is a mean over a request's life, which a batch over the budget for a
-while and under it after also meets (at a lower throughput than the steady batch: a step's
-cost is linear in the batch, its tokens per second concave).
+Decode. A request's TPOT is its mean step after its first token, so it may ride batches above
+the budget's for a while and below it after: the bound charges each such token ``tpot / B*``,
+``B*`` the batch whose step takes exactly the budget (not rounded down), at the shortest
+prompt's context (no batch's mean context is below it). A step's cost per token is convex and
+falling in the batch, so a mean step within the budget costs each token at least that
+(Jensen). A first token is bounded by the TTFT budget only: charged the least a token can cost
+(the step's slope).
 
-Pure arithmetic, no I/O: ``bench/prefix_bound.py`` (the Mooncake traces) and
-``bench/policies_des.py --bound-only`` (the Azure traces and the fixed shape) print it.
+Searched, not proven: fitting a rate is not monotone everywhere (a window's drain grows with
+the rate), so after bisecting, rates up to 10% above are probed at 1% steps and bisected on
+from one that fits; a fitting island narrower than that, or further above, would be missed
+(none was seen on the benchmarks' windows). The best split of whole engines beyond 64 engines,
+and the best fractional split, assume the rate rises and then falls with the prefill share.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ __all__ = ["FluidFleet", "Window", "decode_batch", "prefill_seconds"]
 
 _SEARCH_STEPS = 40  # ternary steps on l: (2/3)^40 of the interval, far below any printed digit
 _RATE_PRECISION = 1e-5  # relative width at which the rate's bisection stops
+_PROBES, _PROBE_STEP = 10, 0.01  # rates probed above a bisection's: up to 10% above
 _RATE_LIMIT = 1e9  # requests/s: a workload that fits above it fits at any rate (inf)
 
 
@@ -72,12 +76,10 @@ def prefill_seconds(model: PrefillLatencyModel, prompt: int, cached: int = 0) ->
     return total
 
 
-def decode_batch(model: DecodeLatencyModel, context: float, tpot_s: float) -> int:
-    """The largest batch whose step, at ``context`` tokens of mean context, fits ``tpot_s``."""
-    batch = 0
-    while model.seconds_per_token(batch + 1, context) <= tpot_s:
-        batch += 1
-    return batch
+def decode_batch(model: DecodeLatencyModel, context: float, tpot_s: float) -> float:
+    """The batch whose step, at ``context`` tokens of mean context, takes exactly ``tpot_s``
+    (not rounded down: batches above and below it in turn average to it)."""
+    return (tpot_s - model.seconds_per_token(0, context)) / model.slope
 
 
 @dataclass(frozen=True)
@@ -149,17 +151,16 @@ class FluidFleet:
         ttft_s: float,
         tpot_s: float,
         met_share: float = 1.0,
-    ) -> tuple[FluidFleet, int]:
+    ) -> tuple[FluidFleet, float]:
         """The windows' fleet, and the decode batch it charges."""
         rows = [r for w in windows for r in w.requests]
         if not rows or any(not w.requests for w in windows):
             raise ValueError("windows: at least one, none empty")
-        outputs = sum(r[3] for r in rows)
-        # A sequence's context grows from its prompt to prompt + output: weighted by time held.
-        context = sum((p + o / 2) * o for _, p, _, o in rows) / max(1, outputs)
+        # No batch's mean context is below the shortest prompt: the cheapest step there is.
+        context = min(p for _, p, _, _ in rows)
         batch = decode_batch(decode, context, tpot_s)
         if batch < 1:
-            raise ValueError(f"no decode batch fits {tpot_s} s at a context of {context:.0f}")
+            raise ValueError(f"no decode batch fits {tpot_s} s at a context of {context}")
         unit: list[float] = []
         members: list[np.ndarray] = []
         for w in windows:
@@ -182,7 +183,8 @@ class FluidFleet:
         )
         return cls(
             [prefill_seconds(prefill, p, c) for _, p, c, _ in rows],
-            [o * token_s for *_, o in rows],
+            # A first token is bounded by the TTFT budget only: its step's least share.
+            [(o - 1) * token_s + decode.slope for *_, o in rows],
             met_share,
             arrivals,
         ), batch
@@ -249,13 +251,24 @@ class FluidFleet:
             if hi > _RATE_LIMIT:
                 # A burst the fleet absorbs at any rate: all of it fits the drain.
                 return math.inf
-        while hi - lo > _RATE_PRECISION * hi:
-            mid = (lo + hi) / 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        while True:
+            while hi - lo > _RATE_PRECISION * hi:
+                mid = (lo + hi) / 2
+                if fits(mid):
+                    lo = mid
+                else:
+                    hi = mid
+            # Fitting is not monotone in the rate everywhere (a window's drain grows with it):
+            # a rate a little above may fit again. Looked for, and bisected on from there.
+            above = next(
+                (r for k in range(1, _PROBES + 1) if fits(r := lo * (1 + k * _PROBE_STEP))),
+                None,
+            )
+            if above is None:
+                return lo
+            lo, hi = above, above * (1 + _PROBE_STEP)
+            while fits(hi):
+                lo, hi = hi, hi * (1 + _PROBE_STEP)
 
     def at_split(self, prefill_engines: float, decode_engines: float) -> float:
         """Requests/s with ``prefill_engines`` prefilling and ``decode_engines`` decoding
