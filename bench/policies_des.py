@@ -252,10 +252,8 @@ def fluid_bound(size: int, all_rows: list[Rows], goodputs: dict[str, float]) -> 
     fleet size, against the systems measured: what no router reaches at any rate, at the half
     split every system here runs, at the best split of whole engines, and at a fluid one."""
     offered = [Window([(t, p, 0, g) for t, p, g in rows]) for rows in all_rows]
-    cost = [
-        FluidFleet.of(offered, CALIBRATION.prefill, CALIBRATION.decode, TTFT_S, TPOT_S, share)[0]
-        for share in (TARGET, 1.0)
-    ]
+    every, _ = FluidFleet.of(offered, CALIBRATION.prefill, CALIBRATION.decode, TTFT_S, TPOT_S)
+    cost = [every.with_met_share(TARGET), every]
     half = size // 2
     at_half, every_half = (c.at_split(half, size - half) for c in cost)
     whole, whole_p = cost[0].static(size)

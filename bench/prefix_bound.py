@@ -59,16 +59,13 @@ def requests_of(path: Path) -> list[Request]:
     ]
 
 
-def fleet_at(
-    requests: list[Request], ideal: float, hit_rate: float, met_share: float
-) -> tuple[FluidFleet, int]:
-    """The fluid fleet of a router finding ``hit_rate`` of prompt tokens cached, and its
-    decode batch: the trace one window, as ``bench/prefix_goodput.py`` replays it."""
+def fleet_at(requests: list[Request], ideal: float, hit_rate: float) -> tuple[FluidFleet, float]:
+    """The fluid fleet of a router finding ``hit_rate`` of prompt tokens cached, every request
+    to be met, and its decode batch: the trace one window, as ``bench/prefix_goodput.py``
+    replays it."""
     share = hit_rate / ideal if ideal else 0.0
     window = Window([(t, p, round(c * share), o) for t, p, c, o in requests])
-    return FluidFleet.of(
-        [window], CALIBRATION.prefill, CALIBRATION.decode, TTFT_S, TPOT_S, met_share
-    )
+    return FluidFleet.of([window], CALIBRATION.prefill, CALIBRATION.decode, TTFT_S, TPOT_S)
 
 
 def quotient(top: tuple[float, float], under: tuple[float, float]) -> str:
@@ -153,12 +150,13 @@ def main() -> int:
         if above:
             # No router finds more than an unbounded cache holds.
             parser.error(f"--hit-rates: {trace}'s ideal is {ideal:.3f}, got {above[0]}")
+        built = {h: fleet_at(requests, ideal, h) for h in (ideal, *rates)}
         fleets = {
-            (h, share): fleet_at(requests, ideal, h, share)[0]
-            for h in (ideal, *rates)
+            (h, share): fleet.with_met_share(share)
+            for h, (fleet, _) in built.items()
             for share in (args.target, 1.0)
         }
-        batch = fleet_at(requests, ideal, ideal, 1.0)[1]
+        batch = built[ideal][1]
         print(
             f"{trace}: {len(requests)} requests, ideal hit rate (unbounded cache) {ideal:.3f};"
             f" a decode engine holds {batch:.2f} sequences at the TPOT budget; bounds at"

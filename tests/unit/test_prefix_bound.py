@@ -25,8 +25,8 @@ def test_a_lower_hit_rate_never_raises_the_bound() -> None:
     ]  # arrival, prompt, cached, output
     ideal = sum(r[2] for r in requests) / sum(r[1] for r in requests)
     for share in (1.0, 0.95):
-        top, _ = bound.fleet_at(requests, ideal, ideal, share)
-        low, _ = bound.fleet_at(requests, ideal, 0.0, share)
+        top = bound.fleet_at(requests, ideal, ideal)[0].with_met_share(share)
+        low = bound.fleet_at(requests, ideal, 0.0)[0].with_met_share(share)
         assert top.prefill_s.sum() < low.prefill_s.sum()
         assert (top.decode_s == low.decode_s).all()
         assert top.fractional(8)[0] > low.fractional(8)[0]

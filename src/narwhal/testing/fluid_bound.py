@@ -123,8 +123,8 @@ class FluidFleet:
 
     def __init__(
         self,
-        prefill_s: Sequence[float],
-        decode_s: Sequence[float],
+        prefill_s: Sequence[float] | np.ndarray,
+        decode_s: Sequence[float] | np.ndarray,
         met_share: float = 1.0,
         arrivals: _Arrivals | None = None,
     ) -> None:
@@ -141,6 +141,10 @@ class FluidFleet:
         self._span = float(len(self.prefill_s))
         if arrivals is not None:
             self._span = float(sum(arrivals.unit[w].max() for w in arrivals.windows))
+
+    def with_met_share(self, met_share: float) -> FluidFleet:
+        """The same requests and windows, with another share of them to be met."""
+        return FluidFleet(self.prefill_s, self.decode_s, met_share, self._arrivals)
 
     @classmethod
     def of(
