@@ -330,6 +330,74 @@ INVALID_CASES: list[tuple[str, Callable[[Doc], None], str]] = [
         "(got 'tcp://127.0.0.1:99999')",
     ),
     (
+        # What vLLM's --kv-events-config says (tcp://*:5557), pasted: the router would try to
+        # connect to it, fail, and log a traceback every 30 s.
+        "kv-events-bind-address",
+        _set("engines.0.kv_events", {"endpoint": "tcp://*:5557"}),
+        "engines[0].kv_events.endpoint: '*' is an address to bind to (vLLM's publisher binds "
+        "tcp://*:PORT), not one to connect to: name the engine's host, e.g. "
+        "tcp://ENGINE_HOST:5557 (got 'tcp://*:5557')",
+    ),
+    (
+        "kv-events-any-address",
+        _set(
+            "engines.0.kv_events",
+            {"endpoint": "tcp://e0:5557", "replay_endpoint": "tcp://0.0.0.0:5558"},
+        ),
+        "engines[0].kv_events.replay_endpoint: '0.0.0.0' is an address to bind to (vLLM's "
+        "publisher binds tcp://*:PORT), not one to connect to: name the engine's host, e.g. "
+        "tcp://ENGINE_HOST:5558 (got 'tcp://0.0.0.0:5558')",
+    ),
+    (
+        "kv-events-not-tcp",
+        _set("engines.0.kv_events", {"endpoint": "http://127.0.0.1:5557"}),
+        "engines[0].kv_events.endpoint: must be a tcp://HOST:PORT address of the engine's ZMQ "
+        "socket (got 'http://127.0.0.1:5557')",
+    ),
+    (
+        "kv-events-no-port",
+        _set("engines.0.kv_events", {"endpoint": "tcp://127.0.0.1"}),
+        "engines[0].kv_events.endpoint: must be tcp://HOST:PORT, a host and a port and nothing "
+        "else (got 'tcp://127.0.0.1')",
+    ),
+    (
+        "kv-events-ipv6",
+        _set("engines.0.kv_events", {"endpoint": "tcp://[::1]:5557"}),
+        "engines[0].kv_events.endpoint: IPv6 addresses are not supported here: name the "
+        "engine's host by a name or an IPv4 address (got 'tcp://[::1]:5557')",
+    ),
+    (
+        # Two engines on one stream: each credited with the other's blocks.
+        "kv-events-shared-endpoint",
+        _all(
+            _set("engines.0.kv_events", {"endpoint": "tcp://127.0.0.1:28300"}),
+            _set("engines.2.kv_events", {"endpoint": "tcp://127.0.0.1:28300"}),
+        ),
+        "engines[2].kv_events.endpoint: 'tcp://127.0.0.1:28300' is also the kv_events.endpoint "
+        "of engine 'e0'",
+    ),
+    (
+        "kv-events-replay-is-the-endpoint",
+        _set(
+            "engines.1.kv_events",
+            {"endpoint": "tcp://127.0.0.1:28300", "replay_endpoint": "tcp://127.0.0.1:28300"},
+        ),
+        "engines[1].kv_events.replay_endpoint: 'tcp://127.0.0.1:28300' is also the "
+        "kv_events.endpoint of engine 'e1'",
+    ),
+    (
+        "kv-events-on-an-http-port",
+        _set("engines.1.kv_events", {"endpoint": "tcp://127.0.0.1:18100"}),
+        "engines[1].kv_events.endpoint: 'tcp://127.0.0.1:18100' is also the HTTP address of "
+        "engine 'e0'",
+    ),
+    (
+        "kv-events-on-a-nixl-port",
+        _set("engines.1.kv_events", {"endpoint": "tcp://127.0.0.1:18201"}),
+        "engines[1].kv_events.endpoint: 'tcp://127.0.0.1:18201' is also the NIXL side channel "
+        "of engine 'e1'",
+    ),
+    (
         "bool-is-not-a-number",
         _set("budgets.ttft_s", True),
         "budgets.ttft_s: expected a number (got true)",

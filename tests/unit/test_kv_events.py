@@ -273,6 +273,74 @@ def test_a_malformed_event_is_an_unreadable_batch_not_a_crash(event: dict[str, o
     assert sub.bad_payloads == 1 and seen.resets == 1 and seen.removed == [3]
 
 
+def test_msgpack_nested_past_msgspecs_depth_is_an_unreadable_batch_not_a_crash() -> None:
+    """msgspec raises RecursionError, not DecodeError, for msgpack nested past its limit: it
+    ended the subscription (the supervisor restarted it, with a traceback, each time)."""
+    for deep in (
+        b"\x91" * 100_000 + b"\xc0",
+        b"\x92\xcb" + b"\0" * 8 + b"\x91" * 100_000 + b"\xc0",
+    ):
+        with pytest.raises(ValueError, match="nested too deeply"):
+            decode_batch(deep)
+    seen = Recorder()
+    sub = KVEventSubscriber("e0", "tcp://127.0.0.1:1", None, "", seen.events, seen.reset)
+
+    async def body() -> None:
+        await sub._receive(0, _batch(1.0, 1))
+        await sub._receive(1, b"\x91" * 100_000 + b"\xc0")
+        await sub._receive(2, _batch(3.0, 3))
+
+    asyncio.run(body())
+    assert sub.bad_payloads == 1 and seen.resets == 1 and seen.removed == [1, 3]
+
+
+def test_a_message_with_a_negative_or_odd_sized_sequence_number_is_dropped() -> None:
+    """vLLM numbers its batches from 0 in 8 bytes (-1 only ends a replay). A message numbered
+    -3 was taken as a stream's first, and the next batch's gap asked the replay socket for
+    batches from -2, which cannot be sent: the subscription failed on every such message."""
+    import zmq
+    import zmq.asyncio
+
+    async def body() -> None:
+        pub_port, replay_port = free_ports(2)
+        ctx = zmq.asyncio.Context.instance()
+        pub = ctx.socket(zmq.PUB)
+        pub.bind(f"tcp://127.0.0.1:{pub_port}")
+        replay = ctx.socket(zmq.ROUTER)
+        replay.bind(f"tcp://127.0.0.1:{replay_port}")
+        seen = Recorder()
+        sub = KVEventSubscriber(
+            "e0",
+            f"tcp://127.0.0.1:{pub_port}",
+            f"tcp://127.0.0.1:{replay_port}",
+            "",
+            seen.events,
+            seen.reset,
+            replay_timeout_s=0.2,  # the replay socket here answers nothing
+        )
+        task = asyncio.ensure_future(sub.run())
+        try:
+            for _ in range(100):  # the SUB socket connects asynchronously
+                await pub.send_multipart(
+                    [b"", (-3).to_bytes(8, "big", signed=True), _batch(1.0, 7)]
+                )
+                await pub.send_multipart([b"", (5).to_bytes(4, "big"), _batch(1.5, 8)])
+                await pub.send_multipart([b"", (9).to_bytes(8, "big"), _batch(2.0, 9)])
+                await asyncio.sleep(0.05)
+                if seen.removed:
+                    break
+            assert not task.done()
+            assert seen.removed[:1] == [9] and 7 not in seen.removed and 8 not in seen.removed
+            assert sub.bad_payloads >= 2
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            pub.close(linger=0)
+            replay.close(linger=0)
+
+    asyncio.run(body())
+
+
 def test_a_batch_the_index_cannot_apply_resets_and_the_stream_goes_on() -> None:
     seen = Recorder()
     applied: list[int] = []

@@ -225,15 +225,47 @@ def test_salted_prompts_match_only_their_salt() -> None:
     assert idx.match(chain_keys(tokens, BS), 0.0) == {}
 
 
-def test_switching_an_engine_to_events_forgets_its_history() -> None:
+def test_switching_an_engine_to_events_forgets_its_token_history_and_keeps_its_text() -> None:
+    """The events say which token blocks an engine holds, so the token-id prompts' history
+    goes when they start (and their entries when they stop); text and chat prompts' history,
+    which no event carries and either source keeps, stays. It went too: an engine's first
+    batch (and its first after every reset) sent the next turn of a chat to a cold engine."""
     idx = index()
     keys = chain_keys(list(range(8)), BS)
+    text = text_keys(["a prompt long enough for two blocks of text"], BS)
     idx.record_routed("p0", keys, now=0.0)
+    idx.record_routed("p0", text, now=0.0, exact=False)
     idx.set_precise("p0", True)
     assert idx.match(keys, now=1.0) == {}
+    assert idx.match(text, now=1.0) == {"p0": 2}
     assert idx.is_precise("p0") and not idx.is_precise("p1")
+    assert idx.stored("p0", [b"h0", b"h1"], None, list(range(8)), BS)
+    # A reset (a lost stream): routed by history again, the published entries gone.
+    idx.set_precise("p0", False)
+    assert idx.match(keys, now=1.0) == {}
+    assert idx.match(text, now=1.0) == {"p0": 2}
+    assert idx.blocks_held("p0") == 2
+    # What an engine holds no longer at all (AllBlocksCleared, a restart): the text too.
+    idx.clear("p0")
+    assert idx.match(text, now=1.0) == {} and idx.blocks_held("p0") == 0
     with pytest.raises(KeyError):
         idx.record_routed("nope", keys, now=0.0)
+
+
+def test_token_and_text_history_share_the_capacity_least_recently_sent_out_first() -> None:
+    idx = index(ttl=100.0)
+    idx.add_engine("p0", capacity_blocks=4)
+    keys = chain_keys(list(range(12)), BS)  # 3 blocks
+    text = text_keys(["a prompt long enough for two blocks of text"], BS)  # 2 blocks
+    idx.record_routed("p0", keys, now=0.0)
+    idx.record_routed("p0", text, now=1.0, exact=False)
+    assert idx.blocks_held("p0") == 4  # the token prompt's first block out
+    assert idx.match(keys, now=2.0) == {} and idx.match(text, now=2.0) == {"p0": 2}
+    idx.record_routed("p0", keys, now=3.0)
+    assert idx.blocks_held("p0") == 4  # now the text's first block out
+    assert idx.match(keys, now=4.0) == {"p0": 3} and idx.match(text, now=4.0) == {}
+    # Both expire with the history's lifetime.
+    assert idx.blocks_held("p0", now=1000.0) == 0
 
 
 # --- BlockPool ------------------------------------------------------------------------------

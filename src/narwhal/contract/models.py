@@ -15,7 +15,7 @@ reports every problem with its document path.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Annotated, Literal
@@ -198,17 +198,49 @@ class KVEventsEndpoint(_Model):
     zmq publisher): ``endpoint`` its PUB socket, ``replay_endpoint`` its ROUTER socket for
     missed batches, as ``tcp://host:port`` addresses the router connects to."""
 
-    endpoint: str = Field(pattern=r"^tcp://[^:/\s]+:\d{1,5}$")
-    replay_endpoint: str | None = Field(default=None, pattern=r"^tcp://[^:/\s]+:\d{1,5}$")
+    endpoint: str
+    replay_endpoint: str | None = None
     topic: str = ""
 
     @field_validator("endpoint", "replay_endpoint")
     @classmethod
-    def _port(cls, value: str | None) -> str | None:
-        # libzmq takes a port past 65535 modulo 65536: tcp://e1:99999 would reach port 34463.
-        if value is not None and not 1 <= int(value.rpartition(":")[2]) <= 65535:
-            raise _error(f"port is not a number from 1 to 65535 (got {value!r})")
+    def _address(cls, value: str | None) -> str | None:
+        if value is not None:
+            zmq_connect_address(value)
         return value
+
+
+# What vLLM's publisher binds to (its default ``tcp://*:5557``): addresses of no one engine.
+_BIND_HOSTS = frozenset({"*", "0.0.0.0"})
+_ZMQ_TCP_RE = re.compile(r"tcp://([^:/\s\[\]]+):(\d{1,5})")
+
+
+def zmq_connect_address(value: str) -> tuple[str, int]:
+    """``tcp://host:port`` as the router connects to an engine's event sockets: (host, port),
+    or the error that says what is wrong with it."""
+    if not value.startswith("tcp://"):
+        raise _error(
+            f"must be a tcp://HOST:PORT address of the engine's ZMQ socket (got {value!r})"
+        )
+    if value.startswith("tcp://["):
+        raise _error(
+            f"IPv6 addresses are not supported here: name the engine's host by a name or an "
+            f"IPv4 address (got {value!r})"
+        )
+    match = _ZMQ_TCP_RE.fullmatch(value)
+    if match is None:
+        raise _error(f"must be tcp://HOST:PORT, a host and a port and nothing else (got {value!r})")
+    host, port = match.group(1), int(match.group(2))
+    if host in _BIND_HOSTS:
+        raise _error(
+            f"{host!r} is an address to bind to (vLLM's publisher binds tcp://*:PORT), not one "
+            f"to connect to: name the engine's host, e.g. tcp://ENGINE_HOST:{port} "
+            f"(got {value!r})"
+        )
+    # libzmq takes a port past 65535 modulo 65536: tcp://e1:99999 would reach port 34463.
+    if not 1 <= port <= 65535:
+        raise _error(f"port is not a number from 1 to 65535 (got {value!r})")
+    return host, port
 
 
 class SimulatedEngineSettings(_Model):
@@ -535,6 +567,35 @@ def _names(engines: Iterable[EngineSpec]) -> str:
     return ", ".join(e.id for e in engines) or "none"
 
 
+def _kv_event_addresses(fleet: FleetContract, add: Callable[[Loc, str], None]) -> None:
+    """Each KV event socket is one engine's and nothing else's: two engines naming one stream
+    would each be credited with the other's blocks (the router predicting hits an engine does
+    not hold), and an engine's HTTP or NIXL port is no event stream at all. Addresses are
+    compared as written (a host by two names is not caught)."""
+    taken: dict[tuple[str, int], str] = {}
+    for eng in fleet.engines:
+        parts = urlsplit(eng.url)
+        if parts.hostname and parts.port:
+            taken[(parts.hostname, parts.port)] = f"the HTTP address of engine {eng.id!r}"
+        taken.setdefault(
+            (eng.nixl.host, eng.nixl.port), f"the NIXL side channel of engine {eng.id!r}"
+        )
+    for i, eng in enumerate(fleet.engines):
+        events = eng.kv_events
+        if events is None:
+            continue
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(events, name)
+            if value is None:
+                continue
+            address = zmq_connect_address(value)
+            other = taken.get(address)
+            if other is not None:
+                add(("engines", i, "kv_events", name), f"{value!r} is also {other}")
+            else:
+                taken[address] = f"the kv_events.{name} of engine {eng.id!r}"
+
+
 def consistency_issues(fleet: FleetContract) -> list[ConsistencyIssue]:
     """Every rule between fields that ``fleet`` breaks, in document-section order."""
     issues: list[ConsistencyIssue] = []
@@ -593,6 +654,8 @@ def consistency_issues(fleet: FleetContract) -> list[ConsistencyIssue]:
                 ("engines", i, "initial_role"),
                 f"{eng.initial_role!r} is not among its permitted roles ({', '.join(eng.roles)})",
             )
+
+    _kv_event_addresses(fleet, add)
 
     # Transfer pairs name known engines that can play the side they are on.
     by_id = {eng.id: eng for eng in fleet.engines}

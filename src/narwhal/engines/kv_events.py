@@ -264,6 +264,8 @@ class _ReadMapBatch(msgspec.Struct, gc=False):
 
 
 _READER = msgspec.msgpack.Decoder(_ReadBatch)
+# msgspec raises RecursionError, not DecodeError, for msgpack nested past its depth limit.
+_UNREADABLE = (msgspec.DecodeError, RecursionError)
 _MAP_READER = msgspec.msgpack.Decoder(_ReadMapBatch)
 
 
@@ -285,10 +287,10 @@ def decode_batch(payload: bytes) -> tuple[float, list[ReadEvent]]:
     batch: _ReadBatch | _ReadMapBatch
     try:
         batch = _READER.decode(payload)
-    except msgspec.DecodeError:
+    except _UNREADABLE:
         try:
             batch = _MAP_READER.decode(payload)
-        except msgspec.DecodeError:
+        except _UNREADABLE:
             return _decode_leniently(payload)
     out: list[ReadEvent] = []
     removed: list[bytes | int] | None = None
@@ -324,6 +326,8 @@ def _decode_leniently(payload: bytes) -> tuple[float, list[ReadEvent]]:
         raw = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as exc:
         raise ValueError(f"not msgpack: {exc}") from None
+    except RecursionError:
+        raise ValueError("msgpack nested too deeply to be a KV event batch") from None
     if isinstance(raw, dict):  # a later vLLM's map form
         raw = [raw.get("ts"), raw.get("events")]
     if (
@@ -426,7 +430,13 @@ class KVEventSubscriber:
                     self._unreadable(f"message of {len(frames)} frames (not 3) dropped")
                     continue
                 _, seq_bytes, payload = frames
-                await self._receive(int.from_bytes(seq_bytes, "big", signed=True), payload)
+                seq = int.from_bytes(seq_bytes, "big", signed=True)
+                if seq < 0 or len(seq_bytes) != 8:
+                    # vLLM counts its batches from 0 in 8 bytes; -1 ends a replay and is
+                    # never published. Dropped as unreadable: the next batch shows any gap.
+                    self._unreadable(f"message with sequence number {seq_bytes.hex()} dropped")
+                    continue
+                await self._receive(seq, payload)
         finally:
             sub.close(linger=0)
 

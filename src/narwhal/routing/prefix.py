@@ -226,9 +226,12 @@ class _Waiting:
 
 @dataclass
 class _EngineEntries:
-    # Routing history: key -> expiry, least recently used first. An engine that publishes its
-    # events has text keys here only (no event carries them).
+    # Routing history: key -> expiry, least recently used first. Token-id prompts' keys, for an
+    # engine that publishes no events (its events say what it holds otherwise) ...
     keys: OrderedDict[int, float] = field(default_factory=OrderedDict)
+    # ... and text and chat prompts' keys, for every engine (no event carries them): kept apart
+    # so that a change of the engine's source drops the token keys and keeps these.
+    text_keys: OrderedDict[int, float] = field(default_factory=OrderedDict)
     capacity_blocks: int = 0
     precise: bool = False
     bit: int = 0  # the engine's bit in PrefixIndex._holders
@@ -316,12 +319,12 @@ class PrefixIndex:
         self._trim(entries)
 
     def set_precise(self, engine_id: str, precise: bool) -> None:
-        """Whether the engine's entries come from its KV events (True) or from routing history.
-        A change of source starts the engine's entries afresh: neither source's entries say
-        anything about the other's."""
+        """Whether the engine's token-id entries come from its KV events (True) or from routing
+        history. A change of source starts them afresh (neither source's entries say anything
+        about the other's); the text prompts' history, which either source keeps, stays."""
         entries = self._entry(engine_id)
         if entries.precise != precise:
-            self.clear(engine_id)
+            self._drop_token_entries(engine_id, entries)
             entries.precise = precise
 
     def is_precise(self, engine_id: str) -> bool:
@@ -339,7 +342,7 @@ class PrefixIndex:
             return 0
         if now is not None:
             self._expire(entries, now)
-        return len(entries.keys) + len(entries.by_engine_hash)
+        return len(entries.keys) + len(entries.text_keys) + len(entries.by_engine_hash)
 
     # --- lookups -------------------------------------------------------------------------------
 
@@ -367,8 +370,15 @@ class PrefixIndex:
         held: dict[str, int] = {}
         for e, n in depth.items():
             entries = self._engines[e]
-            history, dead = entries.keys, 0.0 if not entries.precise else float("inf")
-            while n and not history.get(keys[n - 1], dead) > now:
+            history, text = entries.keys, entries.text_keys
+            dead = 0.0 if not entries.precise else float("inf")
+            while n:
+                key = keys[n - 1]
+                expiry = history.get(key)
+                if expiry is None:
+                    expiry = text.get(key, dead)
+                if expiry > now:
+                    break
                 n -= 1
             if n:
                 held[e] = n
@@ -427,8 +437,9 @@ class PrefixIndex:
             return
         self._expire(entries, now)
         expiry = now + self.history_ttl_s
+        history = entries.keys if exact else entries.text_keys
         for key in keys:
-            self._put(engine_id, entries, key, expiry)
+            self._put(entries, history, key, expiry)
         self._trim(entries)
 
     def forget_routed(
@@ -451,7 +462,7 @@ class PrefixIndex:
                     if generation.get(key) == sent_at:
                         del generation[key]
             return
-        held = entries.keys
+        held = entries.keys if exact else entries.text_keys
         expiry = sent_at + self.history_ttl_s  # as record_routed stamped it
         for key in keys:
             if held.get(key) == expiry:
@@ -655,6 +666,12 @@ class PrefixIndex:
         entries = self._engines.get(engine_id)
         if entries is None:
             return
+        for key in entries.text_keys:
+            self._unhold(entries, key)
+        entries.text_keys.clear()
+        self._drop_token_entries(engine_id, entries)
+
+    def _drop_token_entries(self, engine_id: str, entries: _EngineEntries) -> None:
         for key in itertools.chain(entries.keys, entries.by_engine_hash.values()):
             self._unhold(entries, key)
         entries.keys.clear()
@@ -670,12 +687,14 @@ class PrefixIndex:
             raise KeyError(f"engine {engine_id!r} is not in the prefix index")
         return entries
 
-    def _put(self, engine_id: str, entries: _EngineEntries, key: int, expiry: float) -> None:
-        if key in entries.keys:
-            entries.keys.move_to_end(key)
+    def _put(
+        self, entries: _EngineEntries, history: OrderedDict[int, float], key: int, expiry: float
+    ) -> None:
+        if key in history:
+            history.move_to_end(key)
         else:
             self._holders[key] = self._holders.get(key, 0) | entries.bit
-        entries.keys[key] = expiry
+        history[key] = expiry
 
     def _unhold(self, entries: _EngineEntries, key: int) -> None:
         engines = self._holders.pop(key, 0) & ~entries.bit
@@ -687,9 +706,13 @@ class PrefixIndex:
         the oldest out first. The engine's own removals keep the published ones to what it
         holds; the slack is for an engine that holds more than the fleet says (its entries' order
         is their store order, not its LRU: trimming them drops parents that later blocks need)."""
-        held = entries.keys
-        for _ in range(len(held) - entries.capacity_blocks):
-            self._unhold(entries, held.popitem(last=False)[0])
+        history, text = entries.keys, entries.text_keys
+        for _ in range(len(history) + len(text) - entries.capacity_blocks):
+            # The least recently sent of both (each is in the order its keys were sent).
+            older = history
+            if not history or (text and next(iter(text.values())) < next(iter(history.values()))):
+                older = text
+            self._unhold(entries, older.popitem(last=False)[0])
         published = entries.by_engine_hash
         excess = len(published) - 2 * entries.capacity_blocks
         if excess > 0:
@@ -698,9 +721,10 @@ class PrefixIndex:
 
     def _expire(self, entries: _EngineEntries, now: float) -> None:
         # Approximate entries are refreshed in time order with one TTL: the oldest are first.
-        while entries.keys:
-            key, expiry = next(iter(entries.keys.items()))
-            if expiry > now:
-                break
-            entries.keys.popitem(last=False)
-            self._unhold(entries, key)
+        for history in (entries.keys, entries.text_keys):
+            while history:
+                key, expiry = next(iter(history.items()))
+                if expiry > now:
+                    break
+                history.popitem(last=False)
+                self._unhold(entries, key)
