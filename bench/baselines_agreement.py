@@ -73,7 +73,7 @@ from narwhal.fleetsim.workloads import poisson_requests, timings_of
 from narwhal.serve.cli import serve_command
 from narwhal.testing import procs
 from narwhal.testing.fleet import SimFleet, start_local_fleet, wait_idle
-from narwhal.testing.goodput import crossing_of
+from narwhal.testing.goodput import bound_error, crossing_of, number_list
 from narwhal.testing.journals import journal_ends
 from narwhal.testing.ports import free_ports
 from narwhal.testing.replay import replay_streams
@@ -276,7 +276,17 @@ def main() -> int:
     for p in policies:
         if p not in POLICIES:
             parser.error(f"unknown policy {p}: one of {', '.join(POLICIES)}")
-    multiples = sorted(float(x) for x in args.rates.split(","))
+    if not policies:
+        parser.error(f"--policies: expected one or more of {', '.join(POLICIES)}")
+    problem = bound_error(
+        args, [("time_scale", 0, False), ("requests", 1, True), ("repeats", 1, True)]
+    )
+    if problem:
+        parser.error(problem)
+    try:
+        multiples = sorted(number_list(args.rates, "--rates", float, 0, low_allowed=False))
+    except ValueError as exc:
+        parser.error(str(exc))
     if not ROUTER_BIN.exists():
         print(f"vllm-router is not installed ({ROUTER_BIN})", file=sys.stderr)
         return 2

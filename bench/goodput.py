@@ -69,9 +69,11 @@ into ``--blocks`` consecutive shares, the same stretch of the trace at every rat
 (the same resample for both systems; the best other system on that resample) and called a
 gain or a loss only when it excludes 1. For every rate: each kind of miss (``rejected`` 429,
 ``ttft`` late or abandoned, ``tpot`` over budget, ``error``/``short`` failed) and the prefill
-and decode engines' utilisation (their working-step seconds over the trial's wall time).
-After ``--budget-s`` wall seconds every remaining search stops at its bracket. ``--quick``:
-code and fixed, v1 and vllm-router power_of_two, one window, three rates, shorter trials.
+and decode engines' utilisation (their working-step seconds over the trial's wall time),
+summed over the rate's windows and, with several windows, for each window's trial alone
+(``trial_<system>_<workload>_at_<rate>_window_<k>``). After ``--budget-s`` wall seconds
+every remaining search stops at its bracket. ``--quick``: code and fixed, v1 and vllm-router
+power_of_two, one window, three rates, shorter trials.
 
     .venv/bin/python bench/goodput.py [--time-scale 4] [--durations code=20,...] [--workloads ...]
         [--systems ...] [--windows 2] [--max-points 5] [--quick] [--keep-dir]
@@ -129,6 +131,7 @@ from narwhal.testing.goodput import (
     interval,
     number_list,
     paired_ratio,
+    quick_defaults,
 )
 from narwhal.testing.ports import free_ports
 from narwhal.testing.profiling import profile_fleet
@@ -1011,7 +1014,7 @@ def main() -> int:
         "--quick",
         action="store_true",
         help="iteration: code and fixed, v1 and vllm-router power_of_two, one window, three"
-        " rates, shorter trials",
+        " rates, shorter trials (each of them as the command line names it, if it does)",
     )
     parser.add_argument(
         "--profile-concurrency", default="1,2,4", help="as the qualification run profiles"
@@ -1044,14 +1047,17 @@ def main() -> int:
     )
     args = parser.parse_args()
     if args.quick:
-        given = " ".join(sys.argv)
-        if "--workloads" not in given:
-            args.workloads = "code,fixed"
-        if "--systems" not in given:
-            args.systems = "narwhal_v1,vllm_power_of_two"
-        args.windows, args.max_points = 1, 3
-        if "--durations" not in given:
-            args.durations = "code=12,conv=40,fixed=30"
+        quick_defaults(
+            args,
+            sys.argv[1:],
+            {
+                "workloads": "code,fixed",
+                "systems": "narwhal_v1,vllm_power_of_two",
+                "windows": 1,
+                "max_points": 3,
+                "durations": "code=12,conv=40,fixed=30",
+            },
+        )
     workloads = [x for x in args.workloads.split(",") if x]
     systems = [x for x in args.systems.split(",") if x]
     for x in workloads:
@@ -1357,6 +1363,15 @@ def main() -> int:
                     f" {statistics.fmean(x.router_cpu_ms for x in trials):.1f} ms cpu/request"
                     + cache_note(point),
                 )
+                if len(trials) > 1:  # each window's trial on its own: where the misses were
+                    for k, trial in enumerate(trials):
+                        misses = " ".join(f"{kind}={v}" for kind, v in sorted(trial.counts.items()))
+                        add(
+                            f"trial_{system}_{name}_at_{point.rate:.3f}_window_{k}",
+                            f"{sum(trial.met) / trial.requests:.3f} of {trial.requests}"
+                            f" [{misses}] utilisation prefill {trial.utilisation[0]:.0%}"
+                            f" decode {trial.utilisation[1]:.0%}",
+                        )
 
         for (system, name), found in metrics.items():
             for key, value in sorted(found.items()):

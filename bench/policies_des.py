@@ -105,6 +105,7 @@ from narwhal.testing.goodput import (
     number_list,
     paired_ratio,
     patience_of,
+    quick_defaults,
     search_crossing,
     to_blocks,
 )
@@ -132,16 +133,19 @@ class Point(RatePoint):
     utilisation: tuple[float, float] = (0.0, 0.0)  # prefill and decode pools' busy fraction
 
 
-def windows(workload: str, count: int, n_windows: int, seed: int) -> list[Rows]:
+def windows(
+    workload: str, count: int, n_windows: int, seed: int, traces: dict[str, Rows]
+) -> list[Rows]:
     """Up to ``n_windows`` windows of ``count`` requests each, spread evenly over the source
-    without overlap (the whole trace when it holds fewer than ``count``)."""
+    (a trace of ``traces``, read once) without overlap (the whole trace when it holds fewer
+    than ``count``)."""
     if workload == "fixed":
         return [
             [(s.arrival, s.prompt_tokens, s.output_tokens)
              for s in poisson_requests(1.0, count, MAX_PROMPT, 128, seed + k)]
             for k in range(n_windows)
         ]  # fmt: skip
-    rows = read_azure_trace(DATA_DIR / TRACES[workload], None, MAX_PROMPT)
+    rows = traces[workload]
     if count > len(rows):
         # A fleet the trace cannot fill (512 engines: the whole code trace is 17 requests an
         # engine, one burst it absorbs at any rate): the trace played back to back until it
@@ -280,7 +284,8 @@ def main() -> int:
     parser.add_argument(
         "--sizes",
         default="8,64",
-        help="comma-separated fleet sizes in engines, half prefill (default %(default)s)",
+        help="comma-separated fleet sizes in engines, half prefill (rounded down) (default "
+        "%(default)s)",
     )
     parser.add_argument(
         "--workloads",
@@ -330,7 +335,8 @@ def main() -> int:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="8 engines, 3 windows, 200 resamples, v1 and the baselines",
+        help="8 engines, 3 windows, 200 resamples, v1 and the baselines (each as the command"
+        " line names it, if it does)",
     )
     parser.add_argument(
         "--bound-only",
@@ -340,9 +346,11 @@ def main() -> int:
     args = parser.parse_args()
     abandon = patience_of(parser, args)
     if args.quick:
-        args.sizes, args.windows, args.resamples = "8", 3, 200
-        if "--systems" not in sys.argv:
-            args.systems = ",".join(["v1", *BASELINES])
+        quick_defaults(
+            args,
+            sys.argv[1:],
+            {"sizes": "8", "windows": 3, "resamples": 200, "systems": ",".join(["v1", *BASELINES])},
+        )
     problem = bound_error(
         args,
         [("windows", 1, True), ("requests_per_engine", 1, True), ("block", 1, True),
@@ -350,6 +358,8 @@ def main() -> int:
     )  # fmt: skip
     if problem:
         parser.error(problem)
+    if args.precision >= 1:  # the bisection's bracket, high over low, at most 1 + this
+        parser.error(f"--precision: a relative width below 1, got {args.precision:g}")
     try:
         # Half prefill, half decode: at least one of each.
         sizes = number_list(args.sizes, "--sizes", int, 2)
@@ -360,16 +370,28 @@ def main() -> int:
         if s not in SYSTEMS:
             parser.error(f"unknown system {s}: one of {', '.join(SYSTEMS)}")
     workloads = [w for w in args.workloads.split(",") if w]
+    if not workloads:
+        parser.error(f"--workloads: expected one or more of code, conv, fixed: {args.workloads!r}")
+    traces: dict[str, Rows] = {}
     for w in workloads:
         if w not in ("code", "conv", "fixed"):
             parser.error(f"unknown workload {w}")
-        if w in TRACES and not (DATA_DIR / TRACES[w]).exists():
-            parser.error(f"the {w} workload needs {DATA_DIR / TRACES[w]}")
+        if w in TRACES:
+            path = DATA_DIR / TRACES[w]
+            if not path.exists():
+                parser.error(f"the {w} workload needs {path}")
+            try:
+                traces[w] = read_azure_trace(path, None, MAX_PROMPT)
+            except (OSError, ValueError) as exc:
+                parser.error(f"the {w} workload: {exc}")
+            if (n := len(traces[w])) < 2:
+                parser.error(f"the {w} workload: {path} holds {n} requests; a window needs 2")
     started = time.perf_counter()
     header = [
         f"command: {' '.join(sys.argv)}",
         f"budgets: TTFT {TTFT_S} s, TPOT {TPOT_S} s, attainment target {TARGET}",
-        "fleets: half prefill, half decode, static; simulator calibration timing",
+        "fleets: half prefill (rounded down), the rest decode, static; simulator calibration"
+        " timing",
         f"clients: {clients_line(abandon)}; windows of {args.requests_per_engine} requests"
         " per engine",
         f"uncertainty: block bootstrap, blocks of {args.block} requests, "
@@ -386,7 +408,9 @@ def main() -> int:
             n_prefill, size - n_prefill, {"ttft_s": TTFT_S, "tpot_s": TPOT_S}
         )
         for workload in workloads:
-            all_rows = windows(workload, args.requests_per_engine * size, args.windows, args.seed)
+            all_rows = windows(
+                workload, args.requests_per_engine * size, args.windows, args.seed, traces
+            )
             start = 0.5 * capacity(n_prefill, all_rows)
             rng = random.Random(args.seed)
             found: dict[str, tuple[float, list[Point]]] = {}

@@ -328,6 +328,8 @@ def main() -> int:
     )  # fmt: skip
     if problem:
         parser.error(problem)
+    if args.precision >= 1:  # the bisection's bracket, high over low, at most 1 + this
+        parser.error(f"--precision: a relative width below 1, got {args.precision:g}")
     try:
         sizes = number_list(args.sizes, "--sizes", int, 2)
         shares = sorted(set(number_list(args.splits, "--splits", float, 0, 1, low_allowed=False)))

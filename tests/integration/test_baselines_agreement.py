@@ -4,9 +4,11 @@
 live and in the simulator agree within 10%, both interpolated from attainment at the same
 rates, 15% either side of the simulator's crossing (a further rate is tried when the live
 crossing lies outside them). vllm-router's ``power_of_two`` draws at random (see
-``narwhal.routing.baselines``): one live run is one draw, whose goodput spreads about 15% either
+``narwhal.routing.baselines``): one live run is one draw, whose goodput spreads about 28% either
 side of the expected one (the simulator's seeds: 3.6 to 6.4 requests/s about 5.0 here), so
-there the live goodput must lie within 10% of the range the simulator's seeds reach (when a
+there the live goodput must lie within 10% of the range the simulator's seeds reach, a wide
+check (the 10% agreement of its expected goodput is bench/baselines_agreement.py's, with
+repeats, in docs/routing.md) (when a
 first live draw lies outside it, a second is taken at the same rates and their mean judged,
 fitted non-increasing in rate). The
 workload is prefill-bound (8,192-token prompts, 32 output tokens) to keep the test near two

@@ -5,11 +5,15 @@ or ``--max-points 0`` profiled a fleet to measure nothing."""
 
 from __future__ import annotations
 
+import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from narwhal.testing.goodput import quick_defaults
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
@@ -63,6 +67,19 @@ def test_virtual_benchmarks_refuse_a_negative_patience(script: str) -> None:
         ("policies_des.py", ["--windows", "0"], "--windows: must be at least 1, got 0"),
         ("policies_des.py", ["--block", "0"], "--block: must be at least 1, got 0"),
         ("policies_des.py", ["--precision", "0"], "--precision: must be greater than 0, got 0"),
+        ("policies_des.py", ["--precision", "5"], "--precision: a relative width below 1, got 5"),
+        ("policies_des.py", ["--workloads", ","],
+         "--workloads: expected one or more of code, conv, fixed: ','"),
+        ("prefix_goodput.py", ["--precision", "1"],
+         "--precision: a relative width below 1, got 1"),
+        ("baselines_agreement.py", ["--rates", "abc"],
+         "--rates: expected comma-separated numbers, got 'abc'"),
+        ("baselines_agreement.py", ["--rates", "1,-1"],
+         "--rates: each must be greater than 0, got -1"),
+        ("baselines_agreement.py", ["--time-scale", "0"],
+         "--time-scale: must be greater than 0, got 0"),
+        ("baselines_agreement.py", ["--repeats", "0"], "--repeats: must be at least 1, got 0"),
+        ("baselines_agreement.py", ["--requests", "0"], "--requests: must be at least 1, got 0"),
         ("prefix_goodput.py", ["--splits", "0.5,1"],
          "--splits: each must be greater than 0 and below 1, got 1"),
         ("prefix_goodput.py", ["--sizes", "0"], "--sizes: each must be at least 2, got 0"),
@@ -99,3 +116,50 @@ def test_the_other_benchmarks_refuse_degenerate_arguments(
 ) -> None:
     r = run(script, *args)
     assert r.returncode == 2 and says in r.stderr, r.stderr
+
+
+def test_quick_keeps_what_the_command_line_names() -> None:
+    """``--quick`` set its windows, sizes and resamples over the ones given, and missed
+    ``--systems=...`` written with an equals sign."""
+    args = argparse.Namespace(sizes="64", windows=16, resamples=1000, systems="v1")
+    quick_defaults(
+        args,
+        ["--quick", "--sizes=64", "--resamples", "7"],
+        {"sizes": "8", "windows": 3, "resamples": 200, "systems": "v1,round_robin"},
+    )
+    assert (args.sizes, args.windows, args.resamples, args.systems) == (
+        "64",
+        3,
+        1000,
+        "v1,round_robin",
+    )
+    result = run("goodput.py", "--quick", "--windows", "0")
+    assert result.stderr.strip().splitlines()[-1] == (
+        "goodput.py: error: --windows: must be at least 1, got 0"
+    )
+
+
+def test_policies_des_refuses_a_trace_it_cannot_read_in_one_line(tmp_path: Path) -> None:
+    """A trace of other columns, or too few rows to make a window, ended in a ValueError,
+    IndexError or ZeroDivisionError traceback; only a missing file was refused."""
+    azure = tmp_path / "azure-llm-2023"
+    azure.mkdir()
+    (azure / "AzureLLMInferenceTrace_code.csv").write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
+    )
+    (azure / "AzureLLMInferenceTrace_conv.csv").write_text("a,b\n1,2\n")
+    env = {**os.environ, "NARWHAL_DATA_DIR": str(tmp_path)}
+    for workload, says in [
+        ("code", "holds 1 requests; a window needs 2"),
+        ("conv", "not an Azure LLM inference trace"),
+    ]:
+        result = subprocess.run(
+            [sys.executable, str(BENCH / "policies_des.py"), "--workloads", workload],
+            capture_output=True, text=True, timeout=60, env=env,
+        )  # fmt: skip
+        assert result.returncode == 2
+        last = result.stderr.strip().splitlines()[-1]
+        assert (
+            last.startswith(f"policies_des.py: error: the {workload} workload: ") and says in last
+        )
+        assert "Traceback" not in result.stderr

@@ -42,6 +42,20 @@ def test_search_crossing_brackets_then_bisects_to_the_precision() -> None:
     assert found == pytest.approx(true_goodput, rel=0.03)
 
 
+def test_a_coarse_search_reads_its_goodput_over_the_support_rates_as_resamples_do() -> None:
+    """At a coarse precision the bracket is wider than the support's 10%: a support rate inside
+    it that misses moves the crossing. The goodput was read before them, the resamples after,
+    so with one block (the only resample is the data) a goodput lay outside its interval."""
+
+    def measure(rate: float) -> RatePoint:
+        met = 100 if rate <= 1.2 else (90 if rate <= 1.4 else 50)
+        return RatePoint(rate, (met,), (100,))
+
+    found, points = search_crossing(measure, 1.0, 0.5, 0.95)
+    assert found == crossing(points, 0.95) == crossing(points, 0.95, [1])
+    assert found <= 1.3
+
+
 def test_paired_ratio_takes_the_best_other_on_each_resample() -> None:
     goodputs = {"mine": 3.0, "a": 2.0, "b": 1.5}
     # On resample 1, b beats a: the paired ratio divides by b there.

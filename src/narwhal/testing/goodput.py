@@ -38,6 +38,7 @@ __all__ = [
     "number_list",
     "paired_ratio",
     "patience_of",
+    "quick_defaults",
     "search_crossing",
     "to_blocks",
     "verdict",
@@ -151,6 +152,10 @@ def search_crossing(
         for factor in (0.8, 0.9, 1.1, 1.25):
             at(found * factor)
         ordered = sorted(points.values(), key=lambda p: p.rate)
+        # Read again over every rate, as each resample is: with a bracket wider than the
+        # support's 10%, a support rate inside it moves the crossing, and a goodput read
+        # before it could fall outside its own interval.
+        found = crossing(ordered, target)
     return found, ordered
 
 
@@ -259,6 +264,17 @@ def number_list(
     return values
 
 
+def quick_defaults(
+    args: argparse.Namespace, argv: Sequence[str], defaults: Mapping[str, Any]
+) -> None:
+    """``--quick``'s settings (attribute -> value) for the options the command line left out:
+    one it names, as ``--flag value`` or ``--flag=value``, keeps what it says."""
+    for name, value in defaults.items():
+        flag = "--" + name.replace("_", "-")
+        if not any(a == flag or a.startswith(flag + "=") for a in argv):
+            setattr(args, name, value)
+
+
 def add_patience_argument(parser: argparse.ArgumentParser, default: float) -> None:
     """``--abandon-after-s``: the virtual clients' patience for a first token (0: they wait)."""
     parser.add_argument(
@@ -266,7 +282,7 @@ def add_patience_argument(parser: argparse.ArgumentParser, default: float) -> No
         type=float,
         default=default,
         help="clients give up on a first token after this long, as the live benchmark's do"
-        " (0: they wait)",
+        " (0: they wait; default %(default)g)",
     )
 
 
