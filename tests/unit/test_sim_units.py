@@ -515,6 +515,13 @@ def test_parse_generation_valid() -> None:
         ({"prompt": ["a", "b"]}, "prompt", "batched"),
         ({"prompt": []}, None, "You must pass at least one prompt"),
         ({"prompt": ""}, "prompt", "Either prompt or prompt_embeds must be provided"),
+        ({"prompt": "x", "suffix": "y"}, "suffix", "only supported for models with FIM"),
+        ({"prompt": [300], "suffix": "y"}, "suffix", "requires text prompt input"),
+        (
+            {"prompt": "x", "stream": True, "stream_options": {"include_usage": "maybe"}},
+            "include_usage",
+            "boolean",
+        ),
     ],
 )
 def test_parse_generation_errors(body: dict[str, Any], param: str | None, words: str) -> None:
@@ -647,3 +654,12 @@ def test_free_ports_of_two_xdist_workers_never_overlap(monkeypatch: pytest.Monke
     assert all(p < ephemeral_range_start() for p in drawn["gw1"])
     # Nor ever the shipped local-sim configuration's fixed ports (tests/qualify binds them).
     assert not {p for ports in drawn.values() for p in ports} & set(range(18_000, 18_400))
+
+
+def test_stream_options_and_an_unused_max_tokens_are_read_as_vllm_032_reads_them() -> None:
+    """``include_usage: "false"`` is false to vLLM's bool field (it was true here), and a
+    chat's ``max_tokens: 0`` beside ``max_completion_tokens`` is not the limit vLLM uses."""
+    streamed = {"prompt": "x", "stream": True, "stream_options": {"include_usage": "false"}}
+    assert not parse_generation(streamed, VOCAB, False, 1024).include_usage
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2}
+    assert parse_generation({**chat, "max_tokens": 0}, VOCAB, True, 1024).max_tokens == 2

@@ -41,7 +41,6 @@ def parse(body: object, chat: bool = False, max_len: int = 100):
         ({"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
         ({"model": MODEL, "prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
         ({"model": MODEL, "prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
-        ({"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix"),
         ({"model": MODEL, "prompt": ["a b c", ""]}, 400, "prompt[1]"),
         ({"model": MODEL, "prompt": [[1, 2], [-3]]}, 400, "prompt[1]"),
         # vLLM's and OpenAI's batches are all strings or all token-id lists
@@ -55,6 +54,26 @@ def parse(body: object, chat: bool = False, max_len: int = 100):
             {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}},
             400,
             "stream_options",
+        ),
+        (
+            {
+                "model": MODEL,
+                "prompt": "x",
+                "stream": True,
+                "stream_options": {"include_usage": "maybe"},
+            },
+            400,
+            "stream_options.include_usage",
+        ),
+        (
+            {
+                "model": MODEL,
+                "prompt": "x",
+                "stream": True,
+                "stream_options": {"continuous_usage_stats": [1]},
+            },
+            400,
+            "stream_options.continuous_usage_stats",
         ),
         ({"model": MODEL, "prompt": "x", "kv_transfer_params": None}, 400, "kv_transfer_params"),
         ({"model": MODEL, "prompt": "x", "ec_transfer_params": {}}, 400, "ec_transfer_params"),
@@ -295,3 +314,47 @@ def test_a_body_after_a_utf8_byte_order_mark_is_read_as_vllm_reads_it() -> None:
     with pytest.raises(RouterError) as refused:  # the mark alone is no JSON object
         parse_client_request(b"\xef\xbb\xbf", True, "m", 4096)
     assert refused.value.status == 400
+
+
+def test_fields_vllm_reads_leniently_are_read_so_here() -> None:
+    """From an agentic client's QA: ``include_usage: "false"`` got a usage chunk (read as
+    Python's truth), a seed of ``"5"`` gave every choice of n the same seed, empty
+    ``stream_options`` on a request that does not stream and ``max_tokens: 0`` beside a
+    ``max_completion_tokens`` (which vLLM uses instead) were refused: vLLM serves each."""
+    for off in ("false", "0", "off", 0, None):
+        r = parse(
+            {
+                "model": MODEL,
+                "prompt": "x",
+                "stream": True,
+                "stream_options": {"include_usage": off},
+            }
+        )
+        assert r.include_usage is False
+    r = parse(
+        {"model": MODEL, "prompt": "x", "stream": True, "stream_options": {"include_usage": "on"}}
+    )
+    assert r.include_usage is True
+    assert not parse({"model": MODEL, "prompt": "x", "stream_options": {}}).include_usage
+    for seed in ("5", 5.0, 5):
+        r = parse({"model": MODEL, "prompt": "x", "n": 3, "seed": seed})
+        assert [c.body["seed"] for c in r.choices][1:] == [6, 7]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+    r = parse({**chat, "max_completion_tokens": 1, "max_tokens": 0}, chat=True)
+    assert r.max_tokens == 1
+    with pytest.raises(RouterError) as info:
+        parse({**chat, "max_completion_tokens": 1, "max_tokens": 2.5}, chat=True)
+    assert info.value.param == "max_tokens"  # still read as an integer, as vLLM's pydantic
+
+
+def test_a_suffix_goes_to_the_engines_and_its_prompt_is_not_keyed() -> None:
+    """vLLM 0.32 serves ``suffix`` for models whose renderer does fill-in-the-middle and
+    refuses it for the rest: the engines say which (the router refused it as "not supported
+    by vLLM"). The engine renders prompt and suffix into one prompt, which the prompt's own
+    keys do not stand for."""
+    from narwhal.routing.prefix import prompt_keys
+
+    body = {"model": MODEL, "prompt": "def f(x):" * 40, "suffix": "return y"}
+    assert parse(body).body["suffix"] == "return y"
+    assert prompt_keys(body, False, 16) == ()
+    assert prompt_keys({k: v for k, v in body.items() if k != "suffix"}, False, 16)

@@ -137,7 +137,11 @@ def token_prompt(body: Mapping[str, Any]) -> TokenPrompt | None:
 
 def prompt_keys(body: Mapping[str, Any], chat: bool, block_size: int) -> tuple[int, ...]:
     """A client request's prefix keys: exact for a prompt of token ids, by its text otherwise
-    (a chat's roles and contents in order); () when the prompt is neither (a batch, images)."""
+    (a chat's roles and contents in order); () when the prompt is neither (a batch, images)
+    or is not what the engine computes (a ``suffix``: the engine renders both into a
+    fill-in-the-middle prompt)."""
+    if body.get("suffix") is not None:
+        return ()
     salt = body.get("cache_salt")
     salt = salt if isinstance(salt, str) else None
     special = body.get("add_special_tokens")

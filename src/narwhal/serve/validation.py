@@ -43,7 +43,6 @@ _UNSUPPORTED: dict[str, str] = {
     "engine computes the prompt, and vLLM's KV handoff returns no logprobs from it",
     "use_beam_search": "beam search is not supported by the P/D router: its beams fork and "
     "prune KV blocks on one engine",
-    "suffix": "suffix is not supported by vLLM",
     "functions": "'functions' is the deprecated form of 'tools', which vLLM does not accept: "
     "send 'tools'",
     "function_call": "'function_call' is the deprecated form of 'tool_choice', which vLLM does "
@@ -87,14 +86,17 @@ class ClientRequest:
     choices_per_prompt: int = 1
 
 
-def _check_int(body: dict[str, Any], name: str) -> int | None:
+def _check_int(body: dict[str, Any], name: str, ranged: bool = True) -> int | None:
+    """``body[name]`` as vLLM reads an integer field; with ``ranged``, also held to its least
+    value (a field vLLM reads but does not use, such as a chat request's ``max_tokens`` beside
+    its ``max_completion_tokens``, is checked for its type only)."""
     value = body.get(name)
     if value is None:
         return None
     number = lax_int(value)
     if number is None:
         raise InvalidRequest(f"'{name}' must be an integer", name)
-    if (refusal := range_refusal(name, number)) is not None:
+    if ranged and (refusal := range_refusal(name, number)) is not None:
         raise InvalidRequest(refusal.message, refusal.param)
     if number is not value:
         body[name] = number  # 2.0 or "2", as vLLM reads it: the legs carry the integer
@@ -219,10 +221,11 @@ def _fan_out(
             if prompt is None:
                 raise
             raise InvalidRequest(f"prompt {i}: {exc.message}", f"prompt[{i}]") from None
-        seed, request_id = single.get("seed"), single.get("request_id")
+        # The seed as vLLM reads it ("5", 5.0 and true are integers to it).
+        seed, request_id = lax_int(single.get("seed")), single.get("request_id")
         for j in range(n):
             changes: dict[str, Any] = {}
-            if j and isinstance(seed, int) and not isinstance(seed, bool):
+            if j and seed is not None:
                 # vLLM seeds choice j of a seeded request with seed + j (parallel_sampling.py):
                 # the same seed on every choice would make them all one sample.
                 # Past int64 (vLLM's range) it wraps: still distinct and still reproducible.
@@ -302,17 +305,29 @@ def parse_client_request(
     if raw_stream is not None and stream is not raw_stream:
         body["stream"] = stream
     options = body.get("stream_options")
+    include_usage = False
     if options is not None:
         if not isinstance(options, dict):
             raise InvalidRequest("'stream_options' must be an object", "stream_options")
-        if not stream:
+        # vLLM refuses only options that say something ({} is no more than none).
+        if options and not stream:
             raise InvalidRequest(
                 "'stream_options' is only allowed when 'stream' is true", "stream_options"
             )
-    include_usage = bool(options and options.get("include_usage"))
+        for name in ("include_usage", "continuous_usage_stats"):
+            # Read as vLLM's bool fields read them ("false" and 0 are false); the decode leg
+            # carries the router's own options, so what the engine would refuse is refused here.
+            given = options.get(name)
+            flag = False if given is None else lax_bool(given)
+            if flag is None:
+                raise InvalidRequest(
+                    f"'stream_options.{name}' must be a boolean", f"stream_options.{name}"
+                )
+            if name == "include_usage":
+                include_usage = flag
+    completion_cap = _check_int(body, "max_completion_tokens") if chat else None
     max_tokens, cap_name = output_cap(
-        _check_int(body, "max_tokens"),
-        _check_int(body, "max_completion_tokens") if chat else None,
+        _check_int(body, "max_tokens", ranged=completion_cap is None), completion_cap
     )
     # The context as vLLM 0.32 applies it, in its words (engines.context): the engines cut
     # max_tokens to what the prompt leaves, and the router plans with the cut value.

@@ -70,14 +70,14 @@ class GenerationParams:
     role: str = "assistant"
 
 
-def _int_field(body: dict[str, Any], name: str) -> int | None:
+def _int_field(body: dict[str, Any], name: str, ranged: bool = True) -> int | None:
     raw = body.get(name)
     if raw is None:
         return None
     value = lax_int(raw)  # vLLM's pydantic, lax: 2.0, "2", true
     if value is None:
         raise ProtocolError(f"{name} must be an integer", param=name)
-    if (refusal := range_refusal(name, value)) is not None:
+    if ranged and (refusal := range_refusal(name, value)) is not None:
         raise ProtocolError(refusal.message, param=refusal.param)
     return value
 
@@ -112,6 +112,21 @@ def _prompt_tokens(
         )
     if prompt == []:
         raise ProtocolError("You must pass at least one prompt")
+    if body.get("suffix") is not None:
+        # vLLM 0.32 renders a suffix only for models with fill-in-the-middle completion
+        # rendering (DeepSeek-V4's renderer); the simulated model has none.
+        if body.get("echo"):
+            raise ProtocolError("Echo is unsupported with suffix.", param="suffix")
+        if isinstance(prompt, str) or (
+            isinstance(prompt, list) and all(isinstance(p, str) for p in prompt)
+        ):
+            raise ProtocolError(
+                "suffix is only supported for models with FIM completion rendering",
+                param="suffix",
+            )
+        raise ProtocolError(
+            "suffix requires text prompt input for FIM completion rendering", param="suffix"
+        )
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
@@ -165,9 +180,10 @@ def parse_generation(
         raise ProtocolError(
             "Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt"
         )
+    # vLLM uses max_completion_tokens when given, and checks only the limit it uses.
+    completion_cap = _int_field(body, "max_completion_tokens") if chat else None
     max_tokens, cap_name = output_cap(
-        _int_field(body, "max_tokens"),
-        _int_field(body, "max_completion_tokens") if chat else None,
+        _int_field(body, "max_tokens", ranged=completion_cap is None), completion_cap
     )
     min_tokens = _int_field(body, "min_tokens") or 0  # vLLM 0.32 has no min_completion_tokens
     # vLLM 0.32's context rule, in its words (engines.context).
@@ -198,8 +214,8 @@ def parse_generation(
         min_tokens=min_tokens,
         ignore_eos=_bool_field(body, "ignore_eos"),
         stream=stream,
-        include_usage=bool(options.get("include_usage")),
-        continuous_usage=bool(options.get("continuous_usage_stats")),
+        include_usage=_bool_field(options, "include_usage"),
+        continuous_usage=_bool_field(options, "continuous_usage_stats"),
         return_token_ids=_bool_field(body, "return_token_ids"),
         kv_transfer_params=body.get("kv_transfer_params"),
         cache_salt=salt,
