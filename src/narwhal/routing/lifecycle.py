@@ -740,14 +740,7 @@ class Lifecycle:
         d = self.state.engines[ticket.pair.decode]
         if ticket.local:
             d.prefill_work.done(ticket.id, now)
-        # The leg's verdict comes at its end (``finished`` or ``decode_broke``): a success
-        # here would reset the failures of an engine that breaks every stream after its first
-        # token, whose breaker would never open. Only a half-open breaker's probe closes it
-        # now: it answered, and other requests need not wait for its whole answer.
-        if d.breaker.state is BreakerState.HALF_OPEN:
-            self._verdict(d, ok=True)
-        else:
-            d.answered_at = now
+        self._verdict(d, ok=True)
         ticket.phase = "streaming"
         ticket.first_token_at = now
         after = now - ticket.decode_started
@@ -805,7 +798,7 @@ class Lifecycle:
             raise ValueError(f"request {ticket.id} is not streaming ({ticket.phase})")
         d = self._end_decode(ticket)
         ticket.phase = "done"
-        self._verdict(d, ok=True)
+        d.answered_at = self.clock.now()
         predictor = self.predictor
         n = completion_tokens or 0
         if complete and n > 0:
