@@ -220,7 +220,16 @@ def test_without_a_replay_socket_a_gap_resets() -> None:
 
 def test_a_restarted_engine_resets_its_entries_and_starts_over() -> None:
     seen = Recorder()
-    sub = KVEventSubscriber("e0", "tcp://127.0.0.1:1", None, "", seen.events, seen.reset)
+    restarts: list[int] = []
+    sub = KVEventSubscriber(
+        "e0",
+        "tcp://127.0.0.1:1",
+        None,
+        "",
+        seen.events,
+        seen.reset,
+        on_restart=lambda: restarts.append(seen.resets),
+    )
 
     async def body() -> None:
         for seq in range(5):
@@ -231,6 +240,7 @@ def test_a_restarted_engine_resets_its_entries_and_starts_over() -> None:
 
     asyncio.run(body())
     assert seen.resets == 1
+    assert restarts == [1]  # told after the reset: a restarted engine's cache is empty
     assert seen.removed == [100, 101, 102, 103, 104, 200, 201]
     assert sub.next_seq == 2
 
@@ -608,3 +618,39 @@ def test_expected_prompts_are_bounded_by_their_tokens() -> None:
         apply_kv_events(index, "e", [_stored_event([10 * i, 10 * i + 1], None, tokens, 2)])
         assert index.match(chain_keys(tokens, 2), 0.0) == {"e": 2}
     assert index.expected_hits == 2
+
+
+def test_a_restart_in_the_event_stream_drops_the_text_history_a_lost_stream_keeps_it() -> None:
+    """The text prompts' routing history outlives a change of the engine's source (a lost
+    stream, an unreadable batch) but not its restart, seen when its sequence begins again: a
+    restarted engine holds nothing, and was credited with its chats' prefixes for the
+    history's lifetime."""
+    from narwhal.clock import VirtualClock
+    from narwhal.contract import parse_fleet
+    from narwhal.metrics import RouterMetrics
+    from narwhal.routing.fleet_state import FleetState
+    from narwhal.routing.prefix import text_keys
+    from narwhal.serve.background import kv_event_subscribers
+    from narwhal.simengine.fleet import local_fleet_document
+
+    doc = local_fleet_document([9000, 9001], [9100, 9101], initial_roles=["prefill", "decode"])
+    doc["engines"][0]["kv_events"] = {"endpoint": "tcp://127.0.0.1:9200"}
+    doc["routing"] = {"prefix": {"enabled": True}}
+    state = FleetState(parse_fleet(doc, "fleet.json").contract, VirtualClock(0.0))
+    index = state.prefix_index
+    assert index is not None
+    (sub,) = kv_event_subscribers(state, RouterMetrics(["e0", "e1"], "test", "0" * 64, None))
+    text = text_keys(
+        ["a chat turn, long enough for several blocks of text " * 20], index.block_size
+    )
+    assert text
+
+    async def body() -> None:
+        await sub._receive(0, _batch(1.0, 1))
+        index.record_routed("e0", text, now=0.0, exact=False)
+        await sub._receive(5, _batch(2.0, 2))  # a gap nothing replays: a reset
+        assert index.match(text, now=1.0) == {"e0": len(text)}
+        await sub._receive(0, _batch(3.0, 3))  # the sequence begins again: a restart
+        assert index.match(text, now=1.0) == {}
+
+    asyncio.run(body())

@@ -9,6 +9,8 @@ from typing import Any
 import orjson
 
 from narwhal.contract import Migration
+from narwhal.engines.lax import lax_bool
+from narwhal.engines.legs import decode_leg_body
 from narwhal.serve.migration import MigrationTrace, continuation_request, new_trace
 from narwhal.serve.relay import EventRenderer, StreamTally
 from narwhal.serve.token_ids import cut_prompt_ids
@@ -72,6 +74,7 @@ def test_a_stream_is_traced_and_continued_from_its_token_ids() -> None:
         ({"include_usage": True, "continuous_usage_stats": True}, True),
         ({"include_usage": "true", "continuous_usage_stats": "true"}, True),
         ({"include_usage": False, "continuous_usage_stats": True}, False),
+        ({"include_usage": "false", "continuous_usage_stats": True}, False),
         ({"include_usage": True}, False),
     ):
         streamed = {**body, "stream": True, "stream_options": options}
@@ -81,6 +84,10 @@ def test_a_stream_is_traced_and_continued_from_its_token_ids() -> None:
             if continuous
             else {"include_usage": True}
         ), options
+        # The first decode leg's options alike: "false" is no request for usage, so none in
+        # every chunk (Python's truth read it as one).
+        leg = decode_leg_body(streamed, None)["stream_options"]
+        assert lax_bool(leg.get("continuous_usage_stats", False)) is continuous, options
 
 
 def test_continuation_chunks_become_the_clients() -> None:

@@ -386,6 +386,7 @@ class KVEventSubscriber:
         on_reset: Callable[[], None],
         replay_timeout_s: float = 2.0,
         on_unreadable: Callable[[], None] | None = None,
+        on_restart: Callable[[], None] | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.endpoint = endpoint
@@ -394,6 +395,9 @@ class KVEventSubscriber:
         self.on_events = on_events
         self.on_reset = on_reset
         self.on_unreadable = on_unreadable
+        # Told, after ``on_reset``, when the reset is the engine's restart (its sequence began
+        # again): its cache is empty, which a lost stream or an unreadable batch does not say.
+        self.on_restart = on_restart
         self.replay_timeout_s = replay_timeout_s
         self.next_seq: int | None = None
         self.replaying = False  # waiting for the replay socket (the live stream waits too)
@@ -452,6 +456,8 @@ class KVEventSubscriber:
             if ts <= self.last_ts:
                 return
             self._reset("its event sequence started over (an engine restart)")
+            if self.on_restart is not None:
+                self.on_restart()
             expected = self.next_seq = None
         if expected is None:
             # The first batch of a stream: what the engine published before it (a slow

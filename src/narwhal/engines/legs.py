@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from narwhal.engines.lax import lax_bool
+
 __all__ = [
     "PREFILL_KV_REQUEST",
     "STRUCTURED_OUTPUT_FIELDS",
@@ -92,7 +94,7 @@ def decode_leg_body(client_body: dict[str, Any], kv_transfer_params: Any) -> dic
         body.pop("kv_transfer_params", None)
     body["stream"] = True
     options = dict(client_body.get("stream_options") or {})
-    if not options.get("include_usage"):
+    if not lax_bool(options.get("include_usage")):
         # vLLM puts usage in every chunk only for a client that asked for usage at all; the
         # leg asks for it (the router counts with it), so it must not ask for that too.
         options.pop("continuous_usage_stats", None)

@@ -228,6 +228,8 @@ def kv_event_subscribers(state: FleetState, metrics: RouterMetrics) -> list[KVEv
                 _applier(index, spec.id, metrics),
                 _resetter(index, spec.id, metrics),
                 on_unreadable=metrics.kv_event_unreadable.labels(spec.id).inc,
+                # A restarted engine holds nothing: the text prompts' history goes too.
+                on_restart=functools.partial(index.clear, spec.id),
             )
         )
     return out

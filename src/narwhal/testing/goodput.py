@@ -109,8 +109,8 @@ def search_crossing(
     """Goodput by search: from ``start``, doubling or halving until ``target`` attainment is
     bracketed, bisection (geometric) to ``precision`` (relative), then ``crossing``; then four
     more rates around it (0.8, 0.9, 1.1, 1.25 times) as support for bootstrap resamples, whose
-    goodput lies near it. Returns (goodput, every point measured, by rate); ``measure`` runs
-    once per rate."""
+    goodput lies near it, and the goodput read again over every rate, as each resample reads
+    it. Returns (goodput, every point measured, by rate); ``measure`` runs once per rate."""
     points: dict[float, P] = {}
 
     def at(rate: float) -> P:
