@@ -489,3 +489,29 @@ def test_migration_off_in_the_fleet_keeps_the_old_behaviour(tmp_path: Path) -> N
         _, chunks, error = streamed_text(response)
         assert error
         assert len([c for c in chunks if c.get("choices")]) == 2
+
+
+def test_a_stream_broken_where_it_cannot_be_continued_counts_against_its_engine(stack) -> None:
+    """Several choices (n > 1) are not continued elsewhere: a decode engine that breaks them
+    after their first tokens failed the request, and its leg counted as a success (the first
+    token's), so an engine breaking every such stream never had its breaker opened (a QA
+    pass: 11 of 20 tool-call requests failed on one engine, its breaker closed). Each such
+    break is now a decode leg failure on its engine."""
+    fleet, router = stack
+    for engine_id in ("e2", "e3"):
+        admin(fleet.engines[engine_id].url, "POST", {"error_after_tokens": 3})
+
+    def failures() -> float:
+        text = router.metrics()
+        return sum(
+            metric(text, "narwhal_leg_failures_total", engine=e, leg="decode") for e in ("e2", "e3")
+        )
+
+    before = failures()
+    broken = 0
+    for prompt in PROMPTS[:3]:
+        response = complete(router, prompt, n=2, temperature=1.0, stream=True)
+        assert response.status_code == 200
+        broken += streamed_text(response)[2]
+    assert broken == 3  # every request's stream ended with an error event
+    assert failures() - before >= 3

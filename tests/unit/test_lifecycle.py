@@ -482,6 +482,47 @@ def test_a_stream_that_breaks_is_continued_on_a_pair_avoiding_its_engine() -> No
         lifecycle.decode_broke(ticket)  # it is over already
 
 
+def test_an_engine_that_breaks_every_stream_after_its_first_token_has_its_breaker_opened() -> None:
+    """Each leg's first token recorded a success, which reset the failures its break had just
+    counted: an engine failing every stream mid-answer kept its breaker closed for good. A
+    leg's verdict is its end; a half-open breaker's probe still closes it at its first token;
+    a stream begun before the breaker opened does not close it when it ends."""
+    lifecycle, clock, _ = build(n_decode=1)
+    d = lifecycle.state.engines["e2"]
+    old = lifecycle.arrive("old", max_tokens=40, prompt_tokens=100)
+    admitted(lifecycle, old)
+    lifecycle.prefill_done(old, "ok")
+    lifecycle.first_token(old)
+    for i in range(3):
+        ticket = lifecycle.arrive(f"r{i}", max_tokens=40, prompt_tokens=100)
+        assert admitted(lifecycle, ticket).decode == "e2"
+        lifecycle.prefill_done(ticket, "ok")
+        lifecycle.first_token(ticket)
+        assert d.breaker.consecutive_failures == i and d.breaker.state is BreakerState.CLOSED
+        clock.advance(0.1)
+        lifecycle.decode_broke(ticket)
+    assert d.breaker.state is BreakerState.OPEN
+    lifecycle.finished(old, completion_tokens=40, complete=True)
+    assert d.breaker.state is BreakerState.OPEN  # no close without the cool-off and a probe
+    # After the cool-off one request probes; its first token closes the breaker.
+    clock.advance(d.breaker.open_seconds)
+    probe = lifecycle.arrive("probe", max_tokens=40, prompt_tokens=100)
+    assert admitted(lifecycle, probe).decode == "e2"
+    assert d.breaker.state is BreakerState.HALF_OPEN
+    lifecycle.prefill_done(probe, "ok")
+    lifecycle.first_token(probe)
+    assert d.breaker.state is BreakerState.CLOSED
+    # A whole answer resets what breaks counted.
+    broken = lifecycle.arrive("broken", max_tokens=40, prompt_tokens=100)
+    admitted(lifecycle, broken)
+    lifecycle.prefill_done(broken, "ok")
+    lifecycle.first_token(broken)
+    lifecycle.decode_broke(broken)
+    assert d.breaker.consecutive_failures == 1
+    lifecycle.finished(probe, completion_tokens=40, complete=True)
+    assert d.breaker.consecutive_failures == 0
+
+
 def test_a_slow_prefill_is_hedged_on_another_prefill_engine() -> None:
     lifecycle, _, observer = build()
     ticket = lifecycle.arrive("r", max_tokens=4, prompt_tokens=100)

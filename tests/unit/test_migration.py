@@ -447,3 +447,18 @@ def test_held_back_text_is_taken_only_from_a_decoding_that_begins_as_the_client_
     # Without stop strings nothing is held back, and nothing is recovered.
     plain = _trace({k: v for k, v in body.items() if k != "stop"}, chat=True)
     assert plain.holdback == 0 and not plain.observes_text
+
+
+def test_an_error_event_is_the_engines_fault_unless_it_refuses_the_request() -> None:
+    """vLLM 0.32 refuses some fields mid-stream (logprobs past 20: a 400 error event): that
+    is the request's fault, and must not count against the engine's breaker, or a client
+    could open every engine's by asking for it."""
+    from narwhal.serve.relay import engine_fault
+
+    assert engine_fault({"error": {"message": "boom", "type": "InternalServerError", "code": 500}})
+    assert engine_fault({"error": {"message": "boom"}})
+    assert engine_fault({"error": None})
+    assert not engine_fault(
+        {"error": {"message": "logprobs", "type": "BadRequestError", "code": 400}}
+    )
+    assert not engine_fault({"error": {"message": "gone", "code": 404}})

@@ -740,7 +740,14 @@ class Lifecycle:
         d = self.state.engines[ticket.pair.decode]
         if ticket.local:
             d.prefill_work.done(ticket.id, now)
-        self._verdict(d, ok=True)
+        # The leg's verdict is its end (``finished``, ``decode_broke``): a success here would
+        # reset what the engine's last broken stream counted, and an engine that breaks every
+        # stream after its first token would never have its breaker opened. Only a half-open
+        # breaker's probe closes it now: it answered, and others need not wait for its end.
+        if d.breaker.state is BreakerState.HALF_OPEN:
+            self._verdict(d, ok=True)
+        else:
+            d.answered_at = now
         ticket.phase = "streaming"
         ticket.first_token_at = now
         after = now - ticket.decode_started
@@ -798,7 +805,12 @@ class Lifecycle:
             raise ValueError(f"request {ticket.id} is not streaming ({ticket.phase})")
         d = self._end_decode(ticket)
         ticket.phase = "done"
-        d.answered_at = self.clock.now()
+        if d.breaker.state is BreakerState.CLOSED:
+            # Resets the count of failures. Not on a breaker that opened while this stream ran
+            # (begun before): that would close it without its cool-off and half-open probe.
+            self._verdict(d, ok=True)
+        else:
+            d.answered_at = self.clock.now()
         predictor = self.predictor
         n = completion_tokens or 0
         if complete and n > 0:

@@ -33,7 +33,14 @@ from narwhal.serve.errors import UpstreamFailed, error_body, with_detail
 from narwhal.serve.migration import Migrator
 from narwhal.serve.pd import DecodeStream, PDRouter
 from narwhal.serve.record import RequestRecord
-from narwhal.serve.relay import DONE_EVENT, StreamTally, aggregate, last_events, note_chunk
+from narwhal.serve.relay import (
+    DONE_EVENT,
+    StreamTally,
+    aggregate,
+    engine_fault,
+    last_events,
+    note_chunk,
+)
 from narwhal.serve.validation import ClientRequest
 
 __all__ = ["ChoiceSet", "ChoiceStreams", "aggregate_choices", "open_choices"]
@@ -254,6 +261,7 @@ class ChoiceStreams:
             if not isinstance(obj, dict):
                 raise ValueError("a stream event that is not a JSON object")
             if "error" in obj:
+                self.choices.streams[i].broke = engine_fault(obj)
                 raise UpstreamFailed(
                     "stream_error",
                     str((obj.get("error") or {}).get("message", "engine error")),
@@ -311,6 +319,7 @@ class ChoiceStreams:
                     continue
                 try:
                     if isinstance(item, BaseException):
+                        streams[i].broke = True
                         transport = isinstance(item, EngineTransportError)
                         why = item.reason if isinstance(item, EngineTransportError) else f"{item}"
                         detail = str(item) if transport else None
@@ -318,11 +327,14 @@ class ChoiceStreams:
                             "stream_error", f"{type(item).__name__}: {why}", detail
                         )
                     if not item:
+                        streams[i].broke = True
                         raise UpstreamFailed(
                             "stream_error", "the decode engine closed the stream early"
                         )
                     out, finished = self._render(i, item)
                 except (UpstreamFailed, ValueError) as exc:
+                    if not isinstance(exc, UpstreamFailed):  # an event that is no JSON object
+                        streams[i].broke = True
                     message = exc.message if isinstance(exc, UpstreamFailed) else str(exc)
                     told = f"decode stream of choice {i} broke: {message}"
                     detail = exc.detail if isinstance(exc, UpstreamFailed) else None

@@ -426,6 +426,7 @@ class GenerationEndpoint:
             if renderer.failure is not None:
                 journaled = with_detail(renderer.failure, renderer.detail)
                 outcome, status, error = "stream_error", 200, journaled
+                migrator.stream.broke = renderer.fault
             else:
                 outcome, status, error = "ok", 200, None
         except asyncio.CancelledError:

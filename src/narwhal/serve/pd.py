@@ -137,6 +137,10 @@ class DecodeStream:
     decode_prompt_ids: bytes | None = None
     # A migration's continuation: the tokens the legs before it generated.
     completion_offset: int = 0
+    # The engine broke the stream after its first token and it was not continued elsewhere (a
+    # server error event, a malformed event, the connection cut): a failure on its engine. An
+    # error event of a 4xx (the request's fault, as vLLM refuses some fields mid-stream) is not.
+    broke: bool = False
 
     async def aclose(self, drain: bool = False) -> None:
         """Close the upstream response. After a complete stream, ``drain`` reads the closing
@@ -255,6 +259,9 @@ class PDRouter:
         answer's time per token corrects the decode model. A leg a failed migration already
         ended is left as it is."""
         if stream.ticket.phase != "streaming":
+            return
+        if stream.broke:
+            self.lifecycle.decode_broke(stream.ticket)
             return
         if record.prompt_tokens is not None and not stream.completion_offset:
             stream.ticket.prompt_tokens = record.prompt_tokens

@@ -41,6 +41,7 @@ __all__ = [
     "StallWatch",
     "StreamTally",
     "aggregate",
+    "engine_fault",
     "note_chunk",
     "relay_events",
 ]
@@ -52,6 +53,14 @@ def last_events(error: dict[str, Any]) -> bytes:
     """How a stream that broke ends: its OpenAI error event (``error_body``), then ``[DONE]``
     (the client must not take a truncated stream for a whole one)."""
     return b"data: " + orjson.dumps(error) + b"\n\n" + DONE_EVENT
+
+
+def engine_fault(event: dict[str, Any]) -> bool:
+    """Whether an engine's error event mid-stream is the engine's fault: a server error (vLLM
+    writes ``code`` 500, or none), not a refusal of the request (a 4xx, which vLLM 0.32 sends
+    in the stream for some fields: logprobs past 20, ``logit_bias`` out of the vocabulary)."""
+    code = (event.get("error") or {}).get("code") if isinstance(event, dict) else None
+    return not (type(code) is int and 400 <= code < 500)
 
 
 @dataclass
@@ -129,6 +138,7 @@ class EventRenderer:
     __slots__ = (
         "detail",
         "failure",
+        "fault",
         "finished",
         "include_usage",
         "interrupted",
@@ -149,6 +159,7 @@ class EventRenderer:
         self.prefill_prompt_tokens = prefill_prompt_tokens
         self.finished = False
         self.failure: str | None = None  # what broke the stream, as its client was told
+        self.fault = False  # the engine's fault (DecodeStream.broke), not the request's
         self.detail: str | None = None  # the last transport error's whole text (journal only)
         self.trace = trace
         self.interrupted: tuple[str, str] | None = None
@@ -237,6 +248,7 @@ class EventRenderer:
                     break
                 out += (b"data: ", payload, b"\n\n", DONE_EVENT)
                 self.failure = message
+                self.fault = engine_fault(obj)
                 self.finished = True
                 break
             if translated is not None and isinstance(obj, dict):
@@ -264,6 +276,7 @@ class EventRenderer:
         """An error event and ``[DONE]``: the stream broke after its first token, when nothing
         can be retried, and the client must not take a truncated stream for a whole one."""
         self.failure = message
+        self.fault = True
         self.finished = True
         return last_events(error_body(message, "upstream_error", None, 502))
 
@@ -674,6 +687,7 @@ async def aggregate(
                     if batch is not None and not batch:
                         message = "the decode engine closed the stream early"
                         if not renderer.interrupt("connection", message):
+                            stream.broke = True
                             raise UpstreamFailed("stream_error", message)
                     continue
                 payload = batch[i]
@@ -682,11 +696,13 @@ async def aggregate(
                     break
                 obj = orjson.loads(payload)
                 if not isinstance(obj, dict):
+                    stream.broke = True
                     raise UpstreamFailed("decode_failed", "malformed chunk from the decode engine")
                 if "error" in obj:
                     detail = str((obj.get("error") or {}).get("message", "engine error"))
                     if renderer.interrupt("engine_error", detail):
                         continue
+                    stream.broke = engine_fault(obj)
                     raise UpstreamFailed("stream_error", f"decode failed mid-generation: {detail}")
                 if trace is not None:
                     if trace.migrations:
@@ -712,6 +728,7 @@ async def aggregate(
                 message = f"decode stream broke: {type(exc).__name__}: {why}"
                 if not renderer.interrupt("connection", message):
                     told_not = str(exc) if transport else None  # the journal's
+                    stream.broke = True
                     raise UpstreamFailed("stream_error", message, told_not) from None
     finally:
         watch.close()
