@@ -523,6 +523,33 @@ def test_an_engine_that_breaks_every_stream_after_its_first_token_has_its_breake
     assert d.breaker.consecutive_failures == 0
 
 
+def test_only_a_whole_answer_resets_the_breaker_and_a_failed_probe_reopens_it() -> None:
+    """n > 1: when one choice breaks, the router cuts its siblings, which ended as successes
+    on the same engine and wiped out the failure (a review's repro: five such requests, the
+    breaker closed with no failure). A stream cut short (``answered=False``: a sibling broke,
+    the client left, a drain) says nothing of the engine. And a half-open probe that closed
+    the breaker at its first token and then breaks opens it again at once."""
+    lifecycle, clock, _ = build(n_decode=1)
+    d = lifecycle.state.engines["e2"]
+    for i in range(3):
+        choices = [lifecycle.arrive(f"r{i}-{j}", max_tokens=40, prompt_tokens=100) for j in (0, 1)]
+        for ticket in choices:
+            admitted(lifecycle, ticket)
+            lifecycle.prefill_done(ticket, "ok")
+            lifecycle.first_token(ticket)
+        lifecycle.decode_broke(choices[0])
+        lifecycle.finished(choices[1], completion_tokens=3, answered=False)
+    assert d.breaker.state is BreakerState.OPEN
+    clock.advance(d.breaker.open_seconds)
+    probe = lifecycle.arrive("probe", max_tokens=40, prompt_tokens=100)
+    admitted(lifecycle, probe)
+    lifecycle.prefill_done(probe, "ok")
+    lifecycle.first_token(probe)
+    assert d.breaker.state is BreakerState.CLOSED
+    lifecycle.decode_broke(probe)
+    assert d.breaker.state is BreakerState.OPEN
+
+
 def test_a_slow_prefill_is_hedged_on_another_prefill_engine() -> None:
     lifecycle, _, observer = build()
     ticket = lifecycle.arrive("r", max_tokens=4, prompt_tokens=100)

@@ -462,3 +462,27 @@ def test_an_error_event_is_the_engines_fault_unless_it_refuses_the_request() -> 
         {"error": {"message": "logprobs", "type": "BadRequestError", "code": 400}}
     )
     assert not engine_fault({"error": {"message": "gone", "code": 404}})
+
+
+def test_a_refusal_mid_stream_is_passed_on_and_a_server_error_continued() -> None:
+    """A 4xx error event refuses the request (vLLM 0.32 sends some refusals in the stream): a
+    migratable stream was continued elsewhere on it, each migration a failure on an engine
+    that did no wrong, and the client got the router's 502 in the end. It is passed on as the
+    engine wrote it; a server error is still continued."""
+    body = {"model": "m", "prompt": [1], "max_tokens": 5}
+    first = b'{"id":"c","choices":[{"index":0,"text":"a","token_ids":[5]}]}'
+    refusal = b'{"error":{"message":"logprobs","type":"BadRequestError","code":400}}'
+
+    def migratable() -> MigrationTrace:
+        trace = _trace(body)
+        trace.keep_prompt_ids(b"1")
+        return trace
+
+    renderer = EventRenderer(StreamTally(), False, 1, migratable())
+    sent = renderer.render([first, refusal])
+    assert renderer.interrupted is None and renderer.finished and not renderer.fault
+    assert refusal in sent and sent.endswith(b"data: [DONE]\n\n")
+    crash = b'{"error":{"message":"boom","type":"InternalServerError","code":500}}'
+    renderer = EventRenderer(StreamTally(), False, 1, migratable())
+    renderer.render([first, crash])
+    assert renderer.interrupted == ("engine_error", "boom")

@@ -77,6 +77,11 @@ class CircuitBreaker:
         elif self.health_failed and ready and self.state is BreakerState.HALF_OPEN:
             self.record_success()
 
+    def trip(self) -> None:
+        """The next failure opens the breaker, whatever the count: the request that closed it
+        as the half-open probe failed after all."""
+        self.consecutive_failures = max(self.consecutive_failures, self.failure_threshold - 1)
+
     def record_failure(self) -> None:
         self.consecutive_failures += 1
         if (

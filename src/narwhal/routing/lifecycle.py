@@ -110,6 +110,9 @@ class Ticket:
     queued_at: float | None = None
     waited_s: float | None = None  # time in the admission queue, once admitted from it
     idle_admitted: bool = False
+    # Its decode leg's first token closed its engine's half-open breaker: a break after it
+    # opens the breaker again at once (the probe failed), not after as many as a closed one.
+    closed_breaker: bool = False
     # Engines that failed this request, which its retry avoids. Shared empty sets until one
     # does: two sets per request were 0.4 GB of a million-request simulation.
     failed_prefill: frozenset[str] = frozenset()
@@ -746,6 +749,7 @@ class Lifecycle:
         # breaker's probe closes it now: it answered, and others need not wait for its end.
         if d.breaker.state is BreakerState.HALF_OPEN:
             self._verdict(d, ok=True)
+            ticket.closed_breaker = True
         else:
             d.answered_at = now
         ticket.phase = "streaming"
@@ -788,12 +792,19 @@ class Lifecycle:
         if ticket.phase != "streaming" or ticket.pair is None:
             raise ValueError(f"request {ticket.id} is not streaming ({ticket.phase})")
         d = self._end_decode(ticket)
+        if ticket.closed_breaker:
+            d.breaker.trip()
         self._verdict(d, ok=False, leg="decode")
         ticket.failed_decode = ticket.failed_decode | {d.id}
         ticket.phase = "done"
 
     def finished(
-        self, ticket: Ticket, *, completion_tokens: int | None = None, complete: bool = False
+        self,
+        ticket: Ticket,
+        *,
+        completion_tokens: int | None = None,
+        complete: bool = False,
+        answered: bool = True,
     ) -> None:
         """The decode stream is over; ``complete``: it delivered its whole answer of
         ``completion_tokens``, whose time per output token after the first (from the first
@@ -805,9 +816,11 @@ class Lifecycle:
             raise ValueError(f"request {ticket.id} is not streaming ({ticket.phase})")
         d = self._end_decode(ticket)
         ticket.phase = "done"
-        if d.breaker.state is BreakerState.CLOSED:
+        if answered and d.breaker.state is BreakerState.CLOSED:
             # Resets the count of failures. Not on a breaker that opened while this stream ran
-            # (begun before): that would close it without its cool-off and half-open probe.
+            # (begun before): that would close it without its cool-off and half-open probe;
+            # nor for a stream cut short by the router or its client (``answered`` False),
+            # which says nothing of the engine.
             self._verdict(d, ok=True)
         else:
             d.answered_at = self.clock.now()

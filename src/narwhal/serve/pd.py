@@ -269,7 +269,12 @@ class PDRouter:
         if completion is not None:
             completion -= stream.completion_offset
         self.lifecycle.finished(
-            stream.ticket, completion_tokens=completion, complete=record.outcome == "ok"
+            stream.ticket,
+            completion_tokens=completion,
+            complete=record.outcome == "ok",
+            # Only a whole answer is a success on the engine: a stream the router or its
+            # client cut (a choice's sibling broke, the client left, a drain) says nothing.
+            answered=record.outcome == "ok",
         )
 
     def stall_s(self, stream: DecodeStream) -> float:

@@ -244,11 +244,14 @@ class EventRenderer:
                 break
             if isinstance(obj, dict) and "error" in obj:
                 message = str((obj.get("error") or {}).get("message", "engine error"))
-                if self.interrupt("engine_error", message):
+                # A refusal of the request (a 4xx) would be refused anywhere: passed on, not
+                # continued elsewhere (each migration a failure on an engine that did no wrong).
+                fault = engine_fault(obj)
+                if fault and self.interrupt("engine_error", message):
                     break
                 out += (b"data: ", payload, b"\n\n", DONE_EVENT)
                 self.failure = message
-                self.fault = engine_fault(obj)
+                self.fault = fault
                 self.finished = True
                 break
             if translated is not None and isinstance(obj, dict):
@@ -674,6 +677,9 @@ async def aggregate(
                     reason, message = renderer.interrupted or ("stall", "the decode stream stalled")
                     resumed = await migrator.resume(reason, message)
                     if resumed is None:
+                        # Its leg ended failed already if a continuation was tried (finish
+                        # then skips it); else (the answer could not be recovered) here.
+                        migrator.stream.broke = True
                         message = f"decode failed mid-generation: {message}"
                         raise UpstreamFailed("stream_error", message)
                     renderer.resume()
@@ -700,9 +706,10 @@ async def aggregate(
                     raise UpstreamFailed("decode_failed", "malformed chunk from the decode engine")
                 if "error" in obj:
                     detail = str((obj.get("error") or {}).get("message", "engine error"))
-                    if renderer.interrupt("engine_error", detail):
+                    fault = engine_fault(obj)
+                    if fault and renderer.interrupt("engine_error", detail):
                         continue
-                    stream.broke = engine_fault(obj)
+                    stream.broke = fault
                     raise UpstreamFailed("stream_error", f"decode failed mid-generation: {detail}")
                 if trace is not None:
                     if trace.migrations:
