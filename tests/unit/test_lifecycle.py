@@ -550,6 +550,36 @@ def test_only_a_whole_answer_resets_the_breaker_and_a_failed_probe_reopens_it() 
     assert d.breaker.state is BreakerState.OPEN
 
 
+def test_a_probes_late_break_after_other_successes_counts_as_one_failure() -> None:
+    """The probe's quick reopening holds only until other evidence comes: a probe stream that
+    breaks after whole answers were served there counts as one failure, and a stream begun
+    before the breaker opened does not close it by its first token in the half-open state."""
+    lifecycle, clock, _ = build(n_decode=1, ttft_s=60.0)
+    d = lifecycle.state.engines["e2"]
+    early = lifecycle.arrive("early", max_tokens=40, prompt_tokens=100)
+    admitted(lifecycle, early)
+    lifecycle.prefill_done(early, "ok")  # decode leg begun while the breaker is closed
+    for _ in range(d.breaker.failure_threshold):
+        d.breaker.record_failure()
+    clock.advance(d.breaker.open_seconds)
+    assert d.breaker.allows_request() and d.breaker.state is BreakerState.HALF_OPEN
+    lifecycle.first_token(early)
+    assert d.breaker.state is BreakerState.HALF_OPEN  # not the probe: no verdict
+    lifecycle.finished(early, completion_tokens=40, complete=True)
+    probe = lifecycle.arrive("probe", max_tokens=40, prompt_tokens=100)
+    admitted(lifecycle, probe)
+    lifecycle.prefill_done(probe, "ok")
+    lifecycle.first_token(probe)
+    assert d.breaker.state is BreakerState.CLOSED
+    other = lifecycle.arrive("other", max_tokens=40, prompt_tokens=100)
+    admitted(lifecycle, other)
+    lifecycle.prefill_done(other, "ok")
+    lifecycle.first_token(other)
+    lifecycle.finished(other, completion_tokens=40, complete=True)  # a whole answer since
+    lifecycle.decode_broke(probe)
+    assert d.breaker.state is BreakerState.CLOSED and d.breaker.consecutive_failures == 1
+
+
 def test_a_slow_prefill_is_hedged_on_another_prefill_engine() -> None:
     lifecycle, _, observer = build()
     ticket = lifecycle.arrive("r", max_tokens=4, prompt_tokens=100)

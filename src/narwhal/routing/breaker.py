@@ -35,6 +35,7 @@ class CircuitBreaker:
     probe_in_flight: bool = False
     # Did /health probes fail too (since they last passed with the breaker closed)?
     health_failed: bool = False
+    successes: int = 0  # recorded so far: whether any came since a given moment
 
     def allows_request(self) -> bool:
         """May a request go to this engine now? (Moves open -> half-open when the time comes.)"""
@@ -60,6 +61,7 @@ class CircuitBreaker:
             self.probe_in_flight = False
 
     def record_success(self) -> None:
+        self.successes += 1
         self.state = BreakerState.CLOSED
         self.consecutive_failures = 0
         self.probe_in_flight = False

@@ -110,9 +110,11 @@ class Ticket:
     queued_at: float | None = None
     waited_s: float | None = None  # time in the admission queue, once admitted from it
     idle_admitted: bool = False
-    # Its decode leg's first token closed its engine's half-open breaker: a break after it
-    # opens the breaker again at once (the probe failed), not after as many as a closed one.
-    closed_breaker: bool = False
+    # Its decode leg is its engine's half-open breaker's probe; once its first token closed
+    # the breaker, the breaker's success count then: a break before any other success opens
+    # it again at once (the probe failed), not after as many breaks as a closed one takes.
+    decode_probe: bool = False
+    closed_breaker: int | None = None
     # Engines that failed this request, which its retry avoids. Shared empty sets until one
     # does: two sets per request were 0.4 GB of a million-request simulation.
     failed_prefill: frozenset[str] = frozenset()
@@ -715,7 +717,10 @@ class Lifecycle:
         assert ticket.pair is not None
         pair = ticket.pair
         d = self.state.engines[pair.decode]
-        d.breaker.on_dispatch()
+        breaker = d.breaker
+        half_open = breaker.state is BreakerState.HALF_OPEN
+        ticket.decode_probe = half_open and not breaker.probe_in_flight
+        breaker.on_dispatch()
         now = self.clock.now()
         d.add_decode(now, 1)
         self.observer.in_flight(d.id, "decode", 1)
@@ -747,9 +752,9 @@ class Lifecycle:
         # reset what the engine's last broken stream counted, and an engine that breaks every
         # stream after its first token would never have its breaker opened. Only a half-open
         # breaker's probe closes it now: it answered, and others need not wait for its end.
-        if d.breaker.state is BreakerState.HALF_OPEN:
+        if ticket.decode_probe and d.breaker.state is BreakerState.HALF_OPEN:
             self._verdict(d, ok=True)
-            ticket.closed_breaker = True
+            ticket.closed_breaker = d.breaker.successes
         else:
             d.answered_at = now
         ticket.phase = "streaming"
@@ -792,7 +797,7 @@ class Lifecycle:
         if ticket.phase != "streaming" or ticket.pair is None:
             raise ValueError(f"request {ticket.id} is not streaming ({ticket.phase})")
         d = self._end_decode(ticket)
-        if ticket.closed_breaker:
+        if ticket.closed_breaker is not None and ticket.closed_breaker == d.breaker.successes:
             d.breaker.trip()
         self._verdict(d, ok=False, leg="decode")
         ticket.failed_decode = ticket.failed_decode | {d.id}
