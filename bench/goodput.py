@@ -131,6 +131,7 @@ from narwhal.testing.goodput import (
     interval,
     number_list,
     paired_ratio,
+    precision_error,
     quick_defaults,
 )
 from narwhal.testing.ports import free_ports
@@ -1099,8 +1100,8 @@ def main() -> int:
         number_list(args.profile_concurrency, "--profile-concurrency", int, 1)
     except ValueError as exc:
         parser.error(str(exc))
-    if args.precision >= 1:
-        parser.error(f"--precision: a relative width below 1, got {args.precision:g}")
+    if problem := precision_error(args.precision):
+        parser.error(problem)
     bins: dict[str, Path] = {}
     for binary, needed in (
         ("vllm-router", any(s in VLLM_SYSTEMS for s in systems)),

@@ -105,6 +105,7 @@ from narwhal.testing.goodput import (
     number_list,
     paired_ratio,
     patience_of,
+    precision_error,
     quick_defaults,
     search_crossing,
     to_blocks,
@@ -355,11 +356,9 @@ def main() -> int:
         args,
         [("windows", 1, True), ("requests_per_engine", 1, True), ("block", 1, True),
          ("resamples", 1, True), ("precision", 0, False)],
-    )  # fmt: skip
+    ) or precision_error(args.precision)  # fmt: skip
     if problem:
         parser.error(problem)
-    if args.precision >= 1:  # the bisection's bracket, high over low, at most 1 + this
-        parser.error(f"--precision: a relative width below 1, got {args.precision:g}")
     try:
         # Half prefill, half decode: at least one of each.
         sizes = number_list(args.sizes, "--sizes", int, 2)

@@ -96,6 +96,7 @@ from narwhal.testing.goodput import (
     number_list,
     paired_ratio,
     patience_of,
+    precision_error,
     search_crossing,
     to_blocks,
 )
@@ -325,11 +326,9 @@ def main() -> int:
         [("cache_tokens", 0, True), ("history_ttl_s", 0, False), ("requests_per_engine", 1, True),
          ("transfer_s_per_token", 0, True), ("block", 1, True), ("resamples", 1, True),
          ("precision", 0, False)],
-    )  # fmt: skip
+    ) or precision_error(args.precision)  # fmt: skip
     if problem:
         parser.error(problem)
-    if args.precision >= 1:  # the bisection's bracket, high over low, at most 1 + this
-        parser.error(f"--precision: a relative width below 1, got {args.precision:g}")
     try:
         sizes = number_list(args.sizes, "--sizes", int, 2)
         shares = sorted(set(number_list(args.splits, "--splits", float, 0, 1, low_allowed=False)))

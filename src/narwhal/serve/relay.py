@@ -669,6 +669,7 @@ async def aggregate(
     prefill_prompt_tokens = stream.prefill_prompt_tokens  # the client's prompt, as counted
     batch: list[bytes] | None = stream.first_events
     watch = StallWatch(renderer, migrator.stall_deadline)
+    refused = False  # the engine refused the request (a 4xx error event): not its fault
     try:
         i = 0
         while True:
@@ -677,9 +678,6 @@ async def aggregate(
                     reason, message = renderer.interrupted or ("stall", "the decode stream stalled")
                     resumed = await migrator.resume(reason, message)
                     if resumed is None:
-                        # Its leg ended failed already if a continuation was tried (finish
-                        # then skips it); else (the answer could not be recovered) here.
-                        migrator.stream.broke = True
                         message = f"decode failed mid-generation: {message}"
                         raise UpstreamFailed("stream_error", message)
                     renderer.resume()
@@ -693,7 +691,6 @@ async def aggregate(
                     if batch is not None and not batch:
                         message = "the decode engine closed the stream early"
                         if not renderer.interrupt("connection", message):
-                            stream.broke = True
                             raise UpstreamFailed("stream_error", message)
                     continue
                 payload = batch[i]
@@ -702,14 +699,13 @@ async def aggregate(
                     break
                 obj = orjson.loads(payload)
                 if not isinstance(obj, dict):
-                    stream.broke = True
                     raise UpstreamFailed("decode_failed", "malformed chunk from the decode engine")
                 if "error" in obj:
                     detail = str((obj.get("error") or {}).get("message", "engine error"))
                     fault = engine_fault(obj)
                     if fault and renderer.interrupt("engine_error", detail):
                         continue
-                    stream.broke = fault
+                    refused = not fault
                     raise UpstreamFailed("stream_error", f"decode failed mid-generation: {detail}")
                 if trace is not None:
                     if trace.migrations:
@@ -735,8 +731,12 @@ async def aggregate(
                 message = f"decode stream broke: {type(exc).__name__}: {why}"
                 if not renderer.interrupt("connection", message):
                     told_not = str(exc) if transport else None  # the journal's
-                    stream.broke = True
                     raise UpstreamFailed("stream_error", message, told_not) from None
+    except UpstreamFailed:
+        # Every failure here but a refusal is the engine's: its leg ends failed
+        # (PDRouter.finish; a leg a failed continuation already ended is left as it is).
+        migrator.stream.broke = not refused
+        raise
     finally:
         watch.close()
     tally.done = True

@@ -38,6 +38,7 @@ __all__ = [
     "number_list",
     "paired_ratio",
     "patience_of",
+    "precision_error",
     "quick_defaults",
     "search_crossing",
     "to_blocks",
@@ -237,6 +238,15 @@ def bound_error(args: Any, bounds: Iterable[tuple[str, float, bool]]) -> str | N
         reason = out_of_range(getattr(args, name), low, low_allowed=inclusive)
         if reason is not None:
             return f"--{name.replace('_', '-')}: {reason}"
+    return None
+
+
+def precision_error(precision: float) -> str | None:
+    """``--precision``'s upper bound, worded as a usage error, or None: a search bisects until
+    its bracket's high over low is at most 1 + it, so 1 or more leaves a bracket of a factor of
+    two or wider."""
+    if precision >= 1:
+        return f"--precision: a relative width below 1, got {precision:g}"
     return None
 
 
