@@ -9,10 +9,14 @@ from pathlib import Path
 import pytest
 
 from narwhal.clock import VirtualClock
+from narwhal.contract import parse_fleet
 from narwhal.coordination import SharedRoles, parse_coordination_url
 from narwhal.coordination.replica import HISTORY_KEPT, namespace_of
+from narwhal.metrics import RouterMetrics
+from narwhal.routing.fleet_state import FleetState
 from narwhal.routing.roles import DemandSnapshot, DemandTracker, FleetDemand
 from narwhal.serve.cli import main
+from narwhal.serve.roles import RoleService
 from narwhal.simengine.fleet import local_fleet_document
 
 
@@ -88,6 +92,22 @@ TTL_1 = ["--coordination-lease-ttl", "1"]
             "--coordination: etcd member '127.0.0.1:0': port is not 1-65535",
         ),
         (["--replica-id", "a b"], "--replica-id: 'a b' is not a name"),
+        (["--coordination", "", "--replica-id", "a"], "--coordination: expected etcd://"),
+        (
+            ["--coordination", "etcd://127.0.0.1:99999", "--replica-id", "a"],
+            "--coordination: etcd member '127.0.0.1:99999': port is not 1-65535",
+        ),
+        (
+            [
+                "--coordination",
+                "etcd://127.0.0.1:2379",
+                "--replica-id",
+                "a",
+                "--coordination-lease-ttl",
+                "3601",
+            ],
+            "--coordination-lease-ttl: at most 3600 seconds",
+        ),
         (
             ["--coordination", "etcd://127.0.0.1:2379", "--replica-id", "a", *TTL_1],
             "--coordination-lease-ttl: at least 2",
@@ -104,3 +124,98 @@ def test_bad_coordination_flags_are_refused_by_name(
     err = capsys.readouterr().err
     assert err.startswith("narwhal-serve: ") and message in err, err
     assert "Traceback" not in err
+
+
+class _RecordedJournal:
+    """What the role service journals, in order (the journal's file is not under test)."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, dict[str, object]]] = []
+
+    def record(self, kind: str, **fields: object) -> None:
+        self.records.append((kind, fields))
+
+    def role_flip(self, **fields: object) -> None:
+        self.records.append(("role.flip", fields))
+
+
+def _role_service() -> tuple[RoleService, _RecordedJournal]:
+    loaded = parse_fleet(local_fleet_document([1, 2, 3, 4], [5, 6, 7, 8]), "fleet.json")
+    clock = VirtualClock()
+    journal = _RecordedJournal()
+    service = RoleService(
+        loaded.contract,
+        FleetState(loaded.contract, clock),
+        RouterMetrics(["e0", "e1", "e2", "e3"], "local-sim", "0" * 64, None),
+        journal,  # type: ignore[arg-type]
+        DemandTracker(clock, window_s=10.0),
+        None,
+    )
+    return service, journal
+
+
+def _flipped(doc: SharedRoles, engine: str, to_role: str) -> SharedRoles:
+    entry = {"engine": engine, "from_role": doc.roles[engine], "to_role": to_role, "reason": "r"}
+    return doc.with_flip(entry, "leader", 0.0)
+
+
+def test_a_document_gone_back_a_generation_is_a_sync_not_a_replay_of_flips() -> None:
+    # etcd restored from a backup, or wiped and re-created: the document's generation is below
+    # what the replica applied. Each change is journaled once, and a later document whose
+    # history holds entries past its own generation replays none of them.
+    service, journal = _role_service()
+    roles = {"e0": "prefill", "e1": "prefill", "e2": "decode", "e3": "decode"}
+    doc = SharedRoles(generation=0, roles=roles, written_by="a", written_at=0.0)
+    service.apply_shared(doc)
+    assert [k for k, _ in journal.records] == ["role.sync"]
+    for engine, role in (("e1", "decode"), ("e1", "prefill"), ("e2", "prefill")):
+        doc = _flipped(doc, engine, role)
+        service.apply_shared(doc)
+    assert [k for k, _ in journal.records] == ["role.sync", *["role.flip"] * 3]
+    assert service.state.role_generation == 3
+    journal.records.clear()
+
+    # Restored at generation 1 (e1 decode, e2 decode): adopted whole, one sync, no flips.
+    restored = SharedRoles(
+        generation=1,
+        roles={"e0": "prefill", "e1": "decode", "e2": "decode", "e3": "decode"},
+        history=doc.history[:1],
+        written_by="restore",
+        written_at=0.0,
+    )
+    service.apply_shared(restored)
+    assert [(k, f.get("regressed_from")) for k, f in journal.records] == [("role.sync", 3)]
+    assert service.state.engines["e1"].role == "decode"
+    assert service.state.engines["e2"].role == "decode"
+    assert service.state.role_generation == 1
+    assert [e["role_generation"] for e in service.history] == [1]
+    journal.records.clear()
+
+    # A document whose history holds entries past its generation (written by a replica that
+    # had replayed another's), then the same document again at each reconnect: nothing new.
+    polluted = restored.model_copy(update={"history": (*doc.history, *doc.history)})
+    for _ in range(3):
+        service.apply_shared(polluted)
+    assert journal.records == []
+    assert [e["role_generation"] for e in service.shared_now().history] == [1]
+
+    # The next real flip is journaled once.
+    nxt = _flipped(restored, "e3", "prefill")
+    service.apply_shared(nxt)
+    service.apply_shared(nxt)
+    assert [(k, f["engine"]) for k, f in journal.records] == [("role.flip", "e3")]
+
+
+def test_a_role_change_no_flip_explains_is_journaled_as_a_sync() -> None:
+    # A document at a later generation whose history was cut short changes a role without an
+    # entry for it: the change is journaled, not applied silently.
+    service, journal = _role_service()
+    roles = {"e0": "prefill", "e1": "prefill", "e2": "decode", "e3": "decode"}
+    service.apply_shared(SharedRoles(generation=2, roles=roles, written_by="a", written_at=0.0))
+    journal.records.clear()
+    later = SharedRoles(
+        generation=5, roles={**roles, "e1": "decode"}, written_by="a", written_at=1.0
+    )
+    service.apply_shared(later)
+    assert [k for k, _ in journal.records] == ["role.sync"]
+    assert service.state.engines["e1"].role == "decode"

@@ -93,7 +93,11 @@ def parse_coordination_url(url: str) -> list[str]:
         try:
             port = parts.port
         except ValueError:
+            # urlsplit refuses a port past 65535 as it refuses one that is not a number
             port = None
+            digits = parts.netloc.rpartition(":")[2]
+            if parts.hostname and digits.isdigit():
+                raise ValueError(f"etcd member {member!r}: port is not 1-65535") from None
         if not parts.hostname or port is None or parts.path:
             raise ValueError(f"etcd member {member!r} is not HOST:PORT")
         if not 1 <= port <= 65535:

@@ -220,7 +220,8 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=5,
         metavar="SECONDS",
-        help="the etcd lease of each replica: a dead leader is replaced within about this",
+        help="the etcd lease of each replica, 2 to 3600 (default %(default)s): a dead leader is "
+        "replaced within about this",
     )
     p.add_argument(
         "--log-level",
@@ -236,6 +237,10 @@ def _parser() -> argparse.ArgumentParser:
 _MAX_SECRETS_FILE_BYTES = 1 << 20
 # The longest interval a background loop (health probes, scrapes, journal fsync) may be set to.
 MAX_INTERVAL_S = 86400.0
+# A replica's etcd lease: a dead leader holds the role controller this long at most. An hour
+# is far past any outage a lease should ride out (etcd itself grants up to 285 years; the
+# longest used here keeps the keep-alives out of a profiling run: docs/operations.md).
+MAX_LEASE_TTL_S = 3600
 
 
 def _read_secrets(path: str, what: str, warnings: list[str]) -> list[str]:
@@ -434,7 +439,7 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
             f"--relay push: needs --engine-transport aiohttp (got {args.engine_transport})"
         )
     coordination: tuple[str, ...] = ()
-    if args.coordination:
+    if args.coordination is not None:
         from narwhal.coordination import parse_coordination_url
 
         try:
@@ -447,6 +452,11 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
     # not when coordination is turned on.
     if args.coordination_lease_ttl < 2:
         raise UsageError("--coordination-lease-ttl: at least 2 seconds")
+    if args.coordination_lease_ttl > MAX_LEASE_TTL_S:
+        raise UsageError(
+            f"--coordination-lease-ttl: at most {MAX_LEASE_TTL_S} seconds (a dead leader "
+            f"keeps the role controller that long; got {args.coordination_lease_ttl})"
+        )
     replica_name = r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}"
     if args.replica_id is not None and not re.fullmatch(replica_name, args.replica_id):
         raise UsageError(

@@ -212,11 +212,25 @@ class RoleService:
         """Make this replica's roles the shared document's: each engine whose role differs
         flips (and drains) as a local flip would; the flips this replica has not applied yet
         are journaled and counted, so every replica's journal holds every flip once. The first
-        document a replica sees is adopted whole (one ``role.sync`` record), not replayed."""
+        document a replica sees is adopted whole (one ``role.sync`` record), not replayed; so
+        is one at a lower generation than this replica's (etcd restored from a backup, or
+        wiped and re-created by a replica that knew less): its history is not this one's
+        future, and replaying it journaled flips nobody made, at every reconnect."""
         state = self.state
         known = state.role_generation
-        first = not self._synced
-        changed = False
+        regressed = self._synced and document.generation < known
+        resync = not self._synced or regressed
+        # The flips this document adds: numbered past what this replica knows and up to the
+        # document's own generation (a history written from a replica that had replayed
+        # another's holds entries past it), each generation once.
+        fresh: dict[int, dict[str, Any]] = {}
+        if not resync:
+            for entry in document.history:
+                generation = entry.get("role_generation", 0)
+                if known < generation <= document.generation and generation not in fresh:
+                    fresh[generation] = entry
+        explained = {fresh[g].get("engine"): fresh[g].get("to_role") for g in sorted(fresh)}
+        changed: dict[str, Role] = {}
         for engine_id, role in document.roles.items():
             engine = state.engines.get(engine_id)
             if engine is None or engine.role == role:
@@ -226,8 +240,8 @@ class RoleService:
                 continue
             from_role = engine.role
             state.set_role(engine_id, role)
-            changed = True
-            if first:
+            changed[engine_id] = role
+            if resync:
                 self.metrics.engine_role.labels(engine_id, from_role).set(0)
                 self.metrics.engine_role.labels(engine_id, role).set(1)
             else:
@@ -236,9 +250,32 @@ class RoleService:
         self.metrics.role_generation.set(document.generation)
         if changed and self.controller is not None:
             self.controller.applied()  # a new leader keeps the cooldown of the last flip
-        if first:
+        for generation in sorted(fresh):
+            entry = fresh[generation]
+            self.history.append(entry)
+            self.journal.role_flip(**entry)
+            log.info(
+                "role flip: %s %s -> %s (%s; decided by %s)",
+                entry.get("engine"),
+                entry.get("from_role"),
+                entry.get("to_role"),
+                entry.get("reason"),
+                entry.get("decided_by"),
+            )
+        # A change no flip of the document explains (a history cut short, or a document
+        # written at this replica's generation with other roles) is journaled as a sync.
+        unexplained = {e: r for e, r in changed.items() if explained.get(e) != r}
+        if resync or unexplained:
             self._synced = True
-            if changed:
+            if regressed:
+                log.warning(
+                    "the shared roles went back from generation %d to %d (etcd restored or "
+                    "wiped): taken as they are: %s",
+                    known,
+                    document.generation,
+                    ", ".join(f"{e} {r}" for e, r in sorted(document.roles.items())),
+                )
+            elif changed:
                 # Engines this replica started in other roles (the fleet file's, or etcd's of
                 # before an outage): the fleet's roles win, as the one role.sync record says.
                 log.info(
@@ -246,26 +283,22 @@ class RoleService:
                     document.generation,
                     ", ".join(f"{e} {r}" for e, r in sorted(document.roles.items())),
                 )
-            self.history.extend(document.history)
+            if resync:
+                kept: dict[int, dict[str, Any]] = {}
+                for entry in document.history:
+                    generation = entry.get("role_generation", 0)
+                    if generation <= document.generation:
+                        kept.setdefault(generation, entry)
+                self.history.clear()
+                self.history.extend(kept[g] for g in sorted(kept))
+            extra = {"regressed_from": known} if regressed else {}
             self.journal.record(
                 "role.sync",
                 role_generation=document.generation,
                 roles=document.roles,
                 pinned=document.pinned,
+                **extra,
             )
-        else:
-            for entry in document.history:
-                if entry.get("role_generation", 0) > known:
-                    self.history.append(entry)
-                    self.journal.role_flip(**entry)
-                    log.info(
-                        "role flip: %s %s -> %s (%s; decided by %s)",
-                        entry.get("engine"),
-                        entry.get("from_role"),
-                        entry.get("to_role"),
-                        entry.get("reason"),
-                        entry.get("decided_by"),
-                    )
         if document.pinned != self.pinned:
             self._pin(document.pinned)
 
