@@ -629,3 +629,35 @@ def test_no_hedge_without_another_prefill_engine_or_budget_left() -> None:
     first = admitted(lifecycle, ticket)
     assert isinstance(lifecycle.hedge_prefill(ticket, budget_left_s=0.0), NoPair)
     assert ticket.pair == first and observer.failed == []
+
+
+def test_a_half_open_decode_engine_takes_one_probe_from_its_pick_not_from_its_decode_leg() -> None:
+    """The decode leg starts after the prefill, so a half-open decode engine was marked probed
+    only then: every request picked during the probe's prefill picked it too (a QA pass: 4 of
+    12 requests sent to a half-open engine, each paying the first-token deadline). The probe is
+    the request's from its pick; a prefill that fails gives it back, the decode leg keeps it."""
+    lifecycle, clock, _ = build(n_decode=2)
+    d = lifecycle.state.engines["e2"]
+    d.breaker.state = BreakerState.OPEN
+    d.breaker.opened_at = clock.now()
+    clock.advance(d.breaker.open_seconds)
+    assert d.breaker.allows_request() and d.breaker.state is BreakerState.HALF_OPEN
+    picked = []
+    for i in range(4):
+        ticket = lifecycle.arrive(f"r{i}", max_tokens=40, prompt_tokens=100)
+        picked.append((ticket, admitted(lifecycle, ticket).decode))
+    assert [engine for _, engine in picked].count("e2") == 1, picked
+    probe = next(t for t, engine in picked if engine == "e2")
+    # Its prefill fails: the probe is free for the next request, and its retry may take it.
+    lifecycle.prefill_done(probe, "failed")
+    assert not d.breaker.probe_in_flight
+    retry = lifecycle.retry(probe)
+    assert isinstance(retry, Pair)
+    second = lifecycle.arrive("late", max_tokens=40, prompt_tokens=100)
+    decodes = [retry.decode, admitted(lifecycle, second).decode]
+    assert decodes.count("e2") == 1, decodes
+    holder = probe if retry.decode == "e2" else second
+    lifecycle.prefill_done(holder, "ok")
+    assert d.breaker.probe_in_flight and holder.decode_probe
+    lifecycle.first_token(holder)
+    assert d.breaker.state is BreakerState.CLOSED

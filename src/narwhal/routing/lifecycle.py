@@ -467,6 +467,7 @@ class Lifecycle:
 
     def _dispatch(self, ticket: Ticket, pair: Pair) -> None:
         ticket.pair = pair
+        ticket.decode_probe = False
         now = self.clock.now()
         ticket.dispatched_at = now
         d = self.state.engines[pair.decode]
@@ -510,6 +511,14 @@ class Lifecycle:
         p = self.state.engines[pair.prefill]
         # The decode engine counts the request from now: it will join that batch.
         d.pending_decode += 1
+        # A half-open decode engine's one probe is this request's from now, not from its
+        # decode leg: every request picked during this prefill would otherwise have picked it
+        # too (the breaker let through a burst of legs, each paying the first-token deadline).
+        # Given back as the prefill ends (``_end_prefill``); the decode leg takes it again.
+        breaker = d.breaker
+        if breaker.state is BreakerState.HALF_OPEN and not breaker.probe_in_flight:
+            breaker.on_dispatch()
+            ticket.decode_probe = True
         if pair.predicted_ttft_s is not None and pair.predicted_tpot_s is not None:
             # Its stay: the mean length of the answers recently completed (what it adds to a
             # batch over time, on average: the tail's high quantile, which its end is foreseen
@@ -704,6 +713,11 @@ class Lifecycle:
         p = self.state.engines[ticket.pair.prefill]
         d = self.state.engines[ticket.pair.decode]
         d.pending_decode -= 1
+        if ticket.decode_probe:
+            # The probe held since the dispatch: a decode leg that follows at once takes it
+            # again (``_begin_decode``); a failed or cancelled prefill leaves it to the next.
+            ticket.decode_probe = False
+            d.breaker.on_abandon()
         d.pending_spans.pop(ticket.id, None)
         p.in_flight_prefill -= 1
         p.prefill_work.done(ticket.id, self.clock.now())
