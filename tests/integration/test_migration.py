@@ -515,3 +515,64 @@ def test_a_stream_broken_where_it_cannot_be_continued_counts_against_its_engine(
         broken += streamed_text(response)[2]
     assert broken == 3  # every request's stream ended with an error event
     assert failures() - before >= 3
+
+
+def test_a_stream_cut_after_its_last_token_is_a_whole_answer(stack) -> None:
+    """An engine that closes its connection right after the answer's finish reason, before
+    the usage chunk and ``[DONE]`` (it died then, or something between cut it), left a whole
+    answer that the client got as an error event, or a 502 not streamed (a QA pass). It ends
+    as the engine would have ended it: the usage counted from the ids the router kept, no
+    error, outcome ok; with several choices (no ids kept) without the usage."""
+    fleet, router = stack
+    expected = baseline(router)
+    for engine_id in ("e2", "e3"):
+        admin(fleet.engines[engine_id].url, "POST", {"drop_stream_after_tokens": MAX_TOKENS})
+    responses = [stream_request(router, p) for p in PROMPTS[:2]]
+    ends = check_answers(router, responses, expected[:2])
+    assert not any(e.get("migrations") for e in ends)
+
+    response = complete(router, PROMPTS[0])
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["choices"][0]["text"] == expected[0]
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == MAX_TOKENS
+    assert body["usage"]["prompt_tokens"] == len(PROMPTS[0])
+
+    response = complete(router, PROMPTS[1], n=2, temperature=1.0, stream=True)
+    assert response.status_code == 200
+    _, chunks, error = streamed_text(response)
+    assert not error, response.text[-500:]
+    finished = {
+        c["index"] for chunk in chunks for c in chunk.get("choices") or () if c["finish_reason"]
+    }
+    assert finished == {0, 1}
+    for rid in (response.headers["x-request-id"],):
+        assert wait_until(lambda rid=rid: rid in router.ends(), 5)
+        assert router.ends()[rid]["outcome"] == "ok"
+
+
+def test_a_hedged_prefill_that_fails_on_both_engines_says_two_legs(stack, tmp_path: Path) -> None:
+    """Both prefill engines hung: the slow leg is hedged on the other engine and both time
+    out; the 502 counted the attempt, "1 leg", where the journal names two engines (a QA
+    pass). It counts the legs."""
+    fleet, _ = stack
+    stopped = [fleet.engines[e].process for e in ("e0", "e1")]
+    with running_router(tmp_path, fleet.fleet_path, *ROUTER_ARGS, "--prefill-timeout", "1.5") as r:
+        for process in stopped:
+            assert process is not None
+            os.kill(process.pid, signal.SIGSTOP)
+        try:
+            response = complete(r, PROMPTS[0])
+        finally:
+            for process in stopped:
+                assert process is not None
+                os.kill(process.pid, signal.SIGCONT)
+        assert response.status_code == 502, response.text
+        message = response.json()["error"]["message"]
+        rid = response.headers["x-request-id"]
+        assert wait_until(lambda: rid in r.ends(), 5)
+        end = r.ends()[rid]
+        failed = [a for a in end["attempts"] if a["leg"] == "prefill" and a["outcome"] == "failed"]
+        assert len(failed) >= 2 and {a["engine"] for a in failed} == {"e0", "e1"}, end["attempts"]
+        assert f"({len(failed)} legs, the last" in message, message

@@ -387,13 +387,14 @@ def test_slowdown(fleet: SimFleet) -> None:
 
 def test_drop_stream_after_tokens(fleet: SimFleet) -> None:
     _, url = urls(fleet)
-    n = 3
     with httpx.Client(timeout=30) as client:
-        assert admin(url, "POST", {"drop_stream_after_tokens": n}).is_success
-        pieces, done, error = read_stream(client, url, body(50, stream=True))
-        assert len(pieces) == n
-        assert not done
-        assert isinstance(error, httpx.RemoteProtocolError)
+        # After 0 tokens: a stream cut before its first (it sent one, a QA pass found).
+        for n in (3, 0):
+            assert admin(url, "POST", {"drop_stream_after_tokens": n}).is_success
+            pieces, done, error = read_stream(client, url, body(50, stream=True))
+            assert len(pieces) == n
+            assert not done
+            assert isinstance(error, httpx.RemoteProtocolError)
         assert fleet.engines["e1"].alive
         # Only streams drop: with the fault still set a whole response comes back...
         assert len(whole_text(client, url, body(6)).split()) == 6

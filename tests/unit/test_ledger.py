@@ -41,3 +41,12 @@ def test_attainment_counts_what_the_alert_counts(
     journal.close()
     slo = {r: metrics.slo.labels(r)._value.get() for r in ("met", "missed")}
     assert slo == {r: 1.0 if r == counted else 0.0 for r in ("met", "missed")}
+
+
+def test_every_request_end_has_its_attempts_even_with_no_leg_tried() -> None:
+    # router.md lists attempts among every request.end's fields: a request turned away or with
+    # no pair to serve it (503) had none, and a reader of r["attempts"] failed on it.
+    record = RequestRecord("r2", time.time(), time.monotonic(), "/v1/completions")
+    assert record.end_fields()["attempts"] == []
+    record.attempt("prefill", "e0", "ok")
+    assert [a["engine"] for a in record.end_fields()["attempts"]] == ["e0"]

@@ -37,6 +37,7 @@ from narwhal.serve.relay import (
     DONE_EVENT,
     StreamTally,
     aggregate,
+    cut_after_answer,
     engine_fault,
     last_events,
     note_chunk,
@@ -318,6 +319,11 @@ class ChoiceStreams:
                 if i not in open_:
                     continue
                 try:
+                    if (isinstance(item, BaseException) or not item) and cut_after_answer(
+                        self.choices.tallies[i], f"choice {i}: {item or 'closed early'}"
+                    ):
+                        open_.discard(i)  # its answer is whole; only its usage is lost
+                        continue
                     if isinstance(item, BaseException):
                         streams[i].broke = True
                         transport = isinstance(item, EngineTransportError)

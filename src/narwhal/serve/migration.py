@@ -417,8 +417,12 @@ class Migrator:
         self.record = record
         self.stream = stream
         self.trace = trace
-        if trace is not None and stream.decode_prompt_ids is not None:
-            trace.keep_prompt_ids(stream.decode_prompt_ids)
+        if trace is not None:
+            if stream.decode_prompt_ids is not None:
+                trace.keep_prompt_ids(stream.decode_prompt_ids)
+            # The first prefill leg has answered: its usage details stand in for the client's
+            # prompt's wherever the decode engine's are lost (a continuation, a cut stream).
+            trace.prompt_details = record.prefill_prompt_details
 
     @property
     def stall_deadline(self) -> StallDeadline | None:
@@ -455,8 +459,6 @@ class Migrator:
                 )
                 return None
             held_back = recovered
-        if trace.prompt_details is None:
-            trace.prompt_details = self.record.prefill_prompt_details
         continuation = continuation_request(self.request, trace)
         try:
             stream = await self.router.continue_on(

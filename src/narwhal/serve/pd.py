@@ -428,10 +428,12 @@ class PDRouter:
                     last_error = f"prefill on {pair.prefill}: {exc}"
                     if prefill_failures >= routing.max_prefill_attempts:
                         raise self._exhausted(
-                            prefill_failures, decode_failures, False, last_error
+                            prefill_failures, decode_failures, False, last_error, record
                         ) from None
                     self.metrics.retries.labels("prefill").inc()
-                    pair = self._retry(ticket, prefill_failures, decode_failures, False, last_error)
+                    pair = self._retry(
+                        ticket, prefill_failures, decode_failures, False, last_error, record
+                    )
                     continue
             # Decode leg, under the first-token deadline.
             try:
@@ -467,11 +469,11 @@ class PDRouter:
                 budget_left = self.fleet.budgets.ttft_s - record.since_arrival()
                 if give_up or decode_failures >= routing.max_decode_attempts or budget_left <= 0:
                     raise self._exhausted(
-                        prefill_failures, decode_failures, deadline_hit, last_error
+                        prefill_failures, decode_failures, deadline_hit, last_error, record
                     ) from None
                 self.metrics.retries.labels("decode").inc()
                 pair = self._retry(
-                    ticket, prefill_failures, decode_failures, deadline_hit, last_error
+                    ticket, prefill_failures, decode_failures, deadline_hit, last_error, record
                 )
 
     def _retry(
@@ -481,14 +483,20 @@ class PDRouter:
         decode_failures: int,
         deadline: bool,
         last_error: str,
+        record: RequestRecord,
     ) -> Pair:
         pick = self.lifecycle.retry(ticket)
         if isinstance(pick, NoPair):
-            raise self._exhausted(prefill_failures, decode_failures, deadline, last_error)
+            raise self._exhausted(prefill_failures, decode_failures, deadline, last_error, record)
         return pick
 
     def _exhausted(
-        self, prefill_failures: int, decode_failures: int, deadline: bool, last_error: str
+        self,
+        prefill_failures: int,
+        decode_failures: int,
+        deadline: bool,
+        last_error: str,
+        record: RequestRecord,
     ) -> RouterError:
         if deadline:
             return FirstTokenDeadlineExceeded(
@@ -502,10 +510,12 @@ class PDRouter:
                 f"decode failed on every engine tried ({_legs(decode_failures)}, the last "
                 f"{last_error})",
             )
+        # A hedged attempt is two legs on two engines: the legs are counted, not the attempts.
+        legs = sum(1 for a in record.attempts if a["leg"] == "prefill" and a["outcome"] == "failed")
         return UpstreamFailed(
             "prefill_failed",
-            f"prefill failed on every engine tried ({_legs(prefill_failures)}, the last "
-            f"{last_error})",
+            f"prefill failed on every engine tried ({_legs(max(legs, prefill_failures))}, the "
+            f"last {last_error})",
         )
 
     async def _release_refused_handoff(

@@ -142,6 +142,7 @@ class RequestRecord:
             fields["choices"] = self.choices
         if self.migrations:
             fields["migrations"] = self.migrations
-        if self.attempts:
-            fields["attempts"] = self.attempts
+        # Always there, empty when no leg was tried (turned away, no pair): a reader of the
+        # journal need not test for it.
+        fields["attempts"] = self.attempts
         return fields

@@ -4,7 +4,9 @@ Chunks pass through as the engine wrote them; only the final usage chunk is rewr
 client's ``usage`` counts the prompt as the prefill engine did and the completion as the decode
 engine did (and it is dropped when the client did not ask for it: the router always asks, to
 know the count). An engine error or a stream that ends without ``[DONE]`` after the first token
-ends the client's stream with an OpenAI error event, never a silent truncation.
+ends the client's stream with an OpenAI error event, never a silent truncation; but one cut
+after the answer's finish reason (the engine died or closed the connection before its usage
+chunk) holds a whole answer, which ends as the engine would have ended it.
 
 Two relays share the rendering (``EventRenderer``): ``relay_events`` pulls the stream a batch at
 a time for a task that sends each piece through ASGI; ``PushRelay`` is handed the engine's bytes
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -41,12 +44,15 @@ __all__ = [
     "StallWatch",
     "StreamTally",
     "aggregate",
+    "cut_after_answer",
     "engine_fault",
     "note_chunk",
     "relay_events",
 ]
 
 DONE_EVENT = b"data: [DONE]\n\n"
+
+log = logging.getLogger("narwhal.serve")
 
 
 def last_events(error: dict[str, Any]) -> bytes:
@@ -93,6 +99,40 @@ def _usage(usage: dict[str, Any], prompt_tokens: int | None) -> dict[str, Any]:
         completion = out.get("completion_tokens") or 0
         out["total_tokens"] = prompt_tokens + completion
     return out
+
+
+def lost_usage(
+    tally: StreamTally, prompt_tokens: int | None, trace: MigrationTrace | None
+) -> dict[str, Any] | None:
+    """The usage of a whole answer whose engine cut its stream before the usage chunk: the ids
+    the migration trace kept count its tokens, every leg's (None when no ids were kept: a
+    stream that cannot be migrated has none, and a count of chunks is not one of tokens)."""
+    if trace is None or not trace.generated:
+        return None
+    if prompt_tokens is None and trace.prompt_ids is not None:
+        prompt_tokens = len(trace.prompt_ids)
+    if prompt_tokens is None:
+        return None
+    completion = len(trace.generated)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion,
+        "completion_tokens": completion,
+        "prompt_tokens_details": trace.prompt_details,
+    }
+
+
+def cut_after_answer(tally: StreamTally, message: str) -> bool:
+    """Whether a stream that broke (``message``) had already carried its answer's finish
+    reason: then the answer is whole, and only its usage chunk and ``[DONE]`` were lost (an
+    engine that died or closed its connection right after its last token)."""
+    if tally.finish_reason is None:
+        return False
+    log.warning(
+        "decode stream cut after its answer's last token (%s): the answer is whole", message
+    )
+    tally.done = True
+    return True
 
 
 def note_chunk(tally: StreamTally, obj: dict[str, Any], now: float) -> None:
@@ -293,9 +333,30 @@ class EventRenderer:
             message = f"decode stream broke: {type(error).__name__}: {error}"
         else:
             message = "the decode engine closed the stream early"
+        if self.failure is None and cut_after_answer(self.tally, message):
+            return self.whole()
         if self.interrupt("connection", message):
             return b""
         return self.broken(message)
+
+    def whole(self) -> bytes:
+        """The end of a whole answer whose engine cut the stream before its usage chunk and
+        ``[DONE]`` (``cut_after_answer``): the usage, when the client asked for it and the
+        trace's ids count it, then ``[DONE]``."""
+        self.finished = True
+        tally = self.tally
+        out: list[bytes] = []
+        trace = self.trace
+        if tally.completion_tokens is None:
+            usage = lost_usage(tally, self.prefill_prompt_tokens, trace)
+            if usage is not None:
+                tally.completion_tokens = usage["completion_tokens"]
+                tally.prompt_tokens = usage["prompt_tokens"]
+                if self.include_usage and trace is not None and trace.head is not None:
+                    chunk = {**trace.head, "choices": [], "usage": usage}
+                    out += (b"data: ", orjson.dumps(chunk), b"\n\n")
+        out.append(DONE_EVENT)
+        return b"".join(out)
 
     def stalled(self, stall_s: float) -> bool:
         """No token for ``stall_s``: True (``interrupted``) when the request can be continued
@@ -690,6 +751,8 @@ async def aggregate(
                     batch, i = await watch.next_batch(stream), 0
                     if batch is not None and not batch:
                         message = "the decode engine closed the stream early"
+                        if cut_after_answer(tally, message):
+                            break
                         if not renderer.interrupt("connection", message):
                             raise UpstreamFailed("stream_error", message)
                     continue
@@ -729,6 +792,8 @@ async def aggregate(
                 transport = isinstance(exc, EngineTransportError)
                 why = exc.reason if isinstance(exc, EngineTransportError) else f"{exc}"
                 message = f"decode stream broke: {type(exc).__name__}: {why}"
+                if transport and cut_after_answer(tally, message):
+                    break
                 if not renderer.interrupt("connection", message):
                     told_not = str(exc) if transport else None  # the journal's
                     raise UpstreamFailed("stream_error", message, told_not) from None
@@ -740,6 +805,8 @@ async def aggregate(
     finally:
         watch.close()
     tally.done = True
+    if usage is None:
+        usage = lost_usage(tally, prefill_prompt_tokens, trace)
     if usage is not None:
         tally.completion_tokens = usage.get("completion_tokens")
         tally.prompt_tokens = usage.get("prompt_tokens")

@@ -765,6 +765,9 @@ async def _stream(
             if isinstance(event, ErrorEvent):
                 yield _sse(error_body(event.message, event.type, event.status))
                 break
+            if faults.drop_stream_after_tokens == 0:
+                # After none: cut before the first token (the check below runs after a send).
+                raise _DroppedStream("fault injection: dropping the connection before a token")
             if not role_sent:
                 # vLLM sends the assistant role with its first output, not before it: one
                 # chunk per choice.
