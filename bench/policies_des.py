@@ -3,7 +3,8 @@ uncertainty.
 
 Each system routes the same workloads through the virtual-time simulator (``narwhal.fleetsim``)
 on synthetic fleets of each ``--sizes`` engines (half prefill, half decode, static: no role
-flipping, so every system gets the same split), on the simulator's calibration
+flipping, so every system gets the same split; or with ``--splits``, each system at the best
+of several static splits, as an operator deploying it would pick), on the simulator's calibration
 (``narwhal.simengine.timing``), budgets TTFT 10 s and TPOT 0.3 s, attainment target 95%.
 
 Systems (``--systems``):
@@ -56,7 +57,8 @@ interval is the 2.5th to 97.5th percentile over ``--resamples`` resamples; a rat
 is paired (both systems on the same resample; the best baseline is the best on that
 resample). A ratio is called a gain or a loss only when its interval excludes 1.
 
-Printed (stdout): per fleet size and workload, each system's goodput with its interval, its
+Printed (stdout): per fleet size and workload, each system's split (its best of ``--splits``)
+and goodput with its interval, its
 attainment per window at the rate measured just below its goodput, that point's misses
 (rejected, TTFT late, TPOT late, failed) and the pools' utilisation there (their busy time
 over the run: low on the Azure traces, whose bursts decide), and the ratio lines
@@ -70,8 +72,8 @@ every system well below it on the code trace at 8 engines. ``--bound-only``: the
 no simulation (seconds; a minute at 512 engines).
 
     .venv/bin/python bench/policies_des.py [--sizes 8,64] [--workloads code,conv,fixed]
-        [--systems v1,v1_oracle,round_robin,...] [--windows 16] [--requests-per-engine 150]
-        [--abandon-after-s 10] [--quick] [--bound-only]
+        [--splits 0.5] [--systems v1,v1_oracle,round_robin,...] [--windows 16]
+        [--requests-per-engine 150] [--abandon-after-s 10] [--quick] [--bound-only]
 
 Contacts nothing; one process. Run times are in docs/routing.md beside the figures.
 ``--quick``: 8 engines, 3 windows, 200 resamples, v1 and the baselines.
@@ -252,32 +254,42 @@ def capacity(n_prefill: int, all_rows: list[Rows]) -> float:
     return n_prefill / mean_s
 
 
-def fluid_bound(size: int, all_rows: list[Rows], goodputs: dict[str, float]) -> str:
+def fluid_bound(
+    size: int, all_rows: list[Rows], goodputs: dict[str, float], prefills: list[int]
+) -> str:
     """The fluid bound (``narwhal.testing.fluid_bound``) on these windows' requests at this
-    fleet size, against the systems measured: what no router reaches at any rate, at the half
-    split every system here runs, at the best split of whole engines, and at a fluid one."""
+    fleet size, against the systems measured: what no router reaches at any rate, at the best
+    of the splits the systems ran (``prefills``: prefill engines; the half split by default),
+    at the best split of whole engines, and at a fluid one."""
     offered = [Window([(t, p, 0, g) for t, p, g in rows]) for rows in all_rows]
     every, _ = FluidFleet.of(offered, CALIBRATION.prefill, CALIBRATION.decode, TTFT_S, TPOT_S)
     cost = [every.with_met_share(TARGET), every]
-    half = size // 2
-    at_half, every_half = (c.at_split(half, size - half) for c in cost)
+    at_run, run_p = max((cost[0].at_split(p, size - p), p) for p in prefills)
+    every_run = cost[1].at_split(run_p, size - run_p)
     whole, whole_p = cost[0].static(size)
     fluid = cost[0].fractional(size)[0]
+    tried = ", the best of the splits run," if len(prefills) > 1 else ""
     line = (
-        f"{at_half:.3f} req/s at {half}P/{size - half}D ({TARGET:.0%} met, the costliest"
-        f" missed; {every_half:.3f} meeting every request), {whole:.3f} at the best split of"
-        f" whole engines ({whole_p}P/{size - whole_p}D), {fluid:.3f} at a fluid split"
+        f"{at_run:.3f} req/s at {run_p}P/{size - run_p}D{tried} ({TARGET:.0%} met, the"
+        f" costliest missed; {every_run:.3f} meeting every request), {whole:.3f} at the best"
+        f" split of whole engines ({whole_p}P/{size - whole_p}D), {fluid:.3f} at a fluid split"
     )
     baselines = {s: g for s, g in goodputs.items() if s in BASELINES}
     if baselines:
         best = max(baselines, key=baselines.__getitem__)
         line += (
-            f"; over the best baseline ({best}) {at_half / baselines[best]:.2f}"
-            f" [{every_half / baselines[best]:.2f} meeting every request]"
+            f"; over the best baseline ({best}) {at_run / baselines[best]:.2f}"
+            f" [{every_run / baselines[best]:.2f} meeting every request]"
         )
     for name in (s for s in V1_SYSTEMS if s in goodputs):
-        line += f"; {name} at {goodputs[name] / at_half:.2f} of it"
+        line += f"; {name} at {goodputs[name] / at_run:.2f} of it"
     return line
+
+
+def prefill_engines(size: int, shares: list[float]) -> list[int]:
+    """The prefill engines of each share of ``size`` (rounded down, at least one engine in
+    each role), each split once, in order."""
+    return sorted({max(1, min(size - 1, int(size * share))) for share in shares})
 
 
 def main() -> int:
@@ -285,8 +297,14 @@ def main() -> int:
     parser.add_argument(
         "--sizes",
         default="8,64",
-        help="comma-separated fleet sizes in engines, half prefill (rounded down) (default "
-        "%(default)s)",
+        help="comma-separated fleet sizes in engines (default %(default)s)",
+    )
+    parser.add_argument(
+        "--splits",
+        default="0.5",
+        help="comma-separated shares of the engines in the prefill role (rounded down, at least"
+        " one engine in each role); each system runs at each and is reported at its best"
+        " (default %(default)s: half prefill, every system on one split)",
     )
     parser.add_argument(
         "--workloads",
@@ -360,8 +378,9 @@ def main() -> int:
     if problem:
         parser.error(problem)
     try:
-        # Half prefill, half decode: at least one of each.
+        # At least one engine in each role.
         sizes = number_list(args.sizes, "--sizes", int, 2)
+        shares = number_list(args.splits, "--splits", float, 0, 1, low_allowed=False)
     except ValueError as exc:
         parser.error(str(exc))
     systems = [] if args.bound_only else [s for s in args.systems.split(",") if s]
@@ -389,44 +408,57 @@ def main() -> int:
     header = [
         f"command: {' '.join(sys.argv)}",
         f"budgets: TTFT {TTFT_S} s, TPOT {TPOT_S} s, attainment target {TARGET}",
-        "fleets: half prefill (rounded down), the rest decode, static; simulator calibration"
-        " timing",
+        (
+            "fleets: half prefill (rounded down), the rest decode, static"
+            if shares == [0.5]
+            else f"fleets: static roles, each system at its best prefill share of {args.splits}"
+            " (rounded down)"
+        )
+        + "; simulator calibration timing",
         f"clients: {clients_line(abandon)}; windows of {args.requests_per_engine} requests"
         " per engine",
         f"uncertainty: block bootstrap, blocks of {args.block} requests, "
         f"{args.resamples} resamples, 95% intervals",
     ]
-    table = [("engines", "workload", "system", "goodput_rps", "95%_interval", "windows",
+    table = [("engines", "workload", "system", "split", "goodput_rps", "95%_interval", "windows",
               "attainment_per_window", "rejected", "ttft_late", "tpot_late", "failed",
               "util_prefill", "util_decode", "runs")]  # fmt: skip
     ratios: list[str] = []
     bounds: list[str] = []
     for size in sizes:
-        n_prefill = size // 2
-        fleet, timings = synthetic_fleet(
-            n_prefill, size - n_prefill, {"ttft_s": TTFT_S, "tpot_s": TPOT_S}
-        )
+        prefills = prefill_engines(size, shares)
+        fleets = {
+            n_prefill: synthetic_fleet(
+                n_prefill, size - n_prefill, {"ttft_s": TTFT_S, "tpot_s": TPOT_S}
+            )
+            for n_prefill in prefills
+        }
         for workload in workloads:
             all_rows = windows(
                 workload, args.requests_per_engine * size, args.windows, args.seed, traces
             )
-            start = 0.5 * capacity(n_prefill, all_rows)
             rng = random.Random(args.seed)
             found: dict[str, tuple[float, list[Point]]] = {}
+            split: dict[str, int] = {}
             for system in systems:
-                t = time.perf_counter()
-                found[system] = search(
-                    fleet, timings, system, all_rows, start, args.precision, args.block,
-                    args.seed, abandon,
-                )  # fmt: skip
-                print(
-                    f"[{size} engines, {workload}] {system}: {found[system][0]:.3f} req/s"
-                    f" ({len(found[system][1])} runs, {time.perf_counter() - t:.1f} s)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                for n_prefill, (fleet, timings) in fleets.items():
+                    t = time.perf_counter()
+                    result = search(
+                        fleet, timings, system, all_rows, 0.5 * capacity(n_prefill, all_rows),
+                        args.precision, args.block, args.seed, abandon,
+                    )  # fmt: skip
+                    print(
+                        f"[{size} engines, {workload}] {system} {n_prefill}P/{size - n_prefill}D:"
+                        f" {result[0]:.3f} req/s ({len(result[1])} runs,"
+                        f" {time.perf_counter() - t:.1f} s)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    if system not in found or result[0] > found[system][0]:
+                        found[system], split[system] = result, n_prefill
             goodputs = {s: g for s, (g, _) in found.items()}
-            bounds.append(f"fluid_bound_{workload}_{size}: {fluid_bound(size, all_rows, goodputs)}")
+            bound = fluid_bound(size, all_rows, goodputs, prefills)
+            bounds.append(f"fluid_bound_{workload}_{size}: {bound}")
             if not found:
                 continue
             blocks = len(next(iter(found.values()))[1][0].met)
@@ -439,7 +471,8 @@ def main() -> int:
                 below = [p for p in points if p.rate <= rate] or points[:1]
                 point = below[-1]
                 table.append((
-                    str(size), workload, system, f"{rate:.3f}", f"{lo:.3f}-{hi:.3f}",
+                    str(size), workload, system, f"{split[system]}P/{size - split[system]}D",
+                    f"{rate:.3f}", f"{lo:.3f}-{hi:.3f}",
                     str(len(all_rows)), " ".join(f"{a:.3f}" for a in point.per_window),
                     *(str(point.misses.get(o, 0)) for o in OUTCOMES),
                     f"{point.utilisation[0]:.2f}", f"{point.utilisation[1]:.2f}",
