@@ -70,3 +70,13 @@ def test_cli_unreachable_fleet_fails_health_and_blocks_the_rest(tmp_path: Path) 
     assert doc.gate("health").verdict == "fail" and doc.gate("model").skip.kind == "blocked"
     assert (tmp_path / "report.json.sha256").read_text().split()[0] == digest
     assert "health        FAIL" in r.stdout
+
+
+def test_help_gives_every_tuning_flags_default() -> None:
+    """docs/preflight.md quotes them (50%, 3, 0.6): --help must say them too."""
+    from narwhal.check.cli import _parser
+
+    text = " ".join(_parser().format_help().split())
+    assert "estimate (default 0.5)" in text
+    assert "handoffs per pair (default 3)" in text
+    assert "observed maximum (default 0.6)" in text

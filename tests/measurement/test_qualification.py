@@ -34,8 +34,9 @@ from tests.measurement.support import (
 
 REQUESTS = 200
 TABLE_HEADER = (
-    "| Offered rate | Completed rate including drain | Output throughput including drain "
-    "| TTFT p50 / p95 / p99 | TPOT p50 / p95 / p99 | Result |"
+    "| Point | Offered rate | Completed rate including drain | Output throughput including drain "
+    "| TTFT p50 / p95 / p99 | TPOT p50 / p95 / p99 | Result | Verdict "
+    "| Budgets: TTFT / TPOT, attainment target |"
 )
 MAD_CORE = [
     "model",
@@ -196,10 +197,12 @@ def test_reference_shaped_qualification(tmp_path: Path) -> None:
     # The reference table's columns, one row per point.
     md = (out / "report.md").read_text()
     assert TABLE_HEADER in md
-    rows = [
-        line for line in md.splitlines() if line.startswith(("| 10 request/s", "| 20 request/s"))
-    ]
-    assert len(rows) == 2 and all(f"/{REQUESTS} within limits |" in r for r in rows)
+    table_md = md.split("## Measured points")[1].split("## Evidence per point")[0]
+    rows = [line for line in table_md.splitlines() if " request/s | " in line]
+    assert [r.split(" | ")[1] for r in rows] == ["10 request/s", "20 request/s"], rows
+    assert all(f"/{REQUESTS} within limits |" in r for r in rows)
+    # Each point's own budgets (the time-scaled ones), not only the fleet's.
+    assert all(r.endswith("| 0.5 s / 15 ms, 0.95 |") for r in rows), rows
     # The MAD CSV: core columns first, in order; six metrics per point in MAD's units.
     with (out / "perf_Kimi-K3.csv").open(newline="") as fh:
         reader = csv.DictReader(fh)

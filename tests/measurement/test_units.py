@@ -24,7 +24,12 @@ from tools.measurement._runner_collect import (
     router_expected_counters,
 )
 from tools.measurement._runner_journal import journal_slice, reconcile, state_timeline
-from tools.measurement._runner_report import MAD_CORE_COLUMNS, csv_name, write_csv
+from tools.measurement._runner_report import (
+    MAD_CORE_COLUMNS,
+    csv_name,
+    write_csv,
+    write_markdown,
+)
 from tools.measurement._trial_client import poisson_schedule
 from tools.measurement._trial_stats import ClientRecord, summarize
 from tools.measurement._trial_workload import (
@@ -424,6 +429,56 @@ def test_mad_csv_core_columns_in_order(tmp_path: Path) -> None:
     assert rows["median_ttft"]["performance"] == "250.0000" and rows["median_ttft"]["unit"] == "ms"
     assert rows["throughput_tot"]["unit"] == "tok/sec"
     assert rows["median_tpot"]["offered_rate_rps"] == "0.5000"
+
+
+def test_report_md_names_each_point_with_its_own_budgets(tmp_path: Path) -> None:
+    """The Measured points table (narwhal-qualify prints it at the end) names each point,
+    gives its verdict and the budgets and target it was judged by (a point's may be
+    stricter than the fleet's), and says where the warmup-inclusive counts are."""
+
+    def point(name: str, ttft: float, verdict: str, attainment: float) -> dict[str, object]:
+        return {
+            "name": name,
+            "rate": 4.0,
+            "status": "measured",
+            "gates": [{"name": "router_ready", "passed": True}],
+            "diagnostics": [],
+            "reconciliation": {"client_terminal": 25, "journal_ends": 25},
+            "budgets": {"ttft_s": ttft, "tpot_s": 0.3, "attainment": 0.95, "timeout_s": 180},
+            "summary": {
+                "completed_rate_rps": 3.5,
+                "output_throughput_tps": 100.0,
+                "ttft_s": {"p50": 0.2, "p95": 0.3, "p99": 0.4},
+                "tpot_s": {"p50": 0.02, "p95": 0.03, "p99": 0.04},
+                "result": f"{round(attainment * 24)}/24 within limits",
+                "attainment": attainment,
+                "verdict": verdict,
+            },
+        }
+
+    report = {
+        "model": "moonshotai/Kimi-K3",
+        "overall": "fail",
+        "overall_reason": "a measured point missed its attainment target",
+        "inputs": {"Fleet latency budgets": "10 s TTFT, 0.3 s TPOT"},
+        "points": [point("r2", 10.0, "pass", 1.0), point("r4", 1.0, "fail", 22 / 24)],
+        "timeline": [],
+        "post_load_check": {"status": "pass", "reason": "exit 0"},
+        "commands": [],
+    }
+    path = tmp_path / "report.md"
+    write_markdown(path, report)
+    md = path.read_text()
+    table = md.split("## Measured points")[1].split("## Evidence per point")[0]
+    rows = [ln for ln in table.splitlines() if ln.startswith("|")]
+    assert rows[0].startswith("| Point | Offered rate | Completed rate including drain |")
+    assert rows[2].startswith("| r2 | 4 request/s |") and rows[3].startswith("| r4 | 4 request/s |")
+    assert rows[2].endswith("| pass (attainment 1.000) | 10 s / 300 ms, 0.95 |"), rows[2]
+    assert rows[3].endswith("| fail (attainment 0.917) | 1 s / 300 ms, 0.95 |"), rows[3]
+    assert all(row.count("|") == rows[0].count("|") for row in rows)
+    # The sentence under the table says where the counts that include the warmup are.
+    assert "the client and journal counts under Evidence per point (report.md) include it" in table
+    assert "Client / journal terminal" in md.split("## Evidence per point")[1]
 
 
 # --- CLIs --------------------------------------------------------------------------------

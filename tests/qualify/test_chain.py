@@ -9,6 +9,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -95,8 +96,11 @@ def test_the_shipped_run_passes_every_step(first: Run) -> None:
     assert first.ledger()["runs"][-1]["ran"] == ALL_STEPS
     assert "overall: PASS" in first.out
     assert "every gate passed and every point met its target" in first.out
-    # The reference run's results table and role timeline end the output.
-    assert "| Offered rate | Completed rate including drain |" in first.out
+    # The profile, every column with its unit.
+    assert "prefill@256 (s)" in first.out and "decode_intercept (s/token)" in first.out
+    # The reference run's results table (each point named) and role timeline end the output.
+    assert "| Point | Offered rate | Completed rate including drain |" in first.out
+    assert "| r2 | 2 request/s |" in first.out and "| r4 | 4 request/s |" in first.out
     assert "State timeline:" in first.out and "router.start roles" in first.out
     assert nothing_serves(), "the chain left its router or engines running"
 
@@ -161,6 +165,13 @@ def test_a_second_run_reuses_every_step_and_starts_nothing(first: Run) -> None:
     ran = third.ledger()["runs"][-1]["ran"]
     assert ran[0] == "report" and set(ran) <= {"report", "bundle"}, ran
     assert "starting" not in third.out and (first.run_dir / "report.html").exists()
+    # A plot is the report's output too.
+    shutil.rmtree(first.run_dir / "report-plots")
+    fourth = qualify(SHIPPED, first.run_dir, timeout=120)
+    assert fourth.proc.returncode == 0, fourth.out
+    ran = fourth.ledger()["runs"][-1]["ran"]
+    assert ran[0] == "report" and set(ran) <= {"report", "bundle"}, ran
+    assert (first.run_dir / "report-plots" / "ttft.svg").is_file()
 
 
 # --- hidden faults ----------------------------------------------------------------------
@@ -226,6 +237,77 @@ def test_prefix_caching_on_stops_at_the_benchmark(tmp_path: Path) -> None:
     line = stopped_at(qualify(run_file, tmp_path / "run"), "benchmark")
     assert "gate prefix_caching_off failed" in line
     assert "vllm:cache_config_info says enable_prefix_caching=True" in line
+
+
+SIM_ENGINES = [f"http://127.0.0.1:{port}" for port in (18100, 18101, 18102, 18103)]
+
+
+def _set_faults(body: dict[str, Any]) -> None:
+    for url in SIM_ENGINES:
+        reply = httpx.post(
+            f"{url}/sim/faults", json=body, headers={"Authorization": "Bearer qa"}, timeout=10
+        )
+        assert reply.status_code == 200, reply.text
+
+
+@contextlib.contextmanager
+def slowed_during_the_benchmark(run_dir: Path) -> Iterator[list[str]]:
+    """Once the benchmark step starts, every engine runs 20x slower (a decode step of ~0.5 s
+    against the 0.3 s TPOT budget: every request misses it), which neither the profile nor the
+    check saw; back to normal once the point is measured, so the post-load KV check passes."""
+    done: list[str] = []
+
+    def act() -> None:
+        log = run_dir / "logs" / "10-benchmark.log"
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and not log.exists():
+            time.sleep(0.2)
+        _set_faults({"slowdown": 20})
+        done.append("slowed")
+        while time.monotonic() < deadline and "point r4: measured" not in log.read_text():
+            time.sleep(0.2)
+        _set_faults({"slowdown": 1})
+        done.append("restored")
+
+    thread = threading.Thread(target=act, daemon=True)
+    thread.start()
+    try:
+        yield done
+    finally:
+        thread.join(30)
+
+
+def test_a_fleet_that_fails_its_benchmark_gets_its_report_and_bundle(tmp_path: Path) -> None:
+    """Every gate passes, the point misses its attainment target: a finished measurement. The
+    report says fail and why, the bundle is written, and the command says the fleet did not
+    qualify (exit 1); a rerun does not measure again."""
+    plan_args = {"--time-scale": 10, "--no-enable-prefix-caching": True, "--admin-token": "qa"}
+    run_file = variant(tmp_path, plan_args=plan_args)
+    run_dir = tmp_path / "run"
+    with slowed_during_the_benchmark(run_dir) as done:
+        run = qualify(run_file, run_dir)
+    assert done == ["slowed", "restored"], run.out
+    assert run.proc.returncode == 1, run.out
+    assert "Traceback" not in run.out and "stopped at" not in run.out, run.out
+    assert run.ledger()["runs"][-1]["ran"] == ALL_STEPS
+    verdict = [ln for ln in run.proc.stdout.splitlines() if "did not qualify" in ln]
+    assert len(verdict) == 1 and verdict[0].startswith(
+        "narwhal-qualify: the fleet did not qualify: benchmark: point r4: "
+    ), run.out
+    assert "below its target 0.95" in verdict[0]
+    assert run.proc.stdout.rstrip().endswith(verdict[0])
+    for name in ("report.html", "report.md", "qualification-artifacts.tgz"):
+        assert (run_dir / name).is_file(), name
+    md = (run_dir / "report.md").read_text()
+    assert "Overall: **fail**" in md and "- point r4: " in md and "over the TPOT budget" in md
+    assert nothing_serves()
+
+    again = qualify(run_file, run_dir, timeout=120)
+    assert again.proc.returncode == 1, again.out
+    last = again.ledger()["runs"][-1]
+    assert last["ran"] == [] and last["skipped"] == ALL_STEPS, again.out
+    assert "starting" not in again.out
+    assert verdict[0] in again.proc.stdout.splitlines(), again.out
 
 
 def test_a_tag_only_image_stops_at_the_plan_check(tmp_path: Path) -> None:

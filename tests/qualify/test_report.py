@@ -5,6 +5,7 @@ figure without its SVG is named."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -162,10 +163,13 @@ def test_report_renders_every_plot_in_chromium(run_dir: Path) -> None:
     assert re.findall(r'(?:src|href)="(?!#)[^"]*"', page.dom) == []
     # The reference run's table, as benchmark/report.md has it, one row per point.
     bench_md = (run_dir / "benchmark" / "report.md").read_text()
-    for row in bench_md.splitlines():
-        if row.startswith(("| 8 request/s", "| 16 request/s")):
-            cells = [c.strip() for c in row.strip("|").split("|")]
-            assert all(cell in page.dom for cell in cells), (cells, row)
+    table = bench_md.split("## Measured points")[1].split("## Evidence per point")[0]
+    rows = [r for r in table.splitlines() if r.startswith(("| low | ", "| high | "))]
+    assert len(rows) == 2, bench_md
+    for row in rows:
+        # Point to Result: the page words its verdict column itself.
+        cells = [c.strip() for c in row.strip("|").split("|")][:7]
+        assert all(cell in page.dom for cell in cells), (cells, row)
     assert page.dom.count(f"/{REQUESTS} within limits") >= 2
     # Pinned inputs and the qualification gates.
     assert "Fleet SHA-256" in page.dom and "Fleet latency budgets" in page.dom
@@ -222,6 +226,47 @@ def test_role_timeline_from_admin_state_without_a_journal(run_dir: Path, tmp_pat
     assert problems(page.dom, PLOT_IDS) == ["figure.plot#kv-probes has no <svg>"]
     assert "from the points' /admin/state snapshots" in page.dom
     assert "no router-journal.jsonl in the run directory" in page.dom
+
+
+@pytest.mark.slow
+def test_a_failing_verdict_says_which_point_failed_and_why(run_dir: Path, tmp_path: Path) -> None:
+    """A fleet that missed a point's attainment target: the page says fail, names the point,
+    its attainment against its target and how many requests broke which budget."""
+    failed = tmp_path / "failed"
+    shutil.copytree(run_dir, failed)
+    path = failed / "benchmark" / "report.json"
+    bench = json.loads(path.read_text())
+    high = next(p for p in bench["points"] if p["name"] == "high")
+    summary = high["summary"]
+    # Held to a TTFT budget at its own median: about half its requests are over it.
+    budget = summary["ttft_s"]["p50"]
+    summary["budgets"]["ttft_s"] = budget
+    summary.update(verdict="fail", attainment=0.5, result=f"12/{REQUESTS} within limits")
+    bench.update(overall="fail", overall_reason="a measured point missed its attainment target")
+    path.write_text(json.dumps(bench))
+    point_dir = failed / "benchmark" / "points" / Path(high["evidence_dir"]).name
+    records = point_dir / "client" / "client_records.jsonl"
+    over = 0
+    for line in records.read_text().splitlines():
+        rec = json.loads(line)
+        if not rec["warmup"] and rec["outcome"] == "ok":
+            over += rec["first_token_s"] - rec["sent_s"] > budget
+    assert 0 < over < REQUESTS
+    html_path, md_path = write_report(failed, title="failed")
+    why = (
+        f"point high: 12/{REQUESTS} within limits, attainment 0.500 below its target 0.95: "
+        f"{over} over the TTFT budget of {budget:g} s, 0 over the TPOT budget of "
+    )
+    md = md_path.read_text()
+    assert "Overall: **fail**" in md and "The fleet did not qualify:" in md
+    # (Point low is listed too when this loaded machine made it miss its own target.)
+    lines = [ln for ln in md.splitlines() if ln.startswith("- point high:")]
+    assert len(lines) == 1 and lines[0].startswith(f"- {why}"), lines
+    assert lines[0].endswith(" ms, 0 not completed"), lines
+    assert "| FAIL (0.500 < target 0.95) |" in md
+    page = load_page(html_path)
+    assert page.console_errors == [], page.console
+    assert 'class="verdict fail"' in page.dom and why in page.dom
 
 
 def test_missing_benchmark_report_is_a_report_error(tmp_path: Path) -> None:

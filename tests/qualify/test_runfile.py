@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import subprocess
 import sys
 from pathlib import Path
@@ -171,3 +172,106 @@ def test_yaml_a_person_could_not_mean_is_refused(tmp_path: Path, text: str, need
     with pytest.raises(RunFileError) as info:
         load_run_file(path, ROOT)
     assert any(needle in p for p in info.value.problems), info.value.problems
+
+
+def _profiling(**over: object) -> dict[str, object]:
+    doc = yaml.safe_load(SHIPPED.read_text())["profiling"]
+    doc.update(over)
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("over", "needle"),
+    [
+        # narwhal-profile's own bounds (ProfilingPlan), not the run file's looser copies.
+        ({"decode_tokens": 2}, "profiling.decode_tokens: must be greater than or equal to 4"),
+        ({"prefill_lens": [8192]}, "profiling.prefill_lens: must have at least 2 items (got 1)"),
+        ({"decode_concurrency": [1]}, "profiling.decode_concurrency: must have at least 2 items"),
+        ({"prefill_lens": [256, 256]}, "profiling.prefill_lens: duplicate values"),
+        # Probes the fleet's engines cannot take (local-sim.json: max_model_len 16384).
+        (
+            {"prefill_lens": [256, 20000]},
+            "profiling.prefill_lens: a prefill probe of 20000 tokens exceeds the fleet's "
+            "max_model_len 16384",
+        ),
+        (
+            {"decode_input_lens": [512, 16380]},
+            "profiling.decode_input_lens: a decode probe of 16396 tokens exceeds",
+        ),
+    ],
+)
+def test_profiling_the_profiler_would_refuse_is_refused_before_anything_starts(
+    tmp_path: Path, over: dict[str, object], needle: str
+) -> None:
+    path = _write(tmp_path, profiling=_profiling(**over))
+    with pytest.raises(RunFileError) as info:
+        load_run_file(path, ROOT)
+    assert any(needle in p for p in info.value.problems), info.value.problems
+    assert all("\n" not in p for p in info.value.problems)
+
+
+def test_a_limits_file_the_profiler_would_refuse_is_refused_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    broken = tmp_path / "limits.json"
+    broken.write_text('{"schema": "narwhal.profiling-limits/v1", "max_wall_s_per_engine": 10,')
+    path = _write(tmp_path, profiling=_profiling(limits=str(broken)), run_dir=str(tmp_path / "r"))
+    with pytest.raises(RunFileError) as info:
+        load_run_file(path, ROOT)
+    assert any(f"profiling.limits: {broken}: " in p for p in info.value.problems), (
+        info.value.problems
+    )
+    # Valid JSON, wrong document: the profiler's loader (strict) says which field.
+    broken.write_text('{"schema": "narwhal.profiling-limits/v1", "max_wall_s_per_engine": 10}')
+    with pytest.raises(RunFileError) as info:
+        load_run_file(path, ROOT)
+    assert any("max_tokens_per_engine: required field is missing" in p for p in info.value.problems)
+    # A limit the plan cannot stay within (narwhal-profile refuses it before any probe).
+    broken.write_text(
+        '{"schema": "narwhal.profiling-limits/v1", "max_wall_s_per_engine": 10, '
+        '"max_tokens_per_engine": 1000, "probe_timeout_s": 5}'
+    )
+    with pytest.raises(RunFileError) as info:
+        load_run_file(path, ROOT)
+    assert any("max_tokens_per_engine 1000 is below the" in p for p in info.value.problems)
+    # And the command says so up front: exit 2, nothing started.
+    done = subprocess.run([QUALIFY, str(path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "nothing started" in done.stderr, done.stderr
+    assert "max_tokens_per_engine 1000" in done.stderr and not (tmp_path / "r").exists()
+
+
+def test_a_run_directory_that_cannot_be_used_is_refused_with_nothing_started(
+    tmp_path: Path,
+) -> None:
+    """Unwritable, or locked by another chain: exit 2 as any other run_dir problem, no
+    resume hint (nothing ran), no logs directory promised."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "steps.json").write_text("{}")
+    with (run_dir / ".lock").open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        done = subprocess.run(
+            [QUALIFY, str(SHIPPED), "--run-dir", str(run_dir)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.splitlines() == [
+        f"narwhal-qualify: run_dir: another narwhal-qualify is running in {run_dir}",
+        "narwhal-qualify: nothing started",
+    ], done.stderr
+    assert "rerun" not in done.stdout + done.stderr
+    done = subprocess.run(
+        [QUALIFY, str(SHIPPED), "--run-dir", "/proc/narwhal-qualify-test"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 2 and lines[1] == "narwhal-qualify: nothing started", done.stderr
+    assert lines[0].startswith(
+        "narwhal-qualify: run_dir: cannot use /proc/narwhal-qualify-test: "
+    ), done.stderr
+    assert "rerun" not in done.stdout + done.stderr and "Traceback" not in done.stderr

@@ -134,6 +134,23 @@ def _rate(v: float | None) -> str:
     return "-" if v is None else f"{v:g} request/s"
 
 
+def _verdict(summary: dict[str, Any]) -> str:
+    """The point's verdict with the attainment that decided it."""
+    verdict, attainment = summary.get("verdict"), summary.get("attainment")
+    if not isinstance(attainment, int | float):
+        return str(verdict)
+    return f"{verdict} (attainment {attainment:.3f})"
+
+
+def _budgets(point: dict[str, Any]) -> str:
+    """The budgets the point was judged by: the plan's for the point, else its summary's."""
+    budgets = point.get("budgets") or (point.get("summary") or {}).get("budgets") or {}
+    ttft, tpot, target = (budgets.get(k) for k in ("ttft_s", "tpot_s", "attainment"))
+    if not all(isinstance(v, int | float) for v in (ttft, tpot, target)):
+        return "-"
+    return f"{ttft:g} s / {tpot * 1000:g} ms, {target:g}"
+
+
 def write_markdown(path: Path, report: dict[str, Any]) -> None:
     lines: list[str] = []
     add = lines.append
@@ -151,27 +168,30 @@ def write_markdown(path: Path, report: dict[str, Any]) -> None:
     add("## Measured points")
     add("")
     add(
-        "| Offered rate | Completed rate including drain | Output throughput including drain "
-        "| TTFT p50 / p95 / p99 | TPOT p50 / p95 / p99 | Result |"
+        "| Point | Offered rate | Completed rate including drain | Output throughput including "
+        "drain | TTFT p50 / p95 / p99 | TPOT p50 / p95 / p99 | Result | Verdict "
+        "| Budgets: TTFT / TPOT, attainment target |"
     )
-    add("|---|---|---|---|---|---|")
+    add("|---|---|---|---|---|---|---|---|---|")
     for point in report["points"]:
         s = point.get("summary")
         if point["status"] != "measured" or not s:
             continue
         add(
-            f"| {_rate(point['rate'])} | "
+            f"| {point['name']} | {_rate(point['rate'])} | "
             f"{'-' if s['completed_rate_rps'] is None else format(s['completed_rate_rps'], '.3f')}"
             f" request/s | "
             f"{'-' if s['output_throughput_tps'] is None else format(s['output_throughput_tps'], '.1f')}"  # noqa: E501
             f" tokens/s | {_triple(s['ttft_s'], 1.0, '.3f')} s | "
-            f"{_triple(s['tpot_s'], 1000.0, '.1f')} ms | {s['result']} |"
+            f"{_triple(s['tpot_s'], 1000.0, '.1f')} ms | {s['result']} | "
+            f"{_verdict(s)} | {_budgets(point)} |"
         )
     add("")
     add(
-        "Each point excludes one warmup request from the table; the counts below include it. "
-        "Rates and throughputs divide by the time from the first measured send to the last "
-        "completion (including the drain)."
+        "Each point excludes its one warmup request from this table; the client and journal "
+        "counts under Evidence per point (report.md) include it. Rates and throughputs divide by "
+        "the time from the first measured send to the last completion (including the drain). "
+        "Each point is judged by its own budgets, which may be stricter than the fleet's."
     )
     add("")
     add("## Evidence per point")

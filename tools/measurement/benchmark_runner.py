@@ -632,8 +632,12 @@ def run_plan(cfg: RunnerConfig) -> int:
             f"workload is {wl.input_tokens} in / {wl.output_tokens} out, the plan says "
             f"{plan.workload.input_tokens} / {plan.workload.output_tokens}"
         )
-    if max(p.requests for p in plan.points) > len(wl.requests):
-        raise UsageError(f"the workload has {len(wl.requests)} prompts; a point needs more")
+    largest = max(plan.points, key=lambda p: p.requests)
+    if largest.requests > len(wl.requests):
+        raise UsageError(
+            f"the workload has {len(wl.requests)} prompts; point {largest.name} needs "
+            f"{largest.requests} (load_trial.py prepare --num-prompts {largest.requests})"
+        )
     checkout = git_commit()
     ctx = PlanContext(
         cfg=cfg,
@@ -735,7 +739,11 @@ def run_plan(cfg: RunnerConfig) -> int:
             **router_inputs(head, fleet_c, images),
         },
         "plan_diagnostics": plan_diags,
-        "points": [r.to_json() for r in results],
+        # Each point with the budgets the plan gave it (a run may hold a point to stricter
+        # ones than the fleet's, which the pinned inputs show).
+        "points": [
+            {**r.to_json(), "budgets": _plan_budgets(plan.points[r.index])} for r in results
+        ],
         "timeline": timeline,
         "post_load_check": post,
         "csv": str(csv_path),
@@ -753,6 +761,15 @@ def run_plan(cfg: RunnerConfig) -> int:
     )
     print(f"{PROG}: evidence {bundle} sha256 {digest}")
     return 0 if overall_ok else 1
+
+
+def _plan_budgets(point: PlanPoint) -> dict[str, float]:
+    return {
+        "ttft_s": point.ttft_s,
+        "tpot_s": point.tpot_s,
+        "attainment": point.attainment,
+        "timeout_s": point.timeout_s,
+    }
 
 
 def _one_line(result: PointResult) -> str:

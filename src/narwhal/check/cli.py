@@ -101,9 +101,14 @@ def _parser() -> argparse.ArgumentParser:
         "--token-tolerance",
         type=float,
         default=d.token_tolerance,
-        help="relative error allowed in the router's prompt-length estimate",
+        help="relative error allowed in the router's prompt-length estimate (default %(default)s)",
     )
-    p.add_argument("--kv-probes", type=int, default=d.kv_probes, help="handoffs per pair")
+    p.add_argument(
+        "--kv-probes",
+        type=int,
+        default=d.kv_probes,
+        help="handoffs per pair (default %(default)s)",
+    )
     p.add_argument(
         "--kv-prompt-tokens",
         type=int,
@@ -127,7 +132,8 @@ def _parser() -> argparse.ArgumentParser:
         "--kv-margin",
         type=float,
         default=d.kv_margin,
-        help="relative margin of a recommended deadline over the observed maximum",
+        help="relative margin of a recommended deadline over the observed maximum (default "
+        "%(default)s)",
     )
     p.add_argument(
         "--tpot-headroom",

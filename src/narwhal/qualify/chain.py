@@ -34,7 +34,7 @@ from narwhal.qualify.ledger import Ledger, StepRecord, content_sha256, step_key,
 from narwhal.qualify.runfile import LoadedRun
 from narwhal.qualify.steps import Step, console_script
 
-__all__ = ["ChainFailed", "ChainResult", "run_chain"]
+__all__ = ["ChainFailed", "ChainResult", "RunDirUnusable", "run_chain"]
 
 WATCH_INTERVAL_S = 1.0
 # The steps whose outputs conclude a run: they never outlive a rerun of what they conclude.
@@ -53,10 +53,17 @@ class ChainFailed(Exception):
         self.step = step
 
 
+class RunDirUnusable(Exception):
+    """The run directory cannot be made, written or locked: nothing started."""
+
+
 @dataclass
 class ChainResult:
     ran: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    # (step, one-line verdict) of each step that measured the fleet and found it failing: the
+    # chain finished, and the fleet did not qualify.
+    failed_verdicts: list[tuple[str, str]] = field(default_factory=list)
 
 
 def _say(line: str) -> None:
@@ -199,7 +206,8 @@ class Chain:
             timer.start()
             try:
                 assert proc.stdout is not None
-                self._relay(proc.stdout, f, echo)
+                with proc.stdout:  # closed once read: one descriptor less per command
+                    self._relay(proc.stdout, f, echo)
                 return proc.wait()
             finally:
                 timer.cancel()
@@ -396,7 +404,8 @@ class Chain:
             assert self.current.stdout is not None
             if self.watch.problem is not None:  # found while the step was being started
                 self._kill_current()
-            self._relay(self.current.stdout, f, step.echo)
+            with self.current.stdout:
+                self._relay(self.current.stdout, f, step.echo)
             code = self.current.wait()
         (self.rd / STEP_PID).unlink(missing_ok=True)
         return code
@@ -470,7 +479,12 @@ class Chain:
                 self.watch.problem = self.watch.look(client)
         if needs_watch and self.watch.problem is not None:
             raise ChainFailed(step.name, self.watch.problem)
+        failed_verdict = None
         if code != 0:
+            # A measurement that ran to its end and found the fleet failing is a result, not a
+            # broken step: it is recorded, and the report and the bundle still follow.
+            failed_verdict = step.verdict(self.rd, code) if step.verdict else None
+        if code != 0 and failed_verdict is None:
             why = step.explain(self.rd) if step.explain else None
             if why is None:
                 why = result if step.action else _last_line(log, f"exited with status {code}")
@@ -490,9 +504,13 @@ class Chain:
                 outputs=outputs,
                 started_at=started,
                 duration_s=round(time.monotonic() - t0, 3),
-                exit_code=0,
+                exit_code=code,
+                failed_verdict=failed_verdict,
             ),
         )
+        if failed_verdict is not None:
+            self.result.failed_verdicts.append((step.name, failed_verdict))
+            return f"measured; the fleet failed: {failed_verdict}"
         return result
 
     def _discard(self, steps: list[Step], claims_only: bool) -> None:
@@ -530,6 +548,9 @@ class Chain:
             record = None if step.observes else self._done(step)
             if record is not None:
                 self.say(f"{head} skipped: done at {record.started_at}, outputs unchanged")
+                if record.failed_verdict is not None:
+                    self.say(f"        measured then; the fleet failed: {record.failed_verdict}")
+                    result.failed_verdicts.append((step.name, record.failed_verdict))
                 result.skipped.append(step.name)
                 continue
             self.say(f"{head} {step.what}")
@@ -543,6 +564,9 @@ class Chain:
                 self._discard(self.steps[index:], claims_only=False)
                 raise
             result.ran.append(step.name)
+            if step.show is not None:
+                for shown in step.show(self.rd):
+                    self.say(f"        {shown}")
             self.say(
                 f"        done in {time.monotonic() - t0:.1f} s" + (f": {line}" if line else "")
             )
@@ -617,22 +641,21 @@ def run_chain(
     keep_running: bool = False,
     out: Callable[[str], None] = _say,
 ) -> ChainResult:
-    """Run the chain; ChainFailed names the step and the one-line reason. The ledger
-    (steps.json) records every finished step and, for each invocation, what ran."""
+    """Run the chain; ChainFailed names the step and the one-line reason, RunDirUnusable says
+    why the run directory cannot be used (before anything started). The ledger (steps.json)
+    records every finished step and, for each invocation, what ran."""
     try:
         loaded.run_dir.mkdir(parents=True, exist_ok=True)
         (loaded.run_dir / "logs").mkdir(exist_ok=True)
         lock = (loaded.run_dir / ".lock").open("a")
     except OSError as exc:
-        raise ChainFailed("start", f"cannot use {loaded.run_dir}: {exc.strerror or exc}") from None
+        raise RunDirUnusable(f"cannot use {loaded.run_dir}: {exc.strerror or exc}") from None
     try:
         # Two chains on one run directory would delete each other's outputs.
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         lock.close()
-        raise ChainFailed(
-            "start", f"another narwhal-qualify is running in {loaded.run_dir}"
-        ) from None
+        raise RunDirUnusable(f"another narwhal-qualify is running in {loaded.run_dir}") from None
     try:
         return _run_locked(loaded, steps, keep_running, out)
     finally:
@@ -646,7 +669,12 @@ def _run_locked(
     entry: dict[str, Any] = {"started_at": utc_now(), "run_file": str(loaded.path)}
     try:
         result = chain.run()
-        entry["outcome"] = "pass"
+        if result.failed_verdicts:
+            entry["outcome"] = "not qualified: " + "; ".join(
+                f"{step}: {why}" for step, why in result.failed_verdicts
+            )
+        else:
+            entry["outcome"] = "pass"
         return result
     except ChainFailed as exc:
         entry["outcome"] = f"failed at {exc.step}: {exc}"

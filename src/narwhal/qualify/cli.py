@@ -10,8 +10,14 @@ come up only when a step that must run needs them. A failed gate stops the chain
 gate's own explanation. At the end: the results table, the role timeline, the report and the
 evidence bundle with its SHA-256.
 
-Exit status: 0 every step done (or already done); 1 the chain stopped at a step; 2 the run file
-or the command line is wrong.
+A benchmark that ran every point through its gates and found a point below its attainment
+target is a finished measurement: the report (saying which point failed and why) and the bundle
+are still written, and the command then says the fleet did not qualify (exit 1). A rerun
+reuses that measurement.
+
+Exit status: 0 every step done (or already done) and the fleet qualified; 1 the chain stopped
+at a step, or it finished and the fleet did not qualify; 2 the run file, the run directory or
+the command line is wrong (nothing started).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import sys
 from pathlib import Path
 
 from narwhal.qualify.bundle import BUNDLE_NAME
-from narwhal.qualify.chain import ChainFailed, run_chain
+from narwhal.qualify.chain import ChainFailed, RunDirUnusable, run_chain
 from narwhal.qualify.layout import BENCHMARK
 from narwhal.qualify.runfile import RunFileError, load_run_file
 from narwhal.qualify.steps import chain_steps, console_script
@@ -127,6 +133,11 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGHUP, _interrupt)
     try:
         result = run_chain(loaded, steps, keep_running=args.keep_running)
+    except RunDirUnusable as exc:
+        # As the run file's other run_dir problems: nothing ran, so nothing to resume.
+        print(f"{PROG}: run_dir: {exc}", file=sys.stderr)
+        print(f"{PROG}: nothing started", file=sys.stderr)
+        sys.exit(2)
     except ChainFailed as exc:
         print(f"{PROG}: stopped at {exc.step}: {exc}", flush=True)
         print(f"{PROG}: logs in {loaded.run_dir / 'logs'}; rerun resumes after the last done step")
@@ -150,6 +161,10 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, IndexError):  # the bundle step checked it; it went since
         digest = "unknown (its .sha256 is gone)"
     print(f"evidence {rd / BUNDLE_NAME} sha256 {digest}")
+    if result.failed_verdicts:
+        why = "; ".join(f"{step}: {reason}" for step, reason in result.failed_verdicts)
+        print(f"{PROG}: the fleet did not qualify: {why}", flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

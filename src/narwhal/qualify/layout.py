@@ -10,6 +10,7 @@ __all__ = [
     "FLEET_QUALIFIED",
     "JOURNAL",
     "PLAN",
+    "PLOTS_DIR",
     "PROFILE_STORE",
     "ROUTER_PID",
     "STEP_PID",
@@ -24,5 +25,6 @@ CHECK_REPORT = "check-report.json"
 JOURNAL = "router-journal.jsonl"
 WORKLOAD = "workload"
 BENCHMARK = "benchmark"
+PLOTS_DIR = "report-plots"  # the report's plots as SVG files (report.md links them)
 ROUTER_PID = "router.pid"  # the router this run started, while it runs
 STEP_PID = "step.pid"  # the step command running now: its process group, while it runs

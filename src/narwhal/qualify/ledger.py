@@ -1,7 +1,9 @@
 """``steps.json``: what each step of a qualification run consumed and produced, by content hash.
 
 A step is *done* when the ledger holds its key (its command and the SHA-256 of every input)
-and every output still hashes as recorded; a later run skips it. Files hash as their bytes,
+and every output still hashes as recorded; a later run skips it. A step that measures the fleet
+and finished with a failing verdict (the benchmark) is done too: its record keeps the verdict,
+so a rerun says the fleet did not qualify without measuring it again. Files hash as their bytes,
 directories as the sorted list of their files' relative paths and hashes, so a workload or a
 benchmark directory is one hash.
 """
@@ -56,6 +58,9 @@ class StepRecord:
     started_at: str
     duration_s: float
     exit_code: int
+    # The fleet's failing verdict, one line, when the step finished its measurement and the
+    # fleet failed it (exit_code is then the tool's non-zero status); None otherwise.
+    failed_verdict: str | None = None
 
 
 @dataclass
@@ -85,7 +90,9 @@ class Ledger:
     def done(self, name: str, key: str, outputs: dict[str, Path]) -> StepRecord | None:
         """The step's record when it ran with this key and its outputs are as it left them."""
         rec = self.steps.get(name)
-        if rec is None or rec.key != key or rec.exit_code != 0:
+        if rec is None or rec.key != key:
+            return None
+        if rec.exit_code != 0 and rec.failed_verdict is None:
             return None
         for rel, path in outputs.items():
             if rec.outputs.get(rel) is None or content_sha256(path) != rec.outputs[rel]:

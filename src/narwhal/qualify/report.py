@@ -37,12 +37,18 @@ from narwhal.contract import (
     sha256_hex,
 )
 from narwhal.qualify import plots
-from narwhal.qualify.layout import BENCHMARK, CHECK_REPORT, FLEET_QUALIFIED, JOURNAL, PROFILE_STORE
+from narwhal.qualify.layout import (
+    BENCHMARK,
+    CHECK_REPORT,
+    FLEET_QUALIFIED,
+    JOURNAL,
+    PLOTS_DIR,
+    PROFILE_STORE,
+)
 
 __all__ = ["BENCHMARK_REPORT", "PLOT_IDS", "ReportError", "write_report"]
 
 BENCHMARK_REPORT = f"{BENCHMARK}/report.json"
-PLOTS_DIR = "report-plots"
 #: Every figure the page holds, in order (each ``<figure class="plot" id=...>``).
 PLOT_IDS = ("ttft", "tpot", "itl", "attainment", "kv-probes", "roles")
 
@@ -54,6 +60,7 @@ _RESULT_HEADER = (
     "TTFT p50 / p95 / p99",
     "TPOT p50 / p95 / p99",
     "Result",
+    "Verdict",
 )
 
 
@@ -79,6 +86,7 @@ class _Point:
     ttft: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
+    recorded: bool = False  # its client records were read (the lists above are from them)
 
     @property
     def summary(self) -> dict[str, Any] | None:
@@ -154,6 +162,7 @@ def _load_point(run_dir: Path, doc: dict[str, Any], notes: list[str]) -> _Point:
     if not path.is_file():
         notes.append(f"point {p.name}: no client records ({path.relative_to(run_dir)})")
         return p
+    p.recorded = True
     for rec in _jsonl(path):
         if rec.get("warmup") or rec.get("outcome") != "ok":
             continue
@@ -263,7 +272,7 @@ def _result_rows(run: _Run) -> list[tuple[str, ...]]:
         if p.status != "measured" or s is None:
             failed = [g.get("name") for g in p.doc.get("gates", []) if not g.get("passed")]
             why = f"not measured ({p.status}: {', '.join(map(str, failed)) or 'no summary'})"
-            rows.append((p.name, offered, "-", "-", "-", "-", why))
+            rows.append((p.name, offered, "-", "-", "-", "-", why, "no verdict"))
             continue
         rows.append(
             (
@@ -274,9 +283,70 @@ def _result_rows(run: _Run) -> list[tuple[str, ...]]:
                 _triple(s.get("ttft_s"), 1.0, ".3f", "s"),
                 _triple(s.get("tpot_s"), 1000.0, ".1f", "ms"),
                 str(s.get("result", "-")),
+                _verdict_cell(p),
             )
         )
     return rows
+
+
+def _verdict_cell(p: _Point) -> str:
+    """``pass (0.958 >= target 0.95)`` or ``FAIL (0.917 < target 0.95)``: the verdict and
+    what decided it."""
+    s = p.summary or {}
+    verdict, attainment, target = (
+        s.get("verdict"),
+        _num(s.get("attainment")),
+        p.budget("attainment"),
+    )
+    if attainment is None or target is None:
+        return str(verdict or "-")
+    if verdict == "pass":
+        return f"pass ({attainment:.3f} >= target {target:g})"
+    return f"FAIL ({attainment:.3f} < target {target:g})"
+
+
+def _point_failure(p: _Point) -> str | None:
+    """Why a point did not pass, in one line: the gates it failed, or the attainment it
+    missed and which requests missed it (from the client's records)."""
+    failed = [str(g.get("name")) for g in p.doc.get("gates", []) if not g.get("passed")]
+    s = p.summary
+    if p.status != "measured" or s is None:
+        gates = ", ".join(failed) or "no summary"
+        return f"point {p.name}: not measured ({p.status}): {gates}"
+    if s.get("verdict") == "pass":
+        return None
+    line = f"point {p.name}: {s.get('result')}"
+    attainment, target = _num(s.get("attainment")), p.budget("attainment")
+    if attainment is not None and target is not None:
+        line += f", attainment {attainment:.3f} below its target {target:g}"
+    causes = []
+    ttft_b, tpot_b = p.budget("ttft_s"), p.budget("tpot_s")
+    # Which completed requests broke which budget: only the client's records say (a request
+    # over both counts in both).
+    if ttft_b is not None and p.recorded:
+        over = sum(1 for v in p.ttft if v > ttft_b)
+        causes.append(f"{over} over the TTFT budget of {ttft_b:g} s")
+    if tpot_b is not None and p.recorded:
+        over = sum(1 for v in p.tpot if v > tpot_b)
+        causes.append(f"{over} over the TPOT budget of {tpot_b * 1000:g} ms")
+    outcomes = s.get("by_outcome")
+    if isinstance(outcomes, dict):
+        others = {k: v for k, v in outcomes.items() if k != "ok" and v}
+        lost = sum(v for v in others.values() if isinstance(v, int))
+        detail = ", ".join(f"{v} {k}" for k, v in sorted(others.items()))
+        causes.append(f"{lost} not completed" + (f" ({detail})" if detail else ""))
+    if causes:
+        line += ": " + ", ".join(causes)
+    return line
+
+
+def _failures(run: _Run) -> list[str]:
+    """Every reason the run did not qualify, one line each."""
+    out = [line for p in run.points if (line := _point_failure(p)) is not None]
+    post = run.bench.get("post_load_check")
+    if isinstance(post, dict) and post.get("status") == "fail":
+        out.append(f"post-load KV check failed: {post.get('reason')}")
+    return out
 
 
 def _input_rows(run: _Run) -> list[tuple[str, str]]:
@@ -552,6 +622,7 @@ figcaption { font-size: 0.85rem; color: #444; }
 figcaption b { color: #222; }
 p.missing { color: #8a5a00; background: #fff6e0; padding: 0.4rem; }
 ul.notes li { color: #8a5a00; }
+ul.failures li { color: #8a1f1f; }
 """
 
 
@@ -592,6 +663,7 @@ class _Page:
     generated: str
     overall: str
     reason: str
+    failures: list[str]
     results: list[tuple[str, ...]]
     inputs: list[tuple[str, str]]
     gates: list[tuple[str, str, str]]
@@ -613,6 +685,9 @@ def _render_html(page: _Page) -> str:
         f'<p class="verdict {verdict}" id="overall">Overall: <b>{_esc(page.overall)}</b>. '
         f"{_esc(page.reason)}</p>"
     )
+    if page.failures:
+        add('<p class="why">The fleet did not qualify:</p><ul class="failures" id="failures">')
+        add("".join(f"<li>{_esc(line)}</li>" for line in page.failures) + "</ul>")
     add('<h2 id="results">Results</h2>')
     add(_html_table(_RESULT_HEADER, page.results, numeric={1, 2, 3, 4, 5}))
     add(
@@ -649,7 +724,11 @@ def _render_html(page: _Page) -> str:
 def _render_md(page: _Page) -> str:
     out = [f"# {page.title}", ""]
     out += [f"Run directory {page.run_dir}; report written {page.generated}", ""]
-    out += [f"Overall: **{page.overall}**. {page.reason}", "", "## Results", ""]
+    out += [f"Overall: **{page.overall}**. {page.reason}", ""]
+    if page.failures:
+        out += ["The fleet did not qualify:", ""]
+        out += [f"- {line}" for line in page.failures] + [""]
+    out += ["## Results", ""]
     out += _md_table(_RESULT_HEADER, page.results)
     out += ["", "## Pinned inputs", ""]
     out += _md_table(("Input", "Value"), list(page.inputs))
@@ -688,6 +767,7 @@ def write_report(run_dir: Path, *, title: str) -> tuple[Path, Path]:
         generated=datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
         overall=str(run.bench.get("overall", "unknown")),
         reason=str(run.bench.get("overall_reason", "")),
+        failures=_failures(run) if run.bench.get("overall") != "pass" else [],
         results=_result_rows(run),
         inputs=_input_rows(run),
         gates=_gate_rows(run),

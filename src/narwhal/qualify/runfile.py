@@ -33,11 +33,18 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from narwhal.contract import ContractError, LoadedFleet, load_fleet
+from narwhal.contract import (
+    ContractError,
+    LoadedFleet,
+    load_fleet,
+    read_json_document,
+    validate_document,
+)
 from narwhal.contract.loader import validation_reasons
 from narwhal.contract.models import format_loc
 from narwhal.contract.paths import file_in_the_way
 from narwhal.contract.yamlfile import StrictYamlLoader, load_yaml
+from narwhal.profiles.store import ProfilingLimits, ProfilingPlan
 
 __all__ = [
     "RUN_SCHEMA",
@@ -47,6 +54,7 @@ __all__ = [
     "RunFileError",
     "load_run_file",
     "parse_run_file",
+    "profiling_problems",
 ]
 
 RUN_SCHEMA = "narwhal.qualify/v1"
@@ -72,6 +80,9 @@ class Deployment(_Strict):
 
 
 class Profiling(_Strict):
+    """narwhal-profile's flags. Their bounds are the profiler's own (``ProfilingPlan``, checked
+    by ``profiling_problems``), not copies that could drift from it."""
+
     limits: str = Field(min_length=1)
     prefill_lens: list[int] = Field(default=[256, 1024, 4096, 8192], min_length=1)
     decode_input_lens: list[int] = Field(default=[512, 4096, 8192], min_length=1)
@@ -82,9 +93,22 @@ class Profiling(_Strict):
     @field_validator("prefill_lens", "decode_input_lens", "decode_concurrency")
     @classmethod
     def _positive(cls, values: list[int]) -> list[int]:
+        # As narwhal-profile reads its comma-separated flags: positive, no value twice.
         if any(v <= 0 for v in values):
             raise ValueError("every entry must be a positive integer")
+        if len(set(values)) != len(values):
+            raise ValueError(f"duplicate values in {values}")
         return values
+
+    def plan(self) -> dict[str, object]:
+        """The profiling plan these flags make, as narwhal-profile builds it."""
+        return {
+            "prefill_lens": self.prefill_lens,
+            "prefill_repeats": self.prefill_repeats,
+            "decode_input_lens": self.decode_input_lens,
+            "decode_concurrency": self.decode_concurrency,
+            "decode_tokens": self.decode_tokens,
+        }
 
 
 class Check(_Strict):
@@ -241,6 +265,7 @@ def load_run_file(
             fleet = load_fleet(fleet_path)
         except ContractError as exc:
             problems.append(f"{source}: fleet: {exc}")
+    problems += profiling_problems(source, run.profiling, fleet, limits)
     if fleet is not None:
         problems += _budget_problems(source, run, fleet)
         longest = run.workload.input_tokens + run.workload.output_tokens
@@ -274,6 +299,51 @@ def load_run_file(
         limits=limits,
         deployment_file=deployment,
     )
+
+
+def profiling_problems(
+    source: str, profiling: Profiling, fleet: LoadedFleet | None, limits: Path
+) -> list[str]:
+    """What narwhal-profile would refuse (exit 2) minutes into the run, found before it
+    starts: the plan against the profiler's own model (its bounds: two prefill lengths or
+    more, four decode tokens or more, ...), the limits file read by the profiler's loader,
+    a probe longer than the fleet's max_model_len, a plan the limits cannot pay for."""
+    out: list[str] = []
+    plan: ProfilingPlan | None = None
+    try:
+        plan = ProfilingPlan.model_validate(profiling.plan())
+    except ValidationError as exc:
+        for loc, reason in validation_reasons(exc):
+            out.append(f"{source}: {format_loc(('profiling', *loc))}: {reason}")
+    budget: ProfilingLimits | None = None
+    if limits.is_file():
+        try:
+            budget = validate_document(
+                read_json_document(limits), ProfilingLimits, str(limits), strict=True
+            )
+        except ContractError as exc:
+            out.append(f"{source}: profiling.limits: {exc}")
+    if plan is None:
+        return out
+    if fleet is not None:
+        max_len = fleet.contract.model.max_model_len
+        # The profiler's own measure of its longest probe (narwhal-profile refuses it).
+        for field, longest in (
+            ("prefill_lens", max(plan.prefill_lens)),
+            ("decode_input_lens", max(plan.decode_input_lens) + plan.decode_tokens),
+        ):
+            if longest > max_len:
+                what = "a prefill probe" if field == "prefill_lens" else "a decode probe"
+                out.append(
+                    f"{source}: profiling.{field}: {what} of {longest} tokens exceeds the "
+                    f"fleet's max_model_len {max_len}"
+                )
+    if budget is not None and plan.tokens_needed() > budget.max_tokens_per_engine:
+        out.append(
+            f"{source}: profiling.limits: max_tokens_per_engine {budget.max_tokens_per_engine} "
+            f"is below the {plan.tokens_needed()} tokens this profiling plan needs per engine"
+        )
+    return out
 
 
 def _run_dir_problems(source: str, run_dir: Path, checkout: Path) -> list[str]:

@@ -22,6 +22,7 @@ from typing import Any
 
 from narwhal.contract import canonical_json, load_fleet, sha256_hex
 from narwhal.qualify.bundle import BUNDLE_NAME, write_bundle
+from narwhal.qualify.console import profile_lines
 from narwhal.qualify.layout import (
     BENCHMARK,
     CHECK_REPORT,
@@ -29,12 +30,21 @@ from narwhal.qualify.layout import (
     FLEET_QUALIFIED,
     JOURNAL,
     PLAN,
+    PLOTS_DIR,
     PROFILE_STORE,
     WORKLOAD,
 )
-from narwhal.qualify.runfile import LoadedRun
+from narwhal.qualify.runfile import LoadedRun, RunFile
 
-__all__ = ["Step", "chain_steps", "console_script", "explain_benchmark", "explain_check"]
+__all__ = [
+    "Step",
+    "benchmark_verdict",
+    "chain_steps",
+    "console_script",
+    "explain_benchmark",
+    "explain_check",
+    "workload_prompts",
+]
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,13 @@ class Step:
     observes: bool = False
     echo: bool = False  # the command's stdout lines are the step's progress
     explain: Callable[[Path], str | None] | None = None  # why it failed, from its outputs
+    # For a step that measures the fleet: given its non-zero exit status, the fleet's failing
+    # verdict (one line) when the step finished its measurement and the fleet failed it, or
+    # None when the step itself broke. A failing verdict is a finished result: the chain goes
+    # on to the report and the bundle, and then says the fleet did not qualify.
+    verdict: Callable[[Path, int], str | None] | None = None
+    # Lines shown on the console once the step is done (read from its outputs).
+    show: Callable[[Path], list[str]] | None = None
     not_declared: str | None = None  # listed for the record, never run
     # What an in-process action depends on besides its input files (keys the step too).
     params: dict[str, str] = field(default_factory=dict)
@@ -156,10 +173,65 @@ def explain_benchmark(run_dir: Path) -> str | None:
     return None
 
 
+# benchmark_runner.py's exit status when the plan ran to its end and something failed (a gate,
+# a verdict, the post-load check); 2 is bad input, anything else a crash.
+_RUNNER_FAILED = 1
+
+
+def benchmark_verdict(run_dir: Path, code: int) -> str | None:
+    """The fleet's failing verdict when benchmark_runner.py measured every point and a point
+    missed its attainment target: a valid measurement (every gate passed, the post-load KV
+    check did not fail), which the report and the bundle must still hold. None when the
+    runner broke or a gate failed: the evidence does not back a measurement then."""
+    if code != _RUNNER_FAILED:
+        return None
+    out = run_dir / BENCHMARK
+    try:
+        report = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    # The runner writes its bundle's digest last: without it the run did not reach its end
+    # (a crash after the report is an exit status 1 too).
+    if not isinstance(report, dict) or not (out / (BUNDLE_NAME + ".sha256")).is_file():
+        return None
+    points = report.get("points")
+    if report.get("overall") != "fail" or not isinstance(points, list) or not points:
+        return None
+    post = report.get("post_load_check") or {}
+    if not isinstance(post, dict) or post.get("status") not in (None, "pass", "skip", "skipped"):
+        return None
+    missed = []
+    for point in points:
+        if not isinstance(point, dict) or point.get("status") != "measured":
+            return None  # a point that failed a gate (or never ran): nothing to stand on
+        summary = point.get("summary")
+        if not isinstance(summary, dict):
+            return None
+        if summary.get("verdict") != "pass":
+            missed.append(_missed(point, summary))
+    return "; ".join(missed) or None
+
+
+def _missed(point: dict[str, Any], summary: dict[str, Any]) -> str:
+    """``point r4: 22/24 within limits, attainment 0.917 below its target 0.95``."""
+    attainment, target = summary.get("attainment"), (summary.get("budgets") or {}).get("attainment")
+    line = f"point {point.get('name')}: {summary.get('result')}"
+    if isinstance(attainment, int | float) and isinstance(target, int | float):
+        line += f", attainment {attainment:.3f} below its target {target:g}"
+    return line
+
+
 def console_script(name: str) -> str:
     """A console script of this install (beside the interpreter), as the reference run calls
     them (``.venv/bin/narwhal-check``)."""
     return str(Path(sys.executable).with_name(name))
+
+
+def workload_prompts(run: RunFile) -> int:
+    """The prompts the workload needs besides its warmup (``load_trial.py prepare
+    --num-prompts``): every point sends the workload's first ``requests`` prompts after the
+    warmup, so the largest point's requests."""
+    return max(p.requests for p in run.benchmark.points)
 
 
 def _csv(values: list[int]) -> str:
@@ -273,7 +345,9 @@ def chain_steps(loaded: LoadedRun, write_report: Callable[[Path, str], str]) -> 
             inputs={FLEET_FINAL: rd / FLEET_FINAL, "limits": loaded.limits},
             outputs={PROFILE_STORE: rd / PROFILE_STORE},
             needs=frozenset({"fleet"}),
-            echo=True,
+            # The store's table with units on every column (narwhal-profile's own, without
+            # them, stays in the step's log).
+            show=profile_lines,
         ),
         Step(
             "pin",
@@ -321,6 +395,11 @@ def chain_steps(loaded: LoadedRun, write_report: Callable[[Path, str], str]) -> 
                 str(run.workload.output_tokens),
                 "--seed",
                 str(run.workload.seed),
+                # Sized to the largest point (prepare adds the warmup prompt to these): its
+                # default, 256, is less than a point may send. In the command, so a change of
+                # size redoes the step.
+                "--num-prompts",
+                str(workload_prompts(run)),
                 "--out",
                 WORKLOAD,
             ],
@@ -348,6 +427,7 @@ def chain_steps(loaded: LoadedRun, write_report: Callable[[Path, str], str]) -> 
             needs=frozenset({"fleet", "router"}),
             echo=True,
             explain=explain_benchmark,
+            verdict=benchmark_verdict,
         ),
         Step(
             "report",
@@ -360,7 +440,12 @@ def chain_steps(loaded: LoadedRun, write_report: Callable[[Path, str], str]) -> 
                 JOURNAL: rd / JOURNAL,
             },
             params={"title": run.name},
-            outputs={"report.html": rd / "report.html", "report.md": rd / "report.md"},
+            # The plots too: report.md links them, and a deleted one is redone on resume.
+            outputs={
+                "report.html": rd / "report.html",
+                "report.md": rd / "report.md",
+                PLOTS_DIR: rd / PLOTS_DIR,
+            },
         ),
     ]
     evidence = {

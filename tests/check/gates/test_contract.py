@@ -45,3 +45,30 @@ def test_contract_compares_pinned_identity_and_engine_facts() -> None:
     assert "e1: attested generation gen-e1 differs from the fleet's gen-old" in text
     missing = contract_gate(fleet, {"e0": docs["e0"], "e1": None}, {"e1": "timed out"})
     assert "e1: no attestation to check (timed out)" in missing.failures
+
+
+def test_model_ids_are_printed_whole_and_only_digests_cut_short() -> None:
+    """A model id is no hash: cut at 12 characters, "moonshotai/K…" hides what differs."""
+    doc = fleet_doc(3)
+    doc["model"]["id"] = "moonshotai/Kimi-K3"
+    fleet = loaded(doc).contract
+    docs: dict[str, dict[str, Any] | None] = {e.id: attestation(fleet, e) for e in fleet.engines}
+    docs["e2"] = attestation(fleet, fleet.engines[2], model_id="moonshotai/Kimi-K3-Instruct")
+    out = contract_gate(fleet, docs, {})
+    assert (
+        "e2: attested model_id moonshotai/Kimi-K3-Instruct differs from the fleet's "
+        "moonshotai/Kimi-K3" in out.failures
+    ), out.failures
+    assert (
+        "engines disagree on model_id: e0, e1 moonshotai/Kimi-K3; e2 moonshotai/Kimi-K3-Instruct"
+        in out.failures
+    ), out.failures
+    # Digests stay short: sha256:-named ones and a sidecar's g-prefixed generation too.
+    docs = {e.id: attestation(fleet, e) for e in fleet.engines}
+    docs["e1"] = attestation(fleet, fleet.engines[1], image_digest="sha256:" + "e" * 64)
+    docs["e0"] = attestation(fleet, fleet.engines[0], image_digest="sha256:" + "f" * 64)
+    out = contract_gate(fleet, docs, {})
+    assert any(
+        f.startswith("engines disagree on image_digest:") and "sha256:eeeee…" in f
+        for f in out.failures
+    ), out.failures

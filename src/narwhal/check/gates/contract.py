@@ -3,6 +3,7 @@ agree on everything NIXL peers must share."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,9 +14,17 @@ from narwhal.contract import FleetContract
 __all__ = ["contract_gate"]
 
 
+# A digest as engines attest one: hex, optionally named (sha256:...) or marked as a sidecar's
+# generation (g...). Only these are cut short: their first 12 digits tell them apart, while a
+# model id, a revision name or a version cut short may hide the very part that differs.
+_DIGEST = re.compile(r"(?:[a-z0-9]+:|g)?[0-9a-f]{16,}")
+
+
 def _short(value: Any) -> str:
     text = str(value)
-    return text[:12] + "…" if isinstance(value, str) and len(text) > 16 else text
+    if isinstance(value, str) and _DIGEST.fullmatch(text):
+        return text[:12] + "…"
+    return text
 
 
 # Attested values every pair of NIXL peers must share: a decode engine reads the prefill
