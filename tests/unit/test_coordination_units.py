@@ -219,3 +219,63 @@ def test_a_role_change_no_flip_explains_is_journaled_as_a_sync() -> None:
     service.apply_shared(later)
     assert [k for k, _ in journal.records] == ["role.sync"]
     assert service.state.engines["e1"].role == "decode"
+
+
+def test_a_restored_timeline_flipped_past_this_replicas_generation_is_a_sync() -> None:
+    # Cut off while etcd was restored to generation 1 and the fleet flipped on to 4, past this
+    # replica's 3: the document's generation is higher, but its flip at 3 is another flip.
+    # Adopted whole (regressed_from 3), not replayed against the old timeline (a review).
+    service, journal = _role_service()
+    roles = {"e0": "prefill", "e1": "prefill", "e2": "decode", "e3": "decode"}
+    doc = SharedRoles(generation=0, roles=roles, written_by="a", written_at=0.0)
+    service.apply_shared(doc)
+    for engine, role in (("e1", "decode"), ("e1", "prefill"), ("e2", "prefill")):
+        doc = _flipped(doc, engine, role)
+        service.apply_shared(doc)
+    journal.records.clear()
+    new = SharedRoles(
+        generation=1,
+        roles={**roles, "e1": "decode"},
+        history=doc.history[:1],
+        written_by="restore",
+        written_at=0.0,
+    )
+    for engine, role in (("e3", "prefill"), ("e1", "prefill"), ("e0", "decode")):
+        new = new.with_flip(
+            {"engine": engine, "from_role": new.roles[engine], "to_role": role, "t": 9.0},
+            "leader",
+            1.0,
+        )
+    service.apply_shared(new)
+    assert [(k, f.get("regressed_from")) for k, f in journal.records] == [("role.sync", 3)]
+    assert [e["role_generation"] for e in service.history] == [1, 2, 3, 4]
+    assert service.history[-1]["engine"] == "e0"
+
+
+def test_the_last_entry_of_a_generation_wins_and_a_flip_drops_stale_ones() -> None:
+    # A document whose history holds stale entries (a replica wrote back another timeline's)
+    # and then the real next flip after them: the real one is journaled, the stale one not;
+    # the leader's write keeps no entry at or past its own generation.
+    service, journal = _role_service()
+    roles = {"e0": "prefill", "e1": "prefill", "e2": "decode", "e3": "decode"}
+    doc = SharedRoles(generation=0, roles=roles, written_by="a", written_at=0.0)
+    service.apply_shared(doc)
+    for engine, role in (("e1", "decode"), ("e1", "prefill"), ("e2", "prefill")):
+        doc = _flipped(doc, engine, role)
+        service.apply_shared(doc)
+    restored = SharedRoles(
+        generation=1,
+        roles={**roles, "e1": "decode"},
+        history=doc.history[:1],
+        written_by="restore",
+        written_at=0.0,
+    )
+    polluted = restored.model_copy(update={"history": (*doc.history, *doc.history)})
+    service.apply_shared(polluted)
+    journal.records.clear()
+    nxt = _flipped(polluted, "e3", "prefill")
+    assert [e["role_generation"] for e in nxt.history] == [1, 1, 2]
+    service.apply_shared(nxt)
+    got = [(k, f.get("engine"), f.get("role_generation")) for k, f in journal.records]
+    assert got == [("role.flip", "e3", 2)], got
+    assert [(e["role_generation"], e["engine"]) for e in service.history] == [(1, "e1"), (2, "e3")]

@@ -69,7 +69,12 @@ class SharedRoles(BaseModel):
             generation=generation,
             roles=roles,
             pinned=self.pinned,
-            history=(*self.history, recorded)[-HISTORY_KEPT:],
+            # Entries numbered from this generation on are stale (written back by a replica
+            # that had replayed another timeline's): dropped, so etcd cleans itself up.
+            history=(
+                *(e for e in self.history if e.get("role_generation", 0) < generation),
+                recorded,
+            )[-HISTORY_KEPT:],
             written_by=writer,
             written_at=now,
         )

@@ -37,6 +37,11 @@ __all__ = ["RoleService"]
 log = logging.getLogger("narwhal.serve")
 
 
+def _flip_id(entry: dict[str, Any]) -> tuple[Any, ...]:
+    """What tells one flip from another flip numbered alike (in another timeline)."""
+    return (entry.get("t"), entry.get("engine"), entry.get("to_role"), entry.get("decided_by"))
+
+
 class RoleService:
     def __init__(
         self,
@@ -213,22 +218,29 @@ class RoleService:
         flips (and drains) as a local flip would; the flips this replica has not applied yet
         are journaled and counted, so every replica's journal holds every flip once. The first
         document a replica sees is adopted whole (one ``role.sync`` record), not replayed; so
-        is one at a lower generation than this replica's (etcd restored from a backup, or
-        wiped and re-created by a replica that knew less): its history is not this one's
-        future, and replaying it journaled flips nobody made, at every reconnect."""
+        is one that does not follow on from this replica's generation (etcd restored from a
+        backup, or wiped and re-created by a replica that knew less, and maybe flipped on
+        since: a lower generation, or another flip at this one's): its history is not this
+        one's future, and replaying it journaled flips nobody made, at every reconnect."""
         state = self.state
         known = state.role_generation
-        regressed = self._synced and document.generation < known
+        # Each generation's entry, the last written winning: a history written from a replica
+        # that had replayed another's holds stale entries before the real one (and past the
+        # document's own generation, which no flip of it made).
+        latest: dict[int, dict[str, Any]] = {}
+        for entry in document.history:
+            generation = entry.get("role_generation", 0)
+            if generation <= document.generation:
+                latest[generation] = entry
+        # Not this replica's timeline: at a lower generation, or at the same number by other
+        # flips (restored and flipped on since, past where this replica was).
+        mine = next((e for e in reversed(self.history) if e.get("role_generation") == known), None)
+        theirs = latest.get(known)
+        diverged = mine is not None and theirs is not None and _flip_id(mine) != _flip_id(theirs)
+        regressed = self._synced and (document.generation < known or diverged)
         resync = not self._synced or regressed
-        # The flips this document adds: numbered past what this replica knows and up to the
-        # document's own generation (a history written from a replica that had replayed
-        # another's holds entries past it), each generation once.
-        fresh: dict[int, dict[str, Any]] = {}
-        if not resync:
-            for entry in document.history:
-                generation = entry.get("role_generation", 0)
-                if known < generation <= document.generation and generation not in fresh:
-                    fresh[generation] = entry
+        # The flips this document adds: numbered past what this replica knows.
+        fresh = {} if resync else {g: e for g, e in latest.items() if g > known}
         explained = {fresh[g].get("engine"): fresh[g].get("to_role") for g in sorted(fresh)}
         changed: dict[str, Role] = {}
         for engine_id, role in document.roles.items():
@@ -241,7 +253,7 @@ class RoleService:
             from_role = engine.role
             state.set_role(engine_id, role)
             changed[engine_id] = role
-            if resync:
+            if resync or explained.get(engine_id) != role:  # a sync, not a flip counted
                 self.metrics.engine_role.labels(engine_id, from_role).set(0)
                 self.metrics.engine_role.labels(engine_id, role).set(1)
             else:
@@ -269,8 +281,8 @@ class RoleService:
             self._synced = True
             if regressed:
                 log.warning(
-                    "the shared roles went back from generation %d to %d (etcd restored or "
-                    "wiped): taken as they are: %s",
+                    "the shared roles do not follow on from generation %d (etcd restored or "
+                    "wiped): taken as they are at generation %d: %s",
                     known,
                     document.generation,
                     ", ".join(f"{e} {r}" for e, r in sorted(document.roles.items())),
@@ -284,13 +296,8 @@ class RoleService:
                     ", ".join(f"{e} {r}" for e, r in sorted(document.roles.items())),
                 )
             if resync:
-                kept: dict[int, dict[str, Any]] = {}
-                for entry in document.history:
-                    generation = entry.get("role_generation", 0)
-                    if generation <= document.generation:
-                        kept.setdefault(generation, entry)
                 self.history.clear()
-                self.history.extend(kept[g] for g in sorted(kept))
+                self.history.extend(latest[g] for g in sorted(latest))
             extra = {"regressed_from": known} if regressed else {}
             self.journal.record(
                 "role.sync",
