@@ -14,7 +14,7 @@ from narwhal.profiles.models import DecodeLatencyModel, PrefillLatencyModel
 from narwhal.profiles.store import EngineModels
 from narwhal.routing.admission import Admit, Queue, Reject
 from narwhal.routing.breaker import BreakerState
-from narwhal.routing.fleet_state import FleetState, Role
+from narwhal.routing.fleet_state import EngineState, FleetState, Role
 from narwhal.routing.lifecycle import Lifecycle, LifecycleObserver, Ticket
 from narwhal.routing.predictor import LatencyPredictor, RatioEwma
 from narwhal.routing.roles import DemandTracker
@@ -345,6 +345,9 @@ def test_cancel_releases_whatever_the_ticket_holds(phase: str) -> None:
             lifecycle.prefill_done(ticket, "ok")
             engine.breaker.state = BreakerState.HALF_OPEN
             engine.breaker.probe_in_flight = True
+            # This ticket is the probe: only the probe's departure frees it.
+            ticket.decode_probe = True
+            ticket.probe_cycle = engine.breaker.half_opened
         if phase == "streaming":
             lifecycle.first_token(ticket)
             engine.breaker.state = BreakerState.HALF_OPEN
@@ -661,3 +664,57 @@ def test_a_half_open_decode_engine_takes_one_probe_from_its_pick_not_from_its_de
     assert d.breaker.probe_in_flight and holder.decode_probe
     lifecycle.first_token(holder)
     assert d.breaker.state is BreakerState.CLOSED
+
+
+def _half_open(lifecycle: Lifecycle, clock: VirtualClock, engine_id: str) -> EngineState:
+    d = lifecycle.state.engines[engine_id]
+    d.breaker.state = BreakerState.OPEN
+    d.breaker.opened_at = clock.now()
+    clock.advance(d.breaker.open_seconds)
+    assert d.breaker.allows_request() and d.breaker.state is BreakerState.HALF_OPEN
+    return d
+
+
+def test_a_probe_given_back_late_does_not_free_a_later_cool_offs_probe() -> None:
+    """From a review: a probe taken in one cool-off, given back after the breaker opened and
+    went half-open again, freed the next cool-off's probe, and two were let through."""
+    lifecycle, clock, _ = build(n_decode=1)
+    d = _half_open(lifecycle, clock, "e2")
+    a = lifecycle.arrive("a", max_tokens=40, prompt_tokens=100)
+    assert admitted(lifecycle, a).decode == "e2" and a.decode_probe
+    d.breaker.record_failure()  # another leg's failure: open again, then half-open again
+    clock.advance(d.breaker.open_seconds)
+    b = lifecycle.arrive("b", max_tokens=40, prompt_tokens=100)
+    assert admitted(lifecycle, b).decode == "e2" and b.decode_probe
+    lifecycle.prefill_done(a, "failed")
+    assert d.breaker.probe_in_flight  # still b's
+    c = lifecycle.arrive("c", max_tokens=40, prompt_tokens=100)
+    verdict = lifecycle.admit(c)
+    assert not (isinstance(verdict, Admit) and c.decode_probe), verdict
+
+
+def test_a_leg_that_is_not_the_probe_leaving_does_not_free_it() -> None:
+    lifecycle, clock, _ = build(n_decode=1)
+    s = lifecycle.arrive("s", max_tokens=40, prompt_tokens=100)
+    admitted(lifecycle, s)
+    lifecycle.prefill_done(s, "ok")
+    lifecycle.first_token(s)  # streaming on e2 while its breaker was closed
+    d = _half_open(lifecycle, clock, "e2")
+    a = lifecycle.arrive("a", max_tokens=40, prompt_tokens=100)
+    assert admitted(lifecycle, a).decode == "e2" and a.decode_probe
+    lifecycle.cancel(s)  # its client leaves: s was never the probe
+    assert d.breaker.probe_in_flight
+    b = lifecycle.arrive("b", max_tokens=40, prompt_tokens=100)
+    verdict = lifecycle.admit(b)
+    assert not (isinstance(verdict, Admit) and b.decode_probe), verdict
+
+
+def test_a_hedge_may_keep_the_half_open_decode_engine_its_ticket_probes() -> None:
+    lifecycle, clock, _ = build(n_decode=1)
+    _half_open(lifecycle, clock, "e2")
+    ticket = lifecycle.arrive("t", max_tokens=4, prompt_tokens=100)
+    admitted(lifecycle, ticket)
+    assert ticket.decode_probe
+    hedge = lifecycle.hedge_prefill(ticket, budget_left_s=1.5)
+    assert isinstance(hedge, Pair) and hedge.decode == "e2", hedge
+    assert ticket.decode_probe

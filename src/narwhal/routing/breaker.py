@@ -36,6 +36,9 @@ class CircuitBreaker:
     # Did /health probes fail too (since they last passed with the breaker closed)?
     health_failed: bool = False
     successes: int = 0  # recorded so far: whether any came since a given moment
+    # Times it has gone half-open: which cool-off a probe was taken in (a probe of an earlier
+    # one, given back late, must not free this one's).
+    half_opened: int = 0
 
     def allows_request(self) -> bool:
         """May a request go to this engine now? (Moves open -> half-open when the time comes.)"""
@@ -45,6 +48,7 @@ class CircuitBreaker:
         ):
             self.state = BreakerState.HALF_OPEN
             self.probe_in_flight = False
+            self.half_opened += 1
         if self.state is BreakerState.CLOSED:
             return True
         return self.state is BreakerState.HALF_OPEN and not self.probe_in_flight

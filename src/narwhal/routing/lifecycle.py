@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from narwhal.routing.admission import Admit, Queue, Reject, Verdict, admit
-from narwhal.routing.breaker import BreakerState
+from narwhal.routing.breaker import BreakerState, CircuitBreaker
 from narwhal.routing.fleet_state import EngineState, FleetState, Role
 from narwhal.routing.output_length import OutputLengthEstimator
 from narwhal.routing.predictor import LatencyPredictor
@@ -114,6 +114,7 @@ class Ticket:
     # the breaker, the breaker's success count then: a break before any other success opens
     # it again at once (the probe failed), not after as many breaks as a closed one takes.
     decode_probe: bool = False
+    probe_cycle: int = 0  # the decode breaker's half_opened when this ticket took its probe
     closed_breaker: int | None = None
     # Engines that failed this request, which its retry avoids. Shared empty sets until one
     # does: two sets per request were 0.4 GB of a million-request simulation.
@@ -387,13 +388,22 @@ class Lifecycle:
             raise ValueError(f"request {ticket.id} has no prefill leg running ({ticket.phase})")
         avoid = ticket.failed_prefill | {ticket.pair.prefill}
         shape = replace(self.shape(ticket), local_ok=False)
+        # A half-open decode engine's probe this ticket holds must not hide that engine from
+        # its own hedge's pick: given back for the pick, taken again if nothing changes.
+        held = self.state.engines[ticket.pair.decode].breaker
+        self._give_probe_back(ticket, held)
         pick = self.scheduler.pick(self.state, shape, avoid, ticket.failed_decode)
         if isinstance(pick, NoPair) and pick.over_budget is not None:
             pick = pick.over_budget
+        refused: NoPair | None = None
         if isinstance(pick, NoPair) or pick.local:
-            return pick if isinstance(pick, NoPair) else NoPair("no prefill engine to hedge on")
-        if pick.predicted_ttft_s is not None and pick.predicted_ttft_s > budget_left_s:
-            return NoPair("no prefill engine meets the TTFT budget's remainder")
+            refused = pick if isinstance(pick, NoPair) else NoPair("no prefill engine to hedge on")
+        elif pick.predicted_ttft_s is not None and pick.predicted_ttft_s > budget_left_s:
+            refused = NoPair("no prefill engine meets the TTFT budget's remainder")
+        if refused is not None:
+            self._take_probe(ticket, held)
+            return refused
+        assert isinstance(pick, Pair)
         # The slow leg runs on (it may still answer first): ended in the counts, not in the
         # prefix index, whose claim on its engine stands until the race ends.
         slow_work = self.state.engines[ticket.pair.prefill].prefill_work.get(ticket.id)
@@ -515,10 +525,7 @@ class Lifecycle:
         # decode leg: every request picked during this prefill would otherwise have picked it
         # too (the breaker let through a burst of legs, each paying the first-token deadline).
         # Given back as the prefill ends (``_end_prefill``); the decode leg takes it again.
-        breaker = d.breaker
-        if breaker.state is BreakerState.HALF_OPEN and not breaker.probe_in_flight:
-            breaker.on_dispatch()
-            ticket.decode_probe = True
+        self._take_probe(ticket, d.breaker)
         if pair.predicted_ttft_s is not None and pair.predicted_tpot_s is not None:
             # Its stay: the mean length of the answers recently completed (what it adds to a
             # batch over time, on average: the tail's high quantile, which its end is foreseen
@@ -713,11 +720,9 @@ class Lifecycle:
         p = self.state.engines[ticket.pair.prefill]
         d = self.state.engines[ticket.pair.decode]
         d.pending_decode -= 1
-        if ticket.decode_probe:
-            # The probe held since the dispatch: a decode leg that follows at once takes it
-            # again (``_begin_decode``); a failed or cancelled prefill leaves it to the next.
-            ticket.decode_probe = False
-            d.breaker.on_abandon()
+        # The probe held since the dispatch: a decode leg that follows at once takes it again
+        # (``_begin_decode``); a failed or cancelled prefill leaves it to the next request.
+        self._give_probe_back(ticket, d.breaker)
         d.pending_spans.pop(ticket.id, None)
         p.in_flight_prefill -= 1
         p.prefill_work.done(ticket.id, self.clock.now())
@@ -732,9 +737,8 @@ class Lifecycle:
         pair = ticket.pair
         d = self.state.engines[pair.decode]
         breaker = d.breaker
-        half_open = breaker.state is BreakerState.HALF_OPEN
-        ticket.decode_probe = half_open and not breaker.probe_in_flight
-        breaker.on_dispatch()
+        self._take_probe(ticket, breaker)
+        breaker.on_dispatch()  # a leg sent to a half-open breaker whose probe is another's
         now = self.clock.now()
         d.add_decode(now, 1)
         self.observer.in_flight(d.id, "decode", 1)
@@ -902,9 +906,25 @@ class Lifecycle:
             assert ticket.pair is not None
             self._forget_routed(ticket, ticket.pair.decode)
         elif phase in ("decode", "streaming"):
-            self._end_decode(ticket).breaker.on_abandon()
+            # Only the probe's departure frees the probe: another leg's says nothing.
+            self._give_probe_back(ticket, self._end_decode(ticket).breaker)
 
     # --- helpers ------------------------------------------------------------------------
+
+    def _take_probe(self, ticket: Ticket, breaker: CircuitBreaker) -> None:
+        """The ticket becomes the half-open decode breaker's one probe, when it is free."""
+        if breaker.state is BreakerState.HALF_OPEN and not breaker.probe_in_flight:
+            breaker.on_dispatch()
+            ticket.decode_probe = True
+            ticket.probe_cycle = breaker.half_opened
+
+    def _give_probe_back(self, ticket: Ticket, breaker: CircuitBreaker) -> None:
+        """The ticket's probe, if it holds one, is free again: only in the cool-off it was
+        taken in (a breaker that opened again and went half-open since has another probe)."""
+        if ticket.decode_probe:
+            ticket.decode_probe = False
+            if breaker.half_opened == ticket.probe_cycle:
+                breaker.on_abandon()
 
     def _foresee_end(self, ticket: Ticket, d: EngineState, first_token_at: float) -> None:
         """Count on ``d`` when the ticket's decode leg, which sent its first token at
