@@ -66,13 +66,12 @@ class ChoiceSet:
         return engine_id
 
     def merged_tally(self) -> StreamTally:
-        """The client request's accounting: completions summed, the earliest first token and
-        the latest last one."""
+        """The client request's accounting: completions summed (unknown when a choice's is:
+        a partial sum undercounts, and a TPOT from it is too slow), the earliest first token
+        and the latest last one."""
         out = StreamTally(done=all(t.done for t in self.tallies))
         counts = [t.completion_tokens for t in self.tallies]
-        out.completion_tokens = (
-            sum(c for c in counts if c is not None) if any(c is not None for c in counts) else None
-        )
+        out.completion_tokens = None if None in counts else sum(c for c in counts if c is not None)
         out.token_events = sum(t.token_events for t in self.tallies)
         firsts = [t.first_token_at for t in self.tallies if t.first_token_at is not None]
         lasts = [t.last_token_at for t in self.tallies if t.last_token_at is not None]
@@ -116,6 +115,7 @@ class ChoiceSet:
         for stream, record, tally in zip(self.streams, self.records, self.tallies, strict=True):
             record.outcome = outcome
             record.completion_tokens = tally.completion_tokens
+            stream.cut = tally.cut
             self.router.finish(stream, record)
         for stream, tally in zip(self.streams, self.tallies, strict=True):
             with contextlib.suppress(Exception):

@@ -352,6 +352,7 @@ class GenerationEndpoint:
             tally.completion_tokens = len(trace.generated)
         self.ledger.close(record, outcome, status, error, tally)
         stream = migrator.stream
+        stream.cut = tally.cut
         self.services.router.finish(stream, record)
         with _through_drain_end(self.ledger):
             await stream.aclose(drain=tally.done)

@@ -141,6 +141,9 @@ class DecodeStream:
     # server error event, a malformed event, the connection cut): a failure on its engine. An
     # error event of a 4xx (the request's fault, as vLLM refuses some fields mid-stream) is not.
     broke: bool = False
+    # The engine cut the stream after the answer's finish reason (``relay.cut_after_answer``):
+    # the answer is whole, but a connection that broke is no success on the engine either.
+    cut: bool = False
 
     async def aclose(self, drain: bool = False) -> None:
         """Close the upstream response. After a complete stream, ``drain`` reads the closing
@@ -273,8 +276,9 @@ class PDRouter:
             completion_tokens=completion,
             complete=record.outcome == "ok",
             # Only a whole answer is a success on the engine: a stream the router or its
-            # client cut (a choice's sibling broke, the client left, a drain) says nothing.
-            answered=record.outcome == "ok",
+            # client cut (a choice's sibling broke, the client left, a drain), or the engine
+            # after its last token, says nothing.
+            answered=record.outcome == "ok" and not stream.cut,
         )
 
     def stall_s(self, stream: DecodeStream) -> float:
@@ -406,6 +410,7 @@ class PDRouter:
         routing = self.fleet.routing
         deadline_s = self.fleet.engine.first_token_timeout_s
         prefill_failures = decode_failures = 0
+        record.open_from = len(record.attempts)  # this opening's legs (a continuation has its own)
         last_error = "no attempt"
         deadline_hit = False
         if pair is None:
@@ -511,7 +516,11 @@ class PDRouter:
                 f"{last_error})",
             )
         # A hedged attempt is two legs on two engines: the legs are counted, not the attempts.
-        legs = sum(1 for a in record.attempts if a["leg"] == "prefill" and a["outcome"] == "failed")
+        legs = sum(
+            1
+            for a in record.attempts[record.open_from :]
+            if a["leg"] == "prefill" and a["outcome"] == "failed"
+        )
         return UpstreamFailed(
             "prefill_failed",
             f"prefill failed on every engine tried ({_legs(max(legs, prefill_failures))}, the "

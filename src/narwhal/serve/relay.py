@@ -84,6 +84,7 @@ class StreamTally:
     finish_reason: str | None = None
     done: bool = False
     non_text_deltas: bool = False  # a chat delta carried reasoning or tool calls
+    cut: bool = False  # the engine cut the stream after the answer's finish reason
 
 
 def _cached_tokens(usage: dict[str, Any]) -> int | None:
@@ -114,24 +115,33 @@ def lost_usage(
     if prompt_tokens is None:
         return None
     completion = len(trace.generated)
-    return {
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion,
         "completion_tokens": completion,
-        "prompt_tokens_details": trace.prompt_details,
     }
+    # The first prefill leg's details stand in, as in a continuation's usage; unknown, they
+    # are left out as an engine leaves out what it does not report.
+    if trace.prompt_details is not None:
+        usage["prompt_tokens_details"] = trace.prompt_details
+    return usage
+
+
+# The finish reasons of a whole answer. vLLM ends an answer its engine gave up on (a
+# shutdown, a sleep) with "abort": cut after that, it is not whole.
+WHOLE_FINISHES = frozenset({"stop", "length", "tool_calls"})
 
 
 def cut_after_answer(tally: StreamTally, message: str) -> bool:
     """Whether a stream that broke (``message``) had already carried its answer's finish
     reason: then the answer is whole, and only its usage chunk and ``[DONE]`` were lost (an
     engine that died or closed its connection right after its last token)."""
-    if tally.finish_reason is None:
+    if tally.finish_reason not in WHOLE_FINISHES:
         return False
     log.warning(
         "decode stream cut after its answer's last token (%s): the answer is whole", message
     )
-    tally.done = True
+    tally.done = tally.cut = True
     return True
 
 
@@ -333,7 +343,10 @@ class EventRenderer:
             message = f"decode stream broke: {type(error).__name__}: {error}"
         else:
             message = "the decode engine closed the stream early"
-        if self.failure is None and cut_after_answer(self.tally, message):
+        # A transport error or an early end, not a malformed event: the bytes that came are
+        # the engine's whole answer only if they parsed.
+        transport = error is None or isinstance(error, EngineTransportError)
+        if transport and self.failure is None and cut_after_answer(self.tally, message):
             return self.whole()
         if self.interrupt("connection", message):
             return b""
@@ -352,6 +365,7 @@ class EventRenderer:
             if usage is not None:
                 tally.completion_tokens = usage["completion_tokens"]
                 tally.prompt_tokens = usage["prompt_tokens"]
+                tally.cached_tokens = _cached_tokens(usage)
                 if self.include_usage and trace is not None and trace.head is not None:
                     chunk = {**trace.head, "choices": [], "usage": usage}
                     out += (b"data: ", orjson.dumps(chunk), b"\n\n")
