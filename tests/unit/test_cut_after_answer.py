@@ -78,9 +78,7 @@ def _aggregated(finish: str) -> tuple[dict[str, Any], StreamTally]:
     return asyncio.run(aggregate(migrator, False, tally, None, {})), tally
 
 
-def test_an_unstreamed_answer_cut_after_its_finish_is_whole_but_not_after_abort() -> (
-    None
-):
+def test_an_unstreamed_answer_cut_after_its_finish_is_whole_but_not_after_abort() -> None:
     answer, tally = _aggregated("stop")
     assert answer["choices"][0]["text"] == "ab" and answer["choices"][0]["finish_reason"] == "stop"
     assert tally.cut
