@@ -125,6 +125,34 @@ def test_byte_change_that_keeps_size_and_mtime_needs_a_rehash(tmp_path: Path) ->
         assert [(d["path"], d["kind"]) for d in result["drift"]] == [(SHARD2, "sha256")]
 
 
+def test_a_restart_after_a_rehash_attests_the_bytes_on_disk(tmp_path: Path) -> None:
+    """A rehash found a shard whose bytes changed with the same size and mtime; the cache still
+    held the old hash under that size and mtime, so a restarted sidecar attested the old
+    manifest with no drift (and finalize-fleet passed on bytes known to differ)."""
+    ckpt = make_checkpoint(tmp_path / "ckpt", seed=4)
+    _, before_sha, _ = independent_manifest(ckpt)
+    (port,) = free_ports(1)
+    base = f"http://127.0.0.1:{port}"
+    flags = {"generation": "g", "--cache": str(tmp_path / "cache.json")}
+    with running_sidecar(port, ckpt, tmp_path / "a.log", **flags):
+        assert wait_for(f"{base}/attestation", 20)["shard_manifest_sha256"] == before_sha
+        shard = ckpt / SHARD1
+        st = shard.stat()
+        data = bytearray(shard.read_bytes())
+        data[:4] = b"ZZZZ"
+        shard.write_bytes(bytes(data))
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+        result = httpx.post(f"{base}/rehash", timeout=30).json()
+        assert [(d["path"], d["kind"]) for d in result["drift"]] == [(SHARD1, "sha256")]
+    _, on_disk_sha, _ = independent_manifest(ckpt)
+    assert on_disk_sha != before_sha
+    with running_sidecar(port, ckpt, tmp_path / "b.log", **flags):
+        att = wait_for(f"{base}/attestation", 20)
+    assert att["shard_manifest_sha256"] == on_disk_sha
+    # From the cache the rehash rewrote, not by reading the shards again.
+    assert (att["hashed_files"], att["cached_files"]) == (0, 3)
+
+
 def test_cache_spares_a_restarted_sidecar_the_reread(tmp_path: Path) -> None:
     ckpt = make_checkpoint(tmp_path / "ckpt", seed=5)
     cache = tmp_path / "cache.json"
@@ -246,6 +274,26 @@ def test_unusable_checkpoint_is_an_input_error(tmp_path: Path) -> None:
         ]
     )
     assert code == 2
+
+
+@pytest.mark.parametrize("flag", ["--tp", "--hash-workers", "--chunk-mib"])
+def test_a_count_below_one_is_refused_by_its_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    """One message named all four flags at once, not the one that was wrong."""
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    args = {"--tp": "8", "--hash-workers": "2", "--chunk-mib": "8", flag: "0"}
+    code = sidecar.main(
+        [
+            *("--engine-id", "e0", "--checkpoint", str(ckpt), "--port", "1"),
+            *("--model-id", "m", "--model-revision", "r", "--gpu-arch", "sim"),
+            *(item for pair in args.items() for item in pair),
+        ]
+    )
+    assert code == 2
+    assert (
+        capsys.readouterr().err == f"attestation_sidecar.py: {flag}: must be at least 1 (got 0)\n"
+    )
 
 
 # A stand-in for the container runtime's two queries, answering as `docker inspect --format`

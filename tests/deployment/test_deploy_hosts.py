@@ -243,6 +243,9 @@ def test_dry_run_prints_every_step_and_runs_none(
     ):
         assert option in copy
     assert copy.split(": ", 1)[1].startswith("scp ")
+    # The wheel by the name the build gives it (a placeholder "VERSION" before).
+    assert f"/narwhal-0.1.0+g{commit[:12]}-py3-none-any.whl " in copy
+    assert "VERSION" not in result.stdout
     assert not (tmp_path / "remote").exists()
     # Before the keys exist (docs/deployment.md has them made later): the steps all the same,
     # the missing key named; a real run refuses it.
@@ -304,6 +307,12 @@ def test_refuses_a_dirty_tree_and_a_commit_that_is_not_head(
     assert (
         result.stderr.strip() == f"deploy_hosts.py: --commit no-such-ref: not a commit in {clone}"
     )
+    # Not a checkout at all: said so, not blamed on --commit.
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    result = deploy("--deployment", str(deployment), "--repo", str(plain), "--commit", commit)
+    assert result.returncode == 2
+    assert result.stderr == f"deploy_hosts.py: --repo {plain}: not a git checkout\n"
 
 
 def test_deployment_file_errors_are_one_line(tmp_path: Path, checkout: tuple[Path, str]) -> None:
@@ -317,6 +326,78 @@ def test_deployment_file_errors_are_one_line(tmp_path: Path, checkout: tuple[Pat
     assert result.stderr.strip() == (
         f"deploy_hosts.py: {bad}: hosts.0: an ssh host needs user, identity_file, known_hosts_file"
     )
+
+
+LOCAL_HOST = "{name: h, transport: local, venv: v}"
+
+
+@pytest.mark.parametrize(
+    "name, text, reason",
+    [
+        # Where and what, as launch_plan.py says it ("invalid YAML: while parsing a flow node").
+        (
+            "flow.yaml",
+            "schema: narwhal.deployment/v1\nhosts: [\n",
+            "invalid YAML at line 3 column 1: expected the node content, but found '<stream end>'",
+        ),
+        (
+            "truncated.json",
+            '{"schema": "narwhal.deployment/v1", "hosts": [',
+            "invalid YAML at line 1 column 47: expected the node content, but found '<stream end>'",
+        ),
+        (
+            "indent.yaml",
+            "schema: narwhal.deployment/v1\nhosts:\n  - name: a\n    venv: v\n  bad: 1\n",
+            "invalid YAML at line 5 column 3: expected <block end>, but found '?'",
+        ),
+        # A rule over the whole file named no field (": : duplicate host names: h").
+        (
+            "dup.yaml",
+            f"schema: narwhal.deployment/v1\nhosts: [{LOCAL_HOST}, {LOCAL_HOST}]\n",
+            "hosts.1.name: duplicate host name 'h' (hosts.0 has it too)",
+        ),
+    ],
+)
+def test_a_deployment_file_that_does_not_parse_says_where(
+    tmp_path: Path, checkout: tuple[Path, str], name: str, text: str, reason: str
+) -> None:
+    repo, commit = checkout
+    bad = tmp_path / name
+    bad.write_text(text)
+    result = deploy("--deployment", str(bad), "--commit", commit, "--repo", str(repo), "--dry-run")
+    assert result.returncode == 2
+    assert result.stderr == f"deploy_hosts.py: {bad}: {reason}\n"
+
+
+def test_the_report_path_is_checked_before_any_host_is_deployed(
+    tmp_path: Path, checkout: tuple[Path, str]
+) -> None:
+    """A --report in a directory that does not exist was found out after every host was
+    deployed, as a FileNotFoundError traceback."""
+    repo, commit = checkout
+    deployment = write_deployment(
+        tmp_path / "deploy.yaml",
+        [{"name": "l", "transport": "local", "venv": "v", "python": BASE_PYTHON}],
+    )
+    args = ["--deployment", str(deployment), "--commit", commit, "--repo", str(repo)]
+    missing = tmp_path / "missing" / "report.json"
+    for report, reason in (
+        (missing, f"directory {missing.parent} does not exist"),
+        (tmp_path, "a directory; name the file to write"),
+    ):
+        result = deploy(*args, "--report", str(report), timeout=120)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert result.stderr == f"deploy_hosts.py: --report {report}: {reason}\n"
+        assert result.stdout == ""
+        assert not (tmp_path / "v").exists()
+
+
+def test_help_shows_the_defaults() -> None:
+    result = deploy("--help", timeout=60)
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    assert "hosts deployed at once (default 8)" in text
+    assert "in seconds (default 600)" in text
 
 
 @pytest.mark.parametrize(
@@ -380,3 +461,43 @@ def test_good_host_names_and_addresses_pass(tmp_path: Path, checkout: tuple[Path
     result = deploy("--deployment", str(good), "--commit", commit, "--repo", str(repo), "--dry-run")
     assert result.returncode == 0, result.stderr
     assert "ci_user@node-7.example.com" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_changed_host_key_and_an_unknown_one_say_which(
+    sshd: Sshd, checkout: tuple[Path, str], tmp_path: Path
+) -> None:
+    """Both read "FAILED at stage: Host key verification failed.": ssh's deciding line says
+    which, and a changed key may be a man-in-the-middle."""
+    repo, commit = checkout
+    _keygen(tmp_path / "impostor")
+    changed = tmp_path / "known_hosts_changed"
+    changed.write_text(f"[127.0.0.1]:{sshd.port} {(tmp_path / 'impostor.pub').read_text()}")
+    unknown = tmp_path / "known_hosts_empty"
+    unknown.write_text("")
+    deployment = write_deployment(
+        tmp_path / "deploy.yaml",
+        [
+            ssh_host(sshd, "changed", tmp_path / "r1", known_hosts_file=str(changed)),
+            ssh_host(sshd, "unknown", tmp_path / "r2", known_hosts_file=str(unknown)),
+        ],
+    )
+    report = tmp_path / "report.json"
+    result = deploy(
+        "--deployment", str(deployment), "--commit", commit, "--repo", str(repo),
+        "--report", str(report),
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    where = f"[127.0.0.1]:{sshd.port}"
+    errors = {h["name"]: h["error"] for h in json.loads(report.read_text())["hosts"]}
+    assert errors["changed"].startswith(
+        f"Host key for {where} has changed and you have requested strict checking. "
+    )
+    assert "man-in-the-middle" in errors["changed"]
+    assert errors["unknown"].startswith(f"No ED25519 host key is known for {where} and ")
+    assert "man-in-the-middle" not in errors["unknown"]
+    lines = result.stdout.splitlines()
+    for name in ("changed", "unknown"):
+        line = next(line for line in lines if line.startswith(f"{name} "))
+        assert line.endswith(f": FAILED at stage: {errors[name]}")
+    assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()

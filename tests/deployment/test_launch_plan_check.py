@@ -238,11 +238,44 @@ def test_a_plan_file_that_does_not_parse_is_an_input_error(
     path.write_text("schema: narwhal.launch/v1\nname: a\nkind: container\ntp: eight\n")
     assert launch_plan.main(["check", str(path), "--fleet", str(SIM_FLEET)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert any(
-        line.startswith(f"launch_plan.py: {path}: tp: Input should be a valid") for line in err
-    )
-    assert f"launch_plan.py: {path}: model: Field required" in err
+    assert f"launch_plan.py: {path}: tp: expected an integer (got 'eight')" in err
+    assert f"launch_plan.py: {path}: model: required field is missing" in err
     assert all(line.startswith(f"launch_plan.py: {path}: ") for line in err)
+
+
+@pytest.mark.parametrize(
+    "place, value, line",
+    [
+        (("tp",), True, "tp: expected an integer (got true)"),
+        (("engines", 0, "port"), "18100", "engines[0].port: expected an integer (got '18100')"),
+        (("engines", 0, "port"), 18100.0, "engines[0].port: expected an integer (got 18100.0)"),
+        (
+            ("model", "max_model_len"),
+            "16384",
+            "model.max_model_len: expected an integer (got '16384')",
+        ),
+        (("engines", 1, "id"), 7, "engines[1].id: expected a string (got 7)"),
+        (("engines", 0, "gpus"), [0, "1"], "engines[0].gpus[1]: expected an integer (got '1')"),
+    ],
+)
+def test_a_plan_value_of_another_type_is_not_coerced(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    place: tuple[Any, ...],
+    value: Any,
+    line: str,
+) -> None:
+    """`tp: true` was read as TP 1, `port: "18100"` and `18100.0` as port 18100: strict types,
+    as the fleet loader reads a fleet, naming the field and the type it takes."""
+    plan = yaml.safe_load(SIM_PLAN.read_text())
+    node = plan
+    for key in place[:-1]:
+        node = node[key]
+    node[place[-1]] = value
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan, sort_keys=False))
+    assert launch_plan.main(["check", str(path), "--fleet", str(SIM_FLEET)]) == 2
+    assert capsys.readouterr().err == f"launch_plan.py: {path}: {line}\n"
 
 
 def test_render_prints_a_pinned_container_command_per_engine(
@@ -309,6 +342,22 @@ def test_render_simulated_plan_prints_narwhal_sim_commands(
     assert sim[sim.index("--time-scale") + 1] == "10"
 
 
+def test_render_gives_a_simulated_plans_sidecars_its_accelerator(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The sidecar command lacked --accelerator: the sidecar then attested accelerator null
+    beside engines (and a fleet) that say 'simulated'."""
+    plan = yaml.safe_load(SIM_PLAN.read_text())
+    plan["simulated"]["accelerator"] = "simulated-mi355x"
+    plan["engines"][0]["attestation_port"] = 18300
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan, sort_keys=False))
+    assert launch_plan.main(["render", str(path), "--sidecars", "--json"]) == 0
+    sidecar = json.loads(capsys.readouterr().out)["engines"][0]["sidecar_argv"]
+    assert sidecar[sidecar.index("--accelerator") + 1] == "simulated-mi355x"
+    assert sidecar[sidecar.index("--gpu-arch") + 1] == "sim"
+
+
 def test_start_refuses_a_container_plan(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code = launch_plan.main(
         ["start", str(PROD_PLAN), "--fleet", str(PROD_FLEET), "--run-dir", str(tmp_path)]
@@ -361,6 +410,41 @@ def test_stop_names_a_run_directory_it_cannot_read(
         assert f"{state}: not a launch_plan.py run state" in capsys.readouterr().err
     state.unlink()
     assert launch_plan.main(["stop", "--run-dir", str(tmp_path)]) == 0  # nothing to stop
+
+
+def test_a_run_state_or_run_directory_that_is_not_one_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run.json record of other fields said 'RunRecord.__init__() missing 5 required
+    positional arguments'; a --run-dir that is a file said '.../config.json: File exists'."""
+    state = tmp_path / "run.json"
+    record = {
+        "engine_id": "e0",
+        "pid": 1,
+        "start_ticks": 1,
+        "url": "http://127.0.0.1:1",
+        "log": "l",
+        "pidfile": "p",
+    }
+    for content, reason in (
+        ({"e0": {"pid": 1}}, "e0: missing engine_id, start_ticks, url, log, pidfile"),
+        ({"e0": {**record, "pid": "1"}}, "e0: pid: expected an integer"),
+        ({"e0": {**record, "extra": 1}}, "e0: unknown field extra"),
+        ({"e0": [1]}, "e0: not a JSON object"),
+    ):
+        state.write_text(json.dumps(content))
+        assert launch_plan.main(["stop", "--run-dir", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err == f"launch_plan.py: {state}: not a launch_plan.py run state: {reason}\n"
+    state.unlink()
+    a_file = tmp_path / "config.json"
+    a_file.write_text("{}")
+    for run_dir, reason in ((a_file, "not a directory"), (a_file / "run", "cannot create: ")):
+        argv = ["start", str(SIM_PLAN), "--fleet", str(SIM_FLEET), "--run-dir", str(run_dir)]
+        assert launch_plan.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"launch_plan.py: --run-dir {run_dir}: {reason}"), err
+        assert len(err.splitlines()) == 1
 
 
 def _kv_aware(plan: dict[str, Any], fleet: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -348,24 +348,22 @@ def test_finalize_refuses_engines_with_different_weights(tmp_path: Path) -> None
 
 def test_start_failure_stops_what_started_and_stop_is_safe(tmp_path: Path) -> None:
     plan, fleet, urls, _ = write_plan_and_fleet(tmp_path, 2)
-    # Something else holds e1's port: e1 cannot start, and e0 must not be left running.
-    import socket
-
-    port = int(urls[1].rsplit(":", 1)[1])
-    with socket.socket() as blocker:
-        blocker.bind(("127.0.0.1", port))
-        blocker.listen()
-        result = tool(
-            "launch_plan.py",
-            "start",
-            str(plan),
-            "--fleet",
-            str(fleet),
-            "--run-dir",
-            str(tmp_path / "run"),
-            "--timeout",
-            "30",
-        )
+    # e1's interpreter cannot start (no standard library there): e1 exits at once, and e0
+    # must not be left running.
+    doc = yaml.safe_load(plan.read_text())
+    doc["engines"][1]["env"] = {"PYTHONHOME": str(tmp_path / "no-python-here")}
+    plan.write_text(yaml.safe_dump(doc, sort_keys=False))
+    result = tool(
+        "launch_plan.py",
+        "start",
+        str(plan),
+        "--fleet",
+        str(fleet),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--timeout",
+        "30",
+    )
     assert result.returncode == 1
     assert "e1: exited before it was healthy" in result.stderr
     with pytest.raises(httpx.HTTPError):
@@ -373,6 +371,38 @@ def test_start_failure_stops_what_started_and_stop_is_safe(tmp_path: Path) -> No
     stop = tool("launch_plan.py", "stop", "--run-dir", str(tmp_path / "run"))
     assert stop.returncode == 0
     assert "not running" in stop.stdout
+
+
+def test_start_refuses_ports_another_process_holds(tmp_path: Path) -> None:
+    """Started twice on the same ports (another --run-dir): the second start's engines could
+    not bind and exited, while the first run's answered their health checks, and the second
+    start reported them healthy under its own dead pids. Refused before anything starts."""
+    plan, fleet, urls, _ = write_plan_and_fleet(tmp_path, 2)
+    ports = [url.rsplit(":", 1)[1] for url in urls]
+    with started(plan, fleet, tmp_path / "run1"):
+        again = tool(
+            "launch_plan.py",
+            "start",
+            str(plan),
+            "--fleet",
+            str(fleet),
+            "--run-dir",
+            str(tmp_path / "run1b"),
+            "--timeout",
+            "30",
+        )
+        assert again.returncode == 1, again.stdout + again.stderr
+        assert "healthy" not in again.stdout
+        lines = again.stderr.strip().splitlines()
+        assert lines[0] == (
+            f"launch_plan.py: e0: port {ports[0]} on 127.0.0.1 is already in use (engines[0].port)"
+        )
+        assert lines[-1] == "launch_plan.py: not starting local-sim: a port it needs is taken"
+        assert len(lines) == 5, lines  # each engine's HTTP and NIXL port, and the verdict
+        assert not (tmp_path / "run1b" / "run.json").exists()
+        # The first run's engines were not disturbed.
+        for url in urls:
+            assert httpx.get(f"{url}/health", timeout=5).status_code == 200
 
 
 def test_wait_polls_every_engine_until_it_serves_the_plans_model(tmp_path: Path) -> None:

@@ -50,6 +50,13 @@ def _git(repo: Path, *args: str) -> str:
 
 def verify_tree(repo: Path, commit: str) -> str:
     """The full hash of ``commit`` if it is HEAD of a clean tree; BuildError otherwise."""
+    if not repo.is_dir():
+        raise BuildError(f"--repo {repo}: no such directory")
+    try:
+        _git(repo, "rev-parse", "--git-dir")
+    except BuildError:
+        # Said as such: "not a commit in /tmp" sent the reader looking for a wrong --commit.
+        raise BuildError(f"--repo {repo}: not a git checkout") from None
     try:
         full = _git(repo, "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}")
     except BuildError:
@@ -72,11 +79,32 @@ def verify_tree(repo: Path, commit: str) -> str:
     return full
 
 
+def _stamped(version: str, commit: str) -> str:
+    return f"{version}+g{commit[:12]}"
+
+
+def _project_version(pyproject_text: str) -> str:
+    try:
+        project = tomllib.loads(pyproject_text).get("project", {})
+    except tomllib.TOMLDecodeError as exc:
+        raise BuildError(f"pyproject.toml does not parse: {exc}") from None
+    if "version" not in project:
+        raise BuildError("pyproject.toml has no static [project] version to stamp")
+    return str(project["version"])
+
+
+def planned_version(repo: Path, commit: str) -> str:
+    """The version ``build_wheel`` stamps into a build of ``commit``, read from the commit's
+    pyproject.toml without building (what --dry-run names the wheel by)."""
+    return _stamped(_project_version(_git(repo, "show", f"{commit}:pyproject.toml")), commit)
+
+
 def build_steps(repo: Path, commit: str, work: Path) -> list[str]:
     """What build_wheel does, for --dry-run."""
+    version = planned_version(repo, commit)
     return [
         f"git -C {repo} archive --format=tar {commit} > {work}/source.tar; extract to {work}/src",
-        f"stamp {work}/src: version +g{commit[:12]}, src/narwhal/_build_info.py (COMMIT={commit})",
+        f"stamp {work}/src: version {version}, src/narwhal/_build_info.py (COMMIT={commit})",
         f"{sys.executable} -m pip wheel --no-deps [--no-build-isolation] -w {work}/dist {work}/src",
     ]
 
@@ -87,10 +115,7 @@ _VERSION_LINE = re.compile(r'^(version\s*=\s*)"([^"]+)"\s*$', re.M)
 def _stamp(src: Path, commit: str, commit_time: str) -> str:
     pyproject = src / "pyproject.toml"
     text = pyproject.read_text()
-    project = tomllib.loads(text).get("project", {})
-    if "version" not in project:
-        raise BuildError("pyproject.toml has no static [project] version to stamp")
-    version = f"{project['version']}+g{commit[:12]}"
+    version = _stamped(_project_version(text), commit)
     start = text.index("[project]")
     match = _VERSION_LINE.search(text, start)
     if match is None:

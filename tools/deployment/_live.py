@@ -17,16 +17,52 @@ from typing import Any, Literal
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, with_config
+from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
-__all__ = ["LIVE_SCHEMA", "Declared", "LiveContract", "LiveEngine", "capture_engine"]
+from narwhal.contract import ContractError, read_json_document, validate_document
+from narwhal.contract.loader import validation_reasons
+from narwhal.contract.models import format_loc
+
+__all__ = [
+    "LIVE_SCHEMA",
+    "Declared",
+    "KVCacheFacts",
+    "LiveContract",
+    "LiveEngine",
+    "NixlFacts",
+    "capture_engine",
+    "load_live",
+]
 
 LIVE_SCHEMA = "narwhal.live-contract/v1"
 
+# Live facts come from engines of several versions: keep what we do not know about.
+_OPEN = ConfigDict(extra="allow")
+
 
 class _Open(BaseModel):
-    # Live facts come from engines of several versions: keep what we do not know about.
-    model_config = ConfigDict(extra="allow")
+    model_config = _OPEN
+
+
+# The facts finalize-fleet compares across engines are typed, so that a file read strictly
+# refuses "16" where 16 belongs: coerced or compared as written, it made lines such as
+# "KV block_size 16 differs from e0's 16".
+@with_config(_OPEN)
+class KVCacheFacts(TypedDict, total=False):
+    block_size: int | None
+    num_blocks: int | None
+    block_bytes: int | None
+    cache_dtype: str | None
+    source: str
+
+
+@with_config(_OPEN)
+class NixlFacts(TypedDict, total=False):
+    host: str
+    port: int
+    listening: bool
+    source: str
 
 
 class LiveEngine(_Open):
@@ -36,8 +72,8 @@ class LiveEngine(_Open):
     models: list[str] = []
     max_model_len: int | None = None
     version: str | None = None
-    kv_cache: dict[str, Any] | None = None
-    nixl: dict[str, Any] | None = None
+    kv_cache: KVCacheFacts | None = None
+    nixl: NixlFacts | None = None
     kv_connector: str | None = None
     kv_role: str | None = None
     kv_buffer_device: str | None = None
@@ -54,6 +90,28 @@ class LiveContract(_Open):
 
     def engine(self, engine_id: str) -> LiveEngine | None:
         return next((e for e in self.engines if e.id == engine_id), None)
+
+
+def load_live(path: str, source: str) -> LiveContract:
+    """A ``capture`` file, read as strictly as a fleet (no value coerced to a field's type, no
+    duplicate JSON keys) and with each engine once; ContractError naming ``source`` and the
+    place otherwise."""
+    try:
+        raw = read_json_document(path)
+    except ContractError as exc:
+        raise ContractError(source, exc.path, exc.reason) from None
+    live = validate_document(raw, LiveContract, source, strict=True)
+    first: dict[str, int] = {}
+    for i, engine in enumerate(live.engines):
+        if engine.id in first:
+            # Which of the two is the engine's facts cannot be told; the first used to win.
+            raise ContractError(
+                source,
+                f"engines[{i}].id",
+                f"duplicate engine {engine.id!r} (engines[{first[engine.id]}] is it too)",
+            )
+        first[engine.id] = i
+    return live
 
 
 @dataclass(frozen=True)
@@ -169,4 +227,10 @@ def capture_engine(
         if not nixl["listening"]:
             where = f"{nixl['host']}:{nixl['port']}"
             problems.append(f"{engine_id}: nothing listens on the NIXL side channel {where}")
-    return LiveEngine.model_validate(facts), problems
+    try:
+        return LiveEngine.model_validate(facts), problems
+    except ValidationError as exc:
+        # An engine answering a fact in a shape no engine uses: one line, not a traceback.
+        loc, reason = validation_reasons(exc)[0]
+        problems.append(f"{engine_id}: unreadable live facts at {url}: {format_loc(loc)}: {reason}")
+        return LiveEngine(id=engine_id, url=url), problems

@@ -3,8 +3,9 @@
 A plan declares how one group of engines is started: image (by digest), model, TP, the GPU
 architectures the recipe was validated on, environment (with the kernel-selection flags it
 requires), engine arguments and the engines it produces. Loading checks shape only (types,
-unknown keys); the rules that relate fields to each other and to a fleet live in
-``_plan_check`` so that ``check`` can report every problem at once instead of the first.
+strictly as the fleet loader does, and unknown keys); the rules that relate fields to each
+other and to a fleet live in ``_plan_check`` so that ``check`` can report every problem at once
+instead of the first.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from narwhal.contract.loader import validation_reasons
 from narwhal.contract.yamlfile import load_yaml
+from tools.deployment._yamlerror import yaml_error_line
 
 __all__ = [
     "PLAN_SCHEMA",
@@ -178,18 +181,15 @@ def load_plan(path: str | Path) -> LoadedPlan:
     try:
         raw = load_yaml(data)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise PlanError([f"{source}: invalid YAML{where}: {problem}"]) from None
+        raise PlanError([f"{source}: {yaml_error_line(exc)}"]) from None
     if not isinstance(raw, dict):
         raise PlanError([f"{source}: top level must be a mapping"])
     try:
-        plan = LaunchPlan.model_validate(raw)
+        # Strict, as the fleet loader reads a fleet: `tp: true` is no TP of 1 and `port:
+        # "8000"` no port, and the line says which type the field takes.
+        plan = LaunchPlan.model_validate(raw, strict=True)
     except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            msg = str(err["msg"]).removeprefix("Value error, ")
-            problems.append(f"{source}: {_loc(tuple(err['loc']))}: {msg}")
-        raise PlanError(problems) from None
+        raise PlanError(
+            [f"{source}: {_loc(loc)}: {reason}" for loc, reason in validation_reasons(exc)]
+        ) from None
     return LoadedPlan(plan, Path(path), hashlib.sha256(data).hexdigest())

@@ -19,6 +19,7 @@ from tools.deployment._plan import EnginePlan, LaunchPlan, LoadedPlan, Simulated
 
 __all__ = [
     "SIDE_CHANNEL_ENV",
+    "engine_ports",
     "kv_transfer_config",
     "plan_problems",
     "plans_problems",
@@ -255,7 +256,7 @@ def _gpu_sharing(plan: LaunchPlan, add: Any) -> None:
             owner.setdefault(key, eng.id)
 
 
-def _engine_ports(plan: LaunchPlan, eng: EnginePlan) -> list[tuple[str, str, int]]:
+def engine_ports(plan: LaunchPlan, eng: EnginePlan) -> list[tuple[str, str, int]]:
     # (what, address, port). vLLM's NIXL handshake listens on the base side-channel port per
     # data-parallel rank; these plans run DP 1, so one port.
     ports = [
@@ -279,7 +280,7 @@ def _port_problems(engines: list[tuple[LoadedPlan, int, EnginePlan]]) -> list[st
     out: list[str] = []
     taken: dict[tuple[str, int], str] = {}
     for lp, i, eng in engines:
-        for what, address, port in _engine_ports(lp.plan, eng):
+        for what, address, port in engine_ports(lp.plan, eng):
             key = (address, port)
             here = f"engines[{i}].{what}"
             if key in taken:

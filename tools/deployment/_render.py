@@ -161,8 +161,10 @@ def render_sidecar(
         c = plan.container or ContainerSettings()
         argv += ["--container", f"{c.name_prefix}{eng.id}", "--container-runtime", c.runtime]
     if plan.kind == "simulated":
-        # No rocminfo where simulated engines run: the architecture is declared.
-        argv += ["--gpu-arch", (plan.simulated or SimulatedSettings()).gpu_arch]
+        # No rocminfo where simulated engines run: the architecture is declared, and so is
+        # the accelerator the engines attest (the sidecar's must say the same).
+        sim = plan.simulated or SimulatedSettings()
+        argv += ["--gpu-arch", sim.gpu_arch, "--accelerator", sim.accelerator]
     if engine_pidfile:
         argv += ["--engine-pidfile", engine_pidfile]
     if cache:

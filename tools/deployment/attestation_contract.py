@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from narwhal.contract import ContractError, EngineSpec, FleetContract, load_fleet, parse_fleet
 from narwhal.contract.flags import positive
 from tools.deployment._files import write_atomic
-from tools.deployment._live import Declared, LiveContract, LiveEngine, capture_engine
+from tools.deployment._live import Declared, LiveContract, LiveEngine, capture_engine, load_live
 
 __all__ = ["Attestation", "disagreements", "finalize", "main"]
 
@@ -289,16 +289,7 @@ def cmd_finalize(args: argparse.Namespace) -> int:
         raise UsageError(f"--out {out}: directory {out.parent} does not exist")
     if out.is_dir():
         raise UsageError(f"--out {out}: a directory; name the file to write")
-    live_doc = None
-    if args.live:
-        try:
-            live_doc = LiveContract.model_validate_json(Path(args.live).read_bytes())
-        except OSError as exc:
-            raise UsageError(f"--live {args.live}: cannot read: {exc.strerror}") from None
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            where = ".".join(str(p) for p in err["loc"])
-            raise UsageError(f"--live {args.live}: {where}: {err['msg']}") from None
+    live_doc = load_live(args.live, f"--live {args.live}") if args.live else None
     facts, problems = collect(loaded.contract, live_doc, args.live or "", args.timeout)
     if not problems:
         problems = disagreements(loaded.contract, facts)

@@ -4,7 +4,7 @@
         --model-id moonshotai/Kimi-K3 --model-revision REV --tp 8 \\
         --kv-connector NixlConnector --kv-role kv_both --nixl-host H --nixl-port 5600 \\
         [--image-digest sha256:...] [--container NAME [--container-runtime docker|podman]] \\
-        [--gpu-arch gfx950] \\
+        [--gpu-arch gfx950] [--accelerator NAME] [--cache FILE | --no-cache] \\
         [--engine-pid PID | --engine-pidfile FILE | --generation G]
 
 GET /attestation  the identity (same field names as the simulated engine's /attestation where
@@ -28,7 +28,8 @@ The shard manifest is one ``relative/path.safetensors:<sha256 hex>`` line per sh
 path, each ending in a newline; its SHA-256 is the checkpoint's identity. The config hash is
 the SHA-256 of ``config.json``'s bytes. A checkpoint is terabytes: files are hashed in chunks
 (never whole in memory) on a thread pool (hashlib releases the GIL on large updates), and the
-result is cached keyed by path, size and mtime so a restarted sidecar does not re-read it.
+result is cached keyed by path, size and mtime so a restarted sidecar does not re-read it (a
+rehash rewrites the entries with the bytes it read, so the cache never outlives what is on disk).
 Sizes and mtimes are re-checked (and config.json re-hashed) on an interval; a byte change that
 keeps size and mtime is only visible to POST /rehash.
 
@@ -408,6 +409,10 @@ class Attestor:
             entries, _ = compute_manifest(
                 self.s.root, {}, self.s.workers, self.s.chunk_bytes, progress
             )
+            # The cache now holds the bytes just read under their size and mtime: a change that
+            # kept both would otherwise stay cached as the old hash, and a restarted sidecar
+            # would attest bytes no longer on disk, with no drift to show it.
+            _save_cache(self.s.cache, self.s.root, entries)
             with self.lock:
                 base = {e.path: e for e in self.baseline or []}
             drift = [
@@ -674,10 +679,13 @@ def _settings(args: argparse.Namespace) -> Settings:
         raise SidecarError(f"--checkpoint {args.checkpoint}: not a directory")
     if not (root / "config.json").is_file():
         raise SidecarError(f"--checkpoint {args.checkpoint}: no config.json")
-    if args.tp < 1 or args.hash_workers < 1 or args.chunk_mib < 1 or args.verify_interval <= 0:
-        raise SidecarError(
-            "--tp, --hash-workers and --chunk-mib must be >= 1, --verify-interval > 0"
-        )
+    for flag, value in (
+        ("--tp", args.tp),
+        ("--hash-workers", args.hash_workers),
+        ("--chunk-mib", args.chunk_mib),
+    ):
+        if value < 1:
+            raise SidecarError(f"{flag}: must be at least 1 (got {value})")
     if (args.nixl_host is None) != (args.nixl_port is None):
         raise SidecarError("--nixl-host and --nixl-port go together")
     detected = detect_gpu_arch()

@@ -43,7 +43,16 @@ from pydantic import (
 
 from narwhal.contract.flags import positive
 from narwhal.contract.yamlfile import load_yaml
-from tools.deployment._deploy_build import Build, BuildError, build_steps, build_wheel, verify_tree
+from tools.deployment._deploy_build import (
+    Build,
+    BuildError,
+    build_steps,
+    build_wheel,
+    planned_version,
+    verify_tree,
+)
+from tools.deployment._files import write_atomic
+from tools.deployment._yamlerror import yaml_error_line
 
 __all__ = ["DeploymentFile", "HostSpec", "host_steps", "main"]
 
@@ -139,10 +148,14 @@ class DeploymentFile(BaseModel):
 
     @model_validator(mode="after")
     def _unique(self) -> DeploymentFile:
-        names = [h.name for h in self.hosts]
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            raise ValueError(f"duplicate host names: {', '.join(dup)}")
+        first: dict[str, int] = {}
+        for i, h in enumerate(self.hosts):
+            if h.name in first:
+                raise ValueError(
+                    f"hosts.{i}.name: duplicate host name {h.name!r} (hosts.{first[h.name]} has "
+                    "it too)"
+                )
+            first[h.name] = i
         return self
 
 
@@ -155,7 +168,7 @@ def load_deployment(path: Path, missing: list[str] | None = None) -> DeploymentF
     except OSError as exc:
         raise UsageError(f"{path}: cannot read: {exc.strerror}") from None
     except yaml.YAMLError as exc:
-        raise UsageError(f"{path}: invalid YAML: {str(exc).splitlines()[0]}") from None
+        raise UsageError(f"{path}: {yaml_error_line(exc)}") from None
     try:
         spec = DeploymentFile.model_validate(raw)
     except ValidationError as exc:
@@ -163,7 +176,9 @@ def load_deployment(path: Path, missing: list[str] | None = None) -> DeploymentF
         where = ".".join(str(p) for p in err["loc"])
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
         msg = str(err["msg"]).removeprefix("Value error, ")
-        raise UsageError(f"{path}: {where}: {msg}{more}") from None
+        # A rule over the whole file (duplicate names) has no field of its own: its message
+        # names the place.
+        raise UsageError(f"{path}: {where + ': ' if where else ''}{msg}{more}") from None
     # Key files are on this machine, relative to the deployment file like the file's readers
     # expect; check them now rather than let ssh fail the same way on every host.
     hosts = []
@@ -279,6 +294,31 @@ def _target(h: HostSpec) -> str:
     return f"ssh {h.user}@{h.address}:{h.port} {h.venv}"
 
 
+# ssh's own verdict on a host key, which comes before its generic last word ("Host key
+# verification failed.", and scp's "Connection closed" after it) and tells the cases apart.
+_KEY_CHANGED = re.compile(r"^Host key for \S+ has changed and you have requested strict checking\.")
+_KEY_UNKNOWN = re.compile(
+    r"^No \S+ host key is known for \S+ and you have requested strict checking\."
+)
+
+
+def failure_line(stderr: str, returncode: int) -> str:
+    """The line of a failed step's stderr that says why: ssh's host key verdict when there is
+    one (a changed key flagged as a possible man-in-the-middle), else the last line."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    for line in lines:
+        if _KEY_CHANGED.match(line):
+            return (
+                f"{line} The host presents a key other than the one known_hosts_file has for "
+                "it: it may be a man-in-the-middle attack (or a reinstalled host); verify the "
+                "new key out of band before replacing the entry"
+            )
+    for line in lines:
+        if _KEY_UNKNOWN.match(line):
+            return f"{line} Add the host's key to known_hosts_file"
+    return lines[-1] if lines else f"exit {returncode}"
+
+
 def deploy_host(h: HostSpec, build: Build, timeout_s: float) -> HostResult:
     result = HostResult(h.name, _target(h))
     for step in host_steps(h, build.wheel):
@@ -297,10 +337,7 @@ def deploy_host(h: HostSpec, build: Build, timeout_s: float) -> HostResult:
             result.failed_step, result.error = step.name, f"{step.argv[0]}: {exc.strerror}"
             return result
         if proc.returncode != 0:
-            lines = [ln for ln in proc.stderr.splitlines() if ln.strip()] or [
-                f"exit {proc.returncode}"
-            ]
-            result.failed_step, result.error = step.name, lines[-1].strip()
+            result.failed_step, result.error = step.name, failure_line(proc.stderr, proc.returncode)
             return result
         if step.name == "verify":
             return _check_installed(result, proc.stdout, build)
@@ -336,15 +373,34 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repo", default=".", help="the git checkout to build from (default .)")
     p.add_argument("--dry-run", action="store_true", help="print every step, run none")
     p.add_argument("--work-dir", help="build directory (default: a temporary one)")
-    p.add_argument("--jobs", type=positive(int), default=8, help="hosts deployed at once")
     p.add_argument(
-        "--step-timeout", type=positive(float), default=600.0, help="bound on each step (s)"
+        "--jobs", type=positive(int), default=8, help="hosts deployed at once (default %(default)s)"
+    )
+    p.add_argument(
+        "--step-timeout",
+        type=positive(float),
+        default=600.0,
+        help="bound on each step and on the build, in seconds (default %(default)g)",
     )
     p.add_argument("--report", help="also write the per-host report as JSON here")
     return p
 
 
+def _report_path(value: str | None) -> Path | None:
+    """--report, checked before anything is built or deployed: a path that cannot be written
+    found out after every host was deployed lost the report (and said so with a traceback)."""
+    if value is None:
+        return None
+    report = Path(value)
+    if report.is_dir():
+        raise UsageError(f"--report {report}: a directory; name the file to write")
+    if not report.parent.is_dir():
+        raise UsageError(f"--report {report}: directory {report.parent} does not exist")
+    return report
+
+
 def run(args: argparse.Namespace) -> int:
+    report = _report_path(args.report)
     missing: list[str] = []
     deployment = load_deployment(Path(args.deployment), missing if args.dry_run else None)
     for problem in missing:  # a dry run shows the steps anyway: the keys may come later
@@ -357,9 +413,13 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="narwhal-deploy-") as tmp:
         work = Path(args.work_dir) if args.work_dir else Path(tmp)
         if args.dry_run:
-            for line in build_steps(repo, commit, work):
+            try:
+                steps, version = build_steps(repo, commit, work), planned_version(repo, commit)
+            except BuildError as exc:
+                raise UsageError(str(exc)) from None
+            for line in steps:
                 print(f"[build] {line}")
-            wheel = work / "dist" / f"narwhal-VERSION+g{commit[:12]}-py3-none-any.whl"
+            wheel = work / "dist" / f"narwhal-{version}-py3-none-any.whl"
             for h in deployment.hosts:
                 for step in host_steps(h, wheel):
                     print(f"[{h.name}] {step.name}: {shlex.join(step.argv)}")
@@ -382,7 +442,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{r.name} ({r.target}): FAILED at {r.failed_step}: {r.error}")
     failed = [r.name for r in results if not r.ok]
     print(f"{len(results) - len(failed)}/{len(results)} hosts verified at {commit}")
-    if args.report:
+    if report is not None:
         doc = {
             "schema": "narwhal.deployment-report/v1",
             "commit": commit,
@@ -391,7 +451,13 @@ def run(args: argparse.Namespace) -> int:
             "wheel_sha256": build.sha256,
             "hosts": [asdict(r) for r in results],
         }
-        Path(args.report).write_text(json.dumps(doc, indent=2) + "\n")
+        try:
+            write_atomic(report, json.dumps(doc, indent=2) + "\n")
+        except OSError as exc:
+            print(
+                f"{PROG}: --report {report}: cannot write: {exc.strerror or exc}", file=sys.stderr
+            )
+            return 1
     return 1 if failed else 0
 
 

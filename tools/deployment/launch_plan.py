@@ -4,7 +4,7 @@
     launch_plan.py render PLAN [--fleet FLEET] [--sidecars] [--checkpoint DIR] [--json]
     launch_plan.py start PLAN --fleet FLEET --run-dir DIR [--timeout 120]
     launch_plan.py stop --run-dir DIR [--timeout 10]
-    launch_plan.py wait PLAN [PLAN ...] [--timeout 900]
+    launch_plan.py wait PLAN [PLAN ...] [--timeout 900] [--interval 2] [--run-dir DIR]
     launch_plan.py capture PLAN [PLAN ...] --out LIVE.json
 
 Exit status: 0 fine; 1 the plan breaks a rule, an engine failed or could not be read (one
@@ -27,16 +27,21 @@ if __package__ in (None, ""):  # run by path: the repository root for `tools` (t
 
 import httpx
 
+from narwhal.asgi import tcp_bind_problem
 from narwhal.contract import ContractError, LoadedFleet, load_fleet
 from narwhal.contract.flags import positive
 from narwhal.testing import procs
 from tools.deployment._files import write_atomic
 from tools.deployment._live import LIVE_SCHEMA, Declared, capture_engine
 from tools.deployment._plan import LoadedPlan, PlanError, load_plan
-from tools.deployment._plan_check import kv_transfer_config, plans_problems
+from tools.deployment._plan_check import engine_ports, kv_transfer_config, plans_problems
 from tools.deployment._procs import (
+    RunRecord,
     RunStateError,
     alive,
+    answered_by,
+    exited_line,
+    holds_its_port,
     load_run,
     save_run,
     start_detached,
@@ -147,11 +152,31 @@ def cmd_start(args: argparse.Namespace) -> int:
         _err("not starting a plan that breaks its rules")
         return 1
     run_dir = Path(args.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UsageError(f"--run-dir {run_dir}: not a directory")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        # Named by the flag: the bare OSError names whichever path component failed.
+        raise UsageError(f"--run-dir {run_dir}: cannot create: {exc.strerror or exc}") from None
     records = load_run(run_dir)
     running = [r.engine_id for r in records.values() if alive(r)]
     if running:
         _err(f"already running from {run_dir}: {', '.join(running)} (stop them first)")
+        return 1
+    # An engine that cannot bind exits, while whatever holds its port (another run's engine)
+    # answers its health check: refuse before starting any rather than start a half plan.
+    busy = [
+        f"{eng.id}: {problem} (engines[{i}].{what})"
+        for i, eng in enumerate(lp.plan.engines)
+        for what, host, port in engine_ports(lp.plan, eng)
+        if what != "attestation_port"  # the sidecar's, started apart (and possibly first)
+        if (problem := _bind_problem(host, port)) is not None
+    ]
+    if busy:
+        for line in busy:
+            _err(line)
+        _err(f"not starting {lp.plan.name}: a port it needs is taken")
         return 1
     records = {}
     for eng in lp.plan.engines:
@@ -172,6 +197,13 @@ def cmd_start(args: argparse.Namespace) -> int:
     for rec in records.values():
         print(f"{rec.engine_id} healthy at {rec.url} (pid {rec.pid}, log {rec.log})")
     return 0
+
+
+def _bind_problem(host: str, port: int) -> str | None:
+    problem = tcp_bind_problem(host, port)
+    if problem is not None and problem.endswith("Address already in use"):
+        return f"port {port} on {host} is already in use"
+    return problem
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
@@ -215,23 +247,43 @@ def cmd_wait(args: argparse.Namespace) -> int:
     """Poll every engine of the plans (however they were started: `render`'s commands on the
     engine hosts, or `start`) until it answers /health and serves the plan's model; one line
     per engine as it becomes ready, and one per engine still not ready at the timeout, with
-    its last reason."""
+    its last reason. With --run-dir, an engine `start` recorded there counts only while its
+    own process runs and holds its port (another process on the port is not the engine)."""
     plans, _ = _load(args.plans, None)
     engines = {
         eng.id: (f"http://{eng.host}:{eng.port}", lp.plan.model.id)
         for lp in plans
         for eng in lp.plan.engines
     }
+    records: dict[str, RunRecord] = {}
+    if args.run_dir is not None:
+        run_dir = Path(args.run_dir)
+        if not run_dir.is_dir():
+            raise UsageError(f"--run-dir {run_dir}: no such directory")
+        # A record of the same id at another URL is another plan's engine, not this one.
+        records = {
+            k: r for k, r in load_run(run_dir).items() if k in engines and r.url == engines[k][0]
+        }
     why: dict[str, str] = {}
     started = time.monotonic()
     with httpx.Client(timeout=5.0, trust_env=False) as client:
 
-        def ready(engine_id: str) -> bool:
+        def answers(engine_id: str) -> bool:
             url, model = engines[engine_id]
             reason = _engine_ready(client, url, model)
+            rec = records.get(engine_id)
+            if reason is None and rec is not None and not holds_its_port(rec):
+                # Said here, where the reason is kept; answered_by checks the same again.
+                reason = f"answered by a process other than its own (pid {rec.pid})"
             if reason is not None:
                 why[engine_id] = reason
             return reason is None
+
+        def ready(engine_id: str) -> bool:
+            rec = records.get(engine_id)
+            if rec is None:
+                return answers(engine_id)
+            return answered_by(rec, functools.partial(answers, engine_id))
 
         def announce(engine_id: str) -> None:
             waited = time.monotonic() - started
@@ -241,14 +293,24 @@ def cmd_wait(args: argparse.Namespace) -> int:
             {e: functools.partial(ready, e) for e in sorted(engines)},
             args.timeout,
             interval=args.interval,
+            alive={e: functools.partial(alive, r) for e, r in records.items()},
+            stop_on_exit=False,
             on_ready=announce,
         )
-    for engine_id in sorted(waited.pending):
-        _err(
-            f"{engine_id}: not ready within {args.timeout:g} s at {engines[engine_id][0]} "
-            f"({why.get(engine_id, 'never answered')})"
-        )
-    return 1 if waited.pending else 0
+    problems = [exited_line(records[e], "before it was ready") for e in waited.exited]
+    problems += [
+        f"{engine_id}: not ready within {args.timeout:g} s at {engines[engine_id][0]} "
+        f"({why.get(engine_id, 'never answered')})"
+        for engine_id in sorted(waited.pending)
+    ]
+    problems += [
+        exited_line(records[e], "after it was ready")
+        for e in waited.ready
+        if e in records and not alive(records[e])
+    ]
+    for line in problems:
+        _err(line)
+    return 1 if problems else 0
 
 
 def cmd_capture(args: argparse.Namespace) -> int:
@@ -330,6 +392,10 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("plans", nargs="+", metavar="PLAN")
     w.add_argument("--timeout", type=positive(float), default=900.0, help="bound for the wait (s)")
     w.add_argument("--interval", type=positive(float), default=2.0, help="between polls (s)")
+    w.add_argument(
+        "--run-dir",
+        help="run directory of `start`: its engines count only while their own processes run",
+    )
     w.set_defaults(func=cmd_wait)
     k = sub.add_parser("capture", help="read running engines' live facts into a JSON file")
     k.add_argument("plans", nargs="+", metavar="PLAN")
