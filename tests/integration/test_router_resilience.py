@@ -434,6 +434,10 @@ def test_sigkill_mid_stream_then_restart_closes_each_cut_off_request_once(
                 restarted.metrics(), "narwhal_requests_total", outcome="router_restart"
             )
             assert restarts == len(cut_off)
+            # And each missed its budgets, as the attainment counts it (the dashboards' two
+            # denominators disagreed).
+            missed = metric(restarted.metrics(), "narwhal_slo_requests_total", result="missed")
+            assert missed >= len(cut_off)
 
             # The engines let go of the dead router's legs.
             for engine in fleet.engines.values():

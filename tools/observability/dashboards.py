@@ -402,15 +402,16 @@ def router_overview() -> db.Dashboard:
         graph(
             ids,
             "Retries and failed legs",
-            "Legs retried on another engine (narwhal_retries_total) and failed engine legs "
-            "(narwhal_leg_failures_total) per second, by leg. Failures that are retried cost "
+            "Legs retried on another engine (narwhal_retries_total) per second, by leg, and "
+            "failed engine legs (narwhal_leg_failures_total) per second, by engine and leg: "
+            "the engine failing is the one to look at. Failures that are retried cost "
             "latency, not requests.",
             "ops",
             [
                 _q(f"sum by (leg) ({_rate('narwhal_retries_total')})", "retried {{leg}}", "A"),
                 _q(
-                    f"sum by (leg) ({_rate('narwhal_leg_failures_total', engine=True)})",
-                    "failed {{leg}}",
+                    f"sum by (engine, leg) ({_rate('narwhal_leg_failures_total', engine=True)})",
+                    "failed {{leg}} on {{engine}}",
                     "B",
                 ),
             ],

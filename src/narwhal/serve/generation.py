@@ -229,6 +229,7 @@ class GenerationEndpoint:
     async def _serve(self, scope: Scope, receive: Receive, send: Send, record_id: str) -> None:
         services, ledger = self.services, self.ledger
         if not services.journal.accepting:
+            ledger.refused_unjournaled()
             await _send_error(send, self._not_accepting("journal_unavailable", _JOURNAL_DOWN, 5))
             return
         authorization = client_id = declared_length = content_type = None
@@ -253,6 +254,7 @@ class GenerationEndpoint:
             cleaned = _CLIENT_ID_RE.sub("", client_id.decode("latin-1"))[:128]
             record.client_request_id = cleaned or None
         if not ledger.open(record):
+            ledger.refused_unjournaled()
             await _send_error(send, self._not_accepting("journal_unavailable", _JOURNAL_DOWN, 5))
             return
         request_id = record.id.encode()

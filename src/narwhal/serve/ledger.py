@@ -37,6 +37,13 @@ class RequestLedger:
         self.active.add(record.id)
         return True
 
+    def refused_unjournaled(self) -> None:
+        """A request refused because the journal takes no more records (``fail_closed``): no
+        record can say so, but it reached the router and was turned away, so the metrics
+        count it as any request turned away (rejected, and missed)."""
+        self.metrics.requests.labels("rejected").inc()
+        self.metrics.slo.labels("missed").inc()
+
     def close(
         self,
         record: RequestRecord,

@@ -107,8 +107,10 @@ class Services:
             on_write=on_journal_write,
         )
         # The requests a killed router left open end here (the journal's router_restart): the
-        # outcome counter has one per request that reached a router, as the journal does.
+        # outcome counter has one per request that reached a router, as the journal does, and
+        # each missed its budgets (the fleet failed it), as the attainment counts it.
         metrics.requests.labels("router_restart").inc(journal.recovered_closed)
+        metrics.slo.labels("missed").inc(journal.recovered_closed)
         predictor: LatencyPredictor | None = None
         scheduler: SchedulerV0 | SchedulerV1 = SchedulerV0()
         if settings.scheduler == "v1":
