@@ -154,6 +154,19 @@ def _role_service() -> tuple[RoleService, _RecordedJournal]:
     return service, journal
 
 
+def _three_flips_applied() -> tuple[RoleService, _RecordedJournal, dict[str, str], SharedRoles]:
+    """A replica that synced at generation 0 and applied three flips (e1 to decode and back,
+    e2 to prefill): the service, its journal, the roles at 0 and the document at 3."""
+    service, journal = _role_service()
+    roles = {"e0": "prefill", "e1": "prefill", "e2": "decode", "e3": "decode"}
+    doc = SharedRoles(generation=0, roles=roles, written_by="a", written_at=0.0)
+    service.apply_shared(doc)
+    for engine, role in (("e1", "decode"), ("e1", "prefill"), ("e2", "prefill")):
+        doc = _flipped(doc, engine, role)
+        service.apply_shared(doc)
+    return service, journal, roles, doc
+
+
 def _flipped(doc: SharedRoles, engine: str, to_role: str) -> SharedRoles:
     entry = {"engine": engine, "from_role": doc.roles[engine], "to_role": to_role, "reason": "r"}
     return doc.with_flip(entry, "leader", 0.0)
@@ -225,13 +238,7 @@ def test_a_restored_timeline_flipped_past_this_replicas_generation_is_a_sync() -
     # Cut off while etcd was restored to generation 1 and the fleet flipped on to 4, past this
     # replica's 3: the document's generation is higher, but its flip at 3 is another flip.
     # Adopted whole (regressed_from 3), not replayed against the old timeline (a review).
-    service, journal = _role_service()
-    roles = {"e0": "prefill", "e1": "prefill", "e2": "decode", "e3": "decode"}
-    doc = SharedRoles(generation=0, roles=roles, written_by="a", written_at=0.0)
-    service.apply_shared(doc)
-    for engine, role in (("e1", "decode"), ("e1", "prefill"), ("e2", "prefill")):
-        doc = _flipped(doc, engine, role)
-        service.apply_shared(doc)
+    service, journal, roles, doc = _three_flips_applied()
     journal.records.clear()
     new = SharedRoles(
         generation=1,
@@ -256,13 +263,7 @@ def test_the_last_entry_of_a_generation_wins_and_a_flip_drops_stale_ones() -> No
     # A document whose history holds stale entries (a replica wrote back another timeline's)
     # and then the real next flip after them: the real one is journaled, the stale one not;
     # the leader's write keeps no entry at or past its own generation.
-    service, journal = _role_service()
-    roles = {"e0": "prefill", "e1": "prefill", "e2": "decode", "e3": "decode"}
-    doc = SharedRoles(generation=0, roles=roles, written_by="a", written_at=0.0)
-    service.apply_shared(doc)
-    for engine, role in (("e1", "decode"), ("e1", "prefill"), ("e2", "prefill")):
-        doc = _flipped(doc, engine, role)
-        service.apply_shared(doc)
+    service, journal, roles, doc = _three_flips_applied()
     restored = SharedRoles(
         generation=1,
         roles={**roles, "e1": "decode"},

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import statistics
 import sys
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from narwhal.contract.loader import validation_reasons
 from narwhal.contract.paths import why_unwritable
 from narwhal.profiler.runner import profile_fleet
 from narwhal.profiles.store import ProfileStore, ProfilingLimits, ProfilingPlan, store_bytes
+from narwhal.profiles.table import profile_table
 
 __all__ = ["main"]
 
@@ -90,40 +90,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="profile engines that are not idle")
     p.add_argument("--quiet", action="store_true", help="no per-probe progress")
     return p
-
-
-def _table(store: ProfileStore) -> str:
-    lens = store.plan.prefill_lens
-    head = (
-        ["engine", "generation"]
-        + [f"prefill@{n}" for n in lens]
-        + ["decode_intercept", "decode_slope", "ctx_coef", "prefill_r2", "decode_r2"]
-    )
-    rows = [head]
-    for engine_id, p in sorted(store.engines.items()):
-        medians = [
-            statistics.median(s.seconds for s in p.prefill_samples if s.input_tokens == n)
-            for n in lens
-        ]
-        rows.append(
-            [engine_id, (p.generation or "-")[:12]]
-            + [f"{m:.4f}" for m in medians]
-            + [
-                f"{p.decode_fit.intercept:.5f}",
-                f"{p.decode_fit.slope:.6f}",
-                f"{p.decode_fit.ctx_coef:.3e}",
-                _r2(p.prefill_fit.r2),
-                _r2(p.decode_fit.r2),
-            ]
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
-
-
-def _r2(value: float) -> str:
-    """An R² to four places; one that rounds to zero is 0.0000, not -0.0000 (a fit no better
-    than the mean, as a decode time flat in the batch gives)."""
-    return f"{0.0 if abs(value) < 5e-5 else value:.4f}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -208,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     _write(out, data)
     digest = sha256_hex(store.model_dump(mode="json", by_alias=True))
     _write(Path(str(out) + ".sha256"), f"{digest}  {out.name}\n".encode())
-    print(_table(store))
+    print("\n".join(profile_table(store)))
     print(f"profile store: {out}  sha256 {digest}")
     return 0
 
