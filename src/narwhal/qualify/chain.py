@@ -550,6 +550,9 @@ class Chain:
                 self.say(f"{head} skipped: done at {record.started_at}, outputs unchanged")
                 if record.failed_verdict is not None:
                     self.say(f"        measured then; the fleet failed: {record.failed_verdict}")
+                    # Nothing it reads changed: say how to measure a mended fleet again.
+                    outputs = ", ".join(sorted(record.outputs)) or step.name
+                    self.say(f"        to measure again, delete {outputs} from the run directory")
                     result.failed_verdicts.append((step.name, record.failed_verdict))
                 result.skipped.append(step.name)
                 continue

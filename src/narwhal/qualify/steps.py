@@ -234,6 +234,20 @@ def workload_prompts(run: RunFile) -> int:
     return max(p.requests for p in run.benchmark.points)
 
 
+# load_trial.py prepare's --num-prompts default: the workload of every run before the size
+# was given (tools/measurement is not imported here).
+PREPARE_DEFAULT_PROMPTS = 256
+
+
+def _workload_size(run: RunFile) -> list[str]:
+    """``--num-prompts`` for a run whose largest point needs more than prepare's default
+    (prepare adds the warmup prompt to these). In the command, so a change of size redoes
+    the step; left out up to the default, so the runs made before it keep their workload (a
+    key that changed would measure every finished run again)."""
+    needed = workload_prompts(run)
+    return ["--num-prompts", str(needed)] if needed > PREPARE_DEFAULT_PROMPTS else []
+
+
 def _csv(values: list[int]) -> str:
     return ",".join(str(v) for v in values)
 
@@ -395,11 +409,7 @@ def chain_steps(loaded: LoadedRun, write_report: Callable[[Path, str], str]) -> 
                 str(run.workload.output_tokens),
                 "--seed",
                 str(run.workload.seed),
-                # Sized to the largest point (prepare adds the warmup prompt to these): its
-                # default, 256, is less than a point may send. In the command, so a change of
-                # size redoes the step.
-                "--num-prompts",
-                str(workload_prompts(run)),
+                *_workload_size(run),
                 "--out",
                 WORKLOAD,
             ],
