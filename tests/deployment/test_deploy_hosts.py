@@ -381,15 +381,21 @@ def test_the_report_path_is_checked_before_any_host_is_deployed(
     )
     args = ["--deployment", str(deployment), "--commit", commit, "--repo", str(repo)]
     missing = tmp_path / "missing" / "report.json"
+    unwritable = Path("/proc/self/report.json")  # a directory nobody may create files in
     for report, reason in (
         (missing, f"directory {missing.parent} does not exist"),
         (tmp_path, "a directory; name the file to write"),
+        (Path("/dev/null"), "not a regular file; name the file to write"),
     ):
         result = deploy(*args, "--report", str(report), timeout=120)
         assert result.returncode == 2, result.stdout + result.stderr
         assert result.stderr == f"deploy_hosts.py: --report {report}: {reason}\n"
         assert result.stdout == ""
         assert not (tmp_path / "v").exists()
+    result = deploy(*args, "--report", str(unwritable), timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith(f"deploy_hosts.py: --report {unwritable}: cannot write in")
+    assert not (tmp_path / "v").exists()
 
 
 def test_help_shows_the_defaults() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ from narwhal.testing.procfs import start_ticks
 from narwhal.testing.procs import wait_until
 from tests.deployment.sidecars import ROOT, TOOLS
 from tests.helpers import MODEL
+from tools.deployment import _procs
 from tools.deployment._procs import RunRecord, alive, save_run, wait_healthy
 
 SIM_PLAN = ROOT / "configs" / "launch" / "local-sim.yaml"
@@ -147,3 +149,23 @@ def test_wait_with_the_run_directory_holds_engines_to_their_own_processes(
             f"launch_plan.py: e0: not ready within 1 s at http://127.0.0.1:{port} "
             f"(answered by a process other than its own (pid {rec.pid}))"
         )
+
+
+def test_a_process_whose_descriptors_cannot_be_read_is_not_judged_by_them(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Another user's engine, or /proc mounted hidepid: its sockets cannot be listed, so who
+    holds its port cannot be told and liveness alone decides (a review: such an engine was
+    never counted healthy). Only the engine's own descriptors are hidden here."""
+    (port,) = free_ports(1)
+    with engine_process(tmp_path, port, 30) as record:
+        assert not _procs.holds_its_port(record)  # readable: it holds nothing
+        real_access = os.access
+
+        def hidden(path: Any, mode: int, *args: Any, **kwargs: Any) -> bool:
+            if str(path) == f"/proc/{record.pid}/fd":
+                return False
+            return real_access(path, mode, *args, **kwargs)
+
+        monkeypatch.setattr(_procs.os, "access", hidden)
+        assert _procs.holds_its_port(record)

@@ -61,9 +61,14 @@ _TCP_TABLES = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
 
 def holds_its_port(record: RunRecord) -> bool:
     """The listening socket on the port of ``record.url`` belongs to the recorded process or
-    one of its children (True as well when /proc cannot say)."""
+    one of its children (True as well when /proc cannot say: no socket tables, or the
+    process's descriptors hidden)."""
     port = urlsplit(record.url).port
     if port is None or not any(t.exists() for t in _TCP_TABLES):
+        return True
+    if not os.access(f"/proc/{record.pid}/fd", os.R_OK | os.X_OK):
+        # Another user's process, or /proc mounted hidepid: its sockets cannot be seen, so
+        # which process holds the port cannot be told (liveness alone has to do).
         return True
     return listening_pid(port, descendants(record.pid)) is not None
 

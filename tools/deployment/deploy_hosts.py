@@ -396,6 +396,15 @@ def _report_path(value: str | None) -> Path | None:
         raise UsageError(f"--report {report}: a directory; name the file to write")
     if not report.parent.is_dir():
         raise UsageError(f"--report {report}: directory {report.parent} does not exist")
+    if report.exists() and not report.is_file():
+        raise UsageError(f"--report {report}: not a regular file; name the file to write")
+    try:
+        with tempfile.NamedTemporaryFile(dir=report.parent, prefix=".narwhal-"):
+            pass
+    except OSError as exc:
+        raise UsageError(
+            f"--report {report}: cannot write in {report.parent}: {exc.strerror or exc}"
+        ) from None
     return report
 
 
