@@ -410,7 +410,7 @@ class PDRouter:
         routing = self.fleet.routing
         deadline_s = self.fleet.engine.first_token_timeout_s
         prefill_failures = decode_failures = 0
-        record.open_from = len(record.attempts)  # this opening's legs (a continuation has its own)
+        opened_at = len(record.attempts)  # this opening's legs (a continuation has its own)
         last_error = "no attempt"
         deadline_hit = False
         if pair is None:
@@ -433,11 +433,17 @@ class PDRouter:
                     last_error = f"prefill on {pair.prefill}: {exc}"
                     if prefill_failures >= routing.max_prefill_attempts:
                         raise self._exhausted(
-                            prefill_failures, decode_failures, False, last_error, record
+                            prefill_failures, decode_failures, False, last_error, record, opened_at
                         ) from None
                     self.metrics.retries.labels("prefill").inc()
                     pair = self._retry(
-                        ticket, prefill_failures, decode_failures, False, last_error, record
+                        ticket,
+                        prefill_failures,
+                        decode_failures,
+                        False,
+                        last_error,
+                        record,
+                        opened_at,
                     )
                     continue
             # Decode leg, under the first-token deadline.
@@ -474,11 +480,22 @@ class PDRouter:
                 budget_left = self.fleet.budgets.ttft_s - record.since_arrival()
                 if give_up or decode_failures >= routing.max_decode_attempts or budget_left <= 0:
                     raise self._exhausted(
-                        prefill_failures, decode_failures, deadline_hit, last_error, record
+                        prefill_failures,
+                        decode_failures,
+                        deadline_hit,
+                        last_error,
+                        record,
+                        opened_at,
                     ) from None
                 self.metrics.retries.labels("decode").inc()
                 pair = self._retry(
-                    ticket, prefill_failures, decode_failures, deadline_hit, last_error, record
+                    ticket,
+                    prefill_failures,
+                    decode_failures,
+                    deadline_hit,
+                    last_error,
+                    record,
+                    opened_at,
                 )
 
     def _retry(
@@ -489,10 +506,13 @@ class PDRouter:
         deadline: bool,
         last_error: str,
         record: RequestRecord,
+        opened_at: int,
     ) -> Pair:
         pick = self.lifecycle.retry(ticket)
         if isinstance(pick, NoPair):
-            raise self._exhausted(prefill_failures, decode_failures, deadline, last_error, record)
+            raise self._exhausted(
+                prefill_failures, decode_failures, deadline, last_error, record, opened_at
+            )
         return pick
 
     def _exhausted(
@@ -502,6 +522,7 @@ class PDRouter:
         deadline: bool,
         last_error: str,
         record: RequestRecord,
+        opened_at: int,
     ) -> RouterError:
         if deadline:
             return FirstTokenDeadlineExceeded(
@@ -518,7 +539,7 @@ class PDRouter:
         # A hedged attempt is two legs on two engines: the legs are counted, not the attempts.
         legs = sum(
             1
-            for a in record.attempts[record.open_from :]
+            for a in record.attempts[opened_at:]
             if a["leg"] == "prefill" and a["outcome"] == "failed"
         )
         return UpstreamFailed(

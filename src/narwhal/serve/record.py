@@ -50,7 +50,6 @@ class RequestRecord:
     # the decode engine (routing.local_prefill); None until an engine was picked.
     mode: str | None = None
     attempts: list[dict[str, Any]] = field(default_factory=list)
-    open_from: int = 0  # the first attempt of the latest opening of a decode stream (PDRouter)
     t_prefill_start: float | None = None
     t_prefill_end: float | None = None
     t_decode_start: float | None = None
