@@ -235,6 +235,54 @@ def test_a_refused_leg_ends_the_request_and_clears_its_engine() -> None:
         lifecycle.retry(ticket)
 
 
+def test_a_refusal_closes_no_open_breaker_and_a_refused_probe_frees_the_probe() -> None:
+    """A refusal (a 4xx) shows the engine's front end answers, not that it computes: a leg sent
+    before the breaker opened, refused after, left the breaker open; a bad request that was the
+    half-open probe leaves it half-open with the probe free for the next leg. Before, both
+    closed the breaker (prefill and decode alike) with no leg run."""
+    lifecycle, clock, observer = build(n_prefill=1, n_decode=1)
+    p, d = lifecycle.state.engines["e0"], lifecycle.state.engines["e1"]
+    # Decode: the leg is in flight when the breaker opens; its refusal does not close it.
+    early = lifecycle.arrive("early", max_tokens=4, prompt_tokens=100)
+    admitted(lifecycle, early)
+    lifecycle.prefill_done(early, "ok")
+    for _ in range(d.breaker.failure_threshold):
+        d.breaker.record_failure()
+    assert d.breaker.state is BreakerState.OPEN
+    lifecycle.decode_failed(early, "refused")
+    assert early.phase == "done" and d.breaker.state is BreakerState.OPEN
+    assert observer.failed == [] and counts(lifecycle)["e1"] == (0, 0, 0, 0)
+    # After the cool-off a bad request takes the probe and is refused: still half-open, and the
+    # next request probes.
+    clock.advance(d.breaker.open_seconds)
+    bad = lifecycle.arrive("bad", max_tokens=4, prompt_tokens=100)
+    assert admitted(lifecycle, bad).decode == "e1"
+    lifecycle.prefill_done(bad, "ok")
+    assert d.breaker.probe_in_flight
+    lifecycle.decode_failed(bad, "refused")
+    assert d.breaker.state is BreakerState.HALF_OPEN and d.breaker.allows_request()
+    good = lifecycle.arrive("good", max_tokens=4, prompt_tokens=100)
+    assert admitted(lifecycle, good).decode == "e1"
+    lifecycle.prefill_done(good, "ok")
+    lifecycle.first_token(good)
+    assert d.breaker.state is BreakerState.CLOSED
+    lifecycle.finished(good, completion_tokens=4, complete=True)
+    # Prefill: the same.
+    late = lifecycle.arrive("late", max_tokens=4, prompt_tokens=100)
+    admitted(lifecycle, late)
+    for _ in range(p.breaker.failure_threshold):
+        p.breaker.record_failure()
+    lifecycle.prefill_done(late, "refused")
+    assert late.phase == "done" and p.breaker.state is BreakerState.OPEN
+    clock.advance(p.breaker.open_seconds)
+    probe = lifecycle.arrive("probe", max_tokens=4, prompt_tokens=100)
+    assert admitted(lifecycle, probe).prefill == "e0"
+    assert p.breaker.state is BreakerState.HALF_OPEN and p.breaker.probe_in_flight
+    lifecycle.prefill_done(probe, "refused")
+    assert p.breaker.state is BreakerState.HALF_OPEN and p.breaker.allows_request()
+    assert counts(lifecycle) == {"e0": (0, 0, 0, 0), "e1": (0, 0, 0, 0)}
+
+
 @pytest.mark.parametrize("outcome", ["failed", "deadline"])
 def test_a_decode_leg_that_fails_before_its_first_token_is_retried_elsewhere(
     outcome: Literal["failed", "deadline"],

@@ -602,8 +602,12 @@ class Lifecycle:
             self._hedge_lost(ticket, p)
         elif hedge_ended == "cancelled":
             p.breaker.on_abandon()
+        elif hedge_ended == "refused" or (outcome == "refused" and not by_slow_leg):
+            self._refusal(p)
+            if p.breaker.state is BreakerState.HALF_OPEN:
+                p.breaker.on_abandon()  # the probe ran nothing: the next leg probes
         else:
-            self._verdict(p, ok=True)  # refused: the engine is fine; the request is not
+            self._verdict(p, ok=True)
         if hedge_ended == "refused":
             self._forget_routed(ticket, p.id)
         if outcome == "refused":
@@ -800,7 +804,8 @@ class Lifecycle:
             raise ValueError(f"request {ticket.id} has no decode leg waiting ({ticket.phase})")
         d = self._end_decode(ticket)
         if outcome == "refused":
-            self._verdict(d, ok=True)
+            self._refusal(d)
+            self._give_probe_back(ticket, d.breaker)  # it ran nothing: the next leg probes
             ticket.phase = "done"
             return
         self._verdict(d, ok=False, leg="decode")
@@ -984,6 +989,16 @@ class Lifecycle:
             if report:
                 self.observer.leg_failed(engine.id, leg)
         self.observer.breaker(engine.id, engine.breaker.state)
+
+    def _refusal(self, engine: EngineState) -> None:
+        """The engine refused a leg (a 4xx: the request is at fault): it answers, which
+        clears the failures a closed breaker has counted, but it computed nothing, so an open
+        or half-open breaker waits for a leg that ran (a leg sent before the breaker opened,
+        or a bad request as the half-open probe, must not close it: the engine may fail every
+        leg it runs while its front end validates requests)."""
+        engine.answered_at = self.clock.now()
+        if engine.breaker.state is BreakerState.CLOSED:
+            self._verdict(engine, ok=True)
 
     def _report_correction(self, engine: str, phase: str, ratio: float) -> None:
         assert self.predictor is not None
