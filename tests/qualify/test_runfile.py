@@ -58,6 +58,7 @@ def test_every_problem_is_one_line(tmp_path: Path) -> None:
         ({"benchmark": {"points": [{"name": "a b", "rate": 1, "requests": 2}]}}, "points[0].name"),
         ({"benchmark": {"points": []}}, "benchmark.points"),
         ({"router": {"port": 0}}, "router.port"),
+        ({"check": {"pace_tolerance": 0}}, "check.pace_tolerance"),
         # Values of another type are not taken as this one (`true` was 1.0), nor NaN a rate.
         (
             {"budgets": {"ttft_s": 10, "tpot_s": 0.3, "attainment": True}},

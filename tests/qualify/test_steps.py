@@ -247,3 +247,13 @@ def test_the_profile_table_names_its_units(tmp_path: Path) -> None:
     # The profile step shows this table, not narwhal-profile's (which has no units).
     profile = _step(chain_steps(_loaded(tmp_path), _fake_report), "profile")
     assert profile.show is profile_lines and not profile.echo
+
+
+def test_the_check_takes_the_run_files_pace_tolerance(tmp_path: Path) -> None:
+    def check_argv(**check: Any) -> list[str]:
+        return _step(chain_steps(_loaded(tmp_path, check=check), _fake_report), "check").argv
+
+    argv = check_argv(pace_repeats=3, pace_tolerance=1.0)
+    assert argv[argv.index("--pace-tolerance") + 1] == "1.0", argv
+    # Omitted: narwhal-check's default, and the command as before the field existed.
+    assert "--pace-tolerance" not in check_argv(pace_repeats=3)

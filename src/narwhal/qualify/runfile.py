@@ -113,6 +113,9 @@ class Profiling(_Strict):
 
 class Check(_Strict):
     pace_repeats: int | None = Field(default=None, gt=0)
+    # Relative deviation the pace gate allows from the profile (narwhal-check's default when
+    # omitted): looser where the engines share a machine with other work.
+    pace_tolerance: float | None = Field(default=None, gt=0)
     kv_probes: int | None = Field(default=None, gt=0)
 
 

@@ -387,6 +387,11 @@ def chain_steps(loaded: LoadedRun, write_report: Callable[[Path, str], str]) -> 
             [console_script("narwhal-check"), "--fleet", FLEET_QUALIFIED, "--plan", PLAN]
             + ["--report", CHECK_REPORT, "--quiet"]
             + (["--pace-repeats", str(run.check.pace_repeats)] if run.check.pace_repeats else [])
+            + (
+                ["--pace-tolerance", repr(run.check.pace_tolerance)]
+                if run.check.pace_tolerance
+                else []
+            )
             + (["--kv-probes", str(run.check.kv_probes)] if run.check.kv_probes else []),
             inputs={FLEET_QUALIFIED: rd / FLEET_QUALIFIED, PLAN: rd / PLAN},
             outputs={CHECK_REPORT: rd / CHECK_REPORT},
