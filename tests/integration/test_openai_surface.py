@@ -379,6 +379,21 @@ def test_models_are_listed_and_retrieved_and_unknown_routes_are_openai_errors(
     with pytest.raises(openai.NotFoundError) as stored:
         client.responses.retrieve("resp_123")
     assert "stores no responses" in stored.value.body["message"]  # type: ignore[index]
+    for operation in (
+        lambda: client.responses.delete("resp_123"),
+        lambda: client.responses.cancel("resp_123"),
+        lambda: client.responses.input_items.list("resp_123"),
+    ):
+        with pytest.raises(openai.NotFoundError) as stored:
+            operation()
+        assert "No response with id 'resp_123'" in stored.value.body["message"]  # type: ignore[index]
+    # Routes the router does not serve under /v1/responses/ are not taken for response ids
+    # ("No response with id 'input_tokens'" before).
+    for path in ("input_tokens", "compact"):
+        with pytest.raises(openai.NotFoundError) as unknown:
+            client.post(f"/responses/{path}", body={"model": MODEL, "input": "hi"}, cast_to=object)
+        body = unknown.value.body
+        assert f"Invalid URL (POST /v1/responses/{path}): no such route" in body["message"]  # type: ignore[index]
     wrong = httpx.get(router.url + "/v1/chat/completions", timeout=10)
     assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
     error = wrong.json()["error"]

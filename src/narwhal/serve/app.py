@@ -68,6 +68,12 @@ def build_app(settings: ServeSettings) -> FastAPI:
     return app
 
 
+# (method, what follows the id) of the Responses API's operations on a stored response.
+_STORED_RESPONSE_OPERATIONS = frozenset(
+    {("GET", ""), ("DELETE", ""), ("POST", "cancel"), ("GET", "input_items")}
+)
+
+
 async def _framework_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
     status = exc.status_code
@@ -137,7 +143,13 @@ def _register_info_routes(app: FastAPI, services: Services) -> None:
     async def stored_response(request: Request, response_id: str) -> Response:
         if not allowed(request):
             return Unauthorized().response()
-        response_id = response_id.split("/", 1)[0]
+        # Only the operations on a stored response (the SDK's retrieve, delete, cancel and
+        # input_items) ask for one: another path here (responses.input_tokens.count,
+        # responses.compact: POST /v1/responses/input_tokens, /compact) is a route the router
+        # does not serve, and is answered as every such route is, not as a missing id.
+        response_id, _, operation = response_id.partition("/")
+        if (request.method, operation) not in _STORED_RESPONSE_OPERATIONS:
+            return await _framework_error(request, StarletteHTTPException(404))
         return NotFound(
             f"No response with id '{response_id}': narwhal-serve stores no responses "
             "(send the whole conversation in 'input', with store: false)",
