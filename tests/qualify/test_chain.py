@@ -202,6 +202,10 @@ def variant(
     # (the shipped run above measures that). The probes stay the shipped ones: the pace gate
     # needs prefills long enough to time (1,024 tokens take ~15 ms here, inside its noise).
     run["workload"] = {"input_tokens": 8192, "output_tokens": 32, "seed": 1729}
+    # Pace is none of these runs' subject, and it comes before the gate a fault is for: load
+    # that moves between the profile and the check (this runs beside other suites) moved every
+    # engine's prefill +85% once (tests/check/test_check_live.py), so it is allowed here.
+    run["check"] = {**run["check"], "pace_tolerance": 2.0}
     run.update(run_over)
     path = directory / "run.yaml"
     path.write_text(yaml.safe_dump(run, sort_keys=False))
