@@ -509,12 +509,39 @@ def test_a_stream_broken_where_it_cannot_be_continued_counts_against_its_engine(
 
     before = failures()
     broken = 0
+    errors = []
     for prompt in PROMPTS[:3]:
         response = complete(router, prompt, n=2, temperature=1.0, stream=True)
         assert response.status_code == 200
-        broken += streamed_text(response)[2]
+        _, chunks, error = streamed_text(response)
+        broken += error
+        errors += [c["error"] for c in chunks if "error" in c]
     assert broken == 3  # every request's stream ended with an error event
     assert failures() - before >= 3
+    # A lone stream that cannot be continued (structured output) ends with the same error as
+    # several choices do: the router's, naming the engine's (it passed vLLM's own on, type
+    # InternalServerError and code 500, where n > 1 gave upstream_error and 502). The simulated
+    # json_object answer is "{", "}" and EOS: broken after its first token.
+    for engine_id in ("e2", "e3"):
+        admin(fleet.engines[engine_id].url, "POST", {"error_after_tokens": 1})
+    lone = httpx.post(
+        router.url + "/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": PROMPTS[0],
+            "max_tokens": MAX_TOKENS,
+            "stream": True,
+            "response_format": {"type": "json_object"},
+        },
+        timeout=60,
+    )
+    assert lone.status_code == 200
+    _, chunks, error = streamed_text(lone)
+    assert error, chunks
+    (last,) = [c["error"] for c in chunks if "error" in c]
+    assert {e["type"] for e in errors} == {last["type"]} == {"upstream_error"}
+    assert {e["code"] for e in errors} == {last["code"]} == {502}
+    assert "the engine's error" in last["message"], last
 
 
 def test_a_stream_cut_after_its_last_token_is_a_whole_answer(stack) -> None:

@@ -299,6 +299,11 @@ class EventRenderer:
                 fault = engine_fault(obj)
                 if fault and self.interrupt("engine_error", message):
                     break
+                if fault:
+                    # Ends as every broken stream does (a cut connection, a broken choice of
+                    # several): the router's error, which names the engine's.
+                    out.append(self.broken(f"decode stream broke: the engine's error: {message}"))
+                    break
                 out += (b"data: ", payload, b"\n\n", DONE_EVENT)
                 self.failure = message
                 self.fault = fault
