@@ -465,6 +465,39 @@ def test_a_subscriber_started_late_gets_the_buffered_history_over_zmq() -> None:
     asyncio.run(_with_publisher(100, body))
 
 
+def test_a_subscriber_started_after_an_idle_engine_reads_its_history_at_once() -> None:
+    """A router started after an engine that then publishes nothing (idle, holding a cache)
+    knew nothing of it until its next batch (a QA pass: a prompt the idle engine held went
+    cold elsewhere): the replay buffer is read as the subscription starts."""
+
+    async def body(publisher: KVEventPublisher, endpoint: str, replay: str) -> None:
+        _publish(publisher, 1, 2, 3)
+        seen = Recorder()
+        sub = KVEventSubscriber("e0", endpoint, replay, "", seen.events, seen.reset)
+        task = asyncio.ensure_future(sub.run())
+        try:
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if len(seen.removed) >= 3:
+                    break
+            assert seen.removed == [1, 2, 3] and sub.next_seq == 3 and seen.resets == 0
+            # The live stream goes on from there: nothing twice, nothing lost (what the SUB
+            # socket missed while it connected comes from the replay socket).
+            for published in range(100):  # the SUB socket connects asynchronously
+                _publish(publisher, 100 + published)
+                await asyncio.sleep(0.02)
+                if len(seen.removed) > 3:
+                    break
+            later = list(range(100, 100 + len(seen.removed) - 3))
+            assert seen.removed == [1, 2, 3, *later] and sub.next_seq == len(seen.removed)
+            assert seen.resets == 0
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(_with_publisher(100, body))
+
+
 def _stored_event(hashes: list[int], parent: int | None, tokens: Any, size: int) -> StoredBlocks:
     """A BlockStored as the router reads it off the wire (its token ids still packed)."""
     event = BlockStored(

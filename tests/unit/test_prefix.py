@@ -130,10 +130,40 @@ def test_published_entries_live_beside_text_history_and_are_bounded() -> None:
     assert idx.stored("p0", [b"h2", b"h3", b"h4"], None, more, BS)
     assert idx.match(keys, now=0.0) == {}
     assert idx.match(chain_keys(more, BS), now=0.0) == {"p0": 3}
-    assert idx.blocks_held("p0") == 2 + 4
+    # Three blocks stored after the text was sent, of a capacity of two: its blocks are gone
+    # from the engine's LRU, and its keys from the index.
+    assert idx.match(text, now=1.0) == {}
+    assert idx.blocks_held("p0") == 4
     idx.clear("p0")
     assert idx.blocks_held("p0") == 0
     assert idx.match(text, now=1.0) == {} and idx.match(chain_keys(more, BS), now=0.0) == {}
+
+
+def test_text_keys_on_an_event_engine_go_once_its_cache_has_turned_over() -> None:
+    """An engine that publishes events evicts a text prompt's blocks as any others (LRU of its
+    capacity), but its BlockRemoved name token blocks, never text keys: the claim lived out
+    the history's 30 minutes and drew the prompts sharing it to an engine that had lost it (a
+    QA pass: 3,088 tokens predicted cached, 0 found). It goes once the engine stored its
+    capacity's worth of blocks after the prompt was last sent there."""
+    idx = index(ttl=1800.0)
+    idx.add_engine("p0", capacity_blocks=4)
+    idx.set_precise("p0", True)
+    text = text_keys(["a prompt long enough for two blocks of text"], BS)
+    idx.record_routed("p0", text, now=0.0, exact=False)
+    assert idx.stored("p0", [b"t0", b"t1"], None, list(range(8)), BS)  # its own blocks
+    assert idx.match(text, now=1.0) == {"p0": 2}
+    # Sent again (a hit: the engine's LRU touches its blocks), then one other block stored.
+    idx.record_routed("p0", text, now=2.0, exact=False)
+    assert idx.stored("p0", [b"a0"], None, list(range(100, 104)), BS)
+    assert idx.match(text, now=3.0) == {"p0": 2}
+    # Three more: four stored since it was last sent, the whole capacity: gone.
+    assert idx.stored("p0", [b"a1", b"a2", b"a3"], b"a0", list(range(104, 116)), BS)
+    assert idx.match(text, now=4.0) == {}
+    assert idx.blocks_held("p0") == 2 + 4  # published entries only (bounded at twice capacity)
+    # An engine routed by history keeps its text keys for their lifetime, as before.
+    idx.add_engine("h0", capacity_blocks=4)
+    idx.record_routed("h0", text, now=0.0, exact=False)
+    assert idx.match(text, now=1000.0) == {"h0": 2}
 
 
 def test_prompts_in_flight_to_an_event_engine_are_held_until_it_says_or_for_their_ttl() -> None:

@@ -427,6 +427,8 @@ class KVEventSubscriber:
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         sub.connect(self.endpoint)
         try:
+            if self.replay_endpoint is not None:
+                await self._catch_up()
             while True:
                 frames = await sub.recv_multipart()
                 if len(frames) != 3:
@@ -514,6 +516,20 @@ class KVEventSubscriber:
         if not quiet:  # an unreadable batch's reset is in its own (throttled) warning
             log.warning("engine %s: KV event index reset: %s", self.engine_id, why)
         self.on_reset()
+
+    async def _catch_up(self) -> None:
+        """What the engine published before this subscription (a router started after it),
+        read from its replay buffer at once: an engine that publishes nothing for a while (idle,
+        holding a cache) would otherwise stay unknown until its next batch. The live stream
+        then goes on from there (a batch already read is ignored; a gap is replayed)."""
+        self.replaying = True
+        try:
+            got = await self.fetch_replay(0)
+        finally:
+            self.replaying = False
+        for seq, payload in sorted(got or []):
+            if seq >= 0 and (self.next_seq is None or seq >= self.next_seq):
+                self._deliver(seq, payload)
 
     async def _replay_from(self, start: int, live_seq: int, complete_required: bool) -> None:
         """Deliver the batches ``start .. live_seq-1`` from the engine's replay buffer. When

@@ -250,6 +250,12 @@ class _EngineEntries:
     flown: dict[int, float] = field(default_factory=dict)
     flying_since: float = float("-inf")  # when ``flying`` began
     last_flown: float = float("-inf")  # the latest send
+    # An engine that publishes events: the blocks it has stored so far, and each text key's
+    # count when it was last sent there, oldest first. Its cache is an LRU of
+    # ``capacity_blocks``: a prefix not sent again is gone once that many blocks were stored
+    # after it, and no event says so of a text key (``_evict_text``).
+    stored_blocks: int = 0
+    text_stored_at: OrderedDict[int, int] = field(default_factory=OrderedDict)
 
 
 def _tiling(
@@ -442,6 +448,16 @@ class PrefixIndex:
         self._expire(entries, now)
         expiry = now + self.history_ttl_s
         history = entries.keys if exact else entries.text_keys
+        if entries.precise:  # text keys (token keys are in flight above)
+            keys = list(keys)
+            stamps, at = entries.text_stored_at, entries.stored_blocks
+            for key in keys:
+                stamps[key] = at
+                stamps.move_to_end(key)
+            # Keys the history dropped meanwhile (its TTL, its bound) leave their stamps
+            # behind until the count passes them: bounded all the same.
+            while len(stamps) > 2 * entries.capacity_blocks:
+                stamps.popitem(last=False)
         for key in keys:
             self._put(entries, history, key, expiry)
         self._trim(entries)
@@ -628,7 +644,27 @@ class PrefixIndex:
             holders[key] = holders.get(key, 0) | bit
         if len(by_engine_hash) > 2 * entries.capacity_blocks:
             self._trim(entries)
+        entries.stored_blocks += len(block_hashes)
+        if entries.text_stored_at:
+            self._evict_text(entries)
         return True
+
+    def _evict_text(self, entries: _EngineEntries) -> None:
+        """Drop the text keys of an engine that publishes events once ``capacity_blocks``
+        blocks were stored after they were last sent there: its LRU cache has evicted them,
+        and its ``BlockRemoved`` cannot name them (they are keyed by text, its blocks by
+        token). Before, such a claim lived out ``history_ttl_s`` and drew the prompts that
+        share it to an engine that had lost it. A prompt's own blocks count too, so a long
+        one may go a little early: the index then claims less, never more."""
+        stamps, text = entries.text_stored_at, entries.text_keys
+        horizon = entries.stored_blocks - entries.capacity_blocks
+        while stamps:
+            key, at = next(iter(stamps.items()))
+            if at > horizon:
+                break
+            del stamps[key]
+            if text.pop(key, None) is not None:
+                self._unhold(entries, key)
 
     def _hashed_chain(
         self, parent: int, token_ids: Sequence[int] | PackedTokenIds, block_size: int
@@ -673,6 +709,7 @@ class PrefixIndex:
         for key in entries.text_keys:
             self._unhold(entries, key)
         entries.text_keys.clear()
+        entries.text_stored_at.clear()
         self._drop_token_entries(engine_id, entries)
 
     def _drop_token_entries(self, engine_id: str, entries: _EngineEntries) -> None:
