@@ -143,6 +143,35 @@ def test_requests_follow_their_prefix_learnt_from_kv_events(stack: tuple[SimFlee
         )
 
 
+def test_a_router_started_after_its_engines_knows_what_an_idle_one_holds(
+    stack: tuple[SimFleet, Path],
+) -> None:
+    """The router reads each engine's replay buffer as it subscribes: an engine that cached a
+    prompt before the router started and publishes nothing since (idle) was unknown to it
+    until its next batch, and the prompt went cold to another engine (a QA pass)."""
+    fleet, store = stack
+    ids = prompt(base=77, tail=1)
+    direct = httpx.post(
+        fleet.engines["e1"].url + "/v1/completions",
+        json={"model": MODEL, "prompt": ids, "max_tokens": 1},
+        timeout=60,
+    )
+    assert direct.status_code == 200, direct.text
+    directory = fleet.fleet_path.parent / "late-router"
+    directory.mkdir()
+    with running_router(directory, fleet.fleet_path, "--profiles", str(store)) as router:
+        assert wait_until(
+            lambda: (
+                metric(router.metrics(), "narwhal_prefix_index_blocks", engine="e1")
+                >= PREFIX_TOKENS // 16
+            ),
+            10,
+        ), router.metrics()
+        end = post(router, prompt(base=77, tail=2))
+    assert end["prefill_engine"] == "e1", end
+    assert end["cached_tokens_predicted"] == PREFIX_TOKENS, end
+
+
 def _fleet_copy(fleet: SimFleet, directory: Path, events: dict[str, Any] | None) -> Path:
     """The fleet file with the engines' ``kv_events`` replaced (None: removed)."""
     doc = json.loads(fleet.fleet_path.read_text())

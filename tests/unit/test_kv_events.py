@@ -473,7 +473,7 @@ def test_a_subscriber_started_after_an_idle_engine_reads_its_history_at_once() -
     async def body(publisher: KVEventPublisher, endpoint: str, replay: str) -> None:
         _publish(publisher, 1, 2, 3)
         seen = Recorder()
-        sub = KVEventSubscriber("e0", endpoint, replay, "", seen.events, seen.reset)
+        sub = KVEventSubscriber("e0", endpoint, replay, "", seen.events, seen.reset, catch_up=True)
         task = asyncio.ensure_future(sub.run())
         try:
             for _ in range(100):

@@ -387,8 +387,12 @@ class KVEventSubscriber:
         replay_timeout_s: float = 2.0,
         on_unreadable: Callable[[], None] | None = None,
         on_restart: Callable[[], None] | None = None,
+        catch_up: bool = False,
     ) -> None:
         self.engine_id = engine_id
+        # Read the replay buffer as the subscription starts (``_catch_up``): what a router wants
+        # (to know an idle engine's cache), not a check that the live stream publishes.
+        self.catch_up = catch_up
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()
@@ -427,7 +431,7 @@ class KVEventSubscriber:
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         sub.connect(self.endpoint)
         try:
-            if self.replay_endpoint is not None:
+            if self.catch_up and self.replay_endpoint is not None:
                 await self._catch_up()
             while True:
                 frames = await sub.recv_multipart()

@@ -230,6 +230,7 @@ def kv_event_subscribers(state: FleetState, metrics: RouterMetrics) -> list[KVEv
                 on_unreadable=metrics.kv_event_unreadable.labels(spec.id).inc,
                 # A restarted engine holds nothing: the text prompts' history goes too.
                 on_restart=functools.partial(index.clear, spec.id),
+                catch_up=True,
             )
         )
     return out
