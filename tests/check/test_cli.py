@@ -80,3 +80,70 @@ def test_help_gives_every_tuning_flags_default() -> None:
     assert "estimate (default 0.5)" in text
     assert "handoffs per pair (default 3)" in text
     assert "observed maximum (default 0.6)" in text
+
+
+def test_cli_refuses_a_report_that_would_overwrite_an_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--report`` (or its .sha256) naming an input replaced it with the report, exit 0: refused
+    before anything is read from an engine or written, however the path is spelled."""
+    doc = fleet_doc(2)
+    doc["engine"]["api_key_file"] = "engine.key"
+    (tmp_path / "engine.key").write_text("secret\n")
+    fleet = tmp_path / "fleet.json"
+    fleet.write_text(json.dumps(doc))
+    store, digest = make_store({"e0": KIMI, "e1": KIMI})
+    store_path = tmp_path / "store.json"
+    store_path.write_text(json.dumps(store.model_dump(mode="json", by_alias=True)))
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(plan_doc("0" * 64, [point("a", 1.0)])))
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "link.json").symlink_to(fleet)
+    (tmp_path / "hard.json").hardlink_to(store_path)
+    # The fleet pins the store (profile_store.path), relative to its own directory.
+    pinned = tmp_path / "pinned" / "fleet.json"
+    pinned.parent.mkdir()
+    pinned.write_text(
+        json.dumps({**doc, "profile_store": {"path": "../store.json", "sha256": digest}})
+    )
+    (pinned.parent / "engine.key").write_text("secret\n")
+    sidecar_fleet = tmp_path / "r.json.sha256"
+    sidecar_fleet.write_text(json.dumps(doc))
+    given = ["--fleet", str(fleet), "--profiles", str(store_path)]
+    cases = [
+        (given, fleet, "is the file given with --fleet"),
+        (given, tmp_path / "sub" / ".." / "fleet.json", "is the file given with --fleet"),
+        (given, tmp_path / "link.json", "is the file given with --fleet"),
+        (given, store_path, "is the file given with --profiles"),
+        (given, tmp_path / "hard.json", "is the file given with --profiles"),
+        ([*given, "--plan", str(plan)], plan, "is the file given with --plan"),
+        (given, tmp_path / "engine.key", "is the fleet's engine.api_key_file"),
+        (["--fleet", str(pinned)], store_path, "is the fleet's profile_store.path"),
+        (
+            ["--fleet", str(sidecar_fleet)],
+            tmp_path / "r.json",
+            "its r.json.sha256 is the file given with --fleet",
+        ),
+    ]
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    for args, report, words in cases:
+        code = cli.main(["--quiet", *args, "--report", str(report)])
+        err = capsys.readouterr().err
+        assert code == 2, (args, report, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1, err
+        assert lines[0] == f"narwhal-check: --report {report}: {words} (it would be overwritten)"
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_cli_refuses_empty_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An empty --profiles (an unset $STORE) ran as "no profile store" and exit 0."""
+    fleet = tmp_path / "fleet.json"
+    fleet.write_text(json.dumps(fleet_doc(2)))
+    for flag in ("--fleet", "--profiles", "--plan", "--report"):
+        args = {"--fleet": str(fleet), "--report": str(tmp_path / "r.json"), flag: ""}
+        code = cli.main(["--quiet", *(x for kv in args.items() for x in kv)])
+        err = capsys.readouterr().err
+        assert code == 2, (flag, err)
+        assert err == f"narwhal-check: {flag}: an empty path\n"
+    assert not (tmp_path / "r.json").exists()

@@ -67,3 +67,67 @@ def test_the_bind_check_binds_as_the_servers_do() -> None:
         port = free.getsockname()[1]
     assert tcp_bind_problem("127.0.0.1", port) is None
     assert tcp_bind_problem("", port) is None
+
+
+def test_a_profile_store_given_as_the_journal_is_left_untouched(tmp_path: Path) -> None:
+    """--profiles and --journal swapped: narwhal-profile writes its store without a final
+    newline, and the router took its one line for a torn journal record, appended its records
+    to the store and made it 0600."""
+    store = tmp_path / "store.json"
+    content = b'{"complete":true,"created_at":"2026-12-07T19:51:40+00:00","engines":{}}'
+    store.write_bytes(content)
+    store.chmod(0o644)
+    argv = [sys.executable, "-m", "narwhal.serve.cli", "--fleet", str(FLEET)]
+    argv += ["--journal", str(store), "--skip-qualification", "--port", "28301"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        f"narwhal-serve: --journal: {store} is not a Narwhal journal (its only line, without a "
+        "newline, does not begin as a journal record does)"
+    )
+    assert store.read_bytes() == content and store.stat().st_mode & 0o777 == 0o644
+    assert not (tmp_path / "store.json.lock").exists()
+
+
+def test_a_journal_path_ending_in_a_slash_names_a_directory(tmp_path: Path) -> None:
+    """out/newdir/ (newdir missing) became the regular file out/newdir, and the router served."""
+    for given in (f"{tmp_path}/newdir/", f"{tmp_path}/newdir/."):
+        argv = [sys.executable, "-m", "narwhal.serve.cli", "--fleet", str(FLEET)]
+        argv += ["--journal", given, "--skip-qualification", "--port", "28302"]
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip() == (
+            f"narwhal-serve: --journal: {given} names a directory (a journal is a file)"
+        )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_empty_path_is_refused_naming_its_flag(tmp_path: Path) -> None:
+    """--profiles '' (an unset $STORE in a script) started the router without a profile store
+    (the v0 scheduler) without a word; so did '' for the other files."""
+    for flag in ("--profiles", "--check-report", "--api-keys-file", "--admin-token-file"):
+        argv = [sys.executable, "-m", "narwhal.serve.cli", "--fleet", str(FLEET), flag, ""]
+        argv += ["--journal", str(tmp_path / "j.jsonl"), "--port", "28303"]
+        if flag != "--check-report":
+            argv.append("--skip-qualification")
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip() == f"narwhal-serve: {flag}: an empty path"
+    assert not (tmp_path / "j.jsonl").exists()
+    argv = [sys.executable, "-m", "narwhal.serve.cli", "--fleet", str(FLEET), "--journal", ""]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "narwhal-serve: --journal: an empty path"
+
+
+def test_a_bad_argument_is_one_line() -> None:
+    """argparse printed its 24-line usage block before the error."""
+    argv = [sys.executable, "-m", "narwhal.serve.cli", "--fleet", "f.json", "--journal", "j"]
+    result = subprocess.run([*argv, "--port", "abc"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr == "narwhal-serve: argument --port: invalid int value: 'abc'\n"
+    result = subprocess.run(argv[:5], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr == "narwhal-serve: the following arguments are required: --journal\n"
+    helped = subprocess.run([*argv[:3], "--help"], capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: narwhal-serve")

@@ -177,3 +177,27 @@ def test_times_without_an_offset_are_utc_not_the_host_s_zone(
         monkeypatch.undo()
         time.tzset()
     assert rows[1][0] == 3600.0
+
+
+def test_a_bad_argument_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse printed its 9-line usage block before the error line."""
+    with pytest.raises(SystemExit) as exited:
+        fleetsim_main([*BASE, "--rate", "fast"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == (
+        "narwhal-fleetsim: argument --rate: expected a number, got 'fast'\n"
+    )
+    with pytest.raises(SystemExit):
+        fleetsim_main(["--requests", "5"])
+    assert capsys.readouterr().err == (
+        "narwhal-fleetsim: one of the arguments --fleet --engines is required\n"
+    )
+
+
+@pytest.mark.parametrize("argv", [["--fleet", ""], [*BASE, "--trace", ""]], ids=["fleet", "trace"])
+def test_an_empty_path_is_refused_naming_its_flag(
+    capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    """--fleet '' was a traceback; --trace '' (an unset $TRACE) ran a Poisson workload."""
+    assert fleetsim_main(argv) == 2
+    assert capsys.readouterr().err == f"narwhal-fleetsim: {argv[-2]}: an empty path\n"

@@ -222,3 +222,56 @@ def test_a_missing_store_the_fleet_pins_names_the_field(tmp_path: Path) -> None:
     )
     with pytest.raises(UsageError, match=re.escape(f"{fleet}: profile_store.path: ")):
         build_settings(args)
+
+
+def test_a_journal_whose_first_record_was_torn_is_still_taken(tmp_path: Path) -> None:
+    """A router killed while writing its very first record: the next one recovers the file.
+    Anything else on one line without a newline (narwhal-profile's store) is no journal."""
+    from narwhal.testing.ports import free_ports
+
+    journal = tmp_path / "j.jsonl"
+    journal.write_bytes(b'{"type":"router.start","ts":1796673493.59,"pid":41')
+    base = ["--fleet", str(FLEET), "--skip-qualification", "--journal", str(journal)]
+    settings = build_settings(_parser().parse_args([*base, "--port", str(free_ports(1)[0])]))[0]
+    settings.journal_claim.close()
+    journal.write_bytes(b'{"complete":true,"engines":{}}')
+    journal.chmod(0o644)
+    with pytest.raises(UsageError, match=r"is not a Narwhal journal \(its only line, without"):
+        build_settings(_parser().parse_args(base))
+    assert journal.read_bytes() == b'{"complete":true,"engines":{}}'
+    assert journal.stat().st_mode & 0o777 == 0o644
+
+
+@pytest.mark.parametrize(
+    "flag", ["--fleet", "--journal", "--profiles", "--check-report", "--api-keys-file",
+             "--admin-token-file"],
+)  # fmt: skip
+def test_an_empty_path_is_a_usage_error_naming_its_flag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: str
+) -> None:
+    """--profiles '' (an unset $STORE) served without a profile store, the v0 scheduler."""
+    monkeypatch.chdir(tmp_path)  # a blank path is relative: taken, it lands here
+    given = {"--fleet": str(FLEET), "--journal": str(tmp_path / "j.jsonl"), flag: " "}
+    argv = [part for pair in given.items() for part in pair]
+    if flag != "--check-report":
+        argv.append("--skip-qualification")
+    with pytest.raises(UsageError, match=f"^{flag}: an empty path$"):
+        build_settings(_parser().parse_args(argv))
+
+
+@pytest.mark.parametrize("tail", ["/", "/.", "/.."])
+def test_a_journal_named_as_a_directory_is_refused(tmp_path: Path, tail: str) -> None:
+    given = f"{tmp_path}/new{tail}"
+    argv = ["--fleet", str(FLEET), "--skip-qualification", "--journal", given]
+    with pytest.raises(UsageError, match=f"^--journal: {re.escape(given)} names a directory"):
+        build_settings(_parser().parse_args(argv))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bad_argument_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        _parser().parse_args(["--fleet", "f", "--journal", "j", "--body-timeout", "soon"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (
+        "narwhal-serve: argument --body-timeout: invalid float value: 'soon'\n"
+    )

@@ -18,7 +18,6 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import NoReturn
 
 from narwhal.check.plan import BenchmarkPlan
 from narwhal.check.runner import NEEDS_STORE, CheckInputs, run_check
@@ -35,7 +34,8 @@ from narwhal.contract import (
     sha256_hex,
     validate_document,
 )
-from narwhal.contract.paths import why_unwritable
+from narwhal.contract.cli_errors import OneLineParser
+from narwhal.contract.paths import input_overwritten, why_unwritable
 from narwhal.profiles.store import parse_profile_store
 
 __all__ = ["main"]
@@ -45,15 +45,9 @@ class UsageError(Exception):
     pass
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        # One line, like every other input error (argparse would print its usage block).
-        self.exit(2, f"{self.prog}: {message}\n")
-
-
 def _parser() -> argparse.ArgumentParser:
     d = CheckSettings()
-    p = _Parser(prog="narwhal-check", description=__doc__.splitlines()[0].replace("``", ""))
+    p = OneLineParser(prog="narwhal-check", description=__doc__.splitlines()[0].replace("``", ""))
     p.add_argument("--fleet", required=True, help="fleet contract JSON")
     p.add_argument(
         "--profiles", help="profile store (default: the fleet's profile_store.path, if any)"
@@ -208,6 +202,36 @@ def _gates(text: str | None) -> tuple[list[str], bool]:
     return names, True
 
 
+def _refuse_empty_paths(args: argparse.Namespace) -> None:
+    """An empty path (an unset variable in a script) names no file: ``--profiles ''`` read as
+    "no store" and ``--report ''`` as the working directory."""
+    for flag, value in (
+        ("--fleet", args.fleet),
+        ("--profiles", args.profiles),
+        ("--plan", args.plan),
+        ("--report", args.report),
+    ):
+        if value is not None and not value.strip():
+            raise UsageError(f"{flag}: an empty path")
+
+
+def _refuse_overwriting_inputs(out: Path, inputs: CheckInputs, args: argparse.Namespace) -> None:
+    """Before anything is written: the report, or its sidecar, would replace an input."""
+    loaded = inputs.fleet
+    named = {"the file given with --fleet": loaded.path}
+    if inputs.store_ref is not None:
+        given = (
+            "the file given with --profiles" if args.profiles else "the fleet's profile_store.path"
+        )
+        named[given] = Path(inputs.store_ref.path)
+    if inputs.plan_ref is not None:
+        named["the file given with --plan"] = Path(inputs.plan_ref.path)
+    if (key_file := loaded.contract.engine.api_key_file) is not None:
+        named["the fleet's engine.api_key_file"] = loaded.path.parent / Path(key_file).expanduser()
+    if why := input_overwritten("--report", out, [Path(str(out) + ".sha256")], named):
+        raise UsageError(why)
+
+
 def build_inputs(args: argparse.Namespace) -> tuple[CheckInputs, list[str]]:
     requested, explicit = _gates(args.gates)
     loaded = load_fleet(args.fleet)
@@ -244,9 +268,11 @@ def build_inputs(args: argparse.Namespace) -> tuple[CheckInputs, list[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    _refuse_empty_paths(args)
     settings = _settings(args)
     inputs, requested = build_inputs(args)
     out = Path(args.report)
+    _refuse_overwriting_inputs(out, inputs, args)
     # Before the gates run (minutes): a report that cannot be written fails now.
     why = why_unwritable(out)
     if why is not None:

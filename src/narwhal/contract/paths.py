@@ -4,10 +4,12 @@ at once and says why, not after the work is done."""
 
 from __future__ import annotations
 
+import os
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["file_in_the_way", "why_unwritable"]
+__all__ = ["file_in_the_way", "input_overwritten", "same_file", "why_unwritable"]
 
 
 def file_in_the_way(path: Path) -> Path | None:
@@ -35,6 +37,32 @@ def why_unwritable(out: Path) -> str | None:
             pass
     except OSError as exc:
         return f"cannot write in {out.parent}: {exc.strerror or exc}"
+    return None
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` name one file: the same resolved path (a symlink, ``..`` or
+    another spelling), or, when both exist, the same file (a hard link)."""
+    try:
+        if a.resolve() == b.resolve():
+            return True
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except (OSError, RuntimeError):  # unreadable, or a symlink loop: not provably one file
+        return False
+
+
+def input_overwritten(
+    flag: str, out: Path, beside: Sequence[Path], inputs: Mapping[str, Path]
+) -> str | None:
+    """Why writing ``out`` (given with ``flag``) or the files written ``beside`` it (its
+    sidecars) would replace one of the command's ``inputs`` (what names each: "the file given
+    with --fleet"), or None: a one-word slip must not cost the operator a fleet contract or a
+    profile store."""
+    for written in (out, *beside):
+        what = "" if written == out else f"its {written.name} "
+        for name, path in inputs.items():
+            if same_file(written, path):
+                return f"{flag} {out}: {what}is {name} (it would be overwritten)"
     return None
 
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 from narwhal.contract import ContractError, load_fleet
+from narwhal.contract.cli_errors import OneLineParser
 from narwhal.contract.flags import positive
 from narwhal.fleetsim.simulator import DesConfig, run_des
 from narwhal.fleetsim.workloads import (
@@ -31,7 +31,7 @@ MAX_SIMULATED_S = 1e7
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="narwhal-fleetsim", description="Virtual-time fleet simulation of Narwhal's routing."
     )
     src = parser.add_mutually_exclusive_group(required=True)
@@ -101,6 +101,11 @@ def main(argv: list[str] | None = None) -> int:
         " (default: they wait)",
     )
     args = parser.parse_args(argv)
+    for flag, value in (("--fleet", args.fleet), ("--trace", args.trace)):
+        if value is not None and not value.strip():
+            # An unset $TRACE read as no trace (a Poisson run), and --fleet '' crashed.
+            print(f"narwhal-fleetsim: {flag}: an empty path", file=sys.stderr)
+            return 2
     try:
         if args.fleet:
             if args.ttft is not None or args.tpot is not None:

@@ -19,6 +19,7 @@ from typing import BinaryIO
 
 import orjson
 
+from narwhal.journal.encoding import could_begin_record
 from narwhal.journal.file import FILE_MODE, make_private_dirs
 
 __all__ = ["JournalInUse", "claim_journal", "journal_problem"]
@@ -64,8 +65,10 @@ def claim_journal(path: Path) -> BinaryIO:
 
 def journal_problem(path: Path) -> str | None:
     """Why ``path`` is not a journal to append to, or None: empty, missing, or its first line
-    a record (a JSON object with ``type`` and ``ts``). A first line without its newline is a
-    record torn by a crash, which recovery cuts off."""
+    a record (a JSON object with ``type`` and ``ts``). A first line without its newline that
+    begins as a record does is a record torn by a crash (the router's very first), which
+    recovery reports and ends; one that does not (a fleet file or a profile store, written
+    without a final newline) is no journal."""
     try:
         with open(path, "rb") as f:
             head = f.read(_FIRST_LINE_BYTES)
@@ -73,7 +76,11 @@ def journal_problem(path: Path) -> str | None:
         return None
     line, newline, _ = head.partition(b"\n")
     if not newline:
-        return None if len(head) < _FIRST_LINE_BYTES else "its first line is not a record"
+        if len(head) >= _FIRST_LINE_BYTES:
+            return "its first line is not a record"
+        if not could_begin_record(head):
+            return "its only line, without a newline, does not begin as a journal record does"
+        return None
     try:
         record = orjson.loads(line)
     except orjson.JSONDecodeError:

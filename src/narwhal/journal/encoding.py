@@ -39,6 +39,10 @@ REQUEST_RESERVED: Final = RESERVED | {"id"}
 END_RESERVED: Final = REQUEST_RESERVED | {"outcome"}
 
 _DUMPS_OPTIONS: Final = orjson.OPT_APPEND_NEWLINE
+#: How every record's line begins (``type`` is its first key, the line compact JSON); then
+#: comes the type's name and ``","ts":``.
+RECORD_HEAD: Final = b'{"type":"'
+_AFTER_TYPE: Final = b'","ts":'
 # Types written as they are, with nothing inside to scrub (checked by exact type: fast).
 _SCALARS: Final = frozenset({str, int, float, bool, type(None)})
 # Key -> whether it is secret. Keys repeat (the router sends the same few dozen), so this stays
@@ -110,6 +114,26 @@ class RecordEncoder:
         if key not in self._warned:
             self._warned.add(key)
             log.warning(message, *args)
+
+
+def could_begin_record(fragment: bytes) -> bool:
+    """Whether ``fragment`` could be the beginning of a record's line as ``RecordEncoder``
+    writes it (``{"type":"NAME","ts":...``), cut off anywhere: what a process killed while
+    writing a record leaves. A JSON document written by anything else (a fleet file, a profile
+    store) begins otherwise."""
+    if len(fragment) <= len(RECORD_HEAD):
+        return RECORD_HEAD.startswith(fragment)
+    if not fragment.startswith(RECORD_HEAD):
+        return False
+    name, quote, rest = fragment[len(RECORD_HEAD) :].partition(b'"')
+    if not quote:
+        return True  # cut inside the type's name
+    after = quote + rest
+    if not name:
+        return False
+    if len(after) <= len(_AFTER_TYPE):
+        return _AFTER_TYPE.startswith(after)
+    return after.startswith(_AFTER_TYPE)
 
 
 def _is_secret(key: str) -> bool:

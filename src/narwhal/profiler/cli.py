@@ -14,19 +14,22 @@ import argparse
 import asyncio
 import datetime as dt
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from narwhal.contract import (
     ContractError,
+    LoadedFleet,
     load_fleet,
     read_json_document,
     sha256_hex,
     validate_document,
 )
+from narwhal.contract.cli_errors import OneLineParser
 from narwhal.contract.loader import validation_reasons
-from narwhal.contract.paths import why_unwritable
+from narwhal.contract.paths import input_overwritten, why_unwritable
 from narwhal.profiler.runner import profile_fleet
 from narwhal.profiles.store import ProfileStore, ProfilingLimits, ProfilingPlan, store_bytes
 from narwhal.profiles.table import profile_table
@@ -50,8 +53,30 @@ def _int_list(text: str, name: str) -> list[int]:
     return values
 
 
+# The comma-separated integer lists: their value is taken even when it starts with "-".
+_LIST_FLAGS = ("--prefill-lens", "--decode-input-lens", "--decode-concurrency")
+
+
+def _join_list_values(argv: Sequence[str]) -> list[str]:
+    """``--prefill-lens -5,128`` as ``--prefill-lens=-5,128``: argparse takes "-5,128" for an
+    option (only "-5" reads as a negative number) and said "expected one argument"; joined,
+    the value reaches the range check, which names it."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        value = argv[i + 1] if i + 1 < len(argv) else ""
+        if arg in _LIST_FLAGS and value[:1] == "-" and value[1:2].isdigit():
+            out.append(f"{arg}={value}")
+            i += 2
+        else:
+            out.append(arg)
+            i += 1
+    return out
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="narwhal-profile", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="narwhal-profile", description=__doc__.splitlines()[0])
     p.add_argument("--fleet", required=True, help="fleet contract JSON")
     p.add_argument("--limits", required=True, help="profiling limits JSON")
     p.add_argument(
@@ -93,6 +118,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    for flag, value in (("--fleet", args.fleet), ("--limits", args.limits), ("--out", args.out)):
+        if not value.strip():
+            raise UsageError(f"{flag}: an empty path")
     loaded = load_fleet(args.fleet)
     fleet = loaded.contract
     limits = validate_document(
@@ -130,7 +158,14 @@ def run(args: argparse.Namespace) -> int:
         unknown = [e for e in ids if e not in {s.id for s in fleet.engines}]
         if unknown:
             raise UsageError(f"--engines: {', '.join(unknown)} not in the fleet")
+        # Named twice, an engine was profiled twice at once: its probes overlapped.
+        twice = sorted({e for e in ids if ids.count(e) > 1})
+        if twice:
+            raise UsageError(
+                f"--engines: duplicate engine ids {', '.join(twice)} in {args.engines!r}"
+            )
     out = Path(args.out)
+    _refuse_overwriting_inputs(out, loaded, args.limits)
     _check_writable(out)
 
     def progress(line: str) -> None:
@@ -161,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     )
     data = store_bytes(store)
     if failures:
-        partial = out.with_name(out.stem + ".partial.json")
+        partial = _partial_path(out)
         _write(partial, data)
         for engine_id, why in sorted(failures.items()):
             print(f"narwhal-profile: {engine_id}: {why}", file=sys.stderr)
@@ -177,6 +212,26 @@ def run(args: argparse.Namespace) -> int:
     print("\n".join(profile_table(store)))
     print(f"profile store: {out}  sha256 {digest}")
     return 0
+
+
+def _partial_path(out: Path) -> Path:
+    """Where an incomplete run writes its results instead of ``out``."""
+    return out.with_name(out.stem + ".partial.json")
+
+
+def _refuse_overwriting_inputs(out: Path, loaded: LoadedFleet, limits: str) -> None:
+    """Before any engine is probed: the store, its sidecar or the partial results would
+    replace an input (the fleet's own profile_store.path is not one: re-profiling replaces
+    it)."""
+    named = {
+        "the file given with --fleet": loaded.path,
+        "the file given with --limits": Path(limits),
+    }
+    if (key_file := loaded.contract.engine.api_key_file) is not None:
+        named["the fleet's engine.api_key_file"] = loaded.path.parent / Path(key_file).expanduser()
+    beside = [Path(str(out) + ".sha256"), _partial_path(out)]
+    if why := input_overwritten("--out", out, beside, named):
+        raise UsageError(why)
 
 
 def _check_writable(out: Path) -> None:
@@ -199,7 +254,7 @@ class OutputError(Exception):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(_join_list_values(sys.argv[1:] if argv is None else argv))
     try:
         return run(args)
     except (ContractError, UsageError) as exc:

@@ -157,6 +157,21 @@ async def _generation(
             raise EngineProfilingError(f"attestation unreachable: {exc}") from None
 
 
+async def _refusal(client: httpx.AsyncClient, spec: EngineSpec, why: str) -> str:
+    """Why an engine that is not known idle is not profiled. ``--force`` profiles one that
+    answers but is busy (or reports no load); one that does not answer fails with or without
+    it, so it is told to be checked instead. ``check_idle`` gives only a sentence, so the
+    engine is asked again (briefly: one that answered answers at once) to tell the two apart."""
+    try:
+        await client.get("/metrics", timeout=5.0)
+    except httpx.HTTPError as exc:
+        return (
+            f"unreachable at {spec.url} (/metrics: {type(exc).__name__}): check that the "
+            "engine is running and that the fleet's url for it is right"
+        )
+    return f"refusing to profile: {why} (use --force)"
+
+
 async def profile_engine(
     spec: EngineSpec,
     model: str,
@@ -183,7 +198,7 @@ async def profile_engine(
         base_url=spec.url, timeout=timeout, trust_env=False, headers=auth
     ) as client:
         if not force and (why := await check_idle(client)) is not None:
-            raise EngineProfilingError(f"refusing to profile: {why} (use --force)")
+            raise EngineProfilingError(await _refusal(client, spec, why))
         generation = await _generation(spec, progress)
         prompts = _Prompts(await _token_pool(client, model), seed)
         salt = f"narwhal-profile-{spec.id}-{random.Random(seed).getrandbits(64):x}"

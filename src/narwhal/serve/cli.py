@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from narwhal.asgi import tcp_bind_problem
 from narwhal.contract import DEFAULT_REPORT_NAME, ContractError, load_fleet
+from narwhal.contract.cli_errors import OneLineParser
 from narwhal.contract.flags import out_of_range
 from narwhal.contract.paths import file_in_the_way
 from narwhal.engines.client import ENGINE_TRANSPORTS
@@ -74,7 +75,7 @@ class UsageError(Exception):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="narwhal-serve", description="Narwhal P/D router.")
+    p = OneLineParser(prog="narwhal-serve", description="Narwhal P/D router.")
     p.add_argument("--fleet", required=True, help="fleet contract JSON")
     p.add_argument(
         "--host",
@@ -233,6 +234,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# The flags that name a file. An empty one (an unset $STORE in a script) is refused: it read
+# as the flag not given, and the router started without what it names (no profile store: the
+# v0 scheduler; no keys file: no keys).
+_PATH_FLAGS = ("fleet", "journal", "profiles", "check_report", "api_keys_file", "admin_token_file")
 # A file of keys or a token is a few KiB at most: what is past this is not such a file.
 _MAX_SECRETS_FILE_BYTES = 1 << 20
 # The longest interval a background loop (health probes, scrapes, journal fsync) may be set to.
@@ -403,8 +408,10 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
     from narwhal.serve.auth import hash_secret
     from narwhal.serve.settings import ServeSettings
 
-    if not args.fleet.strip():
-        raise UsageError("--fleet: an empty path")
+    for name in _PATH_FLAGS:
+        value = getattr(args, name)
+        if value is not None and not value.strip():
+            raise UsageError(f"--{name.replace('_', '-')}: an empty path")
     fleet = load_fleet(args.fleet)
     if not (0 < args.port < 65536):
         raise UsageError(f"--port: {args.port} is not a TCP port")
@@ -466,6 +473,9 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
     if not args.host.strip():
         # An empty host is every interface to the server: say so, don't do it by accident.
         raise UsageError("--host: empty (name the address to listen on; 0.0.0.0 for every one)")
+    if args.journal.endswith("/") or os.path.basename(args.journal) in (".", ".."):
+        # A directory's name: Path() drops the slash, and out/new/ became the file out/new.
+        raise UsageError(f"--journal: {args.journal} names a directory (a journal is a file)")
     journal = Path(args.journal)
     try:
         journal_mode: int | None = journal.stat().st_mode
