@@ -8,9 +8,9 @@ crossing lies outside them). vllm-router's ``power_of_two`` draws at random (see
 side of the expected one (the simulator's seeds: 3.6 to 6.4 requests/s about 5.0 here), so
 there the live goodput must lie within 10% of the range the simulator's seeds reach, a wide
 check (the 10% agreement of its expected goodput is bench/baselines_agreement.py's, with
-repeats, in docs/routing.md) (when a
-first live draw lies outside it, a second is taken at the same rates and their mean judged,
-fitted non-increasing in rate). The
+repeats, in docs/routing.md). For every policy, when the first live draw misses, a second is
+taken at the same rates and their mean judged, fitted non-increasing in rate: the live side is
+timed on a shared host, where one stall costs a trial several requests at once. The
 workload is prefill-bound (8,192-token prompts, 32 output tokens) to keep the test near two
 and a half minutes on two cores; the larger version, decode-bound with three rates and
 repeats, is ``bench/baselines_agreement.py``; both use ``narwhal.fleetsim.agreement``."""
@@ -258,18 +258,8 @@ def test_baseline_goodput_agrees_with_the_live_vllm_router(stack: Stack, policy:
             # the shared two-core host did to it (a CI run once saw 0.89 where every
             # simulated draw gave 0.99): a second live draw at the same rates, and the mean
             # attainment of the two is judged, both shown.
-            again, _ = _live_curve(stack, policy, [rate for rate, _ in live_points], draw=1)
-            second = dict(again)
-            live_points = _non_increasing(
-                [
-                    (rate, (value + second[rate]) / 2)
-                    for rate, value in live_points
-                    if rate in second
-                ]
-            )
-            message = f"{message}; second live draw {again}"
+            live_points, message = _with_a_second_draw(stack, policy, live_points, message)
             live_g, live_how = crossing_of(live_points, 0.95)
-            print(f"goodput live, mean of two draws {live_g:.3f} ({live_how})")
             assert live_how == "bracketed", message
         assert low <= live_g <= high, (
             f"goodput live {live_g:.3f} outside 10% of the simulator's draws "
@@ -277,6 +267,29 @@ def test_baseline_goodput_agrees_with_the_live_vllm_router(stack: Stack, policy:
         )
         return
     assert des_how == "bracketed", message
+    if abs(des_g - live_g) / live_g > 0.10:
+        # The live side is timed on a shared two-core host (this runs in CI beside nothing,
+        # but the host is not ours alone): one stall during a trial costs several requests
+        # their TPOT at once. A second live draw, judged by the mean of the two, both shown;
+        # a policy the simulator models wrongly misses in both.
+        live_points, message = _with_a_second_draw(stack, policy, live_points, message)
+        live_g, live_how = crossing_of(live_points, 0.95)
+        assert live_how == "bracketed", message
     assert abs(des_g - live_g) / live_g <= 0.10, (
         f"goodput live {live_g:.3f} des {des_g:.3f}: {message}"
     )
+
+
+def _with_a_second_draw(
+    stack: Stack, policy: str, live_points: list[tuple[float, float]], message: str
+) -> tuple[list[tuple[float, float]], str]:
+    """The live curve as the mean attainment of ``live_points`` and a second live draw at the
+    same rates (made non-increasing), and ``message`` naming the second draw."""
+    again, _ = _live_curve(stack, policy, [rate for rate, _ in live_points], draw=1)
+    second = dict(again)
+    mean = _non_increasing(
+        [(rate, (value + second[rate]) / 2) for rate, value in live_points if rate in second]
+    )
+    goodput, how = crossing_of(mean, 0.95)
+    print(f"{policy}: goodput live, mean of two draws {goodput:.3f} ({how})")
+    return mean, f"{message}; second live draw {again}"
