@@ -433,6 +433,26 @@ INVALID_CASES: list[tuple[str, Callable[[Doc], None], str]] = [
         "engines[2].nixl: duplicate NIXL side channel 127.0.0.1:18200 (also engine 'e0')",
     ),
     (
+        "nixl-side-channel-on-another-engines-http-port",
+        _set("engines.2.nixl.port", 18101),
+        "engines[2].nixl: 127.0.0.1:18101 is also the HTTP address of engine 'e1'",
+    ),
+    (
+        "ttft-budget-past-a-day",
+        _set("budgets.ttft_s", 1e308),
+        "budgets.ttft_s: must be less than or equal to 86400 (got 1e+308)",
+    ),
+    (
+        "role-tick-past-a-day",
+        _set("roles", {"tick_s": 1e300}),
+        "roles.tick_s: must be less than or equal to 86400 (got 1e+300)",
+    ),
+    (
+        "attempts-past-the-bound",
+        _set("routing", {"max_prefill_attempts": 10**12}),
+        "routing.max_prefill_attempts: must be less than or equal to 64 (got 1000000000000)",
+    ),
+    (
         "initial-role-not-permitted",
         _all(_set("engines.1.roles", ["prefill"]), _set("engines.1.initial_role", "decode")),
         "engines[1].initial_role: 'decode' is not among its permitted roles (prefill)",

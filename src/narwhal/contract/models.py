@@ -123,6 +123,14 @@ def _split_http_url(value: str) -> SplitResult:
     return parts
 
 
+# The longest duration any of the fleet's times may be: a day, as narwhal-serve's interval flags.
+# A larger one is a typo or an exponent slip (``ttft_s: 1e308`` made the default prefill timeout
+# infinite; ``roles.tick_s: 1e300`` a role controller that never ticks again).
+MAX_DURATION_S = 86400.0
+# The most attempts a leg may be given: each is a whole leg on another engine.
+MAX_LEG_ATTEMPTS = 64
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
@@ -149,8 +157,8 @@ class ModelIdentity(_Model):
 
 
 class Budgets(_Model):
-    ttft_s: float = Field(gt=0)
-    tpot_s: float = Field(gt=0)
+    ttft_s: float = Field(gt=0, le=MAX_DURATION_S)
+    tpot_s: float = Field(gt=0, le=MAX_DURATION_S)
     attainment: float = Field(gt=0, le=1)
 
 
@@ -166,9 +174,9 @@ class PrefixCaching(_Model):
 
 
 class EngineDefaults(_Model):
-    first_token_timeout_s: float = Field(gt=0)
-    request_timeout_s: float = Field(default=600.0, gt=0)
-    connect_timeout_s: float = Field(default=5.0, gt=0)
+    first_token_timeout_s: float = Field(gt=0, le=MAX_DURATION_S)
+    request_timeout_s: float = Field(default=600.0, gt=0, le=MAX_DURATION_S)
+    connect_timeout_s: float = Field(default=5.0, gt=0, le=MAX_DURATION_S)
     tp: int = Field(ge=1)
     accelerator: str = Field(min_length=1)
     gpu_arch: str = Field(min_length=1)
@@ -262,8 +270,8 @@ class SimulatedEngineSettings(_Model):
     max_num_batched_tokens: int = Field(default=8192, gt=0)
     model_seed: int = 0
     vocab_seed: int = 0
-    kv_lease_s: float = Field(default=30.0, gt=0)
-    kv_read_timeout_s: float = Field(default=10.0, gt=0)
+    kv_lease_s: float = Field(default=30.0, gt=0, le=MAX_DURATION_S)
+    kv_read_timeout_s: float = Field(default=10.0, gt=0, le=MAX_DURATION_S)
     eos_prob: float = Field(default=0.0, ge=0, le=1)
     slowdown: float = Field(default=1.0, gt=0)
     # vLLM's --enable-prompt-tokens-details: usage reports prompt_tokens_details.cached_tokens.
@@ -382,9 +390,9 @@ class RoleControl(_Model):
     enabled: bool = True
     min_prefill: int = Field(default=1, ge=0)
     min_decode: int = Field(default=1, ge=0)
-    cooldown_s: float = Field(default=60.0, ge=0)
-    dwell_s: float = Field(default=120.0, ge=0)
-    tick_s: float = Field(default=5.0, gt=0)
+    cooldown_s: float = Field(default=60.0, ge=0, le=MAX_DURATION_S)
+    dwell_s: float = Field(default=120.0, ge=0, le=MAX_DURATION_S)
+    tick_s: float = Field(default=5.0, gt=0, le=MAX_DURATION_S)
 
 
 class LocalPrefill(_Model):
@@ -405,7 +413,7 @@ class PrefixRouting(_Model):
     router sent them (entries of that kind live ``history_ttl_s``)."""
 
     enabled: bool = True
-    history_ttl_s: float = Field(default=1800.0, gt=0)
+    history_ttl_s: float = Field(default=1800.0, gt=0, le=MAX_DURATION_S)
 
 
 class Migration(_Model):
@@ -422,7 +430,7 @@ class Migration(_Model):
     limit: int = Field(default=2, ge=0)
     max_sequence_tokens: int | None = Field(default=None, ge=1)
     stall_tpot_factor: float = Field(default=20.0, gt=1)
-    stall_floor_s: float = Field(default=2.0, gt=0)
+    stall_floor_s: float = Field(default=2.0, gt=0, le=MAX_DURATION_S)
 
 
 class PrefillHedge(_Model):
@@ -435,16 +443,16 @@ class PrefillHedge(_Model):
 
     enabled: bool = True
     factor: float = Field(default=4.0, gt=1)
-    floor_s: float = Field(default=0.5, gt=0)
+    floor_s: float = Field(default=0.5, gt=0, le=MAX_DURATION_S)
 
 
 class RoutingPolicy(_Model):
     fallback: Literal["retry", "fail"] = "retry"
-    max_prefill_attempts: int = Field(default=2, ge=1)
-    max_decode_attempts: int = Field(default=2, ge=1)
+    max_prefill_attempts: int = Field(default=2, ge=1, le=MAX_LEG_ATTEMPTS)
+    max_decode_attempts: int = Field(default=2, ge=1, le=MAX_LEG_ATTEMPTS)
     admission: Literal["reject", "queue"] = "reject"
     queue_max: int = Field(default=256, ge=0)
-    queue_timeout_s: float = Field(default=5.0, ge=0)
+    queue_timeout_s: float = Field(default=5.0, ge=0, le=MAX_DURATION_S)
     local_prefill: LocalPrefill = Field(default_factory=LocalPrefill)
     prefix: PrefixRouting = Field(default_factory=PrefixRouting)
     migration: Migration = Field(default_factory=Migration)
@@ -653,6 +661,21 @@ def consistency_issues(fleet: FleetContract) -> list[ConsistencyIssue]:
             add(
                 ("engines", i, "initial_role"),
                 f"{eng.initial_role!r} is not among its permitted roles ({', '.join(eng.roles)})",
+            )
+
+    # A NIXL side channel on an engine's HTTP port: one of the two cannot bind, and the engine
+    # that starts second fails (compared as written, as the KV event addresses below).
+    http: dict[tuple[str, int], str] = {}
+    for eng in fleet.engines:
+        parts = urlsplit(eng.url)
+        if parts.hostname and parts.port:
+            http[(parts.hostname, parts.port)] = eng.id
+    for i, eng in enumerate(fleet.engines):
+        owner = http.get((eng.nixl.host, eng.nixl.port))
+        if owner is not None:
+            add(
+                ("engines", i, "nixl"),
+                f"{eng.nixl.host}:{eng.nixl.port} is also the HTTP address of engine {owner!r}",
             )
 
     _kv_event_addresses(fleet, add)
