@@ -245,6 +245,25 @@ def test_a_restarted_engine_resets_its_entries_and_starts_over() -> None:
     assert sub.next_seq == 2
 
 
+def test_a_batch_stamped_at_no_finite_time_is_unreadable_and_a_restart_still_seen() -> None:
+    """A batch stamped +inf (a QA pass's bogus publisher) was read, and every later batch was
+    stamped before it: the engine's restart (its sequence from 0 again) was dropped silently,
+    for good, the index frozen on what the old process held."""
+    seen = Recorder()
+    sub = KVEventSubscriber("e0", "tcp://127.0.0.1:1", None, "", seen.events, seen.reset)
+
+    async def body() -> None:
+        await sub._receive(0, _batch(1.0, 1))
+        await sub._receive(1, _batch(float("inf"), 2))
+        await sub._receive(2, _batch(float("nan"), 3))
+        await sub._receive(0, _batch(5.0, 10))  # restarted
+
+    asyncio.run(body())
+    assert sub.bad_payloads == 2 and seen.removed == [1, 10]
+    assert seen.resets == 3  # two unreadable batches, then the restart
+    assert sub.next_seq == 1
+
+
 def test_an_unreadable_batch_resets_and_the_stream_goes_on() -> None:
     seen = Recorder()
     sub = KVEventSubscriber("e0", "tcp://127.0.0.1:1", None, "", seen.events, seen.reset)

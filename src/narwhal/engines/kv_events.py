@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -317,7 +318,16 @@ def decode_batch(payload: bytes) -> tuple[float, list[ReadEvent]]:
         else:
             out.append(None)
         removed = None
-    return batch.ts, out
+    return _stamp(batch.ts), out
+
+
+def _stamp(ts: float) -> float:
+    """A batch's time stamp, which orders a restarted engine's new sequence after the old:
+    an infinite or NaN one would put every later batch before it (a restart never seen)."""
+    ts = float(ts)
+    if not math.isfinite(ts):
+        raise ValueError(f"time stamp {ts!r} is not a finite number")
+    return ts
 
 
 def _decode_leniently(payload: bytes) -> tuple[float, list[ReadEvent]]:
@@ -364,7 +374,7 @@ def _decode_leniently(payload: bytes) -> tuple[float, list[ReadEvent]]:
                 out.append(None)
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"a {kind} event is malformed: {exc!r}") from None
-    return float(raw[0]), out
+    return _stamp(raw[0]), out
 
 
 class KVEventSubscriber:
