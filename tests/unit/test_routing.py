@@ -132,12 +132,19 @@ def test_filters_explain_why_nothing_fits() -> None:
     state = fleet_state(2, clock)
     sched = SchedulerV0()
     state.engines["e1"].healthy = False
-    assert sched.pick(state) == NoPair("no (prefill, decode) pair passes the healthy filter")
+    assert sched.pick(state) == NoPair(
+        "no (prefill, decode) pair passes the available (healthy, breaker not open) filter"
+    )
     state.engines["e1"].healthy = True
     state.engines["e1"].scraped.kv_cache_usage, state.engines["e1"].scraped.at = 0.99, clock.now()
     assert sched.pick(state) == NoPair("no (prefill, decode) pair passes the KV room filter")
     state.engines["e1"].scraped.kv_cache_usage = 0.5
     assert isinstance(sched.pick(state), Pair)
+    # Healthy, its breaker open: out, and said so.
+    breaker = state.engines["e1"].breaker
+    for _ in range(breaker.failure_threshold):
+        breaker.record_failure()
+    assert "breaker not open" in sched.pick(state).reason  # type: ignore[union-attr]
     assert isinstance(sched.pick(state, exclude_decode={"e1"}), NoPair)
 
 

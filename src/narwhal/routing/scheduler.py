@@ -119,7 +119,9 @@ def _kv_room(state: FleetState, p: EngineState, d: EngineState) -> bool:
 FILTERS: tuple[tuple[str, PairFilter], ...] = (
     ("role", _roles),
     ("permitted pair", _permitted),
-    ("healthy", _available),
+    # Health and the breaker both: an engine that answers /health but whose breaker is open
+    # is out too (the message said "healthy" of engines the breakers had excluded).
+    ("available (healthy, breaker not open)", _available),
     ("KV room", _kv_room),
 )
 
