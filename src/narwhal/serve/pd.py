@@ -90,6 +90,19 @@ class _EngineClientError(Exception):
 
 
 @dataclass
+class _Tried:
+    """What one opening of a decode stream has tried so far: its failed legs, whether a
+    first-token deadline passed, the last error, and where its attempts begin in the record
+    (a continuation's opening has its own)."""
+
+    opened_at: int
+    prefill_failures: int = 0
+    decode_failures: int = 0
+    deadline_hit: bool = False
+    last_error: str = "no attempt"
+
+
+@dataclass
 class _PrefillLeg:
     """Whether a prefill leg reports its end to the lifecycle: a leg that was hedged no longer
     does (the race between it and its hedge reports the winner)."""
@@ -409,10 +422,8 @@ class PDRouter:
     ) -> DecodeStream:
         routing = self.fleet.routing
         deadline_s = self.fleet.engine.first_token_timeout_s
-        prefill_failures = decode_failures = 0
-        opened_at = len(record.attempts)  # this opening's legs (a continuation has its own)
-        last_error = "no attempt"
-        deadline_hit = False
+        # This opening's legs (a continuation has its own).
+        tried = _Tried(opened_at=len(record.attempts))
         if pair is None:
             pair = await self._admit(ticket, record)
         while True:
@@ -429,22 +440,13 @@ class PDRouter:
                 except _EngineClientError as exc:
                     raise EngineRefused(exc.status, exc.body) from None
                 except _LegFailure as exc:
-                    prefill_failures += 1
-                    last_error = f"prefill on {pair.prefill}: {exc}"
-                    if prefill_failures >= routing.max_prefill_attempts:
-                        raise self._exhausted(
-                            prefill_failures, decode_failures, False, last_error, record, opened_at
-                        ) from None
+                    tried.prefill_failures += 1
+                    tried.last_error = f"prefill on {pair.prefill}: {exc}"
+                    # Judged as a prefill failure even after a decode leg's deadline passed.
+                    if tried.prefill_failures >= routing.max_prefill_attempts:
+                        raise self._exhausted(tried, record, deadline=False) from None
                     self.metrics.retries.labels("prefill").inc()
-                    pair = self._retry(
-                        ticket,
-                        prefill_failures,
-                        decode_failures,
-                        False,
-                        last_error,
-                        record,
-                        opened_at,
-                    )
+                    pair = self._retry(ticket, tried, record, deadline=False)
                     continue
             # Decode leg, under the first-token deadline.
             try:
@@ -467,85 +469,62 @@ class PDRouter:
                         self._stranded(pair.prefill, "decode_refused", record)
                 raise EngineRefused(exc.status, exc.body) from None
             except _LegFailure as exc:
-                decode_failures += 1
+                tried.decode_failures += 1
                 what = "local prefill and decode" if pair.local else "decode"
-                last_error = f"{what} on {pair.decode}: {exc}"
+                tried.last_error = f"{what} on {pair.decode}: {exc}"
                 if params is not None:
                     reason = "deadline_exceeded" if exc.deadline else "decode_failed"
                     self._stranded(pair.prefill, reason, record)
                 give_up = False
                 if exc.deadline:
-                    deadline_hit = True
+                    tried.deadline_hit = True
                     give_up = routing.fallback == "fail"
                 budget_left = self.fleet.budgets.ttft_s - record.since_arrival()
-                if give_up or decode_failures >= routing.max_decode_attempts or budget_left <= 0:
-                    raise self._exhausted(
-                        prefill_failures,
-                        decode_failures,
-                        deadline_hit,
-                        last_error,
-                        record,
-                        opened_at,
-                    ) from None
+                if (
+                    give_up
+                    or tried.decode_failures >= routing.max_decode_attempts
+                    or budget_left <= 0
+                ):
+                    raise self._exhausted(tried, record) from None
                 self.metrics.retries.labels("decode").inc()
-                pair = self._retry(
-                    ticket,
-                    prefill_failures,
-                    decode_failures,
-                    deadline_hit,
-                    last_error,
-                    record,
-                    opened_at,
-                )
+                pair = self._retry(ticket, tried, record)
 
     def _retry(
-        self,
-        ticket: Ticket,
-        prefill_failures: int,
-        decode_failures: int,
-        deadline: bool,
-        last_error: str,
-        record: RequestRecord,
-        opened_at: int,
+        self, ticket: Ticket, tried: _Tried, record: RequestRecord, deadline: bool | None = None
     ) -> Pair:
         pick = self.lifecycle.retry(ticket)
         if isinstance(pick, NoPair):
-            raise self._exhausted(
-                prefill_failures, decode_failures, deadline, last_error, record, opened_at
-            )
+            raise self._exhausted(tried, record, deadline)
         return pick
 
     def _exhausted(
-        self,
-        prefill_failures: int,
-        decode_failures: int,
-        deadline: bool,
-        last_error: str,
-        record: RequestRecord,
-        opened_at: int,
+        self, tried: _Tried, record: RequestRecord, deadline: bool | None = None
     ) -> RouterError:
-        if deadline:
+        """The error that ends an opening with nothing left to try; ``deadline``, when given,
+        says whether to judge it by a first-token deadline instead of ``tried.deadline_hit``."""
+        last_error = tried.last_error
+        if tried.deadline_hit if deadline is None else deadline:
             return FirstTokenDeadlineExceeded(
                 f"no first token within the fleet's first-token deadline "
                 f"({self.fleet.engine.first_token_timeout_s} s) on any pair tried: {last_error}"
             )
         # The journal's attempts name every engine tried; the message says how many.
-        if decode_failures:
+        if tried.decode_failures:
             return UpstreamFailed(
                 "decode_failed",
-                f"decode failed on every engine tried ({_legs(decode_failures)}, the last "
+                f"decode failed on every engine tried ({_legs(tried.decode_failures)}, the last "
                 f"{last_error})",
             )
         # A hedged attempt is two legs on two engines: the legs are counted, not the attempts.
         legs = sum(
             1
-            for a in record.attempts[opened_at:]
+            for a in record.attempts[tried.opened_at :]
             if a["leg"] == "prefill" and a["outcome"] == "failed"
         )
         return UpstreamFailed(
             "prefill_failed",
-            f"prefill failed on every engine tried ({_legs(max(legs, prefill_failures))}, the "
-            f"last {last_error})",
+            f"prefill failed on every engine tried "
+            f"({_legs(max(legs, tried.prefill_failures))}, the last {last_error})",
         )
 
     async def _release_refused_handoff(
