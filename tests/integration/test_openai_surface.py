@@ -394,6 +394,8 @@ def test_models_are_listed_and_retrieved_and_unknown_routes_are_openai_errors(
             client.post(f"/responses/{path}", body={"model": MODEL, "input": "hi"}, cast_to=object)
         body = unknown.value.body
         assert f"Invalid URL (POST /v1/responses/{path}): no such route" in body["message"]  # type: ignore[index]
+    empty = httpx.get(router.url + "/v1/responses/", timeout=10)
+    assert empty.status_code == 404 and "no such route" in empty.json()["error"]["message"]
     wrong = httpx.get(router.url + "/v1/chat/completions", timeout=10)
     assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
     error = wrong.json()["error"]

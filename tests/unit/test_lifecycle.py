@@ -283,6 +283,22 @@ def test_a_refusal_closes_no_open_breaker_and_a_refused_probe_frees_the_probe() 
     assert counts(lifecycle) == {"e0": (0, 0, 0, 0), "e1": (0, 0, 0, 0)}
 
 
+def test_a_slow_legs_refusal_closes_no_breaker_its_hedge_opened() -> None:
+    """The hedge counts a failure on the slow leg's engine; the slow leg answering first
+    clears it, but a refusal (a 4xx: nothing ran) clears it only on a breaker still closed: it
+    closed a breaker the hedge had just opened (a review of 0065e4f)."""
+    lifecycle, _, _ = build(n_prefill=2, n_decode=1)
+    ticket = lifecycle.arrive("r", max_tokens=4, prompt_tokens=100)
+    slow = lifecycle.state.engines[admitted(lifecycle, ticket).prefill]
+    for _ in range(slow.breaker.failure_threshold - 1):
+        slow.breaker.record_failure()
+    hedge = lifecycle.hedge_prefill(ticket, budget_left_s=10.0)
+    assert isinstance(hedge, Pair) and hedge.prefill != slow.id
+    assert slow.breaker.state is BreakerState.OPEN
+    lifecycle.prefill_done(ticket, "refused", hedge_ended="cancelled")
+    assert ticket.phase == "done" and slow.breaker.state is BreakerState.OPEN
+
+
 @pytest.mark.parametrize("outcome", ["failed", "deadline"])
 def test_a_decode_leg_that_fails_before_its_first_token_is_retried_elsewhere(
     outcome: Literal["failed", "deadline"],

@@ -166,6 +166,21 @@ def test_text_keys_on_an_event_engine_go_once_its_cache_has_turned_over() -> Non
     assert idx.match(text, now=1000.0) == {"h0": 2}
 
 
+def test_text_keys_count_blocks_the_index_could_not_place_and_from_when_events_came() -> None:
+    """The engine's LRU moves on with every block it stores, placed by the index or not (a
+    parent the index never saw, after a reset); and text keys sent while the engine was
+    routed by history count from when its events took over (a review of 083b358)."""
+    idx = index(ttl=1800.0)
+    idx.add_engine("p0", capacity_blocks=4)
+    text = text_keys(["a prompt long enough for two blocks of text"], BS)
+    idx.record_routed("p0", text, now=0.0, exact=False)  # routed by history: not stamped
+    idx.set_precise("p0", True)
+    assert idx.match(text, now=1.0) == {"p0": 2}
+    # Four blocks under a parent the index never saw: not placed, but counted.
+    assert not idx.stored("p0", [b"a0", b"a1", b"a2", b"a3"], b"unknown", list(range(16)), BS)
+    assert idx.match(text, now=2.0) == {}
+
+
 def test_prompts_in_flight_to_an_event_engine_are_held_until_it_says_or_for_their_ttl() -> None:
     idx = event_index(capacity_blocks=4)
     tokens = list(range(12))

@@ -74,7 +74,7 @@ def journal_problem(path: Path) -> str | None:
             head = f.read(_FIRST_LINE_BYTES)
     except FileNotFoundError:
         return None
-    line, newline, _ = head.partition(b"\n")
+    line, newline, rest = head.partition(b"\n")
     if not newline:
         if len(head) >= _FIRST_LINE_BYTES:
             return "its first line is not a record"
@@ -84,11 +84,27 @@ def journal_problem(path: Path) -> str | None:
     try:
         record = orjson.loads(line)
     except orjson.JSONDecodeError:
+        if could_begin_record(line) and _is_record(rest.partition(b"\n")[0]):
+            # A first record torn by a crash, which the next router's recovery ended with a
+            # newline before writing its own: the journal it has been since (a JSON document
+            # whose first line is "{" is followed by no record).
+            return None
         return "its first line is not JSON"
-    if not (
-        isinstance(record, dict)
-        and isinstance(record.get("type"), str)
-        and isinstance(record.get("ts"), int | float)
-    ):
+    if not _is_record(record):
         return "its first line is not a journal record (a JSON object with type and ts)"
     return None
+
+
+def _is_record(line: bytes | object) -> bool:
+    """Whether ``line`` (bytes to parse, or what was parsed) is a journal record: a JSON
+    object with ``type`` and ``ts``."""
+    if isinstance(line, bytes):
+        try:
+            line = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            return False
+    return (
+        isinstance(line, dict)
+        and isinstance(line.get("type"), str)
+        and isinstance(line.get("ts"), int | float)
+    )

@@ -584,8 +584,12 @@ class Lifecycle:
             if by_slow_leg:
                 # The slow leg answered first: its engine was slow, not hung; the failure its
                 # breaker counted at the hedge is cleared (a burst that hedged several legs of
-                # a healthy engine opened its breaker and cut it off).
-                self._verdict(slow, ok=True)
+                # a healthy engine opened its breaker and cut it off). A refusal clears it only
+                # on a breaker still closed (``_refusal``).
+                if outcome == "refused":
+                    self._refusal(slow)
+                else:
+                    self._verdict(slow, ok=True)
             else:
                 self.observer.leg_failed(slow.id, "prefill")  # it lost to its hedge
         # A leg cancelled keeps its claim (what it computed before the abort stays in the
@@ -996,9 +1000,8 @@ class Lifecycle:
         or half-open breaker waits for a leg that ran (a leg sent before the breaker opened,
         or a bad request as the half-open probe, must not close it: the engine may fail every
         leg it runs while its front end validates requests)."""
-        engine.answered_at = self.clock.now()
         if engine.breaker.state is BreakerState.CLOSED:
-            self._verdict(engine, ok=True)
+            self._verdict(engine, ok=True)  # which vouches for it to slow /health probes too
 
     def _report_correction(self, engine: str, phase: str, ratio: float) -> None:
         assert self.predictor is not None

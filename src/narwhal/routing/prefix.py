@@ -336,6 +336,12 @@ class PrefixIndex:
         if entries.precise != precise:
             self._drop_token_entries(engine_id, entries)
             entries.precise = precise
+            if precise:
+                # Text keys sent while it was routed by history were never stamped: they count
+                # from now, as if sent now (``_evict_text``).
+                entries.text_stored_at = OrderedDict.fromkeys(
+                    entries.text_keys, entries.stored_blocks
+                )
 
     def is_precise(self, engine_id: str) -> bool:
         entries = self._engines.get(engine_id)
@@ -625,6 +631,11 @@ class PrefixIndex:
         entries = self._entry(engine_id)
         if block_size != self.block_size or len(token_ids) != block_size * len(block_hashes):
             return False
+        # Counted whether or not the index can place them (a parent it never saw): the
+        # engine's LRU moved on all the same (``_evict_text``).
+        entries.stored_blocks += len(block_hashes)
+        if entries.text_stored_at:
+            self._evict_text(entries)
         if parent_hash is None:
             key = chain_root(salt)
         else:
@@ -644,9 +655,6 @@ class PrefixIndex:
             holders[key] = holders.get(key, 0) | bit
         if len(by_engine_hash) > 2 * entries.capacity_blocks:
             self._trim(entries)
-        entries.stored_blocks += len(block_hashes)
-        if entries.text_stored_at:
-            self._evict_text(entries)
         return True
 
     def _evict_text(self, entries: _EngineEntries) -> None:

@@ -148,7 +148,7 @@ def _register_info_routes(app: FastAPI, services: Services) -> None:
         # responses.compact: POST /v1/responses/input_tokens, /compact) is a route the router
         # does not serve, and is answered as every such route is, not as a missing id.
         response_id, _, operation = response_id.partition("/")
-        if (request.method, operation) not in _STORED_RESPONSE_OPERATIONS:
+        if not response_id or (request.method, operation) not in _STORED_RESPONSE_OPERATIONS:
             return await _framework_error(request, StarletteHTTPException(404))
         return NotFound(
             f"No response with id '{response_id}': narwhal-serve stores no responses "

@@ -38,6 +38,29 @@ def test_a_first_record_torn_anywhere_is_a_journal(
     assert journal.recovery is not None and journal.recovery.torn_tail
 
 
+def test_a_torn_first_record_ended_by_the_next_router_is_still_a_journal(
+    tmp_path: Path, open_journal: OpenJournal
+) -> None:
+    """The router that took a journal whose first record was torn ends that line with a
+    newline and writes on: the journal it is was refused at the router after it ("its first
+    line is not JSON"), until an operator edited it (a review)."""
+    line = _first_line(tmp_path, open_journal)
+    path = tmp_path / "torn.jsonl"
+    path.write_bytes(line[: len(line) // 2])
+    second = open_journal(path)  # the second router: recovers, writes on
+    second.record("router.start", pid=2, version="0.1.0", command="narwhal-serve --x")
+    second.close()
+    assert path.read_bytes().count(b"\n") >= 2
+    assert journal_problem(path) is None
+    open_journal(path).close()  # the third
+    # A first line that is no record at all is still refused.
+    path.write_bytes(b'{"schema":"narwhal.fleet/v1",\n"name":"x"}\n')
+    assert journal_problem(path) == "its first line is not JSON"
+    # Nor is a document whose first line, "{", could begin anything: no record follows it.
+    path.write_bytes(b'{\n  "schema": "narwhal.fleet/v1"\n}\n')
+    assert journal_problem(path) == "its first line is not JSON"
+
+
 @pytest.mark.parametrize(
     "content",
     [
