@@ -120,10 +120,10 @@ def _env(plan: dict[str, Any], fleet: dict[str, Any]) -> None:
 
 
 def _ports(plan: dict[str, Any], fleet: dict[str, Any]) -> None:
-    # The side channel moved onto the HTTP port, in the plan and the fleet alike: only the
-    # collision is wrong.
+    # The side channel moved onto the HTTP port in the plan (a fleet saying so is refused by
+    # the fleet's own validation, before the plan is read): the collision, and the plan no
+    # longer agreeing with the fleet.
     plan["engines"][0]["side_channel"]["port"] = 8000
-    fleet["engines"][0]["nixl"]["port"] = 8000
 
 
 def _tp(plan: dict[str, Any], fleet: dict[str, Any]) -> None:
@@ -153,7 +153,9 @@ REFUSALS: list[tuple[str, Callable[[dict[str, Any], dict[str, Any]], None], str]
     (
         "colliding-ports",
         _ports,
-        "engines[0].side_channel.port: port 8000 on 10.20.0.11 collides with engines[0].port (e0)",
+        "engines[0].side_channel.port: port 8000 on 10.20.0.11 collides with engines[0].port (e0)"
+        "\nengines[0].side_channel: e0 side channel 10.20.0.11:8000; the fleet says "
+        "10.20.0.11:5600",
     ),
     ("tp-differs-from-fleet", _tp, "tp: 8 differs from the fleet's engine.tp (4) in {fleet}"),
 ]
@@ -174,7 +176,10 @@ def test_check_refuses_in_one_line(
     plan_path, fleet_path = _write(tmp_path, plan, fleet)
     code, lines = _check(capsys, plan_path, fleet_path)
     assert code == 1
-    assert lines == [f"launch_plan.py: {plan_path}: {expected.format(fleet=fleet_path)}"]
+    assert lines == [
+        f"launch_plan.py: {plan_path}: {line.format(fleet=fleet_path)}"
+        for line in expected.split("\n")
+    ]
 
 
 def test_check_reports_every_problem_at_once(
@@ -186,7 +191,7 @@ def test_check_reports_every_problem_at_once(
     plan_path, fleet_path = _write(tmp_path, plan, fleet)
     code, lines = _check(capsys, plan_path, fleet_path)
     assert code == 1
-    assert len(lines) == len(REFUSALS)
+    assert len(lines) == sum(len(expected.split("\n")) for _, _, expected in REFUSALS)
 
 
 def test_check_refuses_engines_that_disagree_with_the_fleet(
