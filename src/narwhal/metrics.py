@@ -220,6 +220,15 @@ class RouterMetrics:
             ["engine", "source"],
             registry=r,
         )
+        self.kv_bytes_moved = Counter(
+            "narwhal_kv_bytes_moved",
+            "KV bytes decode engines pulled for the router's handoffs that reached a first "
+            "token, by decode engine: the blocks the prompts needed, less those the engine "
+            "held as the prefix index saw them, times the fleet's block bytes (set only where "
+            "the fleet says a block's bytes; 0 where it does not).",
+            ["engine"],
+            registry=r,
+        )
         self.kv_event_batches = Counter(
             "narwhal_kv_event_batches",
             "KV event batches applied to the prefix index, per publishing engine.",
@@ -438,6 +447,7 @@ class RouterMetrics:
             self.profile_stale.labels(engine)
             self.first_token_waits.labels(engine)
             self.local_prefills.labels(engine)
+            self.kv_bytes_moved.labels(engine)
             self.prefix_prompt_tokens.labels(engine)
             for source in ("predicted", "reported"):
                 self.prefix_cached_tokens.labels(engine, source)

@@ -73,6 +73,8 @@ def test_n_choices_are_fanned_out_and_numbered(stack, clients) -> None:
     assert end["outcome"] == "ok" and end["choices"] == 3
     assert end["completion_tokens"] == 3 * one.usage.completion_tokens
     assert {a["choice"] for a in end["attempts"]} == {0, 1, 2}
+    # Each choice's handoff moved the prompt's one partial block (16 tokens of 16,384 bytes).
+    assert end["kv_bytes_moved"] == 3 * -(-one.usage.prompt_tokens // 16) * 16384, end
     # The usage keys of vLLM's whole answer, as a lone request's.
     assert set(raw.http_response.json()["usage"]) == VLLM_032_USAGE_KEYS
 

@@ -66,6 +66,17 @@ def post(router: RouterProcess, ids: list[int], stream: bool = False) -> dict[st
     return router.ends()[rid]
 
 
+def _bytes_pulled(fleet: SimFleet) -> float:
+    """KV bytes the fleet's engines have pulled over NIXL, by their own metrics."""
+    return sum(
+        metric(
+            httpx.get(engine.url + "/metrics", timeout=10).text,
+            "vllm:nixl_bytes_transferred_sum",
+        )
+        for engine in fleet.engines.values()
+    )
+
+
 def _prefills_in_flight(router: RouterProcess) -> int:
     return sum(e["in_flight"]["prefill"] for e in router.admin_state()["engines"])
 
@@ -121,9 +132,18 @@ def test_requests_follow_their_prefix_learnt_from_kv_events(stack: tuple[SimFlee
     fleet, store = stack
     directory = fleet.fleet_path.parent / "events"
     directory.mkdir()
+    pulled_before = _bytes_pulled(fleet)
     with running_router(directory, fleet.fleet_path, "--profiles", str(store)) as router:
-        routed_by_prefix(router, fleet, base=10)
+        ends = routed_by_prefix(router, fleet, base=10)
         metrics = router.metrics()
+    # What the journal says each handoff moved is what the decode engines' NIXL metrics say
+    # they pulled (the sim's block: 16 tokens of 16,384 bytes).
+    for end in ends:
+        blocks = end.get("kv_blocks_predicted", -(-(PREFIX_TOKENS + 40) // 16))
+        assert end["kv_bytes_moved"] == blocks * 16384, end
+    moved = sum(end["kv_bytes_moved"] for end in ends)
+    assert _bytes_pulled(fleet) - pulled_before == moved
+    assert metric(metrics, "narwhal_kv_bytes_moved_total") == moved
     for engine in ("e0", "e1"):
         assert metric(metrics, "narwhal_kv_event_batches_total", engine=engine) > 0
         assert metric(metrics, "narwhal_prefix_index_blocks", engine=engine) >= 128

@@ -196,7 +196,7 @@ def pd(
         assert leg.status_code == 200, leg.text
         run["first_handoff_s"] = round(time.monotonic() - t1, 2)
         fleet_path = directory / "fleet.json"
-        doc = fleet_document(prefill, decode, block_size=kv.block_size)
+        doc = fleet_document(prefill, decode, block_size=kv.block_size, block_bytes=kv.block_bytes)
         fleet_path.write_text(json.dumps(doc, indent=2))
         router = start_router(directory, fleet_path)
         harness = PD(directory, tiny_model, prefill, decode, router, fleet_path, kv, run)
@@ -393,6 +393,8 @@ def test_routed_output_equals_one_engine(pd: PD, chat: bool, mode: str) -> None:
         ("prefill", "p0", "ok"),
         ("decode", "d0", "first_token"),
     ]
+    # The router's account of the bytes moved is the decode engine's own NIXL counter's.
+    assert end["kv_bytes_moved"] == moved.bytes, (end, moved)
 
 
 def test_prefix_cache_on_real_engines(pd: PD) -> None:
@@ -439,6 +441,7 @@ def test_prefix_cache_on_real_engines(pd: PD) -> None:
     assert end["kv_blocks_predicted"] == 2, end
     assert moved.transfers == 1 and moved.failed == 0, moved
     assert moved.bytes == 2 * pd.kv.block_bytes, (moved, pd.kv)
+    assert end["kv_bytes_moved"] == moved.bytes, end
     pd.run["prefix_cache"] = {
         "cached_tokens": end["cached_tokens_reported"],
         "pulled_bytes": moved.bytes,

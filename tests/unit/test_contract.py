@@ -852,6 +852,9 @@ def test_engine_api_key_file_is_read_relative_to_the_fleet_file(
     parsed = parse_fleet(json.loads(path.read_text()), str(path))
     assert parsed.engine_api_key is None
     assert parsed.sha256 == loaded.sha256
+    # Where the key is read from, for a command that must not overwrite it.
+    assert loaded.api_key_path == tmp_path / "secrets" / "engine.key"
+    assert load_fleet(SIM_FLEET).api_key_path is None
 
 
 @pytest.mark.parametrize(
@@ -946,3 +949,16 @@ def test_a_file_of_another_format_is_named_by_its_schema_first(doc: Doc, says: s
     with pytest.raises(ContractError) as refused:
         validate_document(doc, CheckReport, "r.json")
     assert str(refused.value).startswith(f"r.json: {says} (and ")
+
+
+def test_a_simulated_engines_block_bytes_must_be_the_fleets() -> None:
+    doc = minimal_doc()
+    doc["engine"]["prefix_caching"] = {"block_bytes": 65536}
+    doc["engines"][1]["sim"] = {"block_bytes": 16384}
+    message = parse_error(doc)
+    assert "engines[1].sim.block_bytes" in message, message
+    assert "differs from engine.prefix_caching.block_bytes (65536)" in message, message
+    doc["engines"][1]["sim"] = {"block_bytes": 65536}
+    assert parse_fleet(doc).contract.engine.prefix_caching.block_bytes == 65536
+    doc["engine"]["prefix_caching"] = {"block_bytes": 0}
+    assert "block_bytes" in parse_error(doc)

@@ -539,3 +539,28 @@ def test_prompt_keys_of_client_requests() -> None:
     )
     # Text keys never match token keys, whatever the bytes.
     assert not set(text_keys([text], 16)) & set(chain_keys(list(text.encode()), 16))
+
+
+def test_the_kv_a_decode_engine_pulls_is_the_prompts_blocks_less_those_it_holds() -> None:
+    clock = VirtualClock(0.0)
+    fleet = state(clock)
+    # A simulated engine's block: 16 tokens of sim.block_bytes (16,384 by default).
+    assert fleet.kv_pulled("e2", PROMPT + 1, 0) == (251, 251 * 16384)  # the partial last whole
+    assert fleet.kv_pulled("e2", PROMPT, HIT) == (1, 16384)
+    # A hold past the prompt's last token counts as vLLM finds it: within all but that token.
+    assert fleet.kv_pulled("e2", PROMPT, PROMPT) == (1, 16384)
+    assert fleet.kv_pulled("e2", PROMPT, None) is None  # caching on, no index: unknown
+    doc = local_fleet_document(
+        [9000, 9001], [9100, 9101], sim={"block_bytes": 4096}, prefix_caching={"enabled": False}
+    )
+    blind = FleetState(parse_fleet(doc, "t").contract, clock)
+    # Engines that cache nothing pull every block, whatever the index would say.
+    assert blind.kv_pulled("e1", 33, None) == (3, 3 * 4096)
+    doc = local_fleet_document([9000, 9001], [9100, 9101], prefix_caching={"block_size": 16})
+    for engine in doc["engines"]:
+        engine.pop("sim")
+    real = FleetState(parse_fleet(doc, "t").contract, clock)
+    assert real.kv_pulled("e1", 32, 16) == (1, None)  # no block bytes said: blocks only
+    doc["engine"]["prefix_caching"]["block_bytes"] = 1000
+    real = FleetState(parse_fleet(doc, "t").contract, clock)
+    assert real.kv_pulled("e1", 32, 16) == (1, 1000)

@@ -328,6 +328,7 @@ def fleet_document(
     first_token_timeout_s: float = 60.0,
     fallback: str = "retry",
     block_size: int | None = None,
+    block_bytes: int | None = None,
 ) -> dict[str, Any]:
     """A fleet of one prefill and one decode engine (fixed roles: two engines leave no room to
     flip). No ``sim`` block: these are real engines."""
@@ -369,8 +370,12 @@ def fleet_document(
             "kv_connector": "NixlConnector",
             "kv_role": "kv_both",
             "kv_buffer_device": "cpu",
-            # The engines' --block-size (vLLM's CPU default is 128), for the prefix index.
-            **({"prefix_caching": {"block_size": block_size}} if block_size else {}),
+            # The engines' --block-size (vLLM's CPU default is 128), for the prefix index, and
+            # a block's bytes, for the journal's kv_bytes_moved.
+            "prefix_caching": {
+                **({"block_size": block_size} if block_size else {}),
+                **({"block_bytes": block_bytes} if block_bytes else {}),
+            },
         },
         "engines": [spec(prefill, "prefill"), spec(decode, "decode")],
         "kv_transfer_pairs": [{"prefill": prefill.name, "decode": decode.name}],

@@ -166,11 +166,15 @@ class PrefixCaching(_Model):
     """The engines' prefix cache (vLLM's ``--enable-prefix-caching``, on by default in vLLM),
     as the router indexes it: ``block_size`` is the engines' ``--block-size`` (the index keys a
     prompt's full blocks of it), ``capacity_blocks`` an engine's KV capacity in blocks (no
-    engine's index entries exceed it)."""
+    engine's index entries exceed it), ``block_bytes`` the bytes of one block's KV on an
+    engine (what a handoff moves per block: the attestation's ``kv_cache.block_bytes``;
+    unset, the journal counts the blocks a handoff moved and not their bytes; a simulated
+    engine's are its ``sim.block_bytes``)."""
 
     enabled: bool = True
     block_size: int = Field(default=16, gt=0)
     capacity_blocks: int = Field(default=65536, gt=0)
+    block_bytes: int | None = Field(default=None, gt=0)
 
 
 class EngineDefaults(_Model):
@@ -526,6 +530,15 @@ class FleetContract(_Model):
         """The engine with this id; KeyError if the fleet has none."""
         return self._engines_by_id[engine_id]
 
+    def kv_block(self, engine_id: str) -> tuple[int, int | None]:
+        """One KV block on the engine as a handoff moves it: (tokens, bytes), the bytes None
+        where the fleet does not say them (a simulated engine's are its ``sim`` knobs)."""
+        sim = self.engine_by_id(engine_id).sim
+        if sim is not None:
+            return sim.block_size, sim.block_bytes
+        caching = self.engine.prefix_caching
+        return caching.block_size, caching.block_bytes
+
     def prefill_capable(self) -> list[EngineSpec]:
         """Engines permitted to prefill, in document order."""
         return [e for e in self.engines if e.can("prefill")]
@@ -647,6 +660,16 @@ def consistency_issues(fleet: FleetContract) -> list[ConsistencyIssue]:
                 ("engines", i, "sim", "block_size"),
                 f"{eng.sim.block_size} differs from engine.prefix_caching.block_size "
                 f"({e.prefix_caching.block_size}): the router's prefix index would match nothing",
+            )
+        if (
+            eng.sim is not None
+            and e.prefix_caching.block_bytes is not None
+            and eng.sim.block_bytes != e.prefix_caching.block_bytes
+        ):
+            add(
+                ("engines", i, "sim", "block_bytes"),
+                f"{eng.sim.block_bytes} differs from engine.prefix_caching.block_bytes "
+                f"({e.prefix_caching.block_bytes}): a handoff's bytes would be misreported",
             )
         channel = (eng.nixl.host, eng.nixl.port)
         if channel in side_channels:

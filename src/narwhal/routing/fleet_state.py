@@ -369,6 +369,24 @@ class FleetState:
             for e, blocks in matched.items()
         }
 
+    def kv_pulled(
+        self, decode_id: str, prompt_tokens: int, held_tokens: int | None
+    ) -> tuple[int, int | None] | None:
+        """(blocks, bytes) a decode engine pulls for a ``prompt_tokens`` prompt, as vLLM's
+        NixlConnector does: every block of the prompt, the partial last one whole, less the
+        full blocks it finds in its own prefix cache (within all but the last token).
+        ``held_tokens``: its cached prompt tokens as the index saw them; None when the engines
+        cache prefixes and no index follows them (the blocks are then unknown: None). The
+        bytes are None where the fleet does not say a block's size in bytes."""
+        block_tokens, block_bytes = self.fleet.kv_block(decode_id)
+        if not self.fleet.engine.prefix_caching.enabled:
+            held_tokens = 0
+        if held_tokens is None or prompt_tokens <= 0:
+            return None
+        held = min(held_tokens, prompt_tokens - 1) // block_tokens
+        blocks = max(0, -(-prompt_tokens // block_tokens) - held)
+        return blocks, None if block_bytes is None else blocks * block_bytes
+
     def in_role(self, role: Role) -> list[EngineState]:
         """Engines serving ``role`` now (a copy, in fleet order)."""
         return list(self._by_role[role])

@@ -124,9 +124,12 @@ class ChoiceSet:
 
 def merge_attempts(record: RequestRecord, children: list[RequestRecord]) -> None:
     """Every choice's legs in the client's record, in time order, each tagged with its
-    choice."""
+    choice, and the KV bytes their handoffs moved."""
     attempts = [dict(a, choice=i) for i, child in enumerate(children) for a in child.attempts]
     record.attempts.extend(sorted(attempts, key=lambda a: a.get("t", 0.0)))
+    moved = [c.kv_bytes_moved for c in children if c.kv_bytes_moved is not None]
+    if moved:
+        record.kv_bytes_moved = (record.kv_bytes_moved or 0) + sum(moved)
 
 
 def _child_records(record: RequestRecord, count: int) -> list[RequestRecord]:

@@ -938,15 +938,17 @@ class PDRouter:
         record.decode_engine = engine
         record.t_decode_start = record.since_arrival()
         index = self.state.prefix_index
+        # The lifecycle's copy: it adds what the index holds when the scheduler did not look.
+        picked = ticket.pair or pair
+        counted = prompt_tokens if prompt_tokens is not None else ticket.prompt_tokens
+        pull = None
+        if not pair.local and counted is not None:
+            held = picked.decode_cached_tokens if index is not None else None
+            pull = self.state.kv_pulled(engine, counted, held)
         if index is not None and ticket.prefix:
-            # The lifecycle's copy: it adds what the index holds when the scheduler did not look.
-            picked = ticket.pair or pair
             record.cached_tokens_predicted = picked.cached_tokens
-            counted = prompt_tokens if prompt_tokens is not None else ticket.prompt_tokens
-            if not picked.local and counted is not None:
-                blocks = -(-counted // index.block_size)
-                held = picked.decode_cached_tokens // index.block_size
-                record.kv_blocks_predicted = blocks - held
+            if pull is not None:
+                record.kv_blocks_predicted = pull[0]
         if pair.local:
             # The engine that decodes prefills: journaled as both, with no handoff.
             record.prefill_engine = engine
@@ -1066,6 +1068,11 @@ class PDRouter:
         else:
             record.handoff_first_token_s = first_token_s
             self.metrics.handoff.labels(engine).observe(first_token_s)
+            if pull is not None and pull[1] is not None:
+                # The engine pulled before its first token: each handoff's bytes add up (a
+                # migration's continuation moves its own prompt's).
+                record.kv_bytes_moved = (record.kv_bytes_moved or 0) + pull[1]
+                self.metrics.kv_bytes_moved.labels(engine).inc(pull[1])
             record.attempt("decode", engine, "first_token", after_s=round(first_token_s, 6))
         return DecodeStream(
             engine, resp, events, first, prompt_tokens, ticket, prompt_ids, decode_prompt_ids

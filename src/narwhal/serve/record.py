@@ -61,6 +61,10 @@ class RequestRecord:
     cached_tokens_predicted: int | None = None
     cached_tokens_reported: int | None = None
     kv_blocks_predicted: int | None = None
+    # The KV bytes decode engines pulled for it, over every handoff that reached a first token
+    # (choices, a migration's continuation): each handoff's blocks (its prompt's, less those
+    # the decode engine held as the index saw them) times the fleet's block bytes.
+    kv_bytes_moved: int | None = None
     # The prefill leg's usage.prompt_tokens_details (not journaled): what a migrated answer's
     # usage reports for the client's prompt, whose continuation prompt is another.
     prefill_prompt_details: dict[str, Any] | None = None
@@ -138,6 +142,8 @@ class RequestRecord:
             fields["cached_tokens_reported"] = self.cached_tokens_reported
         if self.kv_blocks_predicted is not None:
             fields["kv_blocks_predicted"] = self.kv_blocks_predicted
+        if self.kv_bytes_moved is not None:
+            fields["kv_bytes_moved"] = self.kv_bytes_moved
         if self.choices > 1:
             fields["choices"] = self.choices
         if self.migrations:

@@ -43,7 +43,8 @@ def test_recommendation_when_the_margin_does_not_fit_or_nothing_does() -> None:
 
 def _pair(p: str, d: str, firsts: list[float], kv: float | None = None, **kw: Any) -> PairResult:
     probes = [HandoffProbe(prefill_s=0.1, first_token_s=f, tokens=2) for f in firsts]
-    return PairResult(p, d, probes, float(len(firsts)) if kv is None else kv, 1e6, 0.0, **kw)
+    # No bytes: what they should be depends on the prompt (block_bytes_finding's test).
+    return PairResult(p, d, probes, float(len(firsts)) if kv is None else kv, None, 0.0, **kw)
 
 
 def test_kv_transfer_names_the_slow_pair_and_recommends() -> None:
@@ -186,7 +187,7 @@ def test_prefill_engines_that_report_no_cached_tokens_get_a_note() -> None:
         probes = [
             HandoffProbe(prefill_s=0.1, first_token_s=0.2, tokens=2, reports_cached_tokens=reports)
         ] * 2
-        return PairResult(p, d, probes, 2.0, 1e6, 0.0)
+        return PairResult(p, d, probes, 2.0, 2 * 64 * 16384.0, 0.0)  # 1,024 tokens, sim blocks
 
     pairs = [pair("e0", "e1", False), pair("e1", "e2", True), pair("e2", "e0", None)]
     out = kv_transfer_gate(fleet, pairs, 1024, "plan", 10.0, 0.6, None)
@@ -199,3 +200,28 @@ def test_prefill_engines_that_report_no_cached_tokens_get_a_note() -> None:
     off["engine"]["prefix_caching"] = {"enabled": False}
     out = kv_transfer_gate(loaded(off).contract, pairs, 1024, "plan", 10.0, 0.6, None)
     assert not [n for n in out.notes if "prompt_tokens_details" in n]
+
+
+def test_kv_transfer_holds_the_fleets_block_bytes_to_what_the_handoffs_moved() -> None:
+    # Simulated engines: a block is their sim.block_size tokens of sim.block_bytes.
+    doc = fleet_doc(2)
+    for engine in doc["engines"]:
+        engine["sim"]["block_bytes"] = 4096
+    fleet = loaded(doc).contract
+    # 1,000 tokens: 63 blocks of 16 (the partial last one whole), two handoffs.
+    probes = _pair("e0", "e1", [0.1, 0.1]).probes
+    right = PairResult("e0", "e1", probes, 2.0, 2 * 63 * 4096.0, 0.0)
+    assert kv_transfer_gate(fleet, [right], 1000, "x", 10.0, 0.6, None).failures == []
+    wrong = PairResult("e0", "e1", probes, 2.0, 2 * 63 * 8192.0, 0.0)
+    out = kv_transfer_gate(fleet, [wrong], 1000, "x", 10.0, 0.6, None)
+    assert out.failures == [
+        "e0->e1: e1 pulled 516,096 bytes a handoff for 1000 prompt tokens (63 blocks of 16), "
+        "where the fleet's block_bytes 4,096 makes 258,048: the router's kv_bytes_moved would "
+        "misreport (a block of 8,192 bytes?)"
+    ]
+    # Real engines whose fleet does not say a block's bytes: nothing to hold them to.
+    for engine in doc["engines"]:
+        engine.pop("sim")
+    assert (
+        kv_transfer_gate(loaded(doc).contract, [wrong], 1000, "x", 10.0, 0.6, None).failures == []
+    )

@@ -18,6 +18,7 @@ from narwhal.profiles.store import ProfileStore
 
 __all__ = [
     "DeadlineAdvice",
+    "block_bytes_finding",
     "cached_tokens_notes",
     "kv_events_findings",
     "kv_prompt_tokens",
@@ -123,6 +124,27 @@ def _dist(values: Sequence[float]) -> dict[str, Any]:
     }
 
 
+def block_bytes_finding(fleet: FleetContract, pair: PairResult, prompt_tokens: int) -> str | None:
+    """Where the fleet says a KV block's bytes (``engine.prefix_caching.block_bytes``, a
+    simulated engine's ``sim.block_bytes``): the bytes each probe handoff pulled (by the decode
+    engine's NIXL metrics) against what they make of a ``prompt_tokens`` prompt, every block of
+    it (the probes' prompts are salted: the decode engine holds none of them). A wrong value
+    would misreport every request's ``kv_bytes_moved`` in the router's journal."""
+    block_tokens, block_bytes = fleet.kv_block(pair.decode)
+    if block_bytes is None or pair.kv_bytes is None or not pair.kv_transfers:
+        return None
+    blocks = -(-prompt_tokens // block_tokens)
+    pulled = pair.kv_bytes / pair.kv_transfers
+    if pulled == blocks * block_bytes:
+        return None
+    return (
+        f"{pair.name}: {pair.decode} pulled {pulled:,.0f} bytes a handoff for {prompt_tokens} "
+        f"prompt tokens ({blocks} blocks of {block_tokens}), where the fleet's block_bytes "
+        f"{block_bytes:,} makes {blocks * block_bytes:,}: the router's kv_bytes_moved would "
+        f"misreport (a block of {pulled / blocks:,.0f} bytes?)"
+    )
+
+
 def kv_transfer_gate(
     fleet: FleetContract,
     pairs: Sequence[PairResult],
@@ -198,6 +220,10 @@ def kv_transfer_gate(
                 f"{pair.kv_transfers:g} over {completed} completed handoffs: the KV did not move "
                 "(decode prefilled locally?)"
             )
+        else:
+            wrong = block_bytes_finding(fleet, pair, prompt_tokens)
+            if wrong is not None:
+                failures.append(wrong)
     if not pairs:
         failures.append("the fleet has no permitted pair to probe")
 
