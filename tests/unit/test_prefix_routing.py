@@ -213,6 +213,24 @@ def test_a_hedged_prefill_leg_keeps_its_claim_for_it_runs_on() -> None:
     assert held[first.pair.prefill] == 250 and held[hedge.prefill] == 250
 
 
+def test_a_hedge_decoding_where_its_slow_leg_would_is_predicted_to_pull_every_block() -> None:
+    """The decode engine's claim on the prompt is the request's own, in flight, not pulled:
+    the hedge's handoff moves every block all the same (what the journal's
+    kv_blocks_predicted and kv_bytes_moved read). It said one block before."""
+    clock, index, lifecycle = routed()
+    ticket = lifecycle.arrive("r1", max_tokens=10, prompt_tokens=PROMPT, prefix=KEYS)
+    first = lifecycle.admit(ticket)
+    assert isinstance(first, Admit) and first.pair.decode_cached_tokens == 0
+    clock.advance(0.3)
+    others = [e for e in lifecycle.state.in_role("decode") if e.id != first.pair.decode]
+    for e in others:
+        e.healthy = False  # for the hedge to decode where the slow leg would
+    hedge = lifecycle.hedge_prefill(ticket, budget_left_s=1.7)
+    assert isinstance(hedge, Pair) and hedge.decode == first.pair.decode
+    assert index.match(KEYS, clock.now())[hedge.decode] == 250  # the claim stands
+    assert ticket.pair is not None and ticket.pair.decode_cached_tokens == 0
+
+
 class _Heard(LifecycleObserver):
     """What the lifecycle told its observer: breaker verdicts and model corrections, by
     engine."""

@@ -498,6 +498,14 @@ class Lifecycle:
                         cached_tokens=hits.get(pair.prefill, 0),
                         decode_cached_tokens=hits.get(pair.decode, 0),
                     )
+            race = ticket.race
+            if race is not None and pair.decode == race.slow.decode:
+                # A hedge decoding where its slow leg would: that engine's claim on the prompt
+                # is this request's own, in flight and not pulled yet; it holds what it did at
+                # the slow leg's pick (the journal's kv_blocks_predicted and kv_bytes_moved).
+                pair = ticket.pair = replace(
+                    pair, decode_cached_tokens=race.slow.decode_cached_tokens
+                )
             # Both engines will hold the prompt's blocks: the prefill engine computed them, the
             # decode engine pulled them (what engines that publish events say for themselves).
             index.record_routed(d.id, ticket.prefix, now, ticket.prefix_exact)
