@@ -405,7 +405,10 @@ def test_cancel_releases_whatever_the_ticket_holds(phase: str) -> None:
         engine = lifecycle.state.engines[pair.prefill if phase == "prefill" else pair.decode]
         engine.breaker.state = BreakerState.HALF_OPEN
         engine.breaker.probe_in_flight = True
-        if phase != "prefill":
+        if phase == "prefill":
+            # This ticket is the probe: only the probe's departure frees it.
+            ticket.prefill_probe = (engine.id, engine.breaker.half_opened)
+        else:
             lifecycle.prefill_done(ticket, "ok")
             engine.breaker.state = BreakerState.HALF_OPEN
             engine.breaker.probe_in_flight = True
@@ -782,3 +785,26 @@ def test_a_hedge_may_keep_the_half_open_decode_engine_its_ticket_probes() -> Non
     hedge = lifecycle.hedge_prefill(ticket, budget_left_s=1.5)
     assert isinstance(hedge, Pair) and hedge.decode == "e2", hedge
     assert ticket.decode_probe
+
+
+@pytest.mark.parametrize("ends", ["refused", "cancelled"])
+def test_a_prefill_leg_that_is_not_the_probe_leaving_does_not_free_it(ends: str) -> None:
+    """From a review: a prefill leg sent before its engine's breaker opened, refused (a 4xx)
+    or cancelled after it went half-open, freed the probe another request held, and a second
+    leg was let through to an engine that may fail everything it runs. Decode legs had this
+    already (``decode_probe``)."""
+    lifecycle, clock, _ = build(n_prefill=1, n_decode=1)
+    early = lifecycle.arrive("early", max_tokens=4, prompt_tokens=100)
+    assert admitted(lifecycle, early).prefill == "e0"
+    p = _half_open(lifecycle, clock, "e0")
+    probe = lifecycle.arrive("probe", max_tokens=4, prompt_tokens=100)
+    assert admitted(lifecycle, probe).prefill == "e0" and p.breaker.probe_in_flight
+    if ends == "refused":
+        lifecycle.prefill_done(early, "refused")
+    else:
+        lifecycle.cancel(early)
+    assert p.breaker.state is BreakerState.HALF_OPEN and p.breaker.probe_in_flight
+    assert not p.breaker.allows_request()  # still the probe's
+    # The probe's own refusal frees it for the next leg.
+    lifecycle.prefill_done(probe, "refused")
+    assert p.breaker.allows_request()

@@ -115,6 +115,10 @@ class Ticket:
     # it again at once (the probe failed), not after as many breaks as a closed one takes.
     decode_probe: bool = False
     probe_cycle: int = 0  # the decode breaker's half_opened when this ticket took its probe
+    # Its prefill leg is its engine's half-open breaker's probe: (engine, that breaker's
+    # half_opened then). Only the probe's leaving frees the probe (a leg sent before the
+    # breaker opened, refused or cancelled after, is not it).
+    prefill_probe: tuple[str, int] | None = None
     closed_breaker: int | None = None
     # Engines that failed this request, which its retry avoids. Shared empty sets until one
     # does: two sets per request were 0.4 GB of a million-request simulation.
@@ -546,7 +550,10 @@ class Lifecycle:
             tokens = self.outputs.mean(self._max_tokens(ticket))
             pace = max(pair.predicted_tpot_s, self.state.fleet.budgets.tpot_s)
             d.pending_spans[ticket.id] = (joins, joins + max(0.0, tokens - 1) * pace)
-        p.breaker.on_dispatch()
+        ticket.prefill_probe = None
+        if p.breaker.state is BreakerState.HALF_OPEN and not p.breaker.probe_in_flight:
+            p.breaker.on_dispatch()
+            ticket.prefill_probe = (p.id, p.breaker.half_opened)
         p.in_flight_prefill += 1
         self.observer.in_flight(p.id, "prefill", 1)
         ticket.phase = "prefill"
@@ -613,11 +620,10 @@ class Lifecycle:
         elif hedge_ended == "failed":
             self._hedge_lost(ticket, p)
         elif hedge_ended == "cancelled":
-            p.breaker.on_abandon()
+            self._give_prefill_probe_back(ticket, p)
         elif hedge_ended == "refused" or (outcome == "refused" and not by_slow_leg):
             self._refusal(p)
-            if p.breaker.state is BreakerState.HALF_OPEN:
-                p.breaker.on_abandon()  # the probe ran nothing: the next leg probes
+            self._give_prefill_probe_back(ticket, p)  # it ran nothing: the next leg probes
         else:
             self._verdict(p, ok=True)
         if hedge_ended == "refused":
@@ -919,7 +925,7 @@ class Lifecycle:
             if prefill_answered:
                 self._verdict(p, ok=True)
             elif not hedge_counted:  # else its verdict is in
-                p.breaker.on_abandon()
+                self._give_prefill_probe_back(ticket, p)
             assert ticket.pair is not None
             self._forget_routed(ticket, ticket.pair.decode)
         elif phase in ("decode", "streaming"):
@@ -942,6 +948,13 @@ class Lifecycle:
             ticket.decode_probe = False
             if breaker.half_opened == ticket.probe_cycle:
                 breaker.on_abandon()
+
+    def _give_prefill_probe_back(self, ticket: Ticket, p: EngineState) -> None:
+        """The ticket's prefill leg on ``p`` ended with no verdict: if it was the half-open
+        breaker's probe, taken in this cool-off, the next leg may probe."""
+        held, ticket.prefill_probe = ticket.prefill_probe, None
+        if held == (p.id, p.breaker.half_opened):
+            p.breaker.on_abandon()
 
     def _foresee_end(self, ticket: Ticket, d: EngineState, first_token_at: float) -> None:
         """Count on ``d`` when the ticket's decode leg, which sent its first token at
