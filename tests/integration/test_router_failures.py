@@ -719,13 +719,16 @@ def test_api_keys_and_sigterm_drain(tmp_path: Path) -> None:
             )
             assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
             assert end_of(router, bad)["outcome"] == "client_error"
-            # A long stream in flight when SIGTERM arrives still completes.
+            # A long stream in flight when SIGTERM arrives still completes. Long enough to
+            # be in flight still when the signal comes: at the tests' time scale 150 tokens
+            # took under a second, and on a loaded host the answer had ended (and the drained
+            # router exited: its /ready refused) before the checks below.
             with httpx.stream(
                 "POST",
                 router.url + "/v1/completions",
-                timeout=30,
+                timeout=60,
                 headers={"Authorization": "Bearer sk-test-1"},
-                json={"model": MODEL, "prompt": PROMPT, "max_tokens": 150, "stream": True},
+                json={"model": MODEL, "prompt": PROMPT, "max_tokens": 600, "stream": True},
             ) as r:
                 lines = iter(r.iter_lines())
                 first = next(ln for ln in lines if ln.startswith("data: "))
