@@ -35,7 +35,7 @@ from narwhal.contract import (
     validate_document,
 )
 from narwhal.contract.cli_errors import OneLineParser
-from narwhal.contract.paths import input_overwritten, why_unwritable
+from narwhal.contract.paths import empty_path, input_overwritten, why_unwritable
 from narwhal.profiles.store import parse_profile_store
 
 __all__ = ["main"]
@@ -205,14 +205,16 @@ def _gates(text: str | None) -> tuple[list[str], bool]:
 def _refuse_empty_paths(args: argparse.Namespace) -> None:
     """An empty path (an unset variable in a script) names no file: ``--profiles ''`` read as
     "no store" and ``--report ''`` as the working directory."""
-    for flag, value in (
-        ("--fleet", args.fleet),
-        ("--profiles", args.profiles),
-        ("--plan", args.plan),
-        ("--report", args.report),
-    ):
-        if value is not None and not value.strip():
-            raise UsageError(f"{flag}: an empty path")
+    why = empty_path(
+        (
+            ("--fleet", args.fleet),
+            ("--profiles", args.profiles),
+            ("--plan", args.plan),
+            ("--report", args.report),
+        )
+    )
+    if why is not None:
+        raise UsageError(why)
 
 
 def _refuse_overwriting_inputs(out: Path, inputs: CheckInputs, args: argparse.Namespace) -> None:
@@ -226,8 +228,8 @@ def _refuse_overwriting_inputs(out: Path, inputs: CheckInputs, args: argparse.Na
         named[given] = Path(inputs.store_ref.path)
     if inputs.plan_ref is not None:
         named["the file given with --plan"] = Path(inputs.plan_ref.path)
-    if (key_file := loaded.contract.engine.api_key_file) is not None:
-        named["the fleet's engine.api_key_file"] = loaded.path.parent / Path(key_file).expanduser()
+    if (key_path := loaded.api_key_path) is not None:
+        named["the fleet's engine.api_key_file"] = key_path
     if why := input_overwritten("--report", out, [Path(str(out) + ".sha256")], named):
         raise UsageError(why)
 

@@ -321,9 +321,9 @@ class Collector:
                 decode_tokens=plan.decode_tokens,
             )
             try:
-                idle = await check_idle(self._clients[spec.id])
-                if idle is not None:
-                    return dataclasses.replace(base, idle_problem=idle)
+                not_idle = await check_idle(self._clients[spec.id])
+                if not_idle is not None:
+                    return dataclasses.replace(base, idle_problem=not_idle.reason)
                 pool = await self._pool(spec.id)
                 prefill: list[float] = []
                 # Timed as the profiler timed them: one engine of a host at a time.

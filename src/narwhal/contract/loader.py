@@ -85,6 +85,9 @@ class ContractError(Exception):
         return f"{self.source}: {self.reason}"
 
 
+ENGINE_API_KEY_FIELD = "engine.api_key_file"
+
+
 @dataclass(frozen=True)
 class LoadedFleet:
     """A validated contract with its identity.
@@ -104,6 +107,22 @@ class LoadedFleet:
     engine_api_key: str | None = field(default=None, repr=False, compare=False)
 
     @property
+    def api_key_path(self) -> Path | None:
+        """The engines' API key file (``engine.api_key_file``), relative to the fleet file's
+        directory; None when the fleet names none."""
+        key_file = self.contract.engine.api_key_file
+        if key_file is None:
+            return None
+        try:
+            return self.path.parent / Path(key_file).expanduser()
+        except RuntimeError:  # ~user of a user this host does not know
+            raise ContractError(
+                os.fspath(self.path),
+                ENGINE_API_KEY_FIELD,
+                f"names the home of a user this host does not know (got {key_file!r})",
+            ) from None
+
+    @property
     def profile_store_path(self) -> str | None:
         """The store the fleet pins (``profile_store.path``), relative to the fleet file's
         directory as ``engine.api_key_file`` is (a qualified fleet and its store are written
@@ -121,29 +140,26 @@ class LoadedFleet:
             ) from None
 
 
-ENGINE_API_KEY_FIELD = "engine.api_key_file"
-
-
 def load_fleet(path: str | os.PathLike[str]) -> LoadedFleet:
     """Read, parse and validate the fleet contract at ``path``, and read the engine API key
     file it names; ContractError on any problem."""
     source = os.fspath(path)
     raw = _parse_json(_read_file(path, source), source)
     loaded = parse_fleet(raw, source, path=Path(path))
-    key_file = loaded.contract.engine.api_key_file
-    if key_file is None:
-        return loaded
-    return replace(loaded, engine_api_key=_read_api_key(Path(path), key_file, source))
+    key = _read_api_key(loaded, source)
+    return loaded if key is None else replace(loaded, engine_api_key=key)
 
 
-def _read_api_key(fleet_path: Path, key_file: str, source: str) -> str:
-    """The key in ``key_file`` (relative to the fleet file's directory), surrounding
-    whitespace removed; the messages name the file, never its content."""
+def _read_api_key(loaded: LoadedFleet, source: str) -> str | None:
+    """The key in the fleet's ``engine.api_key_file`` (``api_key_path``), surrounding
+    whitespace removed; None when the fleet names no key file. The messages name the fleet as
+    ``source`` and the key file, never its content."""
     try:
-        resolved = fleet_path.parent / Path(key_file).expanduser()
-    except RuntimeError:  # ~user of a user this host does not know
-        reason = f"names the home of a user this host does not know (got {key_file!r})"
-        raise ContractError(source, ENGINE_API_KEY_FIELD, reason) from None
+        resolved = loaded.api_key_path
+    except ContractError as exc:  # named as given (``loaded.path`` is ``source`` normalized)
+        raise ContractError(source, exc.path, exc.reason) from None
+    if resolved is None:
+        return None
     try:
         text = resolved.read_text(encoding="utf-8")
     except OSError as exc:

@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["file_in_the_way", "input_overwritten", "same_file", "why_unwritable"]
+__all__ = [
+    "empty_path",
+    "file_in_the_way",
+    "input_overwritten",
+    "same_file",
+    "why_unwritable",
+]
 
 
 def file_in_the_way(path: Path) -> Path | None:
@@ -49,6 +55,16 @@ def same_file(a: Path, b: Path) -> bool:
         return a.exists() and b.exists() and os.path.samefile(a, b)
     except (OSError, RuntimeError):  # unreadable, or a symlink loop: not provably one file
         return False
+
+
+def empty_path(pairs: Iterable[tuple[str, str | None]]) -> str | None:
+    """The refusal of the first empty path among ``pairs`` of (flag, value as given; None when
+    the flag was not given), or None. An empty path (an unset variable in a script) names no
+    file: it read as the flag not given, or as the working directory."""
+    for flag, value in pairs:
+        if value is not None and not value.strip():
+            return f"{flag}: an empty path"
+    return None
 
 
 def input_overwritten(

@@ -12,6 +12,7 @@ import statistics
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 import httpx
 import orjson
@@ -24,6 +25,7 @@ __all__ = [
     "DECODE_PROBE_ATTEMPTS",
     "SEED_TEXT",
     "DecodeProbe",
+    "EngineNotIdle",
     "NoDecodeOverlapError",
     "PrefillTurns",
     "ProbeError",
@@ -93,17 +95,32 @@ class PrefillTurns:
         return time.monotonic() - asked
 
 
-async def check_idle(client: httpx.AsyncClient) -> str | None:
+@dataclass(frozen=True)
+class EngineNotIdle:
+    """Why an engine is not known to be idle. ``kind``: its /metrics did not answer
+    (``unreachable``; ``error`` names the exception), answered without vLLM's load gauges
+    (``not_vllm``: an error status, or not a vLLM engine), or shows requests (``busy``).
+    ``reason`` says so in a sentence."""
+
+    kind: Literal["unreachable", "not_vllm", "busy"]
+    reason: str
+    error: str | None = None  # the exception's type name, when unreachable
+
+
+async def check_idle(client: httpx.AsyncClient) -> EngineNotIdle | None:
     """None if the engine is idle; otherwise why not."""
     try:
         r = await client.get("/metrics")
     except httpx.HTTPError as exc:
-        return f"/metrics unreachable: {type(exc).__name__}"
+        name = type(exc).__name__
+        return EngineNotIdle("unreachable", f"/metrics unreachable: {name}", error=name)
     load = parse_engine_load(r.content) if r.status_code == 200 else None
     if load is None:
-        return "its /metrics carries no vLLM load gauges"
+        return EngineNotIdle("not_vllm", "its /metrics carries no vLLM load gauges")
     if load["running"] or load["waiting"]:
-        return f"not idle ({load['running']:g} running, {load['waiting']:g} waiting)"
+        return EngineNotIdle(
+            "busy", f"not idle ({load['running']:g} running, {load['waiting']:g} waiting)"
+        )
     return None
 
 

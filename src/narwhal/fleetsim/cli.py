@@ -8,6 +8,7 @@ import sys
 from narwhal.contract import ContractError, load_fleet
 from narwhal.contract.cli_errors import OneLineParser
 from narwhal.contract.flags import positive
+from narwhal.contract.paths import empty_path
 from narwhal.fleetsim.simulator import DesConfig, run_des
 from narwhal.fleetsim.workloads import (
     poisson_requests,
@@ -101,11 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         " (default: they wait)",
     )
     args = parser.parse_args(argv)
-    for flag, value in (("--fleet", args.fleet), ("--trace", args.trace)):
-        if value is not None and not value.strip():
-            # An unset $TRACE read as no trace (a Poisson run), and --fleet '' crashed.
-            print(f"narwhal-fleetsim: {flag}: an empty path", file=sys.stderr)
-            return 2
+    # An unset $TRACE read as no trace (a Poisson run), and --fleet '' crashed.
+    if (why := empty_path((("--fleet", args.fleet), ("--trace", args.trace)))) is not None:
+        print(f"narwhal-fleetsim: {why}", file=sys.stderr)
+        return 2
     try:
         if args.fleet:
             if args.ttft is not None or args.tpot is not None:

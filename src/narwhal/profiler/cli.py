@@ -29,7 +29,7 @@ from narwhal.contract import (
 )
 from narwhal.contract.cli_errors import OneLineParser
 from narwhal.contract.loader import validation_reasons
-from narwhal.contract.paths import input_overwritten, why_unwritable
+from narwhal.contract.paths import empty_path, input_overwritten, why_unwritable
 from narwhal.profiler.runner import profile_fleet
 from narwhal.profiles.store import ProfileStore, ProfilingLimits, ProfilingPlan, store_bytes
 from narwhal.profiles.table import profile_table
@@ -118,9 +118,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    for flag, value in (("--fleet", args.fleet), ("--limits", args.limits), ("--out", args.out)):
-        if not value.strip():
-            raise UsageError(f"{flag}: an empty path")
+    paths = (("--fleet", args.fleet), ("--limits", args.limits), ("--out", args.out))
+    if (why := empty_path(paths)) is not None:
+        raise UsageError(why)
     loaded = load_fleet(args.fleet)
     fleet = loaded.contract
     limits = validate_document(
@@ -227,8 +227,8 @@ def _refuse_overwriting_inputs(out: Path, loaded: LoadedFleet, limits: str) -> N
         "the file given with --fleet": loaded.path,
         "the file given with --limits": Path(limits),
     }
-    if (key_file := loaded.contract.engine.api_key_file) is not None:
-        named["the fleet's engine.api_key_file"] = loaded.path.parent / Path(key_file).expanduser()
+    if (key_path := loaded.api_key_path) is not None:
+        named["the fleet's engine.api_key_file"] = key_path
     beside = [Path(str(out) + ".sha256"), _partial_path(out)]
     if why := input_overwritten("--out", out, beside, named):
         raise UsageError(why)

@@ -22,6 +22,7 @@ from narwhal.contract import EngineSpec, FleetContract
 from narwhal.engines.probes import (
     SEED_TEXT,
     DecodeProbe,
+    EngineNotIdle,
     PrefillTurns,
     ProbeError,
     check_idle,
@@ -157,19 +158,16 @@ async def _generation(
             raise EngineProfilingError(f"attestation unreachable: {exc}") from None
 
 
-async def _refusal(client: httpx.AsyncClient, spec: EngineSpec, why: str) -> str:
+def _refusal(spec: EngineSpec, not_idle: EngineNotIdle) -> str:
     """Why an engine that is not known idle is not profiled. ``--force`` profiles one that
     answers but is busy (or reports no load); one that does not answer fails with or without
-    it, so it is told to be checked instead. ``check_idle`` gives only a sentence, so the
-    engine is asked again (briefly: one that answered answers at once) to tell the two apart."""
-    try:
-        await client.get("/metrics", timeout=5.0)
-    except httpx.HTTPError as exc:
+    it, so it is told to be checked instead."""
+    if not_idle.kind == "unreachable":
         return (
-            f"unreachable at {spec.url} (/metrics: {type(exc).__name__}): check that the "
+            f"unreachable at {spec.url} (/metrics: {not_idle.error}): check that the "
             "engine is running and that the fleet's url for it is right"
         )
-    return f"refusing to profile: {why} (use --force)"
+    return f"refusing to profile: {not_idle.reason} (use --force)"
 
 
 async def profile_engine(
@@ -197,8 +195,8 @@ async def profile_engine(
     async with httpx.AsyncClient(
         base_url=spec.url, timeout=timeout, trust_env=False, headers=auth
     ) as client:
-        if not force and (why := await check_idle(client)) is not None:
-            raise EngineProfilingError(await _refusal(client, spec, why))
+        if not force and (not_idle := await check_idle(client)) is not None:
+            raise EngineProfilingError(_refusal(spec, not_idle))
         generation = await _generation(spec, progress)
         prompts = _Prompts(await _token_pool(client, model), seed)
         salt = f"narwhal-profile-{spec.id}-{random.Random(seed).getrandbits(64):x}"

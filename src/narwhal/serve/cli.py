@@ -31,7 +31,7 @@ from narwhal.asgi import tcp_bind_problem
 from narwhal.contract import DEFAULT_REPORT_NAME, ContractError, load_fleet
 from narwhal.contract.cli_errors import OneLineParser
 from narwhal.contract.flags import out_of_range
-from narwhal.contract.paths import file_in_the_way
+from narwhal.contract.paths import empty_path, file_in_the_way
 from narwhal.engines.client import ENGINE_TRANSPORTS
 from narwhal.journal.claim import JournalInUse, claim_journal, journal_problem
 
@@ -408,10 +408,9 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, str]:
     from narwhal.serve.auth import hash_secret
     from narwhal.serve.settings import ServeSettings
 
-    for name in _PATH_FLAGS:
-        value = getattr(args, name)
-        if value is not None and not value.strip():
-            raise UsageError(f"--{name.replace('_', '-')}: an empty path")
+    paths = ((f"--{name.replace('_', '-')}", getattr(args, name)) for name in _PATH_FLAGS)
+    if (why := empty_path(paths)) is not None:
+        raise UsageError(why)
     fleet = load_fleet(args.fleet)
     if not (0 < args.port < 65536):
         raise UsageError(f"--port: {args.port} is not a TCP port")
