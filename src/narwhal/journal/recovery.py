@@ -73,12 +73,20 @@ class RecoveryResult:
     def restart_end(self, request_id: str) -> dict[str, object]:
         """The journal's fields of the ``request.end`` that closes open request
         ``request_id`` (outcome ``router_restart``)."""
+        start = self.open_requests[request_id]
+        # What the router knew when it wrote the request's start; the fields every
+        # request.end carries besides (docs/router.md), null where nothing says them: the
+        # client's status is unknown (it may have had its answer, or a broken connection).
         return {
             "id": request_id,
             "outcome": OUTCOME_ROUTER_RESTART,
-            "arrival": self.open_requests[request_id].get("arrival"),
+            "arrival": start.get("arrival"),
+            "endpoint": start.get("endpoint"),
+            "client_request_id": start.get("client_request_id"),
+            "status": None,
             "error": "router restarted before the request ended",
             "previous_pid": self.previous_pid,
+            "attempts": [],
         }
 
     def summary(self) -> dict[str, Any]:

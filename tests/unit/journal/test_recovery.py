@@ -25,7 +25,9 @@ def test_recovery_closes_each_open_request_once(tmp_path: Path, open_journal: Op
     first = Journal.open(path)
     first.router_start(fleet_sha256="f" * 64)
     for i, request_id in enumerate(["a", "b", "c"]):
-        first.request_start(request_id, 100.0 + i)
+        first.request_start(
+            request_id, 100.0 + i, endpoint="/v1/completions", client_request_id=f"x-{i}"
+        )
     first.request_end("b", "ok")
     # A crash: no router.stop, and the process died in the middle of the next record.
     assert first.close()
@@ -53,6 +55,13 @@ def test_recovery_closes_each_open_request_once(tmp_path: Path, open_journal: Op
     restart_ends = [r for r in recs if r.get("outcome") == OUTCOME_ROUTER_RESTART]
     assert [(r["id"], r["arrival"]) for r in restart_ends] == [("a", 100.0), ("c", 102.0)]
     assert all(r["previous_pid"] == os.getpid() for r in restart_ends)
+    # The fields every request.end carries (docs/router.md), from the request's start where it
+    # said them: a QA pass found them missing.
+    assert [(r["endpoint"], r["client_request_id"]) for r in restart_ends] == [
+        ("/v1/completions", "x-0"),
+        ("/v1/completions", "x-2"),
+    ]
+    assert all(r["status"] is None and r["attempts"] == [] for r in restart_ends)
     # the closing ends come before the new process's router.start, which records the recovery
     types = [r["type"] for r in recs]
     new_start = types.index("router.start", 1)
