@@ -225,6 +225,35 @@ def test_decode_engine_killed_mid_stream_is_invisible(stack) -> None:
     assert after - before == len(moved)
 
 
+def test_every_decode_engine_killed_mid_stream_is_rescued_on_another_engine(stack) -> None:
+    """From a QA pass: with both decode engines killed, a continuation tried the other (dead
+    too, its health probes not yet failed), and once that leg failed the stream ended with an
+    error event, while the prefill engines, which may decode, were healthy: the rescue (a local
+    leg on any healthy engine) ran only when the continuation's first pick found no pair. Now
+    it also runs once the continuation's legs are spent."""
+    fleet, router = stack
+    expected = baseline(router)
+    victims = [e["id"] for e in router.admin_state()["engines"] if e["role"] == "decode"]
+    assert len(victims) == 2
+    before = metric(router.metrics(), "narwhal_migrations_total")
+
+    def kill_both() -> None:
+        for engine_id in victims:
+            fleet.kill(engine_id)
+
+    ends = check_answers(router, under_fault(router, kill_both), expected)
+    moved = migrated(ends)
+    assert moved, "no stream was on the killed engines"
+    for end in moved:
+        legs = [(a["leg"], a["engine"], a["outcome"]) for a in end["attempts"]]
+        # The answer ended on an engine that was not killed, prefilling its continuation.
+        assert legs[-1][0] == "local" and legs[-1][1] not in victims, legs
+    # The metric counts the continuations that went on, as the journal does (a first try on
+    # the other dead engine that found no first token is none).
+    after = metric(router.metrics(), "narwhal_migrations_total")
+    assert after - before == sum(end["migrations"] for end in moved)
+
+
 def test_decode_engine_stopped_mid_stream_is_migrated_as_stalled(stack) -> None:
     fleet, router = stack
     expected = baseline(router)
@@ -603,3 +632,9 @@ def test_a_hedged_prefill_that_fails_on_both_engines_says_two_legs(stack, tmp_pa
         failed = [a for a in end["attempts"] if a["leg"] == "prefill" and a["outcome"] == "failed"]
         assert len(failed) >= 2 and {a["engine"] for a in failed} == {"e0", "e1"}, end["attempts"]
         assert f"({len(failed)} legs, the last" in message, message
+        # The last leg to fail is the hedge, on the other engine than the pick's: the message
+        # named the pick's engine with the hedge's error (a QA pass).
+        assert f"the last prefill on {failed[-1]['engine']}: timed out)" in message, (
+            message,
+            end["attempts"],
+        )

@@ -449,20 +449,20 @@ class Lifecycle:
         follow.failed_decode = ticket.failed_decode
         pick = self.retry(follow)
         if isinstance(pick, NoPair):
-            rescue = self._rescue(follow)
+            rescue = self.rescue(follow)
             if rescue is not None:
-                follow.phase = "new"
-                self.observer.decided(follow, rescue)
-                self._dispatch(follow, rescue)
                 return follow, rescue
         return follow, pick
 
-    def _rescue(self, ticket: Ticket) -> Pair | None:
-        """When no pair can continue a broken stream (every decode engine failed it, or none is
-        in the decode role): a local leg on the least loaded healthy engine its breaker lets
-        through, whatever its role, one permitted to decode first. Any vLLM engine can answer
-        a request whole, and an answer half sent is worth more than a role's purity for one
-        request."""
+    def rescue(self, ticket: Ticket) -> Pair | None:
+        """A continuation of a broken stream (``migrate``'s ticket) that no pair can take, or
+        whose legs all failed (every decode engine failed it, or none is in the decode role):
+        a local leg, dispatched, on the least loaded healthy engine its breaker lets through
+        and that has not failed it, whatever its role, one permitted to decode first; None
+        when there is none. Any vLLM engine can answer a request whole, and an answer half
+        sent is worth more than a role's purity for one request."""
+        if ticket.phase not in ("new", "done"):
+            raise ValueError(f"request {ticket.id} is still running ({ticket.phase})")
 
         def rank(e: EngineState) -> tuple[bool, int]:
             return ("decode" not in e.roles, e.in_flight_decode + e.in_flight_prefill)
@@ -471,13 +471,18 @@ class Lifecycle:
             e
             for e in self.state.engines.values()
             if e.id not in ticket.failed_decode
+            and e.id not in ticket.failed_prefill
             and e.healthy is not False
             and e.breaker.allows_request()
         ]
         if not candidates:
             return None
         best = min(candidates, key=rank)
-        return Pair(best.id, best.id, 0.0, local=True)
+        pick = Pair(best.id, best.id, 0.0, local=True)
+        ticket.phase = "new"
+        self.observer.decided(ticket, pick)
+        self._dispatch(ticket, pick)
+        return pick
 
     def _dispatch(self, ticket: Ticket, pair: Pair) -> None:
         ticket.pair = pair

@@ -75,9 +75,12 @@ def _legs(count: int) -> str:
 class _LegFailure(Exception):
     """A leg failed in a way another engine may not: connection, 5xx, timeout, bad answer."""
 
-    def __init__(self, message: str, *, deadline: bool = False) -> None:
+    def __init__(self, message: str, *, deadline: bool = False, engine: str | None = None) -> None:
         super().__init__(message)
         self.deadline = deadline
+        # The engine the leg ran on, where the pair it was picked with may not say it (a
+        # hedged prefill's legs run on two engines).
+        self.engine = engine
 
 
 class _EngineClientError(Exception):
@@ -100,6 +103,11 @@ class _Tried:
     decode_failures: int = 0
     deadline_hit: bool = False
     last_error: str = "no attempt"
+    # A migration's continuation: its first token came long ago (no TTFT budget is left to
+    # bound its retries), and once its legs are spent a local leg on any healthy engine
+    # rescues it (``Lifecycle.rescue``), once.
+    continuation: bool = False
+    rescued: bool = False
 
 
 @dataclass
@@ -320,7 +328,6 @@ class PDRouter:
         RouterError when no pair could continue it."""
         self.lifecycle.decode_broke(stream.ticket)
         await stream.aclose()
-        self.metrics.migrations.labels(stream.engine, reason).inc()
         record.attempt(
             "migration", stream.engine, reason, after_tokens=completion_offset, number=migration
         )
@@ -339,12 +346,16 @@ class PDRouter:
             raise UpstreamFailed("decode_failed", f"no pair to continue on: {pick.reason}")
         kept = record.legs_snapshot()
         try:
-            follow = await self._open(ticket, request, record, pair=pick, token_ids=True)
+            follow = await self._open(
+                ticket, request, record, pair=pick, token_ids=True, continuation=True
+            )
         except BaseException:
             self.lifecycle.cancel(ticket)
             raise
         finally:
             record.restore_legs(kept)
+        # Counted once it goes on: a continuation no pair could take is the client's error.
+        self.metrics.migrations.labels(stream.engine, reason).inc()
         follow.completion_offset = completion_offset
         return follow
 
@@ -419,11 +430,12 @@ class PDRouter:
         record: RequestRecord,
         pair: Pair | None = None,
         token_ids: bool = False,
+        continuation: bool = False,
     ) -> DecodeStream:
         routing = self.fleet.routing
         deadline_s = self.fleet.engine.first_token_timeout_s
         # This opening's legs (a continuation has its own).
-        tried = _Tried(opened_at=len(record.attempts))
+        tried = _Tried(opened_at=len(record.attempts), continuation=continuation)
         if pair is None:
             pair = await self._admit(ticket, record)
         while True:
@@ -441,10 +453,11 @@ class PDRouter:
                     raise EngineRefused(exc.status, exc.body) from None
                 except _LegFailure as exc:
                     tried.prefill_failures += 1
-                    tried.last_error = f"prefill on {pair.prefill}: {exc}"
+                    tried.last_error = f"prefill on {exc.engine or pair.prefill}: {exc}"
                     # Judged as a prefill failure even after a decode leg's deadline passed.
                     if tried.prefill_failures >= routing.max_prefill_attempts:
-                        raise self._exhausted(tried, record, deadline=False) from None
+                        pair = self._rescue(ticket, tried, record, deadline=False)
+                        continue
                     self.metrics.retries.labels("prefill").inc()
                     pair = self._retry(ticket, tried, record, deadline=False)
                     continue
@@ -483,9 +496,10 @@ class PDRouter:
                 if (
                     give_up
                     or tried.decode_failures >= routing.max_decode_attempts
-                    or budget_left <= 0
+                    or (budget_left <= 0 and not continuation)
                 ):
-                    raise self._exhausted(tried, record) from None
+                    pair = self._rescue(ticket, tried, record)
+                    continue
                 self.metrics.retries.labels("decode").inc()
                 pair = self._retry(ticket, tried, record)
 
@@ -494,8 +508,20 @@ class PDRouter:
     ) -> Pair:
         pick = self.lifecycle.retry(ticket)
         if isinstance(pick, NoPair):
-            raise self._exhausted(tried, record, deadline)
+            return self._rescue(ticket, tried, record, deadline)
         return pick
+
+    def _rescue(
+        self, ticket: Ticket, tried: _Tried, record: RequestRecord, deadline: bool | None = None
+    ) -> Pair:
+        """An opening with nothing left to try: a continuation's one rescue (a local leg on any
+        healthy engine that has not failed it), else the error that ends it."""
+        if tried.continuation and not tried.rescued:
+            tried.rescued = True
+            pick = self.lifecycle.rescue(ticket)
+            if pick is not None:
+                return pick  # its leg is journaled as any local leg (``local``)
+        raise self._exhausted(tried, record, deadline)
 
     def _exhausted(
         self, tried: _Tried, record: RequestRecord, deadline: bool | None = None
@@ -504,9 +530,12 @@ class PDRouter:
         says whether to judge it by a first-token deadline instead of ``tried.deadline_hit``."""
         last_error = tried.last_error
         if tried.deadline_hit if deadline is None else deadline:
+            # Every engine tried is in the journal's attempts; the message says how many legs.
+            legs = tried.decode_failures + tried.prefill_failures
             return FirstTokenDeadlineExceeded(
                 f"no first token within the fleet's first-token deadline "
-                f"({self.fleet.engine.first_token_timeout_s} s) on any pair tried: {last_error}"
+                f"({self.fleet.engine.first_token_timeout_s} s) on any pair tried "
+                f"({_legs(max(legs, 1))}, the last {last_error})"
             )
         # The journal's attempts name every engine tried; the message says how many.
         if tried.decode_failures:
@@ -865,7 +894,9 @@ class PDRouter:
             why = "timed out" if isinstance(exc, TimeoutError) else str(exc)
             record.attempt("prefill", engine, "failed", error=why)
             # The client's error says what failed, not where: the journal has the address.
-            raise _LegFailure(why if isinstance(exc, TimeoutError) else exc.reason) from None
+            raise _LegFailure(
+                why if isinstance(exc, TimeoutError) else exc.reason, engine=engine
+            ) from None
         finally:
             if response is not None:
                 await response.aclose()
@@ -873,7 +904,7 @@ class PDRouter:
         if response.status >= 500:
             self._prefill_done(ticket, leg, "failed")
             record.attempt("prefill", engine, "failed", status=response.status)
-            raise _LegFailure(f"HTTP {response.status}")
+            raise _LegFailure(f"HTTP {response.status}", engine=engine)
         if response.status >= 400:
             self._prefill_done(ticket, leg, "refused")  # the engine is fine; the request not
             raise _EngineClientError(response.status, content)
@@ -893,7 +924,7 @@ class PDRouter:
         except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError, IndexError):
             self._prefill_done(ticket, leg, "failed")
             record.attempt("prefill", engine, "failed", error="malformed response")
-            raise _LegFailure("malformed prefill response") from None
+            raise _LegFailure("malformed prefill response", engine=engine) from None
         counted = prompt_tokens if isinstance(prompt_tokens, int) else None
         # The decode leg is counted on its engine from here.
         self._prefill_done(ticket, leg, "ok", counted)
