@@ -505,6 +505,17 @@ def test_request_that_cannot_be_continued_exactly_still_ends_with_an_error_event
     assert wait_until(lambda: rid in router.ends(), 5)
     end = router.ends()[rid]
     assert end["outcome"] == "stream_error" and not end.get("migrations")
+    # The leg that broke says so (it said only first_token), once; the error says its cause
+    # once (it was repeated in brackets).
+    legs = [(a["leg"], a["outcome"]) for a in end["attempts"]]
+    assert legs[-2:] == [("decode", "first_token"), ("decode", "broke")], legs
+    assert end["attempts"][-1]["engine"] == end["decode_engine"]
+    assert end["error"].count("closed") <= 1, end["error"]
+    # The engine logged its injected drop as one line, not a traceback.
+    assert fleet.log_dir is not None
+    log = (fleet.log_dir / f"engine-{end['decode_engine']}.log").read_text()
+    assert "fault injection: dropping the connection" in log
+    assert "Traceback" not in log, log[-2000:]
 
 
 def test_migration_off_in_the_fleet_keeps_the_old_behaviour(tmp_path: Path) -> None:

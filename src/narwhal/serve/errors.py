@@ -294,8 +294,8 @@ class InternalError(RouterError):
 
 def with_detail(told: str, detail: str | None) -> str:
     """A journaled error: what the client was told, then in brackets what it was not (a
-    transport error's text, which names the engine's address)."""
-    return told if detail is None else f"{told} ({detail})"
+    transport error's text, which names the engine's address), unless it says nothing more."""
+    return told if detail is None or detail in told else f"{told} ({detail})"
 
 
 def error_body(

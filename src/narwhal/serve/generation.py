@@ -352,8 +352,15 @@ class GenerationEndpoint:
             # No usage came (the answer was cut short): the tokens relayed, counted by their
             # ids, which a migratable leg returns.
             tally.completion_tokens = len(trace.generated)
-        self.ledger.close(record, outcome, status, error, tally)
         stream = migrator.stream
+        if stream.broke and stream.ticket.phase == "streaming":
+            # The leg that broke after its first token, which nothing tried to continue: its
+            # attempt said only ``first_token`` (a migration's break is its ``migration``
+            # attempt, whose leg the lifecycle has ended).
+            pair = stream.ticket.pair
+            leg = "local" if pair is not None and pair.local else "decode"
+            record.attempt(leg, stream.engine, "broke", after_tokens=tally.completion_tokens)
+        self.ledger.close(record, outcome, status, error, tally)
         stream.cut = tally.cut
         self.services.router.finish(stream, record)
         with _through_drain_end(self.ledger):

@@ -809,8 +809,10 @@ async def aggregate(
                         parts.add(choice, chat)
             except (EngineTransportError, ValueError, AttributeError, TypeError) as exc:
                 transport = isinstance(exc, EngineTransportError)
-                why = exc.reason if isinstance(exc, EngineTransportError) else f"{exc}"
-                message = f"decode stream broke: {type(exc).__name__}: {why}"
+                # Worded as a streamed answer's break is (``ended``): a transport error's kind,
+                # without its class name or the engine's address.
+                why = exc.reason if isinstance(exc, EngineTransportError) else None
+                message = f"decode stream broke: {why or f'{type(exc).__name__}: {exc}'}"
                 if transport and cut_after_answer(tally, message):
                     break
                 if not renderer.interrupt("connection", message):

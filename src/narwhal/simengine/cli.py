@@ -310,7 +310,7 @@ def _resolve_engine(args: argparse.Namespace) -> tuple[Any, str, int]:
 def _run_engine(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from narwhal.simengine.server import build_app
+    from narwhal.simengine.server import DroppedStreamLogFilter, build_app
 
     settings, host, port = _resolve_engine(args)
     nixl_host = settings.engine.nixl_host
@@ -338,6 +338,8 @@ def _run_engine(args: argparse.Namespace) -> int:
         access_log=False,
         timeout_graceful_shutdown=5,
     )
+    # After the config: it sets up uvicorn's loggers.
+    logging.getLogger("uvicorn.error").addFilter(DroppedStreamLogFilter())
     uvicorn.Server(config).run()
     return 0
 

@@ -103,6 +103,30 @@ class _DroppedStream(Exception):
     """Raised inside a stream to make the server cut the connection (fault injection)."""
 
 
+def _dropped(exc: BaseException | None) -> _DroppedStream | None:
+    """The injected drop in ``exc``, also inside the exception groups Starlette's streaming
+    response raises from its task group."""
+    if isinstance(exc, _DroppedStream):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if (found := _dropped(inner)) is not None:
+                return found
+    return None
+
+
+class DroppedStreamLogFilter(logging.Filter):
+    """The server's "Exception in ASGI application" for a stream the fault injection cut: one
+    warning line, not a traceback per dropped stream (the cut is the point)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        found = _dropped(record.exc_info[1] if record.exc_info else None)
+        if found is not None:
+            record.msg, record.args, record.exc_info, record.exc_text = str(found), (), None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(
         orjson.dumps(body), status_code=status, media_type="application/json", headers=headers
