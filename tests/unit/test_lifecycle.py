@@ -808,3 +808,14 @@ def test_a_prefill_leg_that_is_not_the_probe_leaving_does_not_free_it(ends: str)
     # The probe's own refusal frees it for the next leg.
     lifecycle.prefill_done(probe, "refused")
     assert p.breaker.allows_request()
+
+
+def test_a_continuation_is_rescued_once() -> None:
+    """From a review: ``migrate``'s own rescue and the router's after the continuation's legs
+    failed were each "once", so a continuation could be rescued twice. Once a ticket."""
+    lifecycle, _, _ = build(n_prefill=2, n_decode=1)
+    ticket = lifecycle.arrive("r-m1", max_tokens=4, prompt_tokens=100)
+    pick = lifecycle.rescue(ticket)
+    assert pick is not None and pick.local and ticket.rescued
+    lifecycle.decode_failed(ticket, "failed")  # the rescue's local leg failed
+    assert lifecycle.rescue(ticket) is None

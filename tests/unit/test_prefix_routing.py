@@ -471,9 +471,9 @@ def test_the_lifecycle_matches_the_prefix_only_for_a_scheduler_that_did_not() ->
     lookups: list[tuple[int, ...]] = []
     match = index.match
 
-    def counted(keys: Sequence[int], now: float) -> dict[str, int]:
+    def counted(keys: Sequence[int], now: float, in_flight: bool = True) -> dict[str, int]:
         lookups.append(tuple(keys))
-        return match(keys, now)
+        return match(keys, now, in_flight)
 
     index.match = counted  # type: ignore[method-assign]
     cold = Lifecycle(fleet, scheduler())
@@ -582,3 +582,26 @@ def test_the_kv_a_decode_engine_pulls_is_the_prompts_blocks_less_those_it_holds(
     doc["engine"]["prefix_caching"]["block_bytes"] = 1000
     real = FleetState(parse_fleet(doc, "t").contract, clock)
     assert real.kv_pulled("e1", 32, 16) == (1, 1000)
+
+
+def test_what_a_decode_leg_finds_held_leaves_out_claims_in_flight() -> None:
+    """From a review: the choices of one request (or requests sharing a prompt) picked one
+    after another onto one decode engine each saw the previous one's in-flight claim as held,
+    and the journal said 1 block moved where every block did (vLLM's prefix cache holds a
+    pulled block once it lands). What a decode leg finds is what the engine holds now."""
+    _, index, lifecycle = routed()
+    decode = lifecycle.state.in_role("decode")
+    for e in decode[1:]:
+        e.healthy = False  # one decode engine for both
+    first = lifecycle.arrive("r-0", max_tokens=10, prompt_tokens=PROMPT, prefix=KEYS)
+    second = lifecycle.arrive("r-1", max_tokens=10, prompt_tokens=PROMPT, prefix=KEYS)
+    for ticket in (first, second):
+        assert isinstance(lifecycle.admit(ticket), Admit)
+    d = decode[0].id
+    assert second.pair is not None and second.pair.decode == d
+    assert second.pair.decode_cached_tokens == HIT  # the pick's view: it will hold them
+    assert lifecycle.decode_holds(second, d, PROMPT) == 0  # what a leg finds there now
+    # Once the engine says it stored them (its hashes are its own), a leg finds them.
+    full = PROMPT // 16 * 16
+    assert index.stored(d, list(range(1, full // 16 + 1)), None, list(range(full)), 16)
+    assert lifecycle.decode_holds(second, d, PROMPT) == HIT

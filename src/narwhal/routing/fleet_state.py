@@ -349,19 +349,24 @@ class FleetState:
             self._by_role[engine.role].append(engine)
 
     def cached_tokens(
-        self, keys: tuple[int, ...], prompt_tokens: int, tokens_per_key: float | None = None
+        self,
+        keys: tuple[int, ...],
+        prompt_tokens: int,
+        tokens_per_key: float | None = None,
+        in_flight: bool = True,
     ) -> dict[str, int]:
         """Per engine holding the prompt's first block: its prompt tokens in the engine's prefix
         cache, as vLLM finds them: whole blocks within all but the last token, which an engine
         always computes (``max_cache_hit_length = num_tokens - 1``: a prompt of exactly 190
         blocks hits 189). ``tokens_per_key``: the tokens a key stands for when it is not a
-        block of token ids (``RequestShape.tokens_per_key``), counted down to whole blocks."""
+        block of token ids (``RequestShape.tokens_per_key``), counted down to whole blocks.
+        ``in_flight``: as ``PrefixIndex.match``."""
         index = self.prefix_index
         if index is None or not keys:
             return {}
         size = index.block_size
         cap = max(0, prompt_tokens - 1) // size * size
-        matched = index.match(keys, self.clock.now())
+        matched = index.match(keys, self.clock.now(), in_flight)
         if tokens_per_key is None:
             return {e: min(blocks * size, cap) for e, blocks in matched.items()}
         return {

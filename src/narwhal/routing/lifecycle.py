@@ -119,6 +119,7 @@ class Ticket:
     # half_opened then). Only the probe's leaving frees the probe (a leg sent before the
     # breaker opened, refused or cancelled after, is not it).
     prefill_probe: tuple[str, int] | None = None
+    rescued: bool = False  # a continuation's one rescue (``Lifecycle.rescue``) is spent
     closed_breaker: int | None = None
     # Engines that failed this request, which its retry avoids. Shared empty sets until one
     # does: two sets per request were 0.4 GB of a million-request simulation.
@@ -263,6 +264,18 @@ class Lifecycle:
         if ticket.prefix_exact or index is None:
             return None
         return index.block_size * TEXT_BYTES_PER_TOKEN / self.lengths.bytes_per_token
+
+    def decode_holds(self, ticket: Ticket, engine_id: str, prompt_tokens: int) -> int:
+        """The prompt's tokens ``engine_id`` holds in its prefix cache now, as the index sees
+        them, claims in flight left out: what a decode leg sent now finds there and does not
+        pull (blocks another handoff is pulling, this request's earlier choices' or a hedge's
+        slow leg's, are not in vLLM's prefix cache until they land)."""
+        if not ticket.prefix:
+            return 0
+        hits = self.state.cached_tokens(
+            ticket.prefix, prompt_tokens, self._tokens_per_key(ticket), in_flight=False
+        )
+        return hits.get(engine_id, 0)
 
     def admit(self, ticket: Ticket) -> Verdict:
         """The first decision on a request. ``Admit``: its first leg is dispatched (counted on
@@ -460,9 +473,12 @@ class Lifecycle:
         a local leg, dispatched, on the least loaded healthy engine its breaker lets through
         and that has not failed it, whatever its role, one permitted to decode first; None
         when there is none. Any vLLM engine can answer a request whole, and an answer half
-        sent is worth more than a role's purity for one request."""
+        sent is worth more than a role's purity for one request. Once a ticket: a rescue
+        that failed is not rescued again."""
         if ticket.phase not in ("new", "done"):
             raise ValueError(f"request {ticket.id} is still running ({ticket.phase})")
+        if ticket.rescued:
+            return None
 
         def rank(e: EngineState) -> tuple[bool, int]:
             return ("decode" not in e.roles, e.in_flight_decode + e.in_flight_prefill)
@@ -479,6 +495,7 @@ class Lifecycle:
             return None
         best = min(candidates, key=rank)
         pick = Pair(best.id, best.id, 0.0, local=True)
+        ticket.rescued = True
         ticket.phase = "new"
         self.observer.decided(ticket, pick)
         self._dispatch(ticket, pick)

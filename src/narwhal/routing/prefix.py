@@ -362,12 +362,16 @@ class PrefixIndex:
 
     # --- lookups -------------------------------------------------------------------------------
 
-    def match(self, keys: Sequence[int], now: float) -> dict[str, int]:
-        """Per engine holding at least the first block: how many leading blocks it holds."""
+    def match(self, keys: Sequence[int], now: float, in_flight: bool = True) -> dict[str, int]:
+        """Per engine holding at least the first block: how many leading blocks it holds.
+        ``in_flight``: with the blocks an engine that publishes events was sent and has not yet
+        said it stored (what it will hold: a pick's view); without, what its cache holds now
+        (what a decode leg sent now finds there)."""
         holders = self._holders
+        flying = self._flying if in_flight else None
         alive = holders.get(keys[0], 0) if keys else 0
         if not alive:
-            return self._in_flight_depth(keys, now, {}) if self._flying and keys else {}
+            return self._in_flight_depth(keys, now, {}) if flying and keys else {}
         depth: dict[str, int] = {}
         d = 1
         for key in itertools.islice(keys, 1, None):
@@ -398,7 +402,7 @@ class PrefixIndex:
                 n -= 1
             if n:
                 held[e] = n
-        return self._in_flight_depth(keys, now, held) if self._flying else held
+        return self._in_flight_depth(keys, now, held) if flying else held
 
     def _in_flight_depth(
         self, keys: Sequence[int], now: float, held: dict[str, int]

@@ -105,9 +105,8 @@ class _Tried:
     last_error: str = "no attempt"
     # A migration's continuation: its first token came long ago (no TTFT budget is left to
     # bound its retries), and once its legs are spent a local leg on any healthy engine
-    # rescues it (``Lifecycle.rescue``), once.
+    # rescues it (``Lifecycle.rescue``: once a ticket, ``migrate``'s own rescue included).
     continuation: bool = False
-    rescued: bool = False
 
 
 @dataclass
@@ -492,11 +491,11 @@ class PDRouter:
                 if exc.deadline:
                     tried.deadline_hit = True
                     give_up = routing.fallback == "fail"
+                if give_up:  # routing.fallback "fail": a missed deadline ends it, rescue or not
+                    raise self._exhausted(tried, record) from None
                 budget_left = self.fleet.budgets.ttft_s - record.since_arrival()
-                if (
-                    give_up
-                    or tried.decode_failures >= routing.max_decode_attempts
-                    or (budget_left <= 0 and not continuation)
+                if tried.decode_failures >= routing.max_decode_attempts or (
+                    budget_left <= 0 and not continuation
                 ):
                     pair = self._rescue(ticket, tried, record)
                     continue
@@ -516,8 +515,7 @@ class PDRouter:
     ) -> Pair:
         """An opening with nothing left to try: a continuation's one rescue (a local leg on any
         healthy engine that has not failed it), else the error that ends it."""
-        if tried.continuation and not tried.rescued:
-            tried.rescued = True
+        if tried.continuation:
             pick = self.lifecycle.rescue(ticket)
             if pick is not None:
                 return pick  # its leg is journaled as any local leg (``local``)
@@ -973,8 +971,17 @@ class PDRouter:
         picked = ticket.pair or pair
         counted = prompt_tokens if prompt_tokens is not None else ticket.prompt_tokens
         pull = None
-        if not pair.local and counted is not None:
-            held = picked.decode_cached_tokens if index is not None else None
+        if params is not None and counted is not None:
+            # A handoff (no params: the decode engine prefills itself and pulls nothing). What
+            # the engine holds now, not what the pick foresaw it would: another choice's or
+            # request's pull of the same prompt there is not in its cache until it lands.
+            held: int | None = None
+            if index is not None:
+                # The pick's view holds as much or more (claims in flight with it): looked up
+                # again only when it says the engine holds some.
+                held = picked.decode_cached_tokens
+                if held:
+                    held = min(held, self.lifecycle.decode_holds(ticket, engine, counted))
             pull = self.state.kv_pulled(engine, counted, held)
         if index is not None and ticket.prefix:
             record.cached_tokens_predicted = picked.cached_tokens
